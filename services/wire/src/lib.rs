@@ -1,0 +1,27 @@
+//! The upstream's (Quanor's) webhook wire contract, version 1, as plain Rust values.
+//!
+//! Nothing here does IO or reads a clock: callers pass the raw body bytes, the headers and the
+//! current time in, and get typed values or a decision out. The front tier, the sequencer and the
+//! upstream simulator all use this crate, so the relay verifies with exactly the code the
+//! simulator signs with.
+//!
+//! # Layout
+//! - [`limits`]: the numbers of the wire file's `limits` and `signature` sections.
+//! - [`signature`]: Standard Webhooks signing and verification over the raw body bytes.
+//! - [`message`]: the v1 message body and its events; unknown types, tracks and fields are kept
+//!   as "ignored" values, never errors.
+//! - [`sequence`]: the feed's `epoch.seq` sequences, long and short forms.
+
+pub mod limits;
+pub mod message;
+pub mod sequence;
+pub mod signature;
+
+pub use message::{
+    Event, EventBody, FeedAction, FeedData, FeedItem, ItemKind, Message, MessageError, PartRef,
+    ResetData, TestedData, Track,
+};
+pub use sequence::{Cursor, CursorError, Sequence};
+pub use signature::{
+    sign, verify, SecretError, SignatureHeaders, SigningSecret, VerifyError, SIGNATURE_VERSION,
+};

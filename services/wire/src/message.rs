@@ -1,0 +1,624 @@
+//! The v1 message body and its events.
+//!
+//! Reading is strict about what version 1 names and lenient about everything else, as the wire
+//! file's last reading rule asks: an event type, a track or a field that version 1 does not name
+//! is kept as an ignored value, never an error. A field that version 1 names but that has the
+//! wrong shape is an error, because applying a half-understood change would corrupt a copy,
+//! while refusing the message makes the upstream retry it and, in the end, reset the endpoint.
+
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+use crate::sequence::Sequence;
+
+/// A parsed message body. `ignored` holds the top-level fields version 1 does not name.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Message {
+    pub v: u64,
+    pub webhook_endpoint_id: Uuid,
+    /// Absent on test messages, which belong to no track.
+    pub track: Option<Track>,
+    pub generation: Option<u64>,
+    pub access_version: Option<String>,
+    /// Short-form position the message's events follow (`E.S`).
+    pub since: Option<String>,
+    /// Short-form position the message's events reach (`E.S`).
+    pub through: Option<String>,
+    pub complete: Option<bool>,
+    pub events: Vec<Event>,
+    pub ignored: Map<String, Value>,
+}
+
+/// A message's track. Version 1 names only `feed`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Track {
+    Feed,
+    /// A track version 1 does not name: its messages are stored and ignored.
+    Ignored(String),
+}
+
+impl Track {
+    pub fn parse(name: &str) -> Self {
+        match name {
+            "feed" => Track::Feed,
+            other => Track::Ignored(other.to_owned()),
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        match self {
+            Track::Feed => "feed",
+            Track::Ignored(name) => name,
+        }
+    }
+}
+
+/// One CloudEvents-shaped event of a message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub id: String,
+    /// The `type` attribute exactly as sent.
+    pub event_type: String,
+    pub body: EventBody,
+}
+
+/// What an event says, routed by its type.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EventBody {
+    /// `announcement.*` and `pre_earnings_analysis.*`.
+    Feed {
+        kind: ItemKind,
+        action: FeedAction,
+        /// The feed item the event is about (`announcement:88001`).
+        subject: String,
+        sequence: Sequence,
+        data: FeedData,
+    },
+    /// `webhook_endpoint.reset`.
+    Reset(ResetData),
+    /// `webhook_endpoint.tested`: answered like any message, never applied.
+    Tested(TestedData),
+    /// A type version 1 does not name, or a feed action it does not name. Kept, never applied.
+    Ignored { data: Value },
+}
+
+/// The two kinds of feed item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ItemKind {
+    Announcement,
+    PreEarningsAnalysis,
+}
+
+impl ItemKind {
+    pub const ALL: [ItemKind; 2] = [ItemKind::Announcement, ItemKind::PreEarningsAnalysis];
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "announcement" => Some(ItemKind::Announcement),
+            "pre_earnings_analysis" => Some(ItemKind::PreEarningsAnalysis),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ItemKind::Announcement => "announcement",
+            ItemKind::PreEarningsAnalysis => "pre_earnings_analysis",
+        }
+    }
+}
+
+/// The action half of a feed event's type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FeedAction {
+    Updated,
+    Withdrawn,
+    Hidden,
+}
+
+impl FeedAction {
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "updated" => Some(FeedAction::Updated),
+            "withdrawn" => Some(FeedAction::Withdrawn),
+            "hidden" => Some(FeedAction::Hidden),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FeedAction::Updated => "updated",
+            FeedAction::Withdrawn => "withdrawn",
+            FeedAction::Hidden => "hidden",
+        }
+    }
+
+    pub fn is_removal(self) -> bool {
+        matches!(self, FeedAction::Withdrawn | FeedAction::Hidden)
+    }
+}
+
+/// A feed event's data.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FeedData {
+    /// `updated` with `data.type = "item"`: the item itself.
+    Item(FeedItem),
+    /// `data.type = "refetch"`: read the item from the API instead.
+    Refetch { feed_item_id: String, seq: u64 },
+    /// `withdrawn` or `hidden`: remove the item, keep a tombstone.
+    Removal { feed_item_id: String, seq: u64 },
+}
+
+/// A feed item as an event or an API page carries it. `raw` is the whole object as received
+/// (what the copy stores); the typed fields are what the relay decides by.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FeedItem {
+    pub feed_item_id: String,
+    pub item_kind: ItemKind,
+    pub seq: u64,
+    pub company_id: Option<i64>,
+    pub lang: Option<String>,
+    pub parts: Vec<PartRef>,
+    pub raw: Value,
+}
+
+/// What identifies one version of a part: compare these to learn what changed.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PartRef {
+    pub part_id: String,
+    pub part_version: i64,
+}
+
+/// `webhook_endpoint.reset` data.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResetData {
+    pub access_version: String,
+    pub generation: u64,
+    pub reason: String,
+    pub resume_from: Option<String>,
+    pub track: Track,
+}
+
+/// `webhook_endpoint.tested` data. `example` is a type's example: never a change.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TestedData {
+    pub test_send_id: String,
+    pub example: Option<Value>,
+}
+
+/// Why a body is not a readable v1 message.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum MessageError {
+    #[error("the body is not JSON: {0}")]
+    NotJson(String),
+    #[error("{0} is missing")]
+    Missing(String),
+    #[error("{field} must be {expected}")]
+    WrongShape {
+        field: String,
+        expected: &'static str,
+    },
+    #[error("message version {0} is not one this relay reads (it reads 1)")]
+    UnsupportedVersion(u64),
+}
+
+impl Message {
+    /// Reads a message body. Call only after the signature has been verified over these bytes.
+    pub fn parse(body: &[u8]) -> Result<Self, MessageError> {
+        let value: Value =
+            serde_json::from_slice(body).map_err(|e| MessageError::NotJson(e.to_string()))?;
+        let Value::Object(mut fields) = value else {
+            return Err(MessageError::WrongShape {
+                field: "the body".into(),
+                expected: "a JSON object",
+            });
+        };
+        let mut at = Fields::new(&mut fields, "");
+        let v = at.required_u64("v")?;
+        if v != 1 {
+            return Err(MessageError::UnsupportedVersion(v));
+        }
+        let endpoint_text = at.required_str("webhook_endpoint_id")?;
+        let webhook_endpoint_id =
+            Uuid::parse_str(&endpoint_text).map_err(|_| MessageError::WrongShape {
+                field: "webhook_endpoint_id".into(),
+                expected: "a UUID",
+            })?;
+        let track = at.optional_str("track")?.map(|t| Track::parse(&t));
+        let generation = at.optional_u64("generation")?;
+        let access_version = at.optional_str("access_version")?;
+        let since = at.optional_str("since")?;
+        let through = at.optional_str("through")?;
+        let complete = at.optional_bool("complete")?;
+        let raw_events = match at.take("events") {
+            Some(Value::Array(events)) => events,
+            Some(_) => return Err(at.wrong("events", "an array")),
+            None => return Err(MessageError::Missing("events".into())),
+        };
+        let events = raw_events
+            .into_iter()
+            .enumerate()
+            .map(|(index, event)| Event::parse(event, &format!("events[{index}]")))
+            .collect::<Result<_, _>>()?;
+        Ok(Message {
+            v,
+            webhook_endpoint_id,
+            track,
+            generation,
+            access_version,
+            since,
+            through,
+            complete,
+            events,
+            ignored: fields,
+        })
+    }
+
+    /// True when every event is a test: such a message is answered and never applied.
+    pub fn is_test(&self) -> bool {
+        !self.events.is_empty()
+            && self
+                .events
+                .iter()
+                .all(|e| matches!(e.body, EventBody::Tested(_)))
+    }
+}
+
+impl Event {
+    fn parse(value: Value, path: &str) -> Result<Self, MessageError> {
+        let Value::Object(mut fields) = value else {
+            return Err(MessageError::WrongShape {
+                field: path.to_owned(),
+                expected: "an object",
+            });
+        };
+        let mut at = Fields::new(&mut fields, path);
+        let id = at.required_str("id")?;
+        let event_type = at.required_str("type")?;
+        let data = at.take("data").unwrap_or(Value::Null);
+        let body = match event_type.split_once('.') {
+            Some(("webhook_endpoint", "reset")) => {
+                EventBody::Reset(ResetData::parse(data, &at.path("data"))?)
+            }
+            Some(("webhook_endpoint", "tested")) => {
+                EventBody::Tested(TestedData::parse(data, &at.path("data"))?)
+            }
+            Some((kind, action)) => match (ItemKind::parse(kind), FeedAction::parse(action)) {
+                (Some(kind), Some(action)) => {
+                    let subject = at.required_str("subject")?;
+                    let sequence = Sequence::new(at.required_str("sequence")?);
+                    let data = FeedData::parse(data, action, &at.path("data"))?;
+                    EventBody::Feed {
+                        kind,
+                        action,
+                        subject,
+                        sequence,
+                        data,
+                    }
+                }
+                _ => EventBody::Ignored { data },
+            },
+            None => EventBody::Ignored { data },
+        };
+        Ok(Event {
+            id,
+            event_type,
+            body,
+        })
+    }
+}
+
+impl FeedData {
+    fn parse(value: Value, action: FeedAction, path: &str) -> Result<Self, MessageError> {
+        let Value::Object(mut fields) = value else {
+            return Err(MessageError::WrongShape {
+                field: path.to_owned(),
+                expected: "an object",
+            });
+        };
+        let data_type = Fields::new(&mut fields, path).required_str("type")?;
+        if data_type == "refetch" {
+            let mut at = Fields::new(&mut fields, path);
+            return Ok(FeedData::Refetch {
+                feed_item_id: at.required_str("feed_item_id")?,
+                seq: at.required_u64("seq")?,
+            });
+        }
+        if action.is_removal() {
+            let mut at = Fields::new(&mut fields, path);
+            return Ok(FeedData::Removal {
+                feed_item_id: at.required_str("feed_item_id")?,
+                seq: at.required_u64("seq")?,
+            });
+        }
+        if data_type != "item" {
+            return Err(MessageError::WrongShape {
+                field: format!("{path}.type"),
+                expected: "\"item\" or \"refetch\" on an updated event",
+            });
+        }
+        fields.insert("type".into(), Value::String(data_type));
+        FeedItem::from_value(Value::Object(fields), path).map(FeedData::Item)
+    }
+}
+
+impl FeedItem {
+    /// Reads a feed item object (from an event's data or an API page), keeping it whole in `raw`.
+    pub fn from_value(raw: Value, path: &str) -> Result<Self, MessageError> {
+        let Value::Object(object) = &raw else {
+            return Err(MessageError::WrongShape {
+                field: path.to_owned(),
+                expected: "an object",
+            });
+        };
+        // Read from a clone so that `raw` keeps every field, known or not.
+        let mut fields = object.clone();
+        let mut at = Fields::new(&mut fields, path);
+        let feed_item_id = at.required_str("feed_item_id")?;
+        let kind_text = at.required_str("item_kind")?;
+        let item_kind = ItemKind::parse(&kind_text).ok_or_else(|| MessageError::WrongShape {
+            field: at.path("item_kind"),
+            expected: "announcement or pre_earnings_analysis",
+        })?;
+        let seq = at.required_u64("seq")?;
+        let lang = at.optional_str("lang")?;
+        let company_id = match at.take("company") {
+            Some(Value::Object(company)) => company.get("company_id").and_then(Value::as_i64),
+            _ => None,
+        };
+        let parts = match at.take("parts") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(parts)) => parts
+                .into_iter()
+                .enumerate()
+                .map(|(i, part)| PartRef::parse(part, &format!("{}[{i}]", at.path("parts"))))
+                .collect::<Result<_, _>>()?,
+            Some(_) => return Err(at.wrong("parts", "an array")),
+        };
+        Ok(FeedItem {
+            feed_item_id,
+            item_kind,
+            seq,
+            company_id,
+            lang,
+            parts,
+            raw,
+        })
+    }
+}
+
+impl PartRef {
+    fn parse(value: Value, path: &str) -> Result<Self, MessageError> {
+        let Value::Object(mut fields) = value else {
+            return Err(MessageError::WrongShape {
+                field: path.to_owned(),
+                expected: "an object",
+            });
+        };
+        let mut at = Fields::new(&mut fields, path);
+        Ok(PartRef {
+            part_id: at.required_str("part_id")?,
+            part_version: at.required_i64("part_version")?,
+        })
+    }
+}
+
+impl ResetData {
+    fn parse(value: Value, path: &str) -> Result<Self, MessageError> {
+        let Value::Object(mut fields) = value else {
+            return Err(MessageError::WrongShape {
+                field: path.to_owned(),
+                expected: "an object",
+            });
+        };
+        let mut at = Fields::new(&mut fields, path);
+        Ok(ResetData {
+            access_version: at.required_str("access_version")?,
+            generation: at.required_u64("generation")?,
+            reason: at.optional_str("reason")?.unwrap_or_default(),
+            resume_from: at.optional_str("resume_from")?,
+            track: Track::parse(&at.required_str("track")?),
+        })
+    }
+}
+
+impl TestedData {
+    fn parse(value: Value, path: &str) -> Result<Self, MessageError> {
+        let Value::Object(mut fields) = value else {
+            return Err(MessageError::WrongShape {
+                field: path.to_owned(),
+                expected: "an object",
+            });
+        };
+        let mut at = Fields::new(&mut fields, path);
+        Ok(TestedData {
+            test_send_id: at.required_str("test_send_id")?,
+            example: at.take("example"),
+        })
+    }
+}
+
+/// Takes named fields out of a JSON object, naming the full path in every error.
+struct Fields<'a> {
+    fields: &'a mut Map<String, Value>,
+    prefix: &'a str,
+}
+
+impl<'a> Fields<'a> {
+    fn new(fields: &'a mut Map<String, Value>, prefix: &'a str) -> Self {
+        Self { fields, prefix }
+    }
+
+    fn path(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    fn wrong(&self, name: &str, expected: &'static str) -> MessageError {
+        MessageError::WrongShape {
+            field: self.path(name),
+            expected,
+        }
+    }
+
+    fn take(&mut self, name: &str) -> Option<Value> {
+        self.fields.remove(name)
+    }
+
+    fn optional_str(&mut self, name: &str) -> Result<Option<String>, MessageError> {
+        match self.take(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(self.wrong(name, "a string")),
+        }
+    }
+
+    fn required_str(&mut self, name: &str) -> Result<String, MessageError> {
+        self.optional_str(name)?
+            .ok_or_else(|| MessageError::Missing(self.path(name)))
+    }
+
+    fn optional_u64(&mut self, name: &str) -> Result<Option<u64>, MessageError> {
+        match self.take(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Number(n)) => n
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| self.wrong(name, "a whole number of at least 0")),
+            Some(_) => Err(self.wrong(name, "a whole number of at least 0")),
+        }
+    }
+
+    fn required_u64(&mut self, name: &str) -> Result<u64, MessageError> {
+        self.optional_u64(name)?
+            .ok_or_else(|| MessageError::Missing(self.path(name)))
+    }
+
+    fn required_i64(&mut self, name: &str) -> Result<i64, MessageError> {
+        match self.take(name) {
+            Some(Value::Number(n)) => n.as_i64().ok_or_else(|| self.wrong(name, "an integer")),
+            None | Some(Value::Null) => Err(MessageError::Missing(self.path(name))),
+            Some(_) => Err(self.wrong(name, "an integer")),
+        }
+    }
+
+    fn optional_bool(&mut self, name: &str) -> Result<Option<bool>, MessageError> {
+        match self.take(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(b)),
+            Some(_) => Err(self.wrong(name, "true or false")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const ENDPOINT: &str = "8d2f0c39-2b63-4c55-9a8a-3f5b1d7c1e20";
+
+    fn parse(value: Value) -> Result<Message, MessageError> {
+        Message::parse(value.to_string().as_bytes())
+    }
+
+    #[test]
+    fn unknown_types_tracks_and_fields_are_ignored_not_errors() {
+        let message = parse(json!({
+            "v": 1, "webhook_endpoint_id": ENDPOINT, "track": "stories", "shiny": [1],
+            "events": [
+                {"id": "evt_1", "type": "story.created", "data": {"anything": true}},
+                {"id": "evt_2", "type": "announcement.promoted", "subject": "x", "data": {}},
+                {"id": "evt_3", "type": "nodot"}
+            ]
+        }))
+        .unwrap();
+        assert_eq!(message.track, Some(Track::Ignored("stories".into())));
+        assert_eq!(message.ignored.get("shiny"), Some(&json!([1])));
+        assert_eq!(message.events.len(), 3);
+        assert!(message
+            .events
+            .iter()
+            .all(|e| matches!(e.body, EventBody::Ignored { .. })));
+    }
+
+    #[test]
+    fn refuses_what_version_1_names_in_the_wrong_shape() {
+        let cases = [
+            (json!([1]), "the body must be a JSON object"),
+            (json!({"webhook_endpoint_id": ENDPOINT, "events": []}), "v is missing"),
+            (
+                json!({"v": 2, "webhook_endpoint_id": ENDPOINT, "events": []}),
+                "message version 2 is not one this relay reads (it reads 1)",
+            ),
+            (json!({"v": 1, "webhook_endpoint_id": "abc", "events": []}), "webhook_endpoint_id must be a UUID"),
+            (json!({"v": 1, "webhook_endpoint_id": ENDPOINT}), "events is missing"),
+            (
+                json!({"v": 1, "webhook_endpoint_id": ENDPOINT, "generation": "3", "events": []}),
+                "generation must be a whole number of at least 0",
+            ),
+            (
+                json!({"v": 1, "webhook_endpoint_id": ENDPOINT, "events": [
+                    {"id": "e", "type": "announcement.updated", "subject": "announcement:1",
+                     "sequence": "0000000001.0000000000000000001", "data": {"type": "item"}}]}),
+                "events[0].data.feed_item_id is missing",
+            ),
+            (
+                json!({"v": 1, "webhook_endpoint_id": ENDPOINT, "events": [
+                    {"id": "e", "type": "announcement.hidden", "subject": "announcement:1",
+                     "data": {"type": "hidden", "feed_item_id": "announcement:1", "seq": 1}}]}),
+                "events[0].sequence is missing",
+            ),
+        ];
+        for (body, expected) in cases {
+            assert_eq!(parse(body).unwrap_err().to_string(), expected);
+        }
+        assert!(matches!(
+            Message::parse(b"{not json"),
+            Err(MessageError::NotJson(_))
+        ));
+    }
+
+    #[test]
+    fn withdrawn_and_refetch_data_are_typed() {
+        let message = parse(json!({
+            "v": 1, "webhook_endpoint_id": ENDPOINT, "track": "feed", "generation": 2,
+            "events": [
+                {"id": "evt_w", "type": "pre_earnings_analysis.withdrawn",
+                 "subject": "pre_earnings_analysis:5", "sequence": "0000000001.0000000000000000009",
+                 "data": {"type": "withdrawn", "feed_item_id": "pre_earnings_analysis:5", "seq": 9}},
+                {"id": "evt_r", "type": "pre_earnings_analysis.hidden",
+                 "subject": "pre_earnings_analysis:6", "sequence": "0000000001.0000000000000000010",
+                 "data": {"type": "refetch", "feed_item_id": "pre_earnings_analysis:6", "seq": 10}}
+            ]
+        }))
+        .unwrap();
+        match &message.events[0].body {
+            EventBody::Feed {
+                kind, action, data, ..
+            } => {
+                assert_eq!(*kind, ItemKind::PreEarningsAnalysis);
+                assert_eq!(*action, FeedAction::Withdrawn);
+                assert_eq!(
+                    *data,
+                    FeedData::Removal {
+                        feed_item_id: "pre_earnings_analysis:5".into(),
+                        seq: 9
+                    }
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(matches!(
+            &message.events[1].body,
+            EventBody::Feed {
+                data: FeedData::Refetch { seq: 10, .. },
+                ..
+            }
+        ));
+    }
+}
