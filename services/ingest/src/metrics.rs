@@ -1,0 +1,144 @@
+//! The front tier's metrics, named by Prometheus' conventions (base units, `_total` counters).
+
+use prometheus::{
+    exponential_buckets, Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry,
+};
+
+/// Every way a message can be answered, as the `outcome` label says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Accepted,
+    Duplicate,
+    BadSignature,
+    StaleTimestamp,
+    TooLarge,
+    UnknownEndpoint,
+    Paused,
+    Malformed,
+    EndpointMismatch,
+    Unavailable,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 10] = [
+        Outcome::Accepted,
+        Outcome::Duplicate,
+        Outcome::BadSignature,
+        Outcome::StaleTimestamp,
+        Outcome::TooLarge,
+        Outcome::UnknownEndpoint,
+        Outcome::Paused,
+        Outcome::Malformed,
+        Outcome::EndpointMismatch,
+        Outcome::Unavailable,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Outcome::Accepted => "accepted",
+            Outcome::Duplicate => "duplicate",
+            Outcome::BadSignature => "bad_signature",
+            Outcome::StaleTimestamp => "stale_timestamp",
+            Outcome::TooLarge => "too_large",
+            Outcome::UnknownEndpoint => "unknown_endpoint",
+            Outcome::Paused => "paused",
+            Outcome::Malformed => "malformed",
+            Outcome::EndpointMismatch => "endpoint_mismatch",
+            Outcome::Unavailable => "unavailable",
+        }
+    }
+}
+
+pub struct IngestMetrics {
+    messages: IntCounterVec,
+    body_bytes: Histogram,
+    answer_seconds: HistogramVec,
+    pub batch_messages: Histogram,
+    pub batch_seconds: Histogram,
+    pub cache_lookups: IntCounterVec,
+}
+
+impl IngestMetrics {
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let messages = IntCounterVec::new(
+            Opts::new(
+                "relay_ingest_messages_total",
+                "Webhook messages answered by the front tier, by outcome.",
+            ),
+            &["outcome"],
+        )?;
+        let body_bytes = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_ingest_message_body_bytes",
+                "Size of the webhook message bodies read in full.",
+            )
+            .buckets(exponential_buckets(256.0, 4.0, 8)?),
+        )?;
+        let answer_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "relay_ingest_answer_duration_seconds",
+                "Time from a request's arrival to its answer, by outcome.",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 15.0,
+            ]),
+            &["outcome"],
+        )?;
+        let batch_messages = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_ingest_batch_messages",
+                "Messages stored per shared transaction.",
+            )
+            .buckets(exponential_buckets(1.0, 2.0, 10)?),
+        )?;
+        let batch_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_ingest_batch_duration_seconds",
+                "Time to store one batch, from BEGIN to COMMIT.",
+            )
+            .buckets(exponential_buckets(0.0005, 2.0, 14)?),
+        )?;
+        let cache_lookups = IntCounterVec::new(
+            Opts::new(
+                "relay_ingest_endpoint_cache_lookups_total",
+                "Endpoint lookups, by whether the cache answered (hit) or Postgres did (miss).",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(messages.clone()))?;
+        registry.register(Box::new(body_bytes.clone()))?;
+        registry.register(Box::new(answer_seconds.clone()))?;
+        registry.register(Box::new(batch_messages.clone()))?;
+        registry.register(Box::new(batch_seconds.clone()))?;
+        registry.register(Box::new(cache_lookups.clone()))?;
+        // Every outcome is exported from the start, at zero, so dashboards and alerts see the
+        // series before the first event of its kind.
+        for outcome in Outcome::ALL {
+            messages.with_label_values(&[outcome.label()]);
+            answer_seconds.with_label_values(&[outcome.label()]);
+        }
+        for result in ["hit", "miss"] {
+            cache_lookups.with_label_values(&[result]);
+        }
+        Ok(Self {
+            messages,
+            body_bytes,
+            answer_seconds,
+            batch_messages,
+            batch_seconds,
+            cache_lookups,
+        })
+    }
+
+    pub fn answered(&self, outcome: Outcome, seconds: f64) {
+        self.messages.with_label_values(&[outcome.label()]).inc();
+        self.answer_seconds
+            .with_label_values(&[outcome.label()])
+            .observe(seconds);
+    }
+
+    pub fn body_read(&self, bytes: usize) {
+        self.body_bytes.observe(bytes as f64);
+    }
+}

@@ -1,0 +1,161 @@
+//! Group commit: concurrent requests' messages share transactions.
+//!
+//! With synchronous commit on, a commit per message costs a WAL flush and several round trips
+//! each. Requests instead hand their message to a queue; a few writer tasks each take whatever
+//! has gathered (up to a batch limit), store it in one transaction, and answer every request of
+//! the batch once it committed. While one writer commits, the next batch gathers for another, so
+//! batches grow with load and latency stays near one commit.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use relay_store::messages::{self, IncomingMessage, StoreOutcome};
+use sqlx::PgPool;
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::task::JoinHandle;
+
+use crate::config::IngestConfig;
+use crate::metrics::IngestMetrics;
+
+/// Why a message could not be stored in time. The request answers 503: nothing was promised.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum WriteError {
+    #[error("the message store did not commit within the answer deadline")]
+    TimedOut,
+    #[error("the message store failed: {0}")]
+    Failed(String),
+    #[error("the front tier is shutting down")]
+    ShuttingDown,
+}
+
+struct Job {
+    message: IncomingMessage,
+    reply: oneshot::Sender<Result<StoreOutcome, WriteError>>,
+}
+
+#[derive(Clone)]
+pub struct BatchWriter {
+    queue: mpsc::Sender<Job>,
+}
+
+struct Batching {
+    max_messages: usize,
+    max_bytes: usize,
+    timeout: Duration,
+}
+
+impl BatchWriter {
+    pub fn start(
+        pool: PgPool,
+        config: &IngestConfig,
+        metrics: Arc<IngestMetrics>,
+    ) -> (Self, Vec<JoinHandle<()>>) {
+        let (queue, receiver) = mpsc::channel(config.queue_capacity.max(1));
+        let receiver = Arc::new(Mutex::new(receiver));
+        let batching = Arc::new(Batching {
+            max_messages: config.batch_max_messages.max(1),
+            max_bytes: config.batch_max_bytes.max(1),
+            // A batch must end before the requests in it are answered 503 at their deadline.
+            timeout: config.answer_deadline,
+        });
+        let tasks = (0..config.writers.max(1))
+            .map(|_| {
+                tokio::spawn(write_batches(
+                    pool.clone(),
+                    receiver.clone(),
+                    batching.clone(),
+                    metrics.clone(),
+                ))
+            })
+            .collect();
+        (Self { queue }, tasks)
+    }
+
+    /// Stores one message, waiting at most until `deadline` for it to commit.
+    pub async fn store(
+        &self,
+        message: IncomingMessage,
+        deadline: tokio::time::Instant,
+    ) -> Result<StoreOutcome, WriteError> {
+        let (reply, answer) = oneshot::channel();
+        let job = Job { message, reply };
+        match tokio::time::timeout_at(deadline, self.queue.send(job)).await {
+            Err(_) => return Err(WriteError::TimedOut),
+            Ok(Err(_)) => return Err(WriteError::ShuttingDown),
+            Ok(Ok(())) => {}
+        }
+        match tokio::time::timeout_at(deadline, answer).await {
+            Err(_) => Err(WriteError::TimedOut),
+            Ok(Err(_)) => Err(WriteError::ShuttingDown),
+            Ok(Ok(result)) => result,
+        }
+    }
+}
+
+async fn write_batches(
+    pool: PgPool,
+    receiver: Arc<Mutex<mpsc::Receiver<Job>>>,
+    batching: Arc<Batching>,
+    metrics: Arc<IngestMetrics>,
+) {
+    loop {
+        let Some(jobs) = gather(&receiver, &batching).await else {
+            return;
+        };
+        // A request whose deadline passed has already answered 503; storing its message anyway
+        // would be harmless (its retry is a duplicate) but is wasted work.
+        let jobs: Vec<Job> = jobs.into_iter().filter(|j| !j.reply.is_closed()).collect();
+        if jobs.is_empty() {
+            continue;
+        }
+        let batch: Vec<IncomingMessage> = jobs.iter().map(|j| j.message.clone()).collect();
+        let started = Instant::now();
+        let result =
+            tokio::time::timeout(batching.timeout, messages::store_batch(&pool, &batch)).await;
+        metrics
+            .batch_seconds
+            .observe(started.elapsed().as_secs_f64());
+        metrics.batch_messages.observe(batch.len() as f64);
+        match result {
+            Ok(Ok(outcomes)) => {
+                for (job, outcome) in jobs.into_iter().zip(outcomes) {
+                    let _ = job.reply.send(Ok(outcome));
+                }
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(%error, messages = batch.len(), "storing a batch failed");
+                let error = WriteError::Failed(error.to_string());
+                for job in jobs {
+                    let _ = job.reply.send(Err(error.clone()));
+                }
+            }
+            Err(_) => {
+                // The transaction future was dropped: its connection is closed rather than
+                // returned, and Postgres rolls back whatever it had begun.
+                tracing::warn!(messages = batch.len(), "storing a batch timed out");
+                for job in jobs {
+                    let _ = job.reply.send(Err(WriteError::TimedOut));
+                }
+            }
+        }
+    }
+}
+
+/// Waits for the first job, then takes whatever else is already queued, up to the limits.
+/// `None` once every sender is gone and the queue is empty.
+async fn gather(receiver: &Mutex<mpsc::Receiver<Job>>, batching: &Batching) -> Option<Vec<Job>> {
+    let mut receiver = receiver.lock().await;
+    let first = receiver.recv().await?;
+    let mut bytes = first.message.body.len();
+    let mut jobs = vec![first];
+    while jobs.len() < batching.max_messages && bytes < batching.max_bytes {
+        match receiver.try_recv() {
+            Ok(job) => {
+                bytes += job.message.body.len();
+                jobs.push(job);
+            }
+            Err(_) => break,
+        }
+    }
+    Some(jobs)
+}

@@ -1,0 +1,173 @@
+//! The command line. Every setting is a flag with a `RELAY_*` environment variable and a default
+//! that works on a development machine with Postgres on 127.0.0.1; `relay --help` and
+//! `relay <command> --help` list them.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use uuid::Uuid;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "relay",
+    version,
+    about = "A multi-tenant hosted receiver for Quanor's webhooks.",
+    long_about = "A multi-tenant hosted receiver for Quanor's webhooks: verifies and durably \
+                  stores every message, keeps each endpoint's copy of the feed in Postgres, and \
+                  pushes the changes to each tenant's queue.\n\nEvery option can also be set \
+                  with the environment variable shown beside it."
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Args)]
+pub struct GlobalArgs {
+    /// Postgres connection URL.
+    #[arg(
+        long,
+        env = "RELAY_DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/relay",
+        global = true
+    )]
+    pub database_url: String,
+
+    /// Most Postgres connections this process opens.
+    #[arg(
+        long,
+        env = "RELAY_DATABASE_MAX_CONNECTIONS",
+        default_value_t = 10,
+        global = true
+    )]
+    pub database_max_connections: u32,
+
+    /// Log format: `text` for people, `json` for log collectors. Levels follow RUST_LOG
+    /// (default `info`).
+    #[arg(long, env = "RELAY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create the database if it does not exist and apply every pending migration.
+    Migrate,
+    /// Run the front tier: take webhook messages, verify, store, answer.
+    Ingest(IngestArgs),
+    /// Migrate, then run every tier in this one process.
+    All(IngestArgs),
+    /// Manage tenants.
+    #[command(subcommand)]
+    Tenant(TenantCommand),
+    /// Manage webhook endpoints and their signing secrets.
+    #[command(subcommand)]
+    Endpoint(EndpointCommand),
+    /// Send correctly signed messages to a running front tier and report throughput and latency.
+    Loadgen(crate::loadgen::LoadgenArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct IngestArgs {
+    /// Address the webhook receiver listens on.
+    #[arg(long, env = "RELAY_INGEST_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+
+    /// Address `/metrics` (Prometheus text format) is served on. Keep it off the public
+    /// interface: it is for your scraper, not for the upstream.
+    #[arg(long, env = "RELAY_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
+    pub metrics_listen: SocketAddr,
+
+    /// Largest body accepted, in bytes (the wire file's max_body_bytes is 1048576).
+    #[arg(long, env = "RELAY_INGEST_MAX_BODY_BYTES", default_value_t = relay_wire::limits::MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+
+    /// Every message is answered within this many milliseconds; one not committed by then
+    /// gets 503. Must stay under the upstream's 15 s send timeout.
+    #[arg(long, env = "RELAY_INGEST_ANSWER_DEADLINE_MS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(100..=14_000))]
+    pub answer_deadline_ms: u64,
+
+    /// Retry-After, in seconds, sent with a 503.
+    #[arg(long, env = "RELAY_INGEST_RETRY_AFTER_S", default_value_t = 5)]
+    pub retry_after_s: u64,
+
+    /// Concurrent batch writers (each uses one Postgres connection while writing).
+    #[arg(long, env = "RELAY_INGEST_WRITERS", default_value_t = 2)]
+    pub writers: usize,
+
+    /// Most messages stored per transaction.
+    #[arg(long, env = "RELAY_INGEST_BATCH_MAX_MESSAGES", default_value_t = 256)]
+    pub batch_max_messages: usize,
+
+    /// Seconds an endpoint's secrets and status stay cached while change notifications flow
+    /// (0 disables the cache).
+    #[arg(long, env = "RELAY_INGEST_ENDPOINT_CACHE_TTL_S", default_value_t = 60)]
+    pub endpoint_cache_ttl_s: u64,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TenantCommand {
+    /// Create a tenant and print its id.
+    Add {
+        /// A name people recognise.
+        #[arg(long)]
+        name: String,
+        /// Use this id instead of a new random one.
+        #[arg(long)]
+        id: Option<Uuid>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum EndpointCommand {
+    /// Register an upstream webhook endpoint for a tenant, with its signing secret.
+    Add {
+        /// The upstream's webhook_endpoint_id; the upstream posts to /webhooks/<id>.
+        #[arg(long)]
+        id: Uuid,
+        #[arg(long)]
+        tenant: Uuid,
+        /// The endpoint's signing secret (`whsec_...`), read from this file (`-` reads standard
+        /// input). Kept off the command line so it stays out of shell history and process lists.
+        #[arg(long, env = "RELAY_ENDPOINT_SECRET_FILE")]
+        secret_file: PathBuf,
+        /// The upstream API's base URL, for reloads and refetches.
+        #[arg(long)]
+        upstream_base_url: Option<String>,
+        /// A file holding the upstream API key, for reloads and refetches.
+        #[arg(long)]
+        upstream_api_key_file: Option<PathBuf>,
+    },
+    /// Add the endpoint's new secret; the ones it held keep verifying for the overlap.
+    RotateSecret {
+        #[arg(long)]
+        id: Uuid,
+        /// The new secret (`whsec_...`), read from this file (`-` reads standard input).
+        #[arg(long)]
+        secret_file: PathBuf,
+        /// Seconds the old secrets keep verifying (the upstream's default overlap is 86400,
+        /// its longest 604800).
+        #[arg(long, default_value_t = relay_wire::limits::ROTATION_OVERLAP_S,
+              value_parser = clap::value_parser!(u64).range(0..=relay_wire::limits::ROTATION_OVERLAP_MAX_S))]
+        overlap_s: u64,
+    },
+    /// Pause an endpoint: the front tier answers 410 and the upstream holds its messages.
+    Pause {
+        #[arg(long)]
+        id: Uuid,
+    },
+    /// Resume a paused endpoint.
+    Resume {
+        #[arg(long)]
+        id: Uuid,
+    },
+}

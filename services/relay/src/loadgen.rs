@@ -1,0 +1,241 @@
+//! `relay loadgen`: drives a running front tier with correctly signed messages.
+//!
+//! A closed loop: `concurrency` senders each post a message, wait for the answer, and post the
+//! next, to endpoints chosen at random among `endpoints`. Each message is a v1 `feed` message of
+//! one `announcement.updated` event padded to about `body_bytes`, with a fresh webhook-id,
+//! signed at the moment it is sent. With `--provision`, the endpoints (and a tenant for them)
+//! are first registered in the database the front tier uses.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use clap::Args;
+use rand::{Rng as _, SeedableRng as _};
+use relay_store::endpoints::{self, NewEndpoint};
+use relay_store::{tenants, StoreError};
+use relay_wire::SigningSecret;
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::cli::GlobalArgs;
+
+#[derive(Debug, Clone, Args)]
+pub struct LoadgenArgs {
+    /// The front tier's base URL.
+    #[arg(long, env = "RELAY_LOADGEN_URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// How many endpoints to spread messages over.
+    #[arg(long, default_value_t = 1000)]
+    pub endpoints: usize,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// How long to measure, after the warm-up.
+    #[arg(long, default_value_t = 30)]
+    pub duration_s: u64,
+    /// Seconds of load before measuring starts (connections, caches, Postgres buffers).
+    #[arg(long, default_value_t = 3)]
+    pub warmup_s: u64,
+    /// Approximate size of each message body.
+    #[arg(long, default_value_t = 3072)]
+    pub body_bytes: usize,
+    /// Register the tenant and endpoints first (idempotent), in RELAY_DATABASE_URL.
+    #[arg(long)]
+    pub provision: bool,
+    /// Seed for endpoint ids, secrets and the choice of endpoints: the same seed gives the same
+    /// endpoints, so a provisioned database can be reused.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+/// The endpoints a seed stands for: ids and secrets derived from the seed alone.
+pub fn loadgen_endpoints(seed: u64, count: usize) -> Vec<(Uuid, SigningSecret)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..count)
+        .map(|_| {
+            let id = uuid::Builder::from_random_bytes(rng.gen()).into_uuid();
+            let key: [u8; 32] = rng.gen();
+            (
+                id,
+                SigningSecret::from_bytes(key.to_vec()).expect("32 bytes is long enough"),
+            )
+        })
+        .collect()
+}
+
+pub fn loadgen_tenant(seed: u64) -> Uuid {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x7e4a_4e7a);
+    uuid::Builder::from_random_bytes(rng.gen()).into_uuid()
+}
+
+async fn provision(global: &GlobalArgs, args: &LoadgenArgs) -> anyhow::Result<()> {
+    let pool = relay_store::connect(&global.database_url, &Default::default())?;
+    let tenant_id = loadgen_tenant(args.seed);
+    match tenants::create(&pool, tenant_id, "loadgen").await {
+        Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
+        Err(error) => return Err(error).context("creating the loadgen tenant"),
+    }
+    let mut created = 0;
+    for (id, secret) in loadgen_endpoints(args.seed, args.endpoints) {
+        let new = NewEndpoint {
+            id,
+            tenant_id,
+            secret,
+            upstream_base_url: None,
+            upstream_api_key: None,
+        };
+        match endpoints::create(&pool, &new).await {
+            Ok(()) => created += 1,
+            Err(StoreError::AlreadyExists { .. }) => {}
+            Err(error) => return Err(error).context("creating a loadgen endpoint"),
+        }
+    }
+    eprintln!(
+        "provisioned {created} new endpoints ({} in all) for tenant {tenant_id}",
+        args.endpoints
+    );
+    Ok(())
+}
+
+/// Builds one signed message: (webhook-id, timestamp, signature header, body).
+pub fn build_message(
+    endpoint: Uuid,
+    secret: &SigningSecret,
+    n: u64,
+    padding: &str,
+    rng: &mut impl rand::Rng,
+) -> (String, i64, String, Vec<u8>) {
+    let webhook_id = format!("msg_{:032x}", rng.gen::<u128>());
+    let subject = format!("announcement:{n}");
+    let body = json!({
+        "v": 1,
+        "webhook_endpoint_id": endpoint,
+        "track": "feed",
+        "generation": 1,
+        "access_version": "loadgen1",
+        "since": format!("1.{n}"),
+        "through": format!("1.{}", n + 1),
+        "complete": true,
+        "events": [{
+            "id": format!("evt_{:026x}", rng.gen::<u128>()),
+            "type": "announcement.updated",
+            "subject": subject,
+            "sequence": relay_wire::Sequence::from_parts(1, n + 1).as_str(),
+            "source": "https://api.quanor.com/v1/feed",
+            "specversion": "1.0",
+            "datacontenttype": "application/json",
+            "data": {
+                "type": "item", "feed_item_id": subject, "item_kind": "announcement",
+                "seq": n + 1, "first_seq": n + 1, "op": "new", "lang": "en", "changes": [],
+                "parts": [{"part_id": format!("story:{n}"), "part_version": 1, "kind": "story",
+                           "lede_first_sentence": padding}]
+            }
+        }]
+    });
+    let body = serde_json::to_vec(&body).expect("JSON values serialise");
+    let timestamp = time::OffsetDateTime::now_utc().unix_timestamp();
+    let signature = relay_wire::sign(&webhook_id, timestamp, &body, std::slice::from_ref(secret));
+    (webhook_id, timestamp, signature, body)
+}
+
+#[derive(Default)]
+struct Tally {
+    latencies_us: Vec<u64>,
+    by_status: BTreeMap<String, u64>,
+}
+
+pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
+    if args.provision {
+        provision(global, &args).await?;
+    }
+    let endpoints = Arc::new(loadgen_endpoints(args.seed, args.endpoints.max(1)));
+    // The envelope is about 850 bytes; pad the rest.
+    let padding: Arc<str> = "x".repeat(args.body_bytes.saturating_sub(850)).into();
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(args.concurrency)
+        .timeout(Duration::from_secs(20))
+        .build()?;
+    let base = args.url.trim_end_matches('/').to_owned();
+    let warmup_ends = Instant::now() + Duration::from_secs(args.warmup_s);
+    let ends = warmup_ends + Duration::from_secs(args.duration_s);
+
+    let senders = (0..args.concurrency.max(1)).map(|worker| {
+        let (client, endpoints, padding, base) =
+            (client.clone(), endpoints.clone(), padding.clone(), base.clone());
+        let seed = args.seed.wrapping_mul(1_000_003).wrapping_add(worker as u64);
+        tokio::spawn(async move {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let mut tally = Tally::default();
+            let mut n = (worker as u64) << 32;
+            loop {
+                let now = Instant::now();
+                if now >= ends {
+                    return tally;
+                }
+                let (id, secret) = &endpoints[rng.gen_range(0..endpoints.len())];
+                n += 1;
+                let (webhook_id, timestamp, signature, body) =
+                    build_message(*id, secret, n, &padding, &mut rng);
+                let sent = Instant::now();
+                let result = client
+                    .post(format!("{base}/webhooks/{id}"))
+                    .header("content-type", "application/json")
+                    .header("webhook-id", webhook_id)
+                    .header("webhook-timestamp", timestamp.to_string())
+                    .header("webhook-signature", signature)
+                    .header("quanor-webhook-attempt", "1")
+                    .body(body)
+                    .send()
+                    .await;
+                let status = match result {
+                    Ok(response) => {
+                        let status = response.status().as_u16().to_string();
+                        let _ = response.bytes().await;
+                        status
+                    }
+                    Err(error) if error.is_timeout() => "timeout".to_owned(),
+                    Err(_) => "error".to_owned(),
+                };
+                if sent >= warmup_ends {
+                    tally
+                        .latencies_us
+                        .push(sent.elapsed().as_micros() as u64);
+                    *tally.by_status.entry(status).or_default() += 1;
+                }
+            }
+        })
+    });
+    let mut total = Tally::default();
+    for sender in futures::future::join_all(senders).await {
+        let tally = sender.context("a sender panicked")?;
+        total.latencies_us.extend(tally.latencies_us);
+        for (status, count) in tally.by_status {
+            *total.by_status.entry(status).or_default() += count;
+        }
+    }
+    total.latencies_us.sort_unstable();
+    let quantile = |q: f64| -> f64 {
+        if total.latencies_us.is_empty() {
+            return 0.0;
+        }
+        let at = ((total.latencies_us.len() as f64 * q).ceil() as usize).saturating_sub(1);
+        total.latencies_us[at.min(total.latencies_us.len() - 1)] as f64 / 1000.0
+    };
+    let seconds = args.duration_s.max(1) as f64;
+    let accepted = total.by_status.get("202").copied().unwrap_or(0);
+    let summary = json!({
+        "endpoints": args.endpoints,
+        "concurrency": args.concurrency,
+        "body_bytes": args.body_bytes,
+        "duration_s": args.duration_s,
+        "requests": total.latencies_us.len(),
+        "by_status": total.by_status,
+        "accepted_per_s": (accepted as f64 / seconds).round(),
+        "latency_ms": {"p50": quantile(0.50), "p90": quantile(0.90), "p99": quantile(0.99),
+                       "max": quantile(1.0)},
+    });
+    println!("{summary}");
+    Ok(())
+}

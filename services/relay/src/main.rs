@@ -1,0 +1,19 @@
+use clap::Parser;
+use relay::cli::{Cli, Command};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    relay::telemetry::init_logging(cli.global.log_format);
+    match cli.command {
+        Command::Migrate => relay::commands::migrate(&cli.global).await,
+        Command::Ingest(args) => relay::startup::run_ingest(&cli.global, &args).await,
+        Command::All(args) => {
+            relay::commands::migrate(&cli.global).await?;
+            relay::startup::run_all(&cli.global, &args).await
+        }
+        Command::Tenant(command) => relay::commands::tenant(&cli.global, command).await,
+        Command::Endpoint(command) => relay::commands::endpoint(&cli.global, command).await,
+        Command::Loadgen(args) => relay::loadgen::run(&cli.global, args).await,
+    }
+}

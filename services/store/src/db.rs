@@ -1,0 +1,47 @@
+//! Connecting to Postgres.
+
+use std::time::Duration;
+
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+
+/// The workspace's `migrations/`, compiled in so the binary can migrate with no files beside it.
+pub static MIGRATOR: Migrator = sqlx::migrate!("../../migrations");
+
+/// How a tier's pool behaves. Defaults suit one process of each tier on a small machine.
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    pub max_connections: u32,
+    /// How long to wait for a free connection (or a new one) before giving up.
+    pub acquire_timeout: Duration,
+    /// Postgres' own `statement_timeout` on every connection, so a stuck statement ends
+    /// server-side too. `None` leaves the server's default.
+    pub statement_timeout: Option<Duration>,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        Self {
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(5),
+            statement_timeout: Some(Duration::from_secs(10)),
+        }
+    }
+}
+
+/// Opens a pool lazily: no connection is made until the first query, so a tier can start (and
+/// answer 503) while Postgres is down, and recovers by itself when it comes back.
+pub fn connect(database_url: &str, options: &PoolOptions) -> Result<PgPool, sqlx::Error> {
+    let mut connect: PgConnectOptions = database_url.parse()?;
+    connect = connect
+        .application_name("relay")
+        .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
+    if let Some(timeout) = options.statement_timeout {
+        connect = connect.options([("statement_timeout", format!("{}", timeout.as_millis()))]);
+    }
+    Ok(PgPoolOptions::new()
+        .max_connections(options.max_connections)
+        .acquire_timeout(options.acquire_timeout)
+        .connect_lazy_with(connect))
+}

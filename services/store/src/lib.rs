@@ -1,0 +1,31 @@
+//! The relay's Postgres layer: the schema (`migrations/` at the workspace root) and the queries
+//! that more than one tier runs.
+//!
+//! Every write that decides something decides it in the statement itself (a conflict target, a
+//! `WHERE` on the row being written), never by reading first and writing second.
+//!
+//! # Layout
+//! - [`db`]: connecting, and the embedded migrations.
+//! - [`tenants`]: tenant rows.
+//! - [`endpoints`]: webhook endpoints, their status and their signing secrets.
+//! - [`messages`]: the stored webhook messages, written in batches.
+
+pub mod db;
+pub mod endpoints;
+pub mod messages;
+pub mod tenants;
+
+pub use db::{connect, PoolOptions, MIGRATOR};
+
+/// A store call failed. Callers at the edges add context; this keeps the cause.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{what} {id} does not exist")]
+    NotFound { what: &'static str, id: String },
+    #[error("{what} {id} already exists")]
+    AlreadyExists { what: &'static str, id: String },
+}

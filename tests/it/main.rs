@@ -1,0 +1,5 @@
+//! Cross-crate tests, one binary (faster to link than one per file).
+
+mod ingest_answers;
+mod ingest_outage;
+mod ingest_vector;

@@ -1,0 +1,370 @@
+//! Helpers for the cross-crate tests: a database of its own per test, the real front tier on
+//! port 0, signed messages, and a Postgres proxy that can fail on command.
+//!
+//! Each test gets a fresh database (`relay_test_<random>`), migrated, dropped when the test's
+//! [`TestDb`] is dropped, so tests run at once and leave nothing behind.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use relay::startup::IngestServer;
+use relay_ingest::{Clock, IngestConfig, SystemClock};
+use relay_store::endpoints::{self, NewEndpoint};
+use relay_store::{tenants, PoolOptions};
+use relay_wire::SigningSecret;
+use sqlx::PgPool;
+use tokio::io::AsyncWriteExt as _;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use uuid::Uuid;
+
+/// Where the tests' databases are created. Override with RELAY_TEST_DATABASE_URL.
+pub fn server_url() -> String {
+    std::env::var("RELAY_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+fn with_database(url: &str, database: &str) -> String {
+    let (base, _) = url.rsplit_once('/').expect("a database URL has a path");
+    format!("{base}/{database}")
+}
+
+pub fn init_logging() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// A migrated database that exists for one test.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub pool: PgPool,
+}
+
+impl TestDb {
+    pub async fn new() -> Self {
+        init_logging();
+        let name = format!("relay_test_{}", Uuid::new_v4().simple());
+        let admin = sqlx::PgPool::connect(&server_url())
+            .await
+            .expect("the tests need Postgres (see README: Testing)");
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin)
+            .await
+            .expect("creating the test database");
+        admin.close().await;
+        let url = with_database(&server_url(), &name);
+        let pool = relay_store::connect(&url, &PoolOptions::default()).unwrap();
+        relay_store::MIGRATOR
+            .run(&pool)
+            .await
+            .expect("migrating the test database");
+        Self { name, url, pool }
+    }
+
+    /// A tenant with a random id.
+    pub async fn tenant(&self) -> Uuid {
+        let id = Uuid::new_v4();
+        tenants::create(&self.pool, id, "test tenant").await.unwrap();
+        id
+    }
+
+    /// Registers `id` for `tenant` with one secret.
+    pub async fn endpoint(&self, tenant: Uuid, id: Uuid, secret: &SigningSecret) {
+        endpoints::create(
+            &self.pool,
+            &NewEndpoint {
+                id,
+                tenant_id: tenant,
+                secret: secret.clone(),
+                upstream_base_url: None,
+                upstream_api_key: None,
+            },
+        )
+        .await
+        .unwrap();
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Drop runs outside async context (or inside a runtime that is shutting down): use a
+        // thread with a runtime of its own.
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                if let Ok(admin) = sqlx::PgPool::connect(&server_url()).await {
+                    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .execute(&admin)
+                        .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A fresh random secret.
+pub fn random_secret() -> SigningSecret {
+    SigningSecret::from_bytes(rand::random::<[u8; 32]>().to_vec()).unwrap()
+}
+
+/// A message as the upstream would send it.
+#[derive(Debug, Clone)]
+pub struct Signed {
+    pub webhook_id: String,
+    pub timestamp: i64,
+    pub signature: String,
+    pub attempt: Option<String>,
+    pub body: Vec<u8>,
+}
+
+impl Signed {
+    pub fn new(secrets: &[SigningSecret], body: Vec<u8>) -> Self {
+        Self::at(secrets, body, time::OffsetDateTime::now_utc().unix_timestamp())
+    }
+
+    pub fn at(secrets: &[SigningSecret], body: Vec<u8>, timestamp: i64) -> Self {
+        let webhook_id = format!("msg_{:032x}", rand::random::<u128>());
+        let signature = relay_wire::sign(&webhook_id, timestamp, &body, secrets);
+        Self {
+            webhook_id,
+            timestamp,
+            signature,
+            attempt: Some("1".into()),
+            body,
+        }
+    }
+}
+
+/// A v1 feed message naming `endpoint`, with one updated event whose item is `announcement:n`.
+pub fn feed_body(endpoint: Uuid, n: u64) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "v": 1, "webhook_endpoint_id": endpoint, "track": "feed", "generation": 1,
+        "access_version": "av1", "since": format!("1.{n}"), "through": format!("1.{}", n + 1),
+        "complete": true,
+        "events": [{
+            "id": format!("evt_{n}"), "type": "announcement.updated",
+            "subject": format!("announcement:{n}"),
+            "sequence": relay_wire::Sequence::from_parts(1, n + 1).as_str(),
+            "specversion": "1.0",
+            "data": {"type": "item", "feed_item_id": format!("announcement:{n}"),
+                     "item_kind": "announcement", "seq": n + 1, "parts": []}
+        }]
+    }))
+    .unwrap()
+}
+
+/// The real front tier on 127.0.0.1, port 0, against a database of its own.
+pub struct TestApp {
+    pub db: TestDb,
+    pub server: Option<IngestServer>,
+    pub base_url: String,
+    pub metrics_url: String,
+    pub client: reqwest::Client,
+}
+
+/// Settings for tests: a short deadline so outage tests finish quickly.
+pub fn test_config() -> IngestConfig {
+    IngestConfig {
+        answer_deadline: Duration::from_secs(2),
+        retry_after: Duration::from_secs(7),
+        ..IngestConfig::default()
+    }
+}
+
+impl TestApp {
+    pub async fn spawn() -> Self {
+        Self::spawn_with(test_config(), Arc::new(SystemClock), None).await
+    }
+
+    /// Boots the front tier. With `via`, its pool connects through that address (a
+    /// [`PgProxy`]) instead of straight to Postgres.
+    pub async fn spawn_with(
+        config: IngestConfig,
+        clock: Arc<dyn Clock>,
+        via: Option<SocketAddr>,
+    ) -> Self {
+        let db = TestDb::new().await;
+        let url = match via {
+            Some(proxy) => format!("postgres://postgres@{proxy}/{}", db.name),
+            None => db.url.clone(),
+        };
+        let pool = relay_store::connect(
+            &url,
+            &PoolOptions {
+                max_connections: 8,
+                acquire_timeout: config.answer_deadline,
+                statement_timeout: Some(config.answer_deadline),
+            },
+        )
+        .unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server =
+            IngestServer::start(pool, config, listener, metrics_listener, clock).unwrap();
+        let base_url = format!("http://{}", server.address);
+        let metrics_url = format!("http://{}/metrics", server.metrics_address);
+        Self {
+            db,
+            server: Some(server),
+            base_url,
+            metrics_url,
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(30))
+                .build()
+                .unwrap(),
+        }
+    }
+
+    /// A tenant and one endpoint with one fresh secret.
+    pub async fn endpoint(&self) -> (Uuid, SigningSecret) {
+        let tenant = self.db.tenant().await;
+        let id = Uuid::new_v4();
+        let secret = random_secret();
+        self.db.endpoint(tenant, id, &secret).await;
+        (id, secret)
+    }
+
+    pub async fn post(&self, endpoint: impl std::fmt::Display, message: &Signed) -> reqwest::Response {
+        let mut request = self
+            .client
+            .post(format!("{}/webhooks/{endpoint}", self.base_url))
+            .header("content-type", "application/json")
+            .header("user-agent", "Quanor-Webhooks/1")
+            .header("webhook-id", &message.webhook_id)
+            .header("webhook-timestamp", message.timestamp.to_string())
+            .header("webhook-signature", &message.signature)
+            .body(message.body.clone());
+        if let Some(attempt) = &message.attempt {
+            request = request.header("quanor-webhook-attempt", attempt);
+        }
+        request.send().await.expect("the front tier answers")
+    }
+
+    /// The value of one series of `/metrics`, e.g.
+    /// `relay_ingest_messages_total{outcome="accepted"}`.
+    pub async fn metric(&self, series: &str) -> f64 {
+        let text = self
+            .client
+            .get(&self.metrics_url)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{series} is not in /metrics:\n{text}"))
+    }
+
+    pub async fn stored_webhook_ids(&self, endpoint: Uuid) -> Vec<String> {
+        relay_store::messages::list_for_endpoint(&self.db.pool, endpoint)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|m| m.webhook_id)
+            .collect()
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(server) = self.server.take() {
+            server.stop().await.unwrap();
+        }
+    }
+}
+
+/// What the proxy does with connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// Forward bytes both ways.
+    Pass,
+    /// Close every connection, open or new: Postgres is unreachable.
+    Refuse,
+    /// Keep connections open but forward nothing: Postgres is too slow to answer.
+    Blackhole,
+}
+
+/// A TCP proxy in front of Postgres whose behaviour tests switch, so a test can take "the
+/// database" away from one front tier without stopping the server other tests share.
+pub struct PgProxy {
+    pub address: SocketAddr,
+    mode: watch::Sender<ProxyMode>,
+    accept_task: tokio::task::JoinHandle<()>,
+}
+
+impl PgProxy {
+    pub async fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (mode, _) = watch::channel(ProxyMode::Pass);
+        let modes = mode.clone();
+        let accept_task = tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                tokio::spawn(proxy_connection(client, target, modes.subscribe()));
+            }
+        });
+        Self {
+            address,
+            mode,
+            accept_task,
+        }
+    }
+
+    pub fn set(&self, mode: ProxyMode) {
+        self.mode.send_replace(mode);
+    }
+}
+
+impl Drop for PgProxy {
+    fn drop(&mut self) {
+        self.accept_task.abort();
+    }
+}
+
+async fn proxy_connection(
+    mut client: TcpStream,
+    target: SocketAddr,
+    mut mode: watch::Receiver<ProxyMode>,
+) {
+    let current = *mode.borrow_and_update();
+    match current {
+        ProxyMode::Refuse => {
+            let _ = client.shutdown().await;
+            return;
+        }
+        ProxyMode::Blackhole => {
+            // Hold the connection, say nothing, until the proxy passes traffic again.
+            let _ = mode.wait_for(|m| *m == ProxyMode::Pass).await;
+            return;
+        }
+        ProxyMode::Pass => {}
+    }
+    let Ok(mut upstream) = TcpStream::connect(target).await else {
+        return;
+    };
+    let went_to = tokio::select! {
+        _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => return,
+        changed = mode.wait_for(|m| *m != ProxyMode::Pass) => {
+            changed.map(|m| *m).unwrap_or(ProxyMode::Refuse)
+        }
+    };
+    drop(upstream);
+    if went_to == ProxyMode::Blackhole {
+        let _ = mode.wait_for(|m| *m == ProxyMode::Pass).await;
+    }
+}
