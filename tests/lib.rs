@@ -33,8 +33,7 @@ fn with_database(url: &str, database: &str) -> String {
 pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .with_test_writer()
         .try_init();
@@ -71,7 +70,9 @@ impl TestDb {
     /// A tenant with a random id.
     pub async fn tenant(&self) -> Uuid {
         let id = Uuid::new_v4();
-        tenants::create(&self.pool, id, "test tenant").await.unwrap();
+        tenants::create(&self.pool, id, "test tenant")
+            .await
+            .unwrap();
         id
     }
 
@@ -131,7 +132,11 @@ pub struct Signed {
 
 impl Signed {
     pub fn new(secrets: &[SigningSecret], body: Vec<u8>) -> Self {
-        Self::at(secrets, body, time::OffsetDateTime::now_utc().unix_timestamp())
+        Self::at(
+            secrets,
+            body,
+            time::OffsetDateTime::now_utc().unix_timestamp(),
+        )
     }
 
     pub fn at(secrets: &[SigningSecret], body: Vec<u8>, timestamp: i64) -> Self {
@@ -211,8 +216,7 @@ impl TestApp {
         .unwrap();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let server =
-            IngestServer::start(pool, config, listener, metrics_listener, clock).unwrap();
+        let server = IngestServer::start(pool, config, listener, metrics_listener, clock).unwrap();
         let base_url = format!("http://{}", server.address);
         let metrics_url = format!("http://{}/metrics", server.metrics_address);
         Self {
@@ -236,7 +240,11 @@ impl TestApp {
         (id, secret)
     }
 
-    pub async fn post(&self, endpoint: impl std::fmt::Display, message: &Signed) -> reqwest::Response {
+    pub async fn post(
+        &self,
+        endpoint: impl std::fmt::Display,
+        message: &Signed,
+    ) -> reqwest::Response {
         let mut request = self
             .client
             .post(format!("{}/webhooks/{endpoint}", self.base_url))

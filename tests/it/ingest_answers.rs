@@ -32,7 +32,12 @@ async fn a_verified_message_is_stored_exactly_as_received_then_answered_202() {
     assert_eq!(row.attempt, Some(3));
     assert_eq!(row.track.as_deref(), Some("feed"));
     assert_eq!(row.generation, Some(1));
-    assert!((OffsetDateTime::now_utc() - row.received_at).whole_seconds().abs() < 60);
+    assert!(
+        (OffsetDateTime::now_utc() - row.received_at)
+            .whole_seconds()
+            .abs()
+            < 60
+    );
     assert_eq!(
         app.metric("relay_ingest_messages_total{outcome=\"accepted\"}")
             .await,
@@ -47,14 +52,20 @@ async fn a_repeated_webhook_id_is_answered_2xx_and_stored_once() {
     let (endpoint, secret) = app.endpoint().await;
     let message = Signed::new(&[secret], feed_body(endpoint, 1));
 
-    assert_eq!(app.post(endpoint, &message).await.status(), StatusCode::ACCEPTED);
+    assert_eq!(
+        app.post(endpoint, &message).await.status(),
+        StatusCode::ACCEPTED
+    );
     assert_eq!(app.post(endpoint, &message).await.status(), StatusCode::OK);
     // Many at once, as a retry racing a slow first attempt would: all 2xx, one row.
     let posts = (0..16).map(|_| app.post(endpoint, &message));
     for response in futures::future::join_all(posts).await {
         assert!(response.status().is_success(), "{}", response.status());
     }
-    assert_eq!(app.stored_webhook_ids(endpoint).await, vec![message.webhook_id]);
+    assert_eq!(
+        app.stored_webhook_ids(endpoint).await,
+        vec![message.webhook_id]
+    );
     assert_eq!(
         app.metric("relay_ingest_messages_total{outcome=\"duplicate\"}")
             .await,
@@ -75,7 +86,10 @@ async fn concurrent_first_attempts_of_one_new_webhook_id_store_it_once() {
         .map(|r| r.status())
         .collect();
     assert_eq!(
-        statuses.iter().filter(|s| **s == StatusCode::ACCEPTED).count(),
+        statuses
+            .iter()
+            .filter(|s| **s == StatusCode::ACCEPTED)
+            .count(),
         1,
         "{statuses:?}"
     );
@@ -104,7 +118,9 @@ async fn arrival_order_follows_the_order_messages_were_answered() {
         .unwrap();
     let ids: Vec<String> = stored.iter().map(|m| m.webhook_id.clone()).collect();
     assert_eq!(ids, sent);
-    assert!(stored.windows(2).all(|w| w[0].arrival_seq < w[1].arrival_seq));
+    assert!(stored
+        .windows(2)
+        .all(|w| w[0].arrival_seq < w[1].arrival_seq));
     app.stop().await;
 }
 
@@ -126,7 +142,10 @@ async fn bodies_up_to_the_limit_are_taken_and_one_byte_more_is_refused_413() {
     };
 
     let exact = Signed::new(std::slice::from_ref(&secret), body_of_len(limit));
-    assert_eq!(app.post(endpoint, &exact).await.status(), StatusCode::ACCEPTED);
+    assert_eq!(
+        app.post(endpoint, &exact).await.status(),
+        StatusCode::ACCEPTED
+    );
 
     let over = Signed::new(std::slice::from_ref(&secret), body_of_len(limit + 1));
     assert_eq!(
@@ -159,7 +178,10 @@ async fn bodies_up_to_the_limit_are_taken_and_one_byte_more_is_refused_413() {
         StatusCode::PAYLOAD_TOO_LARGE
     );
 
-    assert_eq!(app.stored_webhook_ids(endpoint).await, vec![exact.webhook_id]);
+    assert_eq!(
+        app.stored_webhook_ids(endpoint).await,
+        vec![exact.webhook_id]
+    );
     assert_eq!(
         app.metric("relay_ingest_messages_total{outcome=\"too_large\"}")
             .await,
@@ -178,7 +200,10 @@ async fn an_unknown_endpoint_is_404() {
     assert_eq!(response.status(), StatusCode::NOT_FOUND);
     let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(body["error"], "unknown_endpoint");
-    assert_eq!(app.post("not-a-uuid", &message).await.status(), StatusCode::NOT_FOUND);
+    assert_eq!(
+        app.post("not-a-uuid", &message).await.status(),
+        StatusCode::NOT_FOUND
+    );
     let count: i64 = sqlx::query_scalar("SELECT count(*) FROM messages")
         .fetch_one(&app.db.pool)
         .await
@@ -192,7 +217,10 @@ async fn a_paused_endpoint_is_410_until_resumed() {
     let app = TestApp::spawn().await;
     let (endpoint, secret) = app.endpoint().await;
     let first = Signed::new(std::slice::from_ref(&secret), feed_body(endpoint, 1));
-    assert_eq!(app.post(endpoint, &first).await.status(), StatusCode::ACCEPTED);
+    assert_eq!(
+        app.post(endpoint, &first).await.status(),
+        StatusCode::ACCEPTED
+    );
 
     endpoints::set_status(&app.db.pool, endpoint, EndpointStatus::Paused)
         .await
@@ -297,11 +325,13 @@ async fn a_signed_body_that_is_not_a_message_for_this_endpoint_is_400() {
 
     let no_events = Signed::new(
         secrets,
-        serde_json::to_vec(&serde_json::json!({"v": 1, "webhook_endpoint_id": endpoint}))
-            .unwrap(),
+        serde_json::to_vec(&serde_json::json!({"v": 1, "webhook_endpoint_id": endpoint})).unwrap(),
     );
     let answer: serde_json::Value = app.post(endpoint, &no_events).await.json().await.unwrap();
-    assert_eq!(answer["detail"], "not a v1 webhook message: events is missing");
+    assert_eq!(
+        answer["detail"],
+        "not a v1 webhook message: events is missing"
+    );
 
     // Signed with this endpoint's secret, but naming another endpoint.
     let elsewhere = Uuid::new_v4();
@@ -310,7 +340,10 @@ async fn a_signed_body_that_is_not_a_message_for_this_endpoint_is_400() {
     assert_eq!(response.status(), StatusCode::BAD_REQUEST);
     let answer: serde_json::Value = response.json().await.unwrap();
     assert_eq!(answer["error"], "endpoint_mismatch");
-    assert!(answer["detail"].as_str().unwrap().contains(&elsewhere.to_string()));
+    assert!(answer["detail"]
+        .as_str()
+        .unwrap()
+        .contains(&elsewhere.to_string()));
 
     assert!(app.stored_webhook_ids(endpoint).await.is_empty());
     app.stop().await;
@@ -359,9 +392,15 @@ async fn both_secrets_verify_during_a_rotation_and_the_old_one_stops_after_it() 
         StatusCode::UNAUTHORIZED
     );
     let by_new = Signed::new(&[new], feed_body(endpoint, 2));
-    assert_eq!(app.post(endpoint, &by_new).await.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        app.post(endpoint, &by_new).await.status(),
+        StatusCode::UNAUTHORIZED
+    );
     let by_newest = Signed::new(&[newest], feed_body(endpoint, 2));
-    assert_eq!(app.post(endpoint, &by_newest).await.status(), StatusCode::ACCEPTED);
+    assert_eq!(
+        app.post(endpoint, &by_newest).await.status(),
+        StatusCode::ACCEPTED
+    );
     app.stop().await;
 }
 
@@ -386,7 +425,9 @@ async fn metrics_are_served_in_the_prometheus_text_format() {
         "unavailable",
     ] {
         assert!(
-            text.contains(&format!("relay_ingest_messages_total{{outcome=\"{outcome}\"}} 0")),
+            text.contains(&format!(
+                "relay_ingest_messages_total{{outcome=\"{outcome}\"}} 0"
+            )),
             "{outcome} missing from:\n{text}"
         );
     }

@@ -25,7 +25,10 @@ async fn unreachable_or_silent_postgres_gets_503_with_retry_after_within_the_dea
     let secrets = std::slice::from_ref(&secret);
 
     let before = Signed::new(secrets, feed_body(endpoint, 0));
-    assert_eq!(app.post(endpoint, &before).await.status(), StatusCode::ACCEPTED);
+    assert_eq!(
+        app.post(endpoint, &before).await.status(),
+        StatusCode::ACCEPTED
+    );
 
     for mode in [ProxyMode::Refuse, ProxyMode::Blackhole] {
         proxy.set(mode);
@@ -33,10 +36,17 @@ async fn unreachable_or_silent_postgres_gets_503_with_retry_after_within_the_dea
         let started = Instant::now();
         let response = app.post(endpoint, &message).await;
         let took = started.elapsed();
-        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE, "{mode:?}");
+        assert_eq!(
+            response.status(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{mode:?}"
+        );
         assert_eq!(response.headers()["retry-after"], "7", "{mode:?}");
         // Answered by the deadline (plus scheduling slack), far inside the upstream's 15 s.
-        assert!(took < deadline + Duration::from_secs(2), "{mode:?} took {took:?}");
+        assert!(
+            took < deadline + Duration::from_secs(2),
+            "{mode:?} took {took:?}"
+        );
         proxy.set(ProxyMode::Pass);
     }
 
@@ -84,7 +94,8 @@ async fn every_message_answered_2xx_through_an_outage_is_stored() {
                 let mut n = (worker as u64) * 1_000_000;
                 while !stop.load(Ordering::Relaxed) {
                     n += 1;
-                    let message = Signed::new(std::slice::from_ref(&secret), feed_body(endpoint, n));
+                    let message =
+                        Signed::new(std::slice::from_ref(&secret), feed_body(endpoint, n));
                     let response = app.post(endpoint, &message).await;
                     match response.status() {
                         s if s.is_success() => acknowledged.push((endpoint, message.webhook_id)),
@@ -120,7 +131,11 @@ async fn every_message_answered_2xx_through_an_outage_is_stored() {
         refused += refusals;
     }
     assert!(refused > 0, "the outage phases refused nothing");
-    assert!(acknowledged.len() > 20, "too little got through: {}", acknowledged.len());
+    assert!(
+        acknowledged.len() > 20,
+        "too little got through: {}",
+        acknowledged.len()
+    );
 
     let mut stored = HashSet::new();
     for (endpoint, _) in &endpoints {

@@ -78,7 +78,11 @@ async fn the_examples_are_refused_once_outside_the_tolerance() {
         let (app, wire) = app_at(now).await;
         for (name, example) in wire["messages"].as_object().unwrap() {
             let response = send_example(&app, example).await;
-            assert_eq!(response.status(), StatusCode::UNAUTHORIZED, "{name} at {now}");
+            assert_eq!(
+                response.status(),
+                StatusCode::UNAUTHORIZED,
+                "{name} at {now}"
+            );
         }
         app.stop().await;
     }

@@ -76,7 +76,10 @@ impl EndpointCache {
                 }
             }
         }
-        self.metrics.cache_lookups.with_label_values(&["miss"]).inc();
+        self.metrics
+            .cache_lookups
+            .with_label_values(&["miss"])
+            .inc();
         let before = self.shared.invalidations.load(Ordering::Acquire);
         let auth = endpoints::load_auth(&self.pool, id).await?.map(Arc::new);
         if self.ttl > Duration::ZERO && self.shared.listening.load(Ordering::Acquire) {

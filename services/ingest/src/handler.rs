@@ -215,9 +215,7 @@ async fn take_message(
     };
     let webhook_id = signature_headers.webhook_id.unwrap_or_default().to_owned();
     if webhook_id.is_empty() || webhook_id.len() > MAX_WEBHOOK_ID_LEN {
-        return Answer::Malformed(format!(
-            "a webhook-id is 1 to {MAX_WEBHOOK_ID_LEN} bytes"
-        ));
+        return Answer::Malformed(format!("a webhook-id is 1 to {MAX_WEBHOOK_ID_LEN} bytes"));
     }
 
     let message = match Message::parse(&body) {

@@ -140,8 +140,8 @@ fn read_text(path: &Path) -> anyhow::Result<String> {
             .read_to_string(&mut text)
             .context("reading standard input")?;
     } else {
-        text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading {}", path.display()))?;
+        text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     }
     Ok(text)
 }

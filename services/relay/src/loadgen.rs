@@ -24,7 +24,11 @@ use crate::cli::GlobalArgs;
 #[derive(Debug, Clone, Args)]
 pub struct LoadgenArgs {
     /// The front tier's base URL.
-    #[arg(long, env = "RELAY_LOADGEN_URL", default_value = "http://127.0.0.1:8080")]
+    #[arg(
+        long,
+        env = "RELAY_LOADGEN_URL",
+        default_value = "http://127.0.0.1:8080"
+    )]
     pub url: String,
     /// How many endpoints to spread messages over.
     #[arg(long, default_value_t = 1000)]
@@ -162,9 +166,16 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
     let ends = warmup_ends + Duration::from_secs(args.duration_s);
 
     let senders = (0..args.concurrency.max(1)).map(|worker| {
-        let (client, endpoints, padding, base) =
-            (client.clone(), endpoints.clone(), padding.clone(), base.clone());
-        let seed = args.seed.wrapping_mul(1_000_003).wrapping_add(worker as u64);
+        let (client, endpoints, padding, base) = (
+            client.clone(),
+            endpoints.clone(),
+            padding.clone(),
+            base.clone(),
+        );
+        let seed = args
+            .seed
+            .wrapping_mul(1_000_003)
+            .wrapping_add(worker as u64);
         tokio::spawn(async move {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
             let mut tally = Tally::default();
@@ -199,9 +210,7 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
                     Err(_) => "error".to_owned(),
                 };
                 if sent >= warmup_ends {
-                    tally
-                        .latencies_us
-                        .push(sent.elapsed().as_micros() as u64);
+                    tally.latencies_us.push(sent.elapsed().as_micros() as u64);
                     *tally.by_status.entry(status).or_default() += 1;
                 }
             }

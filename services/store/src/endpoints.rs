@@ -82,12 +82,14 @@ pub async fn create(pool: &PgPool, new: &NewEndpoint) -> Result<(), StoreError> 
         .bind(new.id)
         .execute(&mut *tx)
         .await?;
-    sqlx::query("INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret) VALUES ($1, $2, $3)")
-        .bind(new.tenant_id)
-        .bind(new.id)
-        .bind(new.secret.to_whsec())
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query(
+        "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret) VALUES ($1, $2, $3)",
+    )
+    .bind(new.tenant_id)
+    .bind(new.id)
+    .bind(new.secret.to_whsec())
+    .execute(&mut *tx)
+    .await?;
     tx.commit().await?;
     Ok(())
 }

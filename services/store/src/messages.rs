@@ -116,15 +116,55 @@ pub async fn store_batch(
          ON CONFLICT (endpoint_id, webhook_id) DO NOTHING
          RETURNING endpoint_id, webhook_id, arrival_seq",
     )
-    .bind(unique.iter().map(|&i| batch[i].endpoint_id).collect::<Vec<_>>())
-    .bind(unique.iter().map(|&i| batch[i].tenant_id).collect::<Vec<_>>())
-    .bind(unique.iter().map(|&i| batch[i].webhook_id.as_str()).collect::<Vec<_>>())
-    .bind(unique.iter().map(|&i| batch[i].signed_at).collect::<Vec<_>>())
+    .bind(
+        unique
+            .iter()
+            .map(|&i| batch[i].endpoint_id)
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        unique
+            .iter()
+            .map(|&i| batch[i].tenant_id)
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        unique
+            .iter()
+            .map(|&i| batch[i].webhook_id.as_str())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        unique
+            .iter()
+            .map(|&i| batch[i].signed_at)
+            .collect::<Vec<_>>(),
+    )
     .bind(unique.iter().map(|&i| batch[i].attempt).collect::<Vec<_>>())
-    .bind(unique.iter().map(|&i| batch[i].received_at).collect::<Vec<_>>())
-    .bind(unique.iter().map(|&i| batch[i].track.as_deref()).collect::<Vec<_>>())
-    .bind(unique.iter().map(|&i| batch[i].generation).collect::<Vec<_>>())
-    .bind(unique.iter().map(|&i| &batch[i].body[..]).collect::<Vec<&[u8]>>())
+    .bind(
+        unique
+            .iter()
+            .map(|&i| batch[i].received_at)
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        unique
+            .iter()
+            .map(|&i| batch[i].track.as_deref())
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        unique
+            .iter()
+            .map(|&i| batch[i].generation)
+            .collect::<Vec<_>>(),
+    )
+    .bind(
+        unique
+            .iter()
+            .map(|&i| &batch[i].body[..])
+            .collect::<Vec<&[u8]>>(),
+    )
     .fetch_all(&mut *tx)
     .await?;
 
@@ -149,8 +189,18 @@ pub async fn store_batch(
                ON m.endpoint_id = b.endpoint_id AND m.webhook_id = b.webhook_id
              LEFT JOIN webhook_endpoints e ON e.id = b.endpoint_id",
         )
-        .bind(missing.iter().map(|&i| batch[i].endpoint_id).collect::<Vec<_>>())
-        .bind(missing.iter().map(|&i| batch[i].webhook_id.as_str()).collect::<Vec<_>>())
+        .bind(
+            missing
+                .iter()
+                .map(|&i| batch[i].endpoint_id)
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            missing
+                .iter()
+                .map(|&i| batch[i].webhook_id.as_str())
+                .collect::<Vec<_>>(),
+        )
         .fetch_all(&mut *tx)
         .await?;
         for (endpoint, webhook_id, already_stored, status) in rows {

@@ -550,13 +550,22 @@ mod tests {
     fn refuses_what_version_1_names_in_the_wrong_shape() {
         let cases = [
             (json!([1]), "the body must be a JSON object"),
-            (json!({"webhook_endpoint_id": ENDPOINT, "events": []}), "v is missing"),
+            (
+                json!({"webhook_endpoint_id": ENDPOINT, "events": []}),
+                "v is missing",
+            ),
             (
                 json!({"v": 2, "webhook_endpoint_id": ENDPOINT, "events": []}),
                 "message version 2 is not one this relay reads (it reads 1)",
             ),
-            (json!({"v": 1, "webhook_endpoint_id": "abc", "events": []}), "webhook_endpoint_id must be a UUID"),
-            (json!({"v": 1, "webhook_endpoint_id": ENDPOINT}), "events is missing"),
+            (
+                json!({"v": 1, "webhook_endpoint_id": "abc", "events": []}),
+                "webhook_endpoint_id must be a UUID",
+            ),
+            (
+                json!({"v": 1, "webhook_endpoint_id": ENDPOINT}),
+                "events is missing",
+            ),
             (
                 json!({"v": 1, "webhook_endpoint_id": ENDPOINT, "generation": "3", "events": []}),
                 "generation must be a whole number of at least 0",

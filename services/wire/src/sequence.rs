@@ -100,7 +100,13 @@ mod tests {
     #[test]
     fn cursor_round_trips_and_refuses_other_text() {
         let c = Cursor::parse("1.1045").unwrap();
-        assert_eq!(c, Cursor { epoch: 1, seq: 1045 });
+        assert_eq!(
+            c,
+            Cursor {
+                epoch: 1,
+                seq: 1045
+            }
+        );
         assert_eq!(c.to_string(), "1.1045");
         assert_eq!(c.to_sequence(), Sequence::from_parts(1, 1045));
         for bad in ["", "1", "1.", ".5", "a.b", "1.2.3", "-1.5"] {

@@ -45,9 +45,7 @@ impl SigningSecret {
             .trim()
             .strip_prefix(SECRET_PREFIX)
             .ok_or(SecretError::MissingPrefix)?;
-        let key = BASE64
-            .decode(encoded)
-            .map_err(|_| SecretError::NotBase64)?;
+        let key = BASE64.decode(encoded).map_err(|_| SecretError::NotBase64)?;
         Self::from_bytes(key)
     }
 
@@ -97,7 +95,9 @@ pub enum VerifyError {
     MissingHeader(&'static str),
     #[error("the webhook-timestamp header is not a Unix time in seconds")]
     MalformedTimestamp,
-    #[error("no v1 signature in the webhook-signature header matches any of the endpoint's secrets")]
+    #[error(
+        "no v1 signature in the webhook-signature header matches any of the endpoint's secrets"
+    )]
     NoMatchingSignature,
     #[error("the endpoint has no active signing secret")]
     NoSecrets,
@@ -145,11 +145,9 @@ pub fn verify(
         let mac = secret.mac_over(webhook_id, timestamp_text, body);
         // Every candidate is checked (no early exit inside one secret) so the time taken does
         // not tell which entry came closest.
-        candidates
-            .iter()
-            .fold(false, |found, candidate| {
-                mac.clone().verify_slice(candidate).is_ok() | found
-            })
+        candidates.iter().fold(false, |found, candidate| {
+            mac.clone().verify_slice(candidate).is_ok() | found
+        })
     });
     if !genuine {
         return Err(VerifyError::NoMatchingSignature);
@@ -253,7 +251,12 @@ mod tests {
         let b64 = good.strip_prefix("v1,").unwrap();
         let other_version = format!("v1a,{b64}");
         assert_eq!(
-            verify(headers("msg_1", "50", &other_version), body, &[secret(1)], 50),
+            verify(
+                headers("msg_1", "50", &other_version),
+                body,
+                &[secret(1)],
+                50
+            ),
             Err(VerifyError::NoMatchingSignature)
         );
         let mixed = format!("garbage v2,xyz v1,%%% {good}");

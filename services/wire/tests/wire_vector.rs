@@ -49,8 +49,14 @@ fn examples() -> Vec<Example> {
         .map(|(name, m)| Example {
             name: name.clone(),
             id: m["headers"]["webhook-id"].as_str().unwrap().to_owned(),
-            timestamp: m["headers"]["webhook-timestamp"].as_str().unwrap().to_owned(),
-            signature: m["headers"]["webhook-signature"].as_str().unwrap().to_owned(),
+            timestamp: m["headers"]["webhook-timestamp"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+            signature: m["headers"]["webhook-signature"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
             body: m["body_bytes"].as_str().unwrap().as_bytes().to_vec(),
             body_json: m["body"].clone(),
         })
@@ -68,7 +74,12 @@ fn every_example_verifies_with_the_example_secret_at_its_own_time() {
     let secret = example_secret();
     for ex in examples() {
         assert_eq!(
-            verify(ex.headers(), &ex.body, std::slice::from_ref(&secret), ex.now()),
+            verify(
+                ex.headers(),
+                &ex.body,
+                std::slice::from_ref(&secret),
+                ex.now()
+            ),
             Ok(ex.now()),
             "{}",
             ex.name
@@ -235,7 +246,11 @@ fn the_older_secret_of_a_rotation_still_verifies() {
 fn every_example_body_parses_and_matches_its_json() {
     for ex in examples() {
         let parsed: Value = serde_json::from_slice(&ex.body).unwrap();
-        assert_eq!(parsed, ex.body_json, "{}: body_bytes and body agree", ex.name);
+        assert_eq!(
+            parsed, ex.body_json,
+            "{}: body_bytes and body agree",
+            ex.name
+        );
         let message = Message::parse(&ex.body).unwrap();
         assert_eq!(
             message.webhook_endpoint_id.to_string(),
@@ -310,7 +325,10 @@ fn example_events_are_routed_by_type() {
     }
     match &by_name("test of a type").events[0].body {
         EventBody::Tested(data) => {
-            assert_eq!(data.example.as_ref().unwrap()["type"], "announcement.updated")
+            assert_eq!(
+                data.example.as_ref().unwrap()["type"],
+                "announcement.updated"
+            )
         }
         other => panic!("unexpected {other:?}"),
     }
