@@ -73,6 +73,20 @@ pub enum Command {
     Endpoint(EndpointCommand),
     /// Send correctly signed messages to a running front tier and report throughput and latency.
     Loadgen(crate::loadgen::LoadgenArgs),
+    /// Play the upstream (Quanor): its REST API, a webhook sender per endpoint with the wire
+    /// file's retry rules, seeded faults and a random workload, against any receiver URL.
+    Simulate(SimulateCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct SimulateCommand {
+    #[command(flatten)]
+    pub args: relay_simulator::SimulateArgs,
+    /// First register the simulated tenants and endpoints (ids, secrets, API keys, and the
+    /// API's address, so give `--listen` a fixed port) in RELAY_DATABASE_URL, so a relay using
+    /// that database takes their messages.
+    #[arg(long)]
+    pub register: bool,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -15,7 +15,7 @@ use sqlx::{PgPool, Postgres};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::cli::{EndpointCommand, GlobalArgs, TenantCommand};
+use crate::cli::{EndpointCommand, GlobalArgs, SimulateCommand, TenantCommand};
 
 fn admin_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
     relay_store::connect(
@@ -149,4 +149,58 @@ fn read_text(path: &Path) -> anyhow::Result<String> {
 fn read_secret(path: &Path) -> anyhow::Result<SigningSecret> {
     let text = read_text(path)?;
     SigningSecret::parse(text.trim()).with_context(|| format!("the secret in {}", path.display()))
+}
+
+/// `relay simulate`: optionally registers the simulated endpoints, then runs the simulator.
+pub async fn simulate(global: &GlobalArgs, command: SimulateCommand) -> anyhow::Result<()> {
+    if command.register {
+        let listen: std::net::SocketAddr = command
+            .args
+            .listen
+            .parse()
+            .context("--listen must be an address like 127.0.0.1:9700")?;
+        if listen.port() == 0 {
+            bail!("--register needs --listen with a fixed port: the relay must know the API's address");
+        }
+        let (_, _, infos) = relay_simulator::cli::prepare(&command.args)?;
+        let pool = admin_pool(global)?;
+        for info in &infos {
+            // One tenant per simulated API key; the same key always maps to the same tenant.
+            let tenant_id = Uuid::new_v5(&Uuid::NAMESPACE_URL, info.key_token.as_bytes());
+            match tenants::create(
+                &pool,
+                tenant_id,
+                &format!(
+                    "simulated {}",
+                    &info.key_token[..8.min(info.key_token.len())]
+                ),
+            )
+            .await
+            {
+                Ok(_) | Err(relay_store::StoreError::AlreadyExists { .. }) => {}
+                Err(error) => return Err(error.into()),
+            }
+            let secret = info
+                .secrets
+                .first()
+                .context("a simulated endpoint has a secret")?;
+            let created = endpoints::create(
+                &pool,
+                &NewEndpoint {
+                    id: info.id,
+                    tenant_id,
+                    secret: SigningSecret::parse(secret)?,
+                    upstream_base_url: Some(format!("http://{listen}")),
+                    upstream_api_key: Some(info.key_token.clone()),
+                },
+            )
+            .await;
+            match created {
+                Ok(()) | Err(relay_store::StoreError::AlreadyExists { .. }) => {}
+                Err(error) => return Err(error.into()),
+            }
+        }
+        eprintln!("registered {} simulated endpoints", infos.len());
+    }
+    relay_simulator::run(command.args).await
 }

@@ -15,5 +15,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Tenant(command) => relay::commands::tenant(&cli.global, command).await,
         Command::Endpoint(command) => relay::commands::endpoint(&cli.global, command).await,
         Command::Loadgen(args) => relay::loadgen::run(&cli.global, args).await,
+        Command::Simulate(command) => relay::commands::simulate(&cli.global, command).await,
     }
 }

@@ -1,0 +1,239 @@
+//! The upstream's REST API (shared/upstream-api.md) over axum. Handlers only parse, lock the
+//! [`Upstream`](crate::upstream::Upstream), call it, and map its answer to a status.
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::driver::Simulation;
+use crate::model::{PartKind, Selection};
+use crate::upstream::{ApiError, ItemRead};
+
+/// The API's routes over a simulation.
+pub fn router(sim: Arc<Simulation>) -> Router {
+    Router::new()
+        .route("/v1/webhook-endpoints/{id}", get(endpoint_view))
+        .route(
+            "/v1/webhook-endpoints/{id}/tracks/{track}/rewind",
+            post(rewind),
+        )
+        .route("/v1/feed", get(feed))
+        .route("/v1/feed/since", get(feed_since))
+        .route("/v1/feed/items/{feed_item_id}", get(item_read))
+        .with_state(sim)
+}
+
+/// Serves the API on `listener` in a background task; returns the address it listens on.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    sim: Arc<Simulation>,
+) -> std::io::Result<SocketAddr> {
+    let addr = listener.local_addr()?;
+    let app = router(sim);
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, app).await {
+            tracing::error!(%error, "simulator API stopped");
+        }
+    });
+    Ok(addr)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, code) = match &self {
+            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized".to_owned()),
+            ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found".to_owned()),
+            ApiError::BadRequest(detail) => (StatusCode::BAD_REQUEST, detail.clone()),
+            ApiError::Rewind(refusal) => (StatusCode::CONFLICT, refusal.code().to_owned()),
+        };
+        (status, Json(json!({"error": code}))).into_response()
+    }
+}
+
+fn bearer(headers: &HeaderMap) -> Result<String, ApiError> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|t| t.trim().to_owned())
+        .filter(|t| !t.is_empty())
+        .ok_or(ApiError::Unauthorized)
+}
+
+/// Sleeps when the slow-reads fault strikes. The lock is not held while sleeping.
+async fn maybe_slow(sim: &Simulation) {
+    let delay = sim.lock().api_delay_ms();
+    if let Some(ms) = delay {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
+fn list<T>(
+    query: &HashMap<String, String>,
+    name: &str,
+    parse: impl Fn(&str) -> Option<T>,
+) -> Result<Option<Vec<T>>, ApiError> {
+    match query.get(name).map(String::as_str) {
+        None | Some("") => Ok(None),
+        Some(text) => text
+            .split(',')
+            .map(|part| {
+                parse(part.trim())
+                    .ok_or_else(|| ApiError::BadRequest(format!("{name}: `{part}` is not valid")))
+            })
+            .collect::<Result<Vec<T>, _>>()
+            .map(Some),
+    }
+}
+
+fn selection_from(query: &HashMap<String, String>) -> Result<Selection, ApiError> {
+    let teasers = match query.get("teasers").map(String::as_str) {
+        None | Some("") => None,
+        Some("true") => Some(true),
+        Some("false") => Some(false),
+        Some(other) => {
+            return Err(ApiError::BadRequest(format!(
+                "teasers: `{other}` is not true or false"
+            )))
+        }
+    };
+    Ok(Selection {
+        lang: query.get("lang").cloned().unwrap_or_else(|| "en".into()),
+        companies: list(query, "companies", |t| t.parse::<i64>().ok())?
+            .map(|v| v.into_iter().collect()),
+        markets: list(query, "markets", |t| Some(t.to_owned()))?.map(|v| v.into_iter().collect()),
+        part_kinds: list(query, "part_kinds", PartKind::parse)?.map(|v| v.into_iter().collect()),
+        teasers,
+        item_kinds: list(query, "item_kinds", relay_wire::ItemKind::parse)?
+            .map(|v| v.into_iter().collect()),
+    })
+}
+
+fn limit_from(query: &HashMap<String, String>) -> Result<usize, ApiError> {
+    match query.get("limit") {
+        None => Ok(100),
+        Some(text) => text
+            .parse::<usize>()
+            .map(|l| l.clamp(1, 500))
+            .map_err(|_| ApiError::BadRequest(format!("limit: `{text}` is not a number"))),
+    }
+}
+
+async fn endpoint_view(
+    State(sim): State<Arc<Simulation>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let token = bearer(&headers)?;
+    let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound)?;
+    maybe_slow(&sim).await;
+    let view = sim.lock().endpoint_view(&token, id)?;
+    Ok(Json(view))
+}
+
+async fn feed(
+    State(sim): State<Arc<Simulation>>,
+    headers: HeaderMap,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let token = bearer(&headers)?;
+    let selection = selection_from(&query)?;
+    let limit = limit_from(&query)?;
+    maybe_slow(&sim).await;
+    let now_ms = sim.clock.now_ms();
+    let page = sim.lock().feed_page(
+        &token,
+        &selection,
+        query.get("cursor").map(String::as_str),
+        limit,
+        now_ms,
+    )?;
+    sim.wake.notify_waiters();
+    Ok(Json(page))
+}
+
+async fn feed_since(
+    State(sim): State<Arc<Simulation>>,
+    headers: HeaderMap,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
+    let token = bearer(&headers)?;
+    let selection = selection_from(&query)?;
+    let limit = limit_from(&query)?;
+    let since = query
+        .get("since")
+        .ok_or_else(|| ApiError::BadRequest("since is required".into()))?;
+    let include_event_ids = query.get("include_event_ids").map(String::as_str) == Some("true");
+    maybe_slow(&sim).await;
+    let answer = sim.lock().feed_since(
+        &token,
+        &selection,
+        since,
+        include_event_ids,
+        query.get("cursor").map(String::as_str),
+        limit,
+    )?;
+    Ok(Json(answer))
+}
+
+async fn item_read(
+    State(sim): State<Arc<Simulation>>,
+    headers: HeaderMap,
+    Path(feed_item_id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Response, ApiError> {
+    let token = bearer(&headers)?;
+    let lang = query.get("lang").cloned().unwrap_or_else(|| "en".into());
+    let part_kinds: Option<BTreeSet<PartKind>> =
+        list(&query, "part_kinds", PartKind::parse)?.map(|v| v.into_iter().collect());
+    maybe_slow(&sim).await;
+    let answer = sim
+        .lock()
+        .item_read(&token, &feed_item_id, &lang, part_kinds)?;
+    Ok(match answer {
+        ItemRead::Found(body) => (StatusCode::OK, Json(body)).into_response(),
+        ItemRead::Gone(body) => (StatusCode::NOT_FOUND, Json(body)).into_response(),
+        ItemRead::LoadBalancer404 => (
+            StatusCode::NOT_FOUND,
+            [(header::CONTENT_TYPE, "text/plain")],
+            "404 Not Found",
+        )
+            .into_response(),
+    })
+}
+
+#[derive(serde::Deserialize)]
+struct RewindBody {
+    since: String,
+}
+
+async fn rewind(
+    State(sim): State<Arc<Simulation>>,
+    headers: HeaderMap,
+    Path((id, track)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    let token = bearer(&headers)?;
+    let id = Uuid::parse_str(&id).map_err(|_| ApiError::NotFound)?;
+    let body: RewindBody = serde_json::from_slice(&body)
+        .map_err(|_| ApiError::BadRequest("the body is {\"since\": \"E.S\"}".into()))?;
+    let now_ms = sim.clock.now_ms();
+    let generation = sim
+        .lock()
+        .api_rewind(&token, id, &track, &body.since, now_ms)?;
+    sim.wake.notify_waiters();
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({"generation": generation})),
+    )
+        .into_response())
+}
