@@ -211,6 +211,7 @@ impl TestApp {
                 max_connections: 8,
                 acquire_timeout: config.answer_deadline,
                 statement_timeout: Some(config.answer_deadline),
+                generic_plans: true,
             },
         )
         .unwrap();

@@ -49,7 +49,7 @@ pub struct LoadgenArgs {
     #[arg(long)]
     pub provision: bool,
     /// Seed for endpoint ids, secrets and the choice of endpoints: the same seed gives the same
-    /// endpoints, so a provisioned database can be reused.
+    /// endpoints, so a provisioned database can be reused. Webhook-ids are new on every run.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
 }
@@ -109,39 +109,68 @@ pub fn build_message(
     secret: &SigningSecret,
     n: u64,
     padding: &str,
-    rng: &mut impl rand::Rng,
 ) -> (String, i64, String, Vec<u8>) {
-    let webhook_id = format!("msg_{:032x}", rng.gen::<u128>());
-    let subject = format!("announcement:{n}");
-    let body = json!({
-        "v": 1,
-        "webhook_endpoint_id": endpoint,
-        "track": "feed",
-        "generation": 1,
-        "access_version": "loadgen1",
-        "since": format!("1.{n}"),
-        "through": format!("1.{}", n + 1),
-        "complete": true,
-        "events": [{
-            "id": format!("evt_{:026x}", rng.gen::<u128>()),
-            "type": "announcement.updated",
-            "subject": subject,
-            "sequence": relay_wire::Sequence::from_parts(1, n + 1).as_str(),
-            "source": "https://api.quanor.com/v1/feed",
-            "specversion": "1.0",
-            "datacontenttype": "application/json",
-            "data": {
-                "type": "item", "feed_item_id": subject, "item_kind": "announcement",
-                "seq": n + 1, "first_seq": n + 1, "op": "new", "lang": "en", "changes": [],
-                "parts": [{"part_id": format!("story:{n}"), "part_version": 1, "kind": "story",
-                           "lede_first_sentence": padding}]
-            }
-        }]
-    });
-    let body = serde_json::to_vec(&body).expect("JSON values serialise");
+    // Fresh on every run (not from the seed): a repeated id would be a duplicate, not a load.
+    let webhook_id = format!("msg_{:032x}", rand::random::<u128>());
+    // Written out directly rather than through a JSON value: the generator should spend as
+    // little of the shared CPU as it can. The padding is plain words, so needs no escaping.
+    let seq = n + 1;
+    let sequence = relay_wire::Sequence::from_parts(1, seq);
+    let event_id = format!("evt_{:026x}", rand::random::<u128>());
+    let body = format!(
+        concat!(
+            r#"{{"access_version":"loadgen1","complete":true,"events":[{{"companyid":28,"#,
+            r#""data":{{"changes":[],"feed_item_id":"announcement:{n}","first_seq":{seq},"#,
+            r#""item_kind":"announcement","lang":"en","op":"new","parts":[{{"kind":"story","#,
+            r#""lede_first_sentence":"{padding}","part_id":"story:{n}","part_version":1}}],"#,
+            r#""seq":{seq},"type":"item"}},"datacontenttype":"application/json","#,
+            r#""id":"{event_id}","sequence":"{sequence}","#,
+            r#""source":"https://api.quanor.com/v1/feed","specversion":"1.0","#,
+            r#""subject":"announcement:{n}","type":"announcement.updated"}}],"generation":1,"#,
+            r#""since":"1.{n}","through":"1.{seq}","track":"feed","v":1,"#,
+            r#""webhook_endpoint_id":"{endpoint}"}}"#
+        ),
+        n = n,
+        seq = seq,
+        padding = padding,
+        event_id = event_id,
+        sequence = sequence,
+        endpoint = endpoint,
+    )
+    .into_bytes();
     let timestamp = time::OffsetDateTime::now_utc().unix_timestamp();
     let signature = relay_wire::sign(&webhook_id, timestamp, &body, std::slice::from_ref(secret));
     (webhook_id, timestamp, signature, body)
+}
+
+/// `len` bytes of word-like text.
+fn prose(len: usize, seed: u64) -> String {
+    const WORDS: [&str; 16] = [
+        "order",
+        "revenue",
+        "quarter",
+        "guidance",
+        "margin",
+        "contract",
+        "board",
+        "dividend",
+        "growth",
+        "market",
+        "shares",
+        "results",
+        "outlook",
+        "deliveries",
+        "customer",
+        "report",
+    ];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut text = String::with_capacity(len + 16);
+    while text.len() < len {
+        text.push_str(WORDS[rng.gen_range(0..WORDS.len())]);
+        text.push_str(&format!(" {} ", rng.gen_range(0..100_000)));
+    }
+    text.truncate(len);
+    text
 }
 
 #[derive(Default)]
@@ -155,8 +184,9 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
         provision(global, &args).await?;
     }
     let endpoints = Arc::new(loadgen_endpoints(args.seed, args.endpoints.max(1)));
-    // The envelope is about 850 bytes; pad the rest.
-    let padding: Arc<str> = "x".repeat(args.body_bytes.saturating_sub(850)).into();
+    // The envelope is about 850 bytes; pad the rest with text that compresses like prose does,
+    // not like a run of one letter.
+    let padding: Arc<str> = prose(args.body_bytes.saturating_sub(850), args.seed).into();
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(args.concurrency)
         .timeout(Duration::from_secs(20))
@@ -188,7 +218,7 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
                 let (id, secret) = &endpoints[rng.gen_range(0..endpoints.len())];
                 n += 1;
                 let (webhook_id, timestamp, signature, body) =
-                    build_message(*id, secret, n, &padding, &mut rng);
+                    build_message(*id, secret, n, &padding);
                 let sent = Instant::now();
                 let result = client
                     .post(format!("{base}/webhooks/{id}"))
@@ -247,4 +277,26 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
     });
     println!("{summary}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_messages_are_valid_signed_v1_messages_of_about_the_asked_size() {
+        let (id, secret) = loadgen_endpoints(3, 1).remove(0);
+        let padding = prose(3072 - 850, 3);
+        let (webhook_id, timestamp, signature, body) = build_message(id, &secret, 41, &padding);
+        let message = relay_wire::Message::parse(&body).unwrap();
+        assert_eq!(message.webhook_endpoint_id, id);
+        assert_eq!(message.events.len(), 1);
+        assert!((2_800..3_400).contains(&body.len()), "{} bytes", body.len());
+        let headers = relay_wire::SignatureHeaders {
+            webhook_id: Some(&webhook_id),
+            webhook_timestamp: Some(&timestamp.to_string()),
+            webhook_signature: Some(&signature),
+        };
+        assert!(relay_wire::verify(headers, &body, &[secret], timestamp).is_ok());
+    }
 }

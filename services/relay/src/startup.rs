@@ -29,12 +29,14 @@ impl IngestArgs {
     }
 }
 
-/// The pool a serving tier uses: its statements end server-side before the answer deadline.
-pub fn pool(global: &GlobalArgs, statement_timeout: Duration) -> anyhow::Result<PgPool> {
+/// The front tier's pool: its statements end server-side before the answer deadline, and its
+/// few fixed statements are planned once.
+pub fn ingest_pool(global: &GlobalArgs, statement_timeout: Duration) -> anyhow::Result<PgPool> {
     let options = PoolOptions {
         max_connections: global.database_max_connections,
         acquire_timeout: statement_timeout,
         statement_timeout: Some(statement_timeout),
+        generic_plans: true,
     };
     relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
 }
@@ -105,7 +107,7 @@ impl IngestServer {
 pub async fn run_ingest(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Result<()> {
     let config = args.to_config();
     // Statements must end before the answer deadline, leaving time to answer.
-    let pool = pool(global, config.answer_deadline.mul_f64(0.8))?;
+    let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
     let listener = telemetry::bind(args.listen, "webhook").await?;
     let metrics_listener = telemetry::bind(args.metrics_listen, "metrics").await?;
     let mut server = IngestServer::start(

@@ -1,10 +1,11 @@
 //! Stored webhook messages.
 //!
-//! The front tier writes messages in batches: many requests' messages go into one transaction,
+//! The front tier writes messages in batches: many requests' messages go into one statement,
 //! because one commit per message cannot keep up with the upstream on a small machine. Every
 //! decision (is this webhook-id new? is the endpoint active? which arrival number?) is taken by
-//! the statements themselves, so any number of front-tier replicas can write at once.
+//! that statement itself, so any number of front-tier replicas can write at once.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use bytes::Bytes;
@@ -45,26 +46,26 @@ pub enum StoreOutcome {
     EndpointUnknown,
 }
 
-/// Stores a batch in one transaction and says, for each message in order, what happened.
+/// Stores a batch and says, for each message in order, what happened.
 ///
-/// Arrival numbers come from each endpoint's counter row, locked in endpoint order (so two
-/// batches never deadlock) and advanced in the same transaction; within a batch, an endpoint's
-/// messages are numbered in the order given. A webhook-id repeated within the batch is a
-/// duplicate of its first occurrence.
+/// The whole batch is one statement, and so one transaction and one round trip: it locks the
+/// endpoints' counter rows in endpoint order (so concurrent batches from any number of
+/// replicas queue rather than deadlock), takes arrival numbers from them, inserts the messages
+/// that are new, and reports on every message. Within a batch an endpoint's messages are
+/// numbered in the order given; a webhook-id repeated within the batch is a duplicate of its
+/// first occurrence.
 pub async fn store_batch(
     pool: &PgPool,
     batch: &[IncomingMessage],
 ) -> Result<Vec<StoreOutcome>, StoreError> {
-    // First occurrence of each (endpoint, webhook-id) in the batch; later ones point to it.
+    // First occurrence of each (endpoint, webhook-id) in the batch; later ones repeat it.
     let mut first_of: HashMap<(Uuid, &str), usize> = HashMap::with_capacity(batch.len());
     let mut unique: Vec<usize> = Vec::with_capacity(batch.len());
     let mut repeat_of: Vec<Option<usize>> = Vec::with_capacity(batch.len());
     for (i, m) in batch.iter().enumerate() {
         match first_of.entry((m.endpoint_id, m.webhook_id.as_str())) {
-            std::collections::hash_map::Entry::Occupied(first) => {
-                repeat_of.push(Some(*first.get()))
-            }
-            std::collections::hash_map::Entry::Vacant(slot) => {
+            Entry::Occupied(first) => repeat_of.push(Some(*first.get())),
+            Entry::Vacant(slot) => {
                 slot.insert(i);
                 unique.push(i);
                 repeat_of.push(None);
@@ -76,19 +77,9 @@ pub async fn store_batch(
     endpoint_ids.sort_unstable();
     endpoint_ids.dedup();
 
-    let mut tx = pool.begin().await?;
-    // Take the counter locks in one fixed order before the insert takes them in whatever order
-    // its plan visits rows: concurrent batches then queue instead of deadlocking.
-    sqlx::query(
-        "SELECT endpoint_id FROM endpoint_arrival_counters
-         WHERE endpoint_id = ANY($1) ORDER BY endpoint_id FOR NO KEY UPDATE",
-    )
-    .bind(&endpoint_ids)
-    .execute(&mut *tx)
-    .await?;
-
-    let rows: Vec<(Uuid, String, i64)> = sqlx::query_as(
-        "WITH batch AS (
+    // One row per unique message, in batch order: (ord, arrival_seq, reserved, status).
+    let rows: Vec<(i64, Option<i64>, bool, Option<String>)> = sqlx::query_as(
+        "WITH batch AS MATERIALIZED (
              SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::timestamptz[],
                                   $5::int4[], $6::timestamptz[], $7::text[], $8::int8[],
                                   $9::bytea[])
@@ -96,25 +87,46 @@ pub async fn store_batch(
                  AS b(endpoint_id, tenant_id, webhook_id, signed_at, attempt, received_at,
                       track, generation, body, ord)
          ),
+         counts AS (
+             SELECT endpoint_id, count(*) AS count FROM batch GROUP BY endpoint_id
+         ),
+         -- Rows are locked as the sort hands them out, so always in endpoint order. The
+         -- lookups below are by primary key so the plan, made once, never scans a table.
+         locked AS MATERIALIZED (
+             SELECT c.endpoint_id FROM endpoint_arrival_counters c
+             WHERE c.endpoint_id = ANY($10::uuid[])
+             ORDER BY c.endpoint_id
+             FOR NO KEY UPDATE
+         ),
+         -- Numbers are reserved only for endpoints that exist and are active.
          reserved AS (
              UPDATE endpoint_arrival_counters c
              SET last_arrival_seq = c.last_arrival_seq + n.count
-             FROM (SELECT endpoint_id, count(*) AS count FROM batch GROUP BY endpoint_id) n,
-                  webhook_endpoints e
-             WHERE c.endpoint_id = n.endpoint_id
-               AND e.id = c.endpoint_id AND e.status = 'active'
+             FROM locked l
+             JOIN counts n ON n.endpoint_id = l.endpoint_id
+             WHERE c.endpoint_id = l.endpoint_id
+               AND (SELECT e.status FROM webhook_endpoints e WHERE e.id = l.endpoint_id)
+                   = 'active'
              RETURNING c.endpoint_id, c.last_arrival_seq - n.count AS base
+         ),
+         inserted AS (
+             INSERT INTO messages (endpoint_id, arrival_seq, tenant_id, webhook_id, signed_at,
+                                   attempt, received_at, track, generation, body)
+             SELECT b.endpoint_id,
+                    r.base + row_number() OVER (PARTITION BY b.endpoint_id ORDER BY b.ord),
+                    b.tenant_id, b.webhook_id, b.signed_at, b.attempt, b.received_at, b.track,
+                    b.generation, b.body
+             FROM batch b JOIN reserved r ON r.endpoint_id = b.endpoint_id
+             ORDER BY b.ord
+             ON CONFLICT (endpoint_id, webhook_id) DO NOTHING
+             RETURNING endpoint_id, webhook_id, arrival_seq
          )
-         INSERT INTO messages (endpoint_id, arrival_seq, tenant_id, webhook_id, signed_at,
-                               attempt, received_at, track, generation, body)
-         SELECT b.endpoint_id,
-                r.base + row_number() OVER (PARTITION BY b.endpoint_id ORDER BY b.ord),
-                b.tenant_id, b.webhook_id, b.signed_at, b.attempt, b.received_at, b.track,
-                b.generation, b.body
-         FROM batch b JOIN reserved r USING (endpoint_id)
-         ORDER BY b.ord
-         ON CONFLICT (endpoint_id, webhook_id) DO NOTHING
-         RETURNING endpoint_id, webhook_id, arrival_seq",
+         SELECT b.ord, i.arrival_seq, r.endpoint_id IS NOT NULL,
+                (SELECT e.status FROM webhook_endpoints e WHERE e.id = b.endpoint_id)
+         FROM batch b
+         LEFT JOIN inserted i ON i.endpoint_id = b.endpoint_id AND i.webhook_id = b.webhook_id
+         LEFT JOIN reserved r ON r.endpoint_id = b.endpoint_id
+         ORDER BY b.ord",
     )
     .bind(
         unique
@@ -165,84 +177,47 @@ pub async fn store_batch(
             .map(|&i| &batch[i].body[..])
             .collect::<Vec<&[u8]>>(),
     )
-    .fetch_all(&mut *tx)
+    .bind(&endpoint_ids)
+    .fetch_all(pool)
     .await?;
+    if rows.len() != unique.len() {
+        return Err(StoreError::Invalid(format!(
+            "the batch insert reported on {} of {} messages",
+            rows.len(),
+            unique.len()
+        )));
+    }
 
-    let mut stored: HashMap<(Uuid, String), i64> = rows
-        .into_iter()
-        .map(|(endpoint, webhook_id, seq)| ((endpoint, webhook_id), seq))
-        .collect();
-
-    // Whatever was not inserted is a duplicate, or its endpoint was paused or removed since it
-    // was verified. Ask which, inside the same transaction (rare: one extra query per batch).
-    let missing: Vec<usize> = unique
-        .iter()
-        .copied()
-        .filter(|&i| !stored.contains_key(&(batch[i].endpoint_id, batch[i].webhook_id.clone())))
-        .collect();
-    let mut not_inserted: HashMap<(Uuid, String), StoreOutcome> = HashMap::new();
-    if !missing.is_empty() {
-        let rows: Vec<(Uuid, String, bool, Option<String>)> = sqlx::query_as(
-            "SELECT b.endpoint_id, b.webhook_id, m.arrival_seq IS NOT NULL, e.status
-             FROM unnest($1::uuid[], $2::text[]) AS b(endpoint_id, webhook_id)
-             LEFT JOIN messages m
-               ON m.endpoint_id = b.endpoint_id AND m.webhook_id = b.webhook_id
-             LEFT JOIN webhook_endpoints e ON e.id = b.endpoint_id",
-        )
-        .bind(
-            missing
-                .iter()
-                .map(|&i| batch[i].endpoint_id)
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            missing
-                .iter()
-                .map(|&i| batch[i].webhook_id.as_str())
-                .collect::<Vec<_>>(),
-        )
-        .fetch_all(&mut *tx)
-        .await?;
-        for (endpoint, webhook_id, already_stored, status) in rows {
-            let outcome = match (already_stored, status.as_deref()) {
-                (true, _) => StoreOutcome::Duplicate,
-                (false, Some("paused")) => StoreOutcome::EndpointPaused,
-                (false, Some(_)) => {
-                    // Active, yet neither inserted nor stored: cannot happen while the counter
-                    // row exists. Refuse rather than claim it was stored.
-                    return Err(StoreError::Invalid(format!(
-                        "message {webhook_id} for endpoint {endpoint} was neither stored nor a duplicate"
-                    )));
-                }
-                (false, None) => StoreOutcome::EndpointUnknown,
+    let mut by_position = vec![StoreOutcome::EndpointUnknown; batch.len()];
+    for ((_, arrival_seq, reserved, status), &i) in rows.into_iter().zip(&unique) {
+        by_position[i] = match (arrival_seq, reserved, status.as_deref()) {
+            (Some(arrival_seq), _, _) => StoreOutcome::Stored { arrival_seq },
+            // The endpoint's numbers were reserved, so the only thing that can have stopped the
+            // insert is a committed row with the same webhook-id: a duplicate.
+            (None, true, _) => StoreOutcome::Duplicate,
+            (None, false, Some("paused")) => StoreOutcome::EndpointPaused,
+            (None, false, None) => StoreOutcome::EndpointUnknown,
+            (None, false, Some(_)) => {
+                // Active yet nothing reserved: its counter row is missing. Refuse rather than
+                // claim the message was stored.
+                return Err(StoreError::Invalid(format!(
+                    "endpoint {} is active but has no arrival counter",
+                    batch[i].endpoint_id
+                )));
+            }
+        };
+    }
+    for (i, first) in repeat_of.iter().enumerate() {
+        if let Some(first) = *first {
+            // A repeat within the batch: a duplicate when its first occurrence was stored (or
+            // was itself a duplicate); otherwise it shares that occurrence's refusal.
+            by_position[i] = match by_position[first] {
+                StoreOutcome::Stored { .. } | StoreOutcome::Duplicate => StoreOutcome::Duplicate,
+                refusal => refusal,
             };
-            not_inserted.insert((endpoint, webhook_id), outcome);
         }
     }
-    tx.commit().await?;
-
-    let mut outcomes = Vec::with_capacity(batch.len());
-    for (i, m) in batch.iter().enumerate() {
-        let key = (m.endpoint_id, m.webhook_id.clone());
-        let outcome = match repeat_of[i] {
-            // A repeat within the batch: a duplicate if its first occurrence was stored or was
-            // itself a duplicate; otherwise it shares the first occurrence's refusal.
-            Some(_) => match not_inserted.get(&key) {
-                Some(StoreOutcome::EndpointPaused) => StoreOutcome::EndpointPaused,
-                Some(StoreOutcome::EndpointUnknown) => StoreOutcome::EndpointUnknown,
-                _ => StoreOutcome::Duplicate,
-            },
-            None => match stored.remove(&key) {
-                Some(arrival_seq) => StoreOutcome::Stored { arrival_seq },
-                None => not_inserted
-                    .get(&key)
-                    .copied()
-                    .unwrap_or(StoreOutcome::EndpointUnknown),
-            },
-        };
-        outcomes.push(outcome);
-    }
-    Ok(outcomes)
+    Ok(by_position)
 }
 
 /// A stored message as support and tests read it back.

@@ -352,29 +352,36 @@ impl FeedItem {
                 expected: "an object",
             });
         };
-        // Read from a clone so that `raw` keeps every field, known or not.
-        let mut fields = object.clone();
-        let mut at = Fields::new(&mut fields, path);
-        let feed_item_id = at.required_str("feed_item_id")?;
+        // Read by reference: `raw` keeps every field, known or not, without a copy.
+        let at = FieldsRef {
+            fields: object,
+            prefix: path,
+        };
+        let feed_item_id = at.required_str("feed_item_id")?.to_owned();
         let kind_text = at.required_str("item_kind")?;
-        let item_kind = ItemKind::parse(&kind_text).ok_or_else(|| MessageError::WrongShape {
+        let item_kind = ItemKind::parse(kind_text).ok_or_else(|| MessageError::WrongShape {
             field: at.path("item_kind"),
             expected: "announcement or pre_earnings_analysis",
         })?;
         let seq = at.required_u64("seq")?;
-        let lang = at.optional_str("lang")?;
-        let company_id = match at.take("company") {
-            Some(Value::Object(company)) => company.get("company_id").and_then(Value::as_i64),
-            _ => None,
-        };
-        let parts = match at.take("parts") {
+        let lang = at.optional_str("lang")?.map(str::to_owned);
+        let company_id = object
+            .get("company")
+            .and_then(|company| company.get("company_id"))
+            .and_then(Value::as_i64);
+        let parts = match object.get("parts") {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::Array(parts)) => parts
-                .into_iter()
+                .iter()
                 .enumerate()
                 .map(|(i, part)| PartRef::parse(part, &format!("{}[{i}]", at.path("parts"))))
                 .collect::<Result<_, _>>()?,
-            Some(_) => return Err(at.wrong("parts", "an array")),
+            Some(_) => {
+                return Err(MessageError::WrongShape {
+                    field: at.path("parts"),
+                    expected: "an array",
+                })
+            }
         };
         Ok(FeedItem {
             feed_item_id,
@@ -389,17 +396,33 @@ impl FeedItem {
 }
 
 impl PartRef {
-    fn parse(value: Value, path: &str) -> Result<Self, MessageError> {
-        let Value::Object(mut fields) = value else {
+    fn parse(value: &Value, path: &str) -> Result<Self, MessageError> {
+        let Value::Object(fields) = value else {
             return Err(MessageError::WrongShape {
                 field: path.to_owned(),
                 expected: "an object",
             });
         };
-        let mut at = Fields::new(&mut fields, path);
+        let at = FieldsRef {
+            fields,
+            prefix: path,
+        };
+        let part_version = match fields.get("part_version") {
+            Some(Value::Number(n)) => n.as_i64().ok_or_else(|| MessageError::WrongShape {
+                field: at.path("part_version"),
+                expected: "an integer",
+            })?,
+            None | Some(Value::Null) => return Err(MessageError::Missing(at.path("part_version"))),
+            Some(_) => {
+                return Err(MessageError::WrongShape {
+                    field: at.path("part_version"),
+                    expected: "an integer",
+                })
+            }
+        };
         Ok(PartRef {
-            part_id: at.required_str("part_id")?,
-            part_version: at.required_i64("part_version")?,
+            part_id: at.required_str("part_id")?.to_owned(),
+            part_version,
         })
     }
 }
@@ -436,6 +459,52 @@ impl TestedData {
             test_send_id: at.required_str("test_send_id")?,
             example: at.take("example"),
         })
+    }
+}
+
+/// Reads named fields of a JSON object in place, naming the full path in every error.
+struct FieldsRef<'a> {
+    fields: &'a Map<String, Value>,
+    prefix: &'a str,
+}
+
+impl<'a> FieldsRef<'a> {
+    fn path(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    fn optional_str(&self, name: &str) -> Result<Option<&'a str>, MessageError> {
+        match self.fields.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(MessageError::WrongShape {
+                field: self.path(name),
+                expected: "a string",
+            }),
+        }
+    }
+
+    fn required_str(&self, name: &str) -> Result<&'a str, MessageError> {
+        self.optional_str(name)?
+            .ok_or_else(|| MessageError::Missing(self.path(name)))
+    }
+
+    fn required_u64(&self, name: &str) -> Result<u64, MessageError> {
+        match self.fields.get(name) {
+            Some(Value::Number(n)) => n.as_u64().ok_or_else(|| MessageError::WrongShape {
+                field: self.path(name),
+                expected: "a whole number of at least 0",
+            }),
+            None | Some(Value::Null) => Err(MessageError::Missing(self.path(name))),
+            Some(_) => Err(MessageError::WrongShape {
+                field: self.path(name),
+                expected: "a whole number of at least 0",
+            }),
+        }
     }
 }
 
@@ -496,14 +565,6 @@ impl<'a> Fields<'a> {
     fn required_u64(&mut self, name: &str) -> Result<u64, MessageError> {
         self.optional_u64(name)?
             .ok_or_else(|| MessageError::Missing(self.path(name)))
-    }
-
-    fn required_i64(&mut self, name: &str) -> Result<i64, MessageError> {
-        match self.take(name) {
-            Some(Value::Number(n)) => n.as_i64().ok_or_else(|| self.wrong(name, "an integer")),
-            None | Some(Value::Null) => Err(MessageError::Missing(self.path(name))),
-            Some(_) => Err(self.wrong(name, "an integer")),
-        }
     }
 
     fn optional_bool(&mut self, name: &str) -> Result<Option<bool>, MessageError> {
