@@ -1,5 +1,6 @@
 //! Cross-crate tests, one binary (faster to link than one per file).
 
+mod cli;
 mod ingest_answers;
 mod ingest_outage;
 mod ingest_vector;
