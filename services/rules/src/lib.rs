@@ -1,0 +1,56 @@
+//! The wire file's reading rules as pure decisions: what the relay does with each message and
+//! each event the upstream sends, given what its copy of the endpoint's feed holds.
+//!
+//! Nothing here does IO, awaits, or reads a clock (the quinn-proto shape): the sequencer loads
+//! the held row(s), asks this crate, and carries the answer out in one conditional SQL write.
+//! Every decision is stated as a comparison on the one row it writes (what the copy holds of one
+//! subject, or the endpoint track's row), never as read-then-decide over many rows, so that the
+//! Postgres layer can put the same comparison in the `where` of its `on conflict do update`.
+//!
+//! Each public function quotes, in its own words, the reading rule of the wire file
+//! (`seeds/003_8b9456903465df40.txt`, `reading`) it implements.
+//!
+//! # Layout
+//! - [`precedence`](mod@precedence): what the copy holds of a subject ([`Held`]) and which event
+//!   wins over it.
+//! - [`parts`]: the parts diff between a held item and a new one, for the outbox.
+//! - [`event`]: one event in, one [`Decision`] out (store, tombstone, refetch, ignore), and the
+//!   event-id de-duplication helper.
+//! - [`track`]: the per endpoint-and-track state machine over whole messages: generations,
+//!   access versions, resets and the reloads they begin, the kept `through`.
+//! - [`reload`]: merging a reload's read into the copy, and whether its pages agree.
+//! - [`refetch`]: what to do with the answer of a refetch's item read.
+//! - [`rewind`]: what to do after restoring the copy from a backup, and with a rewind's answer.
+//! - [`model`]: a small in-memory reference copy ([`FeedCopy`]) that carries decisions out, and
+//!   [`Endpoint`], which runs whole messages through the rules as the sequencer does: for the
+//!   property tests here, and for comparing the SQL layer against the rules.
+
+pub mod event;
+pub mod model;
+pub mod parts;
+pub mod precedence;
+pub mod refetch;
+pub mod reload;
+pub mod rewind;
+pub mod track;
+
+pub use event::{
+    decide_event, decide_event_dedup, decide_removal, decide_update, feed_subject, is_duplicate,
+    Decision, IgnoreReason,
+};
+pub use model::{Endpoint, FeedCopy, Received};
+pub use parts::{diff_parts, PartsDiff};
+pub use precedence::{precedence, Held, HeldContent, Precedence};
+pub use refetch::{
+    decide_refetch, PendingRefetch, RefetchAnswer, RefetchOutcome, REFETCH_ATTEMPTS,
+};
+pub use reload::{
+    check_pages, drop_after_merge, merge_item, merge_read_item, pages_agree, MergeDecision,
+    PagesCheck, ReadItem,
+};
+pub use rewind::{
+    decide_rewind, restore_plan, RestorePlan, RewindAnswer, RewindOutcome, RewindRefusal,
+};
+pub use track::{
+    step, EndpointTrack, MalformedMessage, MessageDecision, Reload, ReloadCause, ReloadStart,
+};

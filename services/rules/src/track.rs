@@ -1,0 +1,231 @@
+//! Whole messages, per endpoint and track: generations, access versions, resets and reloads.
+//!
+//! [`EndpointTrack`] is one row per endpoint and track; [`step`] is the pure transition the
+//! sequencer runs for each stored message, in the order received, under that row's lock, writing
+//! the new row in the same transaction as the message's event decisions.
+
+use relay_wire::{EventBody, Message, ResetData, Track};
+use serde::{Deserialize, Serialize};
+
+/// What the copy keeps of one endpoint's track.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointTrack {
+    /// The newest generation of a message applied (`None` before the first).
+    pub generation: Option<u64>,
+    /// The access_version the copy is held under: that of the message that began its reload.
+    pub access_version: Option<String>,
+    /// The reload begun and not yet merged, if any: kept with the copy, begun again after a
+    /// restart.
+    pub reload: Option<Reload>,
+    /// The `through` of the last message of events applied: where a rewind restarts the track
+    /// after the copy is restored from a backup.
+    pub through: Option<String>,
+    /// True when the last message the copy took was a reset: restoring then means reloading.
+    pub last_was_reset: bool,
+    /// The generation of the last reset taken: a refetch read begun before it is dropped.
+    pub last_reset_generation: Option<u64>,
+}
+
+/// A reload: read every page of `/v1/feed`, then merge it under `generation`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reload {
+    pub generation: u64,
+    /// The access_version the pages must carry: the beginning message's. `None` when no message
+    /// began it (a refetch's or a rewind's answer, a restore): the pages' agreed one is taken.
+    pub access_version: Option<String>,
+    pub cause: ReloadCause,
+}
+
+/// What began a reload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReloadCause {
+    /// A `webhook_endpoint.reset`, whatever its reason (kept for logs only).
+    Reset { reason: String },
+    /// A message of events under another access_version than the copy's.
+    AccessVersion,
+    /// A rule that says "read /v1/feed again" with no message: a refetch's answer, a rewind's
+    /// refusal, a restore after a reset.
+    ReadAgain,
+}
+
+/// A reload begun, and the one it replaces if one was running.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReloadStart {
+    Begin(Reload),
+    Supersede { stopped: Reload, begun: Reload },
+}
+
+/// What the sequencer does with one stored message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MessageDecision {
+    /// Only `webhook_endpoint.tested` events: answered, never applied.
+    Test,
+    /// A track version 1 does not name (or none, on a message that is not a test): ignored.
+    IgnoredTrack,
+    /// The message's generation is older than the one held (a reset: not newer). Nothing applies.
+    SkipOlderGeneration { generation: u64, held: u64 },
+    /// A reset, and no reload was running: begin this one.
+    BeginReload(Reload),
+    /// A reset while a reload was running: stop that one, begin this one.
+    SupersedeReload { stopped: Reload, begun: Reload },
+    /// A message of events: decide each event at `generation` (see [`crate::event`]). When
+    /// `reload` is set, the message is under another access_version than the copy's: a reload
+    /// begins as well.
+    ApplyEvents {
+        generation: u64,
+        reload: Option<ReloadStart>,
+    },
+    /// A feed message that lacks what version 1 requires of it: logged, never applied.
+    Malformed(MalformedMessage),
+}
+
+/// Why a feed-track message cannot be applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MalformedMessage {
+    #[error("a message of the feed track carries no generation")]
+    MissingGeneration,
+}
+
+/// The transition for one message, applied in the order received (rule "Apply each endpoint's
+/// stored messages one at a time, for each track, in the order you received them").
+///
+/// - Rule "A webhook_endpoint.tested event is a test": `Test`, state unchanged.
+/// - Rule "Ignore an event type, a track ... version 1 does not name": `IgnoredTrack`.
+/// - Rule "Ignore a message of an older generation than the one held": `SkipOlderGeneration`.
+/// - Rule "Apply each endpoint's stored messages ...": a message applied ahead of an earlier reset
+///   makes that reset read as older, so a reset not newer than the held generation is skipped.
+/// - Rule "Handle every webhook_endpoint.reset the same way, whatever its reason": a newer reset
+///   begins a reload under its generation and access_version (`BeginReload`); rule "If a newer
+///   reset arrives during the read, stop: its reload replaces this one" (`SupersedeReload`).
+/// - Rule "The copy is held under the access_version of the message that began its reload ... or
+///   one under another access_version than the copy's, which means: read /v1/feed again, under
+///   the generation that message arrived at": `ApplyEvents { reload: Some(..) }`; its events are
+///   still applied by the same rules ("While you read, keep applying the messages that follow").
+/// - Rule "A rewind raises the generation too but sends no reset, and a reload it overtakes goes
+///   on": a newer generation without a reset leaves a running reload alone.
+/// - Rule "Keep, with the copy, the through of the last message of events applied": a message of
+///   events sets `through` and clears `last_was_reset`; a reset sets `last_was_reset`.
+///
+/// A message holding a reset is a reset message (version 1 sends a reset alone); its other
+/// events are not applied.
+pub fn step(state: &EndpointTrack, message: &Message) -> (EndpointTrack, MessageDecision) {
+    let same = |d| (state.clone(), d);
+    if message.is_test() {
+        return same(MessageDecision::Test);
+    }
+    if message.track != Some(Track::Feed) {
+        return same(MessageDecision::IgnoredTrack);
+    }
+    let reset = message.events.iter().find_map(|e| match &e.body {
+        EventBody::Reset(r) => Some(r),
+        _ => None,
+    });
+    if let Some(reset) = reset {
+        return step_reset(state, reset);
+    }
+    let Some(generation) = message.generation else {
+        return same(MessageDecision::Malformed(
+            MalformedMessage::MissingGeneration,
+        ));
+    };
+    if let Some(held) = state.generation {
+        if generation < held {
+            return same(MessageDecision::SkipOlderGeneration { generation, held });
+        }
+    }
+    let mut next = state.clone();
+    next.generation = Some(state.generation.map_or(generation, |h| h.max(generation)));
+    if message.through.is_some() {
+        next.through = message.through.clone();
+    }
+    next.last_was_reset = false;
+    let reload = match &message.access_version {
+        Some(av) if state.access_version.as_deref() != Some(av.as_str()) => {
+            let begun = Reload {
+                generation,
+                access_version: Some(av.clone()),
+                cause: ReloadCause::AccessVersion,
+            };
+            Some(next.begin(begun))
+        }
+        _ => None,
+    };
+    (next, MessageDecision::ApplyEvents { generation, reload })
+}
+
+/// A reset message: skipped unless newer than what is held, else begins (or supersedes) a reload
+/// under the reset's own generation and access_version.
+fn step_reset(state: &EndpointTrack, reset: &ResetData) -> (EndpointTrack, MessageDecision) {
+    if let Some(held) = state.generation {
+        if reset.generation <= held {
+            return (
+                state.clone(),
+                MessageDecision::SkipOlderGeneration {
+                    generation: reset.generation,
+                    held,
+                },
+            );
+        }
+    }
+    let mut next = state.clone();
+    next.generation = Some(reset.generation);
+    next.last_was_reset = true;
+    next.last_reset_generation = Some(reset.generation);
+    let begun = Reload {
+        generation: reset.generation,
+        access_version: Some(reset.access_version.clone()),
+        cause: ReloadCause::Reset {
+            reason: reset.reason.clone(),
+        },
+    };
+    let decision = match next.begin(begun) {
+        ReloadStart::Begin(r) => MessageDecision::BeginReload(r),
+        ReloadStart::Supersede { stopped, begun } => {
+            MessageDecision::SupersedeReload { stopped, begun }
+        }
+    };
+    (next, decision)
+}
+
+impl EndpointTrack {
+    /// Makes `begun` the running reload and holds the copy under its access_version (rule "The
+    /// copy is held under the access_version of the message that began its reload").
+    fn begin(&mut self, begun: Reload) -> ReloadStart {
+        if begun.access_version.is_some() {
+            self.access_version = begun.access_version.clone();
+        }
+        match self.reload.replace(begun.clone()) {
+            Some(stopped) => ReloadStart::Supersede { stopped, begun },
+            None => ReloadStart::Begin(begun),
+        }
+    }
+
+    /// Begins a reload no message began ("read /v1/feed again", from a refetch's answer, a
+    /// rewind's refusal or a restore), under the held generation; the pages' access_version will
+    /// be taken. A running reload already reads everything again and is left alone (`None`).
+    pub fn read_feed_again(&self) -> (EndpointTrack, Option<ReloadStart>) {
+        if self.reload.is_some() {
+            return (self.clone(), None);
+        }
+        let mut next = self.clone();
+        let start = next.begin(Reload {
+            generation: self.generation.unwrap_or(0),
+            access_version: None,
+            cause: ReloadCause::ReadAgain,
+        });
+        (next, Some(start))
+    }
+
+    /// The reload `merged` was merged into the copy, its pages under `pages_access_version`: it
+    /// is no longer running, and the copy is held under that access_version. A reload that was
+    /// superseded meanwhile changes nothing (its merge must not have been carried out).
+    pub fn reload_merged(&self, merged: &Reload, pages_access_version: &str) -> EndpointTrack {
+        if self.reload.as_ref() != Some(merged) {
+            return self.clone();
+        }
+        let mut next = self.clone();
+        next.reload = None;
+        next.access_version = Some(pages_access_version.to_owned());
+        next
+    }
+}
