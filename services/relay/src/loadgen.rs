@@ -1,7 +1,8 @@
 //! `relay loadgen`: drives a running front tier with correctly signed messages.
 //!
-//! A closed loop: `concurrency` senders each post a message, wait for the answer, and post the
-//! next, to endpoints chosen at random among `endpoints`. Each message is a v1 `feed` message of
+//! By default a closed loop: `concurrency` senders each post a message, wait for the answer,
+//! and post the next, to endpoints chosen at random among `endpoints`. With `--rate`, an open
+//! loop: the senders share a fixed schedule of that many messages per second. Each message is a v1 `feed` message of
 //! one `announcement.updated` event padded to about `body_bytes`, with a fresh webhook-id,
 //! signed at the moment it is sent. With `--provision`, the endpoints (and a tenant for them)
 //! are first registered in the database the front tier uses.
@@ -42,6 +43,11 @@ pub struct LoadgenArgs {
     /// Seconds of load before measuring starts (connections, caches, Postgres buffers).
     #[arg(long, default_value_t = 3)]
     pub warmup_s: u64,
+    /// Messages per second in all, sent on a fixed schedule (0: as fast as answers allow).
+    /// With a rate, each latency is measured from the moment the message was due, so time a
+    /// message spent waiting for a free sender counts against the relay.
+    #[arg(long, default_value_t = 0.0)]
+    pub rate: f64,
     /// Approximate size of each message body.
     #[arg(long, default_value_t = 3072)]
     pub body_bytes: usize,
@@ -192,7 +198,9 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
         .timeout(Duration::from_secs(20))
         .build()?;
     let base = args.url.trim_end_matches('/').to_owned();
-    let warmup_ends = Instant::now() + Duration::from_secs(args.warmup_s);
+    let started = Instant::now();
+    let (rate, concurrency) = (args.rate, args.concurrency.max(1));
+    let warmup_ends = started + Duration::from_secs(args.warmup_s);
     let ends = warmup_ends + Duration::from_secs(args.duration_s);
 
     let senders = (0..args.concurrency.max(1)).map(|worker| {
@@ -210,16 +218,33 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
             let mut tally = Tally::default();
             let mut n = (worker as u64) << 32;
+            // On a schedule, worker w sends the messages due at w, w + c, w + 2c, ... in units
+            // of 1/rate seconds (c senders), so together they keep the rate.
+            let interval = (rate > 0.0).then(|| Duration::from_secs_f64(concurrency as f64 / rate));
+            let mut next_due = started
+                + Duration::from_secs_f64(if rate > 0.0 {
+                    worker as f64 / rate
+                } else {
+                    0.0
+                });
             loop {
-                let now = Instant::now();
-                if now >= ends {
+                // Latency counts from when the message was due (open loop) or from now.
+                let due = match interval {
+                    Some(interval) => {
+                        let due = next_due;
+                        next_due += interval;
+                        tokio::time::sleep_until(due.into()).await;
+                        due
+                    }
+                    None => Instant::now(),
+                };
+                if Instant::now() >= ends {
                     return tally;
                 }
                 let (id, secret) = &endpoints[rng.gen_range(0..endpoints.len())];
                 n += 1;
                 let (webhook_id, timestamp, signature, body) =
                     build_message(*id, secret, n, &padding);
-                let sent = Instant::now();
                 let result = client
                     .post(format!("{base}/webhooks/{id}"))
                     .header("content-type", "application/json")
@@ -239,8 +264,8 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
                     Err(error) if error.is_timeout() => "timeout".to_owned(),
                     Err(_) => "error".to_owned(),
                 };
-                if sent >= warmup_ends {
-                    tally.latencies_us.push(sent.elapsed().as_micros() as u64);
+                if due >= warmup_ends {
+                    tally.latencies_us.push(due.elapsed().as_micros() as u64);
                     *tally.by_status.entry(status).or_default() += 1;
                 }
             }
@@ -267,6 +292,7 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
     let summary = json!({
         "endpoints": args.endpoints,
         "concurrency": args.concurrency,
+        "rate": args.rate,
         "body_bytes": args.body_bytes,
         "duration_s": args.duration_s,
         "requests": total.latencies_us.len(),
