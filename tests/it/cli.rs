@@ -41,6 +41,14 @@ fn as_strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }
 
+async fn status_of(db: &TestDb, endpoint: Uuid) -> String {
+    sqlx::query_scalar("SELECT status FROM webhook_endpoints WHERE id = $1")
+        .bind(endpoint)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
 async fn count(db: &TestDb, sql: &str, id: Uuid) -> i64 {
     sqlx::query_scalar(sql)
         .bind(id)
@@ -122,21 +130,11 @@ async fn endpoints_are_added_rotated_paused_and_resumed_from_the_command_line() 
     run(&db, &["endpoint", "pause", "--id", &endpoint.to_string()])
         .await
         .unwrap();
-    let status: String = sqlx::query_scalar("SELECT status FROM webhook_endpoints WHERE id = $1")
-        .bind(endpoint)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(status, "paused");
+    assert_eq!(status_of(&db, endpoint).await, "paused");
     run(&db, &["endpoint", "resume", "--id", &endpoint.to_string()])
         .await
         .unwrap();
-    let status: String = sqlx::query_scalar("SELECT status FROM webhook_endpoints WHERE id = $1")
-        .bind(endpoint)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(status, "active");
+    assert_eq!(status_of(&db, endpoint).await, "active");
 }
 
 #[tokio::test]

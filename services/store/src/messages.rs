@@ -73,7 +73,8 @@ pub async fn store_batch(
         }
     }
 
-    let mut endpoint_ids: Vec<Uuid> = unique.iter().map(|&i| batch[i].endpoint_id).collect();
+    let fresh: Vec<&IncomingMessage> = unique.iter().map(|&i| &batch[i]).collect();
+    let mut endpoint_ids: Vec<Uuid> = column(&fresh, |m| m.endpoint_id);
     endpoint_ids.sort_unstable();
     endpoint_ids.dedup();
 
@@ -128,55 +129,15 @@ pub async fn store_batch(
          LEFT JOIN reserved r ON r.endpoint_id = b.endpoint_id
          ORDER BY b.ord",
     )
-    .bind(
-        unique
-            .iter()
-            .map(|&i| batch[i].endpoint_id)
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        unique
-            .iter()
-            .map(|&i| batch[i].tenant_id)
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        unique
-            .iter()
-            .map(|&i| batch[i].webhook_id.as_str())
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        unique
-            .iter()
-            .map(|&i| batch[i].signed_at)
-            .collect::<Vec<_>>(),
-    )
-    .bind(unique.iter().map(|&i| batch[i].attempt).collect::<Vec<_>>())
-    .bind(
-        unique
-            .iter()
-            .map(|&i| batch[i].received_at)
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        unique
-            .iter()
-            .map(|&i| batch[i].track.as_deref())
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        unique
-            .iter()
-            .map(|&i| batch[i].generation)
-            .collect::<Vec<_>>(),
-    )
-    .bind(
-        unique
-            .iter()
-            .map(|&i| &batch[i].body[..])
-            .collect::<Vec<&[u8]>>(),
-    )
+    .bind(column(&fresh, |m| m.endpoint_id))
+    .bind(column(&fresh, |m| m.tenant_id))
+    .bind(column(&fresh, |m| m.webhook_id.as_str()))
+    .bind(column(&fresh, |m| m.signed_at))
+    .bind(column(&fresh, |m| m.attempt))
+    .bind(column(&fresh, |m| m.received_at))
+    .bind(column(&fresh, |m| m.track.as_deref()))
+    .bind(column(&fresh, |m| m.generation))
+    .bind(column(&fresh, |m| &m.body[..]))
     .bind(&endpoint_ids)
     .fetch_all(pool)
     .await?;
@@ -218,6 +179,14 @@ pub async fn store_batch(
         }
     }
     Ok(by_position)
+}
+
+/// One field of every message, as an array parameter for `unnest`.
+fn column<'a, T>(
+    messages: &[&'a IncomingMessage],
+    field: impl Fn(&'a IncomingMessage) -> T,
+) -> Vec<T> {
+    messages.iter().map(|m| field(m)).collect()
 }
 
 /// A stored message as support and tests read it back.
