@@ -54,6 +54,7 @@ impl IntoResponse for ApiError {
             ApiError::NotFound => (StatusCode::NOT_FOUND, "not_found".to_owned()),
             ApiError::BadRequest(detail) => (StatusCode::BAD_REQUEST, detail.clone()),
             ApiError::Rewind(refusal) => (StatusCode::CONFLICT, refusal.code().to_owned()),
+            ApiError::CursorExpired => (StatusCode::GONE, "cursor_expired".to_owned()),
         };
         (status, Json(json!({"error": code}))).into_response()
     }

@@ -40,7 +40,8 @@ pub struct SimulateArgs {
     #[arg(long, default_value_t = 30)]
     pub duration_s: u64,
     /// `none`, `all`, or `name=probability,...` (duplicate, redeliver_old, rewind, slow_reads,
-    /// slow_read_ms, stale_reads, lb_404, access_change_mid_reload, reset_mid_reload, refetch).
+    /// slow_read_ms, stale_reads, lb_404, access_change_mid_reload, reset_mid_reload, refetch,
+    /// cursor_expired).
     #[arg(long, default_value = "none")]
     pub faults: String,
     /// Upstream seconds per real second for every backoff and threshold.

@@ -27,6 +27,9 @@ pub struct Faults {
     pub reset_mid_reload: f64,
     /// The share of updates sent as a refetch instead of carrying the item.
     pub refetch: f64,
+    /// A /v1/feed page after the first answers 410 `cursor_expired`: the reader must start the
+    /// pass again from the first page.
+    pub cursor_expired: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -53,6 +56,7 @@ impl Faults {
             access_change_mid_reload: 0.05,
             reset_mid_reload: 0.05,
             refetch: 0.2,
+            cursor_expired: 0.05,
         }
     }
 }
@@ -85,6 +89,7 @@ impl FromStr for Faults {
                         "access_change_mid_reload" => &mut faults.access_change_mid_reload,
                         "reset_mid_reload" => &mut faults.reset_mid_reload,
                         "refetch" => &mut faults.refetch,
+                        "cursor_expired" => &mut faults.cursor_expired,
                         "slow_read_ms" => {
                             faults.slow_read_ms = number as u64;
                             continue;

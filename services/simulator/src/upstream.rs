@@ -185,6 +185,9 @@ pub enum ApiError {
     BadRequest(String),
     #[error("{0}")]
     Rewind(RewindRefusal),
+    /// A /v1/feed cursor the upstream no longer serves: read the pass again from the start.
+    #[error("cursor_expired")]
+    CursorExpired,
 }
 
 /// An item read's answer.
@@ -1184,6 +1187,11 @@ impl Upstream {
             Some(text) => Some(parse_page_cursor(text)?),
         };
         if after.is_some() {
+            let p_expired = self.faults.cursor_expired.clamp(0.0, 1.0);
+            if self.api_rng.gen_bool(p_expired) {
+                tracing::info!(token, "fault: feed cursor expired");
+                return Err(ApiError::CursorExpired);
+            }
             self.mid_reload_faults(token, now_ms);
         }
         let world = self.world_for_read();

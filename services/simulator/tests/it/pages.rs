@@ -247,3 +247,43 @@ async fn over_http_pages_carry_access_versions_and_errors_have_their_shapes() {
     assert_eq!(since["event_ids"].as_array().unwrap().len(), 3);
     assert_eq!(since["has_more"], true);
 }
+
+#[tokio::test]
+async fn an_expired_cursor_answers_410_and_the_first_page_is_served_again() {
+    let (mut up, _) = with_items(7);
+    up.set_faults(Faults {
+        cursor_expired: 1.0,
+        ..Faults::default()
+    });
+    let sim = Simulation::new(up, Duration::from_secs(2));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = relay_simulator::api::serve(listener, sim.clone())
+        .await
+        .unwrap();
+    let client = reqwest::Client::new();
+    let get = |url: String| {
+        let request = client.get(url).bearer_auth(KEY);
+        async move {
+            let response = request.send().await.unwrap();
+            (
+                response.status().as_u16(),
+                response.json::<Value>().await.unwrap(),
+            )
+        }
+    };
+    let (status, first) = get(format!("http://{addr}/v1/feed?lang=en&limit=4")).await;
+    assert_eq!(status, 200, "a first page has no cursor to expire");
+    let cursor = first["next_cursor"].as_str().unwrap().to_owned();
+    let (status, body) = get(format!(
+        "http://{addr}/v1/feed?lang=en&limit=4&cursor={cursor}"
+    ))
+    .await;
+    assert_eq!(
+        (status, body),
+        (410, serde_json::json!({"error": "cursor_expired"}))
+    );
+    // Starting the pass again works: the first page needs no cursor.
+    let (status, again) = get(format!("http://{addr}/v1/feed?lang=en&limit=4")).await;
+    assert_eq!(status, 200);
+    assert_eq!(again["data"], first["data"]);
+}
