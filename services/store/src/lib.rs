@@ -9,7 +9,10 @@
 //! - [`tenants`]: tenant rows.
 //! - [`endpoints`]: webhook endpoints, their status and their signing secrets.
 //! - [`messages`]: the stored webhook messages, written in batches.
+//! - [`copy`]: each endpoint's copy of the feed, the event ids applied to it, and its outbox of
+//!   changes: the rules crate's decisions carried out as conditional writes.
 
+pub mod copy;
 pub mod db;
 pub mod endpoints;
 pub mod messages;

@@ -1,0 +1,551 @@
+//! An endpoint's copy of the feed, the event ids applied to it, and its outbox of changes.
+//!
+//! The rules crate (`relay-rules`) decides; this module carries the decision out. The caller (the
+//! sequencer) opens a transaction, takes [`lock_endpoint`], reads the subject's row with
+//! [`load_held`] (`for update`), asks the rules for a [`Decision`], and hands it to [`apply`],
+//! which writes it as one statement whose `where` repeats the rules' [`precedence`] comparison
+//! on the row as it is at that moment. So a caller whose view is stale (a row changed since it
+//! was read, by anyone) can never write an older position over a newer one: Postgres refuses the
+//! write and no change is appended.
+//!
+//! Every change to a copy's items appends one `changes` row numbered from the endpoint's counter
+//! row in the same statement, so the outbox is gapless and in commit order per endpoint, and
+//! replaying it in order onto an empty map rebuilds the copy's items.
+//!
+//! [`precedence`]: relay_rules::precedence()
+
+use std::collections::BTreeMap;
+
+use relay_rules::{merge_item, Decision, Held, HeldContent, PartsDiff, ReadItem};
+use relay_wire::{ItemKind, PartRef, Sequence};
+use serde_json::{json, Value};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::StoreError;
+
+/// What caused a write: recorded on its `changes` row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause<'a> {
+    /// An event (a refetch's answer included: the refetch is an event of its own), by its id.
+    Event(&'a str),
+    /// A reload's merge, by the reload's generation.
+    Reload(u64),
+}
+
+/// What [`apply`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// The decision writes nothing (`Ignore`), or nothing here (`Refetch`: the caller reads).
+    Nothing,
+    /// The row's `where` refused the write: what the copy holds now wins over the decision's
+    /// position (the decision was made from a stale view). Nothing written, no change appended.
+    Refused,
+    /// The row was written; `change_seq` is the change appended, when the decision is a change.
+    Written { change_seq: Option<i64> },
+}
+
+impl Applied {
+    pub fn written(self) -> bool {
+        matches!(self, Applied::Written { .. })
+    }
+}
+
+/// One row of the outbox, as the publisher and tests read it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Change {
+    pub change_seq: i64,
+    pub operation: Operation,
+    pub subject: String,
+    pub item_kind: Option<String>,
+    pub generation: u64,
+    /// Null for the removals of a reload's drop.
+    pub sequence: Option<Sequence>,
+    pub event_id: Option<String>,
+    pub reload_generation: Option<u64>,
+    /// The item stored, on upsert.
+    pub item: Option<Value>,
+    pub parts_diff: PartsDiff,
+    pub published: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    Upsert,
+    Remove,
+}
+
+/// Creates the endpoint's change counter if needed and holds it locked until the transaction
+/// ends. Call it first in every transaction that writes one endpoint's copy: writers of an
+/// endpoint then queue here rather than meet in the middle (two transactions each holding a
+/// subject row the other wants, and one of them the counter, would deadlock). [`apply`] and
+/// [`drop_older_generations`] take the same lock anyway when they append a change.
+pub async fn lock_endpoint(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+) -> Result<(), StoreError> {
+    // `do update` locks the row whether it was there or not, in one statement.
+    sqlx::query(
+        "INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id) VALUES ($1, $2)
+         ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// What the copy holds of `subject`, locked (`for update`) until the transaction ends, so the
+/// decision made from it stays true until it is written.
+pub async fn load_held(
+    conn: &mut PgConnection,
+    endpoint: Uuid,
+    subject: &str,
+) -> Result<Option<Held>, StoreError> {
+    let row: Option<HeldRow> = sqlx::query_as(
+        "SELECT subject, generation, sequence, tombstone, parts::text, item::text
+         FROM copy_items WHERE endpoint_id = $1 AND subject = $2
+         FOR UPDATE",
+    )
+    .bind(endpoint)
+    .bind(subject)
+    .fetch_optional(conn)
+    .await?;
+    row.map(|r| held_from_row(r).map(|(_, held)| held))
+        .transpose()
+}
+
+/// Every row of the endpoint's copy, items and tombstones, by subject.
+pub async fn copy_rows<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    endpoint: Uuid,
+) -> Result<BTreeMap<String, Held>, StoreError> {
+    let rows: Vec<HeldRow> = sqlx::query_as(
+        "SELECT subject, generation, sequence, tombstone, parts::text, item::text
+         FROM copy_items WHERE endpoint_id = $1 ORDER BY subject",
+    )
+    .bind(endpoint)
+    .fetch_all(db)
+    .await?;
+    rows.into_iter().map(held_from_row).collect()
+}
+
+/// Rule "De-duplicate events by id, for each endpoint": records that `event_id` is applied to the
+/// endpoint's copy, in the caller's transaction. True the first time; false when it was recorded
+/// before (the event is a duplicate: decide `Ignore(Duplicate)`). The insert itself decides, so
+/// two transactions racing on one id cannot both see "first".
+pub async fn record_event_id(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    event_id: &str,
+) -> Result<bool, StoreError> {
+    let first: Option<bool> = sqlx::query_scalar(
+        "INSERT INTO applied_events (endpoint_id, event_id, tenant_id) VALUES ($1, $2, $3)
+         ON CONFLICT (endpoint_id, event_id) DO NOTHING
+         RETURNING true",
+    )
+    .bind(endpoint)
+    .bind(event_id)
+    .bind(tenant)
+    .fetch_optional(conn)
+    .await?;
+    Ok(first.is_some())
+}
+
+// The tail shared by the item and tombstone writes: when the row was written (`written` returned
+// it) and the decision is a change ($10), advance the endpoint's counter and append the change
+// under the number it returns. All in the one statement that wrote the row.
+macro_rules! append_change {
+    () => {
+        "counter AS (
+             INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id, last)
+             SELECT $1, $2, 1 FROM written WHERE $10
+             ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last + 1
+             RETURNING last
+         ),
+         change AS (
+             INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject,
+                                  item_kind, generation, sequence, event_id, reload_generation,
+                                  item, parts_diff)
+             SELECT $1, counter.last, $2, $11, $3, $6, $4, $5, $12, $13, $9::jsonb, $14::jsonb
+             FROM counter
+             RETURNING change_seq
+         )
+         SELECT EXISTS (SELECT 1 FROM written), (SELECT change_seq FROM change)"
+    };
+}
+
+/// Store: an update wins over the held row when its generation is newer, or its sequence is
+/// above the held one's within the generation (relay-rules' `precedence` with `is_removal`
+/// false; also the merge rule's condition for a read item, see `merge_read_item` there).
+const STORE: &str = concat!(
+    "WITH written AS (
+         INSERT INTO copy_items AS held (endpoint_id, subject, tenant_id, generation, sequence,
+                                         tombstone, item_kind, company_id, parts, item)
+         VALUES ($1, $3, $2, $4, $5, false, $6, $7, $8::jsonb, $9::jsonb)
+         ON CONFLICT (endpoint_id, subject) DO UPDATE
+         SET generation = excluded.generation, sequence = excluded.sequence, tombstone = false,
+             item_kind = excluded.item_kind, company_id = excluded.company_id,
+             parts = excluded.parts, item = excluded.item, updated_at = now()
+         WHERE excluded.generation > held.generation
+            OR (excluded.generation = held.generation AND excluded.sequence > held.sequence)
+         RETURNING 1
+     ),
+     ",
+    append_change!()
+);
+
+/// Tombstone: a removal wins at an equal sequence too; but a tombstone already at exactly this
+/// position is the removal carried out before (`Ignore(AlreadyRemoved)` in the rules), so it is
+/// not written again and appends no second change.
+const TOMBSTONE: &str = concat!(
+    "WITH written AS (
+         INSERT INTO copy_items AS held (endpoint_id, subject, tenant_id, generation, sequence,
+                                         tombstone, item_kind, company_id, parts, item)
+         VALUES ($1, $3, $2, $4, $5, true, $6, $7, $8::jsonb, $9::jsonb)
+         ON CONFLICT (endpoint_id, subject) DO UPDATE
+         SET generation = excluded.generation, sequence = excluded.sequence, tombstone = true,
+             item_kind = coalesce(excluded.item_kind, held.item_kind), company_id = NULL,
+             parts = '[]', item = NULL, updated_at = now()
+         WHERE excluded.generation > held.generation
+            OR (excluded.generation = held.generation
+                AND (excluded.sequence > held.sequence
+                     OR (excluded.sequence = held.sequence AND NOT held.tombstone)))
+         RETURNING 1
+     ),
+     ",
+    append_change!()
+);
+
+/// Unchanged: the held item is the one the event carries, so only the position rises, under the
+/// same condition as a store. An update, not an upsert: there is no item to insert, and with no
+/// row held the rules never decide `Unchanged`. A tombstone is never "the same item".
+const UNCHANGED: &str = "UPDATE copy_items AS held
+     SET generation = $3, sequence = $4, updated_at = now()
+     WHERE held.endpoint_id = $1 AND held.subject = $2 AND NOT held.tombstone
+       AND ($3 > held.generation
+            OR ($3 = held.generation AND $4::text COLLATE \"C\" > held.sequence))";
+
+/// Carries out a decision of the rules on the endpoint's copy, in the caller's transaction.
+///
+/// `Store`, `Unchanged` and `Tombstone` are each one statement that compares the decision's
+/// position with the row as it is now and writes only when the decision wins (so a decision made
+/// from a stale view is [`Applied::Refused`], not written over a newer row). When the row was
+/// written and the decision is a change ([`Decision::is_change`]), the same statement appends the
+/// change: `upsert` with the item and the decision's parts diff, or `remove` for a tombstone that
+/// removed an item. `Refetch` and `Ignore` write nothing.
+///
+/// The decision's parts diff and `removed_item` are what the caller's view said: take that view
+/// with [`load_held`] in the same transaction, so that it is the row the statement writes over.
+/// (`Unchanged` names no item: made from a stale view, it would raise the position of whatever
+/// item is held now. Under `load_held`'s lock it cannot be stale.)
+pub async fn apply(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    decision: &Decision,
+    cause: Cause<'_>,
+) -> Result<Applied, StoreError> {
+    let (event_id, reload_generation) = match cause {
+        Cause::Event(id) => (Some(id), None),
+        Cause::Reload(g) => (None, Some(to_i64(g)?)),
+    };
+    let row: (bool, Option<i64>) = match decision {
+        Decision::Store {
+            subject,
+            generation,
+            sequence,
+            item,
+            diff,
+        } => {
+            sqlx::query_as(STORE)
+                .bind(endpoint)
+                .bind(tenant)
+                .bind(subject)
+                .bind(to_i64(*generation)?)
+                .bind(sequence.as_str())
+                .bind(item.item_kind.as_str())
+                .bind(item.company_id)
+                .bind(parts_json(&item.parts))
+                .bind(item.raw.to_string())
+                .bind(decision.is_change())
+                .bind("upsert")
+                .bind(event_id)
+                .bind(reload_generation)
+                .bind(diff_json(diff))
+                .fetch_one(conn)
+                .await?
+        }
+        Decision::Tombstone {
+            subject,
+            generation,
+            sequence,
+            ..
+        } => {
+            sqlx::query_as(TOMBSTONE)
+                .bind(endpoint)
+                .bind(tenant)
+                .bind(subject)
+                .bind(to_i64(*generation)?)
+                .bind(sequence.as_str())
+                .bind(kind_of_subject(subject))
+                .bind(None::<i64>)
+                .bind("[]")
+                .bind(None::<String>)
+                .bind(decision.is_change())
+                .bind("remove")
+                .bind(event_id)
+                .bind(reload_generation)
+                // A removal takes the item whole: its diff names no parts.
+                .bind(diff_json(&PartsDiff::default()))
+                .fetch_one(conn)
+                .await?
+        }
+        Decision::Unchanged {
+            subject,
+            generation,
+            sequence,
+        } => {
+            let updated = sqlx::query(UNCHANGED)
+                .bind(endpoint)
+                .bind(subject)
+                .bind(to_i64(*generation)?)
+                .bind(sequence.as_str())
+                .execute(conn)
+                .await?
+                .rows_affected();
+            (updated == 1, None)
+        }
+        Decision::Refetch { .. } | Decision::Ignore(_) => return Ok(Applied::Nothing),
+    };
+    Ok(match row {
+        (true, change_seq) => Applied::Written { change_seq },
+        (false, _) => Applied::Refused,
+    })
+}
+
+/// Rule "Then merge the read into the copy under the reset's generation", for one item read:
+/// keep what the copy holds of its subject at that generation at the same sequence or a later
+/// one, or at a newer generation; otherwise store the item read at (`generation`, its sequence).
+///
+/// Decided by relay-rules' [`merge_item`] against the row read with [`load_held`] (so the parts
+/// diff is against the item held), and written by [`apply`] with [`Cause::Reload`]: the merge
+/// condition is the update's precedence at (`generation`, read sequence), so `apply`'s one
+/// conditional upsert is the merge's. A change row is appended when the item changed (`Store`);
+/// `Unchanged` only raises the row's position, which keeps it from the drop that follows.
+pub async fn merge_read_item(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    generation: u64,
+    read: &ReadItem,
+) -> Result<(Decision, Applied), StoreError> {
+    let held = load_held(conn, endpoint, &read.subject).await?;
+    let decision = merge_item(held.as_ref(), generation, read);
+    let applied = apply(conn, tenant, endpoint, &decision, Cause::Reload(generation)).await?;
+    Ok((decision, applied))
+}
+
+/// Rule "Then remove everything held from an older generation" (after a reload of `generation`
+/// merged its read): one `delete ... where generation < $g`, items and tombstones alike, which in
+/// the same statement appends a `remove` change for each item deleted (a tombstone's removal was
+/// reported when it was made). Returns the subjects of the items removed, in change order.
+pub async fn drop_older_generations(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    generation: u64,
+) -> Result<Vec<String>, StoreError> {
+    let removed: Vec<String> = sqlx::query_scalar(
+        "WITH dropped AS (
+             DELETE FROM copy_items WHERE endpoint_id = $1 AND generation < $3
+             RETURNING subject, tombstone, item_kind
+         ),
+         removed AS (
+             SELECT subject, item_kind, row_number() OVER (ORDER BY subject COLLATE \"C\") AS n
+             FROM dropped WHERE NOT tombstone
+         ),
+         counter AS (
+             INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id, last)
+             SELECT $1, $2, count(*) FROM removed HAVING count(*) > 0
+             ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last + excluded.last
+             RETURNING last
+         ),
+         change AS (
+             INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject,
+                                  item_kind, generation, sequence, event_id, reload_generation,
+                                  item, parts_diff)
+             SELECT $1, counter.last - (SELECT count(*) FROM removed) + removed.n, $2, 'remove',
+                    removed.subject, removed.item_kind, $3, NULL, NULL, $3, NULL, $4::jsonb
+             FROM removed CROSS JOIN counter
+             RETURNING subject, change_seq
+         )
+         SELECT subject FROM change ORDER BY change_seq",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(to_i64(generation)?)
+    .bind(diff_json(&PartsDiff::default()))
+    .fetch_all(conn)
+    .await?;
+    Ok(removed)
+}
+
+/// The endpoint's changes in `change_seq` order.
+pub async fn list_changes<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    endpoint: Uuid,
+) -> Result<Vec<Change>, StoreError> {
+    type Row = (
+        i64,
+        String,
+        String,
+        Option<String>,
+        i64,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+        Option<String>,
+        String,
+        bool,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT change_seq, operation, subject, item_kind, generation, sequence, event_id,
+                reload_generation, item::text, parts_diff::text, published_at IS NOT NULL
+         FROM changes WHERE endpoint_id = $1 ORDER BY change_seq",
+    )
+    .bind(endpoint)
+    .fetch_all(db)
+    .await?;
+    rows.into_iter()
+        .map(
+            |(
+                seq,
+                op,
+                subject,
+                item_kind,
+                generation,
+                sequence,
+                event_id,
+                reload,
+                item,
+                diff,
+                published,
+            )| {
+                Ok(Change {
+                    change_seq: seq,
+                    operation: match op.as_str() {
+                        "upsert" => Operation::Upsert,
+                        "remove" => Operation::Remove,
+                        other => return Err(invalid(format!("change operation {other}"))),
+                    },
+                    subject,
+                    item_kind,
+                    generation: to_u64(generation)?,
+                    sequence: sequence.map(Sequence::new),
+                    event_id,
+                    reload_generation: reload.map(to_u64).transpose()?,
+                    item: item.map(|t| parse_json(&t)).transpose()?,
+                    parts_diff: diff_from_json(&parse_json(&diff)?)?,
+                    published,
+                })
+            },
+        )
+        .collect()
+}
+
+type HeldRow = (String, i64, String, bool, String, Option<String>);
+
+fn held_from_row(
+    (subject, generation, sequence, tombstone, parts, item): HeldRow,
+) -> Result<(String, Held), StoreError> {
+    let content = if tombstone {
+        HeldContent::Tombstone
+    } else {
+        let item = item.ok_or_else(|| invalid(format!("item row {subject} has no item")))?;
+        HeldContent::Item {
+            parts: parts_from_json(&parse_json(&parts)?)?,
+            item: parse_json(&item)?,
+        }
+    };
+    let held = Held {
+        generation: to_u64(generation)?,
+        sequence: Sequence::new(sequence),
+        content,
+    };
+    Ok((subject, held))
+}
+
+/// The item kind a subject names (`announcement:88001`), for a tombstone's row.
+fn kind_of_subject(subject: &str) -> Option<&'static str> {
+    let (kind, _) = subject.split_once(':')?;
+    ItemKind::parse(kind).map(ItemKind::as_str)
+}
+
+fn parts_json(parts: &[PartRef]) -> String {
+    Value::Array(
+        parts
+            .iter()
+            .map(|p| json!({"part_id": p.part_id, "part_version": p.part_version}))
+            .collect(),
+    )
+    .to_string()
+}
+
+fn parts_from_json(value: &Value) -> Result<Vec<PartRef>, StoreError> {
+    let bad = || invalid(format!("parts {value} are not [{{part_id, part_version}}]"));
+    value
+        .as_array()
+        .ok_or_else(bad)?
+        .iter()
+        .map(|p| {
+            Ok(PartRef {
+                part_id: p["part_id"].as_str().ok_or_else(bad)?.to_owned(),
+                part_version: p["part_version"].as_i64().ok_or_else(bad)?,
+            })
+        })
+        .collect()
+}
+
+fn diff_json(diff: &PartsDiff) -> String {
+    json!({"added": diff.added, "changed": diff.changed, "removed": diff.removed}).to_string()
+}
+
+fn diff_from_json(value: &Value) -> Result<PartsDiff, StoreError> {
+    let list = |key: &str| -> Result<Vec<String>, StoreError> {
+        value[key]
+            .as_array()
+            .ok_or_else(|| invalid(format!("parts diff {value} has no {key}")))?
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| invalid(format!("parts diff {value}")))
+            })
+            .collect()
+    };
+    Ok(PartsDiff {
+        added: list("added")?,
+        changed: list("changed")?,
+        removed: list("removed")?,
+    })
+}
+
+fn parse_json(text: &str) -> Result<Value, StoreError> {
+    serde_json::from_str(text).map_err(|e| invalid(format!("stored JSON: {e}")))
+}
+
+fn to_i64(generation: u64) -> Result<i64, StoreError> {
+    i64::try_from(generation).map_err(|_| invalid(format!("generation {generation} is too large")))
+}
+
+fn to_u64(generation: i64) -> Result<u64, StoreError> {
+    u64::try_from(generation).map_err(|_| invalid(format!("generation {generation} is negative")))
+}
+
+fn invalid(what: String) -> StoreError {
+    StoreError::Invalid(what)
+}
