@@ -232,6 +232,31 @@ impl TestApp {
         }
     }
 
+    /// Another front tier on the same database, as a second replica behind a load balancer
+    /// would be. Its base URL is `http://{address}`.
+    pub async fn replica(&self, config: IngestConfig) -> IngestServer {
+        let pool = relay_store::connect(
+            &self.db.url,
+            &PoolOptions {
+                max_connections: 8,
+                acquire_timeout: config.answer_deadline,
+                statement_timeout: Some(config.answer_deadline),
+                generic_plans: true,
+            },
+        )
+        .unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        IngestServer::start(
+            pool,
+            config,
+            listener,
+            metrics_listener,
+            Arc::new(SystemClock),
+        )
+        .unwrap()
+    }
+
     /// A tenant and one endpoint with one fresh secret.
     pub async fn endpoint(&self) -> (Uuid, SigningSecret) {
         let tenant = self.db.tenant().await;
@@ -246,9 +271,21 @@ impl TestApp {
         endpoint: impl std::fmt::Display,
         message: &Signed,
     ) -> reqwest::Response {
+        self.try_post_to(&self.base_url, endpoint, message)
+            .await
+            .expect("the front tier answers")
+    }
+
+    /// Posts to the front tier at `base_url`; an error when no answer came (connection closed).
+    pub async fn try_post_to(
+        &self,
+        base_url: &str,
+        endpoint: impl std::fmt::Display,
+        message: &Signed,
+    ) -> reqwest::Result<reqwest::Response> {
         let mut request = self
             .client
-            .post(format!("{}/webhooks/{endpoint}", self.base_url))
+            .post(format!("{base_url}/webhooks/{endpoint}"))
             .header("content-type", "application/json")
             .header("user-agent", "Quanor-Webhooks/1")
             .header("webhook-id", &message.webhook_id)
@@ -258,7 +295,7 @@ impl TestApp {
         if let Some(attempt) = &message.attempt {
             request = request.header("quanor-webhook-attempt", attempt);
         }
-        request.send().await.expect("the front tier answers")
+        request.send().await
     }
 
     /// The value of one series of `/metrics`, e.g.

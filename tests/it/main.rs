@@ -4,4 +4,6 @@ mod cli;
 mod copy;
 mod ingest_answers;
 mod ingest_outage;
+mod ingest_replicas;
 mod ingest_vector;
+mod sequencer_ownership;

@@ -1,0 +1,204 @@
+//! One owner per endpoint at a time.
+//!
+//! Two mechanisms, each for what it is good at:
+//! - **Redis** decides who works on an endpoint: `SET key value NX PX lease` takes the lock, a
+//!   script renews it only while the value is still ours, another deletes it only while it is
+//!   ours. A worker that stops renewing (it crashed, or stalled) loses the endpoint when the
+//!   lease runs out, and another worker takes it over.
+//! - **Postgres** makes a lost lock harmless. Each acquisition claims a fencing token, one
+//!   higher than the last, in the same database as the copy; every apply transaction first
+//!   checks, holding a share lock on the token's row, that the token is still its own
+//!   ([`check_fence`]). A worker that stalled past its lease therefore cannot write after
+//!   another took over: its check fails. And a new owner's claim waits for the old owner's
+//!   transaction in flight, so their writes never interleave.
+//!
+//! The token lives in Postgres, not in a Redis counter, because Redis here keeps nothing on
+//! disk: after a restart a counter would start again below the tokens already handed out, and
+//! every new owner would be fenced out.
+
+use std::time::{Duration, Instant};
+
+use redis::aio::ConnectionManager;
+use redis::Script;
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+#[derive(Debug, thiserror::Error)]
+pub enum OwnershipError {
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("postgres: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// How ownership behaves.
+#[derive(Debug, Clone)]
+pub struct OwnershipConfig {
+    /// Every Redis key starts with this (so several relays, or tests, can share one Redis).
+    pub key_prefix: String,
+    /// How long a lock lasts without renewal. Renew well inside it (a third is usual).
+    pub lease: Duration,
+}
+
+impl Default for OwnershipConfig {
+    fn default() -> Self {
+        Self {
+            key_prefix: "relay:".to_owned(),
+            lease: Duration::from_secs(10),
+        }
+    }
+}
+
+/// One worker's hold on one endpoint.
+#[derive(Debug)]
+pub struct Lease {
+    pub endpoint_id: Uuid,
+    /// The fencing token: every apply transaction checks it with [`check_fence`].
+    pub token: i64,
+    /// This acquisition's value in Redis: renewals and the release act only while it is there.
+    value: String,
+    /// Until when the lock is certainly ours, by our own clock (measured from before the
+    /// request that took or renewed it, so a slow answer only shortens it).
+    valid_until: Instant,
+}
+
+impl Lease {
+    /// Whether the lock is still certainly ours. Past this, stop applying: another worker may
+    /// have taken over (and the fence would refuse our writes anyway).
+    pub fn is_valid(&self, now: Instant) -> bool {
+        now < self.valid_until
+    }
+}
+
+/// Takes, renews and releases endpoints for one worker.
+#[derive(Clone)]
+pub struct Owners {
+    redis: ConnectionManager,
+    pool: PgPool,
+    config: OwnershipConfig,
+}
+
+const RENEW: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0";
+
+const RELEASE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0";
+
+impl Owners {
+    pub async fn connect(
+        redis_url: &str,
+        pool: PgPool,
+        config: OwnershipConfig,
+    ) -> Result<Self, OwnershipError> {
+        let client = redis::Client::open(redis_url)?;
+        let redis = ConnectionManager::new(client).await?;
+        Ok(Self {
+            redis,
+            pool,
+            config,
+        })
+    }
+
+    fn lock_key(&self, endpoint_id: Uuid) -> String {
+        format!("{}lock:{endpoint_id}", self.config.key_prefix)
+    }
+
+    /// Takes the endpoint if nobody holds it: `None` when another worker does.
+    pub async fn try_acquire(&self, endpoint_id: Uuid) -> Result<Option<Lease>, OwnershipError> {
+        let value = format!("{:032x}", rand::random::<u128>());
+        let started = Instant::now();
+        let taken: Option<String> = redis::cmd("SET")
+            .arg(self.lock_key(endpoint_id))
+            .arg(&value)
+            .arg("NX")
+            .arg("PX")
+            .arg(self.config.lease.as_millis() as u64)
+            .query_async(&mut self.redis.clone())
+            .await?;
+        if taken.is_none() {
+            return Ok(None);
+        }
+        let mut lease = Lease {
+            endpoint_id,
+            token: 0,
+            value,
+            valid_until: started + self.config.lease,
+        };
+        match claim_fence(&self.pool, endpoint_id).await {
+            Ok(token) => {
+                lease.token = token;
+                Ok(Some(lease))
+            }
+            Err(error) => {
+                // Without a token the lock is useless; give it back rather than sit on it.
+                let _ = self.release(lease).await;
+                Err(error.into())
+            }
+        }
+    }
+
+    /// Extends the lease. `false` when the lock is no longer ours (it expired and may have been
+    /// taken): stop working on the endpoint.
+    pub async fn renew(&self, lease: &mut Lease) -> Result<bool, OwnershipError> {
+        let started = Instant::now();
+        let renewed: i64 = Script::new(RENEW)
+            .key(self.lock_key(lease.endpoint_id))
+            .arg(&lease.value)
+            .arg(self.config.lease.as_millis() as u64)
+            .invoke_async(&mut self.redis.clone())
+            .await?;
+        if renewed == 1 {
+            lease.valid_until = started + self.config.lease;
+            Ok(true)
+        } else {
+            lease.valid_until = started;
+            Ok(false)
+        }
+    }
+
+    /// Gives the endpoint up. `false` when it was no longer ours anyway.
+    pub async fn release(&self, lease: Lease) -> Result<bool, OwnershipError> {
+        let released: i64 = Script::new(RELEASE)
+            .key(self.lock_key(lease.endpoint_id))
+            .arg(&lease.value)
+            .invoke_async(&mut self.redis.clone())
+            .await?;
+        Ok(released == 1)
+    }
+}
+
+/// Claims the next fencing token for an endpoint: one more than the last, whoever held it.
+/// Waits while another owner's apply transaction holds the token's row (see [`check_fence`]).
+pub async fn claim_fence(pool: &PgPool, endpoint_id: Uuid) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(
+        "INSERT INTO endpoint_fences (endpoint_id, token) VALUES ($1, 1)
+         ON CONFLICT (endpoint_id)
+         DO UPDATE SET token = endpoint_fences.token + 1, claimed_at = now()
+         RETURNING token",
+    )
+    .bind(endpoint_id)
+    .fetch_one(pool)
+    .await
+}
+
+/// In an apply transaction, before any write: whether `token` is still the endpoint's current
+/// fencing token. Holds a share lock on the token's row until the transaction ends, so no new
+/// owner can claim the endpoint in between. Roll back when it answers `false`.
+pub async fn check_fence(
+    conn: &mut PgConnection,
+    endpoint_id: Uuid,
+    token: i64,
+) -> Result<bool, sqlx::Error> {
+    let current: Option<i64> =
+        sqlx::query_scalar("SELECT token FROM endpoint_fences WHERE endpoint_id = $1 FOR SHARE")
+            .bind(endpoint_id)
+            .fetch_optional(conn)
+            .await?;
+    Ok(current == Some(token))
+}

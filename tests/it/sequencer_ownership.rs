@@ -1,0 +1,173 @@
+//! One owner per endpoint: the Redis lock and the Postgres fencing token, against the real
+//! servers. Each test uses a key prefix of its own and a database of its own.
+
+use std::time::{Duration, Instant};
+
+use relay_sequencer::ownership::claim_fence;
+use relay_sequencer::{check_fence, Owners, OwnershipConfig};
+use relay_tests::{random_secret, TestDb};
+use uuid::Uuid;
+
+fn redis_url() -> String {
+    std::env::var("RELAY_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+struct Setup {
+    db: TestDb,
+    endpoint: Uuid,
+    prefix: String,
+}
+
+async fn setup() -> Setup {
+    let db = TestDb::new().await;
+    let tenant = db.tenant().await;
+    let endpoint = Uuid::new_v4();
+    db.endpoint(tenant, endpoint, &random_secret()).await;
+    Setup {
+        db,
+        endpoint,
+        prefix: format!("relay-test:{}:", Uuid::new_v4().simple()),
+    }
+}
+
+async fn owners(setup: &Setup, lease: Duration) -> Owners {
+    Owners::connect(
+        &redis_url(),
+        setup.db.pool.clone(),
+        OwnershipConfig {
+            key_prefix: setup.prefix.clone(),
+            lease,
+        },
+    )
+    .await
+    .expect("the tests need Redis on 127.0.0.1:6379")
+}
+
+#[tokio::test]
+async fn one_owner_at_a_time_and_each_acquisition_takes_a_higher_token() {
+    let setup = setup().await;
+    let (a, b) = (
+        owners(&setup, Duration::from_secs(10)).await,
+        owners(&setup, Duration::from_secs(10)).await,
+    );
+    let first = a.try_acquire(setup.endpoint).await.unwrap().expect("free");
+    assert!(b.try_acquire(setup.endpoint).await.unwrap().is_none());
+    assert!(a.release(first).await.unwrap());
+    let second = b
+        .try_acquire(setup.endpoint)
+        .await
+        .unwrap()
+        .expect("released");
+    assert_eq!(second.token, 2);
+    assert!(b.release(second).await.unwrap());
+}
+
+#[tokio::test]
+async fn a_worker_stalled_past_its_lease_is_fenced_out_of_the_copy() {
+    let setup = setup().await;
+    let lease = Duration::from_millis(300);
+    let (a, b) = (owners(&setup, lease).await, owners(&setup, lease).await);
+    let mut stalled = a.try_acquire(setup.endpoint).await.unwrap().expect("free");
+    assert!(stalled.is_valid(Instant::now()));
+
+    // A stops renewing (a long pause); its lock runs out and B takes the endpoint over.
+    tokio::time::sleep(lease + Duration::from_millis(150)).await;
+    assert!(!stalled.is_valid(Instant::now()));
+    let mut current = b
+        .try_acquire(setup.endpoint)
+        .await
+        .unwrap()
+        .expect("expired");
+    assert!(current.token > stalled.token);
+
+    // A wakes up: renewing tells it the lock is gone, and its apply transaction is refused.
+    assert!(!a.renew(&mut stalled).await.unwrap());
+    let mut tx = setup.db.pool.begin().await.unwrap();
+    assert!(!check_fence(&mut tx, setup.endpoint, stalled.token)
+        .await
+        .unwrap());
+    tx.rollback().await.unwrap();
+
+    let mut tx = setup.db.pool.begin().await.unwrap();
+    assert!(check_fence(&mut tx, setup.endpoint, current.token)
+        .await
+        .unwrap());
+    tx.commit().await.unwrap();
+    assert!(b.renew(&mut current).await.unwrap());
+
+    // A's release cannot take B's lock away.
+    assert!(!a.release(stalled).await.unwrap());
+    assert!(b.try_acquire(setup.endpoint).await.unwrap().is_none());
+    assert!(b.release(current).await.unwrap());
+}
+
+#[tokio::test]
+async fn a_new_claim_waits_for_the_old_owners_transaction_in_flight() {
+    let setup = setup().await;
+    let old_token = claim_fence(&setup.db.pool, setup.endpoint).await.unwrap();
+
+    // The old owner is mid-transaction, past its fence check.
+    let mut tx = setup.db.pool.begin().await.unwrap();
+    assert!(check_fence(&mut tx, setup.endpoint, old_token)
+        .await
+        .unwrap());
+
+    let pool = setup.db.pool.clone();
+    let endpoint = setup.endpoint;
+    let claim = tokio::spawn(async move {
+        let token = claim_fence(&pool, endpoint).await.unwrap();
+        (token, Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !claim.is_finished(),
+        "the claim must wait for the transaction"
+    );
+    let committed_at = Instant::now();
+    tx.commit().await.unwrap();
+
+    let (new_token, claimed_at) = claim.await.unwrap();
+    assert_eq!(new_token, old_token + 1);
+    assert!(claimed_at >= committed_at);
+}
+
+#[tokio::test]
+async fn tokens_keep_rising_when_redis_forgets_every_lock() {
+    let setup = setup().await;
+    let a = owners(&setup, Duration::from_secs(30)).await;
+    let first = a.try_acquire(setup.endpoint).await.unwrap().expect("free");
+
+    // As after a Redis restart (it keeps nothing on disk): every key of ours is gone.
+    let client = redis::Client::open(redis_url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}*", setup.prefix))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!keys.is_empty());
+    let _: i64 = redis::cmd("DEL")
+        .arg(&keys)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    let b = owners(&setup, Duration::from_secs(30)).await;
+    let second = b
+        .try_acquire(setup.endpoint)
+        .await
+        .unwrap()
+        .expect("forgotten");
+    assert!(
+        second.token > first.token,
+        "{} after {}",
+        second.token,
+        first.token
+    );
+    let mut tx = setup.db.pool.begin().await.unwrap();
+    assert!(!check_fence(&mut tx, setup.endpoint, first.token)
+        .await
+        .unwrap());
+    tx.rollback().await.unwrap();
+    assert!(b.release(second).await.unwrap());
+}
