@@ -65,13 +65,13 @@ async fn one_owner_at_a_time_and_each_acquisition_takes_a_higher_token() {
 #[tokio::test]
 async fn a_worker_stalled_past_its_lease_is_fenced_out_of_the_copy() {
     let setup = setup().await;
-    let lease = Duration::from_millis(300);
+    let lease = Duration::from_millis(1_000);
     let (a, b) = (owners(&setup, lease).await, owners(&setup, lease).await);
     let mut stalled = a.try_acquire(setup.endpoint).await.unwrap().expect("free");
     assert!(stalled.is_valid(Instant::now()));
 
     // A stops renewing (a long pause); its lock runs out and B takes the endpoint over.
-    tokio::time::sleep(lease + Duration::from_millis(150)).await;
+    tokio::time::sleep(lease + Duration::from_millis(300)).await;
     assert!(!stalled.is_valid(Instant::now()));
     let mut current = b
         .try_acquire(setup.endpoint)
