@@ -435,3 +435,39 @@ async fn metrics_are_served_in_the_prometheus_text_format() {
     assert!(text.contains("# TYPE relay_ingest_message_body_bytes histogram"));
     app.stop().await;
 }
+
+#[tokio::test]
+async fn a_scan_of_random_endpoint_ids_is_404_and_cannot_grow_the_cache_past_its_bound() {
+    let config = relay_ingest::IngestConfig {
+        endpoint_cache_max_entries: 8,
+        ..relay_tests::test_config()
+    };
+    let app =
+        TestApp::spawn_with(config, std::sync::Arc::new(relay_ingest::SystemClock), None).await;
+    let (endpoint, secret) = app.endpoint().await;
+    let scan = |_| async {
+        let id = Uuid::new_v4();
+        let message = Signed::new(std::slice::from_ref(&secret), feed_body(id, 1));
+        app.post(id, &message).await.status()
+    };
+    // Unknown ids are cached only once the change listener is up; wait for the first one.
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(5);
+    while app.metric("relay_ingest_endpoint_cache_entries").await == 0.0 {
+        assert_eq!(scan(0).await, StatusCode::NOT_FOUND);
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "the cache never took an entry"
+        );
+    }
+    for n in 0..200 {
+        assert_eq!(scan(n).await, StatusCode::NOT_FOUND);
+    }
+    assert_eq!(app.metric("relay_ingest_endpoint_cache_entries").await, 8.0);
+    // A registered endpoint is still served while the cache is full.
+    let message = Signed::new(&[secret], feed_body(endpoint, 1));
+    assert_eq!(
+        app.post(endpoint, &message).await.status(),
+        StatusCode::ACCEPTED
+    );
+    app.stop().await;
+}

@@ -24,6 +24,10 @@ pub struct IngestConfig {
     /// How long an endpoint stays cached while change notifications are flowing.
     /// Zero disables the cache.
     pub endpoint_cache_ttl: Duration,
+    /// The most endpoints (known or not) held in the cache. Unknown ids are cached too, so
+    /// that a scanner does not cost a query per request; the bound keeps one posting to random
+    /// ids from growing memory without limit. Past it, lookups go to Postgres uncached.
+    pub endpoint_cache_max_entries: usize,
 }
 
 impl Default for IngestConfig {
@@ -37,6 +41,7 @@ impl Default for IngestConfig {
             batch_max_bytes: 8 * 1024 * 1024,
             queue_capacity: 4096,
             endpoint_cache_ttl: Duration::from_secs(60),
+            endpoint_cache_max_entries: 100_000,
         }
     }
 }

@@ -29,8 +29,15 @@ struct Entry {
     loaded_at: Instant,
 }
 
+struct Entries {
+    map: HashMap<Uuid, Entry>,
+    /// When expired entries were last swept out: at most once a quarter TTL, so that a full
+    /// cache under a scan does not cost a sweep per request.
+    swept_at: Instant,
+}
+
 struct Shared {
-    entries: RwLock<HashMap<Uuid, Entry>>,
+    entries: RwLock<Entries>,
     /// Bumped on every invalidation: a load that began before one must not be cached.
     invalidations: AtomicU64,
     listening: AtomicBool,
@@ -40,6 +47,7 @@ struct Shared {
 pub struct EndpointCache {
     pool: PgPool,
     ttl: Duration,
+    max_entries: usize,
     shared: Arc<Shared>,
     metrics: Arc<IngestMetrics>,
 }
@@ -49,13 +57,18 @@ impl EndpointCache {
     pub fn start(
         pool: PgPool,
         ttl: Duration,
+        max_entries: usize,
         metrics: Arc<IngestMetrics>,
     ) -> (Self, JoinHandle<()>) {
         let cache = Self {
             pool,
             ttl,
+            max_entries,
             shared: Arc::new(Shared {
-                entries: RwLock::new(HashMap::new()),
+                entries: RwLock::new(Entries {
+                    map: HashMap::new(),
+                    swept_at: Instant::now(),
+                }),
                 invalidations: AtomicU64::new(0),
                 listening: AtomicBool::new(false),
             }),
@@ -69,7 +82,7 @@ impl EndpointCache {
     pub async fn get(&self, id: Uuid) -> Result<Option<Arc<EndpointAuth>>, StoreError> {
         if self.ttl > Duration::ZERO && self.shared.listening.load(Ordering::Acquire) {
             let entries = self.shared.entries.read().expect("cache lock poisoned");
-            if let Some(entry) = entries.get(&id) {
+            if let Some(entry) = entries.map.get(&id) {
                 if entry.loaded_at.elapsed() < self.ttl {
                     self.metrics.cache_lookups.with_label_values(&["hit"]).inc();
                     return Ok(entry.auth.clone());
@@ -84,9 +97,19 @@ impl EndpointCache {
         let auth = endpoints::load_auth(&self.pool, id).await?.map(Arc::new);
         if self.ttl > Duration::ZERO && self.shared.listening.load(Ordering::Acquire) {
             let mut entries = self.shared.entries.write().expect("cache lock poisoned");
-            // Checked under the write lock, which every invalidation also takes.
-            if self.shared.invalidations.load(Ordering::Acquire) == before {
-                entries.insert(
+            if entries.map.len() >= self.max_entries && entries.swept_at.elapsed() >= self.ttl / 4 {
+                let ttl = self.ttl;
+                entries
+                    .map
+                    .retain(|_, entry| entry.loaded_at.elapsed() < ttl);
+                entries.swept_at = Instant::now();
+            }
+            // Checked under the write lock, which every invalidation also takes. Past the bound
+            // (ids that are all fresh, as a scan makes them), the answer is not kept.
+            if self.shared.invalidations.load(Ordering::Acquire) == before
+                && entries.map.len() < self.max_entries
+            {
+                entries.map.insert(
                     id,
                     Entry {
                         auth: auth.clone(),
@@ -94,6 +117,7 @@ impl EndpointCache {
                     },
                 );
             }
+            self.metrics.cache_entries.set(entries.map.len() as i64);
         }
         Ok(auth)
     }
@@ -103,10 +127,11 @@ impl EndpointCache {
         self.shared.invalidations.fetch_add(1, Ordering::AcqRel);
         match id {
             Some(id) => {
-                entries.remove(&id);
+                entries.map.remove(&id);
             }
-            None => entries.clear(),
+            None => entries.map.clear(),
         }
+        self.metrics.cache_entries.set(entries.map.len() as i64);
     }
 
     async fn listen(self) {

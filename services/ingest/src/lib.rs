@@ -49,6 +49,7 @@ pub fn build(
     let (cache, cache_listener) = endpoint_cache::EndpointCache::start(
         pool.clone(),
         config.endpoint_cache_ttl,
+        config.endpoint_cache_max_entries,
         metrics.clone(),
     );
     let (writer, writers) = writer::BatchWriter::start(pool, &config, metrics.clone());

@@ -1,7 +1,8 @@
 //! The front tier's metrics, named by Prometheus' conventions (base units, `_total` counters).
 
 use prometheus::{
-    exponential_buckets, Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry,
+    exponential_buckets, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts,
+    Registry,
 };
 
 /// Every way a message can be answered, as the `outcome` label says it.
@@ -56,6 +57,7 @@ pub struct IngestMetrics {
     pub batch_messages: Histogram,
     pub batch_seconds: Histogram,
     pub cache_lookups: IntCounterVec,
+    pub cache_entries: IntGauge,
 }
 
 impl IngestMetrics {
@@ -111,7 +113,12 @@ impl IngestMetrics {
         registry.register(Box::new(answer_seconds.clone()))?;
         registry.register(Box::new(batch_messages.clone()))?;
         registry.register(Box::new(batch_seconds.clone()))?;
+        let cache_entries = IntGauge::new(
+            "relay_ingest_endpoint_cache_entries",
+            "Endpoints (known or unknown ids) held in the front tier's cache.",
+        )?;
         registry.register(Box::new(cache_lookups.clone()))?;
+        registry.register(Box::new(cache_entries.clone()))?;
         // Every outcome is exported from the start, at zero, so dashboards and alerts see the
         // series before the first event of its kind.
         for outcome in Outcome::ALL {
@@ -128,6 +135,7 @@ impl IngestMetrics {
             batch_messages,
             batch_seconds,
             cache_lookups,
+            cache_entries,
         })
     }
 

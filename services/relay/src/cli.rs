@@ -126,6 +126,15 @@ pub struct IngestArgs {
     /// (0 disables the cache).
     #[arg(long, env = "RELAY_INGEST_ENDPOINT_CACHE_TTL_S", default_value_t = 60)]
     pub endpoint_cache_ttl_s: u64,
+
+    /// Most endpoints held in the cache; unknown ids count too, so a scan of random ids cannot
+    /// grow memory without limit.
+    #[arg(
+        long,
+        env = "RELAY_INGEST_ENDPOINT_CACHE_MAX_ENTRIES",
+        default_value_t = 100_000
+    )]
+    pub endpoint_cache_max_entries: usize,
 }
 
 #[derive(Debug, Subcommand)]

@@ -24,6 +24,7 @@ impl IngestArgs {
             writers: self.writers,
             batch_max_messages: self.batch_max_messages,
             endpoint_cache_ttl: Duration::from_secs(self.endpoint_cache_ttl_s),
+            endpoint_cache_max_entries: self.endpoint_cache_max_entries,
             ..IngestConfig::default()
         }
     }
