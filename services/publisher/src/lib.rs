@@ -1,0 +1,1 @@
+//! The publisher (skeleton: being built).
