@@ -1,6 +1,7 @@
 //! Cross-crate tests, one binary (faster to link than one per file).
 
 mod cli;
+mod convergence;
 mod copy;
 mod ingest_answers;
 mod ingest_outage;

@@ -28,6 +28,9 @@ pub struct IngestConfig {
     /// that a scanner does not cost a query per request; the bound keeps one posting to random
     /// ids from growing memory without limit. Past it, lookups go to Postgres uncached.
     pub endpoint_cache_max_entries: usize,
+    /// Tells the sequencers which endpoints just got messages (a Redis publish after each
+    /// commit). `None`: they find them by their periodic sweep alone.
+    pub waker: Option<relay_sequencer::Waker>,
 }
 
 impl Default for IngestConfig {
@@ -42,6 +45,7 @@ impl Default for IngestConfig {
             queue_capacity: 4096,
             endpoint_cache_ttl: Duration::from_secs(60),
             endpoint_cache_max_entries: 100_000,
+            waker: None,
         }
     }
 }

@@ -39,6 +39,7 @@ pub struct BatchWriter {
 }
 
 struct Batching {
+    waker: Option<relay_sequencer::Waker>,
     max_messages: usize,
     max_bytes: usize,
     timeout: Duration,
@@ -53,6 +54,7 @@ impl BatchWriter {
         let (queue, receiver) = mpsc::channel(config.queue_capacity.max(1));
         let receiver = Arc::new(Mutex::new(receiver));
         let batching = Arc::new(Batching {
+            waker: config.waker.clone(),
             max_messages: config.batch_max_messages.max(1),
             max_bytes: config.batch_max_bytes.max(1),
             // A batch must end before the requests in it are answered 503 at their deadline.
@@ -118,8 +120,23 @@ async fn write_batches(
         metrics.batch_messages.observe(batch.len() as f64);
         match result {
             Ok(Ok(outcomes)) => {
+                let mut stored: Vec<uuid::Uuid> = Vec::new();
                 for (job, outcome) in jobs.into_iter().zip(outcomes) {
+                    if matches!(outcome, StoreOutcome::Stored { .. }) {
+                        stored.push(job.message.endpoint_id);
+                    }
                     let _ = job.reply.send(Ok(outcome));
+                }
+                if let Some(waker) = &batching.waker {
+                    stored.sort_unstable();
+                    stored.dedup();
+                    let waker = waker.clone();
+                    // After the answers: a lost wake-up only waits for the sequencer's sweep.
+                    tokio::spawn(async move {
+                        if let Err(error) = waker.wake(&stored).await {
+                            tracing::debug!(%error, "wake-up not published");
+                        }
+                    });
                 }
             }
             Ok(Err(error)) => {

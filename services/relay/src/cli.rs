@@ -45,6 +45,25 @@ pub struct GlobalArgs {
     )]
     pub database_max_connections: u32,
 
+    /// Redis URL: the sequencers' endpoint locks and the front tier's wake-ups.
+    #[arg(
+        long,
+        env = "RELAY_REDIS_URL",
+        default_value = "redis://127.0.0.1:6379",
+        global = true
+    )]
+    pub redis_url: String,
+
+    /// Prefix of every Redis key and channel this deployment uses, so several deployments
+    /// (or tests) can share one Redis.
+    #[arg(
+        long,
+        env = "RELAY_REDIS_KEY_PREFIX",
+        default_value = "relay:",
+        global = true
+    )]
+    pub redis_key_prefix: String,
+
     /// Log format: `text` for people, `json` for log collectors. Levels follow RUST_LOG
     /// (default `info`).
     #[arg(long, env = "RELAY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
@@ -63,8 +82,11 @@ pub enum Command {
     Migrate,
     /// Run the front tier: take webhook messages, verify, store, answer.
     Ingest(IngestArgs),
-    /// Migrate, then run every tier in this one process.
-    All(IngestArgs),
+    /// Run the sequencer: apply each endpoint's stored messages, in order, into its copy; run
+    /// reloads and refetches against the upstream's API.
+    Sequencer(SequencerCommand),
+    /// Migrate, then run every tier in this one process (metrics of all on one listener).
+    All(AllArgs),
     /// Manage tenants.
     #[command(subcommand)]
     Tenant(TenantCommand),
@@ -135,6 +157,70 @@ pub struct IngestArgs {
         default_value_t = 100_000
     )]
     pub endpoint_cache_max_entries: usize,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SequencerArgs {
+    /// Milliseconds an endpoint's lock lasts unless renewed (renewed every third of it). A
+    /// worker that stalls longer loses the endpoint; its fencing token stops its writes.
+    #[arg(long, env = "RELAY_SEQUENCER_LEASE_MS", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(300..))]
+    pub lease_ms: u64,
+
+    /// Endpoints applied at once by this process (each holds a Postgres connection while it
+    /// writes).
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_MAX_CONCURRENT_ENDPOINTS",
+        default_value_t = 32
+    )]
+    pub max_concurrent_endpoints: usize,
+
+    /// Stored messages read at a time per endpoint.
+    #[arg(long, env = "RELAY_SEQUENCER_MESSAGES_PER_READ", default_value_t = 100)]
+    pub messages_per_read: i64,
+
+    /// Milliseconds between sweeps of Postgres for endpoints with work (the safety net under
+    /// the Redis wake-ups).
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_SWEEP_INTERVAL_MS",
+        default_value_t = 1_000
+    )]
+    pub sweep_interval_ms: u64,
+
+    /// Milliseconds an idle worker keeps its endpoint before letting go.
+    #[arg(long, env = "RELAY_SEQUENCER_IDLE_LINGER_MS", default_value_t = 200)]
+    pub idle_linger_ms: u64,
+
+    /// Timeout, in milliseconds, of each upstream API request (reload pages, refetch reads).
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_UPSTREAM_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub upstream_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SequencerCommand {
+    #[command(flatten)]
+    pub args: SequencerArgs,
+    /// Address `/metrics` is served on.
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_METRICS_LISTEN",
+        default_value = "127.0.0.1:9465"
+    )]
+    pub metrics_listen: SocketAddr,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct AllArgs {
+    #[command(flatten)]
+    pub ingest: IngestArgs,
+    #[command(flatten)]
+    pub sequencer: SequencerArgs,
 }
 
 #[derive(Debug, Subcommand)]

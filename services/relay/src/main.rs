@@ -8,6 +8,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Migrate => relay::commands::migrate(&cli.global).await,
         Command::Ingest(args) => relay::startup::run_ingest(&cli.global, &args).await,
+        Command::Sequencer(command) => relay::startup::run_sequencer(&cli.global, &command).await,
         Command::All(args) => {
             relay::commands::migrate(&cli.global).await?;
             relay::startup::run_all(&cli.global, &args).await

@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::cli::{GlobalArgs, IngestArgs};
+use crate::cli::{AllArgs, GlobalArgs, IngestArgs, SequencerArgs, SequencerCommand};
 use crate::telemetry;
 
 impl IngestArgs {
@@ -59,9 +59,28 @@ impl IngestServer {
         metrics_listener: TcpListener,
         clock: Arc<dyn Clock>,
     ) -> anyhow::Result<Self> {
+        Self::start_with_registry(
+            pool,
+            config,
+            listener,
+            metrics_listener,
+            clock,
+            prometheus::Registry::new(),
+        )
+    }
+
+    /// As [`IngestServer::start`], serving `registry` (which other tiers of the process may
+    /// register in too) on the metrics listener.
+    pub fn start_with_registry(
+        pool: PgPool,
+        config: IngestConfig,
+        listener: TcpListener,
+        metrics_listener: TcpListener,
+        clock: Arc<dyn Clock>,
+        registry: prometheus::Registry,
+    ) -> anyhow::Result<Self> {
         let address = listener.local_addr()?;
         let metrics_address = metrics_listener.local_addr()?;
-        let registry = prometheus::Registry::new();
         let ingest = relay_ingest::build(pool, config, &registry, clock)?;
         let (stop, stopped) = oneshot::channel::<()>();
         let done = tokio::spawn(async move {
@@ -104,9 +123,77 @@ impl IngestServer {
     }
 }
 
+/// The front tier's wake-up publisher, when Redis answers: the front tier never depends on
+/// Redis to answer (the sequencers' sweep finds what a missing wake-up would have announced).
+pub async fn ingest_waker(global: &GlobalArgs) -> Option<relay_sequencer::Waker> {
+    let connect = relay_sequencer::Waker::connect(&global.redis_url, &global.redis_key_prefix);
+    match tokio::time::timeout(Duration::from_secs(5), connect).await {
+        Ok(Ok(waker)) => Some(waker),
+        Ok(Err(error)) => {
+            tracing::warn!(%error, "no Redis: sequencers will find new messages by sweeping");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("Redis did not answer: sequencers will find new messages by sweeping");
+            None
+        }
+    }
+}
+
+impl SequencerArgs {
+    pub fn to_config(&self, global: &GlobalArgs) -> relay_sequencer::SequencerConfig {
+        relay_sequencer::SequencerConfig {
+            redis_url: global.redis_url.clone(),
+            key_prefix: global.redis_key_prefix.clone(),
+            lease: Duration::from_millis(self.lease_ms),
+            max_concurrent_endpoints: self.max_concurrent_endpoints,
+            messages_per_read: self.messages_per_read,
+            sweep_interval: Duration::from_millis(self.sweep_interval_ms),
+            idle_linger: Duration::from_millis(self.idle_linger_ms),
+            upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
+            ..relay_sequencer::SequencerConfig::default()
+        }
+    }
+}
+
+/// The sequencer's pool: no statement timeout shorter than a large reload's merge statements
+/// need, and plans made once.
+pub fn sequencer_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
+    let options = PoolOptions {
+        max_connections: global.database_max_connections,
+        acquire_timeout: Duration::from_secs(30),
+        statement_timeout: Some(Duration::from_secs(300)),
+        generic_plans: false,
+    };
+    relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
+}
+
+/// `relay sequencer`: apply until SIGINT or SIGTERM, then let every worker finish its
+/// transaction and release its endpoint.
+pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> anyhow::Result<()> {
+    let pool = sequencer_pool(global)?;
+    let registry = prometheus::Registry::new();
+    let metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
+    let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
+    let serve_metrics = tokio::spawn(async move {
+        axum::serve(metrics_listener, telemetry::metrics_router(registry)).await
+    });
+    let sequencer =
+        relay_sequencer::Sequencer::start(pool, command.args.to_config(global), metrics)
+            .await
+            .context("starting the sequencer (is Redis up?)")?;
+    tracing::info!("sequencer running");
+    shutdown_signal().await;
+    tracing::info!("shutting down: finishing the transactions in flight");
+    sequencer.stop().await;
+    serve_metrics.abort();
+    Ok(())
+}
+
 /// `relay ingest`: serve until SIGINT or SIGTERM.
 pub async fn run_ingest(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Result<()> {
-    let config = args.to_config();
+    let mut config = args.to_config();
+    config.waker = ingest_waker(global).await;
     // Statements must end before the answer deadline, leaving time to answer.
     let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
     let listener = telemetry::bind(args.listen, "webhook").await?;
@@ -127,9 +214,40 @@ pub async fn run_ingest(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Resul
     }
 }
 
-/// `relay all`: every tier in one process. The front tier is the only one so far.
-pub async fn run_all(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Result<()> {
-    run_ingest(global, args).await
+/// `relay all`: every tier in one process, their metrics on the front tier's metrics listener.
+pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> {
+    let registry = prometheus::Registry::new();
+    let sequencer_metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
+    let sequencer = relay_sequencer::Sequencer::start(
+        sequencer_pool(global)?,
+        args.sequencer.to_config(global),
+        sequencer_metrics,
+    )
+    .await
+    .context("starting the sequencer (is Redis up?)")?;
+
+    let mut config = args.ingest.to_config();
+    config.waker = ingest_waker(global).await;
+    let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
+    let listener = telemetry::bind(args.ingest.listen, "webhook").await?;
+    let metrics_listener = telemetry::bind(args.ingest.metrics_listen, "metrics").await?;
+    let mut server = IngestServer::start_with_registry(
+        pool,
+        config,
+        listener,
+        metrics_listener,
+        Arc::new(SystemClock),
+        registry,
+    )?;
+    let result = tokio::select! {
+        result = server.wait() => result,
+        () = shutdown_signal() => {
+            tracing::info!("shutting down: answering in-flight messages");
+            server.stop().await
+        }
+    };
+    sequencer.stop().await;
+    result
 }
 
 async fn shutdown_signal() {

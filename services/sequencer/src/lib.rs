@@ -1,14 +1,33 @@
-//! The sequencer: applies each endpoint's stored messages, one at a time and in arrival order,
-//! into the endpoint's copy, by the rules of `relay-rules`.
-//!
-//! So far this crate holds the part every other piece stands on: who may apply an endpoint's
-//! messages. The apply loop, reloads and refetches build on it.
+//! The sequencer: applies each endpoint's stored messages, in the order received, into the
+//! endpoint's copy of the feed, by the reading rules of relay-rules.
 //!
 //! # Layout
-//! - [`ownership`]: one worker per endpoint at a time: a Redis lock for who works on it, and a
-//!   fencing token in Postgres that every apply transaction checks, so a worker that stalled
-//!   past its lock's expiry cannot write.
+//! - [`ownership`]: one worker per endpoint at a time (a Redis lock with a lease) and the
+//!   Postgres fencing token every apply transaction checks.
+//! - [`state`]: what is kept with the copy besides its items: the track row, the apply cursor,
+//!   how each message was applied.
+//! - [`upstream`]: the upstream's REST API as reloads and refetches read it.
+//! - [`apply`]: one message in one transaction (refetch reads before it).
+//! - [`reload`]: reading `/v1/feed` until its pages agree, and merging the read.
+//! - [`worker`]: one owned endpoint: messages in order, its reload beside them, the lease.
+//! - [`service`]: the process: wake-ups, the sweep, a bounded set of workers.
+//! - [`wake`]: the Redis wake-up the front tier publishes after each commit.
+//! - [`metrics`]: what the sequencer exports.
+//!
+//! "Source kind" is a seam here: the feed track is the only source built; a second source (the
+//! stories API) would add its own `step` and apply module beside the feed's.
 
+pub mod apply;
+pub mod metrics;
 pub mod ownership;
+pub mod reload;
+pub mod service;
+pub mod state;
+pub mod upstream;
+pub mod wake;
+pub mod worker;
 
-pub use ownership::{check_fence, Lease, Owners, OwnershipConfig, OwnershipError};
+pub use metrics::SequencerMetrics;
+pub use ownership::{check_fence, claim_fence, Lease, Owners, OwnershipConfig, OwnershipError};
+pub use service::{Sequencer, SequencerConfig, SequencerError};
+pub use wake::Waker;

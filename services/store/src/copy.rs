@@ -349,6 +349,161 @@ pub async fn merge_read_item(
     Ok((decision, applied))
 }
 
+/// [`merge_read_item`] for a whole pass, in few statements: what a 100,000-item reload needs.
+///
+/// The caller holds [`lock_endpoint`] (every writer of the endpoint's copy takes it first), so
+/// the rows read here stay as read until the transaction ends. Each item read is decided by
+/// relay-rules' [`merge_item`] against that row; a subject read twice (pages overlap while the
+/// feed moves) keeps its later item. The writes go out in chunks, each one statement whose
+/// `where` still carries the merge condition, appending a change for every item stored.
+/// Returns how many items were stored or had their position raised.
+pub async fn merge_read_items(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    generation: u64,
+    read: &[ReadItem],
+) -> Result<usize, StoreError> {
+    // The last read of each subject, by the read's sequence (later pages may carry newer ones).
+    let mut winners: BTreeMap<&str, &ReadItem> = BTreeMap::new();
+    for item in read {
+        match winners.get(item.subject.as_str()) {
+            Some(held) if held.sequence > item.sequence => {}
+            _ => {
+                winners.insert(item.subject.as_str(), item);
+            }
+        }
+    }
+    let held = copy_rows(&mut *conn, endpoint).await?;
+    let mut stores: Vec<(&ReadItem, PartsDiff)> = Vec::new();
+    let mut unchanged: Vec<&ReadItem> = Vec::new();
+    for (subject, item) in &winners {
+        match merge_item(held.get(*subject), generation, item) {
+            Decision::Store { diff, .. } => stores.push((item, diff)),
+            Decision::Unchanged { .. } => unchanged.push(item),
+            _ => {}
+        }
+    }
+    let g = to_i64(generation)?;
+    let mut written = 0;
+    for chunk in stores.chunks(MERGE_CHUNK) {
+        let n: i64 = sqlx::query_scalar(MERGE_STORE)
+            .bind(endpoint)
+            .bind(tenant)
+            .bind(g)
+            .bind(
+                chunk
+                    .iter()
+                    .map(|(i, _)| i.subject.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                chunk
+                    .iter()
+                    .map(|(i, _)| i.sequence.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                chunk
+                    .iter()
+                    .map(|(i, _)| i.item.item_kind.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                chunk
+                    .iter()
+                    .map(|(i, _)| i.item.company_id)
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                chunk
+                    .iter()
+                    .map(|(i, _)| parts_json(&i.item.parts))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                chunk
+                    .iter()
+                    .map(|(i, _)| i.item.raw.to_string())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(chunk.iter().map(|(_, d)| diff_json(d)).collect::<Vec<_>>())
+            .fetch_one(&mut *conn)
+            .await?;
+        written += n as usize;
+    }
+    for chunk in unchanged.chunks(MERGE_CHUNK) {
+        written += sqlx::query(
+            "UPDATE copy_items AS held SET generation = $2, sequence = u.sequence,
+                 updated_at = now()
+             FROM unnest($3::text[], $4::text[]) AS u(subject, sequence)
+             WHERE held.endpoint_id = $1 AND held.subject = u.subject AND NOT held.tombstone
+               AND ($2 > held.generation
+                    OR ($2 = held.generation AND u.sequence COLLATE \"C\" > held.sequence))",
+        )
+        .bind(endpoint)
+        .bind(g)
+        .bind(chunk.iter().map(|i| i.subject.as_str()).collect::<Vec<_>>())
+        .bind(
+            chunk
+                .iter()
+                .map(|i| i.sequence.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .execute(&mut *conn)
+        .await?
+        .rows_affected() as usize;
+    }
+    Ok(written)
+}
+
+/// Items per statement of [`merge_read_items`]: big enough that round trips do not dominate,
+/// small enough that one statement's arrays stay a few MB.
+const MERGE_CHUNK: usize = 1000;
+
+/// The merge's store for many subjects (each at most once): the same condition as [`STORE`]
+/// (the merge rule is the update's precedence at the read's position), and a change appended,
+/// numbered in subject order, for every row written.
+const MERGE_STORE: &str = "WITH input AS MATERIALIZED (
+         SELECT * FROM unnest($4::text[], $5::text[], $6::text[], $7::int8[], $8::text[],
+                              $9::text[], $10::text[])
+             WITH ORDINALITY AS i(subject, sequence, item_kind, company_id, parts, item, diff, ord)
+     ),
+     written AS (
+         INSERT INTO copy_items AS held (endpoint_id, subject, tenant_id, generation, sequence,
+                                         tombstone, item_kind, company_id, parts, item)
+         SELECT $1, subject, $2, $3, sequence, false, item_kind, company_id, parts::jsonb,
+                item::jsonb
+         FROM input ORDER BY ord
+         ON CONFLICT (endpoint_id, subject) DO UPDATE
+         SET generation = excluded.generation, sequence = excluded.sequence, tombstone = false,
+             item_kind = excluded.item_kind, company_id = excluded.company_id,
+             parts = excluded.parts, item = excluded.item, updated_at = now()
+         WHERE excluded.generation > held.generation
+            OR (excluded.generation = held.generation AND excluded.sequence > held.sequence)
+         RETURNING subject
+     ),
+     numbered AS (
+         SELECT i.*, row_number() OVER (ORDER BY i.ord) AS n
+         FROM input i JOIN written w ON w.subject = i.subject
+     ),
+     counter AS (
+         INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id, last)
+         SELECT $1, $2, count(*) FROM numbered HAVING count(*) > 0
+         ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last + excluded.last
+         RETURNING last
+     ),
+     change AS (
+         INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject, item_kind,
+                              generation, sequence, event_id, reload_generation, item, parts_diff)
+         SELECT $1, counter.last - (SELECT count(*) FROM numbered) + numbered.n, $2, 'upsert',
+                numbered.subject, numbered.item_kind, $3, numbered.sequence, NULL, $3,
+                numbered.item::jsonb, numbered.diff::jsonb
+         FROM numbered CROSS JOIN counter
+         RETURNING 1
+     )
+     SELECT count(*) FROM written";
+
 /// Rule "Then remove everything held from an older generation" (after a reload of `generation`
 /// merged its read): one `delete ... where generation < $g`, items and tombstones alike, which in
 /// the same statement appends a `remove` change for each item deleted (a tombstone's removal was

@@ -1,0 +1,157 @@
+//! The sequencer's metrics, registered on the registry the process serves at `/metrics`.
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
+
+use crate::state::MessageOutcome;
+
+/// Event outcomes, all registered at 0 so dashboards see every series from the start.
+pub const EVENT_OUTCOMES: [&str; 13] = [
+    "stored",
+    "unchanged",
+    "removed",
+    "refused",
+    "ignored_duplicate",
+    "ignored_older",
+    "ignored_older_generation",
+    "ignored_already_removed",
+    "ignored_test",
+    "ignored_reset",
+    "ignored_unknown_type",
+    "refetch_dropped",
+    "refetch_reload",
+];
+
+pub const REFETCH_OUTCOMES: [&str; 6] = [
+    "found",
+    "not_found",
+    "other_access_version",
+    "load_balancer_404",
+    "failed",
+    "reload",
+];
+
+pub const RELOAD_OUTCOMES: [&str; 3] = ["started", "merged", "abandoned"];
+
+#[derive(Clone)]
+pub struct SequencerMetrics {
+    pub messages: IntCounterVec,
+    pub events: IntCounterVec,
+    pub apply_lag: Histogram,
+    pub message_apply_duration: Histogram,
+    pub reloads_running: IntGauge,
+    pub reloads: IntCounterVec,
+    pub reload_duration: HistogramVec,
+    pub refetches: IntCounterVec,
+    pub endpoints_owned: IntGauge,
+    pub lock_losses: IntCounter,
+}
+
+impl SequencerMetrics {
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let messages = IntCounterVec::new(
+            Opts::new(
+                "relay_sequencer_messages_total",
+                "Stored messages applied, by outcome.",
+            ),
+            &["outcome"],
+        )?;
+        let events = IntCounterVec::new(
+            Opts::new(
+                "relay_sequencer_events_total",
+                "Events of applied messages, by what they did to the copy.",
+            ),
+            &["outcome"],
+        )?;
+        let apply_lag = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_sequencer_apply_lag_seconds",
+                "From a message's arrival at the front tier to its apply transaction's commit.",
+            )
+            .buckets(vec![
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+            ]),
+        )?;
+        let message_apply_duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_sequencer_message_apply_duration_seconds",
+                "Time to apply one message (its refetch reads included).",
+            )
+            .buckets(prometheus::exponential_buckets(0.0005, 2.0, 14)?),
+        )?;
+        let reloads_running = IntGauge::new(
+            "relay_sequencer_reloads_running",
+            "Reloads this process is reading or merging now.",
+        )?;
+        let reloads = IntCounterVec::new(
+            Opts::new(
+                "relay_sequencer_reloads_total",
+                "Reloads started, merged and abandoned (superseded, or ownership lost).",
+            ),
+            &["outcome"],
+        )?;
+        let reload_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "relay_sequencer_reload_duration_seconds",
+                "Time from a reload's start in this process to its merge, by phase.",
+            )
+            .buckets(prometheus::exponential_buckets(0.01, 2.0, 14)?),
+            &["phase"],
+        )?;
+        let refetches = IntCounterVec::new(
+            Opts::new(
+                "relay_sequencer_refetches_total",
+                "Refetch item reads, by answer.",
+            ),
+            &["outcome"],
+        )?;
+        let endpoints_owned = IntGauge::new(
+            "relay_sequencer_endpoints_owned",
+            "Endpoints this process holds the lock of now.",
+        )?;
+        let lock_losses = IntCounter::new(
+            "relay_sequencer_lock_losses_total",
+            "Times this process lost an endpoint's lock (lease not renewed, or fence moved on).",
+        )?;
+        registry.register(Box::new(messages.clone()))?;
+        registry.register(Box::new(events.clone()))?;
+        registry.register(Box::new(apply_lag.clone()))?;
+        registry.register(Box::new(message_apply_duration.clone()))?;
+        registry.register(Box::new(reloads_running.clone()))?;
+        registry.register(Box::new(reloads.clone()))?;
+        registry.register(Box::new(reload_duration.clone()))?;
+        registry.register(Box::new(refetches.clone()))?;
+        registry.register(Box::new(endpoints_owned.clone()))?;
+        registry.register(Box::new(lock_losses.clone()))?;
+        for outcome in MessageOutcome::ALL {
+            messages.with_label_values(&[outcome.as_str()]);
+        }
+        for outcome in EVENT_OUTCOMES {
+            events.with_label_values(&[outcome]);
+        }
+        for outcome in REFETCH_OUTCOMES {
+            refetches.with_label_values(&[outcome]);
+        }
+        for outcome in RELOAD_OUTCOMES {
+            reloads.with_label_values(&[outcome]);
+        }
+        Ok(Self {
+            messages,
+            events,
+            apply_lag,
+            message_apply_duration,
+            reloads_running,
+            reloads,
+            reload_duration,
+            refetches,
+            endpoints_owned,
+            lock_losses,
+        })
+    }
+
+    /// Metrics on a private registry: for tests and tools that do not serve them.
+    pub fn unregistered() -> Self {
+        Self::register(&Registry::new()).expect("a fresh registry takes every metric")
+    }
+}

@@ -1,0 +1,234 @@
+//! The sequencer process: wake-ups and the sweep find endpoints with work; a worker per endpoint
+//! (at most `max_concurrent_endpoints` at once) owns it and applies it.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgPool;
+use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::task::JoinSet;
+use uuid::Uuid;
+
+use crate::metrics::SequencerMetrics;
+use crate::ownership::{Owners, OwnershipConfig, OwnershipError};
+use crate::reload::ReloadBackoff;
+use crate::state;
+use crate::upstream::UpstreamClient;
+use crate::wake::{listen, wake_channel};
+use crate::worker::{run_worker, WorkerConfig, WorkerExit, WorkerSignal};
+
+/// How the sequencer behaves. The defaults suit one machine with the front tier beside it.
+#[derive(Debug, Clone)]
+pub struct SequencerConfig {
+    pub redis_url: String,
+    /// Prefix of every Redis key and channel (locks, wake-ups).
+    pub key_prefix: String,
+    /// How long an endpoint's lock lasts unless renewed (renewed every third of it).
+    pub lease: Duration,
+    /// Endpoints worked at once by this process.
+    pub max_concurrent_endpoints: usize,
+    /// Messages read from Postgres at a time per endpoint.
+    pub messages_per_read: i64,
+    /// How often Postgres is swept for endpoints with work (the safety net under wake-ups).
+    pub sweep_interval: Duration,
+    /// How long an idle worker keeps its endpoint before letting go.
+    pub idle_linger: Duration,
+    /// Timeout of each upstream API request.
+    pub upstream_timeout: Duration,
+    pub reload_backoff: ReloadBackoff,
+}
+
+impl Default for SequencerConfig {
+    fn default() -> Self {
+        Self {
+            redis_url: "redis://127.0.0.1:6379".to_owned(),
+            key_prefix: "relay:".to_owned(),
+            lease: Duration::from_secs(10),
+            max_concurrent_endpoints: 32,
+            messages_per_read: 100,
+            sweep_interval: Duration::from_secs(1),
+            idle_linger: Duration::from_millis(200),
+            upstream_timeout: Duration::from_secs(10),
+            reload_backoff: ReloadBackoff::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SequencerError {
+    #[error(transparent)]
+    Ownership(#[from] OwnershipError),
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+}
+
+/// A running sequencer; [`Sequencer::stop`] lets every worker finish its transaction and
+/// release its endpoint.
+pub struct Sequencer {
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Sequencer {
+    pub async fn start(
+        pool: PgPool,
+        config: SequencerConfig,
+        metrics: SequencerMetrics,
+    ) -> Result<Self, SequencerError> {
+        let owners = Owners::connect(
+            &config.redis_url,
+            pool.clone(),
+            OwnershipConfig {
+                key_prefix: config.key_prefix.clone(),
+                lease: config.lease,
+            },
+        )
+        .await?;
+        // Fail at start, not in the background, when Redis is not there.
+        redis::Client::open(config.redis_url.as_str())?
+            .get_multiplexed_async_connection()
+            .await?;
+        let (stop, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(schedule(pool, owners, config, metrics, stop_rx));
+        Ok(Self { stop, task })
+    }
+
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+
+    /// Stops without letting workers finish (a test's stand-in for a killed process: locks
+    /// stay in Redis until they expire).
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}
+
+async fn schedule(
+    pool: PgPool,
+    owners: Owners,
+    config: SequencerConfig,
+    metrics: SequencerMetrics,
+    mut stop: watch::Receiver<bool>,
+) {
+    let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<Uuid>();
+    let listener = tokio::spawn(listen(
+        config.redis_url.clone(),
+        wake_channel(&config.key_prefix),
+        wake_tx.clone(),
+        stop.clone(),
+    ));
+    let sweeper = tokio::spawn(sweep(
+        pool.clone(),
+        config.sweep_interval,
+        wake_tx,
+        stop.clone(),
+    ));
+    let http = UpstreamClient::http_client(config.upstream_timeout);
+    let worker_config = WorkerConfig {
+        messages_per_read: config.messages_per_read,
+        idle_linger: config.idle_linger,
+        reload_backoff: config.reload_backoff,
+        error_pause: Duration::from_millis(200),
+    };
+    let permits = Arc::new(Semaphore::new(config.max_concurrent_endpoints.max(1)));
+    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let lease_duration = config.lease;
+    let mut active: HashMap<Uuid, Arc<WorkerSignal>> = HashMap::new();
+    // Workers abort with the set when the scheduler itself is aborted (`Sequencer::abort`).
+    let mut workers: JoinSet<WorkerExit> = JoinSet::new();
+
+    let spawn = |workers: &mut JoinSet<WorkerExit>,
+                 active: &mut HashMap<Uuid, Arc<WorkerSignal>>,
+                 endpoint: Uuid| {
+        let signal = Arc::new(WorkerSignal::default());
+        active.insert(endpoint, signal.clone());
+        let (pool, owners, http) = (pool.clone(), owners.clone(), http.clone());
+        let (config, metrics) = (worker_config.clone(), metrics.clone());
+        let permits = permits.clone();
+        let stopping = stopping.clone();
+        workers.spawn(async move {
+            let Ok(_permit) = permits.acquire_owned().await else {
+                return WorkerExit {
+                    endpoint,
+                    wakes_seen: 0,
+                };
+            };
+            if stopping.load(Ordering::SeqCst) {
+                return WorkerExit {
+                    endpoint,
+                    wakes_seen: 0,
+                };
+            }
+            run_worker(
+                pool,
+                owners,
+                http,
+                endpoint,
+                signal,
+                config,
+                metrics,
+                lease_duration,
+                stopping,
+            )
+            .await
+        });
+    };
+
+    loop {
+        tokio::select! {
+            Some(endpoint) = wake_rx.recv() => {
+                match active.get(&endpoint) {
+                    Some(signal) => signal.wake(),
+                    None => spawn(&mut workers, &mut active, endpoint),
+                }
+            }
+            Some(done) = workers.join_next(), if !workers.is_empty() => {
+                let Ok(exit) = done else { continue };
+                if let Some(signal) = active.remove(&exit.endpoint) {
+                    if signal.wakes.load(Ordering::SeqCst) > exit.wakes_seen
+                        && !stopping.load(Ordering::SeqCst)
+                    {
+                        // Woken after its last look: look again.
+                        spawn(&mut workers, &mut active, exit.endpoint);
+                    }
+                }
+            }
+            _ = stop.changed() => break,
+        }
+    }
+    stopping.store(true, Ordering::SeqCst);
+    for signal in active.values() {
+        signal.wake();
+    }
+    while workers.join_next().await.is_some() {}
+    listener.abort();
+    sweeper.abort();
+}
+
+async fn sweep(
+    pool: PgPool,
+    interval: Duration,
+    wakes: mpsc::UnboundedSender<Uuid>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        match state::endpoints_with_work(&pool, 100_000).await {
+            Ok(endpoints) => {
+                for endpoint in endpoints {
+                    if wakes.send(endpoint).is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(error) => tracing::warn!(%error, "sweep failed"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}

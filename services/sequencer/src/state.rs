@@ -1,0 +1,345 @@
+//! What the sequencer keeps with each endpoint's copy (migration `..._sequencer_state.sql`): the
+//! track row of relay-rules' [`EndpointTrack`], the apply cursor over the stored messages, and a
+//! note of how each message was applied. Every write here runs in the caller's apply transaction,
+//! beside the copy's own writes.
+
+use relay_rules::{EndpointTrack, Reload};
+use sqlx::{PgConnection, PgPool};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+/// The one track version 1 names.
+pub const FEED_TRACK: &str = "feed";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("postgres: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("stored sequencer state is invalid: {0}")]
+    Invalid(String),
+}
+
+type TrackRow = (
+    Option<i64>,
+    Option<String>,
+    Option<String>,
+    bool,
+    Option<i64>,
+    Option<serde_json::Value>,
+);
+
+fn track_from_row(row: TrackRow) -> Result<EndpointTrack, StateError> {
+    let (generation, access_version, through, last_was_reset, last_reset_generation, reload) = row;
+    let unsigned = |v: i64| {
+        u64::try_from(v).map_err(|_| StateError::Invalid(format!("negative generation {v}")))
+    };
+    Ok(EndpointTrack {
+        generation: generation.map(unsigned).transpose()?,
+        access_version,
+        through,
+        last_was_reset,
+        last_reset_generation: last_reset_generation.map(unsigned).transpose()?,
+        reload: reload
+            .map(serde_json::from_value::<Reload>)
+            .transpose()
+            .map_err(|e| StateError::Invalid(format!("reload: {e}")))?,
+    })
+}
+
+const TRACK_COLUMNS: &str =
+    "generation, access_version, through, last_was_reset, last_reset_generation, reload";
+
+/// The endpoint's track row, locked (`for update`) until the transaction ends: the message's
+/// transition is decided from it and written back before anyone else reads it. A track never
+/// written is the default (nothing held yet).
+pub async fn load_track(
+    conn: &mut PgConnection,
+    endpoint: Uuid,
+    track: &str,
+) -> Result<EndpointTrack, StateError> {
+    let row: Option<TrackRow> = sqlx::query_as(&format!(
+        "SELECT {TRACK_COLUMNS} FROM endpoint_tracks
+         WHERE endpoint_id = $1 AND track = $2 FOR UPDATE"
+    ))
+    .bind(endpoint)
+    .bind(track)
+    .fetch_optional(conn)
+    .await?;
+    row.map(track_from_row)
+        .transpose()
+        .map(Option::unwrap_or_default)
+}
+
+/// The track row without a lock: for a reload deciding whether it was superseded meanwhile.
+pub async fn peek_track(
+    pool: &PgPool,
+    endpoint: Uuid,
+    track: &str,
+) -> Result<EndpointTrack, StateError> {
+    let row: Option<TrackRow> = sqlx::query_as(&format!(
+        "SELECT {TRACK_COLUMNS} FROM endpoint_tracks WHERE endpoint_id = $1 AND track = $2"
+    ))
+    .bind(endpoint)
+    .bind(track)
+    .fetch_optional(pool)
+    .await?;
+    row.map(track_from_row)
+        .transpose()
+        .map(Option::unwrap_or_default)
+}
+
+/// Writes the track row decided from [`load_track`]'s (the caller holds its lock).
+/// `reload_begun_at` moves only when the running reload changes.
+pub async fn save_track(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    track: &str,
+    state: &EndpointTrack,
+) -> Result<(), StateError> {
+    let signed = |v: u64| {
+        i64::try_from(v).map_err(|_| StateError::Invalid(format!("generation {v} too large")))
+    };
+    let reload = state
+        .reload
+        .as_ref()
+        .map(serde_json::to_value)
+        .transpose()
+        .map_err(|e| StateError::Invalid(format!("reload: {e}")))?;
+    sqlx::query(
+        "INSERT INTO endpoint_tracks AS t (endpoint_id, track, tenant_id, generation,
+             access_version, through, last_was_reset, last_reset_generation, reload,
+             reload_begun_at)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, CASE WHEN $9 IS NULL THEN NULL ELSE now() END)
+         ON CONFLICT (endpoint_id, track) DO UPDATE
+         SET generation = excluded.generation, access_version = excluded.access_version,
+             through = excluded.through, last_was_reset = excluded.last_was_reset,
+             last_reset_generation = excluded.last_reset_generation, reload = excluded.reload,
+             reload_begun_at = CASE
+                 WHEN excluded.reload IS NULL THEN NULL
+                 WHEN t.reload IS NOT DISTINCT FROM excluded.reload THEN t.reload_begun_at
+                 ELSE now() END,
+             updated_at = now()",
+    )
+    .bind(endpoint)
+    .bind(track)
+    .bind(tenant)
+    .bind(state.generation.map(signed).transpose()?)
+    .bind(&state.access_version)
+    .bind(&state.through)
+    .bind(state.last_was_reset)
+    .bind(state.last_reset_generation.map(signed).transpose()?)
+    .bind(reload)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// How far the endpoint's messages are applied (0: none yet).
+pub async fn applied_through<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    endpoint: Uuid,
+) -> Result<i64, StateError> {
+    let applied: Option<i64> = sqlx::query_scalar(
+        "SELECT applied_arrival_seq FROM endpoint_apply_cursors WHERE endpoint_id = $1",
+    )
+    .bind(endpoint)
+    .fetch_optional(db)
+    .await?;
+    Ok(applied.unwrap_or(0))
+}
+
+/// Moves the apply cursor from `from` to `to`, only if it is still at `from`: the statement
+/// itself decides that this transaction is the one applying those messages. `false` means
+/// someone else applied them (roll back). A cursor with no row yet is at 0, which is what
+/// [`applied_through`] reads for it, so the first insert needs no condition.
+pub async fn advance_cursor(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    from: i64,
+    to: i64,
+    last_received_at: Option<OffsetDateTime>,
+) -> Result<bool, StateError> {
+    let advanced = sqlx::query(
+        "INSERT INTO endpoint_apply_cursors AS c (endpoint_id, tenant_id, applied_arrival_seq,
+             last_received_at, last_applied_at)
+         VALUES ($1, $2, $4, $5, now())
+         ON CONFLICT (endpoint_id) DO UPDATE
+         SET applied_arrival_seq = excluded.applied_arrival_seq,
+             last_received_at = coalesce(excluded.last_received_at, c.last_received_at),
+             last_applied_at = now()
+         WHERE c.applied_arrival_seq = $3",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(from)
+    .bind(to)
+    .bind(last_received_at)
+    .execute(conn)
+    .await?
+    .rows_affected();
+    Ok(advanced == 1)
+}
+
+/// One stored message, as the sequencer reads it.
+#[derive(Debug, Clone)]
+pub struct PendingMessage {
+    pub arrival_seq: i64,
+    pub received_at: OffsetDateTime,
+    pub body: Vec<u8>,
+}
+
+/// The endpoint's messages after `applied`, in arrival order, at most `limit`, and the arrival
+/// counter they were read under. Numbers are taken in commit order, so every message numbered
+/// at or below the counter has committed; duplicates leave gaps, which the caller skips by
+/// moving the cursor to the counter when nothing is left below it.
+pub async fn pending_messages(
+    pool: &PgPool,
+    endpoint: Uuid,
+    applied: i64,
+    limit: i64,
+) -> Result<(i64, Vec<PendingMessage>), StateError> {
+    let mut tx = pool.begin().await?;
+    // One snapshot for both reads (repeatable read), so the counter bounds exactly what the
+    // message read can see.
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    let counter: Option<i64> = sqlx::query_scalar(
+        "SELECT last_arrival_seq FROM endpoint_arrival_counters WHERE endpoint_id = $1",
+    )
+    .bind(endpoint)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let counter = counter.unwrap_or(0);
+    let rows: Vec<(i64, OffsetDateTime, Vec<u8>)> = sqlx::query_as(
+        "SELECT arrival_seq, received_at, body FROM messages
+         WHERE endpoint_id = $1 AND arrival_seq > $2 AND arrival_seq <= $3
+         ORDER BY arrival_seq LIMIT $4",
+    )
+    .bind(endpoint)
+    .bind(applied)
+    .bind(counter)
+    .bind(limit)
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok((
+        counter,
+        rows.into_iter()
+            .map(|(arrival_seq, received_at, body)| PendingMessage {
+                arrival_seq,
+                received_at,
+                body,
+            })
+            .collect(),
+    ))
+}
+
+/// How a message was applied, for support reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MessageOutcome {
+    Applied,
+    Test,
+    IgnoredTrack,
+    OlderGeneration,
+    ReloadBegun,
+    ReloadSuperseded,
+    Malformed,
+}
+
+impl MessageOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MessageOutcome::Applied => "applied",
+            MessageOutcome::Test => "test",
+            MessageOutcome::IgnoredTrack => "ignored_track",
+            MessageOutcome::OlderGeneration => "older_generation",
+            MessageOutcome::ReloadBegun => "reload_begun",
+            MessageOutcome::ReloadSuperseded => "reload_superseded",
+            MessageOutcome::Malformed => "malformed",
+        }
+    }
+
+    pub const ALL: [MessageOutcome; 7] = [
+        MessageOutcome::Applied,
+        MessageOutcome::Test,
+        MessageOutcome::IgnoredTrack,
+        MessageOutcome::OlderGeneration,
+        MessageOutcome::ReloadBegun,
+        MessageOutcome::ReloadSuperseded,
+        MessageOutcome::Malformed,
+    ];
+}
+
+/// Notes how the message was applied, in its apply transaction.
+pub async fn record_application(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    arrival_seq: i64,
+    outcome: MessageOutcome,
+    events_applied: i32,
+    events_ignored: i32,
+) -> Result<(), StateError> {
+    sqlx::query(
+        "INSERT INTO message_applications (endpoint_id, arrival_seq, tenant_id, outcome,
+             events_applied, events_ignored)
+         VALUES ($1, $2, $3, $4, $5, $6)
+         ON CONFLICT (endpoint_id, arrival_seq) DO NOTHING",
+    )
+    .bind(endpoint)
+    .bind(arrival_seq)
+    .bind(tenant)
+    .bind(outcome.as_str())
+    .bind(events_applied)
+    .bind(events_ignored)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Endpoints with work: messages stored past their cursor, or a reload begun and not merged.
+/// The periodic sweep's query (the Redis wake-up is only the fast path).
+pub async fn endpoints_with_work(pool: &PgPool, limit: i64) -> Result<Vec<Uuid>, StateError> {
+    Ok(sqlx::query_scalar(
+        "SELECT a.endpoint_id FROM endpoint_arrival_counters a
+         LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = a.endpoint_id
+         WHERE a.last_arrival_seq > coalesce(c.applied_arrival_seq, 0)
+         UNION
+         SELECT endpoint_id FROM endpoint_tracks WHERE reload IS NOT NULL
+         LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// What the sequencer needs of an endpoint's registration.
+#[derive(Debug, Clone)]
+pub struct EndpointRegistration {
+    pub id: Uuid,
+    pub tenant_id: Uuid,
+    pub upstream_base_url: Option<String>,
+    pub upstream_api_key: Option<String>,
+}
+
+pub async fn load_registration(
+    pool: &PgPool,
+    endpoint: Uuid,
+) -> Result<Option<EndpointRegistration>, StateError> {
+    let row: Option<(Uuid, Option<String>, Option<String>)> = sqlx::query_as(
+        "SELECT tenant_id, upstream_base_url, upstream_api_key FROM webhook_endpoints
+         WHERE id = $1",
+    )
+    .bind(endpoint)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.map(|(tenant_id, url, key)| EndpointRegistration {
+        id: endpoint,
+        tenant_id,
+        upstream_base_url: url,
+        upstream_api_key: key,
+    }))
+}

@@ -1,0 +1,329 @@
+//! The upstream's REST API, as the sequencer reads it (shapes: upstream-api.md): the endpoint's
+//! filter and language, the pages of `/v1/feed`, and one item for a refetch.
+
+use std::time::Duration;
+
+use relay_rules::{ReadItem, RefetchAnswer};
+use relay_wire::{FeedItem, ItemKind, Sequence};
+use reqwest::StatusCode;
+use serde::Deserialize;
+use serde_json::Value;
+use uuid::Uuid;
+
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("the endpoint has no upstream API base URL or key registered")]
+    NotConfigured,
+    #[error("request to {url} failed: {source}")]
+    Request {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("{url} answered {status}")]
+    Status { url: String, status: StatusCode },
+    #[error("{url} answered something unreadable: {detail}")]
+    Body { url: String, detail: String },
+    /// `410 cursor_expired` on a page after the first: start the pass again.
+    #[error("the feed cursor expired")]
+    CursorExpired,
+}
+
+/// One endpoint's view of the upstream: where to read and with which key.
+#[derive(Clone)]
+pub struct UpstreamClient {
+    http: reqwest::Client,
+    base_url: String,
+    api_key: String,
+}
+
+impl std::fmt::Debug for UpstreamClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The key is a secret: never in logs.
+        f.debug_struct("UpstreamClient")
+            .field("base_url", &self.base_url)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The endpoint's filter and language as the upstream holds them now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FeedSelection {
+    pub lang: String,
+    pub companies: Option<Vec<i64>>,
+    pub markets: Option<Vec<String>>,
+    pub part_kinds: Option<Vec<String>>,
+    pub teasers: Option<bool>,
+    /// The item kinds the filter's event_types name (`None`: no restriction).
+    pub item_kinds: Option<Vec<ItemKind>>,
+}
+
+impl FeedSelection {
+    /// The query parameters `/v1/feed` takes for this selection (an absent list: no restriction).
+    fn query(&self) -> Vec<(&'static str, String)> {
+        let join = |v: &[String]| v.join(",");
+        let mut query = vec![("lang", self.lang.clone())];
+        if let Some(companies) = &self.companies {
+            let ids: Vec<String> = companies.iter().map(i64::to_string).collect();
+            query.push(("companies", join(&ids)));
+        }
+        if let Some(markets) = &self.markets {
+            query.push(("markets", join(markets)));
+        }
+        if let Some(kinds) = &self.part_kinds {
+            query.push(("part_kinds", join(kinds)));
+        }
+        if let Some(teasers) = self.teasers {
+            query.push(("teasers", teasers.to_string()));
+        }
+        if let Some(kinds) = &self.item_kinds {
+            let kinds: Vec<String> = kinds.iter().map(|k| k.as_str().to_owned()).collect();
+            query.push(("item_kinds", join(&kinds)));
+        }
+        query
+    }
+}
+
+#[derive(Deserialize)]
+struct EndpointView {
+    lang: String,
+    #[serde(default)]
+    filter: Option<Filter>,
+}
+
+#[derive(Deserialize, Default)]
+struct Filter {
+    companies: Option<Vec<i64>>,
+    markets: Option<Vec<String>>,
+    part_kinds: Option<Vec<String>>,
+    teasers: Option<bool>,
+    event_types: Option<Vec<String>>,
+}
+
+/// One pass over `/v1/feed`: every item, and the access_version of each page.
+#[derive(Debug, Clone, Default)]
+pub struct FeedPass {
+    pub items: Vec<ReadItem>,
+    pub page_access_versions: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct Page {
+    access_version: String,
+    data: Vec<PageItem>,
+    next_cursor: Option<String>,
+    #[serde(default)]
+    has_more: bool,
+}
+
+#[derive(Deserialize)]
+struct PageItem {
+    subject: String,
+    sequence: String,
+    item: Value,
+}
+
+/// Items per `/v1/feed` page: the most the API gives, so a pass makes the fewest reads.
+const PAGE_LIMIT: &str = "500";
+
+impl UpstreamClient {
+    pub fn new(
+        http: reqwest::Client,
+        base_url: Option<&str>,
+        api_key: Option<&str>,
+    ) -> Result<Self, UpstreamError> {
+        match (base_url, api_key) {
+            (Some(base), Some(key)) if !base.is_empty() && !key.is_empty() => Ok(Self {
+                http,
+                base_url: base.trim_end_matches('/').to_owned(),
+                api_key: key.to_owned(),
+            }),
+            _ => Err(UpstreamError::NotConfigured),
+        }
+    }
+
+    /// A client for this crate's reads: every request bounded by `timeout`.
+    pub fn http_client(timeout: Duration) -> reqwest::Client {
+        reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(timeout)
+            .build()
+            .expect("a reqwest client with timeouts only")
+    }
+
+    async fn get(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+    ) -> Result<(StatusCode, String, bytes::Bytes), UpstreamError> {
+        let url = format!("{}{path}", self.base_url);
+        let answer = self
+            .http
+            .get(&url)
+            .bearer_auth(&self.api_key)
+            .query(query)
+            .send()
+            .await
+            .map_err(|source| UpstreamError::Request {
+                url: url.clone(),
+                source,
+            })?;
+        let status = answer.status();
+        let body = answer
+            .bytes()
+            .await
+            .map_err(|source| UpstreamError::Request {
+                url: url.clone(),
+                source,
+            })?;
+        Ok((status, url, body))
+    }
+
+    /// `GET /v1/webhook-endpoints/{id}`: the filter and language as they are now, as the
+    /// selection `/v1/feed` takes.
+    pub async fn selection(&self, endpoint: Uuid) -> Result<FeedSelection, UpstreamError> {
+        let (status, url, body) = self
+            .get(&format!("/v1/webhook-endpoints/{endpoint}"), &[])
+            .await?;
+        if status != StatusCode::OK {
+            return Err(UpstreamError::Status { url, status });
+        }
+        let view: EndpointView =
+            serde_json::from_slice(&body).map_err(|e| UpstreamError::Body {
+                url,
+                detail: e.to_string(),
+            })?;
+        let filter = view.filter.unwrap_or_default();
+        // "the item kinds its event_types name": `announcement.updated` names `announcement`.
+        let item_kinds = filter.event_types.map(|types| {
+            let mut kinds: Vec<ItemKind> = types
+                .iter()
+                .filter_map(|t| {
+                    t.split_once('.')
+                        .and_then(|(kind, _)| ItemKind::parse(kind))
+                })
+                .collect();
+            kinds.sort();
+            kinds.dedup();
+            kinds
+        });
+        Ok(FeedSelection {
+            lang: view.lang,
+            companies: filter.companies,
+            markets: filter.markets,
+            part_kinds: filter.part_kinds,
+            teasers: filter.teasers,
+            item_kinds,
+        })
+    }
+
+    /// Reads every page of `/v1/feed` for `selection`, once.
+    pub async fn read_feed(&self, selection: &FeedSelection) -> Result<FeedPass, UpstreamError> {
+        let mut pass = FeedPass::default();
+        let mut cursor: Option<String> = None;
+        loop {
+            let mut query = selection.query();
+            query.push(("limit", PAGE_LIMIT.to_owned()));
+            if let Some(cursor) = &cursor {
+                query.push(("cursor", cursor.clone()));
+            }
+            let (status, url, body) = self.get("/v1/feed", &query).await?;
+            if status == StatusCode::GONE {
+                return Err(UpstreamError::CursorExpired);
+            }
+            if status != StatusCode::OK {
+                return Err(UpstreamError::Status { url, status });
+            }
+            let page: Page = serde_json::from_slice(&body).map_err(|e| UpstreamError::Body {
+                url: url.clone(),
+                detail: e.to_string(),
+            })?;
+            for (i, entry) in page.data.into_iter().enumerate() {
+                let item =
+                    FeedItem::from_value(entry.item, &format!("data[{i}].item")).map_err(|e| {
+                        UpstreamError::Body {
+                            url: url.clone(),
+                            detail: e.to_string(),
+                        }
+                    })?;
+                pass.items.push(ReadItem {
+                    subject: entry.subject,
+                    sequence: Sequence::new(entry.sequence),
+                    item,
+                });
+            }
+            pass.page_access_versions.push(page.access_version);
+            match page.next_cursor {
+                Some(next) if page.has_more => cursor = Some(next),
+                _ => return Ok(pass),
+            }
+        }
+    }
+
+    /// `GET /v1/feed/items/{feed_item_id}` in the endpoint's language (and its part kinds, so the
+    /// item is rendered as the feed renders it), as the refetch rule reads the answer.
+    pub async fn read_item(&self, selection: &FeedSelection, feed_item_id: &str) -> RefetchAnswer {
+        let mut query = vec![("lang", selection.lang.clone())];
+        if let Some(kinds) = &selection.part_kinds {
+            query.push(("part_kinds", kinds.join(",")));
+        }
+        let path = format!("/v1/feed/items/{}", urlencode(feed_item_id));
+        let (status, url, body) = match self.get(&path, &query).await {
+            Ok(answer) => answer,
+            Err(error) => {
+                tracing::debug!(%error, "refetch read failed");
+                return RefetchAnswer::Failed;
+            }
+        };
+        let json: Option<Value> = serde_json::from_slice(&body).ok();
+        let access_version = json
+            .as_ref()
+            .and_then(|v| v.get("access_version"))
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        match (status, access_version) {
+            (StatusCode::OK, Some(access_version)) => {
+                let json = json.unwrap_or_default();
+                let sequence = json.get("sequence").and_then(Value::as_str);
+                let item = json
+                    .get("item")
+                    .cloned()
+                    .map(|item| FeedItem::from_value(item, "item"));
+                match (sequence, item) {
+                    (Some(sequence), Some(Ok(item))) => RefetchAnswer::Found {
+                        access_version,
+                        sequence: Sequence::new(sequence.to_owned()),
+                        item,
+                    },
+                    _ => {
+                        tracing::warn!(%url, "refetch answer without a readable item");
+                        RefetchAnswer::Failed
+                    }
+                }
+            }
+            (StatusCode::NOT_FOUND, Some(access_version)) => {
+                RefetchAnswer::NotFound { access_version }
+            }
+            // "a 404 that carries none (a load balancer's) is a read that failed".
+            (StatusCode::NOT_FOUND, None) => RefetchAnswer::LoadBalancer404,
+            (status, _) => {
+                tracing::debug!(%url, %status, "refetch read failed");
+                RefetchAnswer::Failed
+            }
+        }
+    }
+}
+
+/// Percent-encodes a path segment (`announcement:88001` keeps its colon: it is allowed there).
+fn urlencode(segment: &str) -> String {
+    let mut out = String::with_capacity(segment.len());
+    for byte in segment.bytes() {
+        match byte {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b':' => {
+                out.push(byte as char)
+            }
+            other => out.push_str(&format!("%{other:02X}")),
+        }
+    }
+    out
+}

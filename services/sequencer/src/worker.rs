@@ -1,0 +1,314 @@
+//! One endpoint, owned: apply its messages in arrival order, run its reload beside them, keep
+//! the lease renewed, and let go when there is nothing left to do.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use relay_rules::Reload;
+use sqlx::PgPool;
+use tokio::sync::{Mutex, Notify};
+use tokio::task::JoinHandle;
+use uuid::Uuid;
+
+use crate::apply::{apply_message, ApplyError, EndpointContext};
+use crate::metrics::SequencerMetrics;
+use crate::ownership::{Lease, Owners};
+use crate::reload::{run_reload, ReloadBackoff, ReloadEnd};
+use crate::state::{self, FEED_TRACK};
+
+/// What the scheduler and the endpoint's worker share.
+#[derive(Default)]
+pub struct WorkerSignal {
+    /// Wakes the worker when new messages are stored for its endpoint.
+    pub notify: Notify,
+    /// Counts wake-ups, so the scheduler can tell one arrived after the worker's last look.
+    pub wakes: AtomicU64,
+}
+
+impl WorkerSignal {
+    pub fn wake(&self) {
+        self.wakes.fetch_add(1, Ordering::SeqCst);
+        self.notify.notify_one();
+    }
+}
+
+/// How a worker behaves (see `SequencerConfig` for the defaults).
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub messages_per_read: i64,
+    pub idle_linger: Duration,
+    pub reload_backoff: ReloadBackoff,
+    pub error_pause: Duration,
+}
+
+/// How a worker ended: the wake count it had seen last (the scheduler starts it again when more
+/// arrived since).
+pub struct WorkerExit {
+    pub endpoint: Uuid,
+    pub wakes_seen: u64,
+}
+
+struct RunningReload {
+    reload: Reload,
+    task: JoinHandle<Result<ReloadEnd, ApplyError>>,
+}
+
+/// Owns `endpoint` if nobody else does, and works it until idle.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_worker(
+    pool: PgPool,
+    owners: Owners,
+    http: reqwest::Client,
+    endpoint: Uuid,
+    signal: Arc<WorkerSignal>,
+    config: WorkerConfig,
+    metrics: SequencerMetrics,
+    lease_duration: Duration,
+    stopping: Arc<AtomicBool>,
+) -> WorkerExit {
+    let mut wakes_seen = signal.wakes.load(Ordering::SeqCst);
+    let exit = |wakes_seen| WorkerExit {
+        endpoint,
+        wakes_seen,
+    };
+    let lease = match owners.try_acquire(endpoint).await {
+        Ok(Some(lease)) => lease,
+        Ok(None) => return exit(wakes_seen),
+        Err(error) => {
+            tracing::warn!(%endpoint, %error, "could not take the endpoint's lock");
+            return exit(wakes_seen);
+        }
+    };
+    metrics.endpoints_owned.inc();
+    let token = lease.token;
+    let lost = Arc::new(AtomicBool::new(false));
+    let lease = Arc::new(Mutex::new(Some(lease)));
+    let renewer = tokio::spawn(renew_until_lost(
+        owners.clone(),
+        lease.clone(),
+        lease_duration,
+        lost.clone(),
+        metrics.clone(),
+    ));
+
+    let registration = match state::load_registration(&pool, endpoint).await {
+        Ok(Some(registration)) => registration,
+        Ok(None) => {
+            tracing::warn!(%endpoint, "messages for an endpoint that is not registered");
+            return finish(renewer, &lease, None, &owners, &metrics, exit(wakes_seen)).await;
+        }
+        Err(error) => {
+            tracing::warn!(%endpoint, %error, "could not read the endpoint");
+            return finish(renewer, &lease, None, &owners, &metrics, exit(wakes_seen)).await;
+        }
+    };
+    let ctx = Arc::new(EndpointContext::new(registration, http));
+    let mut reload: Option<RunningReload> = None;
+
+    loop {
+        if lost.load(Ordering::SeqCst) || stopping.load(Ordering::SeqCst) {
+            break;
+        }
+        wakes_seen = signal.wakes.load(Ordering::SeqCst);
+        let step = apply_available(&pool, &ctx, token, &config, &metrics).await;
+        let applied_any = match step {
+            Ok(n) => n > 0,
+            Err(error @ (ApplyError::Fenced | ApplyError::CursorMoved)) => {
+                metrics.lock_losses.inc();
+                tracing::info!(%endpoint, %error, "lost the endpoint to another worker");
+                break;
+            }
+            Err(error) => {
+                tracing::warn!(%endpoint, %error, "applying messages failed; retrying");
+                tokio::time::sleep(config.error_pause).await;
+                continue;
+            }
+        };
+
+        // The reload the track holds now (a message may have begun or replaced it).
+        let wanted = match state::peek_track(&pool, endpoint, FEED_TRACK).await {
+            Ok(track) => track.reload,
+            Err(error) => {
+                tracing::warn!(%endpoint, %error, "reading the track failed; retrying");
+                tokio::time::sleep(config.error_pause).await;
+                continue;
+            }
+        };
+        if let Some(running) = &reload {
+            if running.task.is_finished() || Some(&running.reload) != wanted.as_ref() {
+                let running = reload.take().expect("checked above");
+                if !running.task.is_finished() {
+                    // Replaced by a newer reload: stop reading for the old one.
+                    running.task.abort();
+                }
+                match running.task.await {
+                    Ok(Ok(ReloadEnd::Merged { .. })) => {
+                        metrics.reloads.with_label_values(&["merged"]).inc()
+                    }
+                    Ok(Ok(ReloadEnd::Fenced)) => {
+                        metrics.reloads.with_label_values(&["abandoned"]).inc();
+                        metrics.lock_losses.inc();
+                        break;
+                    }
+                    Ok(Ok(ReloadEnd::Superseded)) | Err(_) => {
+                        metrics.reloads.with_label_values(&["abandoned"]).inc()
+                    }
+                    Ok(Err(error)) => {
+                        tracing::warn!(%endpoint, %error, "reload failed; it starts again");
+                        metrics.reloads.with_label_values(&["abandoned"]).inc();
+                    }
+                }
+                metrics.reloads_running.dec();
+            }
+        }
+        if reload.is_none() {
+            if let Some(wanted) = wanted {
+                // Also the path by which a reload begun and not merged starts again after a
+                // restart: the row says one is running, and nothing here runs it.
+                metrics.reloads_running.inc();
+                let (pool, ctx, metrics) = (pool.clone(), ctx.clone(), metrics.clone());
+                let backoff = config.reload_backoff;
+                let task_reload = wanted.clone();
+                let task = tokio::spawn(async move {
+                    run_reload(&pool, &ctx, token, &task_reload, backoff, &metrics).await
+                });
+                reload = Some(RunningReload {
+                    reload: wanted,
+                    task,
+                });
+                continue;
+            }
+        }
+        if applied_any {
+            continue;
+        }
+        // Nothing to apply: wait for a wake-up, or for the reload to end; let go after a
+        // while with neither.
+        let linger = tokio::time::sleep(config.idle_linger);
+        match &mut reload {
+            Some(running) => {
+                tokio::select! {
+                    _ = signal.notify.notified() => {}
+                    _ = wait_finished(&running.task) => {}
+                    _ = tokio::time::sleep(config.idle_linger * 4) => {}
+                }
+            }
+            None => {
+                tokio::select! {
+                    _ = signal.notify.notified() => {}
+                    _ = linger => break,
+                }
+            }
+        }
+    }
+    finish(renewer, &lease, reload, &owners, &metrics, exit(wakes_seen)).await
+}
+
+async fn wait_finished<T>(task: &JoinHandle<T>) {
+    while !task.is_finished() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Applies every message available now, in order. Returns how many it applied.
+async fn apply_available(
+    pool: &PgPool,
+    ctx: &Arc<EndpointContext>,
+    token: i64,
+    config: &WorkerConfig,
+    metrics: &SequencerMetrics,
+) -> Result<usize, ApplyError> {
+    let endpoint = ctx.id();
+    let mut applied = state::applied_through(pool, endpoint).await?;
+    let mut count = 0;
+    loop {
+        let (counter, pending) =
+            state::pending_messages(pool, endpoint, applied, config.messages_per_read).await?;
+        if pending.is_empty() {
+            if counter > applied {
+                // Only gaps left (numbers a duplicate took and did not use): skip them.
+                let mut tx = pool.begin().await?;
+                if !crate::ownership::check_fence(&mut tx, endpoint, token).await? {
+                    return Err(ApplyError::Fenced);
+                }
+                if !state::advance_cursor(&mut tx, ctx.tenant(), endpoint, applied, counter, None)
+                    .await?
+                {
+                    return Err(ApplyError::CursorMoved);
+                }
+                tx.commit().await?;
+            }
+            return Ok(count);
+        }
+        for message in &pending {
+            apply_message(pool, ctx, token, applied, message, metrics).await?;
+            applied = message.arrival_seq;
+            count += 1;
+        }
+    }
+}
+
+async fn renew_until_lost(
+    owners: Owners,
+    lease: Arc<Mutex<Option<Lease>>>,
+    lease_duration: Duration,
+    lost: Arc<AtomicBool>,
+    metrics: SequencerMetrics,
+) {
+    loop {
+        tokio::time::sleep(lease_duration / 3).await;
+        let mut held = lease.lock().await;
+        let Some(current) = held.as_mut() else {
+            return;
+        };
+        let endpoint = current.endpoint_id;
+        match owners.renew(current).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(%endpoint, "lease expired before renewal: stopping");
+                metrics.lock_losses.inc();
+                lost.store(true, Ordering::SeqCst);
+                *held = None;
+                return;
+            }
+            Err(error) => {
+                // Keep trying while the lease may still be ours; past it, stop.
+                if !current.is_valid(Instant::now()) {
+                    tracing::warn!(%endpoint, %error, "could not renew the lease: stopping");
+                    metrics.lock_losses.inc();
+                    lost.store(true, Ordering::SeqCst);
+                    *held = None;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+async fn finish(
+    renewer: JoinHandle<()>,
+    lease: &Mutex<Option<Lease>>,
+    reload: Option<RunningReload>,
+    owners: &Owners,
+    metrics: &SequencerMetrics,
+    exit: WorkerExit,
+) -> WorkerExit {
+    if let Some(running) = reload {
+        running.task.abort();
+        let _ = running.task.await;
+        metrics.reloads.with_label_values(&["abandoned"]).inc();
+        metrics.reloads_running.dec();
+    }
+    renewer.abort();
+    let _ = renewer.await;
+    if let Some(lease) = lease.lock().await.take() {
+        let endpoint = lease.endpoint_id;
+        if let Err(error) = owners.release(lease).await {
+            // It expires by itself within a lease.
+            tracing::debug!(%endpoint, %error, "could not release the lease");
+        }
+    }
+    metrics.endpoints_owned.dec();
+    exit
+}

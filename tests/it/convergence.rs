@@ -1,0 +1,520 @@
+//! End-to-end convergence: the simulated upstream sends signed webhooks with its faults over real
+//! HTTP to the real front tier; sequencer processes (this test binary re-run as a child, so a
+//! kill is a real SIGKILL) apply them into Postgres with real Redis locks; at quiescence every
+//! endpoint's copy must equal the simulator's oracle, and the outbox replayed from nothing must
+//! rebuild exactly that copy.
+//!
+//! Every run prints its seed; `RELAY_TEST_SEED=<seed>` replays one seed alone, and
+//! `RELAY_TEST_CONVERGENCE_SEEDS=<n>` runs that many seeds (CI runs the default 20, spread over
+//! four tests).
+
+use std::collections::BTreeMap;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use relay_ingest::SystemClock;
+use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
+use relay_simulator::cli::{prepare, SimulateArgs};
+use relay_simulator::{Faults, Simulation};
+use relay_store::copy::{self, Operation};
+use relay_store::endpoints::{self, NewEndpoint};
+use relay_store::{tenants, PoolOptions};
+use relay_tests::{test_config, TestApp};
+use relay_wire::SigningSecret;
+use serde_json::Value;
+use sqlx::PgPool;
+use tokio::process::{Child, Command};
+use uuid::Uuid;
+
+fn redis_url() -> String {
+    std::env::var("RELAY_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// Set in a child process's environment: what its sequencer runs against.
+const CHILD_ENV: &str = "RELAY_TEST_SEQUENCER_CHILD";
+
+/// The sequencer process the convergence tests start, kill and restart. Runs only when started
+/// by them (it waits forever otherwise).
+#[tokio::test]
+#[ignore = "started as a child process by the convergence tests"]
+async fn sequencer_child_process() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    relay_tests::init_logging();
+    let spec: Value = serde_json::from_str(&spec).unwrap();
+    let pool = relay_store::connect(
+        spec["database_url"].as_str().unwrap(),
+        &PoolOptions {
+            max_connections: 8,
+            acquire_timeout: Duration::from_secs(30),
+            statement_timeout: Some(Duration::from_secs(60)),
+            generic_plans: false,
+        },
+    )
+    .unwrap();
+    let config = child_config(&spec);
+    let _sequencer = Sequencer::start(pool, config, SequencerMetrics::unregistered())
+        .await
+        .unwrap();
+    std::future::pending::<()>().await;
+}
+
+fn child_config(spec: &Value) -> SequencerConfig {
+    SequencerConfig {
+        redis_url: spec["redis_url"].as_str().unwrap().to_owned(),
+        key_prefix: spec["key_prefix"].as_str().unwrap().to_owned(),
+        lease: Duration::from_millis(spec["lease_ms"].as_u64().unwrap()),
+        max_concurrent_endpoints: 16,
+        sweep_interval: Duration::from_millis(200),
+        idle_linger: Duration::from_millis(100),
+        upstream_timeout: Duration::from_secs(5),
+        ..SequencerConfig::default()
+    }
+}
+
+/// A sequencer in its own OS process.
+struct SequencerProcess {
+    child: Child,
+}
+
+impl SequencerProcess {
+    fn start(spec: &Value) -> Self {
+        let exe = std::env::current_exe().unwrap();
+        let logs = std::env::var_os("RELAY_TEST_CHILD_LOGS").is_some();
+        let child = Command::new(exe)
+            .args([
+                "--ignored",
+                "--exact",
+                "convergence::sequencer_child_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, spec.to_string())
+            .stdout(if logs {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .stderr(if logs {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        Self { child }
+    }
+
+    /// SIGKILL: no transaction finishes, no lock is released.
+    async fn kill(mut self) {
+        self.child.kill().await.unwrap();
+    }
+}
+
+/// One seeded run's shape.
+#[derive(Debug, Clone)]
+struct Run {
+    seed: u64,
+    endpoints: usize,
+    keys: usize,
+    rate: f64,
+    duration: Duration,
+    faults: Faults,
+    sequencers: usize,
+    /// SIGKILL a sequencer at random moments (then start it again).
+    kills: bool,
+}
+
+impl Run {
+    fn standard(seed: u64) -> Self {
+        Self {
+            seed,
+            endpoints: 6,
+            keys: 2,
+            rate: 40.0,
+            duration: Duration::from_secs(6),
+            faults: Faults::all(),
+            sequencers: 2,
+            kills: true,
+        }
+    }
+}
+
+/// What a copy holds of its items: subject → (sequence, item).
+type Items = BTreeMap<String, (String, Value)>;
+
+async fn copy_items(pool: &PgPool, endpoint: Uuid) -> Items {
+    copy::copy_rows(pool, endpoint)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|(subject, held)| match held.content {
+            relay_rules::HeldContent::Item { item, .. } => {
+                Some((subject, (held.sequence.as_str().to_owned(), item)))
+            }
+            relay_rules::HeldContent::Tombstone => None,
+        })
+        .collect()
+}
+
+fn oracle(sim: &Simulation, endpoint: Uuid) -> Items {
+    sim.lock()
+        .expected_copy(endpoint)
+        .into_iter()
+        .map(|(subject, (sequence, item))| (subject, (sequence.as_str().to_owned(), item)))
+        .collect()
+}
+
+/// Messages stored and not applied, and reloads not merged, over all endpoints.
+async fn relay_backlog(pool: &PgPool) -> (i64, i64) {
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM messages m
+         LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = m.endpoint_id
+         WHERE m.arrival_seq > coalesce(c.applied_arrival_seq, 0)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let reloading: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM endpoint_tracks WHERE reload IS NOT NULL")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    (waiting, reloading)
+}
+
+fn describe_difference(copy: &Items, oracle: &Items) -> String {
+    let mut lines = Vec::new();
+    for (subject, (sequence, item)) in oracle {
+        match copy.get(subject) {
+            None => lines.push(format!("missing {subject} at {sequence}")),
+            Some((s, i)) if s != sequence => {
+                lines.push(format!("{subject}: copy at {s}, oracle at {sequence}"))
+            }
+            Some((_, i)) if i != item => lines.push(format!("{subject}: item differs")),
+            _ => {}
+        }
+    }
+    for subject in copy.keys().filter(|s| !oracle.contains_key(*s)) {
+        lines.push(format!("extra {subject}"));
+    }
+    lines.truncate(10);
+    lines.join("; ")
+}
+
+/// Replays the endpoint's outbox in change order onto nothing: the items it rebuilds.
+async fn replay_outbox(pool: &PgPool, endpoint: Uuid, seed: u64) -> Items {
+    let changes = copy::list_changes(pool, endpoint).await.unwrap();
+    let mut items = Items::new();
+    for (i, change) in changes.iter().enumerate() {
+        assert_eq!(
+            change.change_seq,
+            i as i64 + 1,
+            "seed {seed}: endpoint {endpoint}'s change sequence has a gap"
+        );
+        match change.operation {
+            Operation::Upsert => {
+                let sequence = change.sequence.as_ref().map(|s| s.as_str().to_owned());
+                items.insert(
+                    change.subject.clone(),
+                    (sequence.unwrap_or_default(), change.item.clone().unwrap()),
+                );
+            }
+            Operation::Remove => {
+                items.remove(&change.subject);
+            }
+        }
+    }
+    items
+}
+
+async fn register(pool: &PgPool, infos: &[relay_simulator::EndpointInfo], api: &str) {
+    for info in infos {
+        let tenant = Uuid::new_v5(&Uuid::NAMESPACE_URL, info.key_token.as_bytes());
+        match tenants::create(pool, tenant, "simulated").await {
+            Ok(_) | Err(relay_store::StoreError::AlreadyExists { .. }) => {}
+            Err(error) => panic!("creating a tenant: {error}"),
+        }
+        endpoints::create(
+            pool,
+            &NewEndpoint {
+                id: info.id,
+                tenant_id: tenant,
+                secret: SigningSecret::parse(&info.secrets[0]).unwrap(),
+                upstream_base_url: Some(api.to_owned()),
+                upstream_api_key: Some(info.key_token.clone()),
+            },
+        )
+        .await
+        .unwrap();
+    }
+}
+
+async fn delete_redis_keys(prefix: &str) {
+    let client = redis::Client::open(redis_url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    if !keys.is_empty() {
+        let _: () = redis::cmd("DEL")
+            .arg(keys)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+}
+
+/// Runs one seed end to end and checks convergence; panics with the seed on any difference.
+async fn converge(run: Run) {
+    let seed = run.seed;
+    eprintln!("convergence: seed {seed} ({run:?})");
+    let key_prefix = format!("relay-test-{}:", Uuid::new_v4().simple());
+    let waker = Waker::connect(&redis_url(), &key_prefix).await.unwrap();
+    let app = TestApp::spawn_with(
+        relay_ingest::IngestConfig {
+            waker: Some(waker),
+            ..test_config()
+        },
+        Arc::new(SystemClock),
+        None,
+    )
+    .await;
+    let pool = app.db.pool.clone();
+
+    let api_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let api = format!("http://{}", api_listener.local_addr().unwrap());
+    let args = SimulateArgs {
+        receiver_url: app.base_url.clone(),
+        endpoints: run.endpoints,
+        keys: run.keys,
+        seed,
+        rate: run.rate,
+        duration_s: run.duration.as_secs(),
+        faults: "none".into(),
+        time_compression: 3600.0,
+        listen: "127.0.0.1:0".into(),
+        print_endpoints: false,
+        quiet: true,
+    };
+    let (mut upstream, workload, infos) = prepare(&args).unwrap();
+    upstream.set_faults(run.faults.clone());
+    register(&pool, &infos, &api).await;
+    let sim = Simulation::new(upstream, Duration::from_secs(2));
+    relay_simulator::api::serve(api_listener, sim.clone())
+        .await
+        .unwrap();
+
+    let spec = serde_json::json!({
+        "database_url": app.db.url,
+        "redis_url": redis_url(),
+        "key_prefix": key_prefix,
+        "lease_ms": 1500,
+    });
+    let mut sequencers: Vec<Option<SequencerProcess>> = (0..run.sequencers)
+        .map(|_| Some(SequencerProcess::start(&spec)))
+        .collect();
+    let senders = sim.spawn_senders();
+
+    // The workload, and meanwhile (seeded) kills and restarts.
+    let workload_task = tokio::spawn(sim.clone().run_workload(workload, run.rate, run.duration));
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6b696c6c);
+    let mut kills = 0;
+    while !workload_task.is_finished() {
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(300..1200))).await;
+        if run.kills && !sequencers.is_empty() {
+            let slot = rng.gen_range(0..sequencers.len());
+            match sequencers[slot].take() {
+                Some(process) => {
+                    process.kill().await;
+                    kills += 1;
+                }
+                None => sequencers[slot] = Some(SequencerProcess::start(&spec)),
+            }
+        }
+    }
+    workload_task.await.unwrap();
+    for slot in &mut sequencers {
+        if slot.is_none() {
+            *slot = Some(SequencerProcess::start(&spec));
+        }
+    }
+    // Quiescence: the faults stop (so no new reset is provoked), the upstream sends what is
+    // left, the relay applies it and merges its reloads.
+    sim.change(|upstream, _| upstream.set_faults(Faults::default()));
+    let started = Instant::now();
+    let ids: Vec<Uuid> = infos.iter().map(|i| i.id).collect();
+    let mut stable_rounds = 0;
+    loop {
+        let idle = sim.wait_idle(Duration::from_millis(10)).await;
+        let (waiting, reloading) = relay_backlog(&pool).await;
+        let mut equal = true;
+        for &id in &ids {
+            if copy_items(&pool, id).await != oracle(&sim, id) {
+                equal = false;
+                break;
+            }
+        }
+        if idle && waiting == 0 && reloading == 0 && equal {
+            stable_rounds += 1;
+            if stable_rounds >= 3 {
+                break;
+            }
+        } else {
+            stable_rounds = 0;
+        }
+        if started.elapsed() > Duration::from_secs(90) {
+            let mut report = Vec::new();
+            for &id in &ids {
+                let (copy, truth) = (copy_items(&pool, id).await, oracle(&sim, id));
+                if copy != truth {
+                    report.push(format!(
+                        "endpoint {id}: {} items, oracle {}: {}",
+                        copy.len(),
+                        truth.len(),
+                        describe_difference(&copy, &truth)
+                    ));
+                }
+            }
+            panic!(
+                "seed {seed}: no convergence within 90 s (upstream idle {idle}, messages waiting \
+                 {waiting}, reloads running {reloading}): {}",
+                report.join(" | ")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let mut items_total = 0;
+    for &id in &ids {
+        let copy = copy_items(&pool, id).await;
+        let truth = oracle(&sim, id);
+        assert_eq!(
+            copy, truth,
+            "seed {seed}: endpoint {id}'s copy is not the oracle's"
+        );
+        let replayed = replay_outbox(&pool, id, seed).await;
+        let copy_without_positions: BTreeMap<_, _> = copy
+            .iter()
+            .map(|(s, (_, item))| (s.clone(), item.clone()))
+            .collect();
+        let replayed_items: BTreeMap<_, _> = replayed
+            .iter()
+            .map(|(s, (_, item))| (s.clone(), item.clone()))
+            .collect();
+        assert_eq!(
+            replayed_items, copy_without_positions,
+            "seed {seed}: endpoint {id}'s outbox replayed does not rebuild its copy"
+        );
+        items_total += copy.len();
+    }
+    let (messages, resets): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE outcome IN ('reload_begun', 'reload_superseded'))
+         FROM message_applications",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    eprintln!(
+        "convergence: seed {seed} converged: {} endpoints, {items_total} items, {messages} \
+         messages applied ({resets} resets), {kills} sequencer kills, {:.1} s to quiesce",
+        ids.len(),
+        started.elapsed().as_secs_f64()
+    );
+
+    for process in sequencers.into_iter().flatten() {
+        process.kill().await;
+    }
+    sim.shutdown();
+    for sender in senders {
+        let _ = sender.await;
+    }
+    delete_redis_keys(&key_prefix).await;
+    app.stop().await;
+}
+
+/// The seeds a test runs: `RELAY_TEST_SEED` alone, or `count` seeds from `first`
+/// (`RELAY_TEST_CONVERGENCE_SEEDS` overrides the count, for the long documented run).
+fn seeds(first: u64, count: u64) -> Vec<u64> {
+    if let Some(seed) = std::env::var("RELAY_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        return vec![seed];
+    }
+    let count = std::env::var("RELAY_TEST_CONVERGENCE_SEEDS")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .map(|n| n.div_ceil(4))
+        .unwrap_or(count);
+    (first..first + count).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_converge_to_the_oracle_with_every_fault_and_killed_sequencers_a() {
+    for seed in seeds(1, 5) {
+        converge(Run::standard(seed)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_converge_with_many_endpoints_and_three_sequencers_b() {
+    for seed in seeds(100_001, 5) {
+        converge(Run {
+            endpoints: 12,
+            keys: 3,
+            sequencers: 3,
+            ..Run::standard(seed)
+        })
+        .await;
+    }
+}
+
+/// Refetches everywhere, with stale and load-balancer answers, and reloads interrupted often.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_converge_with_heavy_refetch_and_reload_faults_c() {
+    for seed in seeds(200_001, 5) {
+        let faults = Faults {
+            refetch: 0.6,
+            lb_404: 0.3,
+            stale_reads: 0.3,
+            access_change_mid_reload: 0.15,
+            reset_mid_reload: 0.15,
+            cursor_expired: 0.15,
+            ..Faults::all()
+        };
+        converge(Run {
+            faults,
+            ..Run::standard(seed)
+        })
+        .await;
+    }
+}
+
+/// Duplicates, old redeliveries and rewinds at high rates, one sequencer never killed: the
+/// ordering and de-duplication rules alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_converge_with_redeliveries_and_rewinds_d() {
+    for seed in seeds(300_001, 5) {
+        let faults = Faults {
+            duplicate: 0.3,
+            redeliver_old: 0.2,
+            rewind: 0.08,
+            ..Faults::all()
+        };
+        converge(Run {
+            faults,
+            sequencers: 1,
+            kills: false,
+            ..Run::standard(seed)
+        })
+        .await;
+    }
+}
