@@ -1,1 +1,53 @@
-//! The publisher (skeleton: being built).
+//! The publisher: sends every change of each endpoint's outbox (`changes`, filled by the
+//! sequencer) to its tenant's RabbitMQ destination, once confirmed and in change_seq order, and
+//! marks it published only after the broker confirmed it.
+//!
+//! Run it with [`Publisher::start`] (settings: [`PublisherConfig`], or [`PublisherArgs`] from
+//! the command line) and stop it with [`PublisherHandle::stop`]. [`tail()`] is `relay tail`.
+//!
+//! # Guarantees
+//! - Every change reaches the destination: rows are marked only after the broker's confirm (an
+//!   ack, not returned), so whatever fails the backlog waits in Postgres and is sent when the
+//!   broker is back.
+//! - Per endpoint, in order: one publisher owns a tenant at a time ([`ownership`]), and an
+//!   endpoint's next change is sent only once the one before it is confirmed ([`tenant`]).
+//! - At least once, repeats only of the same message_id: a change is sent again only when the
+//!   publisher cannot know the broker has it (no confirm came: the connection failed or the
+//!   confirm timed out), or knows and did not record it (it died, or lost its tenant, between
+//!   the confirm and the mark). A consumer that drops change_seqs it has seen gets each change
+//!   once ([`ReferenceConsumer`]).
+//!
+//! # Layout
+//! - [`config`]: [`PublisherConfig`] and the `RELAY_*` flags, [`PublisherArgs`].
+//! - [`publisher`]: start/stop, and the coordinator that polls for tenants with a backlog.
+//! - [`tenant`]: one owned tenant's loop: read, publish, confirm, mark; broker trouble.
+//! - [`ownership`]: the per-tenant Redis lease and its Postgres fencing token.
+//! - [`outbox`]: the Postgres queries (backlog, next changes, mark, destination).
+//! - [`broker`]: AMQP via lapin on tokio: connections, the tenant queue, a round of publishes.
+//! - [`message`]: the change message v1 (`docs/change-message.v1.schema.json`).
+//! - [`consumer`]: [`ReferenceConsumer`], the pure rebuild of a copy from the messages.
+//! - [`tail`](mod@tail): `relay tail`, the reference consumer over a queue.
+//! - [`metrics`]: the Prometheus metrics.
+
+pub mod broker;
+pub mod config;
+pub mod consumer;
+pub mod message;
+pub mod metrics;
+pub mod outbox;
+pub mod ownership;
+pub mod publisher;
+pub mod tail;
+pub mod tenant;
+
+pub use broker::tenant_queue;
+pub use config::{BeforeMark, PublisherArgs, PublisherConfig};
+pub use consumer::{ConsumerStats, Received, ReferenceConsumer};
+pub use message::{ChangeMessage, SCHEMA};
+pub use metrics::PublisherMetrics;
+pub use outbox::Destination;
+pub use publisher::{Publisher, PublisherError, PublisherHandle};
+pub use tail::{tail, tail_until, TailArgs, TailOutput};
+
+/// The AMQP client, for callers (and tests) that talk to a broker beside the publisher.
+pub use lapin;

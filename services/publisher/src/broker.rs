@@ -1,0 +1,400 @@
+//! AMQP: connecting (lapin on tokio), the tenant's queue, and one round of confirmed publishes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::publisher_confirm::Confirmation;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::uri::AMQPUri;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use uuid::Uuid;
+
+use crate::message::CONTENT_TYPE;
+use crate::outbox::{Destination, OutboxChange};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    #[error("amqp: {0}")]
+    Amqp(#[from] lapin::Error),
+    #[error("not an AMQP URL: {0}")]
+    Url(String),
+    #[error("the relay's broker is down: {0}")]
+    Down(String),
+    #[error("{0} publishes neither confirmed nor refused")]
+    Unconfirmed(u64),
+    #[error("{0} timed out after {1:?}")]
+    Timeout(&'static str, Duration),
+}
+
+/// The queue the relay declares for a tenant without a destination of its own.
+pub fn tenant_queue(tenant: Uuid) -> String {
+    format!("relay.tenant.{tenant}")
+}
+
+/// The heartbeat asked for when the URL names none: a connection that went silent (a broker
+/// host gone, a network that drops packets) is closed by lapin after two of these.
+const HEARTBEAT_S: u16 = 10;
+
+/// Connects with lapin's IO and tasks on the current tokio runtime, within `timeout`.
+///
+/// lapin runs each connection's IO on a thread of its own, which our timeout does not stop; so
+/// the URL's own bounds are set too (unless it names them): the TCP connect gives up after
+/// `timeout`, and an established connection that stops answering ends by the heartbeat.
+pub async fn connect(url: &str, name: &str, timeout: Duration) -> Result<Connection, BrokerError> {
+    let mut uri: AMQPUri = url.parse().map_err(BrokerError::Url)?;
+    uri.query
+        .connection_timeout
+        .get_or_insert(timeout.as_millis().max(1) as u64);
+    uri.query.heartbeat.get_or_insert(HEARTBEAT_S);
+    let properties = ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio::current())
+        .with_connection_name(LongString::from(name.to_owned()));
+    tokio::time::timeout(timeout, Connection::connect_uri(uri, properties))
+        .await
+        .map_err(|_| BrokerError::Timeout("connecting", timeout))?
+        .map_err(BrokerError::from)
+}
+
+/// Declares `relay.tenant.<id>`: durable, quorum (replicated, and it survives a broker restart
+/// with its messages, which are persistent). Idempotent when the queue exists as declared.
+pub async fn declare_tenant_queue(channel: &Channel, queue: &str) -> Result<(), BrokerError> {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        ShortString::from("x-queue-type"),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    channel
+        .queue_declare(
+            queue,
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            arguments,
+        )
+        .await?;
+    Ok(())
+}
+
+/// Where one tenant's messages go, resolved from its [`Destination`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub url: String,
+    pub exchange: String,
+    pub routing_key: String,
+    /// The queue to declare before publishing (the relay's own queue only).
+    pub declare: Option<String>,
+}
+
+impl Target {
+    pub fn resolve(tenant: Uuid, destination: &Destination, relay_amqp_url: &str) -> Self {
+        match destination {
+            Destination::RelayQueue => {
+                let queue = tenant_queue(tenant);
+                Target {
+                    url: relay_amqp_url.to_owned(),
+                    exchange: String::new(),
+                    routing_key: queue.clone(),
+                    declare: Some(queue),
+                }
+            }
+            Destination::OwnExchange {
+                amqp_url,
+                exchange,
+                routing_key,
+            } => Target {
+                url: amqp_url.clone(),
+                exchange: exchange.clone(),
+                routing_key: routing_key.clone(),
+                declare: None,
+            },
+        }
+    }
+
+    /// The relay's own queue: published over the connection every such tenant shares.
+    fn on_relay_broker(&self) -> bool {
+        self.declare.is_some()
+    }
+}
+
+/// The relay's own broker: one connection for every tenant whose queue is there, each tenant on
+/// a channel of its own. lapin gives each connection an OS thread, so a connection per tenant
+/// would cost a thread per tenant; and they all reach the same broker, so they would all fail
+/// together anyway. (A tenant's own broker gets a connection per tenant: those fail one by one.)
+pub struct RelayBroker {
+    url: String,
+    timeout: Duration,
+    current: tokio::sync::Mutex<Current>,
+}
+
+#[derive(Default)]
+struct Current {
+    connection: Option<Arc<Connection>>,
+    /// The last failed connect: tenants that queued behind it fail at once rather than each
+    /// wait a connect timeout of its own in turn.
+    failed: Option<(std::time::Instant, String)>,
+}
+
+impl RelayBroker {
+    pub fn new(url: String, timeout: Duration) -> Self {
+        Self {
+            url,
+            timeout,
+            current: tokio::sync::Mutex::new(Current::default()),
+        }
+    }
+
+    /// The open connection, or a new one (one tenant connects; the others wait for it).
+    async fn get(&self) -> Result<Arc<Connection>, BrokerError> {
+        let mut current = self.current.lock().await;
+        if let Some(connection) = current.connection.as_ref() {
+            if connection.status().connected() {
+                return Ok(connection.clone());
+            }
+        }
+        if let Some(old) = current.connection.take() {
+            tokio::spawn(async move { close_quietly(&old).await });
+        }
+        if let Some((at, error)) = &current.failed {
+            if at.elapsed() < self.timeout.min(Duration::from_secs(1)) {
+                return Err(BrokerError::Down(error.clone()));
+            }
+        }
+        match connect(&self.url, "relay-publisher", self.timeout).await {
+            Ok(connection) => {
+                let connection = Arc::new(connection);
+                current.connection = Some(connection.clone());
+                current.failed = None;
+                Ok(connection)
+            }
+            Err(error) => {
+                current.failed = Some((std::time::Instant::now(), error.to_string()));
+                Err(error)
+            }
+        }
+    }
+
+    /// Drops the connection if it is still `suspect` (a publish on it timed out: it may be
+    /// dead without knowing it yet), so that the next tenant to publish connects anew.
+    async fn invalidate(&self, suspect: &Arc<Connection>) {
+        let mut current = self.current.lock().await;
+        if current
+            .connection
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(c, suspect))
+        {
+            if let Some(old) = current.connection.take() {
+                tokio::spawn(async move { close_quietly(&old).await });
+            }
+        }
+    }
+
+    pub async fn close(&self) {
+        if let Some(connection) = self.current.lock().await.connection.take() {
+            close_quietly(&connection).await;
+        }
+    }
+}
+
+/// A tenant's channel in confirm mode, on the relay's shared connection or on a connection of
+/// its own to the tenant's broker.
+pub struct Link {
+    connection: Arc<Connection>,
+    shared: bool,
+    channel: Channel,
+    pub target: Target,
+}
+
+impl Link {
+    /// Connects (or takes the relay's shared connection), opens a channel in confirm mode, and
+    /// declares the tenant's queue when it is the relay's; each step within `timeout`.
+    pub async fn open(
+        target: Target,
+        tenant: Uuid,
+        relay: &RelayBroker,
+        timeout: Duration,
+    ) -> Result<Self, BrokerError> {
+        let shared = target.on_relay_broker();
+        let connection = if shared {
+            relay.get().await?
+        } else {
+            let name = format!("relay-publisher {tenant}");
+            Arc::new(connect(&target.url, &name, timeout).await?)
+        };
+        let setup = async {
+            let channel = connection.create_channel().await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            if let Some(queue) = &target.declare {
+                declare_tenant_queue(&channel, queue).await?;
+            }
+            Ok::<_, BrokerError>(channel)
+        };
+        let failure = match tokio::time::timeout(timeout, setup).await {
+            Ok(Ok(channel)) => {
+                return Ok(Self {
+                    connection,
+                    shared,
+                    channel,
+                    target,
+                })
+            }
+            Ok(Err(error)) => error,
+            Err(_) => BrokerError::Timeout("opening the channel", timeout),
+        };
+        if !shared {
+            close_quietly(&connection).await;
+        } else if matches!(failure, BrokerError::Timeout(..)) {
+            relay.invalidate(&connection).await;
+        }
+        Err(failure)
+    }
+
+    /// Whether the connection and channel are still open (the broker closes a channel on a
+    /// soft error, e.g. a publish to an exchange that does not exist).
+    pub fn is_open(&self) -> bool {
+        self.connection.status().connected() && self.channel.status().connected()
+    }
+
+    /// Declares the tenant's queue again (after a publish came back unroutable: deleted).
+    pub async fn redeclare(&self, timeout: Duration) -> Result<(), BrokerError> {
+        let Some(queue) = &self.target.declare else {
+            return Ok(());
+        };
+        tokio::time::timeout(timeout, declare_tenant_queue(&self.channel, queue))
+            .await
+            .map_err(|_| BrokerError::Timeout("declaring the queue", timeout))?
+    }
+
+    /// Closes the channel, and the connection unless it is the shared one.
+    pub async fn close(self) {
+        if self.shared {
+            let close = self.channel.close(200, "bye");
+            let _ = tokio::time::timeout(Duration::from_secs(1), close).await;
+        } else {
+            close_quietly(&self.connection).await;
+        }
+    }
+
+    /// Closes after `error`. A timeout means the connection itself may be dead: the shared one
+    /// is dropped too, and whoever publishes next connects anew.
+    pub async fn close_after(self, error: &BrokerError, relay: &RelayBroker) {
+        if self.shared && matches!(error, BrokerError::Timeout(..)) {
+            relay.invalidate(&self.connection).await;
+        }
+        self.close().await;
+    }
+}
+
+async fn close_quietly(connection: &Connection) {
+    // A broker that is gone does not answer the close; the socket goes with the connection.
+    let _ = tokio::time::timeout(Duration::from_secs(1), connection.close(200, "bye")).await;
+}
+
+/// What became of one publish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Acked, not returned: the broker has it. Only these are marked published.
+    Confirmed,
+    Nacked,
+    /// Acked but returned as unroutable (the mandatory flag): it reached no queue.
+    Returned,
+    /// Not sent, or no confirm came (the connection or channel failed, or the confirm timed
+    /// out): the broker may or may not have it.
+    Unknown,
+}
+
+/// The AMQP properties of a change's message.
+pub fn properties(change: &OutboxChange) -> BasicProperties {
+    let message = &change.message;
+    BasicProperties::default()
+        .with_message_id(ShortString::from(message.message_id()))
+        .with_content_type(ShortString::from(CONTENT_TYPE))
+        .with_type(ShortString::from(message.operation.as_str()))
+        .with_timestamp(change.created_at.unix_timestamp().max(0) as u64)
+        .with_delivery_mode(2)
+        .with_app_id(ShortString::from("relay"))
+}
+
+/// Publishes each change (persistent, mandatory) and waits for every confirm, all within
+/// `timeout`. Returns one outcome per change, in order, and the failure that cut the round
+/// short, if any (then the link should be dropped: its state is unknown).
+pub async fn publish_round(
+    link: &Link,
+    changes: &[OutboxChange],
+    timeout: Duration,
+    mut on_sent: impl FnMut(),
+) -> (Vec<Outcome>, Option<(&'static str, BrokerError)>) {
+    let mut outcomes = vec![Outcome::Unknown; changes.len()];
+    let deadline = tokio::time::Instant::now() + timeout;
+    let options = BasicPublishOptions {
+        mandatory: true,
+        ..BasicPublishOptions::default()
+    };
+    // Send them all first: the confirms of one round are awaited together, so a round costs
+    // one round trip to the broker, not one per message.
+    let mut pending = Vec::with_capacity(changes.len());
+    let mut failure = None;
+    for (i, change) in changes.iter().enumerate() {
+        let body = change.message.encode();
+        let send = link.channel.basic_publish(
+            &link.target.exchange,
+            &link.target.routing_key,
+            options,
+            &body,
+            properties(change),
+        );
+        match tokio::time::timeout_at(deadline, send).await {
+            Ok(Ok(confirm)) => {
+                on_sent();
+                pending.push((i, confirm));
+            }
+            Ok(Err(error)) => {
+                failure = Some(("publish", error.into()));
+                break;
+            }
+            Err(_) => {
+                failure = Some(("publish", BrokerError::Timeout("publishing", timeout)));
+                break;
+            }
+        }
+    }
+    // One shared deadline; awaited in order, so what was confirmed before a timeout or a
+    // failure is still counted (a ready confirm is taken even past the deadline).
+    for (i, confirm) in pending {
+        outcomes[i] = match tokio::time::timeout_at(deadline, confirm).await {
+            Ok(Ok(Confirmation::Ack(None))) => Outcome::Confirmed,
+            Ok(Ok(Confirmation::Ack(Some(_)))) => Outcome::Returned,
+            Ok(Ok(Confirmation::Nack(_))) => Outcome::Nacked,
+            // Confirm mode is set on every channel opened here; one without it tells nothing.
+            Ok(Ok(Confirmation::NotRequested)) => Outcome::Unknown,
+            Ok(Err(error)) => {
+                failure.get_or_insert(("confirm", error.into()));
+                Outcome::Unknown
+            }
+            Err(_) => {
+                failure.get_or_insert((
+                    "confirm",
+                    BrokerError::Timeout("waiting for confirms", timeout),
+                ));
+                Outcome::Unknown
+            }
+        };
+    }
+    (outcomes, failure)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_url_names_the_root_vhost() {
+        let uri: AMQPUri = crate::config::DEFAULT_AMQP_URL.parse().unwrap();
+        assert_eq!(uri.vhost, "/");
+        assert_eq!(uri.authority.port, 5672);
+    }
+}

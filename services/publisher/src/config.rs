@@ -1,0 +1,243 @@
+//! The publisher's settings: [`PublisherConfig`] as the code takes it, [`PublisherArgs`] as the
+//! command line and the `RELAY_*` environment give it.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+
+/// How the publisher runs. [`Default`] is what [`PublisherArgs`] defaults to.
+#[derive(Clone)]
+pub struct PublisherConfig {
+    /// The relay's own broker: where the tenants without a destination of their own get a
+    /// durable quorum queue `relay.tenant.<tenant_id>`.
+    pub amqp_url: String,
+    /// Redis, for the per-tenant ownership leases.
+    pub redis_url: String,
+    /// Every Redis key starts with this (several relays, or tests, can share one Redis).
+    pub key_prefix: String,
+    /// How often Postgres is asked which tenants have unpublished changes (one query per
+    /// process, however many tenants it owns): the longest a new change of an idle tenant waits
+    /// before it is looked at. A busy tenant's task reads on as soon as a round is done.
+    pub poll_interval: Duration,
+    /// How long a tenant's lease lasts without renewal (renewed every third of it). Keep it
+    /// above `connect_timeout` plus `confirm_timeout`: one step of a tenant's loop may take both.
+    pub lease: Duration,
+    /// Most of a tenant's endpoints with a change in flight at once (each has at most one).
+    pub max_in_flight: usize,
+    /// Most tenants this process owns at once.
+    pub max_tenants: usize,
+    /// Connecting to a broker (TCP, TLS and the AMQP handshake) and declaring the queue.
+    pub connect_timeout: Duration,
+    /// Waiting for the broker's confirms of one round of publishes.
+    pub confirm_timeout: Duration,
+    /// The first pause after broker trouble; doubled on each failure in a row, up to
+    /// `retry_max`, with jitter.
+    pub retry_min: Duration,
+    pub retry_max: Duration,
+    /// A tenant with no unpublished change for this long is released (its connection closed).
+    pub idle_release: Duration,
+    /// How often the backlog gauges of an owned tenant are refreshed (a count over its
+    /// unpublished changes).
+    pub metrics_interval: Duration,
+    /// How often an owned tenant's destination row is read again (the control plane may change
+    /// it); a changed destination closes the connection and opens one to the new place.
+    pub destination_refresh: Duration,
+    /// For tests: called with the message ids of a round's confirmed publishes, awaited before
+    /// they are marked published. A hook that never returns stands for a publisher that dies
+    /// between the broker's confirm and the mark.
+    pub before_mark: Option<BeforeMark>,
+}
+
+/// See [`PublisherConfig::before_mark`].
+#[derive(Clone)]
+pub struct BeforeMark(pub Arc<dyn Fn(Vec<String>) -> BoxFuture<'static, ()> + Send + Sync>);
+
+impl fmt::Debug for BeforeMark {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("BeforeMark(..)")
+    }
+}
+
+impl fmt::Debug for PublisherConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The URLs may hold passwords: show them without.
+        f.debug_struct("PublisherConfig")
+            .field("amqp_url", &redact(&self.amqp_url))
+            .field("redis_url", &redact(&self.redis_url))
+            .field("key_prefix", &self.key_prefix)
+            .field("poll_interval", &self.poll_interval)
+            .field("lease", &self.lease)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("max_tenants", &self.max_tenants)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("retry_min", &self.retry_min)
+            .field("retry_max", &self.retry_max)
+            .field("idle_release", &self.idle_release)
+            .field("metrics_interval", &self.metrics_interval)
+            .field("destination_refresh", &self.destination_refresh)
+            .field("before_mark", &self.before_mark)
+            .finish()
+    }
+}
+
+/// A URL with any password replaced by `***`, for logs.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
+/// The same values as [`PublisherArgs`]' defaults (without reading the environment).
+impl Default for PublisherConfig {
+    fn default() -> Self {
+        let ms = Duration::from_millis;
+        PublisherConfig {
+            amqp_url: DEFAULT_AMQP_URL.to_owned(),
+            redis_url: DEFAULT_REDIS_URL.to_owned(),
+            key_prefix: "relay:".to_owned(),
+            poll_interval: ms(50),
+            lease: ms(15_000),
+            max_in_flight: 256,
+            max_tenants: 1024,
+            connect_timeout: ms(5_000),
+            confirm_timeout: ms(5_000),
+            retry_min: ms(100),
+            retry_max: ms(5_000),
+            idle_release: ms(30_000),
+            metrics_interval: Duration::from_secs(1),
+            destination_refresh: Duration::from_secs(10),
+            before_mark: None,
+        }
+    }
+}
+
+/// The publisher's flags, each with its `RELAY_*` environment variable. The database is not
+/// here: the caller passes a pool.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PublisherArgs {
+    /// The relay's own RabbitMQ: tenants without a destination of their own get a durable
+    /// quorum queue `relay.tenant.<tenant_id>` there.
+    #[arg(long, env = "RELAY_AMQP_URL", default_value = DEFAULT_AMQP_URL)]
+    pub amqp_url: String,
+
+    /// Redis, for the per-tenant ownership leases. Not a flag of its own: the `relay` binary
+    /// sets it from its global `--redis-url` (RELAY_REDIS_URL), which every tier shares.
+    #[arg(skip = DEFAULT_REDIS_URL.to_owned())]
+    pub redis_url: String,
+
+    /// Prefix of every Redis key the publisher uses.
+    #[arg(long, env = "RELAY_PUBLISHER_KEY_PREFIX", default_value = "relay:")]
+    pub publisher_key_prefix: String,
+
+    /// How often Postgres is asked which tenants have unpublished changes, in milliseconds
+    /// (one cheap query per process): the longest a change waits before it is looked at.
+    #[arg(long, env = "RELAY_PUBLISHER_POLL_MS", default_value_t = 50)]
+    pub publisher_poll_ms: u64,
+
+    /// A tenant's ownership lease, in milliseconds: another publisher takes the tenant over
+    /// this long after its owner stopped renewing. Keep it above the connect timeout plus the
+    /// confirm timeout.
+    #[arg(long, env = "RELAY_PUBLISHER_LEASE_MS", default_value_t = 15_000,
+          value_parser = clap::value_parser!(u64).range(300..))]
+    pub publisher_lease_ms: u64,
+
+    /// Most of one tenant's endpoints with a change in flight at once.
+    #[arg(long, env = "RELAY_PUBLISHER_MAX_IN_FLIGHT", default_value_t = 256,
+          value_parser = clap::value_parser!(u64).range(1..=65_535))]
+    pub publisher_max_in_flight: u64,
+
+    /// Most tenants one publisher process owns at once.
+    #[arg(long, env = "RELAY_PUBLISHER_MAX_TENANTS", default_value_t = 1024)]
+    pub publisher_max_tenants: usize,
+
+    /// Timeout for connecting to a broker and declaring the queue, in milliseconds.
+    #[arg(
+        long,
+        env = "RELAY_PUBLISHER_CONNECT_TIMEOUT_MS",
+        default_value_t = 5_000
+    )]
+    pub publisher_connect_timeout_ms: u64,
+
+    /// Timeout for the broker's confirms of one round of publishes, in milliseconds.
+    #[arg(
+        long,
+        env = "RELAY_PUBLISHER_CONFIRM_TIMEOUT_MS",
+        default_value_t = 5_000
+    )]
+    pub publisher_confirm_timeout_ms: u64,
+
+    /// Longest pause between retries after broker trouble, in milliseconds (the first is 100).
+    #[arg(long, env = "RELAY_PUBLISHER_RETRY_MAX_MS", default_value_t = 5_000)]
+    pub publisher_retry_max_ms: u64,
+
+    /// A tenant with nothing to publish for this many milliseconds is released.
+    #[arg(
+        long,
+        env = "RELAY_PUBLISHER_IDLE_RELEASE_MS",
+        default_value_t = 30_000
+    )]
+    pub publisher_idle_release_ms: u64,
+}
+
+impl PublisherArgs {
+    pub fn config(&self) -> PublisherConfig {
+        let ms = Duration::from_millis;
+        PublisherConfig {
+            amqp_url: self.amqp_url.clone(),
+            redis_url: self.redis_url.clone(),
+            key_prefix: self.publisher_key_prefix.clone(),
+            poll_interval: ms(self.publisher_poll_ms.max(1)),
+            lease: ms(self.publisher_lease_ms),
+            max_in_flight: self.publisher_max_in_flight as usize,
+            max_tenants: self.publisher_max_tenants.max(1),
+            connect_timeout: ms(self.publisher_connect_timeout_ms),
+            confirm_timeout: ms(self.publisher_confirm_timeout_ms),
+            retry_min: ms(100).min(ms(self.publisher_retry_max_ms)),
+            retry_max: ms(self.publisher_retry_max_ms),
+            idle_release: ms(self.publisher_idle_release_ms),
+            ..PublisherConfig::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flags_default_to_the_default_config() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: PublisherArgs,
+        }
+        let args = Cli::try_parse_from(["relay"]).unwrap().args;
+        assert_eq!(
+            format!("{:?}", args.config()),
+            format!("{:?}", PublisherConfig::default())
+        );
+    }
+
+    #[test]
+    fn passwords_are_not_logged() {
+        assert_eq!(
+            redact("amqp://user:secret@host:5672/%2f"),
+            "amqp://user:***@host:5672/%2f"
+        );
+        assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+    }
+}

@@ -1,0 +1,126 @@
+//! The publisher's metrics, named by Prometheus' conventions (base units, `_total` counters),
+//! registered on the registry the process serves at `/metrics`.
+
+use prometheus::{
+    exponential_buckets, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
+};
+
+/// Where broker trouble happened, as the `stage` label of `relay_publisher_broker_errors_total`.
+pub const BROKER_STAGES: [&str; 3] = ["connect", "publish", "confirm"];
+
+#[derive(Clone)]
+pub struct PublisherMetrics {
+    /// Messages handed to a broker (each attempt counts, a resend too).
+    pub published: IntCounter,
+    /// Publishes the broker confirmed (acked and not returned).
+    pub confirmed: IntCounter,
+    /// Publishes the broker nacked.
+    pub nacked: IntCounter,
+    /// Publishes the broker returned as unroutable (the mandatory flag).
+    pub returned: IntCounter,
+    /// Changes marked published in Postgres.
+    pub marked: IntCounter,
+    /// Unpublished changes of each tenant this process owns.
+    pub backlog: IntGaugeVec,
+    /// Age of the oldest unpublished change of each tenant this process owns.
+    pub oldest_age: GaugeVec,
+    /// From a change's creation (the sequencer's commit) to the broker's confirm.
+    pub latency: Histogram,
+    pub tenants_owned: IntGauge,
+    /// Tenants with unpublished changes, whoever owns them (as this process' last poll saw).
+    pub backlog_tenants: IntGauge,
+    pub broker_errors: IntCounterVec,
+    /// Tenants given up because their lease was lost or their fence taken.
+    pub ownership_losses: IntCounter,
+}
+
+impl PublisherMetrics {
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let counter = |name: &str, help: &str| IntCounter::with_opts(Opts::new(name, help));
+        let metrics = Self {
+            published: counter(
+                "relay_publisher_messages_published_total",
+                "Change messages handed to a broker, resends included.",
+            )?,
+            confirmed: counter(
+                "relay_publisher_messages_confirmed_total",
+                "Change messages the broker confirmed (acked, not returned).",
+            )?,
+            nacked: counter(
+                "relay_publisher_messages_nacked_total",
+                "Change messages the broker nacked; they are sent again.",
+            )?,
+            returned: counter(
+                "relay_publisher_messages_returned_total",
+                "Change messages the broker returned as unroutable; they are sent again.",
+            )?,
+            marked: counter(
+                "relay_publisher_changes_marked_total",
+                "Changes marked published in Postgres after their confirm.",
+            )?,
+            backlog: IntGaugeVec::new(
+                Opts::new(
+                    "relay_publisher_backlog_changes",
+                    "Unpublished changes of each tenant this publisher owns.",
+                ),
+                &["tenant"],
+            )?,
+            oldest_age: GaugeVec::new(
+                Opts::new(
+                    "relay_publisher_oldest_unpublished_age_seconds",
+                    "Age of the oldest unpublished change of each tenant this publisher owns.",
+                ),
+                &["tenant"],
+            )?,
+            latency: Histogram::with_opts(
+                HistogramOpts::new(
+                    "relay_publisher_publish_latency_seconds",
+                    "From a change's creation to the broker's confirm of its message.",
+                )
+                .buckets(exponential_buckets(0.001, 2.0, 17)?),
+            )?,
+            tenants_owned: IntGauge::new(
+                "relay_publisher_tenants_owned",
+                "Tenants this publisher holds the lease of.",
+            )?,
+            backlog_tenants: IntGauge::new(
+                "relay_publisher_backlog_tenants",
+                "Tenants with unpublished changes, owned by any publisher or by none.",
+            )?,
+            broker_errors: IntCounterVec::new(
+                Opts::new(
+                    "relay_publisher_broker_errors_total",
+                    "Broker failures (unreachable, closed, timed out), by stage.",
+                ),
+                &["stage"],
+            )?,
+            ownership_losses: counter(
+                "relay_publisher_ownership_losses_total",
+                "Tenants given up because their lease ran out or another publisher fenced \
+                 this one out.",
+            )?,
+        };
+        for stage in BROKER_STAGES {
+            metrics.broker_errors.with_label_values(&[stage]);
+        }
+        registry.register(Box::new(metrics.published.clone()))?;
+        registry.register(Box::new(metrics.confirmed.clone()))?;
+        registry.register(Box::new(metrics.nacked.clone()))?;
+        registry.register(Box::new(metrics.returned.clone()))?;
+        registry.register(Box::new(metrics.marked.clone()))?;
+        registry.register(Box::new(metrics.backlog.clone()))?;
+        registry.register(Box::new(metrics.oldest_age.clone()))?;
+        registry.register(Box::new(metrics.latency.clone()))?;
+        registry.register(Box::new(metrics.tenants_owned.clone()))?;
+        registry.register(Box::new(metrics.backlog_tenants.clone()))?;
+        registry.register(Box::new(metrics.broker_errors.clone()))?;
+        registry.register(Box::new(metrics.ownership_losses.clone()))?;
+        Ok(metrics)
+    }
+
+    pub(crate) fn forget_tenant(&self, tenant: &str) {
+        let _ = self.backlog.remove_label_values(&[tenant]);
+        let _ = self.oldest_age.remove_label_values(&[tenant]);
+    }
+}

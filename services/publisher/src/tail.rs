@@ -1,0 +1,168 @@
+//! `relay tail --tenant T`: reads a tenant's queue with the [`ReferenceConsumer`] and prints
+//! what it rebuilt, as JSON lines. The reference consumer for users, runnable.
+
+use std::future::Future;
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures::StreamExt as _;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use serde::Serialize;
+use serde_json::Value;
+use uuid::Uuid;
+
+use crate::broker::{connect, tenant_queue};
+use crate::config::{redact, DEFAULT_AMQP_URL};
+use crate::consumer::{ConsumerStats, Received, ReferenceConsumer};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TailOutput {
+    /// At the end, every item of every endpoint's rebuilt copy, one per line.
+    Copy,
+    /// As they arrive, each change applied (repeats dropped), one message per line.
+    Changes,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct TailArgs {
+    /// The tenant whose changes to read.
+    #[arg(long)]
+    pub tenant: Uuid,
+
+    /// The broker holding the queue (the relay's own, for tenants without a destination).
+    #[arg(long, env = "RELAY_AMQP_URL", default_value = DEFAULT_AMQP_URL)]
+    pub amqp_url: String,
+
+    /// The queue to read; by default the relay's `relay.tenant.<tenant>`. Name yours when the
+    /// tenant's changes go to its own exchange.
+    #[arg(long)]
+    pub queue: Option<String>,
+
+    /// Acknowledge what is read, which removes it from the queue, as a real consumer does.
+    /// Without it nothing is acknowledged and the broker puts every message back when tail
+    /// exits.
+    #[arg(long)]
+    pub ack: bool,
+
+    /// Stop once no message came for this many milliseconds; 0 reads until interrupted.
+    #[arg(long, env = "RELAY_TAIL_IDLE_EXIT_MS", default_value_t = 2_000)]
+    pub idle_exit_ms: u64,
+
+    /// What to print.
+    #[arg(long, value_enum, default_value_t = TailOutput::Copy)]
+    pub output: TailOutput,
+}
+
+/// One line of `--output copy`.
+#[derive(Debug, Serialize)]
+struct CopyLine<'a> {
+    webhook_endpoint_id: Uuid,
+    subject: &'a str,
+    item_kind: &'a Option<String>,
+    generation: u64,
+    sequence: &'a Option<String>,
+    change_seq: i64,
+    item: &'a Value,
+}
+
+/// Runs tail until the queue is idle for `idle_exit_ms` or Ctrl-C, printing to `out`.
+pub async fn tail(args: &TailArgs, out: &mut (dyn Write + Send)) -> anyhow::Result<ConsumerStats> {
+    tail_until(args, out, async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await
+}
+
+/// [`tail`], stopping when `stop` completes instead of on Ctrl-C (or when idle, as there).
+pub async fn tail_until(
+    args: &TailArgs,
+    out: &mut (dyn Write + Send),
+    stop: impl Future<Output = ()>,
+) -> anyhow::Result<ConsumerStats> {
+    let queue = args
+        .queue
+        .clone()
+        .unwrap_or_else(|| tenant_queue(args.tenant));
+    let connection = connect(&args.amqp_url, "relay tail", Duration::from_secs(10))
+        .await
+        .with_context(|| format!("connecting to {}", redact(&args.amqp_url)))?;
+    let channel = connection.create_channel().await?;
+    // Without acks a prefetch limit would stop the broker after that many: take them all.
+    let prefetch = if args.ack { 1_000 } else { 0 };
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    let mut deliveries = channel
+        .basic_consume(
+            &queue,
+            "relay-tail",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("reading queue {queue}"))?;
+
+    let mut consumer = ReferenceConsumer::new(args.tenant);
+    let idle = (args.idle_exit_ms > 0).then(|| Duration::from_millis(args.idle_exit_ms));
+    tokio::pin!(stop);
+    loop {
+        let next = async {
+            match idle {
+                Some(idle) => tokio::time::timeout(idle, deliveries.next()).await.ok(),
+                None => Some(deliveries.next().await),
+            }
+        };
+        let delivery = tokio::select! {
+            _ = &mut stop => break,
+            next = next => match next {
+                None | Some(None) => break,
+                Some(Some(delivery)) => delivery.context("reading the queue")?,
+            },
+        };
+        match consumer.receive_body(&delivery.data) {
+            Ok((message, received)) => {
+                if args.output == TailOutput::Changes
+                    && matches!(received, Received::Applied | Received::Gap { .. })
+                {
+                    serde_json::to_writer(&mut *out, &message)?;
+                    writeln!(out)?;
+                }
+                if let Received::Gap { expected } = received {
+                    tracing::warn!(message_id = %message.message_id(), expected,
+                                   "a change is missing before this one");
+                }
+            }
+            Err(error) => tracing::warn!(error = %error, "not a change message; skipped"),
+        }
+        if args.ack {
+            delivery.ack(BasicAckOptions::default()).await?;
+        }
+    }
+    if args.output == TailOutput::Copy {
+        for (endpoint, replica) in consumer.endpoints() {
+            for (subject, item) in &replica.items {
+                serde_json::to_writer(
+                    &mut *out,
+                    &CopyLine {
+                        webhook_endpoint_id: *endpoint,
+                        subject,
+                        item_kind: &item.item_kind,
+                        generation: item.generation,
+                        sequence: &item.sequence,
+                        change_seq: item.change_seq,
+                        item: &item.item,
+                    },
+                )?;
+                writeln!(out)?;
+            }
+        }
+    }
+    out.flush()?;
+    // Unacknowledged messages go back to the queue as the connection closes.
+    let _ = tokio::time::timeout(Duration::from_secs(2), connection.close(200, "bye")).await;
+    let stats = consumer.stats();
+    tracing::info!(?stats, queue, "tail done");
+    Ok(stats)
+}

@@ -1,0 +1,1640 @@
+//! The publisher against real Postgres, Redis and RabbitMQ: changes written into the outbox by
+//! the copy's own SQL (`relay_store::copy`, as the sequencer writes them) reach each tenant's
+//! destination once confirmed and in order, and the copy rebuilt from each tenant's queue by the
+//! reference consumer equals the copy in Postgres, through broker outages, deleted queues,
+//! unreachable tenant brokers, several publishers and a publisher killed between confirm and
+//! mark.
+//!
+//! Each test has a database, a RabbitMQ vhost (made and deleted with `rabbitmqctl`) and a Redis
+//! key prefix of its own. Writes are random from a seed printed with every failure;
+//! RELAY_TEST_SEED replays one.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng as _};
+use relay_publisher::lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use relay_publisher::lapin::types::{AMQPValue, FieldTable};
+use relay_publisher::lapin::{Connection, ExchangeKind};
+use relay_publisher::{
+    tenant_queue, BeforeMark, ChangeMessage, Publisher, PublisherConfig, PublisherHandle,
+    ReferenceConsumer, TailArgs, TailOutput,
+};
+use relay_rules::{decide_event, Decision, HeldContent, IgnoreReason, ReadItem};
+use relay_store::copy::{self, Cause};
+use relay_tests::{PgProxy, ProxyMode, TestDb};
+use relay_wire::{Event, FeedItem, Message, Sequence};
+use serde_json::{json, Value};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+// ---- Environment: Redis, RabbitMQ, a vhost per test ----
+
+fn redis_url() -> String {
+    std::env::var("RELAY_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// The broker's address, and its URL without a vhost. Override with RELAY_TEST_AMQP_ADDR.
+fn amqp_addr() -> SocketAddr {
+    std::env::var("RELAY_TEST_AMQP_ADDR")
+        .unwrap_or_else(|_| "127.0.0.1:5672".to_owned())
+        .parse()
+        .expect("RELAY_TEST_AMQP_ADDR is host:port")
+}
+
+fn rabbitmqctl(args: &[&str]) {
+    let output = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("the publisher tests need rabbitmqctl (RabbitMQ on this machine)");
+    assert!(
+        output.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// A RabbitMQ vhost that exists for one test; `guest` may use it.
+struct Vhost {
+    name: String,
+}
+
+impl Vhost {
+    fn new() -> Self {
+        let name = format!("relay-test-{}", Uuid::new_v4().simple());
+        rabbitmqctl(&["add_vhost", &name]);
+        rabbitmqctl(&["set_permissions", "-p", &name, "guest", ".*", ".*", ".*"]);
+        Self { name }
+    }
+
+    fn url(&self) -> String {
+        self.url_via(amqp_addr())
+    }
+
+    /// The vhost's URL through another address (a proxy in front of the broker).
+    fn url_via(&self, address: SocketAddr) -> String {
+        format!("amqp://guest:guest@{address}/{}", self.name)
+    }
+}
+
+impl Drop for Vhost {
+    fn drop(&mut self) {
+        // Deleting a vhost closes its connections and deletes its queues and exchanges.
+        let _ = Command::new("rabbitmqctl")
+            .args(["delete_vhost", &self.name])
+            .output();
+    }
+}
+
+/// Deletes the test's Redis keys (leases left by an aborted publisher) when dropped.
+struct RedisPrefix(String);
+
+impl Drop for RedisPrefix {
+    fn drop(&mut self) {
+        let Ok(client) = redis::Client::open(redis_url()) else {
+            return;
+        };
+        let Ok(mut conn) = client.get_connection() else {
+            return;
+        };
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}*", self.0))
+            .query(&mut conn)
+            .unwrap_or_default();
+        for key in keys {
+            let _: Result<i64, _> = redis::cmd("DEL").arg(key).query(&mut conn);
+        }
+    }
+}
+
+fn seed() -> u64 {
+    std::env::var("RELAY_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random)
+}
+
+/// Everything one test stands on.
+struct Env {
+    db: TestDb,
+    vhost: Vhost,
+    prefix: RedisPrefix,
+    seed: u64,
+}
+
+impl Env {
+    async fn new() -> Self {
+        let seed = seed();
+        eprintln!("publisher test seed: {seed} (RELAY_TEST_SEED replays it)");
+        Self {
+            db: TestDb::new().await,
+            vhost: tokio::task::spawn_blocking(Vhost::new).await.unwrap(),
+            prefix: RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple())),
+            seed,
+        }
+    }
+
+    /// Settings for tests: short waits so failures are noticed and retried quickly.
+    fn config(&self, amqp_url: String) -> PublisherConfig {
+        PublisherConfig {
+            amqp_url,
+            redis_url: redis_url(),
+            key_prefix: self.prefix.0.clone(),
+            poll_interval: Duration::from_millis(20),
+            lease: Duration::from_millis(1_500),
+            connect_timeout: Duration::from_millis(1_000),
+            confirm_timeout: Duration::from_secs(10),
+            retry_min: Duration::from_millis(20),
+            retry_max: Duration::from_millis(300),
+            idle_release: Duration::from_millis(500),
+            metrics_interval: Duration::from_millis(100),
+            destination_refresh: Duration::from_millis(300),
+            ..PublisherConfig::default()
+        }
+    }
+
+    async fn start(&self, config: PublisherConfig) -> (PublisherHandle, prometheus::Registry) {
+        let registry = prometheus::Registry::new();
+        let handle = Publisher::start(self.db.pool.clone(), config, &registry)
+            .await
+            .expect("the tests need Redis on 127.0.0.1:6379");
+        (handle, registry)
+    }
+
+    async fn broker(&self) -> Connection {
+        relay_publisher::broker::connect(&self.vhost.url(), "test", Duration::from_secs(10))
+            .await
+            .expect("the publisher tests need RabbitMQ on 127.0.0.1:5672")
+    }
+}
+
+/// Sum of every series of a metric family (0 when absent).
+fn metric(registry: &prometheus::Registry, name: &str) -> f64 {
+    use prometheus::proto::MetricType;
+    let mut sum = 0.0;
+    for family in registry.gather().iter().filter(|f| f.name() == name) {
+        for m in family.get_metric() {
+            sum += match family.get_field_type() {
+                MetricType::COUNTER => m.get_counter().get_value(),
+                MetricType::GAUGE => m.get_gauge().get_value(),
+                _ => m.get_histogram().get_sample_count() as f64,
+            };
+        }
+    }
+    sum
+}
+
+/// The value of a gauge's series whose one label has `value`.
+fn labelled(registry: &prometheus::Registry, name: &str, value: &str) -> Option<f64> {
+    registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == name)
+        .flat_map(|f| f.get_metric().iter())
+        .find(|m| m.get_label().iter().any(|l| l.value() == value))
+        .map(|m| m.get_gauge().get_value())
+}
+
+/// Waits for `check` to hold, polling; panics with `what` after `timeout`.
+async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn unpublished(pool: &PgPool, tenants: &[Uuid]) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM changes WHERE published_at IS NULL AND tenant_id = ANY($1)",
+    )
+    .bind(tenants)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+async fn wait_published(pool: &PgPool, tenants: &[Uuid], seed: u64) {
+    wait_until(
+        &format!("every change of {tenants:?} published (seed {seed})"),
+        Duration::from_secs(120),
+        || async { unpublished(pool, tenants).await == 0 },
+    )
+    .await;
+}
+
+// ---- Realistic outbox rows: feed events and reloads through relay_store::copy ----
+
+fn subject(s: u32) -> String {
+    format!("announcement:{s}")
+}
+
+/// An item at (subject, n); two parts whose versions move with n.
+fn item_json(s: u32, n: u64) -> Value {
+    let v = (n / 2) as i64;
+    let mut parts = vec![
+        json!({"kind": "flash", "part_id": "flash:1", "part_version": v}),
+        json!({"kind": "flash", "part_id": "flash:2", "part_version": 1}),
+    ];
+    if v % 2 == 0 {
+        parts.pop();
+    }
+    json!({"type": "item", "feed_item_id": subject(s), "item_kind": "announcement",
+           "seq": n, "first_seq": n, "op": "changed", "changes": [], "parts": parts,
+           "company": {"company_id": 28, "name": "Alfa Group AB"}, "lang": "en",
+           "head": {"title": format!("item {s} at {n}")}})
+}
+
+/// A feed event of generation `g` at sequence `n`, parsed by relay_wire from a v1 message.
+fn feed_event(id: &str, s: u32, g: u64, n: u64, removal: bool) -> Event {
+    let sequence = Sequence::from_parts(1, n);
+    let event = if removal {
+        json!({"id": id, "type": "announcement.hidden", "subject": subject(s),
+               "sequence": sequence.as_str(), "specversion": "1.0",
+               "data": {"type": "hidden", "feed_item_id": subject(s), "seq": n}})
+    } else {
+        json!({"id": id, "type": "announcement.updated", "subject": subject(s),
+               "sequence": sequence.as_str(), "specversion": "1.0", "data": item_json(s, n)})
+    };
+    let body = json!({"v": 1, "webhook_endpoint_id": "8d2f0c39-2b63-4c55-9a8a-3f5b1d7c1e20",
+                      "track": "feed", "generation": g, "access_version": "b4d934cf",
+                      "since": "1.0", "through": sequence.as_str(), "complete": true,
+                      "events": [event]});
+    Message::parse(body.to_string().as_bytes())
+        .unwrap()
+        .events
+        .remove(0)
+}
+
+/// One endpoint's upstream, as the sequencer would apply it.
+struct Feed {
+    tenant: Uuid,
+    endpoint: Uuid,
+    generation: u64,
+    n: u64,
+    sent: Vec<(u64, Event)>,
+}
+
+impl Feed {
+    fn new(tenant: Uuid) -> Self {
+        Self {
+            tenant,
+            endpoint: Uuid::new_v4(),
+            generation: 1,
+            n: 0,
+            sent: Vec::new(),
+        }
+    }
+
+    /// One random step in its own transaction: mostly updates, some removals, a duplicate or
+    /// a late event of an older generation now and then, and an occasional reload (a merge of
+    /// what it read and a drop of everything older).
+    async fn step(&mut self, pool: &PgPool, rng: &mut StdRng) {
+        let mut tx = pool.begin().await.unwrap();
+        copy::lock_endpoint(&mut tx, self.tenant, self.endpoint)
+            .await
+            .unwrap();
+        let roll = rng.gen_range(0..100);
+        if roll < 6 && self.generation > 0 {
+            // A reload of the next generation reads a few items.
+            self.generation += 1;
+            let g = self.generation;
+            let mut read = BTreeSet::new();
+            for _ in 0..rng.gen_range(0..5) {
+                read.insert(rng.gen_range(1..=6u32));
+            }
+            for s in read {
+                self.n += 1;
+                let item = ReadItem {
+                    subject: subject(s),
+                    sequence: Sequence::from_parts(1, self.n),
+                    item: FeedItem::from_value(item_json(s, self.n), "items[0]").unwrap(),
+                };
+                copy::merge_read_item(&mut tx, self.tenant, self.endpoint, g, &item)
+                    .await
+                    .unwrap();
+            }
+            copy::drop_older_generations(&mut tx, self.tenant, self.endpoint, g)
+                .await
+                .unwrap();
+        } else if roll < 12 && !self.sent.is_empty() {
+            // The upstream sends an event again (or an old generation's event arrives late).
+            let (g, event) = self.sent[rng.gen_range(0..self.sent.len())].clone();
+            self.apply(&mut tx, g, &event).await;
+        } else {
+            self.n += 1;
+            let removal = roll >= 85;
+            let s = rng.gen_range(1..=6u32);
+            let id = format!("evt_{}_{}", self.endpoint.simple(), self.n);
+            let event = feed_event(&id, s, self.generation, self.n, removal);
+            self.apply(&mut tx, self.generation, &event).await;
+            self.sent.push((self.generation, event));
+        }
+        tx.commit().await.unwrap();
+    }
+
+    async fn apply(&self, tx: &mut sqlx::PgConnection, g: u64, event: &Event) {
+        let first = copy::record_event_id(tx, self.tenant, self.endpoint, &event.id)
+            .await
+            .unwrap();
+        let decision = if first {
+            let subject = relay_rules::feed_subject(event).unwrap();
+            let held = copy::load_held(tx, self.endpoint, subject).await.unwrap();
+            decide_event(held.as_ref(), g, event)
+        } else {
+            Decision::Ignore(IgnoreReason::Duplicate)
+        };
+        copy::apply(
+            tx,
+            self.tenant,
+            self.endpoint,
+            &decision,
+            Cause::Event(&event.id),
+        )
+        .await
+        .unwrap();
+    }
+}
+
+/// Random steps over `feeds`, `steps` in all.
+async fn write(pool: &PgPool, feeds: &mut [Feed], rng: &mut StdRng, steps: usize) {
+    for _ in 0..steps {
+        let i = rng.gen_range(0..feeds.len());
+        feeds[i].step(pool, rng).await;
+    }
+}
+
+async fn change_count_of(pool: &PgPool, tenant: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM changes WHERE tenant_id = $1")
+        .bind(tenant)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn change_count(pool: &PgPool, endpoint: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM changes WHERE endpoint_id = $1")
+        .bind(endpoint)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The items of the endpoint's copy in Postgres (tombstones left out: no message carries them).
+async fn postgres_items(pool: &PgPool, endpoint: Uuid) -> BTreeMap<String, Value> {
+    copy::copy_rows(pool, endpoint)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|(s, held)| match held.content {
+            HeldContent::Item { item, .. } => Some((s, item)),
+            HeldContent::Tombstone => None,
+        })
+        .collect()
+}
+
+// ---- Reading a queue ----
+
+/// One message as it came off a queue.
+#[derive(Debug, Clone)]
+struct Delivered {
+    message_id: String,
+    kind: String,
+    content_type: String,
+    delivery_mode: u8,
+    timestamp: u64,
+    body: Vec<u8>,
+}
+
+impl Delivered {
+    fn of(delivery: &relay_publisher::lapin::message::Delivery) -> Self {
+        let p = &delivery.properties;
+        let text = |s: &Option<relay_publisher::lapin::types::ShortString>| {
+            s.as_ref().map(|s| s.to_string()).unwrap_or_default()
+        };
+        Self {
+            message_id: text(p.message_id()),
+            kind: text(p.kind()),
+            content_type: text(p.content_type()),
+            delivery_mode: p.delivery_mode().unwrap_or(0),
+            timestamp: p.timestamp().unwrap_or(0),
+            body: delivery.data.clone(),
+        }
+    }
+}
+
+/// Reads every message in the queue (the publishers are stopped, so the count is final), in
+/// queue order. With `ack` they are removed; without, the broker puts them back when the
+/// channel closes.
+async fn drain(broker: &Connection, queue: &str, ack: bool) -> Vec<Delivered> {
+    let channel = broker.create_channel().await.unwrap();
+    let count = channel
+        .queue_declare(
+            queue,
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .message_count() as usize;
+    // Without acks, a prefetch limit would stop deliveries: take them all.
+    let prefetch = if ack { 500 } else { 0 };
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            queue,
+            "drain",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut out = Vec::with_capacity(count);
+    while out.len() < count {
+        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+            .await
+            .unwrap_or_else(|_| panic!("{queue}: {} of {count} messages came", out.len()))
+            .expect("the consumer is open")
+            .unwrap();
+        out.push(Delivered::of(&delivery));
+        if ack {
+            delivery.ack(BasicAckOptions::default()).await.unwrap();
+        }
+    }
+    let _ = channel.close(200, "drained").await;
+    out
+}
+
+/// A consumer reading (and acknowledging) the queue in the background while publishers run.
+struct Collector {
+    received: Arc<Mutex<Vec<Delivered>>>,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Collector {
+    async fn start(broker: &Connection, queue: &str) -> Self {
+        let channel = broker.create_channel().await.unwrap();
+        channel
+            .basic_qos(50, BasicQosOptions::default())
+            .await
+            .unwrap();
+        let mut consumer = channel
+            .basic_consume(
+                queue,
+                "collector",
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let received = Arc::new(Mutex::new(Vec::new()));
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let into = received.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let delivery = tokio::select! {
+                    _ = stopped.changed() => break,
+                    next = consumer.next() => match next {
+                        Some(Ok(delivery)) => delivery,
+                        _ => break,
+                    },
+                };
+                into.lock().unwrap().push(Delivered::of(&delivery));
+                delivery.ack(BasicAckOptions::default()).await.unwrap();
+            }
+            let _ = channel.close(200, "collected").await;
+        });
+        Self {
+            received,
+            stop,
+            task,
+        }
+    }
+
+    fn distinct(&self) -> usize {
+        let received = self.received.lock().unwrap();
+        received
+            .iter()
+            .map(|d| d.message_id.as_str())
+            .collect::<BTreeSet<_>>()
+            .len()
+    }
+
+    async fn finish(self) -> Vec<Delivered> {
+        self.stop.send_replace(true);
+        self.task.await.unwrap();
+        let received = self.received.lock().unwrap();
+        received.clone()
+    }
+}
+
+fn schema() -> jsonschema::Validator {
+    jsonschema::options()
+        .should_validate_formats(true)
+        .build(&serde_json::from_str(relay_publisher::SCHEMA).unwrap())
+        .unwrap()
+}
+
+/// Checks every message (schema, properties, tenant) and rebuilds the tenant's copies; returns
+/// the consumer and how often each message_id came.
+fn rebuild(
+    tenant: Uuid,
+    messages: &[Delivered],
+    seed: u64,
+) -> (ReferenceConsumer, HashMap<String, usize>) {
+    let schema = schema();
+    let mut consumer = ReferenceConsumer::new(tenant);
+    let mut seen = HashMap::new();
+    for delivered in messages {
+        let body: Value = serde_json::from_slice(&delivered.body).unwrap();
+        let errors: Vec<String> = schema.iter_errors(&body).map(|e| e.to_string()).collect();
+        assert!(errors.is_empty(), "seed {seed}: {errors:?} in {body}");
+        let message = ChangeMessage::decode(&delivered.body).unwrap();
+        assert_eq!(
+            message.tenant_id, tenant,
+            "seed {seed}: another tenant's change in {tenant}'s queue"
+        );
+        assert_eq!(delivered.message_id, message.message_id(), "seed {seed}");
+        assert_eq!(delivered.kind, message.operation.as_str(), "seed {seed}");
+        assert_eq!(delivered.content_type, "application/json", "seed {seed}");
+        assert_eq!(delivered.delivery_mode, 2, "seed {seed}: not persistent");
+        assert_eq!(
+            delivered.timestamp as i64,
+            message.changed_at.unix_timestamp(),
+            "seed {seed}"
+        );
+        consumer.receive(&message);
+        *seen.entry(delivered.message_id.clone()).or_insert(0) += 1;
+    }
+    (consumer, seen)
+}
+
+/// The rebuilt copy of every feed equals Postgres' copy; every change came, in order (no gap).
+async fn assert_rebuilt(pool: &PgPool, consumer: &ReferenceConsumer, feeds: &[&Feed], seed: u64) {
+    let stats = consumer.stats();
+    assert_eq!(
+        stats.gaps, 0,
+        "seed {seed}: changes out of order or missing: {stats:?}"
+    );
+    assert_eq!(stats.other_tenant, 0, "seed {seed}");
+    for feed in feeds {
+        let count = change_count(pool, feed.endpoint).await;
+        assert_eq!(
+            consumer.last_change_seq(feed.endpoint),
+            count,
+            "seed {seed}: endpoint {} has {count} changes",
+            feed.endpoint
+        );
+        assert_eq!(
+            consumer.items(feed.endpoint),
+            postgres_items(pool, feed.endpoint).await,
+            "seed {seed}: endpoint {}",
+            feed.endpoint
+        );
+    }
+}
+
+// ---- The tests ----
+
+/// Two tenants, three endpoints each, written before and while the publisher runs: each
+/// tenant's queue holds exactly its own changes, once each, gapless and in order, and both the
+/// reference consumer and `relay tail` rebuild each endpoint's copy from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenants_queue_rebuilds_its_copies_once_and_in_order() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let tenants = [env.db.tenant().await, env.db.tenant().await];
+    let mut feeds: Vec<Feed> = (0..6).map(|i| Feed::new(tenants[i % 2])).collect();
+    write(pool, &mut feeds, &mut rng, 120).await;
+
+    let (publisher, registry) = env.start(env.config(env.vhost.url())).await;
+    write(pool, &mut feeds, &mut rng, 120).await;
+    wait_published(pool, &tenants, seed).await;
+    publisher.stop().await;
+
+    let total: i64 = sqlx::query_scalar("SELECT count(*) FROM changes")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert!(total > 100, "seed {seed}: only {total} changes written");
+    // Without a crash, nothing is sent twice.
+    assert_eq!(
+        metric(&registry, "relay_publisher_changes_marked_total"),
+        total as f64
+    );
+    assert_eq!(
+        metric(&registry, "relay_publisher_messages_confirmed_total"),
+        total as f64
+    );
+    assert_eq!(
+        metric(&registry, "relay_publisher_messages_published_total"),
+        total as f64
+    );
+    assert_eq!(
+        metric(&registry, "relay_publisher_publish_latency_seconds"),
+        total as f64
+    );
+    assert_eq!(metric(&registry, "relay_publisher_tenants_owned"), 0.0);
+
+    let broker = env.broker().await;
+    for tenant in tenants {
+        let messages = drain(&broker, &tenant_queue(tenant), true).await;
+        let (consumer, seen) = rebuild(tenant, &messages, seed);
+        assert!(
+            seen.values().all(|&n| n == 1),
+            "seed {seed}: a message came twice"
+        );
+        assert_eq!(consumer.stats().duplicates, 0, "seed {seed}");
+        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
+        assert_rebuilt(pool, &consumer, &own, seed).await;
+    }
+
+    // `relay tail` over a queue: write more, publish, and let tail read and acknowledge.
+    let (publisher, _registry) = env.start(env.config(env.vhost.url())).await;
+    write(pool, &mut feeds, &mut rng, 60).await;
+    wait_published(pool, &tenants, seed).await;
+    publisher.stop().await;
+    let tenant = tenants[0];
+    let mut out = Vec::new();
+    let stats = relay_publisher::tail_until(
+        &TailArgs {
+            tenant,
+            amqp_url: env.vhost.url(),
+            queue: None,
+            ack: true,
+            idle_exit_ms: 3_000,
+            output: TailOutput::Changes,
+        },
+        &mut out,
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    // The queue was drained above: tail starts mid-stream, at each endpoint's next change.
+    let lines: Vec<ChangeMessage> = String::from_utf8(out)
+        .unwrap()
+        .lines()
+        .map(|l| ChangeMessage::decode(l.as_bytes()).unwrap())
+        .collect();
+    assert_eq!(stats.applied + stats.gaps, lines.len() as u64);
+    for feed in feeds.iter().filter(|f| f.tenant == tenant) {
+        let seqs: Vec<i64> = lines
+            .iter()
+            .filter(|m| m.webhook_endpoint_id == feed.endpoint)
+            .map(|m| m.change_seq)
+            .collect();
+        let published_before: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM changes WHERE endpoint_id = $1")
+                .bind(feed.endpoint)
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        let first = published_before - seqs.len() as i64 + 1;
+        let expected: Vec<i64> = (first..=published_before).collect();
+        assert_eq!(seqs, expected, "seed {seed}: endpoint {}", feed.endpoint);
+    }
+}
+
+/// The broker goes away (connections refused, then accepted but silent) while changes are
+/// written, and comes back: nothing is lost, nothing is out of order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_mid_run_loses_nothing_and_keeps_order() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let tenants = [env.db.tenant().await, env.db.tenant().await];
+    let mut feeds: Vec<Feed> = (0..4).map(|i| Feed::new(tenants[i % 2])).collect();
+    let proxy = PgProxy::start(amqp_addr()).await;
+    let config = PublisherConfig {
+        // A silent broker is given up on sooner.
+        confirm_timeout: Duration::from_secs(2),
+        ..env.config(env.vhost.url_via(proxy.address))
+    };
+    let (publisher, registry) = env.start(config).await;
+
+    write(pool, &mut feeds, &mut rng, 60).await;
+    // Silent first (the open connection's publishes get no confirm), then refusing.
+    for mode in [ProxyMode::Blackhole, ProxyMode::Refuse] {
+        proxy.set(mode);
+        let errors_before = metric(&registry, "relay_publisher_broker_errors_total");
+        write(pool, &mut feeds, &mut rng, 60).await;
+        // The outage is felt: a connect or publish failed (and the backlog waits).
+        wait_until(
+            &format!("a broker error under {mode:?} (seed {seed})"),
+            Duration::from_secs(60),
+            || async { metric(&registry, "relay_publisher_broker_errors_total") > errors_before },
+        )
+        .await;
+        assert!(unpublished(pool, &tenants).await > 0, "seed {seed}");
+    }
+    proxy.set(ProxyMode::Pass);
+    write(pool, &mut feeds, &mut rng, 60).await;
+    wait_published(pool, &tenants, seed).await;
+    publisher.stop().await;
+
+    let broker = env.broker().await;
+    for tenant in tenants {
+        let messages = drain(&broker, &tenant_queue(tenant), true).await;
+        let (consumer, _) = rebuild(tenant, &messages, seed);
+        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
+        assert_rebuilt(pool, &consumer, &own, seed).await;
+    }
+}
+
+/// Someone deletes the tenant's queue while the publisher holds a connection to it: the next
+/// publish comes back unroutable (not counted as published), the queue is declared again, and
+/// every later change arrives in it, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_deleted_under_the_publisher_is_declared_again() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let tenant = env.db.tenant().await;
+    let mut feeds: Vec<Feed> = (0..3).map(|_| Feed::new(tenant)).collect();
+    let config = PublisherConfig {
+        // Keep the tenant (and its connection) between the two phases.
+        idle_release: Duration::from_secs(600),
+        ..env.config(env.vhost.url())
+    };
+    let (publisher, registry) = env.start(config).await;
+    write(pool, &mut feeds, &mut rng, 50).await;
+    wait_published(pool, &[tenant], seed).await;
+    let before: Vec<i64> = {
+        let mut counts = Vec::new();
+        for feed in &feeds {
+            counts.push(change_count(pool, feed.endpoint).await);
+        }
+        counts
+    };
+
+    let broker = env.broker().await;
+    let channel = broker.create_channel().await.unwrap();
+    channel
+        .queue_delete(&tenant_queue(tenant), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    write(pool, &mut feeds, &mut rng, 50).await;
+    wait_published(pool, &[tenant], seed).await;
+    publisher.stop().await;
+    assert!(
+        metric(&registry, "relay_publisher_messages_returned_total") >= 1.0,
+        "seed {seed}: no publish came back from the deleted queue"
+    );
+
+    let messages = drain(&broker, &tenant_queue(tenant), true).await;
+    let (_, seen) = rebuild(tenant, &messages, seed);
+    assert!(seen.values().all(|&n| n == 1), "seed {seed}");
+    for (feed, before) in feeds.iter().zip(before) {
+        let seqs: Vec<i64> = messages
+            .iter()
+            .map(|m| ChangeMessage::decode(&m.body).unwrap())
+            .filter(|m| m.webhook_endpoint_id == feed.endpoint)
+            .map(|m| m.change_seq)
+            .collect();
+        let after = change_count(pool, feed.endpoint).await;
+        let expected: Vec<i64> = (before + 1..=after).collect();
+        assert_eq!(seqs, expected, "seed {seed}: endpoint {}", feed.endpoint);
+    }
+}
+
+/// Tenant A sends to its own exchange on a broker that accepts connections and says nothing;
+/// tenant B, on the relay's queue, is published in full meanwhile. When A's broker answers, A's
+/// changes reach its exchange (and not the relay's queue).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_whose_broker_is_unreachable_does_not_stall_another() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let (a, b) = (env.db.tenant().await, env.db.tenant().await);
+
+    // A's own topology: a direct exchange and a queue bound to it.
+    let broker = env.broker().await;
+    let channel = broker.create_channel().await.unwrap();
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(
+            "tenant-a",
+            ExchangeKind::Direct,
+            durable,
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let queue_options = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare("tenant-a-changes", queue_options, FieldTable::default())
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            "tenant-a-changes",
+            "tenant-a",
+            "changes",
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let proxy = PgProxy::start(amqp_addr()).await;
+    proxy.set(ProxyMode::Blackhole);
+    sqlx::query(
+        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
+         VALUES ($1, 'own_exchange', $2, 'tenant-a', 'changes')",
+    )
+    .bind(a)
+    .bind(env.vhost.url_via(proxy.address))
+    .execute(pool)
+    .await
+    .unwrap();
+
+    let mut feeds_a: Vec<Feed> = (0..2).map(|_| Feed::new(a)).collect();
+    let mut feeds_b: Vec<Feed> = (0..2).map(|_| Feed::new(b)).collect();
+    let (publisher, registry) = env.start(env.config(env.vhost.url())).await;
+    for _ in 0..3 {
+        write(pool, &mut feeds_a, &mut rng, 30).await;
+        write(pool, &mut feeds_b, &mut rng, 30).await;
+    }
+    wait_published(pool, &[b], seed).await;
+    // A got nowhere: its broker never answered.
+    let a_published: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM changes WHERE tenant_id = $1 AND published_at IS NOT NULL",
+    )
+    .bind(a)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(a_published, 0, "seed {seed}");
+    // And while A's connects keep timing out, B's new changes go on being published.
+    wait_until(
+        &format!("A's connects timing out (seed {seed})"),
+        Duration::from_secs(60),
+        || async { metric(&registry, "relay_publisher_broker_errors_total") >= 2.0 },
+    )
+    .await;
+    write(pool, &mut feeds_b, &mut rng, 30).await;
+    wait_published(pool, &[b], seed).await;
+    let a_backlog = change_count_of(pool, a).await;
+    assert_eq!(unpublished(pool, &[a]).await, a_backlog, "seed {seed}");
+    // A's backlog shows in its gauges: every change waiting, the oldest of them aging.
+    wait_until(
+        &format!("A's backlog gauge at {a_backlog} (seed {seed})"),
+        Duration::from_secs(60),
+        || async {
+            labelled(&registry, "relay_publisher_backlog_changes", &a.to_string())
+                == Some(a_backlog as f64)
+                && labelled(
+                    &registry,
+                    "relay_publisher_oldest_unpublished_age_seconds",
+                    &a.to_string(),
+                )
+                .is_some_and(|age| age > 0.0)
+                && metric(&registry, "relay_publisher_backlog_tenants") == 1.0
+        },
+    )
+    .await;
+
+    proxy.set(ProxyMode::Pass);
+    wait_published(pool, &[a], seed).await;
+    publisher.stop().await;
+
+    for (tenant, queue, feeds) in [
+        (a, "tenant-a-changes".to_owned(), &feeds_a),
+        (b, tenant_queue(b), &feeds_b),
+    ] {
+        let messages = drain(&broker, &queue, true).await;
+        let (consumer, _) = rebuild(tenant, &messages, seed);
+        let own: Vec<&Feed> = feeds.iter().collect();
+        assert_rebuilt(pool, &consumer, &own, seed).await;
+    }
+    // The relay declared no queue for A: its changes went only to its own exchange.
+    let declared = channel
+        .queue_declare(
+            &tenant_queue(a),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    assert!(
+        declared.is_err(),
+        "seed {seed}: a relay queue exists for tenant A"
+    );
+}
+
+/// Publishers in several processes at once (here, several in one), one of them killed midway
+/// and another started: every endpoint's changes still arrive gapless and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_publishers_at_once_keep_each_endpoints_order() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let tenants = [
+        env.db.tenant().await,
+        env.db.tenant().await,
+        env.db.tenant().await,
+    ];
+    let mut feeds: Vec<Feed> = (0..6).map(|i| Feed::new(tenants[i % 3])).collect();
+    let config = || PublisherConfig {
+        // Rounds of one endpoint each, so the publishers trade tenants mid-backlog.
+        max_in_flight: 1,
+        idle_release: Duration::from_millis(50),
+        ..env.config(env.vhost.url())
+    };
+    let (first, first_metrics) = env.start(config()).await;
+    write(pool, &mut feeds, &mut rng, 50).await;
+    wait_until(
+        &format!("the first publisher at work (seed {seed})"),
+        Duration::from_secs(60),
+        || async { metric(&first_metrics, "relay_publisher_changes_marked_total") > 0.0 },
+    )
+    .await;
+    let (second, _) = env.start(config()).await;
+    write(pool, &mut feeds, &mut rng, 100).await;
+    // Killed: its tenants stay leased until the leases run out, then the others take them.
+    first.abort();
+    write(pool, &mut feeds, &mut rng, 100).await;
+    let (third, _) = env.start(config()).await;
+    write(pool, &mut feeds, &mut rng, 100).await;
+    second.stop().await;
+    write(pool, &mut feeds, &mut rng, 50).await;
+    wait_published(pool, &tenants, seed).await;
+    third.stop().await;
+
+    let broker = env.broker().await;
+    for tenant in tenants {
+        let messages = drain(&broker, &tenant_queue(tenant), true).await;
+        let (consumer, _) = rebuild(tenant, &messages, seed);
+        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
+        assert_rebuilt(pool, &consumer, &own, seed).await;
+    }
+}
+
+/// A publisher dies after the broker confirmed a round and before it marked it: its successor
+/// sends that round again, and nothing else twice, under the same message ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_ids() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let tenant = env.db.tenant().await;
+    let mut feeds: Vec<Feed> = (0..3).map(|_| Feed::new(tenant)).collect();
+    write(pool, &mut feeds, &mut rng, 90).await;
+
+    // The third round's confirms are the last thing the first publisher sees.
+    let (stalled_tx, stalled_rx) = tokio::sync::oneshot::channel::<Vec<String>>();
+    let stalled_tx = Arc::new(Mutex::new(Some(stalled_tx)));
+    let rounds = Arc::new(Mutex::new(0));
+    let hook = BeforeMark(Arc::new(move |ids: Vec<String>| {
+        let round = {
+            let mut rounds = rounds.lock().unwrap();
+            *rounds += 1;
+            *rounds
+        };
+        let stalled_tx = stalled_tx.clone();
+        Box::pin(async move {
+            if round == 3 {
+                if let Some(tx) = stalled_tx.lock().unwrap().take() {
+                    let _ = tx.send(ids);
+                }
+                std::future::pending::<()>().await;
+            }
+        })
+    }));
+    let (first, _) = env
+        .start(PublisherConfig {
+            before_mark: Some(hook),
+            ..env.config(env.vhost.url())
+        })
+        .await;
+    let confirmed_not_marked: BTreeSet<String> =
+        tokio::time::timeout(Duration::from_secs(60), stalled_rx)
+            .await
+            .expect("the first publisher reached its third round")
+            .unwrap()
+            .into_iter()
+            .collect();
+    first.abort();
+    assert!(!confirmed_not_marked.is_empty());
+
+    let (second, _) = env.start(env.config(env.vhost.url())).await;
+    wait_published(pool, &[tenant], seed).await;
+    second.stop().await;
+
+    let broker = env.broker().await;
+    // Read without acknowledging: the messages stay for `relay tail` below.
+    let messages = drain(&broker, &tenant_queue(tenant), false).await;
+    let (consumer, seen) = rebuild(tenant, &messages, seed);
+    let twice: BTreeSet<String> = seen
+        .iter()
+        .filter(|(_, &n)| n > 1)
+        .map(|(id, _)| id.clone())
+        .collect();
+    assert_eq!(twice, confirmed_not_marked, "seed {seed}");
+    assert!(seen.values().all(|&n| n <= 2), "seed {seed}");
+    let own: Vec<&Feed> = feeds.iter().collect();
+    assert_rebuilt(pool, &consumer, &own, seed).await;
+
+    // `relay tail` reads the same queue, drops the repeats, and prints the copy it rebuilt.
+    let mut out = Vec::new();
+    let stats = relay_publisher::tail_until(
+        &TailArgs {
+            tenant,
+            amqp_url: env.vhost.url(),
+            queue: None,
+            ack: true,
+            idle_exit_ms: 3_000,
+            output: TailOutput::Copy,
+        },
+        &mut out,
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(stats.messages, messages.len() as u64, "seed {seed}");
+    assert_eq!(stats.duplicates, twice.len() as u64, "seed {seed}");
+    assert_eq!(stats.gaps, 0, "seed {seed}");
+    let mut printed: BTreeMap<Uuid, BTreeMap<String, Value>> = BTreeMap::new();
+    for line in String::from_utf8(out).unwrap().lines() {
+        let line: Value = serde_json::from_str(line).unwrap();
+        let endpoint: Uuid = line["webhook_endpoint_id"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let subject = line["subject"].as_str().unwrap().to_owned();
+        printed
+            .entry(endpoint)
+            .or_default()
+            .insert(subject, line["item"].clone());
+    }
+    for feed in &feeds {
+        assert_eq!(
+            printed.remove(&feed.endpoint).unwrap_or_default(),
+            postgres_items(pool, feed.endpoint).await,
+            "seed {seed}: tail's copy of {}",
+            feed.endpoint
+        );
+    }
+    assert!(
+        printed.is_empty(),
+        "seed {seed}: tail printed unknown endpoints"
+    );
+}
+
+/// A publisher that stalls mid-round past its lease (a long GC pause, a frozen VM) while another
+/// takes the tenant over: its late mark is refused by the fence, it gives the tenant up, and the
+/// queue still holds every change in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_stalled_past_its_lease_is_fenced_out() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let tenant = env.db.tenant().await;
+    let mut feeds: Vec<Feed> = (0..2).map(|_| Feed::new(tenant)).collect();
+    write(pool, &mut feeds, &mut rng, 60).await;
+
+    // The first publisher's second round waits, before its mark, until the tenant's fence has
+    // moved on (another publisher claimed it).
+    let fence_moved = Arc::new(tokio::sync::Notify::new());
+    let (stalled_tx, stalled_rx) = tokio::sync::oneshot::channel::<()>();
+    let stalled_tx = Arc::new(Mutex::new(Some(stalled_tx)));
+    let rounds = Arc::new(Mutex::new(0));
+    let moved = fence_moved.clone();
+    let hook = BeforeMark(Arc::new(move |_ids: Vec<String>| {
+        let round = {
+            let mut rounds = rounds.lock().unwrap();
+            *rounds += 1;
+            *rounds
+        };
+        let stalled_tx = stalled_tx.clone();
+        let moved = moved.clone();
+        Box::pin(async move {
+            if round == 2 {
+                if let Some(tx) = stalled_tx.lock().unwrap().take() {
+                    let _ = tx.send(());
+                }
+                moved.notified().await;
+            }
+        })
+    }));
+    let (first, first_metrics) = env
+        .start(PublisherConfig {
+            before_mark: Some(hook),
+            ..env.config(env.vhost.url())
+        })
+        .await;
+    tokio::time::timeout(Duration::from_secs(60), stalled_rx)
+        .await
+        .expect("the first publisher reached its second round")
+        .unwrap();
+    let (second, _) = env.start(env.config(env.vhost.url())).await;
+    wait_until(
+        &format!("the second publisher claiming the tenant (seed {seed})"),
+        Duration::from_secs(60),
+        || async {
+            let token: Option<i64> =
+                sqlx::query_scalar("SELECT token FROM publisher_fences WHERE tenant_id = $1")
+                    .bind(tenant)
+                    .fetch_optional(pool)
+                    .await
+                    .unwrap();
+            token >= Some(2)
+        },
+    )
+    .await;
+    fence_moved.notify_one();
+    wait_until(
+        &format!("the first publisher giving the tenant up (seed {seed})"),
+        Duration::from_secs(60),
+        || async { metric(&first_metrics, "relay_publisher_ownership_losses_total") == 1.0 },
+    )
+    .await;
+    // Its second round was confirmed but never marked by it.
+    assert_eq!(
+        metric(&first_metrics, "relay_publisher_changes_marked_total"),
+        2.0,
+        "seed {seed}: only the first round (one change per endpoint) is the first's"
+    );
+    write(pool, &mut feeds, &mut rng, 30).await;
+    wait_published(pool, &[tenant], seed).await;
+    first.stop().await;
+    second.stop().await;
+
+    let broker = env.broker().await;
+    let messages = drain(&broker, &tenant_queue(tenant), true).await;
+    let (consumer, _) = rebuild(tenant, &messages, seed);
+    let own: Vec<&Feed> = feeds.iter().collect();
+    assert_rebuilt(pool, &consumer, &own, seed).await;
+}
+
+/// The tenant's own queue is full and refuses more (`x-overflow: reject-publish`): the broker
+/// nacks, nothing nacked is marked, and once a consumer makes room every change arrives, once
+/// and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nacked_changes_are_sent_again_in_order() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let tenant = env.db.tenant().await;
+    let broker = env.broker().await;
+    let channel = broker.create_channel().await.unwrap();
+    channel
+        .exchange_declare(
+            "tenant-x",
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(5));
+    arguments.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    channel
+        .queue_declare("tenant-x-small", QueueDeclareOptions::default(), arguments)
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            "tenant-x-small",
+            "tenant-x",
+            "all",
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
+         VALUES ($1, 'own_exchange', $2, 'tenant-x', 'all')",
+    )
+    .bind(tenant)
+    .bind(env.vhost.url())
+    .execute(pool)
+    .await
+    .unwrap();
+
+    let mut feeds: Vec<Feed> = (0..3).map(|_| Feed::new(tenant)).collect();
+    write(pool, &mut feeds, &mut rng, 60).await;
+    let (publisher, registry) = env.start(env.config(env.vhost.url())).await;
+    wait_until(
+        &format!("a nack from the full queue (seed {seed})"),
+        Duration::from_secs(60),
+        || async { metric(&registry, "relay_publisher_messages_nacked_total") > 0.0 },
+    )
+    .await;
+    // Exactly what the queue took is marked: its five, none of the nacked ones.
+    wait_until(
+        &format!("the queue's five changes marked (seed {seed})"),
+        Duration::from_secs(60),
+        || async {
+            let published: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM changes WHERE tenant_id = $1 AND published_at IS NOT NULL",
+            )
+            .bind(tenant)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            assert!(
+                published <= 5,
+                "seed {seed}: {published} marked, the queue holds 5"
+            );
+            published == 5 && metric(&registry, "relay_publisher_changes_marked_total") == 5.0
+        },
+    )
+    .await;
+
+    let collector = Collector::start(&broker, "tenant-x-small").await;
+    write(pool, &mut feeds, &mut rng, 30).await;
+    wait_published(pool, &[tenant], seed).await;
+    publisher.stop().await;
+    let total = change_count_of(pool, tenant).await as usize;
+    wait_until(
+        &format!("every change consumed (seed {seed})"),
+        Duration::from_secs(60),
+        || async { collector.distinct() == total },
+    )
+    .await;
+    let messages = collector.finish().await;
+    let (consumer, _) = rebuild(tenant, &messages, seed);
+    let own: Vec<&Feed> = feeds.iter().collect();
+    assert_rebuilt(pool, &consumer, &own, seed).await;
+}
+
+/// A tenant's own exchange that does not exist yet (the broker closes the channel on each
+/// publish), then exists without a binding (every publish comes back unroutable), then is bound
+/// to a queue: nothing is marked before that, and then everything arrives, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_exchange_or_binding_holds_the_backlog_until_fixed() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let tenant = env.db.tenant().await;
+    sqlx::query(
+        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
+         VALUES ($1, 'own_exchange', $2, 'late', 'changes')",
+    )
+    .bind(tenant)
+    .bind(env.vhost.url())
+    .execute(pool)
+    .await
+    .unwrap();
+    let mut feeds: Vec<Feed> = (0..2).map(|_| Feed::new(tenant)).collect();
+    write(pool, &mut feeds, &mut rng, 40).await;
+    let (publisher, registry) = env.start(env.config(env.vhost.url())).await;
+
+    wait_until(
+        &format!("publishes to a missing exchange failing (seed {seed})"),
+        Duration::from_secs(60),
+        || async { metric(&registry, "relay_publisher_broker_errors_total") >= 2.0 },
+    )
+    .await;
+    let broker = env.broker().await;
+    let channel = broker.create_channel().await.unwrap();
+    channel
+        .exchange_declare(
+            "late",
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    wait_until(
+        &format!("publishes coming back unroutable (seed {seed})"),
+        Duration::from_secs(60),
+        || async { metric(&registry, "relay_publisher_messages_returned_total") >= 2.0 },
+    )
+    .await;
+    assert_eq!(
+        unpublished(pool, &[tenant]).await,
+        change_count_of(pool, tenant).await,
+        "seed {seed}: a change was marked that reached no queue"
+    );
+    assert_eq!(
+        metric(&registry, "relay_publisher_messages_confirmed_total"),
+        0.0
+    );
+
+    channel
+        .queue_declare(
+            "late-changes",
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            "late-changes",
+            "late",
+            "changes",
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    write(pool, &mut feeds, &mut rng, 20).await;
+    wait_published(pool, &[tenant], seed).await;
+    publisher.stop().await;
+
+    let messages = drain(&broker, "late-changes", true).await;
+    let (consumer, seen) = rebuild(tenant, &messages, seed);
+    assert!(seen.values().all(|&n| n == 1), "seed {seed}");
+    let own: Vec<&Feed> = feeds.iter().collect();
+    assert_rebuilt(pool, &consumer, &own, seed).await;
+}
+
+/// Publishers killed (aborted) at random moments while changes keep coming, each replaced by a
+/// new one: the queues still rebuild every copy, gapless and in order; repeats are only of a
+/// message_id already delivered (the consumer drops them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishers_killed_at_random_moments_lose_and_reorder_nothing() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let tenants = [env.db.tenant().await, env.db.tenant().await];
+    let mut feeds: Vec<Feed> = (0..4).map(|i| Feed::new(tenants[i % 2])).collect();
+    let kills = 6;
+    for _ in 0..kills {
+        let (publisher, _) = env.start(env.config(env.vhost.url())).await;
+        let steps = rng.gen_range(10..40);
+        write(pool, &mut feeds, &mut rng, steps).await;
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
+        publisher.abort();
+    }
+    let (publisher, _) = env.start(env.config(env.vhost.url())).await;
+    write(pool, &mut feeds, &mut rng, 20).await;
+    wait_published(pool, &tenants, seed).await;
+    publisher.stop().await;
+
+    let broker = env.broker().await;
+    for tenant in tenants {
+        let messages = drain(&broker, &tenant_queue(tenant), true).await;
+        let (consumer, seen) = rebuild(tenant, &messages, seed);
+        assert!(
+            seen.values().all(|&n| n <= 1 + kills),
+            "seed {seed}: a message came more often than publishers died"
+        );
+        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
+        assert_rebuilt(pool, &consumer, &own, seed).await;
+    }
+}
+
+/// Not a test of behaviour: how fast one publisher drains a backlog on this machine. Run with
+/// `cargo test -p relay-tests --test it publisher_drain_rate -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn publisher_drain_rate() {
+    let env = Env::new().await;
+    let pool = &env.db.pool;
+    // RELAY_TEST_DRAIN_SHAPE=tenants,endpoints,changes_per_endpoint (default 20,10,50).
+    let shape: Vec<i32> = std::env::var("RELAY_TEST_DRAIN_SHAPE")
+        .unwrap_or_else(|_| "20,10,50".into())
+        .split(',')
+        .map(|n| n.trim().parse().unwrap())
+        .collect();
+    let (tenants, endpoints, per_endpoint) = (shape[0], shape[1], shape[2]);
+    let mut ids = Vec::new();
+    for _ in 0..tenants {
+        ids.push(env.db.tenant().await);
+    }
+    // Upserts of a realistic item (about 1 KB), written straight into the outbox.
+    let item = item_json(1, 7).to_string();
+    sqlx::query(
+        "INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject, item_kind,
+                              generation, sequence, event_id, item, parts_diff)
+         SELECT e.endpoint_id, s, e.tenant_id, 'upsert', 'announcement:' || s, 'announcement',
+                1, lpad(s::text, 19, '0'), 'evt_' || s, $4::jsonb,
+                '{\"added\": [], \"changed\": [\"flash:1\"], \"removed\": []}'::jsonb
+         FROM (SELECT t AS tenant_id, gen_random_uuid() AS endpoint_id
+               FROM unnest($1::uuid[]) t, generate_series(1, $2)) e,
+              generate_series(1, $3) s",
+    )
+    .bind(&ids)
+    .bind(endpoints)
+    .bind(per_endpoint)
+    .bind(&item)
+    .execute(pool)
+    .await
+    .unwrap();
+    let total = tenants * endpoints * per_endpoint;
+    let started = std::time::Instant::now();
+    let (publisher, registry) = env.start(env.config(env.vhost.url())).await;
+    wait_published(pool, &ids, env.seed).await;
+    let elapsed = started.elapsed();
+    publisher.stop().await;
+    let latency = registry
+        .gather()
+        .into_iter()
+        .find(|f| f.name() == "relay_publisher_publish_latency_seconds")
+        .unwrap();
+    let histogram = latency.get_metric()[0].get_histogram();
+    eprintln!(
+        "drained {total} changes ({tenants} tenants x {endpoints} endpoints x {per_endpoint}) in \
+         {elapsed:.2?}: {:.0} changes/s; mean created-to-confirm {:.3} s",
+        total as f64 / elapsed.as_secs_f64(),
+        histogram.get_sample_sum() / histogram.get_sample_count() as f64
+    );
+}
+
+/// Postgres goes away (connections refused) while the publisher runs, and comes back: what the
+/// broker confirmed meanwhile is marked when Postgres is back rather than sent again, so every
+/// message arrives exactly once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_outage_mid_run_sends_nothing_twice() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let tenants = [env.db.tenant().await, env.db.tenant().await];
+    let mut feeds: Vec<Feed> = (0..4).map(|i| Feed::new(tenants[i % 2])).collect();
+    let postgres: SocketAddr = std::env::var("RELAY_TEST_POSTGRES_ADDR")
+        .unwrap_or_else(|_| "127.0.0.1:5432".to_owned())
+        .parse()
+        .unwrap();
+    let proxy = PgProxy::start(postgres).await;
+    let publisher_pool = relay_store::connect(
+        &format!("postgres://postgres@{}/{}", proxy.address, env.db.name),
+        &relay_store::PoolOptions {
+            max_connections: 4,
+            acquire_timeout: Duration::from_secs(1),
+            ..relay_store::PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let registry = prometheus::Registry::new();
+    let publisher = Publisher::start(
+        publisher_pool.clone(),
+        env.config(env.vhost.url()),
+        &registry,
+    )
+    .await
+    .unwrap();
+
+    write(pool, &mut feeds, &mut rng, 60).await;
+    wait_until(
+        &format!("the publisher at work (seed {seed})"),
+        Duration::from_secs(60),
+        || async { metric(&registry, "relay_publisher_changes_marked_total") > 0.0 },
+    )
+    .await;
+    proxy.set(ProxyMode::Refuse);
+    write(pool, &mut feeds, &mut rng, 60).await;
+    // Long enough for the publisher to meet the outage at some step of its loop.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    proxy.set(ProxyMode::Pass);
+    write(pool, &mut feeds, &mut rng, 30).await;
+    wait_published(pool, &tenants, seed).await;
+    publisher.stop().await;
+    publisher_pool.close().await;
+
+    let broker = env.broker().await;
+    for tenant in tenants {
+        let messages = drain(&broker, &tenant_queue(tenant), true).await;
+        let (consumer, seen) = rebuild(tenant, &messages, seed);
+        let twice: Vec<&String> = seen
+            .iter()
+            .filter(|(_, &n)| n > 1)
+            .map(|(id, _)| id)
+            .collect();
+        assert!(twice.is_empty(), "seed {seed}: sent twice: {twice:?}");
+        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
+        assert_rebuilt(pool, &consumer, &own, seed).await;
+    }
+}
+
+/// Not a test of behaviour: created-to-confirm latency while changes arrive at a fixed rate.
+/// `RELAY_TEST_RATE_SHAPE=tenants,endpoints_per_tenant,changes_per_second,seconds` (default
+/// 10,20,1000,10); run with `-- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn publisher_latency_at_rate() {
+    let env = Env::new().await;
+    let pool = &env.db.pool;
+    let shape: Vec<u64> = std::env::var("RELAY_TEST_RATE_SHAPE")
+        .unwrap_or_else(|_| "10,20,1000,10".into())
+        .split(',')
+        .map(|n| n.trim().parse().unwrap())
+        .collect();
+    let (tenants, per_tenant, rate, seconds) = (shape[0], shape[1], shape[2], shape[3]);
+    let mut endpoints = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..tenants {
+        let tenant = env.db.tenant().await;
+        ids.push(tenant);
+        for _ in 0..per_tenant {
+            endpoints.push((tenant, Uuid::new_v4(), 0i64));
+        }
+    }
+    let config = PublisherConfig {
+        poll_interval: Duration::from_millis(50),
+        ..env.config(env.vhost.url())
+    };
+    let (publisher, registry) = env.start(config).await;
+    let item = item_json(1, 7).to_string();
+    let mut rng = StdRng::seed_from_u64(env.seed);
+    // Every 10 ms, one insert of rate/100 changes to random endpoints.
+    let per_tick = (rate / 100).max(1) as usize;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(seconds) {
+        tick.tick().await;
+        let (mut tenant_ids, mut endpoint_ids, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..per_tick {
+            let i = rng.gen_range(0..endpoints.len());
+            let e = &mut endpoints[i];
+            e.2 += 1;
+            tenant_ids.push(e.0);
+            endpoint_ids.push(e.1);
+            seqs.push(e.2);
+        }
+        sqlx::query(
+            "INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject,
+                                  item_kind, generation, sequence, event_id, item, parts_diff)
+             SELECT e, s, t, 'upsert', 'announcement:1', 'announcement', 1, '1', 'evt',
+                    $4::jsonb, '{\"added\": [], \"changed\": [], \"removed\": []}'::jsonb
+             FROM unnest($1::uuid[], $2::uuid[], $3::int8[]) AS x (t, e, s)",
+        )
+        .bind(&tenant_ids)
+        .bind(&endpoint_ids)
+        .bind(&seqs)
+        .bind(&item)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    let sent: i64 = endpoints.iter().map(|e| e.2).sum();
+    let offered = sent as f64 / started.elapsed().as_secs_f64();
+    wait_published(pool, &ids, env.seed).await;
+    publisher.stop().await;
+    let family = registry
+        .gather()
+        .into_iter()
+        .find(|f| f.name() == "relay_publisher_publish_latency_seconds")
+        .unwrap();
+    let histogram = family.get_metric()[0].get_histogram();
+    let count = histogram.get_sample_count() as f64;
+    let quantile = |q: f64| {
+        histogram
+            .get_bucket()
+            .iter()
+            .find(|b| b.cumulative_count() as f64 >= q * count)
+            .map_or(f64::INFINITY, |b| b.upper_bound())
+    };
+    eprintln!(
+        "{sent} changes at {offered:.0}/s over {tenants} tenants x {per_tenant} endpoints: \
+         created-to-confirm mean {:.4} s, p50 <= {} s, p99 <= {} s (bucket bounds)",
+        histogram.get_sample_sum() / count,
+        quantile(0.5),
+        quantile(0.99)
+    );
+}
