@@ -1,1 +1,33 @@
-//! The control plane (skeleton: being built).
+//! The control plane: an HTTP API (axum, under `/v1`) through which operators manage tenants and
+//! tenants manage their own webhook endpoints, signing secrets and destination, rewind a track
+//! after a restore, and read their endpoints' copies, state and stored messages. Its OpenAPI
+//! document, generated from the handlers, is served at `/openapi.json`.
+//!
+//! # Layout
+//! - [`config`]: `relay api` and `relay token issue` flags ([`ApiArgs`], [`TokenArgs`]), the
+//!   validated [`ApiConfig`], and [`issue_token`].
+//! - [`auth`]: HS256 JWTs: minting, verifying (with a previous key during a rotation), and the
+//!   [`auth::TenantId`] and [`auth::Operator`] extractors every handler starts with.
+//! - [`error`]: [`ApiError`], its JSON form (`{"error", "field", "detail"}`), and the JSON body
+//!   extractor whose errors name the field.
+//! - [`routes`]: one module per resource; each query is scoped by the caller's tenant.
+//! - [`upstream`]: the upstream's rewind call.
+//! - [`metrics`]: `relay_api_requests_total`, `relay_api_request_duration_seconds`,
+//!   `relay_api_rewinds_total`, registered on [`ApiConfig::registry`].
+//! - [`server`]: [`ApiServer`]: bind, serve, stop gracefully.
+//!
+//! Secrets, upstream API keys and broker URLs are write-only: no answer and no log line holds
+//! them.
+
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod metrics;
+pub mod routes;
+pub mod server;
+pub mod upstream;
+
+pub use config::{issue_token, ApiArgs, ApiConfig, ConfigError, JwtKeyArgs, TokenArgs};
+pub use error::ApiError;
+pub use routes::openapi;
+pub use server::{build, ApiServer, ServeError};

@@ -1,0 +1,270 @@
+//! `relay api` and `relay token issue`: their flags (each also an environment variable), read
+//! once into an [`ApiConfig`] or a minted token.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{ArgGroup, Args};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::auth::{self, IssuedToken, JwtKeys, KeyError, Subject, TokenError};
+
+/// Where the JWT signing key comes from. Shared by `relay api` and `relay token issue`, which
+/// must use the same key.
+#[derive(Clone, Args)]
+pub struct JwtKeyArgs {
+    /// The HS256 signing key (at least 32 bytes). Prefer --jwt-secret-file: a value here is
+    /// visible to other users of the machine.
+    #[arg(long, env = "RELAY_API_JWT_SECRET", hide_env_values = true)]
+    pub jwt_secret: Option<String>,
+    /// A file holding the HS256 signing key (surrounding whitespace is ignored).
+    #[arg(long, env = "RELAY_API_JWT_SECRET_FILE", conflicts_with = "jwt_secret")]
+    pub jwt_secret_file: Option<PathBuf>,
+    /// A file holding the previous signing key: tokens it signed keep verifying (never signed
+    /// with), so a key can be rotated without cutting off tokens already handed out.
+    #[arg(long, env = "RELAY_API_JWT_PREVIOUS_SECRET_FILE")]
+    pub jwt_previous_secret_file: Option<PathBuf>,
+    /// The audience tokens are minted for and must name.
+    #[arg(long, env = "RELAY_API_AUDIENCE", default_value = "relay")]
+    pub jwt_audience: String,
+}
+
+// By hand: the derived form would print the key.
+impl std::fmt::Debug for JwtKeyArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JwtKeyArgs")
+            .field("jwt_secret", &self.jwt_secret.as_ref().map(|_| "<set>"))
+            .field("jwt_secret_file", &self.jwt_secret_file)
+            .field("jwt_previous_secret_file", &self.jwt_previous_secret_file)
+            .field("jwt_audience", &self.jwt_audience)
+            .finish()
+    }
+}
+
+/// Configuration that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("no JWT signing key: set RELAY_API_JWT_SECRET_FILE (or RELAY_API_JWT_SECRET)")]
+    NoKey,
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    #[error("the audience is 1 to 200 characters")]
+    Audience,
+    #[error("give --operator or --tenant <id>")]
+    Subject,
+    #[error(transparent)]
+    Token(#[from] TokenError),
+}
+
+fn read_key(path: &Path) -> Result<Vec<u8>, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    Ok(text.trim().as_bytes().to_vec())
+}
+
+impl JwtKeyArgs {
+    pub fn keys(&self) -> Result<JwtKeys, ConfigError> {
+        let signing = match (&self.jwt_secret, &self.jwt_secret_file) {
+            (_, Some(path)) => read_key(path)?,
+            (Some(text), None) => text.trim().as_bytes().to_vec(),
+            (None, None) => return Err(ConfigError::NoKey),
+        };
+        let keys = JwtKeys::new(signing)?;
+        Ok(match &self.jwt_previous_secret_file {
+            Some(path) => keys.with_previous(read_key(path)?)?,
+            None => keys,
+        })
+    }
+
+    fn audience(&self) -> Result<String, ConfigError> {
+        let audience = self.jwt_audience.trim();
+        if audience.is_empty() || audience.chars().count() > 200 {
+            return Err(ConfigError::Audience);
+        }
+        Ok(audience.to_owned())
+    }
+}
+
+/// `relay api`: serve the control plane. Every flag is prefixed (`--api-...`, `--jwt-...`) so
+/// that `relay all` can take these beside the other tiers' flags without a clash.
+#[derive(Debug, Clone, Args)]
+pub struct ApiArgs {
+    /// Where the API listens.
+    #[arg(long, env = "RELAY_API_LISTEN", default_value = "127.0.0.1:8081")]
+    pub api_listen: SocketAddr,
+    #[command(flatten)]
+    pub jwt: JwtKeyArgs,
+    /// How long a call to the upstream's API (a rewind) may take, in seconds.
+    #[arg(long, env = "RELAY_API_UPSTREAM_TIMEOUT_S", default_value_t = 10)]
+    pub api_upstream_timeout_s: u64,
+}
+
+/// The control plane's settings, validated.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    pub listen: SocketAddr,
+    pub keys: JwtKeys,
+    pub audience: String,
+    pub upstream_timeout: Duration,
+    /// Where the API's metrics are registered: the binary's registry, served on its
+    /// `/metrics`. A fresh one by default.
+    pub registry: prometheus::Registry,
+}
+
+impl ApiConfig {
+    /// Settings for `keys`, listening on 127.0.0.1 with a port the system picks (tests).
+    pub fn new(keys: JwtKeys) -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            keys,
+            audience: "relay".to_owned(),
+            upstream_timeout: Duration::from_secs(10),
+            registry: prometheus::Registry::new(),
+        }
+    }
+}
+
+impl ApiArgs {
+    /// Reads the key files and checks every value.
+    pub fn to_config(&self) -> Result<ApiConfig, ConfigError> {
+        Ok(ApiConfig {
+            listen: self.api_listen,
+            keys: self.jwt.keys()?,
+            audience: self.jwt.audience()?,
+            upstream_timeout: Duration::from_secs(self.api_upstream_timeout_s.max(1)),
+            registry: prometheus::Registry::new(),
+        })
+    }
+}
+
+/// `relay token issue`: mint a token for an operator or a tenant.
+#[derive(Debug, Clone, Args)]
+#[command(group(ArgGroup::new("subject").required(true).args(["operator", "tenant"])))]
+pub struct TokenArgs {
+    /// An operator's token: manages tenants.
+    #[arg(long)]
+    pub operator: bool,
+    /// A tenant's token: manages that tenant's endpoints, destination and reads.
+    #[arg(long)]
+    pub tenant: Option<Uuid>,
+    /// Who the operator token is for (recorded in its `sub`, for logs).
+    #[arg(long, default_value = "operator")]
+    pub name: String,
+    /// How long the token lives, in seconds.
+    #[arg(long = "ttl-s", default_value_t = 3600)]
+    pub ttl_s: u64,
+    #[command(flatten)]
+    pub jwt: JwtKeyArgs,
+}
+
+/// Mints the token `args` describe, valid from now.
+pub fn issue_token(args: &TokenArgs) -> Result<IssuedToken, ConfigError> {
+    let subject = match (args.operator, args.tenant) {
+        (true, None) => Subject::Operator {
+            name: args.name.clone(),
+        },
+        (false, Some(tenant)) => Subject::Tenant(tenant),
+        _ => return Err(ConfigError::Subject),
+    };
+    Ok(auth::mint(
+        &args.jwt.keys()?,
+        &args.jwt.audience()?,
+        &subject,
+        Duration::from_secs(args.ttl_s),
+        OffsetDateTime::now_utc(),
+    )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::auth::{Role, Verifier};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        token: TokenArgs,
+    }
+
+    #[test]
+    fn issue_mints_a_token_the_api_accepts() {
+        let secret = "k".repeat(32);
+        let tenant = Uuid::new_v4();
+        let cli = Cli::try_parse_from([
+            "relay",
+            "--tenant",
+            &tenant.to_string(),
+            "--ttl-s",
+            "60",
+            "--jwt-secret",
+            &secret,
+        ])
+        .unwrap();
+        let issued = issue_token(&cli.token).unwrap();
+        let claims = Verifier::new(cli.token.jwt.keys().unwrap(), "relay")
+            .verify(&issued.token)
+            .unwrap();
+        assert_eq!((claims.role, claims.tenant), (Role::Tenant, Some(tenant)));
+        assert!(!format!("{:?}", cli.token).contains(&secret));
+    }
+
+    #[derive(Parser)]
+    struct Serve {
+        #[command(flatten)]
+        api: ApiArgs,
+    }
+
+    #[test]
+    fn api_args_read_the_key_file_and_default_the_rest() {
+        let dir = std::env::temp_dir().join(format!("relay-api-{}", Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("jwt.key");
+        std::fs::write(&path, format!("{}\n", "s".repeat(40))).unwrap();
+        let serve = Serve::try_parse_from([
+            "relay",
+            "--jwt-secret-file",
+            path.to_str().unwrap(),
+            "--api-listen",
+            "127.0.0.1:0",
+        ])
+        .unwrap();
+        let config = serve.api.to_config();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let config = config.unwrap();
+        assert_eq!(config.listen.port(), 0);
+        assert_eq!(config.audience, "relay");
+        assert_eq!(config.upstream_timeout, Duration::from_secs(10));
+        let short = Serve::try_parse_from(["relay", "--jwt-secret", "short"]).unwrap();
+        assert!(matches!(
+            short.api.to_config(),
+            Err(ConfigError::Key(KeyError::TooShort(5)))
+        ));
+    }
+
+    #[test]
+    fn issue_needs_exactly_one_subject() {
+        let secret = "k".repeat(32);
+        assert!(Cli::try_parse_from(["relay", "--jwt-secret", &secret]).is_err());
+        assert!(Cli::try_parse_from([
+            "relay",
+            "--operator",
+            "--tenant",
+            &Uuid::new_v4().to_string(),
+            "--jwt-secret",
+            &secret
+        ])
+        .is_err());
+    }
+}

@@ -1,0 +1,204 @@
+//! Where a tenant's changes go: the relay's own queue for the tenant (the default), or the
+//! tenant's own AMQP broker, exchange and routing key. The broker URL holds credentials: it is
+//! write-only, like secrets.
+
+use axum::extract::State;
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+
+use super::AppState;
+use crate::auth::TenantId;
+use crate::error::{ApiError, ErrorBody, JsonBody};
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DestinationView {
+    /// `relay_queue` or `own_exchange`.
+    pub kind: String,
+    /// True when nothing was set: the relay's queue for the tenant.
+    pub default: bool,
+    pub exchange: Option<String>,
+    pub routing_key: Option<String>,
+    /// Whether a broker URL is stored. The URL itself is never returned.
+    pub amqp_url_set: bool,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub updated_at: Option<OffsetDateTime>,
+}
+
+/// `{"kind": "relay_queue"}`, or `{"kind": "own_exchange", "amqp_url": ..., "exchange": ...,
+/// "routing_key": ...}`.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DestinationUpdate {
+    pub kind: DestinationKind,
+    /// `amqp://` or `amqps://`, with credentials. Write-only.
+    #[serde(default)]
+    pub amqp_url: Option<String>,
+    #[serde(default)]
+    pub exchange: Option<String>,
+    #[serde(default)]
+    pub routing_key: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DestinationKind {
+    RelayQueue,
+    OwnExchange,
+}
+
+type Row = (String, Option<String>, Option<String>, bool, OffsetDateTime);
+
+fn view(row: Option<Row>) -> DestinationView {
+    match row {
+        Some((kind, exchange, routing_key, amqp_url_set, updated_at)) => DestinationView {
+            kind,
+            default: false,
+            exchange,
+            routing_key,
+            amqp_url_set,
+            updated_at: Some(updated_at),
+        },
+        None => DestinationView {
+            kind: "relay_queue".to_owned(),
+            default: true,
+            exchange: None,
+            routing_key: None,
+            amqp_url_set: false,
+            updated_at: None,
+        },
+    }
+}
+
+/// An AMQP name: the broker takes up to 255 bytes of UTF-8; control characters are refused.
+fn amqp_name(field: &str, value: Option<&str>, allow_empty: bool) -> Result<String, ApiError> {
+    let value = value.ok_or_else(|| ApiError::invalid(field, "required for own_exchange"))?;
+    if value.len() > 255 || (!allow_empty && value.is_empty()) {
+        return Err(ApiError::invalid(
+            field,
+            if allow_empty {
+                "at most 255 bytes"
+            } else {
+                "1 to 255 bytes"
+            },
+        ));
+    }
+    if value.chars().any(char::is_control) {
+        return Err(ApiError::invalid(field, "no control characters"));
+    }
+    Ok(value.to_owned())
+}
+
+fn amqp_url(value: Option<&str>) -> Result<String, ApiError> {
+    const FIELD: &str = "amqp_url";
+    let value = value.ok_or_else(|| ApiError::invalid(FIELD, "required for own_exchange"))?;
+    let url = reqwest::Url::parse(value.trim())
+        .map_err(|_| ApiError::invalid(FIELD, "not an absolute URL"))?;
+    if !matches!(url.scheme(), "amqp" | "amqps") || url.host_str().is_none() {
+        return Err(ApiError::invalid(
+            FIELD,
+            "an amqp:// or amqps:// URL with a host",
+        ));
+    }
+    Ok(value.trim().to_owned())
+}
+
+#[utoipa::path(
+    get, path = "/v1/destination", tag = "destination", security(("bearer" = [])),
+    responses(
+        (status = 200, body = DestinationView),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+    )
+)]
+pub async fn get_destination(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+) -> Result<Json<DestinationView>, ApiError> {
+    let row: Option<Row> = sqlx::query_as(
+        "SELECT kind, exchange, routing_key, amqp_url IS NOT NULL, updated_at
+         FROM tenant_destinations WHERE tenant_id = $1",
+    )
+    .bind(tenant)
+    .fetch_optional(&state.pool)
+    .await?;
+    Ok(Json(view(row)))
+}
+
+#[utoipa::path(
+    put, path = "/v1/destination", tag = "destination", security(("bearer" = [])),
+    request_body = DestinationUpdate,
+    responses(
+        (status = 200, body = DestinationView),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn put_destination(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    JsonBody(body): JsonBody<DestinationUpdate>,
+) -> Result<Json<DestinationView>, ApiError> {
+    let (url, exchange, routing_key) = match body.kind {
+        DestinationKind::RelayQueue => {
+            for (field, given) in [
+                ("amqp_url", body.amqp_url.is_some()),
+                ("exchange", body.exchange.is_some()),
+                ("routing_key", body.routing_key.is_some()),
+            ] {
+                if given {
+                    return Err(ApiError::invalid(field, "only for own_exchange"));
+                }
+            }
+            (None, None, None)
+        }
+        DestinationKind::OwnExchange => (
+            Some(amqp_url(body.amqp_url.as_deref())?),
+            // The default exchange is named "": allowed, with the routing key a queue's name.
+            Some(amqp_name("exchange", body.exchange.as_deref(), true)?),
+            Some(amqp_name("routing_key", body.routing_key.as_deref(), true)?),
+        ),
+    };
+    let kind = match body.kind {
+        DestinationKind::RelayQueue => "relay_queue",
+        DestinationKind::OwnExchange => "own_exchange",
+    };
+    let row: Option<Row> = sqlx::query_as(
+        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
+         SELECT t.id, $2, $3, $4, $5 FROM tenants t WHERE t.id = $1
+         ON CONFLICT (tenant_id) DO UPDATE
+         SET kind = excluded.kind, amqp_url = excluded.amqp_url, exchange = excluded.exchange,
+             routing_key = excluded.routing_key, updated_at = now()
+         RETURNING kind, exchange, routing_key, amqp_url IS NOT NULL, updated_at",
+    )
+    .bind(tenant)
+    .bind(kind)
+    .bind(&url)
+    .bind(&exchange)
+    .bind(&routing_key)
+    .fetch_optional(&state.pool)
+    .await?;
+    let row = row.ok_or(ApiError::NotFound("tenant"))?;
+    tracing::info!(%tenant, kind, "destination set");
+    Ok(Json(view(Some(row))))
+}
+
+#[utoipa::path(
+    delete, path = "/v1/destination", tag = "destination", security(("bearer" = [])),
+    responses(
+        (status = 200, body = DestinationView, description = "Back to the default: the relay's queue"),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+    )
+)]
+pub async fn delete_destination(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+) -> Result<Json<DestinationView>, ApiError> {
+    sqlx::query("DELETE FROM tenant_destinations WHERE tenant_id = $1")
+        .bind(tenant)
+        .execute(&state.pool)
+        .await?;
+    tracing::info!(%tenant, "destination reset to the relay's queue");
+    Ok(Json(view(None)))
+}

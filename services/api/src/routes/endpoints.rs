@@ -1,0 +1,722 @@
+//! A tenant's webhook endpoints: registration, the upstream settings, pause and resume, and the
+//! signing secrets (add, rotate with an overlap, expire).
+//!
+//! Secrets and the upstream API key are write-only: no answer carries them (an endpoint says only
+//! whether a key is set, and a secret is known by its id, age and expiry), no log line names
+//! them, and no request type derives `Debug`, so none can be printed by accident.
+
+use std::collections::HashMap;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::Json;
+use relay_wire::limits::{ROTATION_OVERLAP_MAX_S, ROTATION_OVERLAP_S};
+use relay_wire::SigningSecret;
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::{owned_endpoint, parse_uuid, AppState, QueryArgs};
+use crate::auth::TenantId;
+use crate::error::{ApiError, ErrorBody, JsonBody};
+
+/// The most secrets one request registers.
+const MAX_SECRETS: usize = 10;
+/// The longest expiry an added secret may be given (ten years): bounds the interval arithmetic.
+const MAX_EXPIRY_S: u64 = 10 * 365 * 86_400;
+
+#[derive(Debug, Serialize, ToSchema, sqlx::FromRow)]
+pub struct EndpointView {
+    /// The upstream's webhook_endpoint_id.
+    pub id: Uuid,
+    /// The language the endpoint reads the feed in.
+    pub lang: Option<String>,
+    /// `active`, or `paused` (the front tier answers 410).
+    pub status: String,
+    pub upstream_base_url: Option<String>,
+    /// Whether an upstream API key is stored. The key itself is never returned.
+    pub upstream_api_key_set: bool,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub updated_at: OffsetDateTime,
+    /// The signing secrets, by id (never their value). Absent in lists.
+    #[sqlx(skip)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<Vec<SecretView>>,
+}
+
+#[derive(Debug, Serialize, ToSchema, sqlx::FromRow)]
+pub struct SecretView {
+    pub id: i64,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    /// When it stops verifying; absent for a secret that does not expire.
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub expires_at: Option<OffsetDateTime>,
+    /// Verifies now.
+    pub active: bool,
+}
+
+/// Registers an endpoint.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewEndpoint {
+    /// The upstream's webhook_endpoint_id (the path the upstream posts to).
+    pub id: Uuid,
+    /// The endpoint's language, as set at the upstream (`en`, `sv`, ...).
+    pub lang: String,
+    /// The upstream API's base URL, for reloads, refetches and rewinds.
+    #[serde(default)]
+    pub upstream_base_url: Option<String>,
+    /// The API key for the upstream's API. Write-only.
+    #[serde(default)]
+    pub upstream_api_key: Option<String>,
+    /// The signing secrets (`whsec_...`), as the upstream shows them: one, or two during a
+    /// rotation. Write-only.
+    pub secrets: Vec<String>,
+}
+
+/// Changes an endpoint's settings; absent fields keep their value.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointUpdate {
+    #[serde(default)]
+    pub lang: Option<String>,
+    #[serde(default)]
+    pub upstream_base_url: Option<String>,
+    /// Write-only.
+    #[serde(default)]
+    pub upstream_api_key: Option<String>,
+}
+
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewSecret {
+    /// `whsec_...`. Write-only.
+    pub secret: String,
+    /// Seconds until it stops verifying; never, when absent.
+    #[serde(default)]
+    pub expires_in_s: Option<u64>,
+}
+
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SecretRotation {
+    /// The new secret, `whsec_...`. Write-only.
+    pub secret: String,
+    /// How long the secrets held before keep verifying: at most 604800 (the upstream's
+    /// longest overlap), default 86400.
+    #[serde(default)]
+    pub overlap_s: Option<u64>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RotationView {
+    pub secret: SecretView,
+    /// When the secrets held before stop verifying.
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub old_secrets_expire_at: OffsetDateTime,
+    /// How many were given that expiry (one due to expire sooner keeps its own).
+    pub old_secrets: u64,
+}
+
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SecretExpiry {
+    /// Seconds from now until it stops verifying: 0 (default) to 604800. A secret due to
+    /// expire sooner keeps its expiry.
+    #[serde(default)]
+    pub after_s: Option<u64>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EndpointPage {
+    pub data: Vec<EndpointView>,
+    /// Pass as `after` for the next page; absent on the last.
+    pub next_cursor: Option<String>,
+}
+
+// ---- validation ------------------------------------------------------------------------------
+
+/// A language tag as the upstream takes it: `en`, `sv`, `pt-BR`.
+pub fn valid_lang(field: &str, text: &str) -> Result<String, ApiError> {
+    let mut pieces = text.split('-');
+    let primary = pieces.next().unwrap_or_default();
+    let primary_ok =
+        (2..=3).contains(&primary.len()) && primary.bytes().all(|b| b.is_ascii_lowercase());
+    let rest_ok =
+        pieces.all(|p| (1..=8).contains(&p.len()) && p.bytes().all(|b| b.is_ascii_alphanumeric()));
+    if !(primary_ok && rest_ok) {
+        return Err(ApiError::invalid(
+            field,
+            "a language tag such as `en` or `sv`",
+        ));
+    }
+    Ok(text.to_owned())
+}
+
+/// An http(s) base URL with a host and nothing after the path. Credentials in the URL are
+/// refused: they belong in the API key, which is never returned, while the URL is.
+pub fn valid_base_url(text: &str) -> Result<String, ApiError> {
+    const FIELD: &str = "upstream_base_url";
+    if text.len() > 2000 {
+        return Err(ApiError::invalid(FIELD, "at most 2000 characters"));
+    }
+    let url = reqwest::Url::parse(text.trim())
+        .map_err(|_| ApiError::invalid(FIELD, "not an absolute URL"))?;
+    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+        return Err(ApiError::invalid(
+            FIELD,
+            "an http:// or https:// URL with a host",
+        ));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(ApiError::invalid(
+            FIELD,
+            "no credentials in the URL: give the key as upstream_api_key",
+        ));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(ApiError::invalid(FIELD, "no query or fragment"));
+    }
+    Ok(url.as_str().trim_end_matches('/').to_owned())
+}
+
+/// An API key that can go in an `Authorization: Bearer` header.
+fn valid_api_key(text: &str) -> Result<String, ApiError> {
+    const FIELD: &str = "upstream_api_key";
+    if text.is_empty() || text.len() > 1000 {
+        return Err(ApiError::invalid(FIELD, "1 to 1000 characters"));
+    }
+    if !text.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(ApiError::invalid(
+            FIELD,
+            "printable ASCII without spaces (it is sent as a bearer token)",
+        ));
+    }
+    Ok(text.to_owned())
+}
+
+/// The secret's stored (`whsec_`) form. The error names the field, never the value.
+fn valid_secret(field: &str, text: &str) -> Result<String, ApiError> {
+    SigningSecret::parse(text)
+        .map(|s| s.to_whsec())
+        .map_err(|e| ApiError::invalid(field, e.to_string()))
+}
+
+fn seconds(field: &str, value: Option<u64>, default: u64, max: u64) -> Result<f64, ApiError> {
+    let value = value.unwrap_or(default);
+    if value > max {
+        return Err(ApiError::invalid(field, format!("at most {max} seconds")));
+    }
+    Ok(value as f64)
+}
+
+fn is_unique_violation(error: &sqlx::Error, constraint: &str) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.constraint() == Some(constraint))
+}
+
+// ---- reads shared by the handlers -------------------------------------------------------------
+
+const ENDPOINT_COLUMNS: &str = "id, lang, status, upstream_base_url,
+     upstream_api_key IS NOT NULL AS upstream_api_key_set, created_at, updated_at";
+
+async fn secrets_of(
+    pool: &PgPool,
+    tenant: Uuid,
+    endpoint: Uuid,
+) -> Result<Vec<SecretView>, ApiError> {
+    Ok(sqlx::query_as(
+        "SELECT id, created_at, expires_at, (expires_at IS NULL OR expires_at > now()) AS active
+         FROM endpoint_secrets WHERE endpoint_id = $1 AND tenant_id = $2 ORDER BY id",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// The endpoint with its secrets' metadata, or 404 when it is not the tenant's.
+pub async fn load_endpoint(
+    pool: &PgPool,
+    tenant: Uuid,
+    id: Uuid,
+) -> Result<EndpointView, ApiError> {
+    let mut view: EndpointView = sqlx::query_as(&format!(
+        "SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2"
+    ))
+    .bind(id)
+    .bind(tenant)
+    .fetch_optional(pool)
+    .await?
+    .ok_or(ApiError::NotFound("webhook endpoint"))?;
+    view.secrets = Some(secrets_of(pool, tenant, id).await?);
+    Ok(view)
+}
+
+// ---- handlers ---------------------------------------------------------------------------------
+
+#[utoipa::path(
+    post, path = "/v1/endpoints", tag = "endpoints", security(("bearer" = [])),
+    request_body = NewEndpoint,
+    responses(
+        (status = 201, body = EndpointView),
+        (status = 400, body = ErrorBody, description = "A field is not acceptable: nothing created"),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "The id is registered already"),
+    )
+)]
+pub async fn create_endpoint(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    JsonBody(body): JsonBody<NewEndpoint>,
+) -> Result<(StatusCode, Json<EndpointView>), ApiError> {
+    let lang = valid_lang("lang", &body.lang)?;
+    let base_url = body
+        .upstream_base_url
+        .as_deref()
+        .map(valid_base_url)
+        .transpose()?;
+    let api_key = body
+        .upstream_api_key
+        .as_deref()
+        .map(valid_api_key)
+        .transpose()?;
+    if body.secrets.is_empty() || body.secrets.len() > MAX_SECRETS {
+        return Err(ApiError::invalid(
+            "secrets",
+            format!("1 to {MAX_SECRETS} secrets"),
+        ));
+    }
+    let secrets = body
+        .secrets
+        .iter()
+        .enumerate()
+        .map(|(i, s)| valid_secret(&format!("secrets[{i}]"), s))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    // All or nothing: an endpoint without its counter or its secrets would take no message.
+    let mut tx = state.pool.begin().await?;
+    let inserted: Option<Uuid> = sqlx::query_scalar(
+        "INSERT INTO webhook_endpoints (id, tenant_id, lang, upstream_base_url, upstream_api_key)
+         SELECT $1, t.id, $3, $4, $5 FROM tenants t WHERE t.id = $2
+         ON CONFLICT (id) DO NOTHING
+         RETURNING id",
+    )
+    .bind(body.id)
+    .bind(tenant)
+    .bind(&lang)
+    .bind(&base_url)
+    .bind(&api_key)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if inserted.is_none() {
+        let tenant_exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM tenants WHERE id = $1)")
+                .bind(tenant)
+                .fetch_one(&mut *tx)
+                .await?;
+        // The id is the upstream's and unique across tenants: say it is taken, and nothing
+        // else about whose it is.
+        return Err(if tenant_exists {
+            ApiError::conflict(Some("id"), "this webhook endpoint is registered already")
+        } else {
+            ApiError::NotFound("tenant")
+        });
+    }
+    sqlx::query("INSERT INTO endpoint_arrival_counters (endpoint_id) VALUES ($1)")
+        .bind(body.id)
+        .execute(&mut *tx)
+        .await?;
+    for (i, secret) in secrets.iter().enumerate() {
+        let written = sqlx::query(
+            "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret) VALUES ($1, $2, $3)",
+        )
+        .bind(tenant)
+        .bind(body.id)
+        .bind(secret)
+        .execute(&mut *tx)
+        .await;
+        match written {
+            Ok(_) => {}
+            // The table's unique key decides; returning drops the transaction, which rolls
+            // back the endpoint and the secrets written before.
+            Err(e) if is_unique_violation(&e, "endpoint_secrets_endpoint_id_secret_key") => {
+                return Err(ApiError::invalid(
+                    format!("secrets[{i}]"),
+                    "the same secret as an earlier one",
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    tx.commit().await?;
+    tracing::info!(%tenant, endpoint = %body.id, secrets = secrets.len(), "endpoint registered");
+    Ok((
+        StatusCode::CREATED,
+        Json(load_endpoint(&state.pool, tenant, body.id).await?),
+    ))
+}
+
+#[utoipa::path(
+    get, path = "/v1/endpoints", tag = "endpoints", security(("bearer" = [])),
+    params(
+        ("after" = Option<Uuid>, Query, description = "The last id of the previous page"),
+        ("limit" = Option<i64>, Query, description = "1 to 500, default 100"),
+    ),
+    responses(
+        (status = 200, body = EndpointPage),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+    )
+)]
+pub async fn list_endpoints(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<EndpointPage>, ApiError> {
+    let query = QueryArgs::new(query, &["after", "limit"])?;
+    let after = query
+        .text("after")
+        .map(|t| parse_uuid("after", t))
+        .transpose()?;
+    let limit = query.limit(100, 500)?;
+    let data: Vec<EndpointView> = sqlx::query_as(&format!(
+        "SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints
+         WHERE tenant_id = $1 AND ($2::uuid IS NULL OR id > $2)
+         ORDER BY id LIMIT $3"
+    ))
+    .bind(tenant)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(&state.pool)
+    .await?;
+    let next_cursor = (data.len() as i64 == limit)
+        .then(|| data.last().map(|e| e.id.to_string()))
+        .flatten();
+    Ok(Json(EndpointPage { data, next_cursor }))
+}
+
+#[utoipa::path(
+    get, path = "/v1/endpoints/{endpoint_id}", tag = "endpoints", security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path)),
+    responses(
+        (status = 200, body = EndpointView),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn get_endpoint(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+) -> Result<Json<EndpointView>, ApiError> {
+    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    Ok(Json(load_endpoint(&state.pool, tenant, id).await?))
+}
+
+#[utoipa::path(
+    patch, path = "/v1/endpoints/{endpoint_id}", tag = "endpoints", security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path)),
+    request_body = EndpointUpdate,
+    responses(
+        (status = 200, body = EndpointView),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn update_endpoint(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+    JsonBody(body): JsonBody<EndpointUpdate>,
+) -> Result<Json<EndpointView>, ApiError> {
+    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let lang = body
+        .lang
+        .as_deref()
+        .map(|l| valid_lang("lang", l))
+        .transpose()?;
+    let base_url = body
+        .upstream_base_url
+        .as_deref()
+        .map(valid_base_url)
+        .transpose()?;
+    let api_key = body
+        .upstream_api_key
+        .as_deref()
+        .map(valid_api_key)
+        .transpose()?;
+    if lang.is_none() && base_url.is_none() && api_key.is_none() {
+        return Err(ApiError::invalid(
+            "body",
+            "name at least one of lang, upstream_base_url, upstream_api_key",
+        ));
+    }
+    let updated: Option<Uuid> = sqlx::query_scalar(
+        "UPDATE webhook_endpoints
+         SET lang = COALESCE($3, lang),
+             upstream_base_url = COALESCE($4, upstream_base_url),
+             upstream_api_key = COALESCE($5, upstream_api_key),
+             updated_at = now()
+         WHERE id = $1 AND tenant_id = $2
+         RETURNING id",
+    )
+    .bind(id)
+    .bind(tenant)
+    .bind(&lang)
+    .bind(&base_url)
+    .bind(&api_key)
+    .fetch_optional(&state.pool)
+    .await?;
+    updated.ok_or(ApiError::NotFound("webhook endpoint"))?;
+    tracing::info!(%tenant, endpoint = %id, lang = ?lang, base_url_changed = base_url.is_some(),
+                   api_key_changed = api_key.is_some(), "endpoint updated");
+    Ok(Json(load_endpoint(&state.pool, tenant, id).await?))
+}
+
+async fn set_status(
+    state: &AppState,
+    tenant: Uuid,
+    endpoint_id: &str,
+    status: &str,
+) -> Result<Json<EndpointView>, ApiError> {
+    let id = parse_uuid("endpoint_id", endpoint_id)?;
+    // The front tier hears of the change through the table's NOTIFY trigger and answers 410
+    // (or takes messages again) at once, not when its cache entry expires.
+    let updated: Option<Uuid> = sqlx::query_scalar(
+        "UPDATE webhook_endpoints SET status = $3, updated_at = now()
+         WHERE id = $1 AND tenant_id = $2
+         RETURNING id",
+    )
+    .bind(id)
+    .bind(tenant)
+    .bind(status)
+    .fetch_optional(&state.pool)
+    .await?;
+    updated.ok_or(ApiError::NotFound("webhook endpoint"))?;
+    tracing::info!(%tenant, endpoint = %id, status, "endpoint status set");
+    Ok(Json(load_endpoint(&state.pool, tenant, id).await?))
+}
+
+#[utoipa::path(
+    post, path = "/v1/endpoints/{endpoint_id}/pause", tag = "endpoints", security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path)),
+    responses(
+        (status = 200, body = EndpointView, description = "Paused: the front tier answers 410, \
+            which the upstream takes as paused until the endpoint is resumed there"),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn pause_endpoint(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+) -> Result<Json<EndpointView>, ApiError> {
+    set_status(&state, tenant, &endpoint_id, "paused").await
+}
+
+#[utoipa::path(
+    post, path = "/v1/endpoints/{endpoint_id}/resume", tag = "endpoints", security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path)),
+    responses(
+        (status = 200, body = EndpointView, description = "Active: the front tier takes messages \
+            again (resume the endpoint at the upstream too)"),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn resume_endpoint(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+) -> Result<Json<EndpointView>, ApiError> {
+    set_status(&state, tenant, &endpoint_id, "active").await
+}
+
+#[utoipa::path(
+    get, path = "/v1/endpoints/{endpoint_id}/secrets", tag = "secrets", security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path)),
+    responses(
+        (status = 200, body = Vec<SecretView>, description = "Each secret's id and expiry, never \
+            its value"),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn list_secrets(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+) -> Result<Json<Vec<SecretView>>, ApiError> {
+    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    owned_endpoint(&state.pool, tenant, id).await?;
+    Ok(Json(secrets_of(&state.pool, tenant, id).await?))
+}
+
+/// Why inserting a secret wrote nothing: the endpoint is not the tenant's, or holds it already.
+async fn secret_not_added(pool: &PgPool, tenant: Uuid, id: Uuid) -> ApiError {
+    match owned_endpoint(pool, tenant, id).await {
+        Ok(()) => ApiError::conflict(Some("secret"), "the endpoint holds this secret already"),
+        Err(e) => e,
+    }
+}
+
+const INSERT_SECRET: &str =
+    "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret, expires_at)
+     SELECT e.tenant_id, e.id, $3, now() + make_interval(secs => $4)
+     FROM webhook_endpoints e WHERE e.id = $1 AND e.tenant_id = $2
+     ON CONFLICT (endpoint_id, secret) DO NOTHING
+     RETURNING id, created_at, expires_at, (expires_at IS NULL OR expires_at > now()) AS active";
+
+#[utoipa::path(
+    post, path = "/v1/endpoints/{endpoint_id}/secrets", tag = "secrets", security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path)),
+    request_body = NewSecret,
+    responses(
+        (status = 201, body = SecretView),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody),
+    )
+)]
+pub async fn add_secret(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+    JsonBody(body): JsonBody<NewSecret>,
+) -> Result<(StatusCode, Json<SecretView>), ApiError> {
+    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let secret = valid_secret("secret", &body.secret)?;
+    let expires_in = body
+        .expires_in_s
+        .map(|s| seconds("expires_in_s", Some(s), 0, MAX_EXPIRY_S))
+        .transpose()?;
+    let added: Option<SecretView> = sqlx::query_as(INSERT_SECRET)
+        .bind(id)
+        .bind(tenant)
+        .bind(&secret)
+        .bind(expires_in)
+        .fetch_optional(&state.pool)
+        .await?;
+    let Some(added) = added else {
+        return Err(secret_not_added(&state.pool, tenant, id).await);
+    };
+    tracing::info!(%tenant, endpoint = %id, secret_id = added.id, "secret added");
+    Ok((StatusCode::CREATED, Json(added)))
+}
+
+#[utoipa::path(
+    post, path = "/v1/endpoints/{endpoint_id}/secrets/rotate", tag = "secrets",
+    security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path)),
+    request_body = SecretRotation,
+    responses(
+        (status = 200, body = RotationView, description = "The new secret verifies now; those \
+            held before keep verifying until the overlap ends"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody),
+    )
+)]
+pub async fn rotate_secret(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+    JsonBody(body): JsonBody<SecretRotation>,
+) -> Result<Json<RotationView>, ApiError> {
+    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let secret = valid_secret("secret", &body.secret)?;
+    let overlap = seconds(
+        "overlap_s",
+        body.overlap_s,
+        ROTATION_OVERLAP_S,
+        ROTATION_OVERLAP_MAX_S,
+    )?;
+    // As the upstream rotates: the new secret and every one held before verify during the
+    // overlap. One transaction, so no moment has the old ones expiring without the new one.
+    let mut tx = state.pool.begin().await?;
+    let added: Option<SecretView> = sqlx::query_as(INSERT_SECRET)
+        .bind(id)
+        .bind(tenant)
+        .bind(&secret)
+        .bind(None::<f64>)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let Some(added) = added else {
+        drop(tx);
+        return Err(secret_not_added(&state.pool, tenant, id).await);
+    };
+    let (old_secrets, expire_at): (i64, OffsetDateTime) = sqlx::query_as(
+        "WITH expiring AS (
+             UPDATE endpoint_secrets
+             SET expires_at = LEAST(COALESCE(expires_at, 'infinity'), now() + make_interval(secs => $4))
+             WHERE endpoint_id = $1 AND tenant_id = $2 AND id <> $3
+               AND (expires_at IS NULL OR expires_at > now())
+             RETURNING 1
+         )
+         SELECT (SELECT count(*) FROM expiring), now() + make_interval(secs => $4)",
+    )
+    .bind(id)
+    .bind(tenant)
+    .bind(added.id)
+    .bind(overlap)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    tracing::info!(%tenant, endpoint = %id, secret_id = added.id, old_secrets, overlap_s = overlap,
+                   "secret rotated");
+    Ok(Json(RotationView {
+        secret: added,
+        old_secrets_expire_at: expire_at,
+        old_secrets: old_secrets.max(0) as u64,
+    }))
+}
+
+#[utoipa::path(
+    post, path = "/v1/endpoints/{endpoint_id}/secrets/{secret_id}/expire", tag = "secrets",
+    security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path), ("secret_id" = i64, Path)),
+    request_body = SecretExpiry,
+    responses(
+        (status = 200, body = SecretView),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn expire_secret(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path((endpoint_id, secret_id)): Path<(String, String)>,
+    JsonBody(body): JsonBody<SecretExpiry>,
+) -> Result<Json<SecretView>, ApiError> {
+    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let secret_id: i64 = secret_id
+        .parse()
+        .map_err(|_| ApiError::invalid("secret_id", "not a secret's id"))?;
+    let after = seconds("after_s", body.after_s, 0, ROTATION_OVERLAP_MAX_S)?;
+    let expired: Option<SecretView> = sqlx::query_as(
+        "UPDATE endpoint_secrets
+         SET expires_at = LEAST(COALESCE(expires_at, 'infinity'), now() + make_interval(secs => $4))
+         WHERE id = $3 AND endpoint_id = $1 AND tenant_id = $2
+         RETURNING id, created_at, expires_at, (expires_at IS NULL OR expires_at > now()) AS active",
+    )
+    .bind(id)
+    .bind(tenant)
+    .bind(secret_id)
+    .bind(after)
+    .fetch_optional(&state.pool)
+    .await?;
+    let expired = expired.ok_or(ApiError::NotFound("secret"))?;
+    tracing::info!(%tenant, endpoint = %id, secret_id, after_s = after, "secret expiry set");
+    Ok(Json(expired))
+}

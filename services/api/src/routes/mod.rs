@@ -1,0 +1,236 @@
+//! The routes, one module per resource, and what they share: the state, the OpenAPI document,
+//! and parsing of path and query values with errors that name the field.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::routing::get;
+use axum::{Json, Router};
+use sqlx::PgPool;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+use uuid::Uuid;
+
+use crate::auth::{HasVerifier, Verifier};
+use crate::error::ApiError;
+use crate::metrics::ApiMetrics;
+
+pub mod destinations;
+pub mod endpoints;
+pub mod reads;
+pub mod rewind;
+pub mod tenants;
+
+/// What every handler can reach.
+#[derive(Clone)]
+pub struct AppState {
+    pub pool: PgPool,
+    pub verifier: Arc<Verifier>,
+    /// For the upstream's API (rewinds).
+    pub http: reqwest::Client,
+    pub metrics: Arc<ApiMetrics>,
+}
+
+impl HasVerifier for AppState {
+    fn verifier(&self) -> &Arc<Verifier> {
+        &self.verifier
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "relay control plane",
+        description = "Tenants, their webhook endpoints, secrets and destination, and reads of \
+                       each endpoint's copy of the feed. Every route but /openapi.json takes a \
+                       bearer JWT: an operator's for /v1/tenants, a tenant's for the rest."
+    ),
+    modifiers(&BearerAuth),
+    components(schemas(crate::error::ErrorBody))
+)]
+struct ApiDoc;
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .bearer_format("JWT")
+                    .build(),
+            ),
+        );
+    }
+}
+
+/// Every documented route, collected with its annotation.
+fn documented() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(tenants::create_tenant, tenants::list_tenants))
+        .routes(routes!(tenants::get_tenant))
+        .routes(routes!(tenants::mint_tenant_token))
+        .routes(routes!(tenants::own_tenant))
+        .routes(routes!(
+            endpoints::create_endpoint,
+            endpoints::list_endpoints
+        ))
+        .routes(routes!(endpoints::get_endpoint, endpoints::update_endpoint))
+        .routes(routes!(endpoints::pause_endpoint))
+        .routes(routes!(endpoints::resume_endpoint))
+        .routes(routes!(endpoints::add_secret, endpoints::list_secrets))
+        .routes(routes!(endpoints::rotate_secret))
+        .routes(routes!(endpoints::expire_secret))
+        .routes(routes!(
+            destinations::get_destination,
+            destinations::put_destination,
+            destinations::delete_destination
+        ))
+        .routes(routes!(rewind::rewind_track))
+        .routes(routes!(reads::list_copy))
+        .routes(routes!(reads::get_copy_item))
+        .routes(routes!(reads::endpoint_state))
+        .routes(routes!(reads::list_messages))
+}
+
+/// The OpenAPI document, as `/openapi.json` serves it.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    documented().split_for_parts().1
+}
+
+/// The API's routes and the OpenAPI document describing them (collected from the handlers'
+/// annotations, so the document cannot drift from the code).
+pub fn router(state: AppState) -> Router {
+    let (router, openapi) = documented().with_state(state).split_for_parts();
+    let openapi = Arc::new(openapi);
+    router.route(
+        "/openapi.json",
+        get(move || {
+            let openapi = openapi.clone();
+            async move { Json(openapi.as_ref().clone()) }
+        }),
+    )
+}
+
+/// A UUID from a path or query value.
+pub fn parse_uuid(field: &str, text: &str) -> Result<Uuid, ApiError> {
+    Uuid::parse_str(text).map_err(|_| ApiError::invalid(field, "not a UUID"))
+}
+
+/// A query string's values, read one field at a time so each error names its field. Unknown
+/// parameters are refused, as unknown body fields are.
+pub struct QueryArgs(HashMap<String, String>);
+
+impl QueryArgs {
+    pub fn new(map: HashMap<String, String>, known: &[&str]) -> Result<Self, ApiError> {
+        if let Some(unknown) = map.keys().find(|k| !known.contains(&k.as_str())) {
+            return Err(ApiError::invalid(
+                unknown.clone(),
+                format!("unknown query parameter; known: {}", known.join(", ")),
+            ));
+        }
+        Ok(Self(map))
+    }
+
+    pub fn text(&self, field: &str) -> Option<&str> {
+        self.0
+            .get(field)
+            .map(String::as_str)
+            .filter(|t| !t.is_empty())
+    }
+
+    pub fn parsed<T: std::str::FromStr>(
+        &self,
+        field: &str,
+        what: &str,
+    ) -> Result<Option<T>, ApiError> {
+        self.text(field)
+            .map(|t| {
+                t.parse::<T>()
+                    .map_err(|_| ApiError::invalid(field, format!("not {what}")))
+            })
+            .transpose()
+    }
+
+    /// `limit`: 1 to `max`, `default` when absent.
+    pub fn limit(&self, default: i64, max: i64) -> Result<i64, ApiError> {
+        let limit = self
+            .parsed::<i64>("limit", "a whole number")?
+            .unwrap_or(default);
+        if !(1..=max).contains(&limit) {
+            return Err(ApiError::invalid("limit", format!("between 1 and {max}")));
+        }
+        Ok(limit)
+    }
+
+    pub fn flag(&self, field: &str) -> Result<bool, ApiError> {
+        match self.text(field) {
+            None | Some("false") => Ok(false),
+            Some("true") => Ok(true),
+            Some(_) => Err(ApiError::invalid(field, "true or false")),
+        }
+    }
+}
+
+/// Checks the endpoint is the tenant's: another tenant's endpoint and an unknown one are the
+/// same 404.
+pub async fn owned_endpoint(pool: &PgPool, tenant: Uuid, endpoint: Uuid) -> Result<(), ApiError> {
+    let found: Option<i32> =
+        sqlx::query_scalar("SELECT 1 FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2")
+            .bind(endpoint)
+            .bind(tenant)
+            .fetch_optional(pool)
+            .await?;
+    found
+        .map(|_| ())
+        .ok_or(ApiError::NotFound("webhook endpoint"))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::Value;
+
+    #[test]
+    fn every_operation_is_documented_with_its_auth_and_errors() {
+        let doc = serde_json::to_value(super::openapi()).unwrap();
+        let paths = doc["paths"].as_object().unwrap();
+        assert!(paths.len() >= 15, "{:?}", paths.keys());
+        for (path, item) in paths {
+            assert!(path.starts_with("/v1/"), "{path}");
+            for (method, operation) in item.as_object().unwrap() {
+                assert_eq!(
+                    operation["security"],
+                    serde_json::json!([{"bearer": []}]),
+                    "{method} {path}"
+                );
+                let responses = operation["responses"].as_object().unwrap();
+                assert!(responses.contains_key("401"), "{method} {path}");
+                assert!(responses.contains_key("403"), "{method} {path}");
+                assert!(
+                    responses.keys().any(|code| code.starts_with('2')),
+                    "{method} {path}"
+                );
+            }
+        }
+        let schemes = &doc["components"]["securitySchemes"]["bearer"];
+        assert_eq!(schemes["scheme"], "bearer");
+        for schema in [
+            "ErrorBody",
+            "EndpointView",
+            "CopyPage",
+            "StateView",
+            "RewindView",
+        ] {
+            assert_ne!(
+                doc["components"]["schemas"][schema],
+                Value::Null,
+                "{schema}"
+            );
+        }
+    }
+}

@@ -1,0 +1,515 @@
+//! Reads for the tenant and for support: the endpoint's copy of the feed, one item of it, the
+//! endpoint's state (tracks, apply progress, outbox backlog), and the stored messages with how
+//! each was answered and applied.
+//!
+//! Every query names the tenant as well as the endpoint, and runs only after the endpoint is
+//! found to be the tenant's, so another tenant's endpoint is a 404 and never an empty page.
+
+use std::collections::HashMap;
+
+use axum::extract::{Path, Query, State};
+use axum::Json;
+use relay_wire::ItemKind;
+use serde::Serialize;
+use serde_json::Value;
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::{owned_endpoint, parse_uuid, AppState, QueryArgs};
+use crate::auth::TenantId;
+use crate::error::{ApiError, ErrorBody};
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CopyItemView {
+    pub subject: String,
+    pub item_kind: Option<String>,
+    pub company_id: Option<i64>,
+    /// The position that wrote the row: the event's (or reload read's) generation and sequence.
+    pub generation: i64,
+    pub sequence: String,
+    /// A removed item, kept so that an older update arriving late cannot bring it back.
+    pub tombstone: bool,
+    /// `[{part_id, part_version}]`.
+    #[schema(value_type = Object)]
+    pub parts: Value,
+    /// The item's JSON as received; absent for a tombstone.
+    #[schema(value_type = Option<Object>)]
+    pub item: Option<Value>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub updated_at: OffsetDateTime,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CopyPage {
+    pub data: Vec<CopyItemView>,
+    /// Pass as `after` for the next page; absent on the last.
+    pub next_cursor: Option<String>,
+}
+
+type CopyRow = (
+    String,
+    Option<String>,
+    Option<i64>,
+    i64,
+    String,
+    bool,
+    String,
+    Option<String>,
+    OffsetDateTime,
+);
+
+fn copy_view(row: CopyRow) -> Result<CopyItemView, ApiError> {
+    let (subject, item_kind, company_id, generation, sequence, tombstone, parts, item, updated_at) =
+        row;
+    let json = |text: &str| {
+        serde_json::from_str(text).map_err(|e| ApiError::Internal(format!("stored JSON: {e}")))
+    };
+    Ok(CopyItemView {
+        subject,
+        item_kind,
+        company_id,
+        generation,
+        sequence,
+        tombstone,
+        parts: json(&parts)?,
+        item: item.as_deref().map(json).transpose()?,
+        updated_at,
+    })
+}
+
+const COPY_COLUMNS: &str = "subject, item_kind, company_id, generation, sequence, tombstone,
+     parts::text, item::text, updated_at";
+
+#[utoipa::path(
+    get, path = "/v1/endpoints/{endpoint_id}/copy", tag = "reads", security(("bearer" = [])),
+    params(
+        ("endpoint_id" = Uuid, Path),
+        ("after" = Option<String>, Query, description = "The last subject of the previous page"),
+        ("limit" = Option<i64>, Query, description = "1 to 500, default 100"),
+        ("item_kind" = Option<String>, Query, description = "announcement or pre_earnings_analysis"),
+        ("company_id" = Option<i64>, Query),
+        ("include_tombstones" = Option<bool>, Query, description = "Default false"),
+    ),
+    responses(
+        (status = 200, body = CopyPage, description = "By subject"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn list_copy(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<CopyPage>, ApiError> {
+    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let query = QueryArgs::new(
+        query,
+        &[
+            "after",
+            "limit",
+            "item_kind",
+            "company_id",
+            "include_tombstones",
+        ],
+    )?;
+    let limit = query.limit(100, 500)?;
+    let item_kind = query
+        .text("item_kind")
+        .map(|k| {
+            ItemKind::parse(k).map(ItemKind::as_str).ok_or_else(|| {
+                ApiError::invalid("item_kind", "announcement or pre_earnings_analysis")
+            })
+        })
+        .transpose()?;
+    let company_id = query.parsed::<i64>("company_id", "a company id (a whole number)")?;
+    let tombstones = query.flag("include_tombstones")?;
+    let after = query.text("after");
+    owned_endpoint(&state.pool, tenant, id).await?;
+    // The primary key (endpoint_id, subject) serves the order and the cursor: both compare
+    // subjects under the column's own collation, so a page ends where the next one begins.
+    let rows: Vec<CopyRow> = sqlx::query_as(&format!(
+        "SELECT {COPY_COLUMNS} FROM copy_items
+         WHERE endpoint_id = $1 AND tenant_id = $2
+           AND ($3::text IS NULL OR subject > $3)
+           AND ($4::text IS NULL OR item_kind = $4)
+           AND ($5::bigint IS NULL OR company_id = $5)
+           AND ($6 OR NOT tombstone)
+         ORDER BY subject LIMIT $7"
+    ))
+    .bind(id)
+    .bind(tenant)
+    .bind(after)
+    .bind(item_kind)
+    .bind(company_id)
+    .bind(tombstones)
+    .bind(limit)
+    .fetch_all(&state.pool)
+    .await?;
+    let data = rows
+        .into_iter()
+        .map(copy_view)
+        .collect::<Result<Vec<_>, _>>()?;
+    let next_cursor = (data.len() as i64 == limit)
+        .then(|| data.last().map(|i| i.subject.clone()))
+        .flatten();
+    Ok(Json(CopyPage { data, next_cursor }))
+}
+
+#[utoipa::path(
+    get, path = "/v1/endpoints/{endpoint_id}/copy/{subject}", tag = "reads",
+    security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path), ("subject" = String, Path, description = "e.g. announcement:88001")),
+    responses(
+        (status = 200, body = CopyItemView, description = "The item, or its tombstone"),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn get_copy_item(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path((endpoint_id, subject)): Path<(String, String)>,
+) -> Result<Json<CopyItemView>, ApiError> {
+    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    owned_endpoint(&state.pool, tenant, id).await?;
+    let row: Option<CopyRow> = sqlx::query_as(&format!(
+        "SELECT {COPY_COLUMNS} FROM copy_items
+         WHERE endpoint_id = $1 AND tenant_id = $2 AND subject = $3"
+    ))
+    .bind(id)
+    .bind(tenant)
+    .bind(&subject)
+    .fetch_optional(&state.pool)
+    .await?;
+    Ok(Json(copy_view(row.ok_or(ApiError::NotFound("item"))?)?))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TrackView {
+    pub track: String,
+    pub generation: Option<i64>,
+    pub access_version: Option<String>,
+    /// The `through` of the last message of events applied: where a rewind restarts.
+    pub through: Option<String>,
+    pub last_was_reset: bool,
+    pub reload_running: bool,
+    /// The running reload (`{generation, access_version, cause}`).
+    #[schema(value_type = Option<Object>)]
+    pub reload: Option<Value>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub reload_begun_at: Option<OffsetDateTime>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StateView {
+    pub endpoint_id: Uuid,
+    pub status: String,
+    pub tracks: Vec<TrackView>,
+    /// True when any track's reload runs.
+    pub reload_running: bool,
+    /// The arrival number of the last message stored.
+    pub last_arrival_seq: i64,
+    /// Every message at or below it is applied.
+    pub applied_arrival_seq: i64,
+    /// Stored messages not yet applied.
+    pub messages_waiting: i64,
+    /// How long the oldest message waiting has waited, in seconds; 0 when none waits.
+    pub apply_lag_s: f64,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub oldest_waiting_received_at: Option<OffsetDateTime>,
+    /// When the last message applied was received, and when it was applied.
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_applied_received_at: Option<OffsetDateTime>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_applied_at: Option<OffsetDateTime>,
+    /// Changes not yet published.
+    pub outbox_backlog: i64,
+    /// The number of the last change appended.
+    pub last_change_seq: i64,
+}
+
+type TrackRow = (
+    String,
+    Option<i64>,
+    Option<String>,
+    Option<String>,
+    bool,
+    Option<String>,
+    Option<OffsetDateTime>,
+);
+
+#[utoipa::path(
+    get, path = "/v1/endpoints/{endpoint_id}/state", tag = "reads", security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path)),
+    responses(
+        (status = 200, body = StateView),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn endpoint_state(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+) -> Result<Json<StateView>, ApiError> {
+    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    // One snapshot for every figure, so they agree with each other.
+    let mut tx = state.pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    let status: Option<String> =
+        sqlx::query_scalar("SELECT status FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2")
+            .bind(id)
+            .bind(tenant)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let status = status.ok_or(ApiError::NotFound("webhook endpoint"))?;
+    let tracks: Vec<TrackRow> = sqlx::query_as(
+        "SELECT track, generation, access_version, through, last_was_reset, reload::text,
+                reload_begun_at
+         FROM endpoint_tracks WHERE endpoint_id = $1 AND tenant_id = $2 ORDER BY track",
+    )
+    .bind(id)
+    .bind(tenant)
+    .fetch_all(&mut *tx)
+    .await?;
+    let tracks = tracks
+        .into_iter()
+        .map(
+            |(track, generation, access_version, through, last_was_reset, reload, begun)| {
+                let reload = reload
+                    .as_deref()
+                    .map(serde_json::from_str::<Value>)
+                    .transpose()
+                    .map_err(|e| ApiError::Internal(format!("stored reload: {e}")))?;
+                Ok(TrackView {
+                    track,
+                    generation,
+                    access_version,
+                    through,
+                    last_was_reset,
+                    reload_running: reload.is_some(),
+                    reload,
+                    reload_begun_at: begun,
+                })
+            },
+        )
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    // Counting the messages above the cursor (not subtracting numbers): a number taken by a
+    // batch whose message turned out a duplicate leaves a gap in arrival_seq.
+    type Progress = (
+        i64,
+        i64,
+        i64,
+        Option<OffsetDateTime>,
+        Option<OffsetDateTime>,
+        Option<OffsetDateTime>,
+        f64,
+    );
+    let (last_arrival_seq, applied, waiting, oldest, last_received, last_applied, lag): Progress =
+        sqlx::query_as(
+            "WITH cursor AS (
+                 SELECT COALESCE((SELECT applied_arrival_seq FROM endpoint_apply_cursors
+                                  WHERE endpoint_id = $1 AND tenant_id = $2), 0) AS applied
+             ),
+             waiting AS (
+                 SELECT count(*) AS n, min(received_at) AS oldest FROM messages, cursor
+                 WHERE endpoint_id = $1 AND tenant_id = $2 AND arrival_seq > cursor.applied
+             )
+             SELECT COALESCE((SELECT last_arrival_seq FROM endpoint_arrival_counters
+                              WHERE endpoint_id = $1), 0),
+                    cursor.applied, waiting.n, waiting.oldest,
+                    (SELECT last_received_at FROM endpoint_apply_cursors
+                     WHERE endpoint_id = $1 AND tenant_id = $2),
+                    (SELECT last_applied_at FROM endpoint_apply_cursors
+                     WHERE endpoint_id = $1 AND tenant_id = $2),
+                    COALESCE(EXTRACT(EPOCH FROM now() - waiting.oldest)::float8, 0)
+             FROM cursor, waiting",
+        )
+        .bind(id)
+        .bind(tenant)
+        .fetch_one(&mut *tx)
+        .await?;
+    let (backlog, last_change_seq): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM changes
+                 WHERE endpoint_id = $1 AND tenant_id = $2 AND published_at IS NULL),
+                COALESCE((SELECT last FROM endpoint_change_counters
+                          WHERE endpoint_id = $1 AND tenant_id = $2), 0)",
+    )
+    .bind(id)
+    .bind(tenant)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Json(StateView {
+        endpoint_id: id,
+        status,
+        reload_running: tracks.iter().any(|t| t.reload_running),
+        tracks,
+        last_arrival_seq,
+        applied_arrival_seq: applied,
+        messages_waiting: waiting,
+        apply_lag_s: lag.max(0.0),
+        oldest_waiting_received_at: oldest,
+        last_applied_received_at: last_received,
+        last_applied_at: last_applied,
+        outbox_backlog: backlog,
+        last_change_seq,
+    }))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApplicationView {
+    /// applied, test, ignored_track, older_generation, reload_begun, reload_superseded,
+    /// malformed; `unrecorded` for a message applied before outcomes were kept.
+    pub outcome: String,
+    pub events_applied: i32,
+    pub events_ignored: i32,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub applied_at: Option<OffsetDateTime>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MessageView {
+    pub arrival_seq: i64,
+    pub webhook_id: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub signed_at: OffsetDateTime,
+    pub attempt: Option<i32>,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub received_at: OffsetDateTime,
+    pub track: Option<String>,
+    pub generation: Option<i64>,
+    pub body_bytes: i32,
+    /// How the front tier answered: every stored message was answered 202 once committed (a
+    /// repeat of its webhook-id was answered 200 and not stored again).
+    pub answered: u16,
+    /// How the sequencer applied it; absent while it waits.
+    pub applied: Option<ApplicationView>,
+    /// The raw body, with `include_body=true` (as text; bytes that are not UTF-8 are replaced).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MessagePage {
+    pub data: Vec<MessageView>,
+    /// Pass as `cursor` for the next page; absent on the last.
+    pub next_cursor: Option<String>,
+}
+
+#[derive(sqlx::FromRow)]
+struct MessageRow {
+    arrival_seq: i64,
+    webhook_id: String,
+    signed_at: OffsetDateTime,
+    attempt: Option<i32>,
+    received_at: OffsetDateTime,
+    track: Option<String>,
+    generation: Option<i64>,
+    body_bytes: i32,
+    body: Option<Vec<u8>>,
+    outcome: Option<String>,
+    events_applied: Option<i32>,
+    events_ignored: Option<i32>,
+    applied_at: Option<OffsetDateTime>,
+    passed: bool,
+}
+
+#[utoipa::path(
+    get, path = "/v1/endpoints/{endpoint_id}/messages", tag = "reads", security(("bearer" = [])),
+    params(
+        ("endpoint_id" = Uuid, Path),
+        ("order" = Option<String>, Query, description = "newest (default) or arrival"),
+        ("cursor" = Option<i64>, Query, description = "The next_cursor of the previous page"),
+        ("limit" = Option<i64>, Query, description = "1 to 200, default 50"),
+        ("include_body" = Option<bool>, Query, description = "Default false"),
+    ),
+    responses(
+        (status = 200, body = MessagePage),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn list_messages(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<MessagePage>, ApiError> {
+    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let query = QueryArgs::new(query, &["order", "cursor", "limit", "include_body"])?;
+    let newest_first = match query.text("order") {
+        None | Some("newest") => true,
+        Some("arrival") => false,
+        Some(_) => return Err(ApiError::invalid("order", "newest or arrival")),
+    };
+    let cursor = query.parsed::<i64>("cursor", "a cursor from a previous page")?;
+    let limit = query.limit(50, 200)?;
+    let include_body = query.flag("include_body")?;
+    owned_endpoint(&state.pool, tenant, id).await?;
+    // A message is applied when the cursor passed it; its row in message_applications says how
+    // (a cursor past a message with no row: applied before outcomes were kept).
+    let (condition, order) = if newest_first {
+        ("($3::bigint IS NULL OR m.arrival_seq < $3)", "DESC")
+    } else {
+        ("($3::bigint IS NULL OR m.arrival_seq > $3)", "ASC")
+    };
+    let rows: Vec<MessageRow> = sqlx::query_as(&format!(
+        "SELECT m.arrival_seq, m.webhook_id, m.signed_at, m.attempt, m.received_at, m.track,
+                m.generation, octet_length(m.body) AS body_bytes,
+                CASE WHEN $5 THEN m.body END AS body,
+                a.outcome, a.events_applied, a.events_ignored, a.applied_at,
+                (a.outcome IS NOT NULL OR m.arrival_seq <= COALESCE(c.applied_arrival_seq, 0))
+                    AS passed
+         FROM messages m
+         LEFT JOIN message_applications a
+           ON a.endpoint_id = m.endpoint_id AND a.arrival_seq = m.arrival_seq
+         LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = m.endpoint_id
+         WHERE m.endpoint_id = $1 AND m.tenant_id = $2 AND {condition}
+         ORDER BY m.arrival_seq {order} LIMIT $4"
+    ))
+    .bind(id)
+    .bind(tenant)
+    .bind(cursor)
+    .bind(limit)
+    .bind(include_body)
+    .fetch_all(&state.pool)
+    .await?;
+    let next_cursor = (rows.len() as i64 == limit)
+        .then(|| rows.last().map(|m| m.arrival_seq.to_string()))
+        .flatten();
+    let data = rows
+        .into_iter()
+        .map(|m| MessageView {
+            arrival_seq: m.arrival_seq,
+            webhook_id: m.webhook_id,
+            signed_at: m.signed_at,
+            attempt: m.attempt,
+            received_at: m.received_at,
+            track: m.track,
+            generation: m.generation,
+            body_bytes: m.body_bytes,
+            answered: 202,
+            applied: m.passed.then(|| ApplicationView {
+                outcome: m.outcome.unwrap_or_else(|| "unrecorded".to_owned()),
+                events_applied: m.events_applied.unwrap_or(0),
+                events_ignored: m.events_ignored.unwrap_or(0),
+                applied_at: m.applied_at,
+            }),
+            body: m.body.map(|b| String::from_utf8_lossy(&b).into_owned()),
+        })
+        .collect();
+    Ok(Json(MessagePage { data, next_cursor }))
+}

@@ -1,0 +1,201 @@
+//! Tenants: created and listed by operators, who also mint a tenant's tokens; a tenant reads its
+//! own row.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::{parse_uuid, AppState, QueryArgs};
+use crate::auth::{self, IssuedToken, Operator, Subject, TenantId};
+use crate::error::{ApiError, ErrorBody, JsonBody};
+
+#[derive(Debug, Serialize, ToSchema, sqlx::FromRow)]
+pub struct TenantView {
+    pub id: Uuid,
+    pub name: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewTenant {
+    /// 1 to 200 characters.
+    pub name: String,
+    /// Chosen by the caller (to make creation safe to retry); a random one when absent.
+    #[serde(default)]
+    pub id: Option<Uuid>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TenantPage {
+    pub data: Vec<TenantView>,
+    /// Pass as `after` for the next page; absent on the last.
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewToken {
+    /// Seconds the token lives: 1 to 31622400 (366 days). Default 86400.
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+}
+
+#[utoipa::path(
+    post, path = "/v1/tenants", tag = "tenants", security(("bearer" = [])),
+    request_body = NewTenant,
+    responses(
+        (status = 201, body = TenantView),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 409, body = ErrorBody),
+    )
+)]
+pub async fn create_tenant(
+    State(state): State<AppState>,
+    operator: Operator,
+    JsonBody(body): JsonBody<NewTenant>,
+) -> Result<(StatusCode, Json<TenantView>), ApiError> {
+    let name = body.name.trim();
+    if name.is_empty() || name.chars().count() > 200 {
+        return Err(ApiError::invalid("name", "1 to 200 characters"));
+    }
+    let id = body.id.unwrap_or_else(Uuid::new_v4);
+    let created: Option<TenantView> = sqlx::query_as(
+        "INSERT INTO tenants (id, name) VALUES ($1, $2)
+         ON CONFLICT (id) DO NOTHING
+         RETURNING id, name, created_at",
+    )
+    .bind(id)
+    .bind(name)
+    .fetch_optional(&state.pool)
+    .await?;
+    let tenant =
+        created.ok_or_else(|| ApiError::conflict(Some("id"), "a tenant with this id exists"))?;
+    tracing::info!(tenant = %tenant.id, by = %operator.subject, "tenant created");
+    Ok((StatusCode::CREATED, Json(tenant)))
+}
+
+#[utoipa::path(
+    get, path = "/v1/tenants", tag = "tenants", security(("bearer" = [])),
+    params(
+        ("after" = Option<Uuid>, Query, description = "The last id of the previous page"),
+        ("limit" = Option<i64>, Query, description = "1 to 500, default 100"),
+    ),
+    responses(
+        (status = 200, body = TenantPage),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+    )
+)]
+pub async fn list_tenants(
+    State(state): State<AppState>,
+    _operator: Operator,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<TenantPage>, ApiError> {
+    let query = QueryArgs::new(query, &["after", "limit"])?;
+    let after = query
+        .text("after")
+        .map(|t| parse_uuid("after", t))
+        .transpose()?;
+    let limit = query.limit(100, 500)?;
+    let data: Vec<TenantView> = sqlx::query_as(
+        "SELECT id, name, created_at FROM tenants
+         WHERE $1::uuid IS NULL OR id > $1
+         ORDER BY id LIMIT $2",
+    )
+    .bind(after)
+    .bind(limit)
+    .fetch_all(&state.pool)
+    .await?;
+    let next_cursor = (data.len() as i64 == limit)
+        .then(|| data.last().map(|t| t.id.to_string()))
+        .flatten();
+    Ok(Json(TenantPage { data, next_cursor }))
+}
+
+async fn load_tenant(state: &AppState, id: Uuid) -> Result<TenantView, ApiError> {
+    sqlx::query_as("SELECT id, name, created_at FROM tenants WHERE id = $1")
+        .bind(id)
+        .fetch_optional(&state.pool)
+        .await?
+        .ok_or(ApiError::NotFound("tenant"))
+}
+
+#[utoipa::path(
+    get, path = "/v1/tenants/{tenant_id}", tag = "tenants", security(("bearer" = [])),
+    params(("tenant_id" = Uuid, Path)),
+    responses(
+        (status = 200, body = TenantView),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn get_tenant(
+    State(state): State<AppState>,
+    _operator: Operator,
+    Path(tenant_id): Path<String>,
+) -> Result<Json<TenantView>, ApiError> {
+    let id = parse_uuid("tenant_id", &tenant_id)?;
+    Ok(Json(load_tenant(&state, id).await?))
+}
+
+#[utoipa::path(
+    post, path = "/v1/tenants/{tenant_id}/tokens", tag = "tenants", security(("bearer" = [])),
+    params(("tenant_id" = Uuid, Path)),
+    request_body = NewToken,
+    responses(
+        (status = 201, body = IssuedToken, description = "A token for the tenant: shown once"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn mint_tenant_token(
+    State(state): State<AppState>,
+    operator: Operator,
+    Path(tenant_id): Path<String>,
+    JsonBody(body): JsonBody<NewToken>,
+) -> Result<(StatusCode, Json<IssuedToken>), ApiError> {
+    let id = parse_uuid("tenant_id", &tenant_id)?;
+    let ttl = Duration::from_secs(body.ttl_s.unwrap_or(86_400));
+    if ttl.is_zero() || ttl > auth::MAX_TTL {
+        return Err(ApiError::invalid(
+            "ttl_s",
+            format!("1 to {} seconds", auth::MAX_TTL.as_secs()),
+        ));
+    }
+    load_tenant(&state, id).await?;
+    let issued = auth::mint(
+        state.verifier.keys(),
+        state.verifier.audience(),
+        &Subject::Tenant(id),
+        ttl,
+        OffsetDateTime::now_utc(),
+    )
+    .map_err(|e| ApiError::Internal(e.to_string()))?;
+    tracing::info!(tenant = %id, by = %operator.subject, ttl_s = ttl.as_secs(), "tenant token minted");
+    Ok((StatusCode::CREATED, Json(issued)))
+}
+
+#[utoipa::path(
+    get, path = "/v1/tenant", tag = "tenants", security(("bearer" = [])),
+    responses(
+        (status = 200, body = TenantView, description = "The caller's own tenant"),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn own_tenant(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+) -> Result<Json<TenantView>, ApiError> {
+    Ok(Json(load_tenant(&state, tenant).await?))
+}

@@ -1,0 +1,147 @@
+//! Serving the API: bind, serve until stopped, answer what is in flight, end.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::Router;
+use sqlx::PgPool;
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::auth::Verifier;
+use crate::config::ApiConfig;
+use crate::metrics::ApiMetrics;
+use crate::routes::{self, AppState};
+
+/// The API could not start, or failed while serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("binding {address}: {source}")]
+    Bind {
+        address: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("building the HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    #[error("serving: {0}")]
+    Serve(#[source] std::io::Error),
+    #[error("registering the API's metrics: {0}")]
+    Metrics(#[source] prometheus::Error),
+    #[error("the API task panicked")]
+    Panicked,
+}
+
+/// The API's router over `pool`: for embedding it in another server.
+pub fn build(pool: PgPool, config: &ApiConfig) -> Result<Router, ServeError> {
+    let http = reqwest::Client::builder()
+        .timeout(config.upstream_timeout)
+        // A redirect from the upstream's API is not an answer version 1 describes, and
+        // following one would send the API key to wherever it points.
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(ServeError::Client)?;
+    let metrics = Arc::new(ApiMetrics::register(&config.registry).map_err(ServeError::Metrics)?);
+    let state = AppState {
+        pool,
+        verifier: Arc::new(Verifier::new(config.keys.clone(), &config.audience)),
+        http,
+        metrics: metrics.clone(),
+    };
+    Ok(routes::router(state).layer(middleware::from_fn_with_state(metrics, observe)))
+}
+
+/// One line and one count per request: method, route (the template, not the path: paths hold
+/// ids), status and duration. Never headers or bodies, which hold tokens, secrets and keys.
+async fn observe(State(metrics): State<Arc<ApiMetrics>>, request: Request, next: Next) -> Response {
+    let method = request.method().clone();
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".to_owned());
+    let started = Instant::now();
+    let response = next.run(request).await;
+    let status = response.status().as_u16();
+    let seconds = started.elapsed().as_secs_f64();
+    let ms = seconds * 1000.0;
+    metrics
+        .requests
+        .with_label_values(&[route.as_str(), method.as_str(), &status.to_string()])
+        .inc();
+    metrics
+        .request_seconds
+        .with_label_values(&[route.as_str(), method.as_str()])
+        .observe(seconds);
+    if status >= 500 {
+        tracing::warn!(%method, route, status, ms, "api request");
+    } else {
+        tracing::debug!(%method, route, status, ms, "api request");
+    }
+    response
+}
+
+/// The API serving on its listener, stopped by [`ApiServer::stop`].
+pub struct ApiServer {
+    /// Where it listens (the port the system chose, when the config said 0).
+    pub address: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    done: JoinHandle<Result<(), ServeError>>,
+}
+
+impl ApiServer {
+    /// Binds `config.listen` and serves until stopped.
+    pub async fn start(pool: PgPool, config: ApiConfig) -> Result<Self, ServeError> {
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| ServeError::Bind {
+                    address: config.listen,
+                    source,
+                })?;
+        Self::start_on(listener, pool, &config)
+    }
+
+    /// Serves on a listener the caller bound.
+    pub fn start_on(
+        listener: TcpListener,
+        pool: PgPool,
+        config: &ApiConfig,
+    ) -> Result<Self, ServeError> {
+        let address = listener.local_addr().map_err(ServeError::Serve)?;
+        let app = build(pool, config)?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let done = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.await;
+                })
+                .await
+                .map_err(ServeError::Serve)
+        });
+        tracing::info!(%address, "control plane API listening");
+        Ok(Self {
+            address,
+            stop: Some(stop),
+            done,
+        })
+    }
+
+    /// Stops taking connections, answers the requests in flight, and returns once they are.
+    pub async fn stop(mut self) -> Result<(), ServeError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        (&mut self.done).await.map_err(|_| ServeError::Panicked)?
+    }
+
+    /// Waits until the server ends by itself (it does not, unless it fails).
+    pub async fn wait(&mut self) -> Result<(), ServeError> {
+        (&mut self.done).await.map_err(|_| ServeError::Panicked)?
+    }
+}

@@ -1,0 +1,75 @@
+//! The one call the control plane makes to the upstream's API: a track's rewind
+//! (`shared/upstream-api.md`). The answer is turned into relay-rules' [`RewindAnswer`]; what it
+//! means is the rules' decision, not this module's.
+//!
+//! The API key goes only into the request's header. Errors carry the status or the kind of
+//! failure, never the URL's query or a header, so none can leak the key into a log or an answer.
+
+use relay_rules::{RewindAnswer, RewindRefusal};
+use serde::Deserialize;
+use uuid::Uuid;
+
+/// The rewind call failed: no answer version 1 describes.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("the upstream could not be reached: {0}")]
+    Unreachable(String),
+    #[error("the upstream answered {status}")]
+    Status { status: u16 },
+    #[error("the upstream answered {status} with a body that is not {expected}")]
+    Body { status: u16, expected: &'static str },
+}
+
+#[derive(Deserialize)]
+struct Accepted {
+    generation: u64,
+}
+
+#[derive(Deserialize)]
+struct Refused {
+    error: String,
+}
+
+/// `POST {base_url}/v1/webhook-endpoints/{endpoint}/tracks/{track}/rewind` with `{"since"}`.
+/// `track` must already be a plain name (checked by the caller): it goes into the path.
+pub async fn rewind(
+    client: &reqwest::Client,
+    base_url: &str,
+    api_key: &str,
+    endpoint: Uuid,
+    track: &str,
+    since: &str,
+) -> Result<RewindAnswer, UpstreamError> {
+    let url = format!(
+        "{}/v1/webhook-endpoints/{endpoint}/tracks/{track}/rewind",
+        base_url.trim_end_matches('/')
+    );
+    let response = client
+        .post(url)
+        .bearer_auth(api_key)
+        .json(&serde_json::json!({ "since": since }))
+        .send()
+        .await
+        // without_url: the error's text then names the failure, not where it happened.
+        .map_err(|e| UpstreamError::Unreachable(e.without_url().to_string()))?;
+    let status = response.status().as_u16();
+    match status {
+        202 => {
+            let body: Accepted = response.json().await.map_err(|_| UpstreamError::Body {
+                status,
+                expected: "{\"generation\": N}",
+            })?;
+            Ok(RewindAnswer::Accepted {
+                generation: body.generation,
+            })
+        }
+        409 => {
+            let body: Refused = response.json().await.map_err(|_| UpstreamError::Body {
+                status,
+                expected: "{\"error\": E}",
+            })?;
+            Ok(RewindAnswer::Refused(RewindRefusal::parse(&body.error)))
+        }
+        _ => Err(UpstreamError::Status { status }),
+    }
+}

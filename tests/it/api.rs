@@ -1,0 +1,945 @@
+//! The control plane's API (`relay_api`) served on port 0 against a database of its own.
+//!
+//! Here: the helpers, every route behind the right kind of token and scoped to its tenant, and
+//! secrets and keys in no answer and no log line. Beside it: `api_input.rs` (bad input refused
+//! with the field named, nothing written), `api_reads.rs` (the copy, state and messages written
+//! through relay_store), `api_lifecycle.rs` (secrets, pause, destination, and the front tier
+//! answering as the API's writes say) and `api_rewind.rs` (rewinds against the simulator).
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use relay_api::auth::{mint, JwtKeys, Subject};
+use relay_api::{ApiConfig, ApiServer};
+use relay_rules::decide_event;
+use relay_store::copy::{self, Cause};
+use relay_store::messages::{store_batch, IncomingMessage};
+use relay_tests::{random_secret, TestDb};
+use relay_wire::{Message, Sequence};
+use serde_json::{json, Value};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+#[path = "api_input.rs"]
+mod input;
+#[path = "api_lifecycle.rs"]
+mod lifecycle;
+#[path = "api_reads.rs"]
+mod reads;
+#[path = "api_rewind.rs"]
+mod rewind;
+
+const KEY: &[u8] = b"test-signing-key-of-the-control-plane";
+const AUDIENCE: &str = "relay";
+
+/// The API on 127.0.0.1, port 0, against a database of its own.
+pub struct ApiApp {
+    pub db: TestDb,
+    server: Option<ApiServer>,
+    registry: prometheus::Registry,
+    pub base_url: String,
+    client: reqwest::Client,
+}
+
+/// One answer: its status and body.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub text: String,
+    pub json: Value,
+}
+
+impl ApiApp {
+    pub async fn spawn() -> Self {
+        let db = TestDb::new().await;
+        let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
+        config.upstream_timeout = Duration::from_secs(5);
+        let registry = config.registry.clone();
+        let server = ApiServer::start(db.pool.clone(), config).await.unwrap();
+        let base_url = format!("http://{}", server.address);
+        Self {
+            db,
+            server: Some(server),
+            registry,
+            base_url,
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(30))
+                .build()
+                .unwrap(),
+        }
+    }
+
+    pub fn token(subject: Subject) -> String {
+        mint(
+            &JwtKeys::new(KEY).unwrap(),
+            AUDIENCE,
+            &subject,
+            Duration::from_secs(600),
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap()
+        .token
+    }
+
+    pub fn operator() -> String {
+        Self::token(Subject::Operator {
+            name: "test".into(),
+        })
+    }
+
+    pub fn tenant_token(tenant: Uuid) -> String {
+        Self::token(Subject::Tenant(tenant))
+    }
+
+    pub async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<&Value>,
+    ) -> Answer {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut request = self
+            .client
+            .request(method, format!("{}{path}", self.base_url));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        let response = request.send().await.expect("the API answers");
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Answer { status, text, json }
+    }
+
+    /// A call that must succeed with `expect`.
+    pub async fn ok(
+        &self,
+        expect: u16,
+        method: &str,
+        path: &str,
+        token: &str,
+        body: Option<&Value>,
+    ) -> Value {
+        let answer = self.call(method, path, Some(token), body).await;
+        assert_eq!(answer.status, expect, "{method} {path}: {}", answer.text);
+        answer.json
+    }
+
+    /// A tenant made through the API, and a token for it.
+    pub async fn tenant(&self, name: &str) -> (Uuid, String) {
+        let created = self
+            .ok(
+                201,
+                "POST",
+                "/v1/tenants",
+                &Self::operator(),
+                Some(&json!({"name": name})),
+            )
+            .await;
+        let id: Uuid = created["id"].as_str().unwrap().parse().unwrap();
+        (id, Self::tenant_token(id))
+    }
+
+    /// An endpoint registered through the API with one fresh secret; returns its id and secret.
+    pub async fn endpoint(&self, token: &str, extra: Value) -> (Uuid, String) {
+        let id = Uuid::new_v4();
+        let secret = random_secret().to_whsec();
+        let mut body = json!({"id": id, "lang": "en", "secrets": [secret]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        self.ok(201, "POST", "/v1/endpoints", token, Some(&body))
+            .await;
+        (id, secret)
+    }
+
+    /// A counter of the API's registry: `name` with the label `label` set to `value`.
+    pub fn counter(&self, name: &str, label: &str, value: &str) -> u64 {
+        self.registry
+            .gather()
+            .iter()
+            .filter(|family| family.name() == name)
+            .flat_map(|family| family.get_metric())
+            .filter(|m| {
+                m.get_label()
+                    .iter()
+                    .any(|l| l.name() == label && l.value() == value)
+            })
+            .map(|m| m.get_counter().get_value() as u64)
+            .sum()
+    }
+
+    pub async fn count(&self, table: &str) -> i64 {
+        sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+            .fetch_one(&self.db.pool)
+            .await
+            .unwrap()
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(server) = self.server.take() {
+            server.stop().await.unwrap();
+        }
+        self.db.pool.close().await;
+    }
+}
+
+// ---- copy rows and messages written as the sequencer and the front tier write them ----------
+
+fn item_event(subject: &str, kind: &str, company: i64, n: u64) -> Value {
+    json!({"id": format!("evt_{subject}_{n}"), "type": format!("{kind}.updated"),
+           "subject": subject, "sequence": Sequence::from_parts(1, n).as_str(),
+           "specversion": "1.0",
+           "data": {"type": "item", "feed_item_id": subject, "item_kind": kind, "seq": n,
+                    "first_seq": n, "op": "new", "changes": [], "lang": "en",
+                    "parts": [{"kind": "flash", "part_id": format!("flash:{n}"), "part_version": 1}],
+                    "company": {"company_id": company, "name": "Alfa Group AB"},
+                    "head": {"title": format!("{subject} at {n}")}}})
+}
+
+fn hidden_event(subject: &str, n: u64) -> Value {
+    json!({"id": format!("evt_{subject}_{n}_hidden"), "type": "announcement.hidden",
+           "subject": subject, "sequence": Sequence::from_parts(1, n).as_str(),
+           "specversion": "1.0",
+           "data": {"type": "hidden", "feed_item_id": subject, "seq": n}})
+}
+
+fn message_body(endpoint: Uuid, events: &[Value], through: u64) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "v": 1, "webhook_endpoint_id": endpoint, "track": "feed", "generation": 1,
+        "access_version": "av1", "since": "1.0", "through": format!("1.{through}"),
+        "complete": true, "events": events}))
+    .unwrap()
+}
+
+/// Applies `events` (generation 1) to the endpoint's copy through relay_store, as the sequencer
+/// does: one transaction, the endpoint locked, each decision made under the row's lock.
+pub async fn apply_events(db: &TestDb, tenant: Uuid, endpoint: Uuid, events: &[Value]) {
+    let message = Message::parse(&message_body(endpoint, events, 1)).unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    copy::lock_endpoint(&mut tx, tenant, endpoint)
+        .await
+        .unwrap();
+    for event in &message.events {
+        assert!(copy::record_event_id(&mut tx, tenant, endpoint, &event.id)
+            .await
+            .unwrap());
+        let subject = relay_rules::feed_subject(event).unwrap();
+        let held = copy::load_held(&mut tx, endpoint, subject).await.unwrap();
+        let decision = decide_event(held.as_ref(), 1, event);
+        let applied = copy::apply(
+            &mut tx,
+            tenant,
+            endpoint,
+            &decision,
+            Cause::Event(&event.id),
+        )
+        .await
+        .unwrap();
+        assert!(applied.written(), "{decision:?}");
+    }
+    tx.commit().await.unwrap();
+}
+
+/// Stores `n` messages for the endpoint as the front tier does; returns their arrival numbers.
+pub async fn store_messages(db: &TestDb, tenant: Uuid, endpoint: Uuid, n: u64) -> Vec<i64> {
+    let now = OffsetDateTime::now_utc();
+    let batch: Vec<IncomingMessage> = (0..n)
+        .map(|i| IncomingMessage {
+            endpoint_id: endpoint,
+            tenant_id: tenant,
+            webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
+            signed_at: now,
+            attempt: Some(1),
+            received_at: now - Duration::from_secs(60 - i),
+            track: Some("feed".into()),
+            generation: Some(1),
+            body: message_body(
+                endpoint,
+                &[item_event("announcement:9", "announcement", 28, i + 1)],
+                i + 1,
+            )
+            .into(),
+        })
+        .collect();
+    store_batch(&db.pool, &batch)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| match o {
+            relay_store::messages::StoreOutcome::Stored { arrival_seq } => arrival_seq,
+            other => panic!("{other:?}"),
+        })
+        .collect()
+}
+
+// ---- every route, every kind of bad token ----------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Needs {
+    Operator,
+    Tenant,
+}
+
+/// How tenant B's token fares on the route as used for tenant A.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ForOtherTenant {
+    /// A's resource in the path: 404.
+    NotFound,
+    /// The route names no resource of A's: B gets its own (checked to hold none of A's data).
+    OwnOnly,
+    /// An operator route: no tenant dimension.
+    NotApplicable,
+}
+
+struct Route {
+    method: &'static str,
+    template: &'static str,
+    path: String,
+    body: Option<Value>,
+    needs: Needs,
+    other: ForOtherTenant,
+    /// What the right token's call answers.
+    success: u16,
+}
+
+#[tokio::test]
+async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
+    let app = ApiApp::spawn().await;
+    let (tenant_a, token_a) = app.tenant("tenant A").await;
+    let (tenant_b, token_b) = app.tenant("tenant B").await;
+    let (endpoint_a, secret_a) = app.endpoint(&token_a, json!({})).await;
+    let (endpoint_b, _) = app.endpoint(&token_b, json!({})).await;
+    let extra_secret = random_secret().to_whsec();
+    let added = app
+        .ok(
+            201,
+            "POST",
+            &format!("/v1/endpoints/{endpoint_a}/secrets"),
+            &token_a,
+            Some(&json!({"secret": extra_secret})),
+        )
+        .await;
+    let secret_id = added["id"].as_i64().unwrap();
+    let amqp_url = "amqps://tenant-a:hunter2-password@broker.example:5671/vhost";
+    app.ok(
+        200,
+        "PUT",
+        "/v1/destination",
+        &token_a,
+        Some(&json!({"kind": "own_exchange", "amqp_url": amqp_url,
+                     "exchange": "a-exchange", "routing_key": "a-key"})),
+    )
+    .await;
+    apply_events(
+        &app.db,
+        tenant_a,
+        endpoint_a,
+        &[item_event("announcement:4242", "announcement", 28, 5)],
+    )
+    .await;
+    store_messages(&app.db, tenant_a, endpoint_a, 1).await;
+
+    let fill = |template: &str| {
+        template
+            .replace("{tenant_id}", &tenant_a.to_string())
+            .replace("{endpoint_id}", &endpoint_a.to_string())
+            .replace("{secret_id}", &secret_id.to_string())
+            .replace("{track}", "feed")
+            .replace("{subject}", "announcement:4242")
+    };
+    let secret = || json!({"secret": random_secret().to_whsec()});
+    let own_exchange = |exchange: &str| {
+        json!({"kind": "own_exchange", "amqp_url": amqp_url, "exchange": exchange,
+               "routing_key": "a-key"})
+    };
+    let new_endpoint =
+        json!({"id": Uuid::new_v4(), "lang": "sv", "secrets": [random_secret().to_whsec()]});
+    use ForOtherTenant::{NotApplicable as NA, NotFound, OwnOnly};
+    use Needs::{Operator as Op, Tenant};
+    let specs: Vec<(&str, Option<Value>, Needs, ForOtherTenant, u16)> = vec![
+        ("POST /v1/tenants", Some(json!({"name": "C"})), Op, NA, 201),
+        ("GET /v1/tenants", None, Op, NA, 200),
+        ("GET /v1/tenants/{tenant_id}", None, Op, NA, 200),
+        (
+            "POST /v1/tenants/{tenant_id}/tokens",
+            Some(json!({"ttl_s": 60})),
+            Op,
+            NA,
+            201,
+        ),
+        ("GET /v1/tenant", None, Tenant, OwnOnly, 200),
+        ("GET /v1/endpoints", None, Tenant, OwnOnly, 200),
+        (
+            "POST /v1/endpoints",
+            Some(new_endpoint),
+            Tenant,
+            OwnOnly,
+            201,
+        ),
+        (
+            "GET /v1/endpoints/{endpoint_id}",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "PATCH /v1/endpoints/{endpoint_id}",
+            Some(json!({"lang": "sv"})),
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "POST /v1/endpoints/{endpoint_id}/pause",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "POST /v1/endpoints/{endpoint_id}/resume",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "GET /v1/endpoints/{endpoint_id}/secrets",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "POST /v1/endpoints/{endpoint_id}/secrets",
+            Some(secret()),
+            Tenant,
+            NotFound,
+            201,
+        ),
+        (
+            "POST /v1/endpoints/{endpoint_id}/secrets/rotate",
+            Some(secret()),
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "POST /v1/endpoints/{endpoint_id}/secrets/{secret_id}/expire",
+            Some(json!({"after_s": 60})),
+            Tenant,
+            NotFound,
+            200,
+        ),
+        ("GET /v1/destination", None, Tenant, OwnOnly, 200),
+        (
+            "PUT /v1/destination",
+            Some(own_exchange("a-exchange-2")),
+            Tenant,
+            OwnOnly,
+            200,
+        ),
+        ("DELETE /v1/destination", None, Tenant, OwnOnly, 200),
+        (
+            "POST /v1/endpoints/{endpoint_id}/tracks/{track}/rewind",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "GET /v1/endpoints/{endpoint_id}/copy",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "GET /v1/endpoints/{endpoint_id}/copy/{subject}",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "GET /v1/endpoints/{endpoint_id}/state",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "GET /v1/endpoints/{endpoint_id}/messages",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+    ];
+    let routes: Vec<Route> = specs
+        .into_iter()
+        .map(|(spec, body, needs, other, success)| {
+            let (method, template) = spec.split_once(' ').unwrap();
+            Route {
+                method,
+                template,
+                path: fill(template),
+                body,
+                needs,
+                other,
+                success,
+            }
+        })
+        .collect();
+
+    // The matrix covers exactly the routes the OpenAPI document (built from the router's own
+    // handlers) lists.
+    let openapi = app.call("GET", "/openapi.json", None, None).await;
+    assert_eq!(openapi.status, 200);
+    let documented: BTreeSet<(String, String)> = openapi.json["paths"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .flat_map(|(path, item)| {
+            item.as_object()
+                .unwrap()
+                .keys()
+                .map(move |m| (m.to_uppercase(), path.clone()))
+        })
+        .collect();
+    let tested: BTreeSet<(String, String)> = routes
+        .iter()
+        .map(|r| (r.method.to_owned(), r.template.to_owned()))
+        .collect();
+    assert_eq!(
+        documented, tested,
+        "every documented route is in the matrix"
+    );
+
+    let expired = mint(
+        &JwtKeys::new(KEY).unwrap(),
+        AUDIENCE,
+        &Subject::Tenant(tenant_a),
+        Duration::from_secs(60),
+        OffsetDateTime::now_utc() - Duration::from_secs(3600),
+    )
+    .unwrap()
+    .token;
+    let expired_operator = mint(
+        &JwtKeys::new(KEY).unwrap(),
+        AUDIENCE,
+        &Subject::Operator { name: "x".into() },
+        Duration::from_secs(60),
+        OffsetDateTime::now_utc() - Duration::from_secs(3600),
+    )
+    .unwrap()
+    .token;
+    let wrong_audience = |subject: Subject| {
+        mint(
+            &JwtKeys::new(KEY).unwrap(),
+            "another-service",
+            &subject,
+            Duration::from_secs(600),
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap()
+        .token
+    };
+    let wrong_key = mint(
+        &JwtKeys::new(vec![7; 32]).unwrap(),
+        AUDIENCE,
+        &Subject::Tenant(tenant_a),
+        Duration::from_secs(600),
+        OffsetDateTime::now_utc(),
+    )
+    .unwrap()
+    .token;
+    let operator = ApiApp::operator();
+    // Nothing of A's may show in an answer to anyone else.
+    let a_data = [
+        endpoint_a.to_string(),
+        tenant_a.to_string(),
+        "announcement:4242".to_owned(),
+        "tenant A".to_owned(),
+        "a-exchange".to_owned(),
+        secret_a.clone(),
+        extra_secret.clone(),
+        amqp_url.to_owned(),
+    ];
+    let tables = [
+        "tenants",
+        "webhook_endpoints",
+        "endpoint_secrets",
+        "tenant_destinations",
+        "endpoint_tracks",
+    ];
+    let mut before = Vec::new();
+    for table in tables {
+        before.push(app.count(table).await);
+    }
+
+    for r in &routes {
+        let what = format!("{} {}", r.method, r.path);
+        let body = r.body.as_ref();
+        let no_token = app.call(r.method, &r.path, None, body).await;
+        assert_eq!(
+            no_token.status, 401,
+            "{what} without a token: {}",
+            no_token.text
+        );
+        assert_eq!(no_token.json["error"], "unauthorized", "{what}");
+        let (expired, wrong_audience) = match r.needs {
+            Needs::Tenant => (&expired, wrong_audience(Subject::Tenant(tenant_a))),
+            Needs::Operator => (
+                &expired_operator,
+                wrong_audience(Subject::Operator { name: "x".into() }),
+            ),
+        };
+        for (label, token) in [
+            ("an expired token", expired.as_str()),
+            ("a token for another audience", wrong_audience.as_str()),
+            ("a token signed with another key", wrong_key.as_str()),
+            ("a token that is not a JWT", "not-a-jwt"),
+        ] {
+            let answer = app.call(r.method, &r.path, Some(token), body).await;
+            assert_eq!(answer.status, 401, "{what} with {label}: {}", answer.text);
+        }
+        let wrong_kind = match r.needs {
+            Needs::Tenant => operator.as_str(),
+            Needs::Operator => token_a.as_str(),
+        };
+        let answer = app.call(r.method, &r.path, Some(wrong_kind), body).await;
+        assert_eq!(
+            answer.status, 403,
+            "{what} with the wrong kind of token: {}",
+            answer.text
+        );
+        assert_eq!(answer.json["error"], "forbidden");
+
+        match r.other {
+            ForOtherTenant::NotFound => {
+                let answer = app.call(r.method, &r.path, Some(&token_b), body).await;
+                assert_eq!(answer.status, 404, "{what} with B's token: {}", answer.text);
+                assert_eq!(answer.json["error"], "not_found");
+                for a in &a_data {
+                    assert!(!answer.text.contains(a.as_str()), "{what} told B {a}");
+                }
+            }
+            ForOtherTenant::OwnOnly if r.method == "GET" => {
+                let answer = app.call(r.method, &r.path, Some(&token_b), body).await;
+                assert_eq!(answer.status, 200, "{what} with B's token: {}", answer.text);
+                for a in &a_data {
+                    assert!(!answer.text.contains(a.as_str()), "{what} told B {a}");
+                }
+            }
+            // Writes to B's own resources are B's business; A's rows are checked unchanged
+            // below. Registering A's endpoint id again is refused without a word about A.
+            ForOtherTenant::OwnOnly if r.template == "/v1/endpoints" => {
+                let answer = app
+                    .call(
+                        "POST",
+                        "/v1/endpoints",
+                        Some(&token_b),
+                        Some(&json!({"id": endpoint_a, "lang": "en",
+                                     "secrets": [random_secret().to_whsec()]})),
+                    )
+                    .await;
+                assert_eq!(answer.status, 409, "{}", answer.text);
+                assert!(!answer.text.contains(&tenant_a.to_string()));
+            }
+            _ => {}
+        }
+    }
+
+    // B naming its own endpoint with A's secret or A's subject finds neither.
+    for (method, path, body) in [
+        (
+            "POST",
+            format!("/v1/endpoints/{endpoint_b}/secrets/{secret_id}/expire"),
+            Some(json!({"after_s": 0})),
+        ),
+        (
+            "GET",
+            format!("/v1/endpoints/{endpoint_b}/copy/announcement:4242"),
+            None,
+        ),
+    ] {
+        let answer = app.call(method, &path, Some(&token_b), body.as_ref()).await;
+        assert_eq!(answer.status, 404, "{method} {path}: {}", answer.text);
+        for a in &a_data {
+            assert!(!answer.text.contains(a.as_str()), "{path} told B {a}");
+        }
+    }
+    let a_secret_expiry: Option<OffsetDateTime> =
+        sqlx::query_scalar("SELECT expires_at FROM endpoint_secrets WHERE id = $1")
+            .bind(secret_id)
+            .fetch_one(&app.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(a_secret_expiry, None, "A's secret keeps verifying");
+
+    // None of those calls changed anything.
+    for (table, count) in tables.iter().zip(&before) {
+        assert_eq!(app.count(table).await, *count, "{table} changed");
+    }
+    let a = app
+        .ok(
+            200,
+            "GET",
+            &format!("/v1/endpoints/{endpoint_a}"),
+            &token_a,
+            None,
+        )
+        .await;
+    assert_eq!(
+        (a["status"].as_str(), a["lang"].as_str()),
+        (Some("active"), Some("en"))
+    );
+    let b_list = app.ok(200, "GET", "/v1/endpoints", &token_b, None).await;
+    let b_ids: Vec<&str> = b_list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(b_ids, vec![endpoint_b.to_string().as_str()]);
+    let b = app.ok(200, "GET", "/v1/tenant", &token_b, None).await;
+    assert_eq!(b["id"], tenant_b.to_string());
+
+    // And each route works for the token it is for.
+    for r in &routes {
+        let token = match r.needs {
+            Needs::Tenant => token_a.as_str(),
+            Needs::Operator => operator.as_str(),
+        };
+        let answer = app
+            .call(r.method, &r.path, Some(token), r.body.as_ref())
+            .await;
+        assert_eq!(
+            answer.status, r.success,
+            "{} {}: {}",
+            r.method, r.path, answer.text
+        );
+    }
+    // Requests are counted by route template, never by path (paths hold ids).
+    assert!(app.counter("relay_api_requests_total", "status", "401") >= 4 * routes.len() as u64);
+    assert!(
+        app.counter(
+            "relay_api_requests_total",
+            "route",
+            "/v1/endpoints/{endpoint_id}"
+        ) > 0
+    );
+    assert_eq!(
+        app.counter(
+            "relay_api_requests_total",
+            "route",
+            &format!("/v1/endpoints/{endpoint_a}")
+        ),
+        0
+    );
+    app.stop().await;
+}
+
+// ---- secrets and keys in no answer and no log line -------------------------------------------
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Every answer and every log line (at TRACE, of every crate, this thread's tasks included:
+/// the test's runtime runs the server on this one thread) is free of every secret, API key and
+/// broker URL given to the API, including those given in bad requests.
+#[tokio::test(flavor = "current_thread")]
+async fn secrets_and_keys_appear_in_no_answer_and_no_log_line() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let app = ApiApp::spawn().await;
+    let upstream = rewind::SimUpstream::start(&[]).await;
+    let (tenant, token) = app.tenant("secretive").await;
+    let s1 = random_secret().to_whsec();
+    let s2 = random_secret().to_whsec();
+    let s3 = random_secret().to_whsec();
+    let s_bad = random_secret().to_whsec();
+    let key1 = format!("qk_first_{}", Uuid::new_v4().simple());
+    let key2 = upstream.key.clone();
+    let password = format!("pw{}", Uuid::new_v4().simple());
+    let amqp_url = format!("amqp://tenant:{password}@broker.example:5672/%2f");
+    let mut secrets: Vec<String> = vec![
+        key1.clone(),
+        key2.clone(),
+        password.clone(),
+        amqp_url.clone(),
+    ];
+    for s in [&s1, &s2, &s3, &s_bad] {
+        secrets.push(s.clone());
+        // The base64 part alone, too.
+        secrets.push(s.trim_start_matches("whsec_").to_owned());
+    }
+    let mut answers: Vec<Answer> = Vec::new();
+
+    let endpoint = Uuid::new_v4();
+    upstream.add_endpoint(endpoint);
+    let created = app
+        .call(
+            "POST",
+            "/v1/endpoints",
+            Some(&token),
+            Some(&json!({"id": endpoint, "lang": "en", "secrets": [s1],
+                         "upstream_base_url": upstream.base_url, "upstream_api_key": key1})),
+        )
+        .await;
+    assert_eq!(created.status, 201, "{}", created.text);
+    assert_eq!(created.json["upstream_api_key_set"], true);
+    answers.push(created);
+    let path = |suffix: &str| format!("/v1/endpoints/{endpoint}{suffix}");
+    let calls: Vec<(&str, String, Option<Value>)> = vec![
+        ("POST", path("/secrets"), Some(json!({"secret": s2}))),
+        (
+            "POST",
+            path("/secrets/rotate"),
+            Some(json!({"secret": s3, "overlap_s": 60})),
+        ),
+        ("PATCH", path(""), Some(json!({"upstream_api_key": key2}))),
+        (
+            "PUT",
+            "/v1/destination".into(),
+            Some(
+                json!({"kind": "own_exchange", "amqp_url": amqp_url, "exchange": "x",
+                     "routing_key": "k"}),
+            ),
+        ),
+        // Bad requests that carry secrets: the errors must not repeat them.
+        (
+            "POST",
+            "/v1/endpoints".into(),
+            Some(json!({"id": Uuid::new_v4(), "lang": "en", "secrets": s_bad})),
+        ),
+        (
+            "POST",
+            "/v1/endpoints".into(),
+            Some(json!({"id": Uuid::new_v4(), "lang": "en", "secrets": [s_bad, s_bad]})),
+        ),
+        (
+            "POST",
+            "/v1/endpoints".into(),
+            Some(
+                json!({"id": Uuid::new_v4(), "lang": "en", "secrets": [s_bad],
+                     "upstream_api_key": format!("{key1} with spaces")}),
+            ),
+        ),
+        ("POST", path("/secrets"), Some(json!({"secret": s1}))),
+        (
+            "POST",
+            path("/secrets"),
+            Some(json!({"secret": format!("{s_bad}!")})),
+        ),
+        (
+            "POST",
+            path("/secrets"),
+            Some(json!({"secret": 5, "expires_in_s": s_bad})),
+        ),
+        (
+            "PUT",
+            "/v1/destination".into(),
+            Some(
+                json!({"kind": "own_exchange", "amqp_url": format!("http://u:{password}@x"),
+                     "exchange": "x", "routing_key": "k"}),
+            ),
+        ),
+        (
+            "PUT",
+            "/v1/destination".into(),
+            Some(json!({"kind": password, "amqp_url": amqp_url})),
+        ),
+        // Reads of everything.
+        ("GET", path(""), None),
+        ("GET", "/v1/endpoints".into(), None),
+        ("GET", path("/secrets"), None),
+        ("GET", "/v1/destination".into(), None),
+        ("GET", path("/state"), None),
+        ("GET", path("/messages?include_body=true"), None),
+        ("GET", "/openapi.json".into(), None),
+    ];
+    for (method, path, body) in calls {
+        let answer = app.call(method, &path, Some(&token), body.as_ref()).await;
+        assert!(answer.status < 500, "{method} {path}: {}", answer.text);
+        answers.push(answer);
+    }
+    // A rewind sends the key to the upstream (and a failing one, a wrong key).
+    sqlx::query(
+        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, through)
+         VALUES ($1, 'feed', $2, 1, '1.1000')",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .execute(&app.db.pool)
+    .await
+    .unwrap();
+    let rewound = app
+        .call("POST", &path("/tracks/feed/rewind"), Some(&token), None)
+        .await;
+    assert_eq!(rewound.status, 200, "{}", rewound.text);
+    assert_eq!(rewound.json["upstream"]["status"], 202, "{}", rewound.text);
+    answers.push(rewound);
+    app.call(
+        "PATCH",
+        &path(""),
+        Some(&token),
+        Some(&json!({"upstream_api_key": key1})),
+    )
+    .await;
+    let refused = app
+        .call("POST", &path("/tracks/feed/rewind"), Some(&token), None)
+        .await;
+    assert_eq!(refused.status, 502, "{}", refused.text);
+    answers.push(refused);
+
+    for answer in &answers {
+        for secret in &secrets {
+            assert!(
+                !answer.text.contains(secret.as_str()),
+                "an answer holds a secret: {}",
+                answer.text
+            );
+        }
+    }
+    app.stop().await;
+    let logs = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    assert!(
+        logs.contains("endpoint registered") && logs.contains("rewind after restore"),
+        "the logs were captured"
+    );
+    for line in logs.lines() {
+        for secret in &secrets {
+            assert!(
+                !line.contains(secret.as_str()),
+                "a log line holds a secret: {line}"
+            );
+        }
+    }
+}

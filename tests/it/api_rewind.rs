@@ -1,0 +1,404 @@
+//! Rewind after a restore, against the project's upstream simulator over real HTTP: the API
+//! calls the upstream's rewind with the kept `through` and carries out what relay-rules decides
+//! for each answer, and the simulator refuses by its own state (a reset it is sending, a reset
+//! delivered after the kept position, a restore of its feed, a position past its head).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use relay_simulator::model::{Filter, World};
+use relay_simulator::{
+    Answer as SimAnswer, EndpointSpec, Faults, LogEntry, SenderConfig, Simulation, Upstream,
+};
+use relay_tests::random_secret;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use uuid::Uuid;
+
+use super::ApiApp;
+
+/// The simulator's API on 127.0.0.1, port 0, with one API key for every endpoint it holds. Its
+/// feed's head is 1.1000 (the simulator's default world), and it sends no messages: no sender
+/// runs, so its tracks change only when a test says.
+pub struct SimUpstream {
+    pub sim: Arc<Simulation>,
+    pub base_url: String,
+    pub key: String,
+}
+
+impl SimUpstream {
+    pub async fn start(endpoints: &[Uuid]) -> Self {
+        let mut upstream = Upstream::new(
+            World::default(),
+            SenderConfig::default(),
+            Faults::default(),
+            7,
+        );
+        let key = format!("qk_{}", Uuid::new_v4().simple());
+        upstream.world.add_key(&key, BTreeMap::new());
+        let sim = Simulation::new(upstream, Duration::from_secs(2));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = relay_simulator::api::serve(listener, sim.clone())
+            .await
+            .unwrap();
+        let upstream = Self {
+            sim,
+            base_url: format!("http://{address}"),
+            key,
+        };
+        for id in endpoints {
+            upstream.add_endpoint(*id);
+        }
+        upstream
+    }
+
+    pub fn add_endpoint(&self, id: Uuid) {
+        let spec = EndpointSpec {
+            key_token: self.key.clone(),
+            lang: "en".into(),
+            filter: Filter::default(),
+            url: "http://127.0.0.1:9/webhooks/{id}".into(),
+            secrets: vec![random_secret()],
+            id: Some(id),
+            initial_reset: false,
+        };
+        self.sim.change(|up, now| up.add_endpoint(spec, now));
+    }
+
+    /// Each rewind the upstream carried out: (since, generation).
+    pub fn rewinds(&self, id: Uuid) -> Vec<(String, u64)> {
+        self.sim
+            .lock()
+            .log(id)
+            .iter()
+            .filter_map(|entry| match entry {
+                LogEntry::Rewound {
+                    since, generation, ..
+                } => Some((since.to_string(), *generation)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Queues a reset and has the receiver take it (answered 202), as if delivered: the
+    /// upstream then refuses a rewind to a position at or before the reset's resume_from.
+    pub fn deliver_reset(&self, id: Uuid) {
+        let wall = time::OffsetDateTime::now_utc().unix_timestamp();
+        self.sim.change(|up, now| {
+            up.queue_reset(id, "access_changed", now);
+            let sent = up.poll_send(id, now, wall).expect("the reset is due");
+            up.on_answer(id, sent.serial, SimAnswer::status(202), now, wall);
+        });
+        assert!(self.sim.lock().is_idle(id), "the reset was taken");
+    }
+}
+
+/// A tenant, and `ids` registered with the relay pointing at `upstream` with its key.
+async fn register(app: &ApiApp, upstream: &SimUpstream, ids: &[Uuid]) -> (Uuid, String) {
+    let (tenant, token) = app.tenant("rewinding").await;
+    for id in ids {
+        app.ok(
+            201,
+            "POST",
+            "/v1/endpoints",
+            &token,
+            Some(
+                &json!({"id": id, "lang": "en", "secrets": [random_secret().to_whsec()],
+                         "upstream_base_url": upstream.base_url,
+                         "upstream_api_key": upstream.key}),
+            ),
+        )
+        .await;
+    }
+    (tenant, token)
+}
+
+/// The track's row as the sequencer keeps it with the copy (restored with it from the backup).
+async fn keep_track(
+    app: &ApiApp,
+    tenant: Uuid,
+    endpoint: Uuid,
+    through: &str,
+    last_was_reset: bool,
+) {
+    sqlx::query(
+        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version,
+                                      through, last_was_reset)
+         VALUES ($1, 'feed', $2, 3, 'av1', $3, $4)",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(through)
+    .bind(last_was_reset)
+    .execute(&app.db.pool)
+    .await
+    .unwrap();
+}
+
+async fn stored_reload(app: &ApiApp, endpoint: Uuid) -> Option<Value> {
+    let text: Option<Option<String>> = sqlx::query_scalar(
+        "SELECT reload::text FROM endpoint_tracks WHERE endpoint_id = $1 AND track = 'feed'",
+    )
+    .bind(endpoint)
+    .fetch_optional(&app.db.pool)
+    .await
+    .unwrap();
+    text.flatten().map(|t| serde_json::from_str(&t).unwrap())
+}
+
+async fn rewind(app: &ApiApp, token: &str, endpoint: Uuid) -> Value {
+    app.ok(
+        200,
+        "POST",
+        &format!("/v1/endpoints/{endpoint}/tracks/feed/rewind"),
+        token,
+        None,
+    )
+    .await
+}
+
+/// What relay-rules' `read_feed_again` begins on a track held at generation 3.
+fn read_again_at(generation: u64) -> Value {
+    json!({"generation": generation, "access_version": null, "cause": "ReadAgain"})
+}
+
+#[tokio::test]
+async fn an_accepted_rewind_resends_from_the_kept_through_and_changes_nothing_here() {
+    let app = ApiApp::spawn().await;
+    let endpoint = Uuid::new_v4();
+    let upstream = SimUpstream::start(&[endpoint]).await;
+    let (tenant, token) = register(&app, &upstream, &[endpoint]).await;
+    keep_track(&app, tenant, endpoint, "1.990", false).await;
+
+    let answer = rewind(&app, &token, endpoint).await;
+    assert_eq!(answer["plan"], "rewind");
+    assert_eq!(answer["since"], "1.990");
+    assert_eq!(
+        answer["upstream"],
+        json!({"status": 202, "generation": 2, "refusal": null})
+    );
+    assert_eq!(answer["outcome"], "nothing");
+    assert_eq!(answer["reload"], Value::Null);
+    assert_eq!(upstream.rewinds(endpoint), [("1.990".to_owned(), 2)]);
+    assert_eq!(stored_reload(&app, endpoint).await, None);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn each_refusal_is_handled_as_the_wire_file_says() {
+    let app = ApiApp::spawn().await;
+    let (ahead, pending, before_reset, not_in_epoch) = (
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+    );
+    let upstream = SimUpstream::start(&[ahead, pending, before_reset]).await;
+    // A restore of the feed starts a new epoch for every endpoint of that upstream: its own.
+    let restored = SimUpstream::start(&[not_in_epoch]).await;
+    let (tenant, token) = register(&app, &upstream, &[ahead, pending, before_reset]).await;
+    app.ok(
+        201,
+        "POST",
+        "/v1/endpoints",
+        &token,
+        Some(&json!({"id": not_in_epoch, "lang": "en",
+                     "secrets": [random_secret().to_whsec()],
+                     "upstream_base_url": restored.base_url,
+                     "upstream_api_key": restored.key})),
+    )
+    .await;
+
+    // cursor_ahead: the backup's position is past the upstream's head. Nothing to do.
+    keep_track(&app, tenant, ahead, "1.2000", false).await;
+    // reset_pending: a reset is queued; it will read everything again. Nothing to do.
+    keep_track(&app, tenant, pending, "1.990", false).await;
+    upstream
+        .sim
+        .change(|up, now| up.queue_reset(pending, "access_changed", now));
+    // before_reset: a reset delivered after the backup's position. Read /v1/feed again.
+    keep_track(&app, tenant, before_reset, "1.990", false).await;
+    upstream.deliver_reset(before_reset);
+    // cursor_not_in_epoch: the upstream restored its feed since. Read /v1/feed again.
+    keep_track(&app, tenant, not_in_epoch, "1.990", false).await;
+    restored.sim.change(|up, now| up.restore_feed(now));
+
+    for (endpoint, refusal, outcome) in [
+        (ahead, "cursor_ahead", "nothing"),
+        (pending, "reset_pending", "nothing"),
+        (before_reset, "before_reset", "reload_begun"),
+        (not_in_epoch, "cursor_not_in_epoch", "reload_begun"),
+    ] {
+        let answer = rewind(&app, &token, endpoint).await;
+        assert_eq!(answer["plan"], "rewind", "{refusal}: {answer}");
+        assert_eq!(
+            answer["upstream"],
+            json!({"status": 409, "generation": null, "refusal": refusal}),
+            "{answer}"
+        );
+        assert_eq!(answer["outcome"], outcome, "{refusal}: {answer}");
+        let expected = (outcome == "reload_begun").then(|| read_again_at(3));
+        assert_eq!(
+            answer["reload"],
+            expected.clone().unwrap_or(Value::Null),
+            "{refusal}"
+        );
+        assert_eq!(stored_reload(&app, endpoint).await, expected, "{refusal}");
+        assert_eq!(
+            upstream.rewinds(endpoint),
+            [],
+            "{refusal}: nothing was rewound"
+        );
+    }
+
+    // The sequencer sees the reloads through the state route too.
+    let state = app
+        .ok(
+            200,
+            "GET",
+            &format!("/v1/endpoints/{before_reset}/state"),
+            &token,
+            None,
+        )
+        .await;
+    assert_eq!(state["reload_running"], true);
+    assert_eq!(state["tracks"][0]["reload"], read_again_at(3));
+
+    // Asked again while that reload runs: refused again, and the running reload is left alone.
+    let again = rewind(&app, &token, before_reset).await;
+    assert_eq!(again["outcome"], "reload_already_running");
+    assert_eq!(
+        app.counter("relay_api_rewinds_total", "outcome", "reload_begun"),
+        2
+    );
+    assert_eq!(
+        app.counter("relay_api_rewinds_total", "outcome", "nothing"),
+        2
+    );
+    assert_eq!(
+        app.counter(
+            "relay_api_rewinds_total",
+            "outcome",
+            "reload_already_running"
+        ),
+        1
+    );
+    assert_eq!(
+        stored_reload(&app, before_reset).await,
+        Some(read_again_at(3))
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn after_a_reset_or_with_no_track_kept_the_feed_is_read_again_without_a_call() {
+    let app = ApiApp::spawn().await;
+    let (after_reset, no_track) = (Uuid::new_v4(), Uuid::new_v4());
+    let upstream = SimUpstream::start(&[after_reset, no_track]).await;
+    let (tenant, token) = register(&app, &upstream, &[after_reset, no_track]).await;
+    keep_track(&app, tenant, after_reset, "1.990", true).await;
+
+    let answer = rewind(&app, &token, after_reset).await;
+    assert_eq!(answer["plan"], "read_feed_again");
+    assert_eq!(answer["upstream"], Value::Null);
+    assert_eq!(answer["outcome"], "reload_begun");
+    assert_eq!(
+        stored_reload(&app, after_reset).await,
+        Some(read_again_at(3))
+    );
+
+    // No row: the copy took no message on the track. The row is made, holding the reload.
+    let answer = rewind(&app, &token, no_track).await;
+    assert_eq!(answer["plan"], "read_feed_again");
+    assert_eq!(answer["outcome"], "reload_begun");
+    assert_eq!(stored_reload(&app, no_track).await, Some(read_again_at(0)));
+    let tenant_of_row: Uuid =
+        sqlx::query_scalar("SELECT tenant_id FROM endpoint_tracks WHERE endpoint_id = $1")
+            .bind(no_track)
+            .fetch_one(&app.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(tenant_of_row, tenant);
+    assert_eq!(upstream.rewinds(after_reset), []);
+    assert_eq!(upstream.rewinds(no_track), []);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_failed_rewind_call_changes_nothing() {
+    let app = ApiApp::spawn().await;
+    let (wrong_key, no_upstream, gone) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let upstream = SimUpstream::start(&[wrong_key]).await;
+    let (tenant, token) = register(&app, &upstream, &[wrong_key]).await;
+    app.ok(
+        200,
+        "PATCH",
+        &format!("/v1/endpoints/{wrong_key}"),
+        &token,
+        Some(&json!({"upstream_api_key": "qk_not_the_key"})),
+    )
+    .await;
+    keep_track(&app, tenant, wrong_key, "1.990", false).await;
+    let answer = app
+        .call(
+            "POST",
+            &format!("/v1/endpoints/{wrong_key}/tracks/feed/rewind"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(answer.status, 502, "{}", answer.text);
+    assert_eq!(answer.json["error"], "upstream_failed");
+    assert!(answer.text.contains("401"), "{}", answer.text);
+    assert_eq!(stored_reload(&app, wrong_key).await, None);
+
+    // No upstream settings: the rewind cannot be asked for.
+    app.ok(
+        201,
+        "POST",
+        "/v1/endpoints",
+        &token,
+        Some(&json!({"id": no_upstream, "lang": "en", "secrets": [random_secret().to_whsec()]})),
+    )
+    .await;
+    keep_track(&app, tenant, no_upstream, "1.990", false).await;
+    let answer = app
+        .call(
+            "POST",
+            &format!("/v1/endpoints/{no_upstream}/tracks/feed/rewind"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(answer.status, 409, "{}", answer.text);
+    assert_eq!(answer.json["field"], "upstream_base_url");
+
+    // An upstream that is not listening.
+    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let closed_url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    app.ok(
+        201,
+        "POST",
+        "/v1/endpoints",
+        &token,
+        Some(
+            &json!({"id": gone, "lang": "en", "secrets": [random_secret().to_whsec()],
+                     "upstream_base_url": closed_url, "upstream_api_key": "qk_x"}),
+        ),
+    )
+    .await;
+    keep_track(&app, tenant, gone, "1.990", false).await;
+    let answer = app
+        .call(
+            "POST",
+            &format!("/v1/endpoints/{gone}/tracks/feed/rewind"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(answer.status, 502, "{}", answer.text);
+    assert_eq!(stored_reload(&app, gone).await, None);
+    app.stop().await;
+}
