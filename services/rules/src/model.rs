@@ -25,6 +25,16 @@ impl FeedCopy {
         Self::default()
     }
 
+    /// A copy holding these rows (what the Postgres copy holds of some subjects, say).
+    pub fn from_rows(held: BTreeMap<String, Held>) -> Self {
+        Self { held }
+    }
+
+    /// Every held row, given up.
+    pub fn into_rows(self) -> BTreeMap<String, Held> {
+        self.held
+    }
+
     /// What is held of `subject`.
     pub fn get(&self, subject: &str) -> Option<&Held> {
         self.held.get(subject)

@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use relay_rules::{
-    decide_event, decide_refetch, feed_subject, step, Decision, IgnoreReason, MessageDecision,
-    PendingRefetch, RefetchAnswer, RefetchOutcome, ReloadStart, REFETCH_ATTEMPTS,
+    decide_event, decide_refetch, feed_subject, step, Decision, FeedCopy, IgnoreReason,
+    MessageDecision, PendingRefetch, RefetchAnswer, RefetchOutcome, ReloadStart, REFETCH_ATTEMPTS,
 };
-use relay_store::copy::{self, Applied, Cause};
+use relay_store::copy;
 use relay_store::StoreError;
 use relay_wire::{EventBody, FeedData, Message};
 use sqlx::PgPool;
@@ -180,22 +180,45 @@ async fn prefetch(
     Ok(answers)
 }
 
-/// Applies the stored message that follows `applied` (its arrival_seq is `message.arrival_seq`)
-/// under fencing token `token`, in one transaction.
-pub async fn apply_message(
+/// What applying a run of messages did.
+#[derive(Debug, Clone)]
+pub struct BatchReport {
+    pub messages: usize,
+    /// True when the track has a reload to run after these messages.
+    pub reload_pending: bool,
+}
+
+/// Applies `pending`, the stored messages that follow `applied` in arrival order, under fencing
+/// token `token`, in one transaction.
+///
+/// Each message is still taken one at a time, in order, by the rules: the track row goes
+/// through [`step`] message by message, and each event is decided against what the copy holds
+/// after every earlier event (relay-rules' reference copy, [`FeedCopy`], seeded with the rows
+/// read and locked here). What one transaction changes is only how many round trips that takes:
+/// the event ids of the run are recorded in one statement, the subjects' rows read (and locked)
+/// in one, and the rows the decisions left written in one that still checks each row's position
+/// and appends the changes ([`copy::write_decided`]).
+pub async fn apply_messages(
     pool: &PgPool,
     ctx: &Arc<EndpointContext>,
     token: i64,
     applied: i64,
-    pending: &PendingMessage,
+    pending: &[PendingMessage],
     metrics: &SequencerMetrics,
-) -> Result<MessageReport, ApplyError> {
-    let started = Instant::now();
-    let parsed = Message::parse(&pending.body);
-    let prefetched = match &parsed {
-        Ok(message) => prefetch(pool, ctx, message, metrics).await?,
-        Err(_) => Prefetched::new(),
+) -> Result<BatchReport, ApplyError> {
+    let Some(last) = pending.last() else {
+        return Ok(BatchReport {
+            messages: 0,
+            reload_pending: false,
+        });
     };
+    let started = Instant::now();
+    let parsed: Vec<Result<Message, relay_wire::MessageError>> =
+        pending.iter().map(|m| Message::parse(&m.body)).collect();
+    let mut prefetched = Prefetched::new();
+    for message in parsed.iter().flatten() {
+        prefetched.extend(prefetch(pool, ctx, message, metrics).await?);
+    }
 
     let (tenant, endpoint) = (ctx.tenant(), ctx.id());
     let mut tx = pool.begin().await?;
@@ -205,90 +228,220 @@ pub async fn apply_message(
     copy::lock_endpoint(&mut tx, tenant, endpoint).await?;
     let held_track = state::load_track(&mut tx, endpoint, state::FEED_TRACK).await?;
 
-    let mut events_applied = 0;
-    let mut events_ignored = 0;
-    let (outcome, track) = match &parsed {
-        Err(error) => {
+    // Which messages apply their events: the track's transitions alone decide that (a refetch's
+    // "read /v1/feed again" begins a reload, which never changes whether a later message
+    // applies), so the run's event ids and subjects are known before anything is written.
+    let mut probe = held_track.clone();
+    let mut applying: Vec<&relay_wire::Event> = Vec::new();
+    for message in parsed.iter().flatten() {
+        let (next, decision) = step(&probe, message);
+        if matches!(decision, MessageDecision::ApplyEvents { .. }) {
+            applying.extend(message.events.iter());
+        }
+        probe = next;
+    }
+    let ids: Vec<&str> = applying.iter().map(|e| e.id.as_str()).collect();
+    let first_seen = copy::record_event_ids(&mut tx, tenant, endpoint, &ids).await?;
+    let mut subjects: Vec<&str> = applying.iter().filter_map(|e| feed_subject(e)).collect();
+    subjects.sort_unstable();
+    subjects.dedup();
+    let mut held = copy::load_held_many(&mut tx, endpoint, &subjects).await?;
+    let mut reference = FeedCopy::from_rows(
+        held.iter()
+            .map(|(s, row)| (s.clone(), row.held.clone()))
+            .collect(),
+    );
+
+    let mut track = held_track.clone();
+    let mut seen_in_run: HashSet<&str> = HashSet::new();
+    let mut decided: Vec<(Decision, &str)> = Vec::new();
+    let mut outcomes: Vec<(i64, MessageOutcome, i32, i32)> = Vec::with_capacity(pending.len());
+    for (message, stored) in parsed.iter().zip(pending) {
+        let Ok(message) = message else {
             // The front tier parsed it before storing it, so this is a stored body the current
             // code reads differently: log it, count it, and move on (it can never apply).
-            tracing::error!(%endpoint, arrival_seq = pending.arrival_seq, %error,
+            tracing::error!(%endpoint, arrival_seq = stored.arrival_seq,
                 "stored message does not parse");
-            (MessageOutcome::Malformed, held_track.clone())
-        }
-        Ok(message) => {
-            let (mut track, decision) = step(&held_track, message);
-            let outcome = match decision {
-                MessageDecision::Test => MessageOutcome::Test,
-                MessageDecision::IgnoredTrack => MessageOutcome::IgnoredTrack,
-                MessageDecision::Malformed(why) => {
-                    tracing::warn!(%endpoint, arrival_seq = pending.arrival_seq, %why,
-                        "message not applied");
-                    MessageOutcome::Malformed
+            outcomes.push((stored.arrival_seq, MessageOutcome::Malformed, 0, 0));
+            continue;
+        };
+        let (next, decision) = step(&track, message);
+        track = next;
+        let mut events_applied = 0;
+        let mut events_ignored = 0;
+        let outcome = match decision {
+            MessageDecision::Test => MessageOutcome::Test,
+            MessageDecision::IgnoredTrack => MessageOutcome::IgnoredTrack,
+            MessageDecision::Malformed(why) => {
+                tracing::warn!(%endpoint, arrival_seq = stored.arrival_seq, %why,
+                    "message not applied");
+                MessageOutcome::Malformed
+            }
+            MessageDecision::SkipOlderGeneration { generation, held } => {
+                tracing::debug!(%endpoint, generation, held, "message of an older generation");
+                MessageOutcome::OlderGeneration
+            }
+            MessageDecision::BeginReload(reload) => {
+                tracing::info!(%endpoint, generation = reload.generation, "reset: reload begins");
+                metrics.reloads.with_label_values(&["started"]).inc();
+                MessageOutcome::ReloadBegun
+            }
+            MessageDecision::SupersedeReload { stopped, begun } => {
+                tracing::info!(%endpoint, stopped = stopped.generation,
+                    begun = begun.generation, "newer reset: reload replaced");
+                metrics.reloads.with_label_values(&["started"]).inc();
+                MessageOutcome::ReloadSuperseded
+            }
+            MessageDecision::ApplyEvents { generation, reload } => {
+                if let Some(start) = &reload {
+                    note_reload_start(metrics, endpoint, start);
                 }
-                MessageDecision::SkipOlderGeneration { generation, held } => {
-                    tracing::debug!(%endpoint, generation, held, "message of an older generation");
-                    MessageOutcome::OlderGeneration
-                }
-                MessageDecision::BeginReload(reload) => {
-                    tracing::info!(%endpoint, generation = reload.generation, "reset: reload begins");
-                    metrics.reloads.with_label_values(&["started"]).inc();
-                    MessageOutcome::ReloadBegun
-                }
-                MessageDecision::SupersedeReload { stopped, begun } => {
-                    tracing::info!(%endpoint, stopped = stopped.generation,
-                        begun = begun.generation, "newer reset: reload replaced");
-                    metrics.reloads.with_label_values(&["started"]).inc();
-                    MessageOutcome::ReloadSuperseded
-                }
-                MessageDecision::ApplyEvents { generation, reload } => {
-                    if let Some(start) = &reload {
-                        note_reload_start(metrics, endpoint, start);
-                    }
-                    for event in &message.events {
-                        let label = apply_event(
-                            &mut tx,
-                            ctx,
+                for event in &message.events {
+                    // Rule "De-duplicate events by id, for each endpoint": recorded before this
+                    // run, or earlier in it.
+                    let label = if !first_seen.contains(&event.id)
+                        || !seen_in_run.insert(event.id.as_str())
+                    {
+                        "ignored_duplicate"
+                    } else {
+                        let decision = decide_one(
+                            &reference,
                             &mut track,
                             generation,
                             event,
                             &prefetched,
                             metrics,
-                        )
-                        .await?;
-                        metrics.events.with_label_values(&[label]).inc();
-                        if label.starts_with("ignored") || label.starts_with("refetch_") {
-                            events_ignored += 1;
-                        } else {
-                            events_applied += 1;
+                            endpoint,
+                        );
+                        match decision {
+                            Err(label) => label,
+                            Ok(decision) => {
+                                reference.apply(&decision);
+                                let label = decision_label(&decision);
+                                if matches!(
+                                    decision,
+                                    Decision::Store { .. }
+                                        | Decision::Unchanged { .. }
+                                        | Decision::Tombstone { .. }
+                                ) {
+                                    decided.push((decision, event.id.as_str()));
+                                }
+                                label
+                            }
                         }
+                    };
+                    metrics.events.with_label_values(&[label]).inc();
+                    if label.starts_with("ignored") || label.starts_with("refetch_") {
+                        events_ignored += 1;
+                    } else {
+                        events_applied += 1;
                     }
-                    MessageOutcome::Applied
                 }
-            };
-            (outcome, track)
+                MessageOutcome::Applied
+            }
+        };
+        outcomes.push((stored.arrival_seq, outcome, events_applied, events_ignored));
+    }
+
+    // The rows the decisions left, each subject once, with what reads keep beside them (the
+    // kind and company of the last item stored, else what was held).
+    let mut touched: Vec<&str> = decided.iter().filter_map(|(d, _)| d.subject()).collect();
+    touched.sort_unstable();
+    touched.dedup();
+    let mut meta: HashMap<&str, (Option<String>, Option<i64>)> = HashMap::new();
+    for (decision, _) in &decided {
+        match decision {
+            Decision::Store { subject, item, .. } => {
+                meta.insert(
+                    subject,
+                    (Some(item.item_kind.as_str().to_owned()), item.company_id),
+                );
+            }
+            Decision::Tombstone { subject, .. } => {
+                meta.insert(subject, (None, None));
+            }
+            _ => {}
         }
-    };
+    }
+    let mut final_rows = reference.into_rows();
+    for subject in &touched {
+        let row = final_rows
+            .remove(*subject)
+            .expect("a decided subject is held");
+        let (item_kind, company_id) = match meta.remove(subject) {
+            Some(m) => m,
+            None => held
+                .get(*subject)
+                .map(|h| (h.item_kind.clone(), h.company_id))
+                .unwrap_or_default(),
+        };
+        held.insert(
+            (*subject).to_owned(),
+            copy::HeldEntry {
+                held: row,
+                item_kind,
+                company_id,
+            },
+        );
+    }
+    // Each stored item serialised once: for its change, and for its row when it is the row's
+    // last store (an `Unchanged` after it keeps the same item).
+    let texts: Vec<Option<String>> = decided
+        .iter()
+        .map(|(d, _)| match d {
+            Decision::Store { item, .. } => Some(item.raw.to_string()),
+            _ => None,
+        })
+        .collect();
+    let mut row_text: HashMap<&str, Option<&str>> = HashMap::new();
+    for ((decision, _), text) in decided.iter().zip(&texts) {
+        match decision {
+            Decision::Store { subject, .. } => {
+                row_text.insert(subject, text.as_deref());
+            }
+            Decision::Tombstone { subject, .. } => {
+                row_text.insert(subject, None);
+            }
+            _ => {}
+        }
+    }
+    let rows: Vec<(&str, &copy::HeldEntry, Option<&str>)> = touched
+        .iter()
+        .map(|s| {
+            let entry = held.get(*s).expect("entered above");
+            (*s, entry, row_text.get(s).copied().flatten())
+        })
+        .collect();
+    let changes: Vec<copy::DecidedChange<'_>> = decided
+        .iter()
+        .zip(&texts)
+        .filter(|((d, _), _)| d.is_change())
+        .map(|((decision, event_id), text)| copy::DecidedChange {
+            decision,
+            event_id,
+            item_text: text.as_deref(),
+        })
+        .collect();
+    let (written, _) = copy::write_decided(&mut tx, tenant, endpoint, &rows, &changes).await?;
+    if written != rows.len() as i64 {
+        // Every row was decided under its lock, so the statement can only agree; if it does
+        // not, something else writes this copy: stop rather than write a wrong change.
+        tracing::error!(%endpoint, written, decided = rows.len(),
+            "rows decided under lock were refused");
+        return Err(ApplyError::CursorMoved);
+    }
 
     if track != held_track {
         state::save_track(&mut tx, tenant, endpoint, state::FEED_TRACK, &track).await?;
     }
-    state::record_application(
-        &mut tx,
-        tenant,
-        endpoint,
-        pending.arrival_seq,
-        outcome,
-        events_applied,
-        events_ignored,
-    )
-    .await?;
+    state::record_applications(&mut tx, tenant, endpoint, &outcomes).await?;
     if !state::advance_cursor(
         &mut tx,
         tenant,
         endpoint,
         applied,
-        pending.arrival_seq,
-        Some(pending.received_at),
+        last.arrival_seq,
+        Some(last.received_at),
     )
     .await?
     {
@@ -296,19 +449,84 @@ pub async fn apply_message(
     }
     tx.commit().await?;
 
-    metrics
-        .messages
-        .with_label_values(&[outcome.as_str()])
-        .inc();
-    metrics
-        .message_apply_duration
-        .observe(started.elapsed().as_secs_f64());
-    let lag = (OffsetDateTime::now_utc() - pending.received_at).as_seconds_f64();
-    metrics.apply_lag.observe(lag.max(0.0));
-    Ok(MessageReport {
-        outcome,
+    for (_, outcome, _, _) in &outcomes {
+        metrics
+            .messages
+            .with_label_values(&[outcome.as_str()])
+            .inc();
+    }
+    let per_message = started.elapsed().as_secs_f64() / pending.len() as f64;
+    let now = OffsetDateTime::now_utc();
+    for message in pending {
+        metrics.message_apply_duration.observe(per_message);
+        metrics
+            .apply_lag
+            .observe((now - message.received_at).as_seconds_f64().max(0.0));
+    }
+    Ok(BatchReport {
+        messages: pending.len(),
         reload_pending: track.reload.is_some(),
     })
+}
+
+/// One event not seen before, decided against the reference copy: the decision to carry out,
+/// or the label of why nothing is (a refetch dropped, or one that reads `/v1/feed` again).
+fn decide_one(
+    reference: &FeedCopy,
+    track: &mut relay_rules::EndpointTrack,
+    generation: u64,
+    event: &relay_wire::Event,
+    prefetched: &Prefetched,
+    metrics: &SequencerMetrics,
+    endpoint: Uuid,
+) -> Result<Decision, &'static str> {
+    let held = feed_subject(event).and_then(|s| reference.get(s));
+    let decision = decide_event(held, generation, event);
+    let Some(pending) = PendingRefetch::from_decision(&decision) else {
+        return Ok(decision);
+    };
+    let (answer, attempt) = prefetched
+        .get(&event.id)
+        .cloned()
+        // Not read beforehand (its id was applied then): take it as reads that failed.
+        .unwrap_or((RefetchAnswer::Failed, REFETCH_ATTEMPTS));
+    match decide_refetch(
+        track.access_version.as_deref(),
+        held,
+        &pending,
+        false,
+        attempt,
+        &answer,
+    ) {
+        RefetchOutcome::Apply(d) => Ok(*d),
+        RefetchOutcome::Drop => Err("refetch_dropped"),
+        RefetchOutcome::Reload | RefetchOutcome::Retry { .. } => {
+            // "An answer under another access_version ... means: read /v1/feed again", as does
+            // a read that kept failing.
+            let label = match answer {
+                RefetchAnswer::Found { .. } | RefetchAnswer::NotFound { .. } => {
+                    "other_access_version"
+                }
+                _ => "reload",
+            };
+            metrics.refetches.with_label_values(&[label]).inc();
+            let (next, start) = track.read_feed_again();
+            *track = next;
+            if let Some(start) = start {
+                note_reload_start(metrics, endpoint, &start);
+            }
+            Err("refetch_reload")
+        }
+    }
+}
+
+fn decision_label(decision: &Decision) -> &'static str {
+    match decision {
+        Decision::Store { .. } => "stored",
+        Decision::Unchanged { .. } => "unchanged",
+        Decision::Tombstone { .. } => "removed",
+        other => ignore_label(other),
+    }
 }
 
 fn note_reload_start(metrics: &SequencerMetrics, endpoint: Uuid, start: &ReloadStart) {
@@ -321,73 +539,6 @@ fn note_reload_start(metrics: &SequencerMetrics, endpoint: Uuid, start: &ReloadS
             stopped = stopped.generation, begun = begun.generation, cause = ?begun.cause,
             "reload replaced"),
     }
-}
-
-/// One event of a message of events, at the message's `generation`. Returns the metric label
-/// of what it did.
-async fn apply_event(
-    tx: &mut sqlx::PgConnection,
-    ctx: &EndpointContext,
-    track: &mut relay_rules::EndpointTrack,
-    generation: u64,
-    event: &relay_wire::Event,
-    prefetched: &Prefetched,
-    metrics: &SequencerMetrics,
-) -> Result<&'static str, ApplyError> {
-    let (tenant, endpoint) = (ctx.tenant(), ctx.id());
-    // Rule "De-duplicate events by id, for each endpoint": the insert decides.
-    if !copy::record_event_id(tx, tenant, endpoint, &event.id).await? {
-        return Ok("ignored_duplicate");
-    }
-    let Some(subject) = feed_subject(event) else {
-        return Ok(ignore_label(&decide_event(None, generation, event)));
-    };
-    let held = copy::load_held(tx, endpoint, subject).await?;
-    let mut decision = decide_event(held.as_ref(), generation, event);
-    if let Some(pending) = PendingRefetch::from_decision(&decision) {
-        let (answer, attempt) = prefetched
-            .get(&event.id)
-            .cloned()
-            // Not read beforehand (its id was applied then, yet not now: cannot happen under
-            // the lock, but never guess): take it as reads that failed.
-            .unwrap_or((RefetchAnswer::Failed, REFETCH_ATTEMPTS));
-        match decide_refetch(
-            track.access_version.as_deref(),
-            held.as_ref(),
-            &pending,
-            false,
-            attempt,
-            &answer,
-        ) {
-            RefetchOutcome::Apply(d) => decision = *d,
-            RefetchOutcome::Drop => return Ok("refetch_dropped"),
-            RefetchOutcome::Reload | RefetchOutcome::Retry { .. } => {
-                // "An answer under another access_version ... means: read /v1/feed again", as
-                // does a read that kept failing.
-                let label = match answer {
-                    RefetchAnswer::Found { .. } | RefetchAnswer::NotFound { .. } => {
-                        "other_access_version"
-                    }
-                    _ => "reload",
-                };
-                metrics.refetches.with_label_values(&[label]).inc();
-                let (next, start) = track.read_feed_again();
-                *track = next;
-                if let Some(start) = start {
-                    note_reload_start(metrics, endpoint, &start);
-                }
-                return Ok("refetch_reload");
-            }
-        }
-    }
-    let applied = copy::apply(tx, tenant, endpoint, &decision, Cause::Event(&event.id)).await?;
-    Ok(match (&decision, applied) {
-        (_, Applied::Refused) => "refused",
-        (Decision::Store { .. }, _) => "stored",
-        (Decision::Unchanged { .. }, _) => "unchanged",
-        (Decision::Tombstone { .. }, _) => "removed",
-        (d, _) => ignore_label(d),
-    })
 }
 
 fn ignore_label(decision: &Decision) -> &'static str {

@@ -151,7 +151,7 @@ async fn schedule(
         let permits = permits.clone();
         let stopping = stopping.clone();
         workers.spawn(async move {
-            let Ok(_permit) = permits.acquire_owned().await else {
+            let Ok(permit) = permits.clone().acquire_owned().await else {
                 return WorkerExit {
                     endpoint,
                     wakes_seen: 0,
@@ -173,6 +173,7 @@ async fn schedule(
                 metrics,
                 lease_duration,
                 stopping,
+                (permits, permit),
             )
             .await
         });

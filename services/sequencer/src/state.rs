@@ -70,6 +70,27 @@ pub async fn load_track(
         .map(Option::unwrap_or_default)
 }
 
+/// Creates the track row if it is missing, so that [`load_track`] always has a row to lock: a
+/// writer outside the sequencer (the control plane beginning a reload) and an apply transaction
+/// then queue on it rather than both believing the row absent.
+pub async fn ensure_track(
+    pool: &PgPool,
+    tenant: Uuid,
+    endpoint: Uuid,
+    track: &str,
+) -> Result<(), StateError> {
+    sqlx::query(
+        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id) VALUES ($1, $2, $3)
+         ON CONFLICT (endpoint_id, track) DO NOTHING",
+    )
+    .bind(endpoint)
+    .bind(track)
+    .bind(tenant)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 /// The track row without a lock: for a reload deciding whether it was superseded meanwhile.
 pub async fn peek_track(
     pool: &PgPool,
@@ -295,6 +316,33 @@ pub async fn record_application(
     .bind(outcome.as_str())
     .bind(events_applied)
     .bind(events_ignored)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Notes how each message of a run was applied: (arrival_seq, outcome, events applied, events
+/// ignored), in the run's transaction.
+pub async fn record_applications(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    outcomes: &[(i64, MessageOutcome, i32, i32)],
+) -> Result<(), StateError> {
+    sqlx::query(
+        "INSERT INTO message_applications (endpoint_id, arrival_seq, tenant_id, outcome,
+             events_applied, events_ignored)
+         SELECT $1, seq, $2, outcome, applied, ignored
+         FROM unnest($3::int8[], $4::text[], $5::int4[], $6::int4[])
+             AS o(seq, outcome, applied, ignored)
+         ON CONFLICT (endpoint_id, arrival_seq) DO NOTHING",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(outcomes.iter().map(|o| o.0).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|o| o.1.as_str()).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|o| o.2).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|o| o.3).collect::<Vec<_>>())
     .execute(conn)
     .await?;
     Ok(())

@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 
 use relay_rules::Reload;
 use sqlx::PgPool;
-use tokio::sync::{Mutex, Notify};
+use tokio::sync::{Mutex, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-use crate::apply::{apply_message, ApplyError, EndpointContext};
+use crate::apply::{apply_messages, ApplyError, EndpointContext};
 use crate::metrics::SequencerMetrics;
 use crate::ownership::{Lease, Owners};
 use crate::reload::{run_reload, ReloadBackoff, ReloadEnd};
@@ -66,7 +66,11 @@ pub async fn run_worker(
     metrics: SequencerMetrics,
     lease_duration: Duration,
     stopping: Arc<AtomicBool>,
+    (permits, permit): (Arc<Semaphore>, OwnedSemaphorePermit),
 ) -> WorkerExit {
+    // The permit bounds endpoints being *worked* at once; an idle worker lingering for more
+    // messages gives it back, so lingering never starves endpoints that have work.
+    let mut permit = Some(permit);
     let mut wakes_seen = signal.wakes.load(Ordering::SeqCst);
     let exit = |wakes_seen| WorkerExit {
         endpoint,
@@ -103,12 +107,24 @@ pub async fn run_worker(
             return finish(renewer, &lease, None, &owners, &metrics, exit(wakes_seen)).await;
         }
     };
+    if let Err(error) =
+        state::ensure_track(&pool, registration.tenant_id, endpoint, FEED_TRACK).await
+    {
+        tracing::warn!(%endpoint, %error, "could not create the track row");
+        return finish(renewer, &lease, None, &owners, &metrics, exit(wakes_seen)).await;
+    }
     let ctx = Arc::new(EndpointContext::new(registration, http));
     let mut reload: Option<RunningReload> = None;
 
     loop {
         if lost.load(Ordering::SeqCst) || stopping.load(Ordering::SeqCst) {
             break;
+        }
+        if permit.is_none() {
+            match permits.clone().acquire_owned().await {
+                Ok(p) => permit = Some(p),
+                Err(_) => break,
+            }
         }
         wakes_seen = signal.wakes.load(Ordering::SeqCst);
         let step = apply_available(&pool, &ctx, token, &config, &metrics).await;
@@ -186,6 +202,7 @@ pub async fn run_worker(
         // Nothing to apply: wait for a wake-up, or for the reload to end; let go after a
         // while with neither.
         let linger = tokio::time::sleep(config.idle_linger);
+        permit = None;
         match &mut reload {
             Some(running) => {
                 tokio::select! {
@@ -241,11 +258,9 @@ async fn apply_available(
             }
             return Ok(count);
         }
-        for message in &pending {
-            apply_message(pool, ctx, token, applied, message, metrics).await?;
-            applied = message.arrival_seq;
-            count += 1;
-        }
+        let report = apply_messages(pool, ctx, token, applied, &pending, metrics).await?;
+        applied = pending.last().map_or(applied, |m| m.arrival_seq);
+        count += report.messages;
     }
 }
 

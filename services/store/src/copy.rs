@@ -14,7 +14,7 @@
 //!
 //! [`precedence`]: relay_rules::precedence()
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use relay_rules::{merge_item, Decision, Held, HeldContent, PartsDiff, ReadItem};
 use relay_wire::{ItemKind, PartRef, Sequence};
@@ -326,6 +326,269 @@ pub async fn apply(
         (false, _) => Applied::Refused,
     })
 }
+
+/// Rule "De-duplicate events by id, for each endpoint", for many events at once: records the ids
+/// and returns those recorded for the first time now (the rest were applied before). The insert
+/// decides, as in [`record_event_id`].
+pub async fn record_event_ids(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    event_ids: &[&str],
+) -> Result<HashSet<String>, StoreError> {
+    if event_ids.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let first: Vec<String> = sqlx::query_scalar(
+        "INSERT INTO applied_events (endpoint_id, event_id, tenant_id)
+         SELECT $1, id, $3 FROM unnest($2::text[]) AS ids(id)
+         ON CONFLICT (endpoint_id, event_id) DO NOTHING
+         RETURNING event_id",
+    )
+    .bind(endpoint)
+    .bind(event_ids)
+    .bind(tenant)
+    .fetch_all(conn)
+    .await?;
+    Ok(first.into_iter().collect())
+}
+
+/// A row as held, with what the copy keeps beside it for reads (kind, company).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeldEntry {
+    pub held: Held,
+    pub item_kind: Option<String>,
+    pub company_id: Option<i64>,
+}
+
+/// What the copy holds of `subjects`, locked (`for update`) until the transaction ends.
+pub async fn load_held_many(
+    conn: &mut PgConnection,
+    endpoint: Uuid,
+    subjects: &[&str],
+) -> Result<BTreeMap<String, HeldEntry>, StoreError> {
+    if subjects.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    type Row = (
+        String,
+        i64,
+        String,
+        bool,
+        String,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT subject, generation, sequence, tombstone, parts::text, item::text, item_kind,
+                company_id
+         FROM copy_items WHERE endpoint_id = $1 AND subject = ANY($2)
+         ORDER BY subject COLLATE \"C\"
+         FOR UPDATE",
+    )
+    .bind(endpoint)
+    .bind(subjects)
+    .fetch_all(conn)
+    .await?;
+    rows.into_iter()
+        .map(
+            |(subject, g, seq, tomb, parts, item, item_kind, company_id)| {
+                let (subject, held) = held_from_row((subject, g, seq, tomb, parts, item))?;
+                Ok((
+                    subject,
+                    HeldEntry {
+                        held,
+                        item_kind,
+                        company_id,
+                    },
+                ))
+            },
+        )
+        .collect()
+}
+
+/// One decided change to append, and the event that caused it.
+#[derive(Debug, Clone, Copy)]
+pub struct DecidedChange<'a> {
+    pub decision: &'a Decision,
+    pub event_id: &'a str,
+    /// The stored item's JSON text, when the caller has it already (it is the row's too).
+    pub item_text: Option<&'a str>,
+}
+
+/// Writes the rows a run of decisions left (each subject once, as the rules' reference copy
+/// holds it after carrying the decisions out in order, under [`lock_endpoint`] and the rows'
+/// [`load_held_many`] locks) and appends their changes, in one statement.
+///
+/// The statement still decides: a row is written only where its position wins over the row as
+/// it is now (the precedence of the last decision that wrote it: newer generation, higher
+/// sequence, or a removal at the same sequence over an item), and changes are appended only for
+/// subjects written, numbered in the order given. Returns (rows written, changes appended).
+pub async fn write_decided(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    rows: &[(&str, &HeldEntry, Option<&str>)],
+    changes: &[DecidedChange<'_>],
+) -> Result<(i64, i64), StoreError> {
+    if rows.is_empty() {
+        return Ok((0, 0));
+    }
+    let mut generations = Vec::with_capacity(rows.len());
+    for (_, row, _) in rows {
+        generations.push(to_i64(row.held.generation)?);
+    }
+    let tombstone = |r: &HeldEntry| matches!(r.held.content, HeldContent::Tombstone);
+    let parts = |r: &HeldEntry| match &r.held.content {
+        HeldContent::Item { parts, .. } => parts_json(parts),
+        HeldContent::Tombstone => "[]".to_owned(),
+    };
+    let item = |r: &HeldEntry, text: Option<&str>| match &r.held.content {
+        HeldContent::Item { item, .. } => {
+            Some(text.map_or_else(|| item.to_string(), str::to_owned))
+        }
+        HeldContent::Tombstone => None,
+    };
+
+    let mut c_op = Vec::with_capacity(changes.len());
+    let mut c_subject = Vec::with_capacity(changes.len());
+    let mut c_kind = Vec::with_capacity(changes.len());
+    let mut c_generation = Vec::with_capacity(changes.len());
+    let mut c_sequence = Vec::with_capacity(changes.len());
+    let mut c_event = Vec::with_capacity(changes.len());
+    let mut c_item = Vec::with_capacity(changes.len());
+    let mut c_diff = Vec::with_capacity(changes.len());
+    for change in changes {
+        match change.decision {
+            Decision::Store {
+                subject,
+                generation,
+                sequence,
+                item,
+                diff,
+            } => {
+                c_op.push("upsert");
+                c_subject.push(subject.as_str());
+                c_kind.push(Some(item.item_kind.as_str()));
+                c_generation.push(to_i64(*generation)?);
+                c_sequence.push(sequence.as_str());
+                c_item.push(Some(
+                    change
+                        .item_text
+                        .map_or_else(|| item.raw.to_string(), str::to_owned),
+                ));
+                c_diff.push(diff_json(diff));
+            }
+            Decision::Tombstone {
+                subject,
+                generation,
+                sequence,
+                removed_item: true,
+            } => {
+                c_op.push("remove");
+                c_subject.push(subject.as_str());
+                c_kind.push(kind_of_subject(subject));
+                c_generation.push(to_i64(*generation)?);
+                c_sequence.push(sequence.as_str());
+                c_item.push(None);
+                c_diff.push(diff_json(&PartsDiff::default()));
+            }
+            _ => continue,
+        }
+        c_event.push(change.event_id);
+    }
+
+    let counts: (i64, i64) = sqlx::query_as(WRITE_DECIDED)
+        .bind(endpoint)
+        .bind(tenant)
+        .bind(rows.iter().map(|(s, _, _)| *s).collect::<Vec<_>>())
+        .bind(generations)
+        .bind(
+            rows.iter()
+                .map(|(_, r, _)| r.held.sequence.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            rows.iter()
+                .map(|(_, r, _)| tombstone(r))
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            rows.iter()
+                .map(|(_, r, _)| r.item_kind.as_deref())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            rows.iter()
+                .map(|(_, r, _)| r.company_id)
+                .collect::<Vec<_>>(),
+        )
+        .bind(rows.iter().map(|(_, r, _)| parts(r)).collect::<Vec<_>>())
+        .bind(rows.iter().map(|(_, r, t)| item(r, *t)).collect::<Vec<_>>())
+        .bind(c_op)
+        .bind(c_subject)
+        .bind(c_kind)
+        .bind(c_generation)
+        .bind(c_sequence)
+        .bind(c_event)
+        .bind(c_item)
+        .bind(c_diff)
+        .fetch_one(conn)
+        .await?;
+    Ok(counts)
+}
+
+const WRITE_DECIDED: &str = "WITH input AS MATERIALIZED (
+         SELECT * FROM unnest($3::text[], $4::int8[], $5::text[], $6::bool[], $7::text[],
+                              $8::int8[], $9::text[], $10::text[])
+             AS r(subject, generation, sequence, tombstone, item_kind, company_id, parts, item)
+     ),
+     written AS (
+         INSERT INTO copy_items AS held (endpoint_id, subject, tenant_id, generation, sequence,
+                                         tombstone, item_kind, company_id, parts, item)
+         SELECT $1, subject, $2, generation, sequence, tombstone, item_kind, company_id,
+                parts::jsonb, item::jsonb
+         FROM input
+         ON CONFLICT (endpoint_id, subject) DO UPDATE
+         SET generation = excluded.generation, sequence = excluded.sequence,
+             tombstone = excluded.tombstone,
+             item_kind = coalesce(excluded.item_kind, held.item_kind),
+             company_id = excluded.company_id, parts = excluded.parts, item = excluded.item,
+             updated_at = now()
+         WHERE excluded.generation > held.generation
+            OR (excluded.generation = held.generation
+                AND (excluded.sequence > held.sequence
+                     OR (excluded.sequence = held.sequence
+                         AND excluded.tombstone AND NOT held.tombstone)))
+         RETURNING subject
+     ),
+     pending AS MATERIALIZED (
+         SELECT * FROM unnest($11::text[], $12::text[], $13::text[], $14::int8[], $15::text[],
+                              $16::text[], $17::text[], $18::text[])
+             WITH ORDINALITY AS c(operation, subject, item_kind, generation, sequence, event_id,
+                                  item, diff, ord)
+     ),
+     kept AS (
+         SELECT p.*, row_number() OVER (ORDER BY p.ord) AS n
+         FROM pending p WHERE p.subject IN (SELECT subject FROM written)
+     ),
+     counter AS (
+         INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id, last)
+         SELECT $1, $2, count(*) FROM kept HAVING count(*) > 0
+         ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last + excluded.last
+         RETURNING last
+     ),
+     change AS (
+         INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject, item_kind,
+                              generation, sequence, event_id, reload_generation, item, parts_diff)
+         SELECT $1, counter.last - (SELECT count(*) FROM kept) + kept.n, $2, kept.operation,
+                kept.subject, kept.item_kind, kept.generation, kept.sequence, kept.event_id,
+                NULL, kept.item::jsonb, kept.diff::jsonb
+         FROM kept CROSS JOIN counter
+         RETURNING 1
+     )
+     SELECT (SELECT count(*) FROM written), (SELECT count(*) FROM change)";
 
 /// Rule "Then merge the read into the copy under the reset's generation", for one item read:
 /// keep what the copy holds of its subject at that generation at the same sequence or a later
