@@ -1,5 +1,6 @@
 //! Cross-crate tests, one binary (faster to link than one per file).
 
+mod api;
 mod cli;
 mod convergence;
 mod copy;
@@ -7,4 +8,5 @@ mod ingest_answers;
 mod ingest_outage;
 mod ingest_replicas;
 mod ingest_vector;
+mod publisher;
 mod sequencer_ownership;

@@ -85,8 +85,19 @@ pub enum Command {
     /// Run the sequencer: apply each endpoint's stored messages, in order, into its copy; run
     /// reloads and refetches against the upstream's API.
     Sequencer(SequencerCommand),
-    /// Migrate, then run every tier in this one process (metrics of all on one listener).
-    All(AllArgs),
+    /// Run the publisher: send each endpoint's changes, in order and confirmed, to its tenant's
+    /// RabbitMQ destination.
+    Publisher(PublisherCommand),
+    /// Run the control plane: the `/v1` HTTP API for operators and tenants (JWT auth).
+    Api(ApiCommand),
+    /// Read a tenant's queue, rebuild the copy from its change messages and print it.
+    Tail(relay_publisher::TailArgs),
+    /// Mint JWTs for the control plane.
+    #[command(subcommand)]
+    Token(TokenCommand),
+    /// Migrate, then run every tier in this one process (metrics of all on one listener). The
+    /// control plane runs when a JWT key is configured.
+    All(Box<AllArgs>),
     /// Manage tenants.
     #[command(subcommand)]
     Tenant(TenantCommand),
@@ -95,6 +106,9 @@ pub enum Command {
     Endpoint(EndpointCommand),
     /// Send correctly signed messages to a running front tier and report throughput and latency.
     Loadgen(crate::loadgen::LoadgenArgs),
+    /// The sequencer's benchmarks (they drop and create RELAY_DATABASE_URL's database).
+    #[command(subcommand)]
+    Bench(crate::bench::BenchCommand),
     /// Play the upstream (Quanor): its REST API, a webhook sender per endpoint with the wire
     /// file's retry rules, seeded faults and a random workload, against any receiver URL.
     Simulate(SimulateCommand),
@@ -216,11 +230,47 @@ pub struct SequencerCommand {
 }
 
 #[derive(Debug, Clone, Args)]
+pub struct PublisherCommand {
+    #[command(flatten)]
+    pub args: relay_publisher::PublisherArgs,
+    /// Address `/metrics` is served on.
+    #[arg(
+        long,
+        env = "RELAY_PUBLISHER_METRICS_LISTEN",
+        default_value = "127.0.0.1:9466"
+    )]
+    pub metrics_listen: SocketAddr,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ApiCommand {
+    #[command(flatten)]
+    pub args: relay_api::ApiArgs,
+    /// Address `/metrics` is served on.
+    #[arg(
+        long,
+        env = "RELAY_API_METRICS_LISTEN",
+        default_value = "127.0.0.1:9467"
+    )]
+    pub metrics_listen: SocketAddr,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokenCommand {
+    /// Print a signed token (JSON: token, expires_at) for an operator or a tenant.
+    Issue(relay_api::TokenArgs),
+}
+
+#[derive(Debug, Clone, Args)]
 pub struct AllArgs {
     #[command(flatten)]
     pub ingest: IngestArgs,
     #[command(flatten)]
     pub sequencer: SequencerArgs,
+    #[command(flatten)]
+    pub publisher: relay_publisher::PublisherArgs,
+    #[command(flatten)]
+    pub api: relay_api::ApiArgs,
 }
 
 #[derive(Debug, Subcommand)]

@@ -9,6 +9,7 @@
 //! - [`commands`]: `migrate`, `tenant`, `endpoint`.
 //! - [`loadgen`]: the front tier's load generator.
 
+pub mod bench;
 pub mod cli;
 pub mod commands;
 pub mod loadgen;

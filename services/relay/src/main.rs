@@ -1,4 +1,7 @@
 use clap::Parser;
+
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use relay::cli::{Cli, Command};
 
 #[tokio::main]
@@ -9,12 +12,25 @@ async fn main() -> anyhow::Result<()> {
         Command::Migrate => relay::commands::migrate(&cli.global).await,
         Command::Ingest(args) => relay::startup::run_ingest(&cli.global, &args).await,
         Command::Sequencer(command) => relay::startup::run_sequencer(&cli.global, &command).await,
+        Command::Publisher(command) => relay::startup::run_publisher(&cli.global, &command).await,
+        Command::Api(command) => relay::startup::run_api(&cli.global, &command).await,
+        Command::Tail(args) => {
+            let stats = relay_publisher::tail(&args, &mut std::io::stdout()).await?;
+            eprintln!("{stats:?}");
+            Ok(())
+        }
+        Command::Token(relay::cli::TokenCommand::Issue(args)) => {
+            let issued = relay_api::issue_token(&args)?;
+            println!("{}", serde_json::to_string(&issued)?);
+            Ok(())
+        }
         Command::All(args) => {
             relay::commands::migrate(&cli.global).await?;
             relay::startup::run_all(&cli.global, &args).await
         }
         Command::Tenant(command) => relay::commands::tenant(&cli.global, command).await,
         Command::Endpoint(command) => relay::commands::endpoint(&cli.global, command).await,
+        Command::Bench(command) => relay::bench::run(&cli.global, command).await,
         Command::Loadgen(args) => relay::loadgen::run(&cli.global, args).await,
         Command::Simulate(command) => relay::commands::simulate(&cli.global, command).await,
     }

@@ -12,7 +12,9 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::cli::{AllArgs, GlobalArgs, IngestArgs, SequencerArgs, SequencerCommand};
+use crate::cli::{
+    AllArgs, ApiCommand, GlobalArgs, IngestArgs, PublisherCommand, SequencerArgs, SequencerCommand,
+};
 use crate::telemetry;
 
 impl IngestArgs {
@@ -190,6 +192,67 @@ pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> a
     Ok(())
 }
 
+/// A pool for the publisher and the control plane: short statements, plans made once.
+fn service_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
+    let options = PoolOptions {
+        max_connections: global.database_max_connections,
+        acquire_timeout: Duration::from_secs(10),
+        statement_timeout: Some(Duration::from_secs(30)),
+        generic_plans: false,
+    };
+    relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
+}
+
+fn publisher_config(
+    global: &GlobalArgs,
+    args: &relay_publisher::PublisherArgs,
+) -> relay_publisher::PublisherConfig {
+    let mut args = args.clone();
+    args.redis_url = global.redis_url.clone();
+    args.config()
+}
+
+/// `relay publisher`: publish until SIGINT or SIGTERM, then finish the rounds in flight.
+pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> anyhow::Result<()> {
+    let registry = prometheus::Registry::new();
+    let publisher = relay_publisher::Publisher::start(
+        service_pool(global)?,
+        publisher_config(global, &command.args),
+        &registry,
+    )
+    .await
+    .context("starting the publisher (is Redis up?)")?;
+    let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
+    let serve_metrics = tokio::spawn(async move {
+        axum::serve(metrics_listener, telemetry::metrics_router(registry)).await
+    });
+    tracing::info!("publisher running");
+    shutdown_signal().await;
+    tracing::info!("shutting down: finishing the rounds in flight");
+    publisher.stop().await;
+    serve_metrics.abort();
+    Ok(())
+}
+
+/// `relay api`: serve the control plane until SIGINT or SIGTERM.
+pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Result<()> {
+    let registry = prometheus::Registry::new();
+    let mut config = command.args.to_config()?;
+    config.registry = registry.clone();
+    let mut server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
+    tracing::info!(address = %server.address, "control plane running");
+    let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
+    let serve_metrics = tokio::spawn(async move {
+        axum::serve(metrics_listener, telemetry::metrics_router(registry)).await
+    });
+    let result = tokio::select! {
+        result = server.wait() => result.map_err(anyhow::Error::from),
+        () = shutdown_signal() => server.stop().await.map_err(anyhow::Error::from),
+    };
+    serve_metrics.abort();
+    result
+}
+
 /// `relay ingest`: serve until SIGINT or SIGTERM.
 pub async fn run_ingest(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Result<()> {
     let mut config = args.to_config();
@@ -226,6 +289,27 @@ pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> 
     .await
     .context("starting the sequencer (is Redis up?)")?;
 
+    let publisher = relay_publisher::Publisher::start(
+        service_pool(global)?,
+        publisher_config(global, &args.publisher),
+        &registry,
+    )
+    .await
+    .context("starting the publisher (is Redis up?)")?;
+    // The control plane needs a signing key; without one the other tiers still run.
+    let api = match args.api.to_config() {
+        Ok(mut config) => {
+            config.registry = registry.clone();
+            let server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
+            tracing::info!(address = %server.address, "control plane running");
+            Some(server)
+        }
+        Err(error) => {
+            tracing::warn!(%error, "control plane not started (set RELAY_API_JWT_SECRET_FILE)");
+            None
+        }
+    };
+
     let mut config = args.ingest.to_config();
     config.waker = ingest_waker(global).await;
     let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
@@ -246,7 +330,11 @@ pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> 
             server.stop().await
         }
     };
+    if let Some(api) = api {
+        let _ = api.stop().await;
+    }
     sequencer.stop().await;
+    publisher.stop().await;
     result
 }
 

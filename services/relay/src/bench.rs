@@ -1,0 +1,461 @@
+//! `relay bench apply` and `relay bench reload`: the sequencer's benchmarks (BENCHMARKS.md).
+//!
+//! Both build their own database from nothing (the URL's database is dropped and created again,
+//! which is why they ask for `--recreate-database`), run the real sequencer in this process
+//! against it, and print what they measured.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use axum::extract::{Query, State};
+use axum::routing::get;
+use axum::{Json, Router};
+use bytes::Bytes;
+use clap::{Args, Subcommand};
+use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
+use relay_store::endpoints::{self, NewEndpoint};
+use relay_store::messages::{store_batch, IncomingMessage};
+use relay_store::{tenants, PoolOptions};
+use relay_wire::{Sequence, SigningSecret};
+use serde_json::{json, Value};
+use sqlx::{Connection, PgPool};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::cli::{GlobalArgs, SequencerArgs};
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Store many messages of feed events for many endpoints, then time the sequencer applying
+    /// them all.
+    Apply(ApplyBenchArgs),
+    /// Time a reload of a large feed: read every page from a local feed server, merge, drop.
+    Reload(ReloadBenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ApplyBenchArgs {
+    /// Drop and create RELAY_DATABASE_URL's database first (required: the bench needs it empty).
+    #[arg(long)]
+    pub recreate_database: bool,
+    #[arg(long, default_value_t = 1000)]
+    pub endpoints: usize,
+    #[arg(long, default_value_t = 20)]
+    pub messages_per_endpoint: usize,
+    #[arg(long, default_value_t = 10)]
+    pub events_per_message: usize,
+    /// Distinct items per endpoint the events update (round robin).
+    #[arg(long, default_value_t = 50)]
+    pub items_per_endpoint: usize,
+    #[command(flatten)]
+    pub sequencer: SequencerArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ReloadBenchArgs {
+    /// Drop and create RELAY_DATABASE_URL's database first (required: the bench needs it empty).
+    #[arg(long)]
+    pub recreate_database: bool,
+    #[arg(long, default_value_t = 100_000)]
+    pub items: usize,
+    /// Share of items changed between the first load and the timed reload.
+    #[arg(long, default_value_t = 0.1)]
+    pub changed: f64,
+    /// Share of items gone between the first load and the timed reload.
+    #[arg(long, default_value_t = 0.05)]
+    pub removed: f64,
+    #[command(flatten)]
+    pub sequencer: SequencerArgs,
+}
+
+pub async fn run(global: &GlobalArgs, command: BenchCommand) -> anyhow::Result<()> {
+    match command {
+        BenchCommand::Apply(args) => apply(global, args).await,
+        BenchCommand::Reload(args) => reload(global, args).await,
+    }
+}
+
+async fn fresh_database(global: &GlobalArgs, recreate: bool) -> anyhow::Result<PgPool> {
+    if !recreate {
+        bail!(
+            "the bench drops and creates RELAY_DATABASE_URL's database: pass --recreate-database"
+        );
+    }
+    let (server, name) = global
+        .database_url
+        .rsplit_once('/')
+        .context("RELAY_DATABASE_URL has no database name")?;
+    let name = name.split('?').next().unwrap_or(name);
+    if !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        bail!("database name {name:?}: letters, digits and _ only");
+    }
+    let mut admin = sqlx::PgConnection::connect(&format!("{server}/postgres")).await?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(&mut admin)
+        .await?;
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut admin)
+        .await?;
+    crate::commands::migrate(global).await?;
+    let pool = relay_store::connect(
+        &global.database_url,
+        &PoolOptions {
+            max_connections: global.database_max_connections,
+            acquire_timeout: Duration::from_secs(60),
+            statement_timeout: Some(Duration::from_secs(600)),
+            generic_plans: false,
+        },
+    )?;
+    Ok(pool)
+}
+
+fn item_json(subject_n: u64, seq: u64, version: u64) -> Value {
+    // About 1 KB, shaped like the wire file's example item.
+    json!({
+        "access": "full", "changes": [], "companyid": 28,
+        "company": {"company_id": 28, "name": "Alfa Group AB", "symbol": "ALFA B",
+                    "market_exchange_mic": "XSTO"},
+        "feed_item_id": format!("announcement:{subject_n}"), "first_seq": seq,
+        "head": {"announcement_id": subject_n, "title": format!("Alfa wins order {subject_n}"),
+                 "language": "sv", "route": "press_release"},
+        "item_kind": "announcement", "lang": "en", "op": "changed",
+        "parts": [
+            {"kind": "flash", "part_id": format!("flash:{subject_n}"), "part_version": version,
+             "headline": "Alfa wins SEK 500M order, its largest to date, from a data centre"},
+            {"kind": "story", "part_id": format!("story:{subject_n}"), "part_version": version,
+             "headline": "Alfa wins its largest order",
+             "lede_first_sentence": "Alfa Group has won an order worth SEK 500 million from \
+                 Northern Data Centres, its largest to date, with deliveries from the first \
+                 quarter of 2027 and options for two more years."}
+        ],
+        "published_at": "2026-10-08T06:00:00.000000Z", "seq": seq,
+        "sort_at": "2026-10-08T06:00:00.300000Z", "type": "item"
+    })
+}
+
+async fn bench_tenant(pool: &PgPool, endpoints: &[Uuid], upstream: Option<&str>) -> Uuid {
+    let tenant = Uuid::new_v4();
+    tenants::create(pool, tenant, "bench")
+        .await
+        .expect("tenant");
+    for &id in endpoints {
+        endpoints::create(
+            pool,
+            &NewEndpoint {
+                id,
+                tenant_id: tenant,
+                secret: SigningSecret::parse("whsec_YmVuY2gtc2VjcmV0LWJlbmNoLXNlY3JldA==")
+                    .expect("a valid secret"),
+                upstream_base_url: upstream.map(str::to_owned),
+                upstream_api_key: upstream.map(|_| "bench-key".to_owned()),
+            },
+        )
+        .await
+        .expect("endpoint");
+    }
+    tenant
+}
+
+fn sequencer_config(global: &GlobalArgs, args: &SequencerArgs) -> SequencerConfig {
+    SequencerConfig {
+        key_prefix: format!("relay-bench-{}:", Uuid::new_v4().simple()),
+        ..args.to_config(global)
+    }
+}
+
+async fn apply(global: &GlobalArgs, args: ApplyBenchArgs) -> anyhow::Result<()> {
+    let pool = fresh_database(global, args.recreate_database).await?;
+    let endpoints: Vec<Uuid> = (0..args.endpoints).map(|_| Uuid::new_v4()).collect();
+    let tenant = bench_tenant(&pool, &endpoints, None).await;
+    // Endpoints already in sync (generation 1 under the messages' access_version): the bench
+    // times applying events, not the first reload.
+    sqlx::query(
+        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
+         SELECT unnest($1::uuid[]), 'feed', $2, 1, 'bench1'",
+    )
+    .bind(&endpoints)
+    .bind(tenant)
+    .execute(&pool)
+    .await?;
+
+    let started = Instant::now();
+    let mut batch: Vec<IncomingMessage> = Vec::new();
+    let mut events_total = 0u64;
+    for m in 0..args.messages_per_endpoint {
+        for &endpoint in &endpoints {
+            let events: Vec<Value> = (0..args.events_per_message)
+                .map(|e| {
+                    let k = (m * args.events_per_message + e) as u64;
+                    let subject_n = 88_000 + k % args.items_per_endpoint as u64;
+                    let seq = 1_000 + k;
+                    json!({
+                        "id": format!("evt_{}", Uuid::new_v4().simple()),
+                        "type": "announcement.updated",
+                        "subject": format!("announcement:{subject_n}"),
+                        "sequence": Sequence::from_parts(1, seq).as_str(),
+                        "source": "https://api.quanor.com/v1/feed", "specversion": "1.0",
+                        "datacontenttype": "application/json",
+                        "data": item_json(subject_n, seq, k + 1),
+                    })
+                })
+                .collect();
+            events_total += events.len() as u64;
+            let body = json!({
+                "v": 1, "webhook_endpoint_id": endpoint.to_string(), "track": "feed",
+                "generation": 1, "access_version": "bench1", "complete": true,
+                "since": format!("1.{}", 1_000 + m * args.events_per_message),
+                "through": format!("1.{}", 1_000 + (m + 1) * args.events_per_message),
+                "events": events,
+            });
+            batch.push(IncomingMessage {
+                endpoint_id: endpoint,
+                tenant_id: tenant,
+                webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
+                signed_at: OffsetDateTime::now_utc(),
+                attempt: Some(1),
+                received_at: OffsetDateTime::now_utc(),
+                track: Some("feed".into()),
+                generation: Some(1),
+                body: Bytes::from(serde_json::to_vec(&body)?),
+            });
+            if batch.len() >= 500 {
+                store_batch(&pool, &batch).await?;
+                batch.clear();
+            }
+        }
+    }
+    store_batch(&pool, &batch).await?;
+    let messages_total = (args.endpoints * args.messages_per_endpoint) as i64;
+    eprintln!(
+        "stored {messages_total} messages ({events_total} events) in {:.1} s; applying",
+        started.elapsed().as_secs_f64()
+    );
+
+    let metrics = SequencerMetrics::unregistered();
+    let started = Instant::now();
+    let sequencer = Sequencer::start(
+        pool.clone(),
+        sequencer_config(global, &args.sequencer),
+        metrics.clone(),
+    )
+    .await?;
+    loop {
+        let applied: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(applied_arrival_seq), 0)::int8 FROM endpoint_apply_cursors",
+        )
+        .fetch_one(&pool)
+        .await?;
+        if applied >= messages_total {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    sequencer.stop().await;
+    let changes: i64 = sqlx::query_scalar("SELECT count(*) FROM changes")
+        .fetch_one(&pool)
+        .await?;
+    println!(
+        "{}",
+        json!({
+            "endpoints": args.endpoints,
+            "messages": messages_total,
+            "events": events_total,
+            "seconds": (elapsed * 100.0).round() / 100.0,
+            "messages_per_s": (messages_total as f64 / elapsed).round(),
+            "events_per_s": (events_total as f64 / elapsed).round(),
+            "changes_written": changes,
+            "max_concurrent_endpoints": args.sequencer.max_concurrent_endpoints,
+        })
+    );
+    pool.close().await;
+    Ok(())
+}
+
+/// The local feed a reload bench reads: pre-rendered pages, one access_version.
+struct StaticFeed {
+    pages: Vec<Value>,
+}
+
+async fn endpoint_view() -> Json<Value> {
+    Json(
+        json!({"lang": "en", "status": "active", "filter": null, "tracks": {"feed": {"generation": 2}}}),
+    )
+}
+
+async fn feed_page(
+    State(feed): State<Arc<StaticFeed>>,
+    Query(query): Query<std::collections::HashMap<String, String>>,
+) -> Json<Value> {
+    let page = query
+        .get("cursor")
+        .and_then(|c| c.parse::<usize>().ok())
+        .unwrap_or(0);
+    Json(feed.pages.get(page).cloned().unwrap_or_else(
+        || json!({"access_version": "bench1", "data": [], "next_cursor": null, "has_more": false}),
+    ))
+}
+
+fn render_pages(items: &[(u64, u64, u64)]) -> Vec<Value> {
+    let chunks: Vec<&[(u64, u64, u64)]> = items.chunks(500).collect();
+    let count = chunks.len();
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, chunk)| {
+            let data: Vec<Value> = chunk
+                .iter()
+                .map(|&(n, seq, version)| {
+                    json!({
+                        "subject": format!("announcement:{n}"),
+                        "sequence": Sequence::from_parts(1, seq).as_str(),
+                        "item": item_json(n, seq, version),
+                    })
+                })
+                .collect();
+            let more = i + 1 < count;
+            json!({"access_version": "bench1", "data": data,
+                   "next_cursor": more.then(|| (i + 1).to_string()), "has_more": more})
+        })
+        .collect()
+}
+
+async fn serve_feed(
+    pages: Vec<Value>,
+) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let app = Router::new()
+        .route("/v1/webhook-endpoints/{id}", get(endpoint_view))
+        .route("/v1/feed", get(feed_page))
+        .with_state(Arc::new(StaticFeed { pages }));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let address = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok((address, task))
+}
+
+fn reset_message(endpoint: Uuid, tenant: Uuid, generation: u64) -> anyhow::Result<IncomingMessage> {
+    let body = json!({
+        "v": 1, "webhook_endpoint_id": endpoint.to_string(), "track": "feed",
+        "generation": generation, "access_version": "bench1",
+        "events": [{
+            "id": format!("evt_{}", Uuid::new_v4().simple()),
+            "type": "webhook_endpoint.reset",
+            "source": "https://api.quanor.com/v1/webhook-endpoints", "specversion": "1.0",
+            "datacontenttype": "application/json",
+            "data": {"access_version": "bench1", "generation": generation, "reason": "behind",
+                     "resume_from": "1.1000", "track": "feed"},
+        }],
+    });
+    Ok(IncomingMessage {
+        endpoint_id: endpoint,
+        tenant_id: tenant,
+        webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
+        signed_at: OffsetDateTime::now_utc(),
+        attempt: Some(1),
+        received_at: OffsetDateTime::now_utc(),
+        track: Some("feed".into()),
+        generation: Some(generation as i64),
+        body: Bytes::from(serde_json::to_vec(&body)?),
+    })
+}
+
+/// Stores a reset of `generation` and times the sequencer until the reload it begins is merged.
+async fn timed_reload(
+    global: &GlobalArgs,
+    args: &SequencerArgs,
+    pool: &PgPool,
+    endpoint: Uuid,
+    tenant: Uuid,
+    generation: u64,
+) -> anyhow::Result<f64> {
+    store_batch(pool, &[reset_message(endpoint, tenant, generation)?]).await?;
+    let started = Instant::now();
+    let sequencer = Sequencer::start(
+        pool.clone(),
+        sequencer_config(global, args),
+        SequencerMetrics::unregistered(),
+    )
+    .await?;
+    loop {
+        let merged: Option<bool> = sqlx::query_scalar(
+            "SELECT reload IS NULL AND generation = $2 FROM endpoint_tracks WHERE endpoint_id = $1",
+        )
+        .bind(endpoint)
+        .bind(generation as i64)
+        .fetch_optional(pool)
+        .await?;
+        if merged == Some(true) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    sequencer.stop().await;
+    Ok(elapsed)
+}
+
+async fn reload(global: &GlobalArgs, args: ReloadBenchArgs) -> anyhow::Result<()> {
+    let pool = fresh_database(global, args.recreate_database).await?;
+    let n = args.items as u64;
+    // First feed: every item at version 1.
+    let first: Vec<(u64, u64, u64)> = (0..n).map(|i| (100_000 + i, 1_000 + i, 1)).collect();
+    // Second feed: some items changed (newer seq and part versions), some gone.
+    let changed_every = (1.0 / args.changed.max(1e-9)).round() as u64;
+    let removed_every = (1.0 / args.removed.max(1e-9)).round() as u64;
+    let second: Vec<(u64, u64, u64)> = (0..n)
+        .filter(|i| i % removed_every != removed_every - 1)
+        .map(|i| {
+            if i % changed_every == 0 {
+                (100_000 + i, 1_000 + n + i, 2)
+            } else {
+                (100_000 + i, 1_000 + i, 1)
+            }
+        })
+        .collect();
+
+    let endpoint = Uuid::new_v4();
+    let (first_address, first_server) = serve_feed(render_pages(&first)).await?;
+    let tenant = bench_tenant(&pool, &[endpoint], Some(&format!("http://{first_address}"))).await;
+    let load_s = timed_reload(global, &args.sequencer, &pool, endpoint, tenant, 1).await?;
+    first_server.abort();
+
+    let (second_address, second_server) = serve_feed(render_pages(&second)).await?;
+    sqlx::query("UPDATE webhook_endpoints SET upstream_base_url = $2 WHERE id = $1")
+        .bind(endpoint)
+        .bind(format!("http://{second_address}"))
+        .execute(&pool)
+        .await?;
+    let changes_before: i64 = sqlx::query_scalar("SELECT count(*) FROM changes")
+        .fetch_one(&pool)
+        .await?;
+    let reload_s = timed_reload(global, &args.sequencer, &pool, endpoint, tenant, 2).await?;
+    second_server.abort();
+    let (items, changes_after): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM copy_items WHERE NOT tombstone),
+                (SELECT count(*) FROM changes)",
+    )
+    .fetch_one(&pool)
+    .await?;
+    if items != second.len() as i64 {
+        bail!(
+            "the copy holds {items} items after the reload, the feed {}",
+            second.len()
+        );
+    }
+    println!(
+        "{}",
+        json!({
+            "items": n,
+            "first_load_s": (load_s * 100.0).round() / 100.0,
+            "reload_s": (reload_s * 100.0).round() / 100.0,
+            "reload_items_after": items,
+            "reload_changes": changes_after - changes_before,
+        })
+    );
+    pool.close().await;
+    Ok(())
+}
