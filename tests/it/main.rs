@@ -8,5 +8,7 @@ mod ingest_answers;
 mod ingest_outage;
 mod ingest_replicas;
 mod ingest_vector;
+mod pipeline;
 mod publisher;
+mod sequencer_apply;
 mod sequencer_ownership;

@@ -1,0 +1,274 @@
+//! The sequencer's apply transaction against a real Postgres: a worker whose fencing token moved
+//! on writes nothing; a run of messages is applied once, in order, with its duplicates, older
+//! generations and tests answered by the rules; the wake-up reaches a running sequencer.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use relay_sequencer::apply::{apply_messages, ApplyError, EndpointContext};
+use relay_sequencer::ownership::claim_fence;
+use relay_sequencer::state::{self, EndpointRegistration, PendingMessage};
+use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
+use relay_store::copy;
+use relay_store::messages::{store_batch, IncomingMessage};
+use relay_tests::{random_secret, TestDb};
+use serde_json::{json, Value};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+fn redis_url() -> String {
+    std::env::var("RELAY_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+fn update(endpoint: Uuid, generation: u64, id: &str, n: u64, seq: u64) -> Value {
+    json!({
+        "v": 1, "webhook_endpoint_id": endpoint.to_string(), "track": "feed",
+        "generation": generation, "access_version": "av1",
+        "since": format!("1.{}", seq - 1), "through": format!("1.{seq}"),
+        "events": [{
+            "id": id, "type": "announcement.updated",
+            "subject": format!("announcement:{n}"),
+            "sequence": relay_wire::Sequence::from_parts(1, seq).as_str(),
+            "specversion": "1.0", "source": "https://api.quanor.com/v1/feed",
+            "data": {"type": "item", "feed_item_id": format!("announcement:{n}"),
+                     "item_kind": "announcement", "seq": seq, "first_seq": seq,
+                     "parts": [{"part_id": format!("story:{n}"), "part_version": seq}]},
+        }],
+    })
+}
+
+async fn store(db: &TestDb, tenant: Uuid, endpoint: Uuid, bodies: &[Value]) {
+    let batch: Vec<IncomingMessage> = bodies
+        .iter()
+        .map(|body| IncomingMessage {
+            endpoint_id: endpoint,
+            tenant_id: tenant,
+            webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
+            signed_at: OffsetDateTime::now_utc(),
+            attempt: Some(1),
+            received_at: OffsetDateTime::now_utc(),
+            track: Some("feed".into()),
+            generation: body["generation"].as_i64(),
+            body: Bytes::from(body.to_string()),
+        })
+        .collect();
+    store_batch(&db.pool, &batch).await.unwrap();
+}
+
+async fn pending(db: &TestDb, endpoint: Uuid) -> (i64, Vec<PendingMessage>) {
+    let applied = state::applied_through(&db.pool, endpoint).await.unwrap();
+    let (_, messages) = state::pending_messages(&db.pool, endpoint, applied, 100)
+        .await
+        .unwrap();
+    (applied, messages)
+}
+
+struct Setup {
+    db: TestDb,
+    tenant: Uuid,
+    endpoint: Uuid,
+    ctx: Arc<EndpointContext>,
+}
+
+async fn setup() -> Setup {
+    let db = TestDb::new().await;
+    let tenant = db.tenant().await;
+    let endpoint = Uuid::new_v4();
+    db.endpoint(tenant, endpoint, &random_secret()).await;
+    // In sync under av1 already, so no reload begins (there is no upstream here).
+    sqlx::query(
+        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
+         VALUES ($1, 'feed', $2, 1, 'av1')",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let ctx = Arc::new(EndpointContext::new(
+        EndpointRegistration {
+            id: endpoint,
+            tenant_id: tenant,
+            upstream_base_url: None,
+            upstream_api_key: None,
+        },
+        reqwest::Client::new(),
+    ));
+    Setup {
+        db,
+        tenant,
+        endpoint,
+        ctx,
+    }
+}
+
+#[tokio::test]
+async fn a_worker_whose_fence_moved_on_writes_nothing() {
+    let s = setup().await;
+    store(
+        &s.db,
+        s.tenant,
+        s.endpoint,
+        &[update(s.endpoint, 1, "evt_a", 1, 10)],
+    )
+    .await;
+    let stale = claim_fence(&s.db.pool, s.endpoint).await.unwrap();
+    // Another worker takes the endpoint over (its lock expired under us, say).
+    let current = claim_fence(&s.db.pool, s.endpoint).await.unwrap();
+    assert!(current > stale);
+
+    let (applied, messages) = pending(&s.db, s.endpoint).await;
+    let metrics = SequencerMetrics::unregistered();
+    let refused = apply_messages(&s.db.pool, &s.ctx, stale, applied, &messages, &metrics).await;
+    assert!(matches!(refused, Err(ApplyError::Fenced)), "{refused:?}");
+    assert!(copy::copy_rows(&s.db.pool, s.endpoint)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        state::applied_through(&s.db.pool, s.endpoint)
+            .await
+            .unwrap(),
+        0
+    );
+
+    // The current owner applies it, once.
+    apply_messages(&s.db.pool, &s.ctx, current, applied, &messages, &metrics)
+        .await
+        .unwrap();
+    assert_eq!(
+        copy::copy_rows(&s.db.pool, s.endpoint).await.unwrap().len(),
+        1
+    );
+    // The same run again from the same cursor is refused by the cursor's own condition.
+    let again = apply_messages(&s.db.pool, &s.ctx, current, applied, &messages, &metrics).await;
+    assert!(matches!(again, Err(ApplyError::CursorMoved)), "{again:?}");
+    assert_eq!(
+        copy::list_changes(&s.db.pool, s.endpoint)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_run_of_messages_applies_in_order_with_duplicates_and_older_generations_ignored() {
+    let s = setup().await;
+    let token = claim_fence(&s.db.pool, s.endpoint).await.unwrap();
+    store(
+        &s.db,
+        s.tenant,
+        s.endpoint,
+        &[
+            update(s.endpoint, 1, "evt_1", 1, 10),
+            // The same event again (a rewind resends it): a duplicate by id.
+            update(s.endpoint, 1, "evt_1", 1, 10),
+            update(s.endpoint, 2, "evt_2", 1, 5),
+            // Generation 1 after generation 2 was taken: older, skipped whatever its sequence.
+            update(s.endpoint, 1, "evt_3", 1, 99),
+            update(s.endpoint, 2, "evt_4", 2, 6),
+        ],
+    )
+    .await;
+    let (applied, messages) = pending(&s.db, s.endpoint).await;
+    assert_eq!(messages.len(), 5);
+    let metrics = SequencerMetrics::unregistered();
+    apply_messages(&s.db.pool, &s.ctx, token, applied, &messages, &metrics)
+        .await
+        .unwrap();
+
+    let rows = copy::copy_rows(&s.db.pool, s.endpoint).await.unwrap();
+    let one = &rows["announcement:1"];
+    // Generation 2 wins over generation 1 although its sequence is lower.
+    assert_eq!(
+        (one.generation, one.sequence.as_str()),
+        (2, "0000000001.0000000000000000005")
+    );
+    assert_eq!(rows["announcement:2"].generation, 2);
+    let changes = copy::list_changes(&s.db.pool, s.endpoint).await.unwrap();
+    let seqs: Vec<i64> = changes.iter().map(|c| c.change_seq).collect();
+    assert_eq!(
+        seqs,
+        vec![1, 2, 3],
+        "one change per event that changed the copy"
+    );
+    let outcomes: Vec<String> = sqlx::query_scalar(
+        "SELECT outcome FROM message_applications WHERE endpoint_id = $1 ORDER BY arrival_seq",
+    )
+    .bind(s.endpoint)
+    .fetch_all(&s.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        outcomes,
+        [
+            "applied",
+            "applied",
+            "applied",
+            "older_generation",
+            "applied"
+        ]
+    );
+    let duplicates = metrics
+        .events
+        .with_label_values(&["ignored_duplicate"])
+        .get();
+    assert_eq!(duplicates, 1);
+    let track = state::peek_track(&s.db.pool, s.endpoint, state::FEED_TRACK)
+        .await
+        .unwrap();
+    assert_eq!(track.generation, Some(2));
+    assert_eq!(
+        track.through.as_deref(),
+        Some("1.6"),
+        "the through of the last applied"
+    );
+}
+
+#[tokio::test]
+async fn a_wake_up_reaches_a_running_sequencer() {
+    let s = setup().await;
+    let prefix = format!("relay-test:{}:", Uuid::new_v4().simple());
+    let sequencer = Sequencer::start(
+        s.db.pool.clone(),
+        SequencerConfig {
+            redis_url: redis_url(),
+            key_prefix: prefix.clone(),
+            // A sweep far in the future: only the wake-up can make it look.
+            sweep_interval: Duration::from_secs(3600),
+            ..SequencerConfig::default()
+        },
+        SequencerMetrics::unregistered(),
+    )
+    .await
+    .unwrap();
+    // The first sweep runs at start; let it pass before storing.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    store(
+        &s.db,
+        s.tenant,
+        s.endpoint,
+        &[update(s.endpoint, 1, "evt_w", 7, 3)],
+    )
+    .await;
+    Waker::connect(&redis_url(), &prefix)
+        .await
+        .unwrap()
+        .wake(&[s.endpoint])
+        .await
+        .unwrap();
+    let mut applied = 0;
+    for _ in 0..200 {
+        applied = state::applied_through(&s.db.pool, s.endpoint)
+            .await
+            .unwrap();
+        if applied == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    sequencer.stop().await;
+    assert_eq!(applied, 1, "the woken sequencer applied the message");
+}
