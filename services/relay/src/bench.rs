@@ -33,6 +33,28 @@ pub enum BenchCommand {
     Apply(ApplyBenchArgs),
     /// Time a reload of a large feed: read every page from a local feed server, merge, drop.
     Reload(ReloadBenchArgs),
+    /// The whole path in one process: signed messages at a fixed rate into the front tier,
+    /// applied by the sequencer, published to RabbitMQ and confirmed; receipt-to-confirm
+    /// latency and backlogs.
+    Pipeline(PipelineBenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct PipelineBenchArgs {
+    /// Drop and create RELAY_DATABASE_URL's database first (required: the bench needs it empty).
+    #[arg(long)]
+    pub recreate_database: bool,
+    /// Messages per second in all (one new item each, about 3 KB).
+    #[arg(long, default_value_t = 2000.0)]
+    pub rate: f64,
+    #[arg(long, default_value_t = 1000)]
+    pub endpoints: usize,
+    #[arg(long, default_value_t = 60)]
+    pub duration_s: u64,
+    #[command(flatten)]
+    pub sequencer: SequencerArgs,
+    #[command(flatten)]
+    pub publisher: relay_publisher::PublisherArgs,
 }
 
 #[derive(Debug, Args)]
@@ -74,6 +96,7 @@ pub async fn run(global: &GlobalArgs, command: BenchCommand) -> anyhow::Result<(
     match command {
         BenchCommand::Apply(args) => apply(global, args).await,
         BenchCommand::Reload(args) => reload(global, args).await,
+        BenchCommand::Pipeline(args) => pipeline(global, args).await,
     }
 }
 
@@ -454,6 +477,201 @@ async fn reload(global: &GlobalArgs, args: ReloadBenchArgs) -> anyhow::Result<()
             "reload_s": (reload_s * 100.0).round() / 100.0,
             "reload_items_after": items,
             "reload_changes": changes_after - changes_before,
+        })
+    );
+    pool.close().await;
+    Ok(())
+}
+
+/// Reads and drops everything on the tenant's queue, as a fast consumer would.
+async fn drain_queue(amqp_url: String, queue: String) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    use relay_publisher::lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+    use relay_publisher::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+    let connection =
+        relay_publisher::broker::connect(&amqp_url, "relay-bench-drain", Duration::from_secs(5))
+            .await?;
+    let channel = connection.create_channel().await?;
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        ShortString::from("x-queue-type"),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    channel
+        .queue_declare(
+            &queue,
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            arguments,
+        )
+        .await?;
+    let mut consumer = channel
+        .basic_consume(
+            &queue,
+            "relay-bench-drain",
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    while let Some(delivery) = consumer.next().await {
+        delivery?;
+    }
+    Ok(())
+}
+
+async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Result<()> {
+    let pool = fresh_database(global, args.recreate_database).await?;
+    let loadgen = crate::loadgen::LoadgenArgs {
+        url: String::new(),
+        endpoints: args.endpoints,
+        concurrency: 256,
+        duration_s: args.duration_s,
+        warmup_s: 3,
+        rate: args.rate,
+        body_bytes: 3072,
+        provision: false,
+        seed: 1,
+    };
+    crate::loadgen::provision(global, &loadgen).await?;
+    let tenant = crate::loadgen::loadgen_tenant(loadgen.seed);
+    // The endpoints start in sync under the loadgen's access_version: the bench times the path
+    // of events, not a first reload (loadgen endpoints have no upstream API to reload from).
+    sqlx::query(
+        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
+         SELECT id, 'feed', tenant_id, 1, 'loadgen1' FROM webhook_endpoints",
+    )
+    .execute(&pool)
+    .await?;
+    let queue = relay_publisher::tenant_queue(tenant);
+    let drain = tokio::spawn(drain_queue(args.publisher.amqp_url.clone(), queue));
+
+    let registry = prometheus::Registry::new();
+    let prefix = format!("relay-bench-{}:", Uuid::new_v4().simple());
+    let sequencer = Sequencer::start(
+        crate::startup::sequencer_pool(global)?,
+        SequencerConfig {
+            key_prefix: prefix.clone(),
+            ..args.sequencer.to_config(global)
+        },
+        SequencerMetrics::register(&registry)?,
+    )
+    .await?;
+    let mut publisher_args = args.publisher.clone();
+    publisher_args.redis_url = global.redis_url.clone();
+    publisher_args.publisher_key_prefix = prefix.clone();
+    let publisher =
+        relay_publisher::Publisher::start(pool.clone(), publisher_args.config(), &registry).await?;
+    let mut ingest_config = relay_ingest::IngestConfig {
+        waker: Some(relay_sequencer::Waker::connect(&global.redis_url, &prefix).await?),
+        ..relay_ingest::IngestConfig::default()
+    };
+    ingest_config.answer_deadline = Duration::from_secs(10);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let ingest = crate::startup::IngestServer::start_with_registry(
+        crate::startup::ingest_pool(global, Duration::from_secs(8))?,
+        ingest_config,
+        listener,
+        metrics_listener,
+        Arc::new(relay_ingest::SystemClock),
+        prometheus::Registry::new(),
+    )?;
+
+    // Backlogs once a second while the load runs: stored-not-applied and applied-not-confirmed.
+    let sampler_pool = pool.clone();
+    let sampler = tokio::spawn(async move {
+        let mut samples: Vec<(i64, i64)> = Vec::new();
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let sample: Result<(i64, i64), _> = sqlx::query_as(
+                "SELECT (SELECT coalesce(sum(a.last_arrival_seq - coalesce(c.applied_arrival_seq, 0)), 0)::int8
+                         FROM endpoint_arrival_counters a
+                         LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = a.endpoint_id),
+                        (SELECT count(*) FROM changes WHERE published_at IS NULL)",
+            )
+            .fetch_one(&sampler_pool)
+            .await;
+            if let Ok(sample) = sample {
+                samples.push(sample);
+            }
+            if samples.len() > 100_000 {
+                return samples;
+            }
+        }
+    });
+    let load_started = OffsetDateTime::now_utc();
+    crate::loadgen::run(
+        global,
+        crate::loadgen::LoadgenArgs {
+            url: format!("http://{}", ingest.address),
+            ..loadgen
+        },
+    )
+    .await?;
+    let load_ended = OffsetDateTime::now_utc();
+    // Let what was accepted drain, then read the latencies from the rows themselves.
+    let drain_started = Instant::now();
+    loop {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM changes WHERE published_at IS NULL)
+                  + (SELECT coalesce(sum(a.last_arrival_seq - coalesce(c.applied_arrival_seq, 0)), 0)::int8
+                     FROM endpoint_arrival_counters a
+                     LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = a.endpoint_id)",
+        )
+        .fetch_one(&pool)
+        .await?;
+        if left == 0 || drain_started.elapsed() > Duration::from_secs(300) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let drain_s = drain_started.elapsed().as_secs_f64();
+    sampler.abort();
+    let samples = sampler.await.unwrap_or_default();
+    ingest.stop().await?;
+    publisher.stop().await;
+    sequencer.stop().await;
+    drain.abort();
+
+    // Receipt (the front tier began reading the message) to confirm (the broker confirmed the
+    // change, and the publisher marked it), for messages received after the warm-up.
+    let (count, p50, p99, max): (i64, Option<f64>, Option<f64>, Option<f64>) = sqlx::query_as(
+        "WITH pairs AS (
+             SELECT extract(epoch FROM c.published_at - m.received_at)::float8 AS latency
+             FROM messages m
+             JOIN changes c ON c.endpoint_id = m.endpoint_id
+                 AND c.event_id = convert_from(m.body, 'UTF8')::jsonb #>> '{events,0,id}'
+             WHERE m.received_at >= $1 AND m.received_at < $2 AND c.published_at IS NOT NULL
+         )
+         SELECT count(*), percentile_cont(0.5) WITHIN GROUP (ORDER BY latency),
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY latency), max(latency)
+         FROM pairs",
+    )
+    .bind(load_started + time::Duration::seconds(3))
+    .bind(load_ended)
+    .fetch_one(&pool)
+    .await?;
+    let ms = |v: Option<f64>| v.map(|s| (s * 10_000.0).round() / 10.0);
+    let tail = &samples[samples.len().saturating_sub(10)..];
+    println!(
+        "{}",
+        json!({
+            "rate": args.rate,
+            "endpoints": args.endpoints,
+            "duration_s": args.duration_s,
+            "measured_changes": count,
+            "receipt_to_confirm_ms": {"p50": ms(p50), "p99": ms(p99), "max": ms(max)},
+            "backlog_max": {
+                "unapplied_messages": samples.iter().map(|s| s.0).max(),
+                "unpublished_changes": samples.iter().map(|s| s.1).max(),
+            },
+            "backlog_last_10_s": tail,
+            "drain_after_load_s": (drain_s * 10.0).round() / 10.0,
         })
     );
     pool.close().await;

@@ -80,7 +80,7 @@ pub fn loadgen_tenant(seed: u64) -> Uuid {
     uuid::Builder::from_random_bytes(rng.gen()).into_uuid()
 }
 
-async fn provision(global: &GlobalArgs, args: &LoadgenArgs) -> anyhow::Result<()> {
+pub async fn provision(global: &GlobalArgs, args: &LoadgenArgs) -> anyhow::Result<()> {
     let pool = relay_store::connect(&global.database_url, &Default::default())?;
     let tenant_id = loadgen_tenant(args.seed);
     match tenants::create(&pool, tenant_id, "loadgen").await {
