@@ -245,12 +245,15 @@ pub async fn apply_messages(
     let mut subjects: Vec<&str> = applying.iter().filter_map(|e| feed_subject(e)).collect();
     subjects.sort_unstable();
     subjects.dedup();
-    let mut held = copy::load_held_many(&mut tx, endpoint, &subjects).await?;
-    let mut reference = FeedCopy::from_rows(
-        held.iter()
-            .map(|(s, row)| (s.clone(), row.held.clone()))
-            .collect(),
-    );
+    // The rows go into the reference copy whole (no copy of their items); what reads keep
+    // beside them (kind, company) waits here for the write.
+    let mut held_meta: HashMap<String, (Option<String>, Option<i64>)> = HashMap::new();
+    let mut held_rows = std::collections::BTreeMap::new();
+    for (subject, entry) in copy::load_held_many(&mut tx, endpoint, &subjects).await? {
+        held_meta.insert(subject.clone(), (entry.item_kind, entry.company_id));
+        held_rows.insert(subject, entry.held);
+    }
+    let mut reference = FeedCopy::from_rows(held_rows);
 
     let mut track = held_track.clone();
     let mut seen_in_run: HashSet<&str> = HashSet::new();
@@ -364,16 +367,15 @@ pub async fn apply_messages(
         }
     }
     let mut final_rows = reference.into_rows();
+    let mut held: std::collections::BTreeMap<String, copy::HeldEntry> =
+        std::collections::BTreeMap::new();
     for subject in &touched {
         let row = final_rows
             .remove(*subject)
             .expect("a decided subject is held");
         let (item_kind, company_id) = match meta.remove(subject) {
             Some(m) => m,
-            None => held
-                .get(*subject)
-                .map(|h| (h.item_kind.clone(), h.company_id))
-                .unwrap_or_default(),
+            None => held_meta.remove(*subject).unwrap_or_default(),
         };
         held.insert(
             (*subject).to_owned(),
