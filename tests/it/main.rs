@@ -1,7 +1,6 @@
 //! Cross-crate tests, one binary (faster to link than one per file).
 
 mod api;
-mod cli;
 mod convergence;
 mod copy;
 mod ingest_answers;

@@ -3,10 +3,8 @@
 //! `relay <command> --help` list them.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use uuid::Uuid;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -98,12 +96,6 @@ pub enum Command {
     /// Migrate, then run every tier in this one process (metrics of all on one listener). The
     /// control plane runs when a JWT key is configured.
     All(Box<AllArgs>),
-    /// Manage tenants.
-    #[command(subcommand)]
-    Tenant(TenantCommand),
-    /// Manage webhook endpoints and their signing secrets.
-    #[command(subcommand)]
-    Endpoint(EndpointCommand),
     /// Send correctly signed messages to a running front tier and report throughput and latency.
     Loadgen(crate::loadgen::LoadgenArgs),
     /// The sequencer's benchmarks (they drop and create RELAY_DATABASE_URL's database).
@@ -271,62 +263,4 @@ pub struct AllArgs {
     pub publisher: relay_publisher::PublisherArgs,
     #[command(flatten)]
     pub api: relay_api::ApiArgs,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum TenantCommand {
-    /// Create a tenant and print its id.
-    Add {
-        /// A name people recognise.
-        #[arg(long)]
-        name: String,
-        /// Use this id instead of a new random one.
-        #[arg(long)]
-        id: Option<Uuid>,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-pub enum EndpointCommand {
-    /// Register an upstream webhook endpoint for a tenant, with its signing secret.
-    Add {
-        /// The upstream's webhook_endpoint_id; the upstream posts to /webhooks/<id>.
-        #[arg(long)]
-        id: Uuid,
-        #[arg(long)]
-        tenant: Uuid,
-        /// The endpoint's signing secret (`whsec_...`), read from this file (`-` reads standard
-        /// input). Kept off the command line so it stays out of shell history and process lists.
-        #[arg(long, env = "RELAY_ENDPOINT_SECRET_FILE")]
-        secret_file: PathBuf,
-        /// The upstream API's base URL, for reloads and refetches.
-        #[arg(long)]
-        upstream_base_url: Option<String>,
-        /// A file holding the upstream API key, for reloads and refetches.
-        #[arg(long)]
-        upstream_api_key_file: Option<PathBuf>,
-    },
-    /// Add the endpoint's new secret; the ones it held keep verifying for the overlap.
-    RotateSecret {
-        #[arg(long)]
-        id: Uuid,
-        /// The new secret (`whsec_...`), read from this file (`-` reads standard input).
-        #[arg(long)]
-        secret_file: PathBuf,
-        /// Seconds the old secrets keep verifying (the upstream's default overlap is 86400,
-        /// its longest 604800).
-        #[arg(long, default_value_t = relay_wire::limits::ROTATION_OVERLAP_S,
-              value_parser = clap::value_parser!(u64).range(0..=relay_wire::limits::ROTATION_OVERLAP_MAX_S))]
-        overlap_s: u64,
-    },
-    /// Pause an endpoint: the front tier answers 410 and the upstream holds its messages.
-    Pause {
-        #[arg(long)]
-        id: Uuid,
-    },
-    /// Resume a paused endpoint.
-    Resume {
-        #[arg(long)]
-        id: Uuid,
-    },
 }

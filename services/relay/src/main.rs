@@ -28,8 +28,6 @@ async fn main() -> anyhow::Result<()> {
             relay::commands::migrate(&cli.global).await?;
             relay::startup::run_all(&cli.global, &args).await
         }
-        Command::Tenant(command) => relay::commands::tenant(&cli.global, command).await,
-        Command::Endpoint(command) => relay::commands::endpoint(&cli.global, command).await,
         Command::Bench(command) => relay::bench::run(&cli.global, command).await,
         Command::Loadgen(args) => relay::loadgen::run(&cli.global, args).await,
         Command::Simulate(command) => relay::commands::simulate(&cli.global, command).await,
