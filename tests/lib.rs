@@ -5,6 +5,7 @@
 //! [`TestDb`] is dropped, so tests run at once and leave nothing behind.
 
 use std::net::SocketAddr;
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -413,4 +414,91 @@ async fn proxy_connection(
     if went_to == ProxyMode::Blackhole {
         let _ = mode.wait_for(|m| *m == ProxyMode::Pass).await;
     }
+}
+
+// ---- Redis and RabbitMQ, per test -----------------------------------------------------------
+
+pub fn redis_url() -> String {
+    std::env::var("RELAY_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// The broker's address, and its URL without a vhost. Override with RELAY_TEST_AMQP_ADDR.
+pub fn amqp_addr() -> SocketAddr {
+    std::env::var("RELAY_TEST_AMQP_ADDR")
+        .unwrap_or_else(|_| "127.0.0.1:5672".to_owned())
+        .parse()
+        .expect("RELAY_TEST_AMQP_ADDR is host:port")
+}
+
+pub fn rabbitmqctl(args: &[&str]) {
+    let output = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("the tests need rabbitmqctl (RabbitMQ on this machine)");
+    assert!(
+        output.status.success(),
+        "rabbitmqctl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// A RabbitMQ vhost that exists for one test; `guest` may use it. Deleted when dropped.
+pub struct Vhost {
+    pub name: String,
+}
+
+impl Vhost {
+    /// Creates the vhost on the broker (so not `Default`: it has an effect).
+    pub fn create() -> Self {
+        let name = format!("relay-test-{}", Uuid::new_v4().simple());
+        rabbitmqctl(&["add_vhost", &name]);
+        rabbitmqctl(&["set_permissions", "-p", &name, "guest", ".*", ".*", ".*"]);
+        Self { name }
+    }
+
+    pub fn url(&self) -> String {
+        self.url_via(amqp_addr())
+    }
+
+    /// The vhost's URL through another address (a proxy in front of the broker).
+    pub fn url_via(&self, address: SocketAddr) -> String {
+        format!("amqp://guest:guest@{address}/{}", self.name)
+    }
+}
+
+impl Drop for Vhost {
+    fn drop(&mut self) {
+        // Deleting a vhost closes its connections and deletes its queues and exchanges.
+        let _ = Command::new("rabbitmqctl")
+            .args(["delete_vhost", &self.name])
+            .output();
+    }
+}
+
+/// Deletes the test's Redis keys (leases left by an aborted publisher) when dropped.
+pub struct RedisPrefix(pub String);
+
+impl Drop for RedisPrefix {
+    fn drop(&mut self) {
+        let Ok(client) = redis::Client::open(redis_url()) else {
+            return;
+        };
+        let Ok(mut conn) = client.get_connection() else {
+            return;
+        };
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}*", self.0))
+            .query(&mut conn)
+            .unwrap_or_default();
+        for key in keys {
+            let _: Result<i64, _> = redis::cmd("DEL").arg(key).query(&mut conn);
+        }
+    }
+}
+
+pub fn seed() -> u64 {
+    std::env::var("RELAY_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random)
 }

@@ -22,16 +22,12 @@ use relay_simulator::{Faults, Simulation};
 use relay_store::copy::{self, Operation};
 use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::{tenants, PoolOptions};
-use relay_tests::{test_config, TestApp};
+use relay_tests::{redis_url, test_config, TestApp};
 use relay_wire::SigningSecret;
 use serde_json::Value;
 use sqlx::PgPool;
 use tokio::process::{Child, Command};
 use uuid::Uuid;
-
-fn redis_url() -> String {
-    std::env::var("RELAY_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
 
 /// Set in a child process's environment: what its sequencer runs against.
 const CHILD_ENV: &str = "RELAY_TEST_SEQUENCER_CHILD";

@@ -12,8 +12,6 @@
 //! Seeded: every run prints its seed; `RELAY_TEST_SEED=<seed>` replays one.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::SocketAddr;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,93 +33,13 @@ use relay_simulator::cli::{prepare, SimulateArgs};
 use relay_simulator::{Faults, Simulation};
 use relay_store::copy;
 use relay_store::PoolOptions;
-use relay_tests::{test_config, PgProxy, ProxyMode, TestApp};
+use relay_tests::{
+    amqp_addr, redis_url, seed, test_config, PgProxy, ProxyMode, RedisPrefix, TestApp, Vhost,
+};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
-
-// ---- Environment: Redis, RabbitMQ, a vhost and a key prefix per run ----
-
-fn redis_url() -> String {
-    std::env::var("RELAY_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
-
-/// The broker's address. Override with RELAY_TEST_AMQP_ADDR.
-fn amqp_addr() -> SocketAddr {
-    std::env::var("RELAY_TEST_AMQP_ADDR")
-        .unwrap_or_else(|_| "127.0.0.1:5672".to_owned())
-        .parse()
-        .expect("RELAY_TEST_AMQP_ADDR is host:port")
-}
-
-fn rabbitmqctl(args: &[&str]) {
-    let output = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("the pipeline test needs rabbitmqctl (RabbitMQ on this machine)");
-    assert!(
-        output.status.success(),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
-
-/// A RabbitMQ vhost that exists for one run; `guest` may use it. Deleted when dropped.
-struct Vhost {
-    name: String,
-}
-
-impl Vhost {
-    fn new() -> Self {
-        let name = format!("relay-test-{}", Uuid::new_v4().simple());
-        rabbitmqctl(&["add_vhost", &name]);
-        rabbitmqctl(&["set_permissions", "-p", &name, "guest", ".*", ".*", ".*"]);
-        Self { name }
-    }
-
-    /// The vhost's URL through `address` (the broker, or a proxy in front of it).
-    fn url_via(&self, address: SocketAddr) -> String {
-        format!("amqp://guest:guest@{address}/{}", self.name)
-    }
-}
-
-impl Drop for Vhost {
-    fn drop(&mut self) {
-        let _ = Command::new("rabbitmqctl")
-            .args(["delete_vhost", &self.name])
-            .output();
-    }
-}
-
-/// Deletes the run's Redis keys (sequencer locks, publisher leases) when dropped, even after a
-/// failed assertion.
-struct RedisPrefix(String);
-
-impl Drop for RedisPrefix {
-    fn drop(&mut self) {
-        let Ok(client) = redis::Client::open(redis_url()) else {
-            return;
-        };
-        let Ok(mut conn) = client.get_connection() else {
-            return;
-        };
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{}*", self.0))
-            .query(&mut conn)
-            .unwrap_or_default();
-        for key in keys {
-            let _: Result<i64, _> = redis::cmd("DEL").arg(key).query(&mut conn);
-        }
-    }
-}
-
-fn seed() -> u64 {
-    std::env::var("RELAY_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random)
-}
 
 // ---- The control plane ----
 
@@ -450,7 +368,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
 
     // 1. A database, a vhost, a Redis key prefix; the front tier with its waker.
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-    let vhost = tokio::task::spawn_blocking(Vhost::new).await.unwrap();
+    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
     let waker = Waker::connect(&redis_url(), &prefix.0).await.unwrap();
     let app = TestApp::spawn_with(
         relay_ingest::IngestConfig {

@@ -12,7 +12,6 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::net::SocketAddr;
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -31,97 +30,13 @@ use relay_publisher::{
 };
 use relay_rules::{decide_event, Decision, HeldContent, IgnoreReason, ReadItem};
 use relay_store::copy::{self, Cause};
-use relay_tests::{PgProxy, ProxyMode, TestDb};
+use relay_tests::{amqp_addr, redis_url, seed, PgProxy, ProxyMode, RedisPrefix, TestDb, Vhost};
 use relay_wire::{Event, FeedItem, Message, Sequence};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use uuid::Uuid;
 
 // ---- Environment: Redis, RabbitMQ, a vhost per test ----
-
-fn redis_url() -> String {
-    std::env::var("RELAY_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
-
-/// The broker's address, and its URL without a vhost. Override with RELAY_TEST_AMQP_ADDR.
-fn amqp_addr() -> SocketAddr {
-    std::env::var("RELAY_TEST_AMQP_ADDR")
-        .unwrap_or_else(|_| "127.0.0.1:5672".to_owned())
-        .parse()
-        .expect("RELAY_TEST_AMQP_ADDR is host:port")
-}
-
-fn rabbitmqctl(args: &[&str]) {
-    let output = Command::new("rabbitmqctl")
-        .args(args)
-        .output()
-        .expect("the publisher tests need rabbitmqctl (RabbitMQ on this machine)");
-    assert!(
-        output.status.success(),
-        "rabbitmqctl {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
-
-/// A RabbitMQ vhost that exists for one test; `guest` may use it.
-struct Vhost {
-    name: String,
-}
-
-impl Vhost {
-    fn new() -> Self {
-        let name = format!("relay-test-{}", Uuid::new_v4().simple());
-        rabbitmqctl(&["add_vhost", &name]);
-        rabbitmqctl(&["set_permissions", "-p", &name, "guest", ".*", ".*", ".*"]);
-        Self { name }
-    }
-
-    fn url(&self) -> String {
-        self.url_via(amqp_addr())
-    }
-
-    /// The vhost's URL through another address (a proxy in front of the broker).
-    fn url_via(&self, address: SocketAddr) -> String {
-        format!("amqp://guest:guest@{address}/{}", self.name)
-    }
-}
-
-impl Drop for Vhost {
-    fn drop(&mut self) {
-        // Deleting a vhost closes its connections and deletes its queues and exchanges.
-        let _ = Command::new("rabbitmqctl")
-            .args(["delete_vhost", &self.name])
-            .output();
-    }
-}
-
-/// Deletes the test's Redis keys (leases left by an aborted publisher) when dropped.
-struct RedisPrefix(String);
-
-impl Drop for RedisPrefix {
-    fn drop(&mut self) {
-        let Ok(client) = redis::Client::open(redis_url()) else {
-            return;
-        };
-        let Ok(mut conn) = client.get_connection() else {
-            return;
-        };
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{}*", self.0))
-            .query(&mut conn)
-            .unwrap_or_default();
-        for key in keys {
-            let _: Result<i64, _> = redis::cmd("DEL").arg(key).query(&mut conn);
-        }
-    }
-}
-
-fn seed() -> u64 {
-    std::env::var("RELAY_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random)
-}
 
 /// Everything one test stands on.
 struct Env {
@@ -137,7 +52,7 @@ impl Env {
         eprintln!("publisher test seed: {seed} (RELAY_TEST_SEED replays it)");
         Self {
             db: TestDb::new().await,
-            vhost: tokio::task::spawn_blocking(Vhost::new).await.unwrap(),
+            vhost: tokio::task::spawn_blocking(Vhost::create).await.unwrap(),
             prefix: RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple())),
             seed,
         }

@@ -12,14 +12,10 @@ use relay_sequencer::state::{self, EndpointRegistration, PendingMessage};
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
 use relay_store::copy;
 use relay_store::messages::{store_batch, IncomingMessage};
-use relay_tests::{random_secret, TestDb};
+use relay_tests::{random_secret, redis_url, TestDb};
 use serde_json::{json, Value};
 use time::OffsetDateTime;
 use uuid::Uuid;
-
-fn redis_url() -> String {
-    std::env::var("RELAY_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
 
 fn update(endpoint: Uuid, generation: u64, id: &str, n: u64, seq: u64) -> Value {
     json!({

@@ -5,12 +5,8 @@ use std::time::{Duration, Instant};
 
 use relay_sequencer::ownership::claim_fence;
 use relay_sequencer::{check_fence, Owners, OwnershipConfig};
-use relay_tests::{random_secret, TestDb};
+use relay_tests::{random_secret, redis_url, TestDb};
 use uuid::Uuid;
-
-fn redis_url() -> String {
-    std::env::var("RELAY_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
 
 struct Setup {
     db: TestDb,
