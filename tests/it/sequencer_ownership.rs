@@ -33,6 +33,7 @@ async fn owners(setup: &Setup, lease: Duration) -> Owners {
         OwnershipConfig {
             key_prefix: setup.prefix.clone(),
             lease,
+            ..OwnershipConfig::default()
         },
     )
     .await

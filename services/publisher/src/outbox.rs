@@ -246,20 +246,6 @@ pub async fn mark_published(
     })
 }
 
-/// Claims the tenant's next fencing token: one more than the last, whoever held it. Waits while
-/// another owner's mark holds the fence row.
-pub async fn claim_fence(pool: &PgPool, tenant: Uuid) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(
-        "INSERT INTO publisher_fences (tenant_id, token) VALUES ($1, 1)
-         ON CONFLICT (tenant_id)
-         DO UPDATE SET token = publisher_fences.token + 1, claimed_at = now()
-         RETURNING token",
-    )
-    .bind(tenant)
-    .fetch_one(pool)
-    .await
-}
-
 /// How many of the tenant's changes are unpublished, and when the oldest of them was made.
 pub async fn backlog(
     pool: &PgPool,

@@ -46,7 +46,7 @@ impl Publisher {
         registry: &Registry,
     ) -> Result<PublisherHandle, PublisherError> {
         let metrics = PublisherMetrics::register(registry)?;
-        let owners = TenantOwners::connect(
+        let owners = crate::ownership::connect(
             &config.redis_url,
             pool.clone(),
             config.key_prefix.clone(),

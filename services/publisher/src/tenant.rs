@@ -52,7 +52,7 @@ pub(crate) async fn run(
     wake: Arc<Notify>,
     shutdown: watch::Receiver<bool>,
 ) {
-    let tenant = lease.tenant_id;
+    let tenant = lease.key;
     let mut worker = Worker {
         label: tenant.to_string(),
         tenant,

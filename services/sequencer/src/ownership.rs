@@ -18,7 +18,7 @@
 
 use std::time::{Duration, Instant};
 
-use redis::aio::ConnectionManager;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
@@ -31,6 +31,24 @@ pub enum OwnershipError {
     Database(#[from] sqlx::Error),
 }
 
+/// What is owned: the Redis key under which its locks live, and the Postgres table whose row
+/// per owned thing holds its fencing token (`<key_column> uuid primary key, token bigint,
+/// claimed_at timestamptz`). The sequencer owns endpoints; the publisher owns tenants with the
+/// same mechanism.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owned {
+    pub lock_name: &'static str,
+    pub fence_table: &'static str,
+    pub key_column: &'static str,
+}
+
+/// The sequencer's: one owner per endpoint.
+pub const ENDPOINTS: Owned = Owned {
+    lock_name: "lock",
+    fence_table: "endpoint_fences",
+    key_column: "endpoint_id",
+};
+
 /// How ownership behaves.
 #[derive(Debug, Clone)]
 pub struct OwnershipConfig {
@@ -38,6 +56,7 @@ pub struct OwnershipConfig {
     pub key_prefix: String,
     /// How long a lock lasts without renewal. Renew well inside it (a third is usual).
     pub lease: Duration,
+    pub owned: Owned,
 }
 
 impl Default for OwnershipConfig {
@@ -45,14 +64,16 @@ impl Default for OwnershipConfig {
         Self {
             key_prefix: "relay:".to_owned(),
             lease: Duration::from_secs(10),
+            owned: ENDPOINTS,
         }
     }
 }
 
-/// One worker's hold on one endpoint.
+/// One worker's hold on one owned thing (an endpoint, a tenant).
 #[derive(Debug)]
 pub struct Lease {
-    pub endpoint_id: Uuid,
+    /// What is held: the endpoint's id, or the tenant's.
+    pub key: Uuid,
     /// The fencing token: every apply transaction checks it with [`check_fence`].
     pub token: i64,
     /// This acquisition's value in Redis: renewals and the release act only while it is there.
@@ -97,7 +118,13 @@ impl Owners {
         config: OwnershipConfig,
     ) -> Result<Self, OwnershipError> {
         let client = redis::Client::open(redis_url)?;
-        let redis = ConnectionManager::new(client).await?;
+        // Bounded waits: a Redis that stopped answering must not hold a worker longer than its
+        // lease would last anyway.
+        let timeout = (config.lease / 3).max(Duration::from_millis(100));
+        let manager = ConnectionManagerConfig::new()
+            .set_connection_timeout(timeout)
+            .set_response_timeout(timeout);
+        let redis = ConnectionManager::new_with_config(client, manager).await?;
         Ok(Self {
             redis,
             pool,
@@ -105,16 +132,24 @@ impl Owners {
         })
     }
 
-    fn lock_key(&self, endpoint_id: Uuid) -> String {
-        format!("{}lock:{endpoint_id}", self.config.key_prefix)
+    fn lock_key(&self, key: Uuid) -> String {
+        format!(
+            "{}{}:{key}",
+            self.config.key_prefix, self.config.owned.lock_name
+        )
     }
 
-    /// Takes the endpoint if nobody holds it: `None` when another worker does.
-    pub async fn try_acquire(&self, endpoint_id: Uuid) -> Result<Option<Lease>, OwnershipError> {
+    /// How long a lease lasts unless renewed.
+    pub fn lease(&self) -> Duration {
+        self.config.lease
+    }
+
+    /// Takes the endpoint (tenant) if nobody holds it: `None` when another worker does.
+    pub async fn try_acquire(&self, key: Uuid) -> Result<Option<Lease>, OwnershipError> {
         let value = format!("{:032x}", rand::random::<u128>());
         let started = Instant::now();
         let taken: Option<String> = redis::cmd("SET")
-            .arg(self.lock_key(endpoint_id))
+            .arg(self.lock_key(key))
             .arg(&value)
             .arg("NX")
             .arg("PX")
@@ -125,12 +160,12 @@ impl Owners {
             return Ok(None);
         }
         let mut lease = Lease {
-            endpoint_id,
+            key,
             token: 0,
             value,
             valid_until: started + self.config.lease,
         };
-        match claim_fence(&self.pool, endpoint_id).await {
+        match claim_fence_of(&self.pool, self.config.owned, key).await {
             Ok(token) => {
                 lease.token = token;
                 Ok(Some(lease))
@@ -148,7 +183,7 @@ impl Owners {
     pub async fn renew(&self, lease: &mut Lease) -> Result<bool, OwnershipError> {
         let started = Instant::now();
         let renewed: i64 = Script::new(RENEW)
-            .key(self.lock_key(lease.endpoint_id))
+            .key(self.lock_key(lease.key))
             .arg(&lease.value)
             .arg(self.config.lease.as_millis() as u64)
             .invoke_async(&mut self.redis.clone())
@@ -165,7 +200,7 @@ impl Owners {
     /// Gives the endpoint up. `false` when it was no longer ours anyway.
     pub async fn release(&self, lease: Lease) -> Result<bool, OwnershipError> {
         let released: i64 = Script::new(RELEASE)
-            .key(self.lock_key(lease.endpoint_id))
+            .key(self.lock_key(lease.key))
             .arg(&lease.value)
             .invoke_async(&mut self.redis.clone())
             .await?;
@@ -176,13 +211,20 @@ impl Owners {
 /// Claims the next fencing token for an endpoint: one more than the last, whoever held it.
 /// Waits while another owner's apply transaction holds the token's row (see [`check_fence`]).
 pub async fn claim_fence(pool: &PgPool, endpoint_id: Uuid) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(
-        "INSERT INTO endpoint_fences (endpoint_id, token) VALUES ($1, 1)
-         ON CONFLICT (endpoint_id)
-         DO UPDATE SET token = endpoint_fences.token + 1, claimed_at = now()
-         RETURNING token",
-    )
-    .bind(endpoint_id)
+    claim_fence_of(pool, ENDPOINTS, endpoint_id).await
+}
+
+/// Claims the next fencing token of `key` in `owned`'s fence table.
+pub async fn claim_fence_of(pool: &PgPool, owned: Owned, key: Uuid) -> Result<i64, sqlx::Error> {
+    // The table and column names are constants of this program, never input.
+    let (table, column) = (owned.fence_table, owned.key_column);
+    sqlx::query_scalar(&format!(
+        "INSERT INTO {table} ({column}, token) VALUES ($1, 1)
+         ON CONFLICT ({column})
+         DO UPDATE SET token = {table}.token + 1, claimed_at = now()
+         RETURNING token"
+    ))
+    .bind(key)
     .fetch_one(pool)
     .await
 }

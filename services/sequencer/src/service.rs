@@ -83,6 +83,7 @@ impl Sequencer {
             OwnershipConfig {
                 key_prefix: config.key_prefix.clone(),
                 lease: config.lease,
+                ..OwnershipConfig::default()
             },
         )
         .await?;

@@ -277,7 +277,7 @@ async fn renew_until_lost(
         let Some(current) = held.as_mut() else {
             return;
         };
-        let endpoint = current.endpoint_id;
+        let endpoint = current.key;
         match owners.renew(current).await {
             Ok(true) => {}
             Ok(false) => {
@@ -318,7 +318,7 @@ async fn finish(
     renewer.abort();
     let _ = renewer.await;
     if let Some(lease) = lease.lock().await.take() {
-        let endpoint = lease.endpoint_id;
+        let endpoint = lease.key;
         if let Err(error) = owners.release(lease).await {
             // It expires by itself within a lease.
             tracing::debug!(%endpoint, %error, "could not release the lease");
