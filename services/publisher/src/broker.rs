@@ -1,10 +1,10 @@
-//! AMQP: connecting (lapin on tokio), the tenant's queue, and one round of confirmed publishes.
+//! AMQP: connecting (lapin on tokio), the tenant's queue, and confirmed publishes.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
-use lapin::publisher_confirm::Confirmation;
+use lapin::publisher_confirm::{Confirmation, PublisherConfirm};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -319,72 +319,40 @@ pub fn properties(change: &OutboxChange) -> BasicProperties {
         .with_app_id(ShortString::from("relay"))
 }
 
-/// Publishes each change (persistent, mandatory) and waits for every confirm, all within
-/// `timeout`. Returns one outcome per change, in order, and the failure that cut the round
-/// short, if any (then the link should be dropped: its state is unknown).
-pub async fn publish_round(
+/// Hands one change to the broker (persistent, mandatory), within `timeout`. The returned
+/// confirm resolves when the broker acks, nacks or returns it (see [`classify`]).
+pub async fn publish(
     link: &Link,
-    changes: &[OutboxChange],
+    change: &OutboxChange,
     timeout: Duration,
-    mut on_sent: impl FnMut(),
-) -> (Vec<Outcome>, Option<(&'static str, BrokerError)>) {
-    let mut outcomes = vec![Outcome::Unknown; changes.len()];
-    let deadline = tokio::time::Instant::now() + timeout;
+) -> Result<PublisherConfirm, BrokerError> {
     let options = BasicPublishOptions {
         mandatory: true,
         ..BasicPublishOptions::default()
     };
-    // Send them all first: the confirms of one round are awaited together, so a round costs
-    // one round trip to the broker, not one per message.
-    let mut pending = Vec::with_capacity(changes.len());
-    let mut failure = None;
-    for (i, change) in changes.iter().enumerate() {
-        let body = change.message.encode();
-        let send = link.channel.basic_publish(
-            &link.target.exchange,
-            &link.target.routing_key,
-            options,
-            &body,
-            properties(change),
-        );
-        match tokio::time::timeout_at(deadline, send).await {
-            Ok(Ok(confirm)) => {
-                on_sent();
-                pending.push((i, confirm));
-            }
-            Ok(Err(error)) => {
-                failure = Some(("publish", error.into()));
-                break;
-            }
-            Err(_) => {
-                failure = Some(("publish", BrokerError::Timeout("publishing", timeout)));
-                break;
-            }
-        }
+    let body = change.message.encode();
+    let send = link.channel.basic_publish(
+        &link.target.exchange,
+        &link.target.routing_key,
+        options,
+        &body,
+        properties(change),
+    );
+    match tokio::time::timeout(timeout, send).await {
+        Ok(result) => Ok(result?),
+        Err(_) => Err(BrokerError::Timeout("publishing", timeout)),
     }
-    // One shared deadline; awaited in order, so what was confirmed before a timeout or a
-    // failure is still counted (a ready confirm is taken even past the deadline).
-    for (i, confirm) in pending {
-        outcomes[i] = match tokio::time::timeout_at(deadline, confirm).await {
-            Ok(Ok(Confirmation::Ack(None))) => Outcome::Confirmed,
-            Ok(Ok(Confirmation::Ack(Some(_)))) => Outcome::Returned,
-            Ok(Ok(Confirmation::Nack(_))) => Outcome::Nacked,
-            // Confirm mode is set on every channel opened here; one without it tells nothing.
-            Ok(Ok(Confirmation::NotRequested)) => Outcome::Unknown,
-            Ok(Err(error)) => {
-                failure.get_or_insert(("confirm", error.into()));
-                Outcome::Unknown
-            }
-            Err(_) => {
-                failure.get_or_insert((
-                    "confirm",
-                    BrokerError::Timeout("waiting for confirms", timeout),
-                ));
-                Outcome::Unknown
-            }
-        };
+}
+
+/// What a confirm says of its publish.
+pub fn classify(confirmation: Confirmation) -> Outcome {
+    match confirmation {
+        Confirmation::Ack(None) => Outcome::Confirmed,
+        Confirmation::Ack(Some(_)) => Outcome::Returned,
+        Confirmation::Nack(_) => Outcome::Nacked,
+        // Confirm mode is set on every channel opened here; one without it tells nothing.
+        Confirmation::NotRequested => Outcome::Unknown,
     }
-    (outcomes, failure)
 }
 
 #[cfg(test)]

@@ -18,19 +18,21 @@ pub struct PublisherConfig {
     /// Every Redis key starts with this (several relays, or tests, can share one Redis).
     pub key_prefix: String,
     /// How often Postgres is asked which tenants have unpublished changes (one query per
-    /// process, however many tenants it owns): the longest a new change of an idle tenant waits
-    /// before it is looked at. A busy tenant's task reads on as soon as a round is done.
+    /// process, however many tenants it owns), and each owned tenant with a backlog sweeps all
+    /// its endpoints. The sequencer's announcements bring new changes at once; this finds what
+    /// an announcement lost.
     pub poll_interval: Duration,
     /// How long a tenant's lease lasts without renewal (renewed every third of it). Keep it
     /// above `connect_timeout` plus `confirm_timeout`: one step of a tenant's loop may take both.
     pub lease: Duration,
     /// Most of a tenant's endpoints with a change in flight at once (each has at most one).
+    /// Sixteen times this many changes are read ahead per tenant at most.
     pub max_in_flight: usize,
     /// Most tenants this process owns at once.
     pub max_tenants: usize,
     /// Connecting to a broker (TCP, TLS and the AMQP handshake) and declaring the queue.
     pub connect_timeout: Duration,
-    /// Waiting for the broker's confirms of one round of publishes.
+    /// Waiting for the broker's confirm of a publish.
     pub confirm_timeout: Duration,
     /// The first pause after broker trouble; doubled on each failure in a row, up to
     /// `retry_max`, with jitter.
@@ -44,7 +46,7 @@ pub struct PublisherConfig {
     /// How often an owned tenant's destination row is read again (the control plane may change
     /// it); a changed destination closes the connection and opens one to the new place.
     pub destination_refresh: Duration,
-    /// For tests: called with the message ids of a round's confirmed publishes, awaited before
+    /// For tests: called with the message ids of a batch of confirmed publishes, awaited before
     /// they are marked published. A hook that never returns stands for a publisher that dies
     /// between the broker's confirm and the mark.
     pub before_mark: Option<BeforeMark>,
@@ -108,7 +110,7 @@ impl Default for PublisherConfig {
             amqp_url: DEFAULT_AMQP_URL.to_owned(),
             redis_url: DEFAULT_REDIS_URL.to_owned(),
             key_prefix: "relay:".to_owned(),
-            poll_interval: ms(50),
+            poll_interval: ms(500),
             lease: ms(15_000),
             max_in_flight: 256,
             max_tenants: 1024,
@@ -138,13 +140,16 @@ pub struct PublisherArgs {
     #[arg(skip = DEFAULT_REDIS_URL.to_owned())]
     pub redis_url: String,
 
-    /// Prefix of every Redis key the publisher uses.
-    #[arg(long, env = "RELAY_PUBLISHER_KEY_PREFIX", default_value = "relay:")]
+    /// Prefix of every Redis key and channel the publisher uses. Not a flag of its own: the
+    /// `relay` binary sets it from its global `--redis-key-prefix` (RELAY_REDIS_KEY_PREFIX), so
+    /// the publisher hears the sequencer's announcements of new changes on the same prefix.
+    #[arg(skip = "relay:".to_owned())]
     pub publisher_key_prefix: String,
 
     /// How often Postgres is asked which tenants have unpublished changes, in milliseconds
-    /// (one cheap query per process): the longest a change waits before it is looked at.
-    #[arg(long, env = "RELAY_PUBLISHER_POLL_MS", default_value_t = 50)]
+    /// (one cheap query per process). The sequencer announces new changes through Redis, so
+    /// this is the safety net: the longest a change waits when an announcement was lost.
+    #[arg(long, env = "RELAY_PUBLISHER_POLL_MS", default_value_t = 500)]
     pub publisher_poll_ms: u64,
 
     /// A tenant's ownership lease, in milliseconds: another publisher takes the tenant over
@@ -171,7 +176,7 @@ pub struct PublisherArgs {
     )]
     pub publisher_connect_timeout_ms: u64,
 
-    /// Timeout for the broker's confirms of one round of publishes, in milliseconds.
+    /// Timeout for the broker's confirm of a publish, in milliseconds.
     #[arg(
         long,
         env = "RELAY_PUBLISHER_CONFIRM_TIMEOUT_MS",

@@ -19,11 +19,12 @@
 //!
 //! # Layout
 //! - [`config`]: [`PublisherConfig`] and the `RELAY_*` flags, [`PublisherArgs`].
-//! - [`publisher`]: start/stop, and the coordinator that polls for tenants with a backlog.
-//! - [`tenant`]: one owned tenant's loop: read, publish, confirm, mark; broker trouble.
+//! - [`publisher`]: start/stop, and the coordinator that hears the sequencer's announcements
+//!   and polls for tenants with a backlog.
+//! - [`tenant`]: one owned tenant's stream: read, publish, confirm, mark; broker trouble.
 //! - [`ownership`]: the per-tenant Redis lease and its Postgres fencing token.
 //! - [`outbox`]: the Postgres queries (backlog, next changes, mark, destination).
-//! - [`broker`]: AMQP via lapin on tokio: connections, the tenant queue, a round of publishes.
+//! - [`broker`]: AMQP via lapin on tokio: connections, the tenant queue, confirmed publishes.
 //! - [`message`]: the change message v1 (`docs/change-message.v1.schema.json`).
 //! - [`consumer`]: [`ReferenceConsumer`], the pure rebuild of a copy from the messages.
 //! - [`tail`](mod@tail): `relay tail`, the reference consumer over a queue.

@@ -1,5 +1,5 @@
-//! The publisher's Postgres queries: which tenants have unpublished changes, each endpoint's next
-//! one, marking confirmed ones published (under the tenant's fence), the backlog's size, and the
+//! The publisher's Postgres queries: which tenants and endpoints have unpublished changes, an
+//! endpoint's next ones, marking confirmed ones published (under the tenant's fence), the backlog's size, and the
 //! tenant's destination.
 //!
 //! Every query over the backlog reads the partial index `changes_unpublished_tenant` (only
@@ -68,75 +68,71 @@ type Row = (
     OffsetDateTime,
 );
 
-/// The first unpublished change of each of the tenant's endpoints whose id is above `after`, in
-/// endpoint order, at most `limit` of them. Only the first: an endpoint's next change is sent
-/// once the one before it is confirmed (see the crate's docs on order).
-async fn first_unpublished_after(
+/// The tenant's endpoints that have at least one unpublished change, in id order, at most
+/// `limit`: a loose index scan, one probe of the partial index per endpoint.
+pub async fn endpoints_with_backlog(
     pool: &PgPool,
     tenant: Uuid,
-    after: Uuid,
     limit: i64,
-) -> Result<Vec<OutboxChange>, OutboxError> {
-    // A loose index scan over (tenant_id, endpoint_id, change_seq): each step jumps to the next
-    // endpoint's lowest unpublished change_seq. The outer LIMIT stops the recursion early.
-    let rows: Vec<Row> = sqlx::query_as(
-        "WITH RECURSIVE e (endpoint_id, change_seq) AS (
-             (SELECT endpoint_id, change_seq FROM changes
-              WHERE tenant_id = $1 AND published_at IS NULL AND endpoint_id > $2
-              ORDER BY endpoint_id, change_seq LIMIT 1)
+) -> Result<Vec<Uuid>, OutboxError> {
+    let endpoints = sqlx::query_scalar(
+        "WITH RECURSIVE e (endpoint_id) AS (
+             (SELECT endpoint_id FROM changes
+              WHERE tenant_id = $1 AND published_at IS NULL
+              ORDER BY endpoint_id LIMIT 1)
              UNION ALL
-             SELECT n.endpoint_id, n.change_seq
-             FROM e CROSS JOIN LATERAL (
-                 SELECT endpoint_id, change_seq FROM changes
-                 WHERE tenant_id = $1 AND published_at IS NULL AND endpoint_id > e.endpoint_id
-                 ORDER BY endpoint_id, change_seq LIMIT 1
-             ) n
-         ),
-         firsts AS (SELECT * FROM e LIMIT $3)
-         SELECT c.endpoint_id, c.change_seq, c.operation, c.subject, c.item_kind, c.generation,
-                c.sequence, c.event_id, c.reload_generation, c.item::text, c.parts_diff::text,
-                c.created_at
-         FROM firsts JOIN changes c USING (endpoint_id, change_seq)
-         ORDER BY c.endpoint_id",
+             SELECT (SELECT c.endpoint_id FROM changes c
+                     WHERE c.tenant_id = $1 AND c.published_at IS NULL
+                       AND c.endpoint_id > e.endpoint_id
+                     ORDER BY c.endpoint_id LIMIT 1)
+             FROM e WHERE e.endpoint_id IS NOT NULL
+         )
+         SELECT endpoint_id FROM e WHERE endpoint_id IS NOT NULL LIMIT $2",
     )
     .bind(tenant)
-    .bind(after)
     .bind(limit)
     .fetch_all(pool)
     .await?;
-    rows.into_iter().map(|row| to_change(tenant, row)).collect()
+    Ok(endpoints)
 }
 
-/// The next change of up to `limit` of the tenant's endpoints, starting after `cursor` and
-/// wrapping around, so that a tenant with more endpoints in backlog than `limit` serves them all
-/// in turn rather than always the same first ones. Returns the changes and the next cursor.
-pub async fn next_round(
+/// For each `(endpoint, through, room)`: the endpoint's unpublished changes after change_seq
+/// `through`, in change_seq order, at most `room` of them; one probe of the partial index per
+/// endpoint. Ordered by endpoint, then change_seq.
+pub async fn next_changes(
     pool: &PgPool,
     tenant: Uuid,
-    cursor: Uuid,
-    limit: usize,
-) -> Result<(Vec<OutboxChange>, Uuid), OutboxError> {
-    let limit = limit.max(1) as i64;
-    let mut changes = first_unpublished_after(pool, tenant, cursor, limit).await?;
-    if (changes.len() as i64) < limit && !cursor.is_nil() {
-        let more = first_unpublished_after(pool, tenant, Uuid::nil(), limit).await?;
-        let room = limit as usize - changes.len();
-        // Endpoints above the cursor were all taken by the first query.
-        changes.extend(
-            more.into_iter()
-                .filter(|c| c.message.webhook_endpoint_id <= cursor)
-                .take(room),
-        );
+    plan: &[(Uuid, i64, i64)],
+) -> Result<Vec<OutboxChange>, OutboxError> {
+    let mut endpoints = Vec::with_capacity(plan.len());
+    let mut throughs = Vec::with_capacity(plan.len());
+    let mut rooms = Vec::with_capacity(plan.len());
+    for (endpoint, through, room) in plan {
+        endpoints.push(*endpoint);
+        throughs.push(*through);
+        rooms.push(*room);
     }
-    let next = if (changes.len() as i64) < limit {
-        // Every endpoint in backlog is in this round: start the next one from the beginning.
-        Uuid::nil()
-    } else {
-        changes
-            .last()
-            .map_or(Uuid::nil(), |c| c.message.webhook_endpoint_id)
-    };
-    Ok((changes, next))
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT c.endpoint_id, c.change_seq, c.operation, c.subject, c.item_kind, c.generation,
+                c.sequence, c.event_id, c.reload_generation, c.item::text, c.parts_diff::text,
+                c.created_at
+         FROM unnest($2::uuid[], $3::int8[], $4::int8[]) AS w (endpoint_id, through, room)
+         CROSS JOIN LATERAL (
+             SELECT * FROM changes c
+             WHERE c.tenant_id = $1 AND c.endpoint_id = w.endpoint_id
+               AND c.published_at IS NULL AND c.change_seq > w.through
+             ORDER BY c.change_seq
+             LIMIT w.room
+         ) c
+         ORDER BY c.endpoint_id, c.change_seq",
+    )
+    .bind(tenant)
+    .bind(&endpoints)
+    .bind(&throughs)
+    .bind(&rooms)
+    .fetch_all(pool)
+    .await?;
+    rows.into_iter().map(|row| to_change(tenant, row)).collect()
 }
 
 fn to_change(tenant: Uuid, row: Row) -> Result<OutboxChange, OutboxError> {

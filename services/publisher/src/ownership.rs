@@ -4,15 +4,16 @@
 //!
 //! Why per tenant rather than per endpoint: a tenant's changes all go to one destination, so one
 //! owner holds one channel (and, for a tenant's own broker, one connection) per tenant rather
-//! than per endpoint, a round publishes many of the tenant's endpoints at once, and a tenant
+//! than per endpoint, many of the tenant's endpoints publish at once on it, and a tenant
 //! whose broker is unreachable ties up exactly one task. Order is per endpoint, and every
 //! endpoint of the tenant is published by that one owner. The cost is that one tenant's
 //! changes cannot be spread over several publisher processes.
 //!
 //! What a stale owner (one that stalled past its lease while another took over) can still do is
-//! publish the change it had in flight, or start one more round: each of its endpoints' streams
-//! starts right after a change that was confirmed and marked, and goes on in order, so what the
-//! queue receives twice is only a repeat of a change_seq already sent, which consumers drop.
+//! publish what it was about to publish when it stalled: it checks its lease before every
+//! publish, so that is at most the change it was sending. Its successor starts each endpoint
+//! right after the last change marked, so what the queue receives twice is only a repeat of a
+//! change_seq already sent, which consumers drop.
 
 use std::time::Duration;
 

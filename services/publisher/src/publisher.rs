@@ -1,5 +1,6 @@
-//! Starting and stopping the publisher: a coordinator that polls Postgres for tenants with
-//! unpublished changes, takes the ones nobody holds, and runs a task per owned tenant.
+//! Starting and stopping the publisher: a coordinator that hears the sequencer's announcements
+//! of new changes and polls Postgres for tenants with unpublished changes, takes the tenants
+//! nobody holds, and runs a task per owned tenant.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -7,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use prometheus::Registry;
 use sqlx::PgPool;
-use tokio::sync::{watch, Notify};
+use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use uuid::Uuid;
 
@@ -16,6 +17,7 @@ use crate::config::{redact, PublisherConfig};
 use crate::metrics::PublisherMetrics;
 use crate::outbox;
 use crate::ownership::{OwnershipError, TenantOwners};
+use crate::tenant::TenantSignal;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PublisherError {
@@ -79,8 +81,8 @@ pub struct PublisherHandle {
 }
 
 impl PublisherHandle {
-    /// Stops gracefully: every tenant task finishes its round (confirms awaited, confirmed
-    /// changes marked), closes its connection and releases its lease.
+    /// Stops gracefully: every tenant task stops sending, awaits the confirms in flight, marks
+    /// what they confirmed, closes its connection and releases its lease.
     pub async fn stop(mut self) {
         self.stop.send_replace(true);
         if let Some(task) = self.task.take() {
@@ -90,7 +92,7 @@ impl PublisherHandle {
         }
     }
 
-    /// Stops at once, mid-round if need be, releasing nothing: what a killed process leaves.
+    /// Stops at once, between a confirm and its mark if need be, releasing nothing: what a killed process leaves.
     pub fn abort(mut self) {
         if let Some(task) = self.task.take() {
             task.abort();
@@ -107,21 +109,38 @@ impl Drop for PublisherHandle {
 }
 
 /// The coordinator. Owns the tenant tasks in a `JoinSet`, so aborting it aborts them all.
+///
+/// Work is found two ways: the sequencer's announcements (an endpoint of a tenant has new
+/// changes), handed at once to the task owning the tenant or starting one; and a poll of
+/// Postgres every `poll_interval` for tenants with unpublished changes, which finds what an
+/// announcement lost (Redis pub/sub keeps nothing for a listener that was away).
 async fn coordinate(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
     let config = &shared.config;
-    let mut tasks = JoinSet::new();
-    let mut running: HashMap<tokio::task::Id, Uuid> = HashMap::new();
-    // The tenants this process runs, each with the signal that wakes its idle task.
-    let mut owned: HashMap<Uuid, Arc<Notify>> = HashMap::new();
-    // Tenants another publisher holds: not asked for again before this, so that a poll every
-    // 50 ms does not turn into a Redis write per tenant per poll. A holder that died is taken
-    // over within a lease plus this.
-    let retry_taken = (config.lease / 4).min(Duration::from_secs(1));
-    let mut not_before: HashMap<Uuid, Instant> = HashMap::new();
+    let (announced_tx, mut announced) = mpsc::unbounded_channel::<(Uuid, Uuid)>();
+    let listener = tokio::spawn(relay_sequencer::wake::listen_parsed(
+        config.redis_url.clone(),
+        relay_sequencer::wake::changes_channel(&config.key_prefix),
+        announced_tx,
+        stopped.clone(),
+        relay_sequencer::wake::parse_change_payload,
+    ));
+    let mut coordinator = Coordinator {
+        shared: shared.clone(),
+        stopped: stopped.clone(),
+        tasks: JoinSet::new(),
+        running: HashMap::new(),
+        owned: HashMap::new(),
+        // Tenants another publisher holds: not asked for again before this, so that polls and
+        // announcements do not turn into a Redis write per tenant each. A holder that died is
+        // taken over within a lease plus this.
+        retry_taken: (config.lease / 4).min(Duration::from_secs(1)),
+        not_before: HashMap::new(),
+    };
+    let mut next_poll = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = stopped.changed() => break,
-            Some(done) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+            Some(done) = coordinator.tasks.join_next_with_id(), if !coordinator.tasks.is_empty() => {
                 let id = match &done {
                     Ok((id, _)) => *id,
                     Err(error) => {
@@ -129,17 +148,26 @@ async fn coordinate(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
                         error.id()
                     }
                 };
-                if let Some(tenant) = running.remove(&id) {
-                    owned.remove(&tenant);
+                if let Some(tenant) = coordinator.running.remove(&id) {
+                    coordinator.owned.remove(&tenant);
                 }
-                shared.metrics.tenants_owned.set(owned.len() as i64);
+                shared.metrics.tenants_owned.set(coordinator.owned.len() as i64);
                 continue;
             }
-            _ = tokio::time::sleep(config.poll_interval) => {}
+            Some((tenant, endpoint)) = announced.recv() => {
+                match coordinator.owned.get(&tenant) {
+                    Some(signal) => signal.endpoint(endpoint),
+                    // A new task sweeps the whole tenant first.
+                    None => coordinator.take(tenant).await,
+                }
+                continue;
+            }
+            _ = tokio::time::sleep_until(next_poll) => {}
         }
         if *stopped.borrow() {
             break;
         }
+        next_poll = tokio::time::Instant::now() + config.poll_interval;
         let tenants = match outbox::tenants_with_backlog(&shared.pool, 100_000).await {
             Ok(tenants) => tenants,
             Err(error) => {
@@ -148,44 +176,67 @@ async fn coordinate(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
             }
         };
         shared.metrics.backlog_tenants.set(tenants.len() as i64);
-        let now = Instant::now();
-        not_before.retain(|_, until| *until > now);
         for tenant in tenants {
-            if let Some(wake) = owned.get(&tenant) {
-                wake.notify_one();
-                continue;
-            }
-            if owned.len() >= config.max_tenants || not_before.contains_key(&tenant) {
-                continue;
-            }
-            match shared.owners.try_acquire(tenant).await {
-                Ok(Some(lease)) => {
-                    tracing::info!(%tenant, token = lease.token, "publisher takes the tenant");
-                    let wake = Arc::new(Notify::new());
-                    let handle = tasks.spawn(crate::tenant::run(
-                        shared.clone(),
-                        lease,
-                        wake.clone(),
-                        stopped.clone(),
-                    ));
-                    running.insert(handle.id(), tenant);
-                    owned.insert(tenant, wake);
-                }
-                Ok(None) => {
-                    not_before.insert(tenant, now + retry_taken);
-                }
-                Err(error) => {
-                    // Not `break`: one tenant that cannot be claimed (say, deleted while its
-                    // changes remain) must not keep the others from being taken.
-                    tracing::warn!(%tenant, error = %error, "taking a tenant's lease failed");
-                    not_before.insert(tenant, now + retry_taken);
-                }
+            match coordinator.owned.get(&tenant) {
+                Some(signal) => signal.sweep(),
+                None => coordinator.take(tenant).await,
             }
         }
-        shared.metrics.tenants_owned.set(owned.len() as i64);
     }
+    listener.abort();
     // Every tenant task watches the same signal; wait until each has released its tenant.
-    while tasks.join_next().await.is_some() {}
+    while coordinator.tasks.join_next().await.is_some() {}
     shared.relay.close().await;
     shared.metrics.tenants_owned.set(0);
+}
+
+struct Coordinator {
+    shared: Arc<Shared>,
+    stopped: watch::Receiver<bool>,
+    tasks: JoinSet<()>,
+    running: HashMap<tokio::task::Id, Uuid>,
+    /// The tenants this process runs, each with the signal its task listens to.
+    owned: HashMap<Uuid, Arc<TenantSignal>>,
+    retry_taken: Duration,
+    not_before: HashMap<Uuid, Instant>,
+}
+
+impl Coordinator {
+    /// Takes `tenant` if nobody holds it and this process has room, and starts its task.
+    async fn take(&mut self, tenant: Uuid) {
+        let now = Instant::now();
+        self.not_before.retain(|_, until| *until > now);
+        if self.owned.len() >= self.shared.config.max_tenants
+            || self.not_before.contains_key(&tenant)
+        {
+            return;
+        }
+        match self.shared.owners.try_acquire(tenant).await {
+            Ok(Some(lease)) => {
+                tracing::info!(%tenant, token = lease.token, "publisher takes the tenant");
+                let signal = Arc::new(TenantSignal::default());
+                let handle = self.tasks.spawn(crate::tenant::run(
+                    self.shared.clone(),
+                    lease,
+                    signal.clone(),
+                    self.stopped.clone(),
+                ));
+                self.running.insert(handle.id(), tenant);
+                self.owned.insert(tenant, signal);
+                self.shared
+                    .metrics
+                    .tenants_owned
+                    .set(self.owned.len() as i64);
+            }
+            Ok(None) => {
+                self.not_before.insert(tenant, now + self.retry_taken);
+            }
+            Err(error) => {
+                // One tenant that cannot be claimed (say, deleted while its changes remain)
+                // must not keep the others from being taken.
+                tracing::warn!(%tenant, error = %error, "taking a tenant's lease failed");
+                self.not_before.insert(tenant, now + self.retry_taken);
+            }
+        }
+    }
 }

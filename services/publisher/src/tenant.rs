@@ -1,38 +1,95 @@
-//! One owned tenant: read its endpoints' next changes, publish them, mark what was confirmed,
-//! again and again until it has been idle a while, its lease is lost, or the publisher stops.
+//! One owned tenant: its endpoints' unpublished changes streamed to the broker, each confirmed
+//! change marked published, until the tenant has been idle a while, its lease is lost, or the
+//! publisher stops.
 //!
 //! # Order
-//! Each endpoint has at most one change in flight: a round takes the first unpublished change
-//! of each of the tenant's endpoints (up to `max_in_flight` of them), publishes them all, waits
-//! for all their confirms, and marks the confirmed ones. An endpoint's change k+1 is therefore
-//! never sent before its change k was confirmed, that is, before k was in the queue. Pipelining
-//! inside one endpoint would break that on a nack or a return: k refused, k+1 already accepted
-//! behind it, k sent again after it. Rounds pipeline across endpoints instead, which is where
-//! the load spreads (a tenant has many endpoints). The one change in doubt per endpoint (no
-//! confirm came) is sent again before anything after it, so a late copy of it can only be a
-//! repeat of a change_seq already delivered.
+//! Each endpoint has at most one change in flight: its change k+1 is sent only once k was
+//! confirmed, that is, once k is in the queue. Pipelining inside one endpoint would break order
+//! on a nack or a return: k refused, k+1 already accepted behind it, k sent again after it.
+//! The load spreads across endpoints instead (a tenant has many): every endpoint with a change
+//! ready sends it at once, and a confirm sends that endpoint's next change straight away, with
+//! no round to wait for. The one change in doubt per endpoint (no confirm came) is sent again
+//! before anything after it, so a late copy of it can only repeat a change_seq already
+//! delivered.
+//!
+//! # Finding changes
+//! The sequencer announces each endpoint that got new changes (a Redis message, see
+//! `relay_sequencer::wake::changes_channel`); the coordinator hands it to the owning task, which
+//! reads that endpoint's next changes. The coordinator's poll asks for a sweep now and then
+//! (every endpoint of the tenant with a backlog), which finds what an announcement lost. Changes
+//! read wait in memory, a bounded number per endpoint and per tenant; what has been read,
+//! `held_through`, is remembered until it is marked, so a later read never returns a change
+//! already sent.
+//!
+//! # Marking
+//! Confirmed changes are marked published in batches, one statement at a time beside the
+//! sending: whatever was confirmed while the last mark ran goes in the next. A mark is only
+//! bookkeeping (it keeps a change from being sent again after a restart), so sending does not
+//! wait for it, up to a bound of confirmed-but-unmarked changes.
 //!
 //! # Broker trouble
 //! Nothing is marked unless confirmed, so the backlog stays in Postgres whatever happens. A
 //! failed connect, a closed channel or connection, or a confirm that does not come in time drops
-//! the connection and retries after a pause (doubled each failure in a row, with jitter, up to
+//! the connection; the changes in doubt go back to the head of their endpoints' queues, and
+//! sending resumes after a pause (doubled each failure in a row, with jitter, up to
 //! `retry_max`). A return (the queue was deleted under us) declares the queue again; a nack is
 //! retried. Every wait is bounded, and each tenant has a task and a channel of its own (and a
 //! connection of its own when its destination is its own broker), so a tenant whose broker does
 //! not answer holds up only itself.
 
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt as _, StreamExt as _};
 use rand::Rng as _;
 use time::OffsetDateTime;
 use tokio::sync::{watch, Notify};
 use uuid::Uuid;
 
-use crate::broker::{publish_round, BrokerError, Link, Outcome, Target};
-use crate::outbox::{self, Marked};
+use crate::broker::{classify, publish, BrokerError, Link, Outcome, Target};
+use crate::outbox::{self, Marked, OutboxChange, OutboxError};
 use crate::ownership::TenantLease;
 use crate::publisher::Shared;
+
+/// Most changes read ahead per endpoint (one is in flight, the rest wait behind it).
+const PER_ENDPOINT: usize = 16;
+/// Most endpoints asked about in one read of the outbox.
+const ENDPOINTS_PER_READ: usize = 1_000;
+
+/// What the coordinator tells a tenant's task.
+#[derive(Default)]
+pub(crate) struct TenantSignal {
+    notify: Notify,
+    endpoints: Mutex<HashSet<Uuid>>,
+    sweep: AtomicBool,
+}
+
+impl TenantSignal {
+    /// The sequencer announced new changes of `endpoint`.
+    pub(crate) fn endpoint(&self, endpoint: Uuid) {
+        self.endpoints
+            .lock()
+            .expect("not poisoned")
+            .insert(endpoint);
+        self.notify.notify_one();
+    }
+
+    /// The poll saw a backlog: look at every endpoint.
+    pub(crate) fn sweep(&self) {
+        self.sweep.store(true, Ordering::SeqCst);
+        self.notify.notify_one();
+    }
+
+    fn take(&self) -> (HashSet<Uuid>, bool) {
+        let endpoints = std::mem::take(&mut *self.endpoints.lock().expect("not poisoned"));
+        (endpoints, self.sweep.swap(false, Ordering::SeqCst))
+    }
+}
 
 /// Why a tenant's task ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,13 +100,11 @@ enum End {
     Lost,
 }
 
-/// Runs one owned tenant until it is idle, lost, or the publisher stops. `wake` is notified by
-/// the coordinator whenever its poll finds the tenant with unpublished changes; an idle tenant
-/// waits for that instead of asking Postgres itself.
+/// Runs one owned tenant until it is idle, lost, or the publisher stops.
 pub(crate) async fn run(
     shared: Arc<Shared>,
     lease: TenantLease,
-    wake: Arc<Notify>,
+    signal: Arc<TenantSignal>,
     shutdown: watch::Receiver<bool>,
 ) {
     let tenant = lease.key;
@@ -58,12 +113,16 @@ pub(crate) async fn run(
         tenant,
         shared,
         lease,
-        wake,
+        signal,
         shutdown,
         link: None,
         target: None,
         backoff: Backoff::default(),
-        unmarked: Vec::new(),
+        stream: Stream::default(),
+        confirms: FuturesUnordered::new(),
+        marking: None,
+        hold_until: None,
+        redeclare: false,
     };
     worker.backoff.reset(worker.shared.config.retry_min);
     let end = worker.run().await;
@@ -87,19 +146,151 @@ pub(crate) async fn run(
     }
 }
 
+/// A confirm awaited: the endpoint, the change_seq, and what became of it.
+type ConfirmFuture = Pin<Box<dyn Future<Output = (Uuid, i64, Confirmed)> + Send>>;
+/// A mark running: the keys it marks, and its result.
+type MarkFuture =
+    Pin<Box<dyn Future<Output = (Vec<(Uuid, i64)>, Result<Marked, OutboxError>)> + Send>>;
+
+enum Confirmed {
+    Outcome(Outcome),
+    Failed(BrokerError),
+}
+
+/// The tenant's changes between Postgres and the broker.
+#[derive(Default)]
+struct Stream {
+    /// Read, not sent yet, per endpoint in change_seq order.
+    queued: HashMap<Uuid, VecDeque<OutboxChange>>,
+    /// Endpoints with a change queued and none in flight, each at most once.
+    ready: VecDeque<Uuid>,
+    /// The one change in flight per endpoint.
+    in_flight: HashMap<Uuid, OutboxChange>,
+    /// The highest change_seq read per endpoint, kept until it is marked: later reads ask only
+    /// for what follows it.
+    held_through: HashMap<Uuid, i64>,
+    /// Endpoints whose last read filled their room: more may wait in Postgres.
+    capped: HashSet<Uuid>,
+    /// Endpoints to read next.
+    wanted: HashSet<Uuid>,
+    /// Read every endpoint with a backlog next.
+    sweep: bool,
+    /// Changes queued or in flight.
+    held: usize,
+    /// Confirmed, not yet in a mark.
+    confirmed: Vec<(Uuid, i64)>,
+}
+
+impl Stream {
+    fn is_empty(&self) -> bool {
+        self.held == 0 && self.confirmed.is_empty()
+    }
+
+    /// Room for more changes of `endpoint`.
+    fn room(&self, endpoint: Uuid) -> usize {
+        let queued = self.queued.get(&endpoint).map_or(0, VecDeque::len);
+        let in_flight = usize::from(self.in_flight.contains_key(&endpoint));
+        PER_ENDPOINT.saturating_sub(queued + in_flight)
+    }
+
+    /// Takes in what a read returned for `asked` (endpoint, room asked for).
+    fn add_read(&mut self, asked: &[(Uuid, usize)], changes: Vec<OutboxChange>) {
+        let mut returned: HashMap<Uuid, usize> = HashMap::new();
+        for change in changes {
+            let (endpoint, seq) = change.key();
+            *returned.entry(endpoint).or_default() += 1;
+            let through = self.held_through.entry(endpoint).or_insert(0);
+            if seq <= *through {
+                // Read before its mark: already held.
+                continue;
+            }
+            *through = seq;
+            let queue = self.queued.entry(endpoint).or_default();
+            if queue.is_empty() && !self.in_flight.contains_key(&endpoint) {
+                self.ready.push_back(endpoint);
+            }
+            queue.push_back(change);
+            self.held += 1;
+        }
+        for (endpoint, room) in asked {
+            if returned.get(endpoint).copied().unwrap_or(0) >= *room {
+                self.capped.insert(*endpoint);
+            } else {
+                self.capped.remove(endpoint);
+            }
+        }
+    }
+
+    /// The next change to send: the head of the first ready endpoint's queue.
+    fn next_to_send(&mut self) -> Option<OutboxChange> {
+        let endpoint = self.ready.pop_front()?;
+        let queue = self.queued.get_mut(&endpoint)?;
+        let change = queue.pop_front()?;
+        if queue.is_empty() {
+            self.queued.remove(&endpoint);
+        }
+        self.in_flight.insert(endpoint, change.clone());
+        Some(change)
+    }
+
+    /// The broker confirmed the endpoint's change in flight: its next one is ready.
+    fn confirmed(&mut self, endpoint: Uuid) -> Option<OutboxChange> {
+        let change = self.in_flight.remove(&endpoint)?;
+        self.held -= 1;
+        self.confirmed.push(change.key());
+        if self.queued.contains_key(&endpoint) {
+            self.ready.push_back(endpoint);
+        } else if self.capped.contains(&endpoint) {
+            self.wanted.insert(endpoint);
+        }
+        Some(change)
+    }
+
+    /// The endpoint's change in flight was refused or is in doubt: it goes first again.
+    fn put_back(&mut self, endpoint: Uuid) {
+        if let Some(change) = self.in_flight.remove(&endpoint) {
+            self.queued.entry(endpoint).or_default().push_front(change);
+            self.ready.push_back(endpoint);
+        }
+    }
+
+    /// These were marked: what is no longer held is forgotten.
+    fn marked(&mut self, keys: &[(Uuid, i64)]) {
+        for (endpoint, seq) in keys {
+            let done = self.held_through.get(endpoint) == Some(seq)
+                && !self.queued.contains_key(endpoint)
+                && !self.in_flight.contains_key(endpoint);
+            if done {
+                self.held_through.remove(endpoint);
+            }
+        }
+    }
+}
+
 struct Worker {
     tenant: Uuid,
     label: String,
     shared: Arc<Shared>,
     lease: TenantLease,
-    wake: Arc<Notify>,
+    signal: Arc<TenantSignal>,
     shutdown: watch::Receiver<bool>,
     link: Option<Link>,
     target: Option<Target>,
     backoff: Backoff,
-    /// Confirmed by the broker, not yet marked (the mark failed): marked before anything else
-    /// is sent, so a Postgres hiccup does not turn into resends.
-    unmarked: Vec<(Uuid, i64)>,
+    stream: Stream,
+    confirms: FuturesUnordered<ConfirmFuture>,
+    marking: Option<MarkFuture>,
+    /// Nothing is sent before this (a pause after broker trouble).
+    hold_until: Option<Instant>,
+    /// A publish came back unroutable: declare the queue before sending again.
+    redeclare: bool,
+}
+
+/// What woke the loop.
+enum Woke {
+    Confirm(Uuid, i64, Confirmed),
+    Marked(Vec<(Uuid, i64)>, Result<Marked, OutboxError>),
+    Other,
 }
 
 impl Worker {
@@ -110,183 +301,377 @@ impl Worker {
         let mut next_metrics = now;
         let mut next_destination = now;
         let mut idle_since = now;
-        let mut cursor = Uuid::nil();
+        self.stream.sweep = true;
         loop {
             if *self.shutdown.borrow() {
-                return End::Shutdown;
+                return self.wind_down().await;
             }
             if !self.keep_lease(&mut next_renew).await {
                 return End::Lost;
             }
             let now = Instant::now();
+            if self.hold_until.is_some_and(|until| until <= now) {
+                self.hold_until = None;
+            }
             if now >= next_metrics {
                 next_metrics = now + config.metrics_interval;
                 self.refresh_backlog_metrics().await;
             }
-            if now >= next_destination || self.target.is_none() {
+            // A new destination closes the link: wait until nothing is in flight on it.
+            if (now >= next_destination && self.stream.in_flight.is_empty())
+                || self.target.is_none()
+            {
                 next_destination = now + config.destination_refresh;
                 if let Err(error) = self.refresh_target().await {
                     tracing::warn!(tenant = %self.tenant, error = %error, "reading the destination failed");
-                    if self.pause().await {
-                        return End::Shutdown;
-                    }
-                    continue;
+                    self.hold();
                 }
             }
 
-            if !self.unmarked.is_empty() {
-                let keys = std::mem::take(&mut self.unmarked);
-                match self.mark(keys).await {
-                    Ok(true) => {}
-                    Ok(false) => return End::Lost,
-                    Err(()) => {
-                        if self.pause().await {
-                            return End::Shutdown;
-                        }
-                        continue;
-                    }
-                }
-            }
-
-            let (changes, next) = match outbox::next_round(
-                &self.shared.pool,
-                self.tenant,
-                cursor,
-                config.max_in_flight,
-            )
-            .await
+            let (endpoints, sweep) = self.signal.take();
+            self.stream.wanted.extend(endpoints);
+            self.stream.sweep |= sweep;
+            if self.hold_until.is_none()
+                && self.stream.held < config.max_in_flight * PER_ENDPOINT
+                && (self.stream.sweep || !self.stream.wanted.is_empty())
             {
-                Ok(round) => round,
-                Err(error) => {
+                if let Err(error) = self.read_outbox().await {
                     tracing::warn!(tenant = %self.tenant, error = %error, "reading the outbox failed");
-                    if self.pause().await {
-                        return End::Shutdown;
-                    }
-                    continue;
+                    self.hold();
                 }
-            };
-            if changes.is_empty() {
-                let idle = now.duration_since(idle_since);
-                if idle >= config.idle_release {
+            }
+
+            if self.stream.is_empty() && self.confirms.is_empty() && self.marking.is_none() {
+                if now.duration_since(idle_since) >= config.idle_release {
                     return End::Idle;
                 }
-                if self.wait_for_work(config.idle_release - idle).await {
-                    return End::Shutdown;
-                }
-                continue;
+            } else {
+                idle_since = now;
             }
-            cursor = next;
-            idle_since = now;
 
-            let link = match self.link.take() {
-                Some(link) if link.is_open() => link,
-                stale => {
-                    if let Some(stale) = stale {
-                        stale.close().await;
-                    }
-                    let target = self.target.clone().expect("the target is read above");
-                    let relay = &self.shared.relay;
-                    match Link::open(target, self.tenant, relay, config.connect_timeout).await {
-                        Ok(link) => {
-                            // Connecting may have taken a while: renew before the round if due.
-                            if !self.keep_lease(&mut next_renew).await {
-                                link.close().await;
-                                return End::Lost;
-                            }
-                            link
-                        }
-                        Err(error) => {
-                            self.broker_trouble("connect", &error);
-                            if self.pause().await {
-                                return End::Shutdown;
-                            }
-                            continue;
-                        }
-                    }
+            if self.may_send() {
+                self.send_ready().await;
+            }
+            if self.marking.is_none() && !self.stream.confirmed.is_empty() {
+                self.start_mark();
+            }
+
+            let mut deadline = next_renew.min(next_metrics);
+            if let Some(until) = self.hold_until {
+                deadline = deadline.min(until);
+            }
+            if self.stream.is_empty() {
+                deadline = deadline.min(idle_since + config.idle_release);
+            }
+            let (confirms, marking) = (&mut self.confirms, &mut self.marking);
+            let (notify, shutdown) = (&self.signal.notify, &mut self.shutdown);
+            let woke = tokio::select! {
+                Some((endpoint, seq, confirmed)) = confirms.next(), if !confirms.is_empty() => {
+                    Woke::Confirm(endpoint, seq, confirmed)
                 }
+                (keys, result) = async { marking.as_mut().expect("guarded").await },
+                    if marking.is_some() => Woke::Marked(keys, result),
+                _ = notify.notified() => Woke::Other,
+                _ = tokio::time::sleep_until(deadline.into()) => Woke::Other,
+                _ = shutdown.changed() => Woke::Other,
             };
-
-            let metrics = &self.shared.metrics;
-            let (outcomes, failure) =
-                publish_round(&link, &changes, config.confirm_timeout, || {
-                    metrics.published.inc()
-                })
-                .await;
-            let confirmed_at = OffsetDateTime::now_utc();
-            let mut confirmed = Vec::new();
-            let mut ids = Vec::new();
-            let (mut returned, mut nacked, mut unknown) = (0u64, 0u64, 0u64);
-            for (change, outcome) in changes.iter().zip(&outcomes) {
-                match outcome {
-                    Outcome::Confirmed => {
-                        confirmed.push(change.key());
-                        ids.push(change.message.message_id());
-                        let latency = (confirmed_at - change.created_at).as_seconds_f64();
-                        metrics.latency.observe(latency.max(0.0));
+            match woke {
+                Woke::Confirm(endpoint, seq, confirmed) => {
+                    self.on_confirm(endpoint, seq, confirmed).await;
+                    // Take every other confirm that is in, so they are marked together.
+                    while let Some(Some((endpoint, seq, confirmed))) =
+                        self.confirms.next().now_or_never()
+                    {
+                        self.on_confirm(endpoint, seq, confirmed).await;
                     }
-                    Outcome::Returned => returned += 1,
-                    Outcome::Nacked => nacked += 1,
-                    Outcome::Unknown => unknown += 1,
                 }
-            }
-            metrics.confirmed.inc_by(confirmed.len() as u64);
-            metrics.returned.inc_by(returned);
-            metrics.nacked.inc_by(nacked);
-
-            if !confirmed.is_empty() {
-                if let Some(hook) = &config.before_mark {
-                    (hook.0)(ids).await;
-                }
-                match self.mark(confirmed).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        link.close().await;
+                Woke::Marked(keys, result) => {
+                    self.marking = None;
+                    if !self.on_marked(keys, result) {
+                        if let Some(link) = self.link.take() {
+                            link.close().await;
+                        }
                         return End::Lost;
                     }
-                    // Kept in `unmarked`; marked first thing next time round.
-                    Err(()) => {}
                 }
-            }
-
-            // An outcome unknown without a failure to explain it (a channel not in confirm
-            // mode) is handled as one: the link is not to be trusted.
-            let failure = failure
-                .or_else(|| (unknown > 0).then(|| ("confirm", BrokerError::Unconfirmed(unknown))));
-            if let Some((stage, error)) = failure {
-                self.broker_trouble(stage, &error);
-                link.close_after(&error, &self.shared.relay).await;
-                if self.pause().await {
-                    return End::Shutdown;
-                }
-                continue;
-            }
-            if returned > 0 {
-                tracing::warn!(
-                    tenant = %self.tenant, returned, exchange = %link.target.exchange,
-                    routing_key = %link.target.routing_key,
-                    "messages came back unroutable; declaring the queue (if ours) and retrying"
-                );
-                if let Err(error) = link.redeclare(config.connect_timeout).await {
-                    self.broker_trouble("connect", &error);
-                    link.close_after(&error, &self.shared.relay).await;
-                    if self.pause().await {
-                        return End::Shutdown;
-                    }
-                    continue;
-                }
-            }
-            self.link = Some(link);
-            if returned > 0 || nacked > 0 {
-                if nacked > 0 {
-                    tracing::warn!(tenant = %self.tenant, nacked, "the broker nacked messages; retrying");
-                }
-                if self.pause().await {
-                    return End::Shutdown;
-                }
-            } else {
-                self.backoff.reset(config.retry_min);
+                Woke::Other => {}
             }
         }
+    }
+
+    fn may_send(&self) -> bool {
+        let held = self.hold_until.is_some_and(|until| Instant::now() < until);
+        // A mark that does not finish (Postgres down) stops sending after a while, so what
+        // would be sent again after a crash stays bounded.
+        let unmarked_bound = self.shared.config.max_in_flight * PER_ENDPOINT;
+        !held && !self.stream.ready.is_empty() && self.stream.confirmed.len() < unmarked_bound
+    }
+
+    /// Sends the head change of every ready endpoint (opening the link first if need be).
+    async fn send_ready(&mut self) {
+        let config = self.shared.config.clone();
+        let link = match self.link.take() {
+            Some(link) if link.is_open() => link,
+            stale => {
+                if let Some(stale) = stale {
+                    stale.close().await;
+                }
+                let Some(target) = self.target.clone() else {
+                    return;
+                };
+                let relay = &self.shared.relay;
+                match Link::open(target, self.tenant, relay, config.connect_timeout).await {
+                    Ok(link) => {
+                        self.redeclare = false;
+                        link
+                    }
+                    Err(error) => {
+                        self.broker_trouble("connect", &error);
+                        self.hold();
+                        return;
+                    }
+                }
+            }
+        };
+        if self.redeclare {
+            if let Err(error) = link.redeclare(config.connect_timeout).await {
+                self.broker_trouble("connect", &error);
+                link.close_after(&error, &self.shared.relay).await;
+                self.hold();
+                return;
+            }
+            self.redeclare = false;
+        }
+        while self.stream.in_flight.len() < config.max_in_flight {
+            // Checked before every publish: a task that stalled past its lease (and may have a
+            // successor) sends nothing more.
+            if !self.lease.is_valid(Instant::now()) {
+                break;
+            }
+            let Some(change) = self.stream.next_to_send() else {
+                break;
+            };
+            let (endpoint, seq) = change.key();
+            match publish(&link, &change, config.confirm_timeout).await {
+                Ok(confirm) => {
+                    self.shared.metrics.published.inc();
+                    let timeout = config.confirm_timeout;
+                    let deadline = tokio::time::Instant::now() + timeout;
+                    self.confirms.push(Box::pin(async move {
+                        let confirmed = match tokio::time::timeout_at(deadline, confirm).await {
+                            Ok(Ok(confirmation)) => Confirmed::Outcome(classify(confirmation)),
+                            Ok(Err(error)) => Confirmed::Failed(error.into()),
+                            Err(_) => Confirmed::Failed(BrokerError::Timeout(
+                                "waiting for the confirm",
+                                timeout,
+                            )),
+                        };
+                        (endpoint, seq, confirmed)
+                    }));
+                }
+                Err(error) => {
+                    self.stream.put_back(endpoint);
+                    self.broker_trouble("publish", &error);
+                    self.link_failed(link, &error).await;
+                    return;
+                }
+            }
+        }
+        self.link = Some(link);
+    }
+
+    /// Books a confirmed change; `false` when it is not the one in flight (put back already,
+    /// when its link failed).
+    fn take_confirmed(&mut self, endpoint: Uuid, seq: i64) -> bool {
+        if self.stream.in_flight.get(&endpoint).map(|c| c.key().1) != Some(seq) {
+            return false;
+        }
+        if let Some(change) = self.stream.confirmed(endpoint) {
+            let metrics = &self.shared.metrics;
+            metrics.confirmed.inc();
+            let latency = (OffsetDateTime::now_utc() - change.created_at).as_seconds_f64();
+            metrics.latency.observe(latency.max(0.0));
+        }
+        true
+    }
+
+    async fn on_confirm(&mut self, endpoint: Uuid, seq: i64, confirmed: Confirmed) {
+        if self.stream.in_flight.get(&endpoint).map(|c| c.key().1) != Some(seq) {
+            return;
+        }
+        let metrics = &self.shared.metrics;
+        match confirmed {
+            Confirmed::Outcome(Outcome::Confirmed) => {
+                self.take_confirmed(endpoint, seq);
+                self.backoff.reset(self.shared.config.retry_min);
+            }
+            Confirmed::Outcome(Outcome::Returned) => {
+                metrics.returned.inc();
+                self.stream.put_back(endpoint);
+                if !self.redeclare {
+                    tracing::warn!(tenant = %self.tenant,
+                        "messages came back unroutable; declaring the queue (if ours) and retrying");
+                }
+                self.redeclare = true;
+                self.hold();
+            }
+            Confirmed::Outcome(Outcome::Nacked) => {
+                metrics.nacked.inc();
+                tracing::warn!(tenant = %self.tenant, %endpoint, seq, "the broker nacked a change; retrying");
+                self.stream.put_back(endpoint);
+                self.hold();
+            }
+            Confirmed::Outcome(Outcome::Unknown) => {
+                // Confirm mode is set on every channel opened here; one without it tells
+                // nothing, and the link is not to be trusted.
+                self.stream.put_back(endpoint);
+                let error = BrokerError::Unconfirmed(1);
+                self.broker_trouble("confirm", &error);
+                if let Some(link) = self.link.take() {
+                    self.link_failed(link, &error).await;
+                }
+            }
+            Confirmed::Failed(error) => {
+                self.stream.put_back(endpoint);
+                self.broker_trouble("confirm", &error);
+                if let Some(link) = self.link.take() {
+                    self.link_failed(link, &error).await;
+                }
+            }
+        }
+    }
+
+    /// The link failed: every confirm already in is taken, every other change in flight goes
+    /// back to the head of its endpoint's queue, and sending waits a pause.
+    async fn link_failed(&mut self, link: Link, error: &BrokerError) {
+        while let Some(Some((endpoint, seq, confirmed))) = self.confirms.next().now_or_never() {
+            if let Confirmed::Outcome(Outcome::Confirmed) = confirmed {
+                self.take_confirmed(endpoint, seq);
+            }
+        }
+        self.confirms = FuturesUnordered::new();
+        let in_doubt: Vec<Uuid> = self.stream.in_flight.keys().copied().collect();
+        for endpoint in in_doubt {
+            self.stream.put_back(endpoint);
+        }
+        link.close_after(error, &self.shared.relay).await;
+        self.hold();
+    }
+
+    fn start_mark(&mut self) {
+        let keys = std::mem::take(&mut self.stream.confirmed);
+        let pool = self.shared.pool.clone();
+        let (tenant, token) = (self.tenant, self.lease.token);
+        let hook = self.shared.config.before_mark.clone();
+        self.marking = Some(Box::pin(async move {
+            if let Some(hook) = hook {
+                let ids = keys
+                    .iter()
+                    .map(|(endpoint, seq)| crate::message::message_id(*endpoint, *seq))
+                    .collect();
+                (hook.0)(ids).await;
+            }
+            let result = outbox::mark_published(&pool, tenant, token, &keys).await;
+            (keys, result)
+        }));
+    }
+
+    /// `false` when another publisher fenced this one out.
+    fn on_marked(&mut self, keys: Vec<(Uuid, i64)>, result: Result<Marked, OutboxError>) -> bool {
+        match result {
+            Ok(Marked::Marked(n)) => {
+                self.shared.metrics.marked.inc_by(n);
+                self.stream.marked(&keys);
+                true
+            }
+            Ok(Marked::FencedOut) => {
+                tracing::warn!(tenant = %self.tenant, token = self.lease.token,
+                               "another publisher took the tenant over");
+                false
+            }
+            Err(error) => {
+                tracing::warn!(tenant = %self.tenant, error = %error,
+                               "marking confirmed changes failed; will retry");
+                // Marked first, before what was confirmed since.
+                let mut keys = keys;
+                keys.append(&mut self.stream.confirmed);
+                self.stream.confirmed = keys;
+                self.hold();
+                true
+            }
+        }
+    }
+
+    /// Stopping: nothing more is sent; the confirms in flight are awaited (each within its
+    /// timeout) and what they confirm is marked.
+    async fn wind_down(&mut self) -> End {
+        while let Some((endpoint, seq, confirmed)) = self.confirms.next().await {
+            if let Confirmed::Outcome(Outcome::Confirmed) = confirmed {
+                self.take_confirmed(endpoint, seq);
+            }
+        }
+        if let Some(marking) = self.marking.take() {
+            let (keys, result) = marking.await;
+            if !self.on_marked(keys, result) {
+                return End::Lost;
+            }
+        }
+        if !self.stream.confirmed.is_empty() {
+            self.start_mark();
+            let (keys, result) = self.marking.take().expect("just started").await;
+            if !self.on_marked(keys, result) {
+                return End::Lost;
+            }
+        }
+        End::Shutdown
+    }
+
+    /// Reads the next changes of the endpoints asked for (all with a backlog on a sweep).
+    async fn read_outbox(&mut self) -> Result<(), OutboxError> {
+        let pool = self.shared.pool.clone();
+        let mut endpoints: Vec<Uuid> = self.stream.wanted.drain().collect();
+        if std::mem::take(&mut self.stream.sweep) {
+            match outbox::endpoints_with_backlog(&pool, self.tenant, 1_000_000).await {
+                Ok(all) => endpoints.extend(all),
+                Err(error) => {
+                    self.stream.sweep = true;
+                    self.stream.wanted.extend(endpoints);
+                    return Err(error);
+                }
+            }
+        }
+        endpoints.sort_unstable();
+        endpoints.dedup();
+        let limit = self.shared.config.max_in_flight * PER_ENDPOINT;
+        let mut asked: Vec<(Uuid, usize)> = Vec::new();
+        let mut budget = limit.saturating_sub(self.stream.held);
+        for endpoint in endpoints {
+            let room = self.stream.room(endpoint).min(budget);
+            if room == 0 {
+                // Asked again when its queue empties (or on the next sweep).
+                self.stream.capped.insert(endpoint);
+                continue;
+            }
+            budget -= room;
+            asked.push((endpoint, room));
+        }
+        for chunk in asked.chunks(ENDPOINTS_PER_READ) {
+            let plan: Vec<(Uuid, i64, i64)> = chunk
+                .iter()
+                .map(|(endpoint, room)| {
+                    let through = self.stream.held_through.get(endpoint).copied();
+                    (*endpoint, through.unwrap_or(0), *room as i64)
+                })
+                .collect();
+            match outbox::next_changes(&pool, self.tenant, &plan).await {
+                Ok(changes) => self.stream.add_read(chunk, changes),
+                Err(error) => {
+                    self.stream.sweep = true;
+                    return Err(error);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Renews the lease when due; `false` once it is lost (not renewed in time, or taken).
@@ -307,29 +692,6 @@ impl Worker {
         self.lease.is_valid(Instant::now())
     }
 
-    /// Marks confirmed changes published. `Ok(false)`: fenced out. `Err`: Postgres failed;
-    /// the keys are kept to be marked again.
-    async fn mark(&mut self, keys: Vec<(Uuid, i64)>) -> Result<bool, ()> {
-        match outbox::mark_published(&self.shared.pool, self.tenant, self.lease.token, &keys).await
-        {
-            Ok(Marked::Marked(n)) => {
-                self.shared.metrics.marked.inc_by(n);
-                Ok(true)
-            }
-            Ok(Marked::FencedOut) => {
-                tracing::warn!(tenant = %self.tenant, token = self.lease.token,
-                               "another publisher took the tenant over");
-                Ok(false)
-            }
-            Err(error) => {
-                tracing::warn!(tenant = %self.tenant, error = %error,
-                               "marking confirmed changes failed; will retry");
-                self.unmarked = keys;
-                Err(())
-            }
-        }
-    }
-
     async fn refresh_target(&mut self) -> Result<(), outbox::OutboxError> {
         let destination = outbox::destination(&self.shared.pool, self.tenant).await?;
         let target = Target::resolve(self.tenant, &destination, &self.shared.config.amqp_url);
@@ -345,7 +707,7 @@ impl Worker {
         Ok(())
     }
 
-    async fn refresh_backlog_metrics(&self) {
+    async fn refresh_backlog_metrics(&mut self) {
         match outbox::backlog(&self.shared.pool, self.tenant).await {
             Ok((count, oldest)) => {
                 let metrics = &self.shared.metrics;
@@ -379,31 +741,11 @@ impl Worker {
                        "broker trouble; the backlog waits in Postgres");
     }
 
-    /// Waits the next backoff step; `true` when the publisher is stopping.
-    async fn pause(&mut self) -> bool {
+    /// Holds sending (and the next read) for the next backoff step.
+    fn hold(&mut self) {
         let wait = self.backoff.next(self.shared.config.retry_max);
-        self.sleep(wait).await
-    }
-
-    /// Waits until the coordinator sees new changes of the tenant (or `longest` passes, or a
-    /// renewal falls due). `true` when the publisher is stopping.
-    async fn wait_for_work(&mut self, longest: Duration) -> bool {
-        let wait = longest.min(self.shared.config.lease / 3);
-        tokio::select! {
-            _ = self.wake.notified() => *self.shutdown.borrow(),
-            _ = tokio::time::sleep(wait) => *self.shutdown.borrow(),
-            _ = self.shutdown.changed() => true,
-        }
-    }
-
-    /// Sleeps, but no longer than the lease stays valid without a renewal due in between, and
-    /// wakes at once on shutdown. `true` when the publisher is stopping.
-    async fn sleep(&mut self, wait: Duration) -> bool {
-        let wait = wait.min(self.shared.config.lease / 3);
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => *self.shutdown.borrow(),
-            _ = self.shutdown.changed() => true,
-        }
+        let until = Instant::now() + wait;
+        self.hold_until = Some(self.hold_until.map_or(until, |held| held.max(until)));
     }
 }
 

@@ -209,6 +209,7 @@ fn publisher_config(
 ) -> relay_publisher::PublisherConfig {
     let mut args = args.clone();
     args.redis_url = global.redis_url.clone();
+    args.publisher_key_prefix = global.redis_key_prefix.clone();
     args.config()
 }
 

@@ -184,6 +184,8 @@ async fn prefetch(
 #[derive(Debug, Clone)]
 pub struct BatchReport {
     pub messages: usize,
+    /// Changes appended to the outbox.
+    pub changes: usize,
     /// True when the track has a reload to run after these messages.
     pub reload_pending: bool,
 }
@@ -209,6 +211,7 @@ pub async fn apply_messages(
     let Some(last) = pending.last() else {
         return Ok(BatchReport {
             messages: 0,
+            changes: 0,
             reload_pending: false,
         });
     };
@@ -424,6 +427,7 @@ pub async fn apply_messages(
             item_text: text.as_deref(),
         })
         .collect();
+    let change_count = changes.len();
     let (written, _) = copy::write_decided(&mut tx, tenant, endpoint, &rows, &changes).await?;
     if written != rows.len() as i64 {
         // Every row was decided under its lock, so the statement can only agree; if it does
@@ -467,6 +471,7 @@ pub async fn apply_messages(
     }
     Ok(BatchReport {
         messages: pending.len(),
+        changes: change_count,
         reload_pending: track.reload.is_some(),
     })
 }

@@ -91,8 +91,20 @@ impl Sequencer {
         redis::Client::open(config.redis_url.as_str())?
             .get_multiplexed_async_connection()
             .await?;
+        let changes_waker = crate::wake::Waker::connect_channel(
+            &config.redis_url,
+            crate::wake::changes_channel(&config.key_prefix),
+        )
+        .await?;
         let (stop, stop_rx) = watch::channel(false);
-        let task = tokio::spawn(schedule(pool, owners, config, metrics, stop_rx));
+        let task = tokio::spawn(schedule(
+            pool,
+            owners,
+            config,
+            metrics,
+            changes_waker,
+            stop_rx,
+        ));
         Ok(Self { stop, task })
     }
 
@@ -113,6 +125,7 @@ async fn schedule(
     owners: Owners,
     config: SequencerConfig,
     metrics: SequencerMetrics,
+    changes_waker: crate::wake::Waker,
     mut stop: watch::Receiver<bool>,
 ) {
     let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<Uuid>();
@@ -130,6 +143,7 @@ async fn schedule(
     ));
     let http = UpstreamClient::http_client(config.upstream_timeout);
     let worker_config = WorkerConfig {
+        changes_waker: Some(changes_waker),
         messages_per_read: config.messages_per_read,
         idle_linger: config.idle_linger,
         reload_backoff: config.reload_backoff,

@@ -36,6 +36,8 @@ impl WorkerSignal {
 /// How a worker behaves (see `SequencerConfig` for the defaults).
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
+    /// Announces new changes to the publisher (see [`crate::wake::changes_channel`]).
+    pub changes_waker: Option<crate::wake::Waker>,
     pub messages_per_read: i64,
     pub idle_linger: Duration,
     pub reload_backoff: ReloadBackoff,
@@ -160,7 +162,8 @@ pub async fn run_worker(
                 }
                 match running.task.await {
                     Ok(Ok(ReloadEnd::Merged { .. })) => {
-                        metrics.reloads.with_label_values(&["merged"]).inc()
+                        metrics.reloads.with_label_values(&["merged"]).inc();
+                        announce_changes(&config, &ctx).await;
                     }
                     Ok(Ok(ReloadEnd::Fenced)) => {
                         metrics.reloads.with_label_values(&["abandoned"]).inc();
@@ -259,8 +262,22 @@ async fn apply_available(
             return Ok(count);
         }
         let report = apply_messages(pool, ctx, token, applied, &pending, metrics).await?;
+        if report.changes > 0 {
+            announce_changes(config, ctx).await;
+        }
         applied = pending.last().map_or(applied, |m| m.arrival_seq);
         count += report.messages;
+    }
+}
+
+/// Tells the publisher the endpoint has new changes (committed). Best effort: a lost
+/// announcement only means the publisher's poll finds them instead.
+async fn announce_changes(config: &WorkerConfig, ctx: &EndpointContext) {
+    if let Some(waker) = &config.changes_waker {
+        let payload = crate::wake::change_payload(ctx.tenant(), ctx.id());
+        if let Err(error) = waker.publish(&[payload]).await {
+            tracing::debug!(endpoint = %ctx.id(), %error, "could not announce new changes");
+        }
     }
 }
 
