@@ -642,22 +642,34 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
 
     // Receipt (the front tier began reading the message) to confirm (the broker confirmed the
     // change, and the publisher marked it), for messages received after the warm-up.
-    let (count, p50, p99, max): (i64, Option<f64>, Option<f64>, Option<f64>) = sqlx::query_as(
+    // Split at the change's created_at (the sequencer's apply transaction began): receipt to
+    // applied is the front tier and the sequencer, applied to confirm the publisher.
+    type Latencies = (i64, Vec<Option<f64>>);
+    let (count, quantiles): Latencies = sqlx::query_as(
         "WITH pairs AS (
-             SELECT extract(epoch FROM c.published_at - m.received_at)::float8 AS latency
+             SELECT extract(epoch FROM c.published_at - m.received_at)::float8 AS latency,
+                    extract(epoch FROM c.created_at - m.received_at)::float8 AS applied,
+                    extract(epoch FROM c.published_at - c.created_at)::float8 AS published
              FROM messages m
              JOIN changes c ON c.endpoint_id = m.endpoint_id
                  AND c.event_id = convert_from(m.body, 'UTF8')::jsonb #>> '{events,0,id}'
              WHERE m.received_at >= $1 AND m.received_at < $2 AND c.published_at IS NOT NULL
          )
-         SELECT count(*), percentile_cont(0.5) WITHIN GROUP (ORDER BY latency),
-                percentile_cont(0.99) WITHIN GROUP (ORDER BY latency), max(latency)
+         SELECT count(*), ARRAY[
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY latency),
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY latency), max(latency),
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY applied),
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY applied),
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY published),
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY published)]
          FROM pairs",
     )
     .bind(load_started + time::Duration::seconds(3))
     .bind(load_ended)
     .fetch_one(&pool)
     .await?;
+    let q = |i: usize| quantiles.get(i).copied().flatten();
+    let (p50, p99, max) = (q(0), q(1), q(2));
     let ms = |v: Option<f64>| v.map(|s| (s * 10_000.0).round() / 10.0);
     let tail = &samples[samples.len().saturating_sub(10)..];
     println!(
@@ -668,6 +680,8 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
             "duration_s": args.duration_s,
             "measured_changes": count,
             "receipt_to_confirm_ms": {"p50": ms(p50), "p99": ms(p99), "max": ms(max)},
+            "receipt_to_applied_ms": {"p50": ms(q(3)), "p99": ms(q(4))},
+            "applied_to_confirm_ms": {"p50": ms(q(5)), "p99": ms(q(6))},
             "backlog_max": {
                 "unapplied_messages": samples.iter().map(|s| s.0).max(),
                 "unpublished_changes": samples.iter().map(|s| s.1).max(),

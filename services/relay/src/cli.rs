@@ -195,8 +195,11 @@ pub struct SequencerArgs {
     )]
     pub sweep_interval_ms: u64,
 
-    /// Milliseconds an idle worker keeps its endpoint before letting go.
-    #[arg(long, env = "RELAY_SEQUENCER_IDLE_LINGER_MS", default_value_t = 200)]
+    /// Milliseconds an idle worker keeps its endpoint before letting go. Taking an endpoint
+    /// costs a lock, a fencing-token commit and a few reads; an endpoint that gets a message
+    /// every few seconds should not pay that per message. A lingering worker holds no
+    /// database connection and no concurrency slot, only its lock (renewed every third of it).
+    #[arg(long, env = "RELAY_SEQUENCER_IDLE_LINGER_MS", default_value_t = 5_000)]
     pub idle_linger_ms: u64,
 
     /// Timeout, in milliseconds, of each upstream API request (reload pages, refetch reads).

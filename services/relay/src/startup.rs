@@ -165,7 +165,7 @@ pub fn sequencer_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
         max_connections: global.database_max_connections,
         acquire_timeout: Duration::from_secs(30),
         statement_timeout: Some(Duration::from_secs(300)),
-        generic_plans: false,
+        generic_plans: true,
     };
     relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
 }

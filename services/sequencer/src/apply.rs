@@ -208,6 +208,22 @@ pub async fn apply_messages(
     pending: &[PendingMessage],
     metrics: &SequencerMetrics,
 ) -> Result<BatchReport, ApplyError> {
+    let through = pending.last().map_or(applied, |m| m.arrival_seq);
+    apply_messages_through(pool, ctx, token, applied, through, pending, metrics).await
+}
+
+/// [`apply_messages`], moving the cursor to `through` (at or past the last message): the arrival
+/// counter the messages were read under, when they were all the messages below it, so numbers
+/// that duplicates took and left unused are skipped in the same transaction.
+pub async fn apply_messages_through(
+    pool: &PgPool,
+    ctx: &Arc<EndpointContext>,
+    token: i64,
+    applied: i64,
+    through: i64,
+    pending: &[PendingMessage],
+    metrics: &SequencerMetrics,
+) -> Result<BatchReport, ApplyError> {
     let Some(last) = pending.last() else {
         return Ok(BatchReport {
             messages: 0,
@@ -446,7 +462,7 @@ pub async fn apply_messages(
         tenant,
         endpoint,
         applied,
-        last.arrival_seq,
+        through.max(last.arrival_seq),
         Some(last.received_at),
     )
     .await?

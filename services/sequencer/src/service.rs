@@ -33,7 +33,9 @@ pub struct SequencerConfig {
     pub messages_per_read: i64,
     /// How often Postgres is swept for endpoints with work (the safety net under wake-ups).
     pub sweep_interval: Duration,
-    /// How long an idle worker keeps its endpoint before letting go.
+    /// How long an idle worker keeps its endpoint before letting go: long enough that an
+    /// endpoint with a message every few seconds stays owned (taking one costs a lock, a
+    /// fencing-token commit and a few reads), while a lingering worker holds only its lock.
     pub idle_linger: Duration,
     /// Timeout of each upstream API request.
     pub upstream_timeout: Duration,
@@ -49,7 +51,7 @@ impl Default for SequencerConfig {
             max_concurrent_endpoints: 32,
             messages_per_read: 100,
             sweep_interval: Duration::from_secs(1),
-            idle_linger: Duration::from_millis(200),
+            idle_linger: Duration::from_secs(5),
             upstream_timeout: Duration::from_secs(10),
             reload_backoff: ReloadBackoff::default(),
         }

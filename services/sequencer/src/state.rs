@@ -221,41 +221,39 @@ pub async fn pending_messages(
     applied: i64,
     limit: i64,
 ) -> Result<(i64, Vec<PendingMessage>), StateError> {
-    let mut tx = pool.begin().await?;
-    // One snapshot for both reads (repeatable read), so the counter bounds exactly what the
-    // message read can see.
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .execute(&mut *tx)
-        .await?;
-    let counter: Option<i64> = sqlx::query_scalar(
-        "SELECT last_arrival_seq FROM endpoint_arrival_counters WHERE endpoint_id = $1",
-    )
-    .bind(endpoint)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let counter = counter.unwrap_or(0);
-    let rows: Vec<(i64, OffsetDateTime, Vec<u8>)> = sqlx::query_as(
-        "SELECT arrival_seq, received_at, body FROM messages
-         WHERE endpoint_id = $1 AND arrival_seq > $2 AND arrival_seq <= $3
-         ORDER BY arrival_seq LIMIT $4",
+    // One statement, so one snapshot: the counter bounds exactly what the message read sees.
+    // No messages: one row with the counter and nulls.
+    type Row = (i64, Option<i64>, Option<OffsetDateTime>, Option<Vec<u8>>);
+    let rows: Vec<Row> = sqlx::query_as(
+        "WITH counter AS (
+             SELECT coalesce((SELECT last_arrival_seq FROM endpoint_arrival_counters
+                              WHERE endpoint_id = $1), 0) AS last
+         )
+         SELECT counter.last, m.arrival_seq, m.received_at, m.body
+         FROM counter LEFT JOIN LATERAL (
+             SELECT arrival_seq, received_at, body FROM messages
+             WHERE endpoint_id = $1 AND arrival_seq > $2 AND arrival_seq <= counter.last
+             ORDER BY arrival_seq LIMIT $3
+         ) m ON true
+         ORDER BY m.arrival_seq",
     )
     .bind(endpoint)
     .bind(applied)
-    .bind(counter)
     .bind(limit)
-    .fetch_all(&mut *tx)
+    .fetch_all(pool)
     .await?;
-    tx.commit().await?;
-    Ok((
-        counter,
-        rows.into_iter()
-            .map(|(arrival_seq, received_at, body)| PendingMessage {
-                arrival_seq,
-                received_at,
-                body,
+    let counter = rows.first().map_or(0, |row| row.0);
+    let pending = rows
+        .into_iter()
+        .filter_map(|(_, arrival_seq, received_at, body)| {
+            Some(PendingMessage {
+                arrival_seq: arrival_seq?,
+                received_at: received_at?,
+                body: body?,
             })
-            .collect(),
-    ))
+        })
+        .collect();
+    Ok((counter, pending))
 }
 
 /// How a message was applied, for support reads.

@@ -11,7 +11,7 @@ use tokio::sync::{Mutex, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-use crate::apply::{apply_messages, ApplyError, EndpointContext};
+use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::SequencerMetrics;
 use crate::ownership::{Lease, Owners};
 use crate::reload::{run_reload, ReloadBackoff, ReloadEnd};
@@ -117,6 +117,7 @@ pub async fn run_worker(
     }
     let ctx = Arc::new(EndpointContext::new(registration, http));
     let mut reload: Option<RunningReload> = None;
+    let mut cursor: Option<i64> = None;
 
     loop {
         if lost.load(Ordering::SeqCst) || stopping.load(Ordering::SeqCst) {
@@ -129,9 +130,9 @@ pub async fn run_worker(
             }
         }
         wakes_seen = signal.wakes.load(Ordering::SeqCst);
-        let step = apply_available(&pool, &ctx, token, &config, &metrics).await;
-        let applied_any = match step {
-            Ok(n) => n > 0,
+        let step = apply_available(&pool, &ctx, token, &mut cursor, &config, &metrics).await;
+        let (applied_any, reload_pending) = match step {
+            Ok(applied) => (applied.messages > 0, applied.reload_pending),
             Err(error @ (ApplyError::Fenced | ApplyError::CursorMoved)) => {
                 metrics.lock_losses.inc();
                 tracing::info!(%endpoint, %error, "lost the endpoint to another worker");
@@ -144,14 +145,21 @@ pub async fn run_worker(
             }
         };
 
-        // The reload the track holds now (a message may have begun or replaced it).
-        let wanted = match state::peek_track(&pool, endpoint, FEED_TRACK).await {
-            Ok(track) => track.reload,
-            Err(error) => {
-                tracing::warn!(%endpoint, %error, "reading the track failed; retrying");
-                tokio::time::sleep(config.error_pause).await;
-                continue;
+        // The reload the track holds now (a message may have begun or replaced it, and the
+        // control plane's rewind may have begun one). Read when it can have changed: messages
+        // left a reload pending, one is running, or the worker was woken with no message to
+        // apply (the sweep wakes endpoints whose track holds a reload). Otherwise none.
+        let wanted = if reload_pending || reload.is_some() || !applied_any {
+            match state::peek_track(&pool, endpoint, FEED_TRACK).await {
+                Ok(track) => track.reload,
+                Err(error) => {
+                    tracing::warn!(%endpoint, %error, "reading the track failed; retrying");
+                    tokio::time::sleep(config.error_pause).await;
+                    continue;
+                }
             }
+        } else {
+            None
         };
         if let Some(running) = &reload {
             if running.task.is_finished() || Some(&running.reload) != wanted.as_ref() {
@@ -199,11 +207,9 @@ pub async fn run_worker(
                 continue;
             }
         }
-        if applied_any {
-            continue;
-        }
-        // Nothing to apply: wait for a wake-up, or for the reload to end; let go after a
-        // while with neither.
+        // Everything stored when the messages were read is applied: wait for a wake-up (one
+        // that came meanwhile is kept by the `Notify` and ends the wait at once), or for the
+        // reload to end; let go after a while with neither.
         let linger = tokio::time::sleep(config.idle_linger);
         permit = None;
         match &mut reload {
@@ -231,17 +237,49 @@ async fn wait_finished<T>(task: &JoinHandle<T>) {
     }
 }
 
-/// Applies every message available now, in order. Returns how many it applied.
+/// What one look at the endpoint's messages did.
+struct Applied {
+    messages: usize,
+    /// The track has a reload to run (as the last apply transaction left it).
+    reload_pending: bool,
+}
+
+/// Applies every message available now, in order. `cursor` is the apply cursor as this worker
+/// last left it (read from Postgres when `None`, and forgotten after an error, whose commit may
+/// or may not have happened): the worker owns the endpoint, so nobody else moves it.
 async fn apply_available(
     pool: &PgPool,
     ctx: &Arc<EndpointContext>,
     token: i64,
+    cursor: &mut Option<i64>,
     config: &WorkerConfig,
     metrics: &SequencerMetrics,
-) -> Result<usize, ApplyError> {
+) -> Result<Applied, ApplyError> {
+    let result = apply_from_cursor(pool, ctx, token, cursor, config, metrics).await;
+    if result.is_err() {
+        *cursor = None;
+    }
+    result
+}
+
+async fn apply_from_cursor(
+    pool: &PgPool,
+    ctx: &Arc<EndpointContext>,
+    token: i64,
+    cursor: &mut Option<i64>,
+    config: &WorkerConfig,
+    metrics: &SequencerMetrics,
+) -> Result<Applied, ApplyError> {
     let endpoint = ctx.id();
-    let mut applied = state::applied_through(pool, endpoint).await?;
-    let mut count = 0;
+    let mut applied = match *cursor {
+        Some(applied) => applied,
+        None => state::applied_through(pool, endpoint).await?,
+    };
+    *cursor = Some(applied);
+    let mut done = Applied {
+        messages: 0,
+        reload_pending: false,
+    };
     loop {
         let (counter, pending) =
             state::pending_messages(pool, endpoint, applied, config.messages_per_read).await?;
@@ -258,15 +296,29 @@ async fn apply_available(
                     return Err(ApplyError::CursorMoved);
                 }
                 tx.commit().await?;
+                *cursor = Some(counter);
             }
-            return Ok(count);
+            return Ok(done);
         }
-        let report = apply_messages(pool, ctx, token, applied, &pending, metrics).await?;
+        // Everything below the counter was read: the cursor can skip to it.
+        let complete = (pending.len() as i64) < config.messages_per_read;
+        let last = pending.last().map_or(applied, |m| m.arrival_seq);
+        let through = if complete { counter.max(last) } else { last };
+        let report = crate::apply::apply_messages_through(
+            pool, ctx, token, applied, through, &pending, metrics,
+        )
+        .await?;
         if report.changes > 0 {
             announce_changes(config, ctx).await;
         }
-        applied = pending.last().map_or(applied, |m| m.arrival_seq);
-        count += report.messages;
+        applied = through;
+        *cursor = Some(applied);
+        done.messages += report.messages;
+        done.reload_pending = report.reload_pending;
+        if complete {
+            // What arrives after the read comes with a wake-up of its own.
+            return Ok(done);
+        }
     }
 }
 
