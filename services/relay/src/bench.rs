@@ -405,7 +405,9 @@ async fn timed_reload(
     .await?;
     loop {
         let merged: Option<bool> = sqlx::query_scalar(
-            "SELECT reload IS NULL AND generation = $2 FROM endpoint_tracks WHERE endpoint_id = $1",
+            // The track row exists before the reset is applied, with no generation yet.
+            "SELECT coalesce(reload IS NULL AND generation = $2, false) FROM endpoint_tracks
+             WHERE endpoint_id = $1",
         )
         .bind(endpoint)
         .bind(generation as i64)
