@@ -600,3 +600,60 @@ async fn concurrent_single_applies_without_the_endpoint_lock_keep_change_seq_gap
     let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
     assert_eq!(replay, items_of(&rows));
 }
+
+/// Applied event ids past their retention are deleted in batches; the recent ones stay, so a
+/// redelivery inside the retention is still recognised.
+#[tokio::test]
+async fn applied_event_ids_past_their_retention_are_forgotten_in_batches() {
+    let (db, tenant, endpoint) = fresh().await;
+    let retention = Duration::from_secs(31 * 24 * 3600);
+    for (id, age_days) in [
+        ("old-1", 40),
+        ("old-2", 32),
+        ("old-3", 365),
+        ("new-1", 30),
+        ("new-2", 0),
+    ] {
+        sqlx::query(
+            "INSERT INTO applied_events (endpoint_id, event_id, tenant_id, applied_at)
+             VALUES ($1, $2, $3, now() - make_interval(days => $4))",
+        )
+        .bind(endpoint)
+        .bind(id)
+        .bind(tenant)
+        .bind(age_days)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let mut batches = Vec::new();
+    loop {
+        let deleted = copy::forget_applied_events(&db.pool, retention, 2)
+            .await
+            .unwrap();
+        batches.push(deleted);
+        if deleted < 2 {
+            break;
+        }
+    }
+    assert_eq!(batches, vec![2, 1]);
+    let left: BTreeSet<String> = sqlx::query_scalar("SELECT event_id FROM applied_events")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(
+        left,
+        BTreeSet::from(["new-1".to_owned(), "new-2".to_owned()])
+    );
+    // What is still remembered is still a duplicate.
+    let mut conn = db.pool.acquire().await.unwrap();
+    let first_seen = copy::record_event_ids(&mut conn, tenant, endpoint, &["new-1", "old-1"])
+        .await
+        .unwrap();
+    assert_eq!(
+        first_seen,
+        std::collections::HashSet::from(["old-1".to_owned()])
+    );
+}

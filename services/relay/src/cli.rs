@@ -199,8 +199,18 @@ pub struct SequencerArgs {
     /// costs a lock, a fencing-token commit and a few reads; an endpoint that gets a message
     /// every few seconds should not pay that per message. A lingering worker holds no
     /// database connection and no concurrency slot, only its lock (renewed every third of it).
-    #[arg(long, env = "RELAY_SEQUENCER_IDLE_LINGER_MS", default_value_t = 5_000)]
+    #[arg(long, env = "RELAY_SEQUENCER_IDLE_LINGER_MS", default_value_t = 10_000)]
     pub idle_linger_ms: u64,
+
+    /// Days applied event ids are kept for de-duplication (0: for ever). Keep them as long as
+    /// the oldest backup that may be restored, plus a day: a rewind after a restore resends
+    /// what was applied since that backup.
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_APPLIED_EVENTS_RETENTION_DAYS",
+        default_value_t = 31
+    )]
+    pub applied_events_retention_days: u64,
 
     /// Timeout, in milliseconds, of each upstream API request (reload pages, refetch reads).
     #[arg(

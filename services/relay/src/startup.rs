@@ -152,6 +152,8 @@ impl SequencerArgs {
             messages_per_read: self.messages_per_read,
             sweep_interval: Duration::from_millis(self.sweep_interval_ms),
             idle_linger: Duration::from_millis(self.idle_linger_ms),
+            applied_events_retention: (self.applied_events_retention_days > 0)
+                .then(|| Duration::from_secs(self.applied_events_retention_days * 24 * 3600)),
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
             ..relay_sequencer::SequencerConfig::default()
         }

@@ -46,6 +46,7 @@ pub struct SequencerMetrics {
     pub refetches: IntCounterVec,
     pub endpoints_owned: IntGauge,
     pub lock_losses: IntCounter,
+    pub applied_events_forgotten: IntCounter,
 }
 
 impl SequencerMetrics {
@@ -114,6 +115,11 @@ impl SequencerMetrics {
             "relay_sequencer_lock_losses_total",
             "Times this process lost an endpoint's lock (lease not renewed, or fence moved on).",
         )?;
+        let applied_events_forgotten = IntCounter::new(
+            "relay_sequencer_applied_events_forgotten_total",
+            "Applied event ids deleted after their retention.",
+        )?;
+        registry.register(Box::new(applied_events_forgotten.clone()))?;
         registry.register(Box::new(messages.clone()))?;
         registry.register(Box::new(events.clone()))?;
         registry.register(Box::new(apply_lag.clone()))?;
@@ -147,6 +153,7 @@ impl SequencerMetrics {
             refetches,
             endpoints_owned,
             lock_losses,
+            applied_events_forgotten,
         })
     }
 

@@ -37,6 +37,12 @@ pub struct SequencerConfig {
     /// endpoint with a message every few seconds stays owned (taking one costs a lock, a
     /// fencing-token commit and a few reads), while a lingering worker holds only its lock.
     pub idle_linger: Duration,
+    /// How long applied event ids are kept (`None`: for ever). Keep them as long as the oldest
+    /// backup that may be restored, plus a day: a rewind after a restore resends what was
+    /// applied since that backup, and its events must still be recognised.
+    pub applied_events_retention: Option<Duration>,
+    /// How often ids past their retention are deleted.
+    pub retention_interval: Duration,
     /// Timeout of each upstream API request.
     pub upstream_timeout: Duration,
     pub reload_backoff: ReloadBackoff,
@@ -51,7 +57,9 @@ impl Default for SequencerConfig {
             max_concurrent_endpoints: 32,
             messages_per_read: 100,
             sweep_interval: Duration::from_secs(1),
-            idle_linger: Duration::from_secs(5),
+            idle_linger: Duration::from_secs(10),
+            applied_events_retention: Some(Duration::from_secs(31 * 24 * 3600)),
+            retention_interval: Duration::from_secs(600),
             upstream_timeout: Duration::from_secs(10),
             reload_backoff: ReloadBackoff::default(),
         }
@@ -137,6 +145,15 @@ async fn schedule(
         wake_tx.clone(),
         stop.clone(),
     ));
+    let retention = config.applied_events_retention.map(|retention| {
+        tokio::spawn(forget_applied_events(
+            pool.clone(),
+            retention,
+            config.retention_interval,
+            metrics.clone(),
+            stop.clone(),
+        ))
+    });
     let sweeper = tokio::spawn(sweep(
         pool.clone(),
         config.sweep_interval,
@@ -225,6 +242,41 @@ async fn schedule(
     while workers.join_next().await.is_some() {}
     listener.abort();
     sweeper.abort();
+    if let Some(retention) = retention {
+        retention.abort();
+    }
+}
+
+/// Deletes applied event ids older than `retention`, every `interval`, in batches. Every
+/// sequencer process runs it; deletes of the same rows by two of them simply find less to do.
+async fn forget_applied_events(
+    pool: PgPool,
+    retention: Duration,
+    interval: Duration,
+    metrics: SequencerMetrics,
+    mut stop: watch::Receiver<bool>,
+) {
+    const BATCH: i64 = 10_000;
+    loop {
+        loop {
+            match relay_store::copy::forget_applied_events(&pool, retention, BATCH).await {
+                Ok(deleted) => {
+                    metrics.applied_events_forgotten.inc_by(deleted);
+                    if (deleted as i64) < BATCH || *stop.borrow() {
+                        break;
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "deleting old applied event ids failed");
+                    break;
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = stop.changed() => return,
+        }
+    }
 }
 
 async fn sweep(

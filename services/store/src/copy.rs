@@ -327,6 +327,31 @@ pub async fn apply(
     })
 }
 
+/// Deletes up to `batch` applied event ids recorded before `now() - older_than`; returns how
+/// many it deleted (fewer than `batch`: none older are left). The retention bound is argued
+/// with the table (migration 0002): an id is needed only while its event may come again, and
+/// one forgotten too early costs a repeated read, never a wrong copy, because every write is
+/// conditional on position. Batches keep each delete's locks and WAL small.
+pub async fn forget_applied_events<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    older_than: std::time::Duration,
+    batch: i64,
+) -> Result<u64, StoreError> {
+    let deleted = sqlx::query(
+        "DELETE FROM applied_events WHERE ctid = ANY (ARRAY(
+             SELECT ctid FROM applied_events
+             WHERE applied_at < now() - make_interval(secs => $1)
+             LIMIT $2
+         ))",
+    )
+    .bind(older_than.as_secs_f64())
+    .bind(batch)
+    .execute(db)
+    .await?
+    .rows_affected();
+    Ok(deleted)
+}
+
 /// Rule "De-duplicate events by id, for each endpoint", for many events at once: records the ids
 /// and returns those recorded for the first time now (the rest were applied before). The insert
 /// decides, as in [`record_event_id`].
