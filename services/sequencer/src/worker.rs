@@ -255,7 +255,7 @@ async fn apply_available(
     config: &WorkerConfig,
     metrics: &SequencerMetrics,
 ) -> Result<Applied, ApplyError> {
-    let result = apply_from_cursor(pool, ctx, token, cursor, config, metrics).await;
+    let result = apply_from_cursor(pool, ctx, token, cursor, (config, metrics)).await;
     if result.is_err() {
         *cursor = None;
     }
@@ -267,8 +267,7 @@ async fn apply_from_cursor(
     ctx: &Arc<EndpointContext>,
     token: i64,
     cursor: &mut Option<i64>,
-    config: &WorkerConfig,
-    metrics: &SequencerMetrics,
+    (config, metrics): (&WorkerConfig, &SequencerMetrics),
 ) -> Result<Applied, ApplyError> {
     let endpoint = ctx.id();
     let mut applied = match *cursor {
