@@ -352,7 +352,11 @@ impl Worker {
             if self.may_send() {
                 self.send_ready().await;
             }
-            if self.marking.is_none() && !self.stream.confirmed.is_empty() {
+            // A failed mark holds too, so Postgres trouble is not retried in a tight loop.
+            if self.marking.is_none()
+                && !self.stream.confirmed.is_empty()
+                && self.hold_until.is_none()
+            {
                 self.start_mark();
             }
 
