@@ -203,6 +203,78 @@ fn describe_difference(copy: &Items, oracle: &Items) -> String {
     lines.join("; ")
 }
 
+/// What the relay keeps about the subjects where the copy and the oracle differ (their rows,
+/// every change of theirs in the outbox) and the endpoint's track and message outcomes: what a
+/// failure report needs to say how the copy came to differ.
+async fn explain_difference(pool: &PgPool, endpoint: Uuid, copy: &Items, oracle: &Items) -> String {
+    let mut subjects: Vec<&String> = oracle
+        .iter()
+        .filter(|(subject, entry)| copy.get(*subject) != Some(*entry))
+        .map(|(subject, _)| subject)
+        .chain(copy.keys().filter(|s| !oracle.contains_key(*s)))
+        .collect();
+    subjects.truncate(3);
+    let mut lines = Vec::new();
+    let track: Option<(Option<i64>, Option<String>, Option<String>, Option<String>)> =
+        sqlx::query_as(
+            "SELECT generation, access_version, through, reload::text FROM endpoint_tracks
+             WHERE endpoint_id = $1",
+        )
+        .bind(endpoint)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+    lines.push(format!(
+        "  track (generation, access_version, through, reload): {track:?}"
+    ));
+    let outcomes: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT outcome, count(*) FROM message_applications WHERE endpoint_id = $1
+         GROUP BY outcome ORDER BY outcome",
+    )
+    .bind(endpoint)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    lines.push(format!("  message outcomes: {outcomes:?}"));
+    for subject in subjects {
+        let row: Option<(i64, String, bool)> = sqlx::query_as(
+            "SELECT generation, sequence, tombstone FROM copy_items
+             WHERE endpoint_id = $1 AND subject = $2",
+        )
+        .bind(endpoint)
+        .bind(subject)
+        .fetch_optional(pool)
+        .await
+        .unwrap();
+        lines.push(format!(
+            "  {subject}: row (generation, sequence, tombstone) {row:?}; oracle at {:?}",
+            oracle.get(subject).map(|(sequence, _)| sequence)
+        ));
+        let changes: Vec<(
+            i64,
+            String,
+            i64,
+            Option<String>,
+            Option<String>,
+            Option<i64>,
+        )> = sqlx::query_as(
+            "SELECT change_seq, operation, generation, sequence, event_id, reload_generation
+                 FROM changes WHERE endpoint_id = $1 AND subject = $2 ORDER BY change_seq",
+        )
+        .bind(endpoint)
+        .bind(subject)
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        for change in changes {
+            lines.push(format!(
+                "    change (seq, op, generation, sequence, event, reload): {change:?}"
+            ));
+        }
+    }
+    lines.join("\n")
+}
+
 /// Replays the endpoint's outbox in change order onto nothing: the items it rebuilds.
 async fn replay_outbox(pool: &PgPool, endpoint: Uuid, seed: u64) -> Items {
     let changes = copy::list_changes(pool, endpoint).await.unwrap();
@@ -372,10 +444,11 @@ async fn converge(run: Run) {
                 let (copy, truth) = (copy_items(&pool, id).await, oracle(&sim, id));
                 if copy != truth {
                     report.push(format!(
-                        "endpoint {id}: {} items, oracle {}: {}",
+                        "endpoint {id}: {} items, oracle {}: {}\n{}",
                         copy.len(),
                         truth.len(),
-                        describe_difference(&copy, &truth)
+                        describe_difference(&copy, &truth),
+                        explain_difference(&pool, id, &copy, &truth).await
                     ));
                 }
             }
