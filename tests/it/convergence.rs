@@ -271,7 +271,69 @@ async fn explain_difference(pool: &PgPool, endpoint: Uuid, copy: &Items, oracle:
                 "    change (seq, op, generation, sequence, event, reload): {change:?}"
             ));
         }
+        // Every stored message with an event about the subject: how the message was applied,
+        // and each such event with whether its id is recorded as applied.
+        let events: Vec<(
+            i64,
+            Option<i64>,
+            Option<String>,
+            String,
+            String,
+            Option<String>,
+            bool,
+        )> = sqlx::query_as(
+            "SELECT m.arrival_seq, m.generation, a.outcome, e->>'id', e->>'type',
+                        e->>'sequence',
+                        EXISTS (SELECT 1 FROM applied_events x
+                                WHERE x.endpoint_id = m.endpoint_id AND x.event_id = e->>'id')
+                 FROM messages m
+                 LEFT JOIN message_applications a
+                     ON a.endpoint_id = m.endpoint_id AND a.arrival_seq = m.arrival_seq
+                 CROSS JOIN LATERAL jsonb_array_elements(
+                     convert_from(m.body, 'UTF8')::jsonb -> 'events') AS e
+                 WHERE m.endpoint_id = $1
+                   AND (e->>'subject' = $2 OR e #>> '{data,feed_item_id}' = $2)
+                 ORDER BY m.arrival_seq",
+        )
+        .bind(endpoint)
+        .bind(subject)
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        for event in events {
+            lines.push(format!(
+                "    message event (arrival, generation, outcome, id, type, sequence, id applied): \
+                 {event:?}"
+            ));
+        }
     }
+    let resets: Vec<(i64, Option<i64>, Option<String>, String)> = sqlx::query_as(
+        "SELECT m.arrival_seq, m.generation, a.outcome, e->>'type'
+         FROM messages m
+         LEFT JOIN message_applications a
+             ON a.endpoint_id = m.endpoint_id AND a.arrival_seq = m.arrival_seq
+         CROSS JOIN LATERAL jsonb_array_elements(convert_from(m.body, 'UTF8')::jsonb -> 'events') e
+         WHERE m.endpoint_id = $1 AND e->>'type' LIKE 'webhook_endpoint.%'
+         ORDER BY m.arrival_seq",
+    )
+    .bind(endpoint)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    lines.push(format!(
+        "  endpoint events (arrival, generation, outcome, type): {resets:?}"
+    ));
+    let generations: Vec<(Option<i64>, i64, i64, i64)> = sqlx::query_as(
+        "SELECT generation, count(*), min(arrival_seq), max(arrival_seq) FROM messages
+         WHERE endpoint_id = $1 GROUP BY generation ORDER BY generation",
+    )
+    .bind(endpoint)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    lines.push(format!(
+        "  messages by generation (generation, count, first, last arrival): {generations:?}"
+    ));
     lines.join("\n")
 }
 
