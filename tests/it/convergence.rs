@@ -203,6 +203,29 @@ fn describe_difference(copy: &Items, oracle: &Items) -> String {
     lines.join("; ")
 }
 
+/// The track's generation, access_version, through and running reload.
+type TrackReport = (Option<i64>, Option<String>, Option<String>, Option<String>);
+/// A change's seq, operation, generation, sequence, event id and reload generation.
+type ChangeReport = (
+    i64,
+    String,
+    i64,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+);
+/// A stored event: its message's arrival and generation and how the message was applied, the
+/// event's id, type and sequence, and whether the id is recorded as applied.
+type EventReport = (
+    i64,
+    Option<i64>,
+    Option<String>,
+    String,
+    String,
+    Option<String>,
+    bool,
+);
+
 /// What the relay keeps about the subjects where the copy and the oracle differ (their rows,
 /// every change of theirs in the outbox) and the endpoint's track and message outcomes: what a
 /// failure report needs to say how the copy came to differ.
@@ -215,15 +238,14 @@ async fn explain_difference(pool: &PgPool, endpoint: Uuid, copy: &Items, oracle:
         .collect();
     subjects.truncate(3);
     let mut lines = Vec::new();
-    let track: Option<(Option<i64>, Option<String>, Option<String>, Option<String>)> =
-        sqlx::query_as(
-            "SELECT generation, access_version, through, reload::text FROM endpoint_tracks
+    let track: Option<TrackReport> = sqlx::query_as(
+        "SELECT generation, access_version, through, reload::text FROM endpoint_tracks
              WHERE endpoint_id = $1",
-        )
-        .bind(endpoint)
-        .fetch_optional(pool)
-        .await
-        .unwrap();
+    )
+    .bind(endpoint)
+    .fetch_optional(pool)
+    .await
+    .unwrap();
     lines.push(format!(
         "  track (generation, access_version, through, reload): {track:?}"
     ));
@@ -250,14 +272,7 @@ async fn explain_difference(pool: &PgPool, endpoint: Uuid, copy: &Items, oracle:
             "  {subject}: row (generation, sequence, tombstone) {row:?}; oracle at {:?}",
             oracle.get(subject).map(|(sequence, _)| sequence)
         ));
-        let changes: Vec<(
-            i64,
-            String,
-            i64,
-            Option<String>,
-            Option<String>,
-            Option<i64>,
-        )> = sqlx::query_as(
+        let changes: Vec<ChangeReport> = sqlx::query_as(
             "SELECT change_seq, operation, generation, sequence, event_id, reload_generation
                  FROM changes WHERE endpoint_id = $1 AND subject = $2 ORDER BY change_seq",
         )
@@ -273,15 +288,7 @@ async fn explain_difference(pool: &PgPool, endpoint: Uuid, copy: &Items, oracle:
         }
         // Every stored message with an event about the subject: how the message was applied,
         // and each such event with whether its id is recorded as applied.
-        let events: Vec<(
-            i64,
-            Option<i64>,
-            Option<String>,
-            String,
-            String,
-            Option<String>,
-            bool,
-        )> = sqlx::query_as(
+        let events: Vec<EventReport> = sqlx::query_as(
             "SELECT m.arrival_seq, m.generation, a.outcome, e->>'id', e->>'type',
                         e->>'sequence',
                         EXISTS (SELECT 1 FROM applied_events x
