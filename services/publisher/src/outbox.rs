@@ -209,9 +209,11 @@ pub async fn mark_published(
     let (endpoints, seqs): (Vec<Uuid>, Vec<i64>) = keys.iter().copied().unzip();
     // Each key is looked up by itself (the lateral read, kept apart from the update by `offset
     // 0`), so the plan is a point read per key whatever the statistics say. Written as a join
-    // on the keys, a plan made while the table was small (this pool plans a statement once per
-    // connection) scanned every unpublished change of the tenant on each mark: seconds per
-    // mark once the backlog was in the tens of thousands, which kept it growing.
+    // on the keys, the planner chose, on statistics taken while the backlog was small, to scan
+    // every unpublished change of the tenant on each mark: seconds per mark once the backlog
+    // was in the tens of thousands, which kept it growing. A row updated between the read and
+    // the update (only a fenced-out owner's mark could) no longer matches its row id and stays
+    // unmarked: it is sent again, which the contract allows.
     let mut tx = pool.begin().await?;
     // Not waiting for the WAL flush: a mark lost to a Postgres crash is a change sent again
     // under the same message_id, which the contract allows (it is what a publisher crash
