@@ -5,8 +5,8 @@
 //! rebuild exactly that copy.
 //!
 //! Every run prints its seed; `RELAY_TEST_SEED=<seed>` replays one seed alone, and
-//! `RELAY_TEST_CONVERGENCE_SEEDS=<n>` runs that many seeds (CI runs the default 20, spread over
-//! four tests).
+//! `RELAY_TEST_CONVERGENCE_SEEDS=<n>` runs that many seeds, spread over the five tests (CI runs
+//! their defaults, 23 in all).
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
@@ -590,7 +590,7 @@ fn seeds(first: u64, count: u64) -> Vec<u64> {
     let count = std::env::var("RELAY_TEST_CONVERGENCE_SEEDS")
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
-        .map(|n| n.div_ceil(4))
+        .map(|n| n.div_ceil(5))
         .unwrap_or(count);
     (first..first + count).collect()
 }
@@ -651,6 +651,28 @@ async fn copies_converge_with_redeliveries_and_rewinds_d() {
             faults,
             sequencers: 1,
             kills: false,
+            ..Run::standard(seed)
+        })
+        .await;
+    }
+}
+
+/// Every item read fails (a load balancer's 404), so every refetch ends in "read /v1/feed
+/// again", some while a reset's reload is reading (which then reads again: the race itself is
+/// pinned down in `sequencer_reload`, since random timing rarely hits it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_converge_when_refetches_fail_during_reloads_e() {
+    for seed in seeds(400_001, 3) {
+        let faults = Faults {
+            refetch: 0.6,
+            lb_404: 1.0,
+            slow_reads: 0.3,
+            reset_mid_reload: 0.2,
+            access_change_mid_reload: 0.1,
+            ..Faults::default()
+        };
+        converge(Run {
+            faults,
             ..Run::standard(seed)
         })
         .await;

@@ -11,3 +11,4 @@ mod pipeline;
 mod publisher;
 mod sequencer_apply;
 mod sequencer_ownership;
+mod sequencer_reload;

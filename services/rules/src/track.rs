@@ -34,6 +34,14 @@ pub struct Reload {
     /// began it (a refetch's or a rewind's answer, a restore): the pages' agreed one is taken.
     pub access_version: Option<String>,
     pub cause: ReloadCause,
+    /// How many times "read /v1/feed again" was asked while this reload ran. Each time starts
+    /// its read over: pages read before the change that asked for it cannot hold that change.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub read_again: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// What began a reload.
@@ -145,6 +153,7 @@ pub fn step(state: &EndpointTrack, message: &Message) -> (EndpointTrack, Message
                 generation,
                 access_version: Some(av.clone()),
                 cause: ReloadCause::AccessVersion,
+                read_again: 0,
             };
             Some(next.begin(begun))
         }
@@ -177,6 +186,7 @@ fn step_reset(state: &EndpointTrack, reset: &ResetData) -> (EndpointTrack, Messa
         cause: ReloadCause::Reset {
             reason: reset.reason.clone(),
         },
+        read_again: 0,
     };
     let decision = match next.begin(begun) {
         ReloadStart::Begin(r) => MessageDecision::BeginReload(r),
@@ -202,18 +212,29 @@ impl EndpointTrack {
 
     /// Begins a reload no message began ("read /v1/feed again", from a refetch's answer, a
     /// rewind's refusal or a restore), under the held generation; the pages' access_version will
-    /// be taken. A running reload already reads everything again and is left alone (`None`).
-    pub fn read_feed_again(&self) -> (EndpointTrack, Option<ReloadStart>) {
-        if self.reload.is_some() {
-            return (self.clone(), None);
-        }
+    /// be taken.
+    ///
+    /// A running reload is begun again rather than left alone: its pages may have been read
+    /// before the change that asks for this (an item created after them, whose refetch failed),
+    /// and a merge of those pages would hold the copy without it for good, since the event's id
+    /// is applied. The restarted reload keeps its generation, access_version and cause, so
+    /// reading again never relaxes what its pages must agree on.
+    pub fn read_feed_again(&self) -> (EndpointTrack, ReloadStart) {
+        let begun = match &self.reload {
+            Some(running) => Reload {
+                read_again: running.read_again + 1,
+                ..running.clone()
+            },
+            None => Reload {
+                generation: self.generation.unwrap_or(0),
+                access_version: None,
+                cause: ReloadCause::ReadAgain,
+                read_again: 0,
+            },
+        };
         let mut next = self.clone();
-        let start = next.begin(Reload {
-            generation: self.generation.unwrap_or(0),
-            access_version: None,
-            cause: ReloadCause::ReadAgain,
-        });
-        (next, Some(start))
+        let start = next.begin(begun);
+        (next, start)
     }
 
     /// The reload `merged` was merged into the copy, its pages under `pages_access_version`: it

@@ -84,6 +84,7 @@ fn wire_example_reset_begins_a_reload_at_generation_4_under_b4d934cf() {
         cause: ReloadCause::Reset {
             reason: "access_changed".into(),
         },
+        read_again: 0,
     };
     assert_eq!(decision, MessageDecision::BeginReload(begun.clone()));
     assert_eq!(track.generation, Some(4));
@@ -420,6 +421,7 @@ fn access_version_rule_a_message_under_another_access_version_begins_a_reload_at
         generation: 4,
         access_version: Some("new".into()),
         cause: ReloadCause::AccessVersion,
+        read_again: 0,
     };
     assert_eq!(
         d,
@@ -510,7 +512,7 @@ fn reload_rule_a_reload_begun_and_not_merged_survives_a_restart_as_json() {
 #[test]
 fn read_again_rules_a_reload_no_message_began_takes_the_pages_access_version() {
     let (next, start) = loaded(4, "av").read_feed_again();
-    let Some(ReloadStart::Begin(r)) = start else {
+    let ReloadStart::Begin(r) = start else {
         panic!("{start:?}")
     };
     assert_eq!((r.generation, r.access_version.clone()), (4, None));
@@ -522,8 +524,39 @@ fn read_again_rules_a_reload_no_message_began_takes_the_pages_access_version() {
         next.reload_merged(&r, "x").access_version.as_deref(),
         Some("x")
     );
-    // With a reload running, reading again is already under way.
-    assert_eq!(next.read_feed_again(), (next.clone(), None));
+}
+
+#[test]
+fn read_again_rules_a_running_reload_reads_its_pages_again() {
+    // A reset's reload runs; its pages may have been read before an item was created whose
+    // refetch then failed. Reading again must not merge those pages: the running reload is
+    // begun again, the same in all but its count, so its pass starts over.
+    let (running, _) = step(&loaded(4, "av"), &reset(5, "av2", "behind"));
+    let first = running.reload.clone().unwrap();
+    let (next, start) = running.read_feed_again();
+    let ReloadStart::Supersede { stopped, begun } = start else {
+        panic!("{start:?}")
+    };
+    assert_eq!(stopped, first);
+    assert_eq!(begun.read_again, 1);
+    assert_eq!(
+        (begun.generation, &begun.access_version, &begun.cause),
+        (first.generation, &first.access_version, &first.cause)
+    );
+    assert_eq!(next.reload.as_ref(), Some(&begun));
+    assert_eq!(next.access_version.as_deref(), Some("av2"));
+    // The first read's merge changes nothing now; the restarted one's does.
+    assert_eq!(next.reload_merged(&first, "av2"), next);
+    let merged = next.reload_merged(&begun, "av2");
+    assert_eq!(merged.reload, None);
+    // Kept with the copy: it survives a restart as JSON, and one stored before the count
+    // existed reads as never begun again.
+    let text = serde_json::to_string(&next).unwrap();
+    assert_eq!(serde_json::from_str::<EndpointTrack>(&text).unwrap(), next);
+    let old: Reload =
+        serde_json::from_str(r#"{"generation":5,"access_version":"av2","cause":"AccessVersion"}"#)
+            .unwrap();
+    assert_eq!(old.read_again, 0);
 }
 
 // ---- Merge ----

@@ -535,9 +535,7 @@ fn decide_one(
             metrics.refetches.with_label_values(&[label]).inc();
             let (next, start) = track.read_feed_again();
             *track = next;
-            if let Some(start) = start {
-                note_reload_start(metrics, endpoint, &start);
-            }
+            note_reload_start(metrics, endpoint, &start);
             Err("refetch_reload")
         }
     }

@@ -129,14 +129,15 @@ pub async fn rewind_track(
     let held = EndpointTrack {
         generation: unsigned(generation),
         access_version,
-        // Only whether a reload runs matters here (`read_feed_again` leaves a running one
-        // alone), and the write below checks that again on the row itself; a stored reload this
-        // build cannot read still counts as running.
+        // Only whether a reload runs matters here (a running one is left alone), and the
+        // write below checks that again on the row itself; a stored reload this build cannot
+        // read still counts as running.
         reload: reload.as_deref().map(|text| {
             serde_json::from_str::<Reload>(text).unwrap_or(Reload {
                 generation: unsigned(generation).unwrap_or(0),
                 access_version: None,
                 cause: ReloadCause::ReadAgain,
+                read_again: 0,
             })
         }),
         through,
@@ -239,10 +240,12 @@ async fn begin_reload(
     track: &str,
     held: &EndpointTrack,
 ) -> Result<(&'static str, Option<Value>), ApiError> {
-    let (next, start) = held.read_feed_again();
-    if start.is_none() {
+    // A running reload is left alone here (`reload_already_running`), as before relay-rules'
+    // `read_feed_again` began running reloads again for a refetch's failed read.
+    if held.reload.is_some() {
         return Ok(("reload_already_running", held_reload_json(held)?));
     }
+    let (next, _) = held.read_feed_again();
     let reload = next
         .reload
         .as_ref()
