@@ -1,11 +1,14 @@
-//! Applying one stored message: the driver around relay-rules' [`step`] and [`decide_event`].
+//! Applying a run of stored messages: the driver around relay-rules' [`step`] and
+//! [`decide_event`].
 //!
-//! One transaction per message: check the fence, lock the endpoint, lock the track row, decide
-//! the message's transition and each event's decision, carry each decision out in one
-//! conditional statement (relay_store::copy), write the track row, note the outcome and move the
-//! apply cursor (conditionally), commit. A refetch's item read happens before that transaction
-//! (so no lock is held across HTTP), and its answer is decided inside it against the row as it
-//! is then: "read it before applying the next message".
+//! One transaction per run, three statements inside it: the first checks the fence, takes the
+//! endpoint's writer lock and reads the track row locked; the second records the run's event
+//! ids and reads (and locks) the rows of the subjects they touch; the third writes the rows the
+//! decisions left (each still checking its position), appends their changes, writes the track
+//! row and the outcomes and moves the apply cursor (only from where it was read). A refetch's
+//! item read happens before that transaction (so no lock is held across HTTP), and its answer
+//! is decided inside it against the row as it is then: "read it before applying the next
+//! message".
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -24,7 +27,6 @@ use tokio::sync::Mutex;
 use uuid::Uuid;
 
 use crate::metrics::SequencerMetrics;
-use crate::ownership::check_fence;
 use crate::state::{self, EndpointRegistration, MessageOutcome, PendingMessage, StateError};
 use crate::upstream::{FeedSelection, UpstreamClient, UpstreamError};
 
@@ -196,10 +198,10 @@ pub struct BatchReport {
 /// Each message is still taken one at a time, in order, by the rules: the track row goes
 /// through [`step`] message by message, and each event is decided against what the copy holds
 /// after every earlier event (relay-rules' reference copy, [`FeedCopy`], seeded with the rows
-/// read and locked here). What one transaction changes is only how many round trips that takes:
-/// the event ids of the run are recorded in one statement, the subjects' rows read (and locked)
-/// in one, and the rows the decisions left written in one that still checks each row's position
-/// and appends the changes ([`copy::write_decided`]).
+/// read and locked here). What one transaction changes is only how many round trips that takes
+/// (see the module's note): the fence, writer lock and track in one statement
+/// ([`state::open_track`]), the event ids and the held rows in one
+/// ([`copy::record_event_ids_and_load_held`]), and every write in one ([`state::write_run`]).
 pub async fn apply_messages(
     pool: &PgPool,
     ctx: &Arc<EndpointContext>,
@@ -241,11 +243,11 @@ pub async fn apply_messages_through(
 
     let (tenant, endpoint) = (ctx.tenant(), ctx.id());
     let mut tx = pool.begin().await?;
-    if !check_fence(&mut tx, endpoint, token).await? {
+    let Some(held_track) =
+        state::open_track(&mut tx, tenant, endpoint, token, state::FEED_TRACK).await?
+    else {
         return Err(ApplyError::Fenced);
-    }
-    copy::lock_endpoint(&mut tx, tenant, endpoint).await?;
-    let held_track = state::load_track(&mut tx, endpoint, state::FEED_TRACK).await?;
+    };
 
     // Which messages apply their events: the track's transitions alone decide that (a refetch's
     // "read /v1/feed again" begins a reload, which never changes whether a later message
@@ -260,15 +262,16 @@ pub async fn apply_messages_through(
         probe = next;
     }
     let ids: Vec<&str> = applying.iter().map(|e| e.id.as_str()).collect();
-    let first_seen = copy::record_event_ids(&mut tx, tenant, endpoint, &ids).await?;
     let mut subjects: Vec<&str> = applying.iter().filter_map(|e| feed_subject(e)).collect();
     subjects.sort_unstable();
     subjects.dedup();
+    let (first_seen, held_entries) =
+        copy::record_event_ids_and_load_held(&mut tx, tenant, endpoint, &ids, &subjects).await?;
     // The rows go into the reference copy whole (no copy of their items); what reads keep
     // beside them (kind, company) waits here for the write.
     let mut held_meta: HashMap<String, (Option<String>, Option<i64>)> = HashMap::new();
     let mut held_rows = std::collections::BTreeMap::new();
-    for (subject, entry) in copy::load_held_many(&mut tx, endpoint, &subjects).await? {
+    for (subject, entry) in held_entries {
         held_meta.insert(subject.clone(), (entry.item_kind, entry.company_id));
         held_rows.insert(subject, entry.held);
     }
@@ -443,30 +446,23 @@ pub async fn apply_messages_through(
             item_text: text.as_deref(),
         })
         .collect();
-    let change_count = changes.len();
-    let (written, _) = copy::write_decided(&mut tx, tenant, endpoint, &rows, &changes).await?;
-    if written != rows.len() as i64 {
+    let decided_write = copy::DecidedWrite::new(&rows, &changes)?;
+    let end = state::RunEnd {
+        track: (track != held_track).then_some(&track),
+        outcomes: &outcomes,
+        from: applied,
+        to: through.max(last.arrival_seq),
+        last_received_at: Some(last.received_at),
+    };
+    let written = state::write_run(&mut tx, tenant, endpoint, decided_write, end).await?;
+    if written.rows != rows.len() as i64 {
         // Every row was decided under its lock, so the statement can only agree; if it does
         // not, something else writes this copy: stop rather than write a wrong change.
-        tracing::error!(%endpoint, written, decided = rows.len(),
+        tracing::error!(%endpoint, written = written.rows, decided = rows.len(),
             "rows decided under lock were refused");
         return Err(ApplyError::CursorMoved);
     }
-
-    if track != held_track {
-        state::save_track(&mut tx, tenant, endpoint, state::FEED_TRACK, &track).await?;
-    }
-    state::record_applications(&mut tx, tenant, endpoint, &outcomes).await?;
-    if !state::advance_cursor(
-        &mut tx,
-        tenant,
-        endpoint,
-        applied,
-        through.max(last.arrival_seq),
-        Some(last.received_at),
-    )
-    .await?
-    {
+    if !written.cursor_moved {
         return Err(ApplyError::CursorMoved);
     }
     tx.commit().await?;
@@ -487,7 +483,7 @@ pub async fn apply_messages_through(
     }
     Ok(BatchReport {
         messages: pending.len(),
-        changes: change_count,
+        changes: usize::try_from(written.changes).unwrap_or(0),
         reload_pending: track.reload.is_some(),
     })
 }

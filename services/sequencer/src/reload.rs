@@ -15,7 +15,6 @@ use sqlx::PgPool;
 
 use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::SequencerMetrics;
-use crate::ownership::check_fence;
 use crate::state::{self, FEED_TRACK};
 use crate::upstream::{FeedPass, UpstreamError};
 
@@ -135,11 +134,9 @@ async fn merge(
 ) -> Result<ReloadEnd, ApplyError> {
     let (tenant, endpoint) = (ctx.tenant(), ctx.id());
     let mut tx = pool.begin().await?;
-    if !check_fence(&mut tx, endpoint, token).await? {
+    let Some(track) = state::open_track(&mut tx, tenant, endpoint, token, FEED_TRACK).await? else {
         return Ok(ReloadEnd::Fenced);
-    }
-    copy::lock_endpoint(&mut tx, tenant, endpoint).await?;
-    let track = state::load_track(&mut tx, endpoint, FEED_TRACK).await?;
+    };
     if track.reload.as_ref() != Some(reload) {
         return Ok(ReloadEnd::Superseded);
     }

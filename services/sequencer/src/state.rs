@@ -49,28 +49,75 @@ fn track_from_row(row: TrackRow) -> Result<EndpointTrack, StateError> {
 const TRACK_COLUMNS: &str =
     "generation, access_version, through, last_was_reset, last_reset_generation, reload";
 
-/// The endpoint's track row, locked (`for update`) until the transaction ends: the message's
-/// transition is decided from it and written back before anyone else reads it. A track never
-/// written is the default (nothing held yet).
-pub async fn load_track(
+/// Opens a transaction's hold on the endpoint in one statement (one round trip): checks that
+/// `token` is still the endpoint's fencing token (the fence row share-locked, so no new owner
+/// can claim it until this transaction ends), takes the endpoint's writer lock (its change
+/// counter row: see `relay_store::copy::lock_endpoint`), and reads the track row locked, in that
+/// order, the order every writer of the endpoint takes them in. `None`: the fence moved on, and
+/// nothing was locked past the fence row.
+pub async fn open_track(
     conn: &mut PgConnection,
+    tenant: Uuid,
     endpoint: Uuid,
+    token: i64,
     track: &str,
-) -> Result<EndpointTrack, StateError> {
-    let row: Option<TrackRow> = sqlx::query_as(&format!(
-        "SELECT {TRACK_COLUMNS} FROM endpoint_tracks
-         WHERE endpoint_id = $1 AND track = $2 FOR UPDATE"
+) -> Result<Option<EndpointTrack>, StateError> {
+    type Row = (
+        bool,
+        Option<i64>,
+        Option<String>,
+        Option<String>,
+        Option<bool>,
+        Option<i64>,
+        Option<serde_json::Value>,
+    );
+    // Each step depends on the one before (the writer's insert selects from the fence, the
+    // track's read joins on the writer's row), so Postgres takes the locks in that order.
+    let row: Row = sqlx::query_as(&format!(
+        "WITH fence AS MATERIALIZED (
+             SELECT token FROM endpoint_fences WHERE endpoint_id = $1 FOR SHARE
+         ),
+         writer AS MATERIALIZED (
+             INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id)
+             SELECT $1, $2 FROM fence WHERE fence.token = $3
+             ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last
+             RETURNING endpoint_id
+         )
+         SELECT w.endpoint_id IS NOT NULL, {TRACK_COLUMNS}
+         FROM (SELECT 1) AS one
+         LEFT JOIN writer w ON true
+         LEFT JOIN LATERAL (
+             SELECT {TRACK_COLUMNS} FROM endpoint_tracks
+             WHERE endpoint_id = w.endpoint_id AND track = $4
+             FOR UPDATE
+         ) t ON true"
     ))
     .bind(endpoint)
+    .bind(tenant)
+    .bind(token)
     .bind(track)
-    .fetch_optional(conn)
+    .fetch_one(conn)
     .await?;
-    row.map(track_from_row)
-        .transpose()
-        .map(Option::unwrap_or_default)
+    let (owned, generation, access_version, through, last_was_reset, last_reset, reload) = row;
+    if !owned {
+        return Ok(None);
+    }
+    let Some(last_was_reset) = last_was_reset else {
+        // A track never written: nothing held yet.
+        return Ok(Some(EndpointTrack::default()));
+    };
+    track_from_row((
+        generation,
+        access_version,
+        through,
+        last_was_reset,
+        last_reset,
+        reload,
+    ))
+    .map(Some)
 }
 
-/// Creates the track row if it is missing, so that [`load_track`] always has a row to lock: a
+/// Creates the track row if it is missing, so that [`open_track`] always has a row to lock: a
 /// writer outside the sequencer (the control plane beginning a reload) and an apply transaction
 /// then queue on it rather than both believing the row absent.
 pub async fn ensure_track(
@@ -109,7 +156,7 @@ pub async fn peek_track(
         .map(Option::unwrap_or_default)
 }
 
-/// Writes the track row decided from [`load_track`]'s (the caller holds its lock).
+/// Writes the track row decided from [`open_track`]'s (the caller holds its lock).
 /// `reload_begun_at` moves only when the running reload changes.
 pub async fn save_track(
     conn: &mut PgConnection,
@@ -118,15 +165,7 @@ pub async fn save_track(
     track: &str,
     state: &EndpointTrack,
 ) -> Result<(), StateError> {
-    let signed = |v: u64| {
-        i64::try_from(v).map_err(|_| StateError::Invalid(format!("generation {v} too large")))
-    };
-    let reload = state
-        .reload
-        .as_ref()
-        .map(serde_json::to_value)
-        .transpose()
-        .map_err(|e| StateError::Invalid(format!("reload: {e}")))?;
+    let (generation, last_reset_generation, reload) = track_values(state)?;
     sqlx::query(
         "INSERT INTO endpoint_tracks AS t (endpoint_id, track, tenant_id, generation,
              access_version, through, last_was_reset, last_reset_generation, reload,
@@ -145,16 +184,158 @@ pub async fn save_track(
     .bind(endpoint)
     .bind(track)
     .bind(tenant)
-    .bind(state.generation.map(signed).transpose()?)
+    .bind(generation)
     .bind(&state.access_version)
     .bind(&state.through)
     .bind(state.last_was_reset)
-    .bind(state.last_reset_generation.map(signed).transpose()?)
+    .bind(last_reset_generation)
     .bind(reload)
     .execute(conn)
     .await?;
     Ok(())
 }
+
+/// A track's generations as Postgres keeps them, and its running reload as JSON.
+type TrackValues = (Option<i64>, Option<i64>, Option<serde_json::Value>);
+
+fn track_values(state: &EndpointTrack) -> Result<TrackValues, StateError> {
+    let signed = |v: u64| {
+        i64::try_from(v).map_err(|_| StateError::Invalid(format!("generation {v} too large")))
+    };
+    let reload = state
+        .reload
+        .as_ref()
+        .map(serde_json::to_value)
+        .transpose()
+        .map_err(|e| StateError::Invalid(format!("reload: {e}")))?;
+    Ok((
+        state.generation.map(signed).transpose()?,
+        state.last_reset_generation.map(signed).transpose()?,
+        reload,
+    ))
+}
+
+/// How a run of messages ends, beside the copy's writes: the track row (when the run changed
+/// it), how each message was applied, and the apply cursor moved from `from` to `to`.
+pub struct RunEnd<'a> {
+    pub track: Option<&'a EndpointTrack>,
+    pub outcomes: &'a [(i64, MessageOutcome, i32, i32)],
+    pub from: i64,
+    pub to: i64,
+    pub last_received_at: Option<OffsetDateTime>,
+}
+
+/// What [`write_run`] wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunWritten {
+    /// Copy rows written (each decided row whose position still won).
+    pub rows: i64,
+    /// Changes appended to the outbox.
+    pub changes: i64,
+    /// False when the cursor was not at `from`: someone else applied these messages.
+    pub cursor_moved: bool,
+}
+
+/// The end of an apply transaction in one statement (one round trip): the copy's rows and
+/// changes ([`copy::write_decided`]'s CTEs), the track row, the outcomes, and the cursor, each
+/// write still deciding in its own `where` (the rows' precedence, the cursor's position).
+///
+/// [`copy::write_decided`]: relay_store::copy::write_decided
+pub async fn write_run(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    decided: relay_store::copy::DecidedWrite<'_>,
+    end: RunEnd<'_>,
+) -> Result<RunWritten, StateError> {
+    let (save, generation, last_reset_generation, reload) = match end.track {
+        Some(track) => {
+            let (g, r, reload) = track_values(track)?;
+            (true, g, r, reload)
+        }
+        None => (false, None, None, None),
+    };
+    let track = end.track;
+    let query = sqlx::query_as(&WRITE_RUN).bind(endpoint).bind(tenant);
+    let (rows, changes, cursor_moved): (i64, i64, i64) = decided
+        .bind(query)
+        .bind(save)
+        .bind(FEED_TRACK)
+        .bind(generation)
+        .bind(track.and_then(|t| t.access_version.as_deref()))
+        .bind(track.and_then(|t| t.through.as_deref()))
+        .bind(track.is_some_and(|t| t.last_was_reset))
+        .bind(last_reset_generation)
+        .bind(reload)
+        .bind(end.outcomes.iter().map(|o| o.0).collect::<Vec<_>>())
+        .bind(
+            end.outcomes
+                .iter()
+                .map(|o| o.1.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(end.outcomes.iter().map(|o| o.2).collect::<Vec<_>>())
+        .bind(end.outcomes.iter().map(|o| o.3).collect::<Vec<_>>())
+        .bind(end.from)
+        .bind(end.to)
+        .bind(end.last_received_at)
+        .fetch_one(conn)
+        .await?;
+    Ok(RunWritten {
+        rows,
+        changes,
+        cursor_moved: cursor_moved == 1,
+    })
+}
+
+/// [`write_run`]'s statement: the copy's CTEs (`$1`–`$18`), then the track (`$20`–`$26`, written
+/// only when `$19`), the outcomes (`$27`–`$30`) and the cursor (from `$31` to `$32`, with the
+/// last message's receipt time `$33`).
+static WRITE_RUN: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{ctes},
+         saved_track AS (
+             INSERT INTO endpoint_tracks AS t (endpoint_id, track, tenant_id, generation,
+                 access_version, through, last_was_reset, last_reset_generation, reload,
+                 reload_begun_at)
+             SELECT $1, $20, $2, $21, $22, $23, $24, $25, $26::jsonb,
+                    CASE WHEN $26::jsonb IS NULL THEN NULL ELSE now() END
+             WHERE $19
+             ON CONFLICT (endpoint_id, track) DO UPDATE
+             SET generation = excluded.generation, access_version = excluded.access_version,
+                 through = excluded.through, last_was_reset = excluded.last_was_reset,
+                 last_reset_generation = excluded.last_reset_generation,
+                 reload = excluded.reload,
+                 reload_begun_at = CASE
+                     WHEN excluded.reload IS NULL THEN NULL
+                     WHEN t.reload IS NOT DISTINCT FROM excluded.reload THEN t.reload_begun_at
+                     ELSE now() END,
+                 updated_at = now()
+         ),
+         noted AS (
+             INSERT INTO message_applications (endpoint_id, arrival_seq, tenant_id, outcome,
+                 events_applied, events_ignored)
+             SELECT $1, seq, $2, outcome, applied, ignored
+             FROM unnest($27::int8[], $28::text[], $29::int4[], $30::int4[])
+                 AS o(seq, outcome, applied, ignored)
+             ON CONFLICT (endpoint_id, arrival_seq) DO NOTHING
+         ),
+         moved_cursor AS (
+             INSERT INTO endpoint_apply_cursors AS c (endpoint_id, tenant_id,
+                 applied_arrival_seq, last_received_at, last_applied_at)
+             VALUES ($1, $2, $32, $33, now())
+             ON CONFLICT (endpoint_id) DO UPDATE
+             SET applied_arrival_seq = excluded.applied_arrival_seq,
+                 last_received_at = coalesce(excluded.last_received_at, c.last_received_at),
+                 last_applied_at = now()
+             WHERE c.applied_arrival_seq = $31
+             RETURNING 1
+         )
+         SELECT (SELECT count(*) FROM written), (SELECT count(*) FROM change),
+                (SELECT count(*) FROM moved_cursor)",
+        ctes = relay_store::copy::WRITE_DECIDED_CTES
+    )
+});
 
 /// How far the endpoint's messages are applied (0: none yet).
 pub async fn applied_through<'e>(

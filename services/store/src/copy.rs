@@ -395,17 +395,7 @@ pub async fn load_held_many(
     if subjects.is_empty() {
         return Ok(BTreeMap::new());
     }
-    type Row = (
-        String,
-        i64,
-        String,
-        bool,
-        String,
-        Option<String>,
-        Option<String>,
-        Option<i64>,
-    );
-    let rows: Vec<Row> = sqlx::query_as(
+    let rows: Vec<HeldEntryRow> = sqlx::query_as(
         "SELECT subject, generation, sequence, tombstone, parts::text, item::text, item_kind,
                 company_id
          FROM copy_items WHERE endpoint_id = $1 AND subject = ANY($2)
@@ -416,21 +406,99 @@ pub async fn load_held_many(
     .bind(subjects)
     .fetch_all(conn)
     .await?;
-    rows.into_iter()
-        .map(
-            |(subject, g, seq, tomb, parts, item, item_kind, company_id)| {
-                let (subject, held) = held_from_row((subject, g, seq, tomb, parts, item))?;
-                Ok((
-                    subject,
-                    HeldEntry {
-                        held,
-                        item_kind,
-                        company_id,
-                    },
-                ))
-            },
-        )
-        .collect()
+    rows.into_iter().map(held_entry_from_row).collect()
+}
+
+/// [`record_event_ids`] and [`load_held_many`] in one statement (one round trip): the ids of
+/// `event_ids` not applied before, now recorded, and what the copy holds of `subjects`, locked.
+pub async fn record_event_ids_and_load_held(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    event_ids: &[&str],
+    subjects: &[&str],
+) -> Result<(HashSet<String>, BTreeMap<String, HeldEntry>), StoreError> {
+    if event_ids.is_empty() && subjects.is_empty() {
+        return Ok((HashSet::new(), BTreeMap::new()));
+    }
+    // One row per held subject (or a single row of nulls when none is held), each carrying the
+    // ids recorded; the held rows are read after the insert (the lateral join depends on it),
+    // in subject order, as `load_held_many` locks them.
+    type Row = (
+        Vec<String>,
+        Option<String>,
+        Option<i64>,
+        Option<String>,
+        Option<bool>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "WITH recorded AS (
+             INSERT INTO applied_events (endpoint_id, event_id, tenant_id)
+             SELECT $1, id, $2 FROM unnest($3::text[]) AS ids(id)
+             ON CONFLICT (endpoint_id, event_id) DO NOTHING
+             RETURNING event_id
+         ),
+         first AS MATERIALIZED (
+             SELECT coalesce(array_agg(event_id), '{}') AS ids FROM recorded
+         )
+         SELECT first.ids, h.subject, h.generation, h.sequence, h.tombstone, h.parts, h.item,
+                h.item_kind, h.company_id
+         FROM first LEFT JOIN LATERAL (
+             SELECT subject, generation, sequence, tombstone, parts::text AS parts,
+                    item::text AS item, item_kind, company_id
+             FROM copy_items
+             WHERE endpoint_id = $1 AND subject = ANY($4) AND cardinality(first.ids) >= 0
+             ORDER BY subject COLLATE \"C\"
+             FOR UPDATE
+         ) h ON true",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(event_ids)
+    .bind(subjects)
+    .fetch_all(conn)
+    .await?;
+    let first_seen = rows
+        .first()
+        .map(|row| row.0.iter().cloned().collect())
+        .unwrap_or_default();
+    let held = rows
+        .into_iter()
+        .filter_map(|(_, subject, g, seq, tomb, parts, item, kind, company)| {
+            Some((subject?, g?, seq?, tomb?, parts?, item, kind, company))
+        })
+        .map(held_entry_from_row)
+        .collect::<Result<_, _>>()?;
+    Ok((first_seen, held))
+}
+
+type HeldEntryRow = (
+    String,
+    i64,
+    String,
+    bool,
+    String,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+);
+
+fn held_entry_from_row(
+    (subject, g, seq, tomb, parts, item, item_kind, company_id): HeldEntryRow,
+) -> Result<(String, HeldEntry), StoreError> {
+    let (subject, held) = held_from_row((subject, g, seq, tomb, parts, item))?;
+    Ok((
+        subject,
+        HeldEntry {
+            held,
+            item_kind,
+            company_id,
+        },
+    ))
 }
 
 /// One decided change to append, and the event that caused it.
@@ -460,111 +528,164 @@ pub async fn write_decided(
     if rows.is_empty() {
         return Ok((0, 0));
     }
-    let mut generations = Vec::with_capacity(rows.len());
-    for (_, row, _) in rows {
-        generations.push(to_i64(row.held.generation)?);
-    }
-    let tombstone = |r: &HeldEntry| matches!(r.held.content, HeldContent::Tombstone);
-    let parts = |r: &HeldEntry| match &r.held.content {
-        HeldContent::Item { parts, .. } => parts_json(parts),
-        HeldContent::Tombstone => "[]".to_owned(),
-    };
-    let item = |r: &HeldEntry, text: Option<&str>| match &r.held.content {
-        HeldContent::Item { item, .. } => {
-            Some(text.map_or_else(|| item.to_string(), str::to_owned))
-        }
-        HeldContent::Tombstone => None,
-    };
-
-    let mut c_op = Vec::with_capacity(changes.len());
-    let mut c_subject = Vec::with_capacity(changes.len());
-    let mut c_kind = Vec::with_capacity(changes.len());
-    let mut c_generation = Vec::with_capacity(changes.len());
-    let mut c_sequence = Vec::with_capacity(changes.len());
-    let mut c_event = Vec::with_capacity(changes.len());
-    let mut c_item = Vec::with_capacity(changes.len());
-    let mut c_diff = Vec::with_capacity(changes.len());
-    for change in changes {
-        match change.decision {
-            Decision::Store {
-                subject,
-                generation,
-                sequence,
-                item,
-                diff,
-            } => {
-                c_op.push("upsert");
-                c_subject.push(subject.as_str());
-                c_kind.push(Some(item.item_kind.as_str()));
-                c_generation.push(to_i64(*generation)?);
-                c_sequence.push(sequence.as_str());
-                c_item.push(Some(
-                    change
-                        .item_text
-                        .map_or_else(|| item.raw.to_string(), str::to_owned),
-                ));
-                c_diff.push(diff_json(diff));
-            }
-            Decision::Tombstone {
-                subject,
-                generation,
-                sequence,
-                removed_item: true,
-            } => {
-                c_op.push("remove");
-                c_subject.push(subject.as_str());
-                c_kind.push(kind_of_subject(subject));
-                c_generation.push(to_i64(*generation)?);
-                c_sequence.push(sequence.as_str());
-                c_item.push(None);
-                c_diff.push(diff_json(&PartsDiff::default()));
-            }
-            _ => continue,
-        }
-        c_event.push(change.event_id);
-    }
-
-    let counts: (i64, i64) = sqlx::query_as(WRITE_DECIDED)
-        .bind(endpoint)
-        .bind(tenant)
-        .bind(rows.iter().map(|(s, _, _)| *s).collect::<Vec<_>>())
-        .bind(generations)
-        .bind(
-            rows.iter()
-                .map(|(_, r, _)| r.held.sequence.as_str())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            rows.iter()
-                .map(|(_, r, _)| tombstone(r))
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            rows.iter()
-                .map(|(_, r, _)| r.item_kind.as_deref())
-                .collect::<Vec<_>>(),
-        )
-        .bind(
-            rows.iter()
-                .map(|(_, r, _)| r.company_id)
-                .collect::<Vec<_>>(),
-        )
-        .bind(rows.iter().map(|(_, r, _)| parts(r)).collect::<Vec<_>>())
-        .bind(rows.iter().map(|(_, r, t)| item(r, *t)).collect::<Vec<_>>())
-        .bind(c_op)
-        .bind(c_subject)
-        .bind(c_kind)
-        .bind(c_generation)
-        .bind(c_sequence)
-        .bind(c_event)
-        .bind(c_item)
-        .bind(c_diff)
-        .fetch_one(conn)
-        .await?;
-    Ok(counts)
+    let write = DecidedWrite::new(rows, changes)?;
+    let query = sqlx::query_as(&WRITE_DECIDED).bind(endpoint).bind(tenant);
+    Ok(write.bind(query).fetch_one(conn).await?)
 }
 
-const WRITE_DECIDED: &str = "WITH input AS MATERIALIZED (
+/// The parameters `$3`–`$18` of [`WRITE_DECIDED_CTES`]: the rows a run of decisions left and
+/// the changes to append, as arrays. `$1` is the endpoint and `$2` its tenant, bound by the
+/// caller, who may append CTEs of its own (numbered from `$19`) to the statement, so that what
+/// else its transaction writes goes in the same round trip.
+pub struct DecidedWrite<'a> {
+    subjects: Vec<&'a str>,
+    generations: Vec<i64>,
+    sequences: Vec<&'a str>,
+    tombstones: Vec<bool>,
+    item_kinds: Vec<Option<&'a str>>,
+    company_ids: Vec<Option<i64>>,
+    parts: Vec<String>,
+    items: Vec<Option<String>>,
+    c_op: Vec<&'static str>,
+    c_subject: Vec<&'a str>,
+    c_kind: Vec<Option<&'a str>>,
+    c_generation: Vec<i64>,
+    c_sequence: Vec<&'a str>,
+    c_event: Vec<&'a str>,
+    c_item: Vec<Option<String>>,
+    c_diff: Vec<String>,
+}
+
+impl<'a> DecidedWrite<'a> {
+    pub fn new(
+        rows: &[(&'a str, &'a HeldEntry, Option<&'a str>)],
+        changes: &[DecidedChange<'a>],
+    ) -> Result<Self, StoreError> {
+        let mut write = DecidedWrite {
+            subjects: Vec::with_capacity(rows.len()),
+            generations: Vec::with_capacity(rows.len()),
+            sequences: Vec::with_capacity(rows.len()),
+            tombstones: Vec::with_capacity(rows.len()),
+            item_kinds: Vec::with_capacity(rows.len()),
+            company_ids: Vec::with_capacity(rows.len()),
+            parts: Vec::with_capacity(rows.len()),
+            items: Vec::with_capacity(rows.len()),
+            c_op: Vec::with_capacity(changes.len()),
+            c_subject: Vec::with_capacity(changes.len()),
+            c_kind: Vec::with_capacity(changes.len()),
+            c_generation: Vec::with_capacity(changes.len()),
+            c_sequence: Vec::with_capacity(changes.len()),
+            c_event: Vec::with_capacity(changes.len()),
+            c_item: Vec::with_capacity(changes.len()),
+            c_diff: Vec::with_capacity(changes.len()),
+        };
+        for (subject, row, text) in rows {
+            write.subjects.push(subject);
+            write.generations.push(to_i64(row.held.generation)?);
+            write.sequences.push(row.held.sequence.as_str());
+            write.item_kinds.push(row.item_kind.as_deref());
+            write.company_ids.push(row.company_id);
+            match &row.held.content {
+                HeldContent::Item { parts, item } => {
+                    write.tombstones.push(false);
+                    write.parts.push(parts_json(parts));
+                    write
+                        .items
+                        .push(Some(text.map_or_else(|| item.to_string(), str::to_owned)));
+                }
+                HeldContent::Tombstone => {
+                    write.tombstones.push(true);
+                    write.parts.push("[]".to_owned());
+                    write.items.push(None);
+                }
+            }
+        }
+        for change in changes {
+            match change.decision {
+                Decision::Store {
+                    subject,
+                    generation,
+                    sequence,
+                    item,
+                    diff,
+                } => {
+                    write.c_op.push("upsert");
+                    write.c_subject.push(subject.as_str());
+                    write.c_kind.push(Some(item.item_kind.as_str()));
+                    write.c_generation.push(to_i64(*generation)?);
+                    write.c_sequence.push(sequence.as_str());
+                    write.c_item.push(Some(
+                        change
+                            .item_text
+                            .map_or_else(|| item.raw.to_string(), str::to_owned),
+                    ));
+                    write.c_diff.push(diff_json(diff));
+                }
+                Decision::Tombstone {
+                    subject,
+                    generation,
+                    sequence,
+                    removed_item: true,
+                } => {
+                    write.c_op.push("remove");
+                    write.c_subject.push(subject.as_str());
+                    write.c_kind.push(kind_of_subject(subject));
+                    write.c_generation.push(to_i64(*generation)?);
+                    write.c_sequence.push(sequence.as_str());
+                    write.c_item.push(None);
+                    write.c_diff.push(diff_json(&PartsDiff::default()));
+                }
+                _ => continue,
+            }
+            write.c_event.push(change.event_id);
+        }
+        Ok(write)
+    }
+
+    /// How many rows the write carries (the count `written` returns when every row wins).
+    pub fn rows(&self) -> usize {
+        self.subjects.len()
+    }
+
+    /// Binds `$3`–`$18` after the caller's `$1` (endpoint) and `$2` (tenant).
+    pub fn bind<'q, O>(
+        self,
+        query: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>
+    where
+        'a: 'q,
+    {
+        query
+            .bind(self.subjects)
+            .bind(self.generations)
+            .bind(self.sequences)
+            .bind(self.tombstones)
+            .bind(self.item_kinds)
+            .bind(self.company_ids)
+            .bind(self.parts)
+            .bind(self.items)
+            .bind(self.c_op)
+            .bind(self.c_subject)
+            .bind(self.c_kind)
+            .bind(self.c_generation)
+            .bind(self.c_sequence)
+            .bind(self.c_event)
+            .bind(self.c_item)
+            .bind(self.c_diff)
+    }
+}
+
+static WRITE_DECIDED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{WRITE_DECIDED_CTES}
+         SELECT (SELECT count(*) FROM written), (SELECT count(*) FROM change)"
+    )
+});
+
+/// The CTEs of [`write_decided`]'s statement, for a caller that adds its own (see
+/// [`DecidedWrite`]): `written` returns each subject written, `change` one row per change
+/// appended.
+pub const WRITE_DECIDED_CTES: &str = "WITH input AS MATERIALIZED (
          SELECT * FROM unnest($3::text[], $4::int8[], $5::text[], $6::bool[], $7::text[],
                               $8::int8[], $9::text[], $10::text[])
              AS r(subject, generation, sequence, tombstone, item_kind, company_id, parts, item)
@@ -612,8 +733,7 @@ const WRITE_DECIDED: &str = "WITH input AS MATERIALIZED (
                 NULL, kept.item::jsonb, kept.diff::jsonb
          FROM kept CROSS JOIN counter
          RETURNING 1
-     )
-     SELECT (SELECT count(*) FROM written), (SELECT count(*) FROM change)";
+     )";
 
 /// Rule "Then merge the read into the copy under the reset's generation", for one item read:
 /// keep what the copy holds of its subject at that generation at the same sequence or a later
