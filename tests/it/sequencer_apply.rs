@@ -34,7 +34,7 @@ fn update(endpoint: Uuid, generation: u64, id: &str, n: u64, seq: u64) -> Value 
     })
 }
 
-async fn store(db: &TestDb, tenant: Uuid, endpoint: Uuid, bodies: &[Value]) {
+pub(crate) async fn store(db: &TestDb, tenant: Uuid, endpoint: Uuid, bodies: &[Value]) {
     let batch: Vec<IncomingMessage> = bodies
         .iter()
         .map(|body| IncomingMessage {
@@ -52,7 +52,7 @@ async fn store(db: &TestDb, tenant: Uuid, endpoint: Uuid, bodies: &[Value]) {
     store_batch(&db.pool, &batch).await.unwrap();
 }
 
-async fn pending(db: &TestDb, endpoint: Uuid) -> (i64, Vec<PendingMessage>) {
+pub(crate) async fn pending(db: &TestDb, endpoint: Uuid) -> (i64, Vec<PendingMessage>) {
     let applied = state::applied_through(&db.pool, endpoint).await.unwrap();
     let (_, messages) = state::pending_messages(&db.pool, endpoint, applied, 100)
         .await

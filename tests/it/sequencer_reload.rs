@@ -10,20 +10,19 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use bytes::Bytes;
 use relay_sequencer::apply::{apply_messages, EndpointContext};
 use relay_sequencer::ownership::claim_fence;
 use relay_sequencer::reload::{run_reload, ReloadBackoff, ReloadEnd};
 use relay_sequencer::state::{self, EndpointRegistration, FEED_TRACK};
 use relay_sequencer::SequencerMetrics;
 use relay_store::copy;
-use relay_store::messages::{store_batch, IncomingMessage};
 use relay_tests::{random_secret, TestDb};
 use relay_wire::Sequence;
 use serde_json::{json, Value};
-use time::OffsetDateTime;
 use tokio::sync::{Notify, Semaphore};
 use uuid::Uuid;
+
+use crate::sequencer_apply::{pending, store};
 
 const AV: &str = "av1";
 
@@ -117,28 +116,9 @@ async fn store_and_apply(
     message: &Value,
     metrics: &SequencerMetrics,
 ) {
-    let endpoint = ctx.id();
-    store_batch(
-        &db.pool,
-        &[IncomingMessage {
-            endpoint_id: endpoint,
-            tenant_id: ctx.tenant(),
-            webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
-            signed_at: OffsetDateTime::now_utc(),
-            attempt: Some(1),
-            received_at: OffsetDateTime::now_utc(),
-            track: Some("feed".into()),
-            generation: message["generation"].as_i64(),
-            body: Bytes::from(message.to_string()),
-        }],
-    )
-    .await
-    .unwrap();
-    let applied = state::applied_through(&db.pool, endpoint).await.unwrap();
-    let (_, pending) = state::pending_messages(&db.pool, endpoint, applied, 100)
-        .await
-        .unwrap();
-    apply_messages(&db.pool, ctx, token, applied, &pending, metrics)
+    store(db, ctx.tenant(), ctx.id(), std::slice::from_ref(message)).await;
+    let (applied, messages) = pending(db, ctx.id()).await;
+    apply_messages(&db.pool, ctx, token, applied, &messages, metrics)
         .await
         .unwrap();
 }
