@@ -240,8 +240,9 @@ async fn begin_reload(
     track: &str,
     held: &EndpointTrack,
 ) -> Result<(&'static str, Option<Value>), ApiError> {
-    // A running reload is left alone here (`reload_already_running`), as before relay-rules'
-    // `read_feed_again` began running reloads again for a refetch's failed read.
+    // A running reload is left alone (`reload_already_running`, the documented answer), where
+    // relay-rules' `read_feed_again` would begin it again: that is for a refetch whose change
+    // the running pass may have missed, and a rewind's refusal names no change.
     if held.reload.is_some() {
         return Ok(("reload_already_running", held_reload_json(held)?));
     }
