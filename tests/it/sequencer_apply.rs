@@ -60,19 +60,25 @@ pub(crate) async fn pending(db: &TestDb, endpoint: Uuid) -> (i64, Vec<PendingMes
     (applied, messages)
 }
 
-struct Setup {
-    db: TestDb,
-    tenant: Uuid,
-    endpoint: Uuid,
-    ctx: Arc<EndpointContext>,
+pub(crate) struct Setup {
+    pub db: TestDb,
+    pub tenant: Uuid,
+    pub endpoint: Uuid,
+    pub ctx: Arc<EndpointContext>,
 }
 
 async fn setup() -> Setup {
+    setup_with_upstream(None).await
+}
+
+/// An endpoint whose track is in sync under av1 at generation 1, its upstream API at
+/// `upstream_base_url` (none: no reload or refetch can read).
+pub(crate) async fn setup_with_upstream(upstream_base_url: Option<String>) -> Setup {
     let db = TestDb::new().await;
     let tenant = db.tenant().await;
     let endpoint = Uuid::new_v4();
     db.endpoint(tenant, endpoint, &random_secret()).await;
-    // In sync under av1 already, so no reload begins (there is no upstream here).
+    // In sync under av1 already, so no reload begins until a message asks for one.
     sqlx::query(
         "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
          VALUES ($1, 'feed', $2, 1, 'av1')",
@@ -86,8 +92,8 @@ async fn setup() -> Setup {
         EndpointRegistration {
             id: endpoint,
             tenant_id: tenant,
-            upstream_base_url: None,
-            upstream_api_key: None,
+            upstream_api_key: upstream_base_url.as_ref().map(|_| "key".to_owned()),
+            upstream_base_url,
         },
         reqwest::Client::new(),
     ));

@@ -13,17 +13,19 @@ use axum::{Json, Router};
 use relay_sequencer::apply::{apply_messages, EndpointContext};
 use relay_sequencer::ownership::claim_fence;
 use relay_sequencer::reload::{run_reload, ReloadBackoff, ReloadEnd};
-use relay_sequencer::state::{self, EndpointRegistration, FEED_TRACK};
+use relay_sequencer::state::{self, FEED_TRACK};
 use relay_sequencer::SequencerMetrics;
 use relay_store::copy;
-use relay_tests::{random_secret, TestDb};
+use relay_tests::TestDb;
 use relay_wire::Sequence;
 use serde_json::{json, Value};
 use tokio::sync::{Notify, Semaphore};
 use uuid::Uuid;
 
-use crate::sequencer_apply::{pending, store};
+use crate::sequencer_apply::{pending, setup_with_upstream, store, Setup};
 
+/// The access_version the upstream serves, and the one `setup_with_upstream` holds the track
+/// under.
 const AV: &str = "av1";
 
 fn item(n: u64, seq: u64) -> Value {
@@ -130,20 +132,11 @@ async fn store_and_apply(
 /// read again.
 #[tokio::test]
 async fn a_refetch_that_reads_the_feed_again_restarts_a_reload_whose_pages_are_older() {
-    let db = TestDb::new().await;
-    let tenant = db.tenant().await;
-    let endpoint = Uuid::new_v4();
-    db.endpoint(tenant, endpoint, &random_secret()).await;
-    sqlx::query(
-        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
-         VALUES ($1, 'feed', $2, 1, $3)",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .bind(AV)
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base_url = format!("http://{}", listener.local_addr().unwrap());
+    let Setup {
+        db, endpoint, ctx, ..
+    } = setup_with_upstream(Some(base_url)).await;
 
     let upstream = HeldUpstream {
         endpoint,
@@ -157,19 +150,8 @@ async fn a_refetch_that_reads_the_feed_again_restarts_a_reload_whose_pages_are_o
         .route("/v1/feed", get(feed_page))
         .route("/v1/feed/items/{id}", get(item_read))
         .with_state(upstream.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base_url = format!("http://{}", listener.local_addr().unwrap());
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
 
-    let ctx = Arc::new(EndpointContext::new(
-        EndpointRegistration {
-            id: endpoint,
-            tenant_id: tenant,
-            upstream_base_url: Some(base_url),
-            upstream_api_key: Some("key".into()),
-        },
-        reqwest::Client::new(),
-    ));
     let metrics = SequencerMetrics::unregistered();
     let token = claim_fence(&db.pool, endpoint).await.unwrap();
     let backoff = ReloadBackoff {
