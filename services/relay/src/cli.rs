@@ -173,14 +173,27 @@ pub struct SequencerArgs {
           value_parser = clap::value_parser!(u64).range(300..))]
     pub lease_ms: u64,
 
-    /// Endpoints applied at once by this process (each holds a Postgres connection while it
-    /// writes).
+    /// Endpoints worked at once by this process (each reads its messages on a connection of
+    /// its own, and hands them to the appliers' shared transactions).
     #[arg(
         long,
         env = "RELAY_SEQUENCER_MAX_CONCURRENT_ENDPOINTS",
-        default_value_t = 32
+        default_value_t = 128
     )]
     pub max_concurrent_endpoints: usize,
+
+    /// Apply transactions open at once; each applies the endpoints' runs that gathered while
+    /// the others committed.
+    #[arg(long, env = "RELAY_SEQUENCER_APPLIERS", default_value_t = 2)]
+    pub appliers: usize,
+
+    /// Endpoints' runs applied in one transaction at most.
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_RUNS_PER_TRANSACTION",
+        default_value_t = 64
+    )]
+    pub runs_per_transaction: usize,
 
     /// Stored messages read at a time per endpoint.
     #[arg(long, env = "RELAY_SEQUENCER_MESSAGES_PER_READ", default_value_t = 100)]

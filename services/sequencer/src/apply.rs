@@ -1,22 +1,24 @@
-//! Applying a run of stored messages: the driver around relay-rules' [`step`] and
+//! Applying runs of stored messages: the driver around relay-rules' [`step`] and
 //! [`decide_event`].
 //!
-//! One transaction per run, three statements inside it: the first checks the fence, takes the
-//! endpoint's writer lock and reads the track row locked; the second records the run's event
+//! One transaction applies one run of messages for each of several endpoints (a batch of one
+//! when applied alone), three statements inside it: the first checks each fence, takes each
+//! endpoint's writer lock and reads its track row locked; the second records the runs' event
 //! ids and reads (and locks) the rows of the subjects they touch; the third writes the rows the
 //! decisions left (each still checking its position), appends their changes, writes the track
-//! row and the outcomes and moves the apply cursor (only from where it was read). A refetch's
-//! item read happens before that transaction (so no lock is held across HTTP), and its answer
-//! is decided inside it against the row as it is then: "read it before applying the next
-//! message".
+//! rows and the outcomes and moves each apply cursor (only from where it was read). A
+//! refetch's item read happens before that transaction (so no lock is held across HTTP), and
+//! its answer is decided inside it against the row as it is then: "read it before applying the
+//! next message".
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use relay_rules::{
-    decide_event, decide_refetch, feed_subject, step, Decision, FeedCopy, IgnoreReason,
-    MessageDecision, PendingRefetch, RefetchAnswer, RefetchOutcome, ReloadStart, REFETCH_ATTEMPTS,
+    decide_event, decide_refetch, feed_subject, step, Decision, EndpointTrack, FeedCopy,
+    IgnoreReason, MessageDecision, PendingRefetch, RefetchAnswer, RefetchOutcome, ReloadStart,
+    REFETCH_ATTEMPTS,
 };
 use relay_store::copy;
 use relay_store::StoreError;
@@ -44,6 +46,12 @@ pub enum ApplyError {
     State(#[from] StateError),
     #[error("postgres: {0}")]
     Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Stopped(#[from] crate::batch::BatcherStopped),
+    /// A shared read of pending messages failed (the statement's error, as text: it answered
+    /// several workers).
+    #[error("reading pending messages: {0}")]
+    PendingRead(String),
 }
 
 /// One owned endpoint: its registration, its upstream client, and the selection (language,
@@ -193,15 +201,7 @@ pub struct BatchReport {
 }
 
 /// Applies `pending`, the stored messages that follow `applied` in arrival order, under fencing
-/// token `token`, in one transaction.
-///
-/// Each message is still taken one at a time, in order, by the rules: the track row goes
-/// through [`step`] message by message, and each event is decided against what the copy holds
-/// after every earlier event (relay-rules' reference copy, [`FeedCopy`], seeded with the rows
-/// read and locked here). What one transaction changes is only how many round trips that takes
-/// (see the module's note): the fence, writer lock and track in one statement
-/// ([`state::open_track`]), the event ids and the held rows in one
-/// ([`copy::record_event_ids_and_load_held`]), and every write in one ([`state::write_run`]).
+/// token `token`, in one transaction of its own (see [`apply_runs`]).
 pub async fn apply_messages(
     pool: &PgPool,
     ctx: &Arc<EndpointContext>,
@@ -211,28 +211,58 @@ pub async fn apply_messages(
     metrics: &SequencerMetrics,
 ) -> Result<BatchReport, ApplyError> {
     let through = pending.last().map_or(applied, |m| m.arrival_seq);
-    apply_messages_through(pool, ctx, token, applied, through, pending, metrics).await
+    let run = prepare_run(
+        pool,
+        ctx,
+        token,
+        (applied, through),
+        pending.to_vec(),
+        metrics,
+    )
+    .await?;
+    apply_runs(pool, vec![run], metrics)
+        .await
+        .pop()
+        .expect("one answer per run")
 }
 
-/// [`apply_messages`], moving the cursor to `through` (at or past the last message): the arrival
-/// counter the messages were read under, when they were all the messages below it, so numbers
-/// that duplicates took and left unused are skipped in the same transaction.
-pub async fn apply_messages_through(
+/// A run of one endpoint's stored messages, parsed, with its refetch reads done: ready to apply
+/// in a transaction, alone or beside other endpoints' runs.
+pub struct PreparedRun {
+    ctx: Arc<EndpointContext>,
+    token: i64,
+    /// The apply cursor the messages follow.
+    applied: i64,
+    /// Where the cursor moves: at or past the last message (the arrival counter the messages
+    /// were read under, when they were all the messages below it, so numbers that duplicates
+    /// took and left unused are skipped in the same transaction).
+    through: i64,
+    pending: Vec<PendingMessage>,
+    parsed: Vec<Result<Message, relay_wire::MessageError>>,
+    prefetched: Prefetched,
+    started: Instant,
+}
+
+impl PreparedRun {
+    pub fn endpoint(&self) -> Uuid {
+        self.ctx.id()
+    }
+
+    pub fn tenant(&self) -> Uuid {
+        self.ctx.tenant()
+    }
+}
+
+/// Parses the run's messages and reads each refetch they ask for (so no lock is ever held
+/// across HTTP). `cursor` is (the cursor the messages follow, where it moves to).
+pub async fn prepare_run(
     pool: &PgPool,
     ctx: &Arc<EndpointContext>,
     token: i64,
-    applied: i64,
-    through: i64,
-    pending: &[PendingMessage],
+    (applied, through): (i64, i64),
+    pending: Vec<PendingMessage>,
     metrics: &SequencerMetrics,
-) -> Result<BatchReport, ApplyError> {
-    let Some(last) = pending.last() else {
-        return Ok(BatchReport {
-            messages: 0,
-            changes: 0,
-            reload_pending: false,
-        });
-    };
+) -> Result<PreparedRun, ApplyError> {
     let started = Instant::now();
     let parsed: Vec<Result<Message, relay_wire::MessageError>> =
         pending.iter().map(|m| Message::parse(&m.body)).collect();
@@ -240,21 +270,201 @@ pub async fn apply_messages_through(
     for message in parsed.iter().flatten() {
         prefetched.extend(prefetch(pool, ctx, message, metrics).await?);
     }
+    let through = pending
+        .last()
+        .map_or(through, |m| through.max(m.arrival_seq));
+    Ok(PreparedRun {
+        ctx: ctx.clone(),
+        token,
+        applied,
+        through,
+        pending,
+        parsed,
+        prefetched,
+        started,
+    })
+}
 
-    let (tenant, endpoint) = (ctx.tenant(), ctx.id());
+/// Applies several endpoints' runs (each endpoint once), answering each run in the order given.
+///
+/// They are tried in one transaction of three statements whatever their number (see
+/// [`apply_together`]); a run whose fence moved on is answered [`ApplyError::Fenced`] and the
+/// others still commit. When that transaction fails as a whole (an error, or a write that
+/// disagreed with what was decided under its locks), nothing of it committed, and each run is
+/// tried again alone, so one endpoint's trouble is answered to that endpoint only.
+pub async fn apply_runs(
+    pool: &PgPool,
+    runs: Vec<PreparedRun>,
+    metrics: &SequencerMetrics,
+) -> Vec<Result<BatchReport, ApplyError>> {
+    let all: Vec<&PreparedRun> = runs.iter().collect();
+    match apply_together(pool, &all, metrics).await {
+        Ok(answers) => answers,
+        Err(error) if runs.len() == 1 => vec![Err(error)],
+        Err(error) => {
+            tracing::debug!(%error, runs = runs.len(), "runs applied together failed; alone now");
+            let mut answers = Vec::with_capacity(runs.len());
+            for run in &runs {
+                answers.push(match apply_together(pool, &[run], metrics).await {
+                    Ok(mut answer) => answer.pop().expect("one answer per run"),
+                    Err(error) => Err(error),
+                });
+            }
+            answers
+        }
+    }
+}
+
+/// One transaction for every run in `runs`, three statements inside it: the first checks each
+/// fence, takes each endpoint's writer lock and reads its track row locked; the second records
+/// the runs' event ids and reads (and locks) the rows of the subjects they touch; the third
+/// writes the rows the decisions left (each still checking its position), appends their
+/// changes, writes the track rows and the outcomes and moves each cursor (only from where it
+/// was read).
+///
+/// Each run's messages are still taken one at a time, in order, by the rules: the track row goes
+/// through [`step`] message by message, and each event is decided against what the copy holds
+/// after every earlier event (relay-rules' reference copy, [`FeedCopy`], seeded with the rows
+/// read and locked here). Sharing the transaction changes only how many round trips and commits
+/// that takes: endpoints never share a row.
+async fn apply_together(
+    pool: &PgPool,
+    runs: &[&PreparedRun],
+    metrics: &SequencerMetrics,
+) -> Result<Vec<Result<BatchReport, ApplyError>>, ApplyError> {
     let mut tx = pool.begin().await?;
-    let Some(held_track) =
-        state::open_track(&mut tx, tenant, endpoint, token, state::FEED_TRACK).await?
-    else {
-        return Err(ApplyError::Fenced);
-    };
+    let claims: Vec<state::TrackClaim> = runs
+        .iter()
+        .map(|run| state::TrackClaim {
+            endpoint: run.ctx.id(),
+            tenant: run.ctx.tenant(),
+            token: run.token,
+        })
+        .collect();
+    let tracks = state::open_tracks(&mut tx, &claims, state::FEED_TRACK).await?;
+    let owned: Vec<(&PreparedRun, EndpointTrack)> = runs
+        .iter()
+        .zip(&tracks)
+        .filter_map(|(run, track)| Some((*run, track.clone()?)))
+        .collect();
 
     // Which messages apply their events: the track's transitions alone decide that (a refetch's
     // "read /v1/feed again" begins a reload, which never changes whether a later message
-    // applies), so the run's event ids and subjects are known before anything is written.
+    // applies), so each run's event ids and subjects are known before anything is written.
+    let keys: Vec<(Vec<&str>, Vec<&str>)> = owned
+        .iter()
+        .map(|(run, track)| run_keys(run, track))
+        .collect();
+    let run_keys: Vec<copy::RunKeys<'_>> = owned
+        .iter()
+        .zip(&keys)
+        .map(|((run, _), (ids, subjects))| copy::RunKeys {
+            endpoint: run.ctx.id(),
+            tenant: run.ctx.tenant(),
+            event_ids: ids,
+            subjects,
+        })
+        .collect();
+    let mut held = copy::record_event_ids_and_load_held(&mut tx, &run_keys).await?;
+
+    let decided: Vec<DecidedRun> = owned
+        .iter()
+        .map(|(run, track)| {
+            let found = held.remove(&run.ctx.id()).unwrap_or_default();
+            decide_run(run, track.clone(), found, metrics)
+        })
+        .collect();
+    let mut writes = copy::DecidedWrites::default();
+    let mut ends = Vec::with_capacity(decided.len());
+    for ((run, held_track), run_decided) in owned.iter().zip(&decided) {
+        let rows: Vec<(&str, &copy::HeldEntry, Option<&str>)> = run_decided
+            .rows
+            .iter()
+            .map(|(subject, entry, text)| {
+                let text = text.and_then(|i| run_decided.texts[i].as_deref());
+                (subject.as_str(), entry, text)
+            })
+            .collect();
+        let changes: Vec<copy::DecidedChange<'_>> = run_decided
+            .decided
+            .iter()
+            .zip(&run_decided.texts)
+            .filter(|((d, _), _)| d.is_change())
+            .map(|((decision, event_id), text)| copy::DecidedChange {
+                decision,
+                event_id,
+                item_text: text.as_deref(),
+            })
+            .collect();
+        writes.push(run.ctx.id(), run.ctx.tenant(), &rows, &changes)?;
+        let last = run.pending.last();
+        ends.push(state::RunEnd {
+            endpoint: run.ctx.id(),
+            tenant: run.ctx.tenant(),
+            track: (run_decided.track != *held_track).then_some(&run_decided.track),
+            outcomes: &run_decided.outcomes,
+            from: run.applied,
+            to: run.through,
+            last_received_at: last.map(|m| m.received_at),
+        });
+    }
+    let written = state::write_runs(&mut tx, writes, &ends).await?;
+    for (((run, _), run_decided), written) in owned.iter().zip(&decided).zip(&written) {
+        let endpoint = run.ctx.id();
+        if written.rows != run_decided.rows.len() as i64 {
+            // Every row was decided under its lock, so the statement can only agree; if it does
+            // not, something else writes this copy: stop rather than write a wrong change.
+            tracing::error!(%endpoint, written = written.rows, decided = run_decided.rows.len(),
+                "rows decided under lock were refused");
+            return Err(ApplyError::CursorMoved);
+        }
+        if !written.cursor_moved {
+            return Err(ApplyError::CursorMoved);
+        }
+    }
+    tx.commit().await?;
+
+    let now = OffsetDateTime::now_utc();
+    let mut reports = owned
+        .iter()
+        .zip(&decided)
+        .zip(&written)
+        .map(|(((run, _), run_decided), written)| {
+            for (_, outcome, _, _) in &run_decided.outcomes {
+                metrics
+                    .messages
+                    .with_label_values(&[outcome.as_str()])
+                    .inc();
+            }
+            let per_message = run.started.elapsed().as_secs_f64() / run.pending.len().max(1) as f64;
+            for message in &run.pending {
+                metrics.message_apply_duration.observe(per_message);
+                metrics
+                    .apply_lag
+                    .observe((now - message.received_at).as_seconds_f64().max(0.0));
+            }
+            (
+                run.ctx.id(),
+                BatchReport {
+                    messages: run.pending.len(),
+                    changes: usize::try_from(written.changes).unwrap_or(0),
+                    reload_pending: run_decided.track.reload.is_some(),
+                },
+            )
+        })
+        .collect::<HashMap<Uuid, BatchReport>>();
+    Ok(runs
+        .iter()
+        .map(|run| reports.remove(&run.ctx.id()).ok_or(ApplyError::Fenced))
+        .collect())
+}
+
+/// The event ids a run applies and the subjects they touch, from its messages' track
+/// transitions alone.
+fn run_keys<'r>(run: &'r PreparedRun, held_track: &EndpointTrack) -> (Vec<&'r str>, Vec<&'r str>) {
     let mut probe = held_track.clone();
     let mut applying: Vec<&relay_wire::Event> = Vec::new();
-    for message in parsed.iter().flatten() {
+    for message in run.parsed.iter().flatten() {
         let (next, decision) = step(&probe, message);
         if matches!(decision, MessageDecision::ApplyEvents { .. }) {
             applying.extend(message.events.iter());
@@ -265,23 +475,51 @@ pub async fn apply_messages_through(
     let mut subjects: Vec<&str> = applying.iter().filter_map(|e| feed_subject(e)).collect();
     subjects.sort_unstable();
     subjects.dedup();
-    let (first_seen, held_entries) =
-        copy::record_event_ids_and_load_held(&mut tx, tenant, endpoint, &ids, &subjects).await?;
+    (ids, subjects)
+}
+
+/// What one run's decisions leave to write.
+struct DecidedRun {
+    /// The track after the run.
+    track: EndpointTrack,
+    /// The decisions that write, in order, with the event that caused each.
+    decided: Vec<(Decision, String)>,
+    /// Each stored item serialised once (by index into `decided`): for its change, and for its
+    /// row when it is the row's last store (an `Unchanged` after it keeps the same item).
+    texts: Vec<Option<String>>,
+    /// The rows the decisions left, each subject once, with what reads keep beside them, and
+    /// which of `texts` is the row's item.
+    rows: Vec<(String, copy::HeldEntry, Option<usize>)>,
+    outcomes: Vec<(i64, MessageOutcome, i32, i32)>,
+}
+
+/// Carries one run's messages out by the rules, against the rows read and locked for it.
+fn decide_run(
+    run: &PreparedRun,
+    held_track: EndpointTrack,
+    found: copy::RunHeld,
+    metrics: &SequencerMetrics,
+) -> DecidedRun {
+    let endpoint = run.ctx.id();
+    let copy::RunHeld {
+        first_seen,
+        held: held_entries,
+    } = found;
     // The rows go into the reference copy whole (no copy of their items); what reads keep
     // beside them (kind, company) waits here for the write.
     let mut held_meta: HashMap<String, (Option<String>, Option<i64>)> = HashMap::new();
-    let mut held_rows = std::collections::BTreeMap::new();
+    let mut held_rows = BTreeMap::new();
     for (subject, entry) in held_entries {
         held_meta.insert(subject.clone(), (entry.item_kind, entry.company_id));
         held_rows.insert(subject, entry.held);
     }
     let mut reference = FeedCopy::from_rows(held_rows);
 
-    let mut track = held_track.clone();
+    let mut track = held_track;
     let mut seen_in_run: HashSet<&str> = HashSet::new();
-    let mut decided: Vec<(Decision, &str)> = Vec::new();
-    let mut outcomes: Vec<(i64, MessageOutcome, i32, i32)> = Vec::with_capacity(pending.len());
-    for (message, stored) in parsed.iter().zip(pending) {
+    let mut decided: Vec<(Decision, String)> = Vec::new();
+    let mut outcomes: Vec<(i64, MessageOutcome, i32, i32)> = Vec::with_capacity(run.pending.len());
+    for (message, stored) in run.parsed.iter().zip(&run.pending) {
         let Ok(message) = message else {
             // The front tier parsed it before storing it, so this is a stored body the current
             // code reads differently: log it, count it, and move on (it can never apply).
@@ -334,7 +572,7 @@ pub async fn apply_messages_through(
                             &mut track,
                             generation,
                             event,
-                            &prefetched,
+                            &run.prefetched,
                             metrics,
                             endpoint,
                         );
@@ -349,7 +587,7 @@ pub async fn apply_messages_through(
                                         | Decision::Unchanged { .. }
                                         | Decision::Tombstone { .. }
                                 ) {
-                                    decided.push((decision, event.id.as_str()));
+                                    decided.push((decision, event.id.clone()));
                                 }
                                 label
                             }
@@ -369,47 +607,8 @@ pub async fn apply_messages_through(
     }
 
     // The rows the decisions left, each subject once, with what reads keep beside them (the
-    // kind and company of the last item stored, else what was held).
-    let mut touched: Vec<&str> = decided.iter().filter_map(|(d, _)| d.subject()).collect();
-    touched.sort_unstable();
-    touched.dedup();
-    let mut meta: HashMap<&str, (Option<String>, Option<i64>)> = HashMap::new();
-    for (decision, _) in &decided {
-        match decision {
-            Decision::Store { subject, item, .. } => {
-                meta.insert(
-                    subject,
-                    (Some(item.item_kind.as_str().to_owned()), item.company_id),
-                );
-            }
-            Decision::Tombstone { subject, .. } => {
-                meta.insert(subject, (None, None));
-            }
-            _ => {}
-        }
-    }
-    let mut final_rows = reference.into_rows();
-    let mut held: std::collections::BTreeMap<String, copy::HeldEntry> =
-        std::collections::BTreeMap::new();
-    for subject in &touched {
-        let row = final_rows
-            .remove(*subject)
-            .expect("a decided subject is held");
-        let (item_kind, company_id) = match meta.remove(subject) {
-            Some(m) => m,
-            None => held_meta.remove(*subject).unwrap_or_default(),
-        };
-        held.insert(
-            (*subject).to_owned(),
-            copy::HeldEntry {
-                held: row,
-                item_kind,
-                company_id,
-            },
-        );
-    }
-    // Each stored item serialised once: for its change, and for its row when it is the row's
-    // last store (an `Unchanged` after it keeps the same item).
+    // kind and company of the last item stored, else what was held), and which text is the
+    // row's item (its last store; a removal after it leaves none).
     let texts: Vec<Option<String>> = decided
         .iter()
         .map(|(d, _)| match d {
@@ -417,75 +616,57 @@ pub async fn apply_messages_through(
             _ => None,
         })
         .collect();
-    let mut row_text: HashMap<&str, Option<&str>> = HashMap::new();
-    for ((decision, _), text) in decided.iter().zip(&texts) {
+    let mut meta: HashMap<&str, (Option<String>, Option<i64>)> = HashMap::new();
+    let mut row_text: HashMap<&str, Option<usize>> = HashMap::new();
+    for (i, (decision, _)) in decided.iter().enumerate() {
         match decision {
-            Decision::Store { subject, .. } => {
-                row_text.insert(subject, text.as_deref());
+            Decision::Store { subject, item, .. } => {
+                meta.insert(
+                    subject,
+                    (Some(item.item_kind.as_str().to_owned()), item.company_id),
+                );
+                row_text.insert(subject, Some(i));
             }
             Decision::Tombstone { subject, .. } => {
+                meta.insert(subject, (None, None));
                 row_text.insert(subject, None);
             }
             _ => {}
         }
     }
-    let rows: Vec<(&str, &copy::HeldEntry, Option<&str>)> = touched
+    let mut touched: Vec<&str> = decided.iter().filter_map(|(d, _)| d.subject()).collect();
+    touched.sort_unstable();
+    touched.dedup();
+    let mut final_rows = reference.into_rows();
+    let rows = touched
         .iter()
-        .map(|s| {
-            let entry = held.get(*s).expect("entered above");
-            (*s, entry, row_text.get(s).copied().flatten())
+        .map(|subject| {
+            let row = final_rows
+                .remove(*subject)
+                .expect("a decided subject is held");
+            let (item_kind, company_id) = match meta.remove(subject) {
+                Some(m) => m,
+                None => held_meta.remove(*subject).unwrap_or_default(),
+            };
+            let entry = copy::HeldEntry {
+                held: row,
+                item_kind,
+                company_id,
+            };
+            (
+                (*subject).to_owned(),
+                entry,
+                row_text.get(subject).copied().flatten(),
+            )
         })
         .collect();
-    let changes: Vec<copy::DecidedChange<'_>> = decided
-        .iter()
-        .zip(&texts)
-        .filter(|((d, _), _)| d.is_change())
-        .map(|((decision, event_id), text)| copy::DecidedChange {
-            decision,
-            event_id,
-            item_text: text.as_deref(),
-        })
-        .collect();
-    let decided_write = copy::DecidedWrite::new(&rows, &changes)?;
-    let end = state::RunEnd {
-        track: (track != held_track).then_some(&track),
-        outcomes: &outcomes,
-        from: applied,
-        to: through.max(last.arrival_seq),
-        last_received_at: Some(last.received_at),
-    };
-    let written = state::write_run(&mut tx, tenant, endpoint, decided_write, end).await?;
-    if written.rows != rows.len() as i64 {
-        // Every row was decided under its lock, so the statement can only agree; if it does
-        // not, something else writes this copy: stop rather than write a wrong change.
-        tracing::error!(%endpoint, written = written.rows, decided = rows.len(),
-            "rows decided under lock were refused");
-        return Err(ApplyError::CursorMoved);
+    DecidedRun {
+        track,
+        decided,
+        texts,
+        rows,
+        outcomes,
     }
-    if !written.cursor_moved {
-        return Err(ApplyError::CursorMoved);
-    }
-    tx.commit().await?;
-
-    for (_, outcome, _, _) in &outcomes {
-        metrics
-            .messages
-            .with_label_values(&[outcome.as_str()])
-            .inc();
-    }
-    let per_message = started.elapsed().as_secs_f64() / pending.len() as f64;
-    let now = OffsetDateTime::now_utc();
-    for message in pending {
-        metrics.message_apply_duration.observe(per_message);
-        metrics
-            .apply_lag
-            .observe((now - message.received_at).as_seconds_f64().max(0.0));
-    }
-    Ok(BatchReport {
-        messages: pending.len(),
-        changes: usize::try_from(written.changes).unwrap_or(0),
-        reload_pending: track.reload.is_some(),
-    })
 }
 
 /// One event not seen before, decided against the reference copy: the decision to carry out,

@@ -7,7 +7,9 @@
 //! - [`state`]: what is kept with the copy besides its items: the track row, the apply cursor,
 //!   how each message was applied.
 //! - [`upstream`]: the upstream's REST API as reloads and refetches read it.
-//! - [`apply`]: one message in one transaction (refetch reads before it).
+//! - [`apply`]: runs of messages applied by the rules, several endpoints' runs in one
+//!   transaction (refetch reads before it).
+//! - [`batch`]: group commit: workers' runs gathered into shared apply transactions.
 //! - [`reload`]: reading `/v1/feed` until its pages agree, and merging the read.
 //! - [`worker`]: one owned endpoint: messages in order, its reload beside them, the lease.
 //! - [`service`]: the process: wake-ups, the sweep, a bounded set of workers.
@@ -18,6 +20,7 @@
 //! stories API) would add its own `step` and apply module beside the feed's.
 
 pub mod apply;
+pub mod batch;
 pub mod metrics;
 pub mod ownership;
 pub mod reload;

@@ -40,6 +40,7 @@ pub struct SequencerMetrics {
     pub events: IntCounterVec,
     pub apply_lag: Histogram,
     pub message_apply_duration: Histogram,
+    pub apply_batch_runs: Histogram,
     pub reloads_running: IntGauge,
     pub reloads: IntCounterVec,
     pub reload_duration: HistogramVec,
@@ -80,6 +81,13 @@ impl SequencerMetrics {
                 "Time to apply one message (its refetch reads included).",
             )
             .buckets(prometheus::exponential_buckets(0.0005, 2.0, 14)?),
+        )?;
+        let apply_batch_runs = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_sequencer_apply_batch_runs",
+                "Endpoints' runs applied in one transaction.",
+            )
+            .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]),
         )?;
         let reloads_running = IntGauge::new(
             "relay_sequencer_reloads_running",
@@ -124,6 +132,7 @@ impl SequencerMetrics {
         registry.register(Box::new(events.clone()))?;
         registry.register(Box::new(apply_lag.clone()))?;
         registry.register(Box::new(message_apply_duration.clone()))?;
+        registry.register(Box::new(apply_batch_runs.clone()))?;
         registry.register(Box::new(reloads_running.clone()))?;
         registry.register(Box::new(reloads.clone()))?;
         registry.register(Box::new(reload_duration.clone()))?;
@@ -147,6 +156,7 @@ impl SequencerMetrics {
             events,
             apply_lag,
             message_apply_duration,
+            apply_batch_runs,
             reloads_running,
             reloads,
             reload_duration,

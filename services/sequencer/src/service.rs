@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
+use crate::batch::{ApplyBatcher, PendingReader};
 use crate::metrics::SequencerMetrics;
 use crate::ownership::{Owners, OwnershipConfig, OwnershipError};
 use crate::reload::ReloadBackoff;
@@ -31,6 +32,11 @@ pub struct SequencerConfig {
     pub max_concurrent_endpoints: usize,
     /// Messages read from Postgres at a time per endpoint.
     pub messages_per_read: i64,
+    /// Apply transactions open at once (each takes the runs that gathered while the others
+    /// committed): see [`crate::batch`].
+    pub appliers: usize,
+    /// Endpoints' runs applied in one transaction at most.
+    pub runs_per_transaction: usize,
     /// How often Postgres is swept for endpoints with work (the safety net under wake-ups).
     pub sweep_interval: Duration,
     /// How long an idle worker keeps its endpoint before letting go: long enough that an
@@ -54,8 +60,10 @@ impl Default for SequencerConfig {
             redis_url: "redis://127.0.0.1:6379".to_owned(),
             key_prefix: "relay:".to_owned(),
             lease: Duration::from_secs(10),
-            max_concurrent_endpoints: 32,
+            max_concurrent_endpoints: 128,
             messages_per_read: 100,
+            appliers: 2,
+            runs_per_transaction: 64,
             sweep_interval: Duration::from_secs(1),
             idle_linger: Duration::from_secs(10),
             applied_events_retention: Some(Duration::from_secs(31 * 24 * 3600)),
@@ -161,8 +169,23 @@ async fn schedule(
         stop.clone(),
     ));
     let http = UpstreamClient::http_client(config.upstream_timeout);
+    let (batcher, appliers) = ApplyBatcher::start(
+        pool.clone(),
+        config.appliers,
+        config.runs_per_transaction,
+        Some(changes_waker.clone()),
+        metrics.clone(),
+    );
+    let (reader, readers) = PendingReader::start(
+        pool.clone(),
+        config.appliers,
+        config.runs_per_transaction,
+        config.messages_per_read,
+    );
     let worker_config = WorkerConfig {
         changes_waker: Some(changes_waker),
+        batcher: Some(batcher),
+        reader: Some(reader),
         messages_per_read: config.messages_per_read,
         idle_linger: config.idle_linger,
         reload_backoff: config.reload_backoff,
@@ -240,6 +263,10 @@ async fn schedule(
         signal.wake();
     }
     while workers.join_next().await.is_some() {}
+    // Every worker has had its answer: nothing waits on the appliers any more.
+    for task in appliers.into_iter().chain(readers) {
+        task.abort();
+    }
     listener.abort();
     sweeper.abort();
     if let Some(retention) = retention {

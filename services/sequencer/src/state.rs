@@ -215,9 +215,110 @@ fn track_values(state: &EndpointTrack) -> Result<TrackValues, StateError> {
     ))
 }
 
-/// How a run of messages ends, beside the copy's writes: the track row (when the run changed
-/// it), how each message was applied, and the apply cursor moved from `from` to `to`.
+/// One endpoint's claim in [`open_tracks`]: the fencing token its worker holds.
+#[derive(Debug, Clone, Copy)]
+pub struct TrackClaim {
+    pub endpoint: Uuid,
+    pub tenant: Uuid,
+    pub token: i64,
+}
+
+/// [`open_track`] for several endpoints in one statement: for each claim in the order given,
+/// its track row locked, or `None` when the fence moved on. Each endpoint's locks are taken in
+/// the order every writer takes them (fence, writer lock, track), and the endpoints in id
+/// order, so two such statements never wait on each other in a cycle.
+pub async fn open_tracks(
+    conn: &mut PgConnection,
+    claims: &[TrackClaim],
+    track: &str,
+) -> Result<Vec<Option<EndpointTrack>>, StateError> {
+    type Row = (
+        Uuid,
+        bool,
+        Option<i64>,
+        Option<String>,
+        Option<String>,
+        Option<bool>,
+        Option<i64>,
+        Option<serde_json::Value>,
+    );
+    let mut sorted: Vec<&TrackClaim> = claims.iter().collect();
+    sorted.sort_by_key(|c| c.endpoint);
+    let rows: Vec<Row> = sqlx::query_as(&format!(
+        "WITH input AS MATERIALIZED (
+             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int8[]) WITH ORDINALITY
+                 AS i(endpoint_id, tenant_id, token, ord)
+         ),
+         fence AS MATERIALIZED (
+             SELECT f.endpoint_id, f.token FROM endpoint_fences f
+             WHERE f.endpoint_id IN (SELECT endpoint_id FROM input)
+             ORDER BY f.endpoint_id
+             FOR SHARE
+         ),
+         writer AS MATERIALIZED (
+             INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id)
+             SELECT i.endpoint_id, i.tenant_id
+             FROM input i JOIN fence f ON f.endpoint_id = i.endpoint_id AND f.token = i.token
+             ORDER BY i.endpoint_id
+             ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last
+             RETURNING endpoint_id
+         )
+         SELECT i.endpoint_id, w.endpoint_id IS NOT NULL, {TRACK_COLUMNS}
+         FROM input i
+         LEFT JOIN writer w ON w.endpoint_id = i.endpoint_id
+         LEFT JOIN LATERAL (
+             SELECT {TRACK_COLUMNS} FROM endpoint_tracks
+             WHERE endpoint_id = w.endpoint_id AND track = $4
+             FOR UPDATE
+         ) t ON true
+         ORDER BY i.ord"
+    ))
+    .bind(sorted.iter().map(|c| c.endpoint).collect::<Vec<_>>())
+    .bind(sorted.iter().map(|c| c.tenant).collect::<Vec<_>>())
+    .bind(sorted.iter().map(|c| c.token).collect::<Vec<_>>())
+    .bind(track)
+    .fetch_all(conn)
+    .await?;
+    let mut opened: std::collections::HashMap<Uuid, Option<EndpointTrack>> =
+        std::collections::HashMap::with_capacity(rows.len());
+    for (
+        endpoint,
+        owned,
+        generation,
+        access_version,
+        through,
+        last_was_reset,
+        last_reset,
+        reload,
+    ) in rows
+    {
+        let track = match (owned, last_was_reset) {
+            (false, _) => None,
+            // A track never written: nothing held yet.
+            (true, None) => Some(EndpointTrack::default()),
+            (true, Some(last_was_reset)) => Some(track_from_row((
+                generation,
+                access_version,
+                through,
+                last_was_reset,
+                last_reset,
+                reload,
+            ))?),
+        };
+        opened.insert(endpoint, track);
+    }
+    Ok(claims
+        .iter()
+        .map(|c| opened.remove(&c.endpoint).flatten())
+        .collect())
+}
+
+/// How one endpoint's run of messages ends, beside the copy's writes: the track row (when the
+/// run changed it), how each message was applied, and the apply cursor moved from `from` to
+/// `to`.
 pub struct RunEnd<'a> {
+    pub endpoint: Uuid,
+    pub tenant: Uuid,
     pub track: Option<&'a EndpointTrack>,
     pub outcomes: &'a [(i64, MessageOutcome, i32, i32)],
     pub from: i64,
@@ -225,8 +326,8 @@ pub struct RunEnd<'a> {
     pub last_received_at: Option<OffsetDateTime>,
 }
 
-/// What [`write_run`] wrote.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What [`write_runs`] wrote for one endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RunWritten {
     /// Copy rows written (each decided row whose position still won).
     pub rows: i64,
@@ -236,71 +337,116 @@ pub struct RunWritten {
     pub cursor_moved: bool,
 }
 
-/// The end of an apply transaction in one statement (one round trip): the copy's rows and
-/// changes ([`copy::write_decided`]'s CTEs), the track row, the outcomes, and the cursor, each
-/// write still deciding in its own `where` (the rows' precedence, the cursor's position).
+/// The end of an apply transaction for several endpoints in one statement (one round trip):
+/// the copy's rows and changes ([`copy::WRITE_DECIDED_CTES`]), then each endpoint's track row,
+/// outcomes and cursor, each write still deciding in its own `where` (the rows' precedence, the
+/// cursor's position). Returns what was written for each run, in the order given.
 ///
-/// [`copy::write_decided`]: relay_store::copy::write_decided
-pub async fn write_run(
+/// [`copy::WRITE_DECIDED_CTES`]: relay_store::copy::WRITE_DECIDED_CTES
+pub async fn write_runs(
     conn: &mut PgConnection,
-    tenant: Uuid,
-    endpoint: Uuid,
-    decided: relay_store::copy::DecidedWrite<'_>,
-    end: RunEnd<'_>,
-) -> Result<RunWritten, StateError> {
-    let (save, generation, last_reset_generation, reload) = match end.track {
-        Some(track) => {
-            let (g, r, reload) = track_values(track)?;
-            (true, g, r, reload)
+    decided: relay_store::copy::DecidedWrites,
+    ends: &[RunEnd<'_>],
+) -> Result<Vec<RunWritten>, StateError> {
+    let mut t_endpoint = Vec::new();
+    let mut t_tenant = Vec::new();
+    let mut t_generation = Vec::new();
+    let mut t_access_version = Vec::new();
+    let mut t_through = Vec::new();
+    let mut t_last_was_reset = Vec::new();
+    let mut t_last_reset_generation = Vec::new();
+    let mut t_reload: Vec<Option<String>> = Vec::new();
+    for end in ends {
+        let Some(track) = end.track else { continue };
+        let (generation, last_reset_generation, reload) = track_values(track)?;
+        t_endpoint.push(end.endpoint);
+        t_tenant.push(end.tenant);
+        t_generation.push(generation);
+        t_access_version.push(track.access_version.as_deref());
+        t_through.push(track.through.as_deref());
+        t_last_was_reset.push(track.last_was_reset);
+        t_last_reset_generation.push(last_reset_generation);
+        t_reload.push(reload.map(|r| r.to_string()));
+    }
+    let mut o_endpoint = Vec::new();
+    let mut o_tenant = Vec::new();
+    let mut o_seq = Vec::new();
+    let mut o_outcome = Vec::new();
+    let mut o_applied = Vec::new();
+    let mut o_ignored = Vec::new();
+    for end in ends {
+        for (seq, outcome, applied, ignored) in end.outcomes {
+            o_endpoint.push(end.endpoint);
+            o_tenant.push(end.tenant);
+            o_seq.push(*seq);
+            o_outcome.push(outcome.as_str());
+            o_applied.push(*applied);
+            o_ignored.push(*ignored);
         }
-        None => (false, None, None, None),
-    };
-    let track = end.track;
-    let query = sqlx::query_as(&WRITE_RUN).bind(endpoint).bind(tenant);
-    let (rows, changes, cursor_moved): (i64, i64, i64) = decided
+    }
+    let query = sqlx::query_as(&WRITE_RUNS);
+    let rows: Vec<(Uuid, i64, i64, i64)> = decided
         .bind(query)
-        .bind(save)
         .bind(FEED_TRACK)
-        .bind(generation)
-        .bind(track.and_then(|t| t.access_version.as_deref()))
-        .bind(track.and_then(|t| t.through.as_deref()))
-        .bind(track.is_some_and(|t| t.last_was_reset))
-        .bind(last_reset_generation)
-        .bind(reload)
-        .bind(end.outcomes.iter().map(|o| o.0).collect::<Vec<_>>())
-        .bind(
-            end.outcomes
-                .iter()
-                .map(|o| o.1.as_str())
-                .collect::<Vec<_>>(),
-        )
-        .bind(end.outcomes.iter().map(|o| o.2).collect::<Vec<_>>())
-        .bind(end.outcomes.iter().map(|o| o.3).collect::<Vec<_>>())
-        .bind(end.from)
-        .bind(end.to)
-        .bind(end.last_received_at)
-        .fetch_one(conn)
+        .bind(t_endpoint)
+        .bind(t_tenant)
+        .bind(t_generation)
+        .bind(t_access_version)
+        .bind(t_through)
+        .bind(t_last_was_reset)
+        .bind(t_last_reset_generation)
+        .bind(t_reload)
+        .bind(o_endpoint)
+        .bind(o_tenant)
+        .bind(o_seq)
+        .bind(o_outcome)
+        .bind(o_applied)
+        .bind(o_ignored)
+        .bind(ends.iter().map(|e| e.endpoint).collect::<Vec<_>>())
+        .bind(ends.iter().map(|e| e.tenant).collect::<Vec<_>>())
+        .bind(ends.iter().map(|e| e.from).collect::<Vec<_>>())
+        .bind(ends.iter().map(|e| e.to).collect::<Vec<_>>())
+        .bind(ends.iter().map(|e| e.last_received_at).collect::<Vec<_>>())
+        .fetch_all(conn)
         .await?;
-    Ok(RunWritten {
-        rows,
-        changes,
-        cursor_moved: cursor_moved == 1,
-    })
+    let mut written: std::collections::HashMap<Uuid, RunWritten> = rows
+        .into_iter()
+        .map(|(endpoint, rows, changes, moved)| {
+            (
+                endpoint,
+                RunWritten {
+                    rows,
+                    changes,
+                    cursor_moved: moved == 1,
+                },
+            )
+        })
+        .collect();
+    Ok(ends
+        .iter()
+        .map(|e| written.remove(&e.endpoint).unwrap_or_default())
+        .collect())
 }
 
-/// [`write_run`]'s statement: the copy's CTEs (`$1`–`$18`), then the track (`$20`–`$26`, written
-/// only when `$19`), the outcomes (`$27`–`$30`) and the cursor (from `$31` to `$32`, with the
-/// last message's receipt time `$33`).
-static WRITE_RUN: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+/// [`write_runs`]' statement: the copy's CTEs (`$1`–`$20`), then the tracks that changed
+/// (`$21` the track's name, `$22`–`$29`), the outcomes (`$30`–`$35`) and the cursors (`$36`–`$40`:
+/// endpoint, tenant, from, to, the last message's receipt time). A cursor moves only from where
+/// the run read it: updated where it is at `from`, or created when the run read none (`from`
+/// 0) and there is still none.
+static WRITE_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "{ctes},
          saved_track AS (
              INSERT INTO endpoint_tracks AS t (endpoint_id, track, tenant_id, generation,
                  access_version, through, last_was_reset, last_reset_generation, reload,
                  reload_begun_at)
-             SELECT $1, $20, $2, $21, $22, $23, $24, $25, $26::jsonb,
-                    CASE WHEN $26::jsonb IS NULL THEN NULL ELSE now() END
-             WHERE $19
+             SELECT endpoint_id, $21, tenant_id, generation, access_version, through,
+                    last_was_reset, last_reset_generation, reload::jsonb,
+                    CASE WHEN reload IS NULL THEN NULL ELSE now() END
+             FROM unnest($22::uuid[], $23::uuid[], $24::int8[], $25::text[], $26::text[],
+                         $27::bool[], $28::int8[], $29::text[])
+                 AS s(endpoint_id, tenant_id, generation, access_version, through,
+                      last_was_reset, last_reset_generation, reload)
              ON CONFLICT (endpoint_id, track) DO UPDATE
              SET generation = excluded.generation, access_version = excluded.access_version,
                  through = excluded.through, last_was_reset = excluded.last_was_reset,
@@ -315,24 +461,45 @@ static WRITE_RUN: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
          noted AS (
              INSERT INTO message_applications (endpoint_id, arrival_seq, tenant_id, outcome,
                  events_applied, events_ignored)
-             SELECT $1, seq, $2, outcome, applied, ignored
-             FROM unnest($27::int8[], $28::text[], $29::int4[], $30::int4[])
-                 AS o(seq, outcome, applied, ignored)
+             SELECT endpoint_id, seq, tenant_id, outcome, applied, ignored
+             FROM unnest($30::uuid[], $31::uuid[], $32::int8[], $33::text[], $34::int4[],
+                         $35::int4[])
+                 AS o(endpoint_id, tenant_id, seq, outcome, applied, ignored)
              ON CONFLICT (endpoint_id, arrival_seq) DO NOTHING
          ),
-         moved_cursor AS (
-             INSERT INTO endpoint_apply_cursors AS c (endpoint_id, tenant_id,
-                 applied_arrival_seq, last_received_at, last_applied_at)
-             VALUES ($1, $2, $32, $33, now())
-             ON CONFLICT (endpoint_id) DO UPDATE
-             SET applied_arrival_seq = excluded.applied_arrival_seq,
-                 last_received_at = coalesce(excluded.last_received_at, c.last_received_at),
+         runs AS MATERIALIZED (
+             SELECT * FROM unnest($36::uuid[], $37::uuid[], $38::int8[], $39::int8[],
+                                  $40::timestamptz[])
+                 AS k(endpoint_id, tenant_id, from_seq, to_seq, received_at)
+         ),
+         moved AS (
+             UPDATE endpoint_apply_cursors AS c
+             SET applied_arrival_seq = k.to_seq,
+                 last_received_at = coalesce(k.received_at, c.last_received_at),
                  last_applied_at = now()
-             WHERE c.applied_arrival_seq = $31
-             RETURNING 1
+             FROM runs k
+             WHERE c.endpoint_id = k.endpoint_id AND c.applied_arrival_seq = k.from_seq
+             RETURNING c.endpoint_id
+         ),
+         created AS (
+             INSERT INTO endpoint_apply_cursors (endpoint_id, tenant_id, applied_arrival_seq,
+                 last_received_at, last_applied_at)
+             SELECT endpoint_id, tenant_id, to_seq, received_at, now() FROM runs
+             WHERE from_seq = 0
+             ON CONFLICT (endpoint_id) DO NOTHING
+             RETURNING endpoint_id
          )
-         SELECT (SELECT count(*) FROM written), (SELECT count(*) FROM change),
-                (SELECT count(*) FROM moved_cursor)",
+         SELECT k.endpoint_id, coalesce(w.n, 0), coalesce(c.n, 0),
+                coalesce(m.n, 0) + coalesce(n.n, 0)
+         FROM runs k
+         LEFT JOIN (SELECT endpoint_id, count(*) AS n FROM written GROUP BY 1) w
+             ON w.endpoint_id = k.endpoint_id
+         LEFT JOIN (SELECT endpoint_id, count(*) AS n FROM change GROUP BY 1) c
+             ON c.endpoint_id = k.endpoint_id
+         LEFT JOIN (SELECT endpoint_id, count(*) AS n FROM moved GROUP BY 1) m
+             ON m.endpoint_id = k.endpoint_id
+         LEFT JOIN (SELECT endpoint_id, count(*) AS n FROM created GROUP BY 1) n
+             ON n.endpoint_id = k.endpoint_id",
         ctes = relay_store::copy::WRITE_DECIDED_CTES
     )
 });
@@ -435,6 +602,59 @@ pub async fn pending_messages(
         })
         .collect();
     Ok((counter, pending))
+}
+
+/// [`pending_messages`] for several endpoints in one statement: for each (endpoint, cursor),
+/// its arrival counter and its messages after the cursor up to the counter, at most `limit`
+/// each. One statement, so one snapshot: each counter bounds exactly what its read sees.
+pub async fn pending_messages_many(
+    pool: &PgPool,
+    cursors: &[(Uuid, i64)],
+    limit: i64,
+) -> Result<std::collections::HashMap<Uuid, (i64, Vec<PendingMessage>)>, StateError> {
+    type Row = (
+        Uuid,
+        i64,
+        Option<i64>,
+        Option<OffsetDateTime>,
+        Option<Vec<u8>>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT i.endpoint_id, counter.last, m.arrival_seq, m.received_at, m.body
+         FROM unnest($1::uuid[], $2::int8[]) AS i(endpoint_id, applied)
+         CROSS JOIN LATERAL (
+             SELECT coalesce((SELECT last_arrival_seq FROM endpoint_arrival_counters
+                              WHERE endpoint_id = i.endpoint_id), 0) AS last
+         ) counter
+         LEFT JOIN LATERAL (
+             SELECT arrival_seq, received_at, body FROM messages
+             WHERE endpoint_id = i.endpoint_id AND arrival_seq > i.applied
+               AND arrival_seq <= counter.last
+             ORDER BY arrival_seq LIMIT $3
+         ) m ON true
+         ORDER BY i.endpoint_id, m.arrival_seq",
+    )
+    .bind(cursors.iter().map(|c| c.0).collect::<Vec<_>>())
+    .bind(cursors.iter().map(|c| c.1).collect::<Vec<_>>())
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    let mut found: std::collections::HashMap<Uuid, (i64, Vec<PendingMessage>)> =
+        std::collections::HashMap::with_capacity(cursors.len());
+    for (endpoint, counter, arrival_seq, received_at, body) in rows {
+        let entry = found
+            .entry(endpoint)
+            .or_insert_with(|| (counter, Vec::new()));
+        if let (Some(arrival_seq), Some(received_at), Some(body)) = (arrival_seq, received_at, body)
+        {
+            entry.1.push(PendingMessage {
+                arrival_seq,
+                received_at,
+                body,
+            });
+        }
+    }
+    Ok(found)
 }
 
 /// How a message was applied, for support reads.

@@ -38,6 +38,11 @@ impl WorkerSignal {
 pub struct WorkerConfig {
     /// Announces new changes to the publisher (see [`crate::wake::changes_channel`]).
     pub changes_waker: Option<crate::wake::Waker>,
+    /// The shared apply transactions (`None`: each run applies in a transaction of its own).
+    pub batcher: Option<crate::batch::ApplyBatcher>,
+    /// The shared reads of pending messages (`None`: each worker reads its own). Reads at most
+    /// `messages_per_read` per endpoint, as the worker does.
+    pub reader: Option<crate::batch::PendingReader>,
     pub messages_per_read: i64,
     pub idle_linger: Duration,
     pub reload_backoff: ReloadBackoff,
@@ -280,8 +285,12 @@ async fn apply_from_cursor(
         reload_pending: false,
     };
     loop {
-        let (counter, pending) =
-            state::pending_messages(pool, endpoint, applied, config.messages_per_read).await?;
+        let (counter, pending) = match &config.reader {
+            Some(reader) => reader.read(endpoint, applied).await?,
+            None => {
+                state::pending_messages(pool, endpoint, applied, config.messages_per_read).await?
+            }
+        };
         if pending.is_empty() {
             if counter > applied {
                 // Only gaps left (numbers a duplicate took and did not use): skip them.
@@ -303,13 +312,22 @@ async fn apply_from_cursor(
         let complete = (pending.len() as i64) < config.messages_per_read;
         let last = pending.last().map_or(applied, |m| m.arrival_seq);
         let through = if complete { counter.max(last) } else { last };
-        let report = crate::apply::apply_messages_through(
-            pool, ctx, token, applied, through, &pending, metrics,
-        )
-        .await?;
-        if report.changes > 0 {
-            announce_changes(config, ctx).await;
-        }
+        let run = crate::apply::prepare_run(pool, ctx, token, (applied, through), pending, metrics)
+            .await?;
+        let report = match &config.batcher {
+            // The batcher announces the changes of every run it committed, together.
+            Some(batcher) => batcher.apply(run).await?,
+            None => {
+                let report = crate::apply::apply_runs(pool, vec![run], metrics)
+                    .await
+                    .pop()
+                    .expect("one answer per run")?;
+                if report.changes > 0 {
+                    announce_changes(config, ctx).await;
+                }
+                report
+            }
+        };
         applied = through;
         *cursor = Some(applied);
         done.messages += report.messages;

@@ -14,7 +14,7 @@
 //!
 //! [`precedence`]: relay_rules::precedence()
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use relay_rules::{merge_item, Decision, Held, HeldContent, PartsDiff, ReadItem};
 use relay_wire::{ItemKind, PartRef, Sequence};
@@ -409,24 +409,57 @@ pub async fn load_held_many(
     rows.into_iter().map(held_entry_from_row).collect()
 }
 
-/// [`record_event_ids`] and [`load_held_many`] in one statement (one round trip): the ids of
-/// `event_ids` not applied before, now recorded, and what the copy holds of `subjects`, locked.
+/// One endpoint's part of [`record_event_ids_and_load_held`]: the ids of its run's events, and
+/// the subjects they touch.
+#[derive(Debug, Clone, Copy)]
+pub struct RunKeys<'a> {
+    pub endpoint: Uuid,
+    pub tenant: Uuid,
+    pub event_ids: &'a [&'a str],
+    pub subjects: &'a [&'a str],
+}
+
+/// What [`record_event_ids_and_load_held`] found for one endpoint: the ids not applied before
+/// (now recorded), and what the copy holds of the subjects asked for (locked).
+#[derive(Debug, Clone, Default)]
+pub struct RunHeld {
+    pub first_seen: HashSet<String>,
+    pub held: BTreeMap<String, HeldEntry>,
+}
+
+/// [`record_event_ids`] and [`load_held_many`] for several endpoints' runs in one statement (one
+/// round trip): each endpoint's event ids not applied before, now recorded, and what its copy
+/// holds of its subjects, locked (`for update`, in endpoint then subject order).
 pub async fn record_event_ids_and_load_held(
     conn: &mut PgConnection,
-    tenant: Uuid,
-    endpoint: Uuid,
-    event_ids: &[&str],
-    subjects: &[&str],
-) -> Result<(HashSet<String>, BTreeMap<String, HeldEntry>), StoreError> {
-    if event_ids.is_empty() && subjects.is_empty() {
-        return Ok((HashSet::new(), BTreeMap::new()));
+    runs: &[RunKeys<'_>],
+) -> Result<HashMap<Uuid, RunHeld>, StoreError> {
+    let mut found: HashMap<Uuid, RunHeld> = runs
+        .iter()
+        .map(|run| (run.endpoint, RunHeld::default()))
+        .collect();
+    let (mut e_endpoint, mut e_tenant, mut e_id) = (Vec::new(), Vec::new(), Vec::new());
+    let mut keys: Vec<(Uuid, &str)> = Vec::new();
+    for run in runs {
+        for id in run.event_ids {
+            e_endpoint.push(run.endpoint);
+            e_tenant.push(run.tenant);
+            e_id.push(*id);
+        }
+        keys.extend(run.subjects.iter().map(|subject| (run.endpoint, *subject)));
     }
-    // One row per held subject (or a single row of nulls when none is held), each carrying the
-    // ids recorded; the held rows are read after the insert (the lateral join depends on it),
-    // in subject order, as `load_held_many` locks them.
+    // Rows are locked in the order given (each read by its key, whatever the table's
+    // statistics): endpoint, then subject in byte order, as `load_held_many` locks them.
+    keys.sort_unstable();
+    keys.dedup();
+    let (s_endpoint, s_subject): (Vec<Uuid>, Vec<&str>) = keys.into_iter().unzip();
+    if e_id.is_empty() && s_subject.is_empty() {
+        return Ok(found);
+    }
+    // An id recorded comes back as a row with no generation; a held row always has one.
     type Row = (
-        Vec<String>,
-        Option<String>,
+        Uuid,
+        String,
         Option<i64>,
         Option<String>,
         Option<bool>,
@@ -438,42 +471,46 @@ pub async fn record_event_ids_and_load_held(
     let rows: Vec<Row> = sqlx::query_as(
         "WITH recorded AS (
              INSERT INTO applied_events (endpoint_id, event_id, tenant_id)
-             SELECT $1, id, $2 FROM unnest($3::text[]) AS ids(id)
+             SELECT endpoint_id, event_id, tenant_id
+             FROM unnest($1::uuid[], $2::text[], $3::uuid[]) AS ids(endpoint_id, event_id, tenant_id)
              ON CONFLICT (endpoint_id, event_id) DO NOTHING
-             RETURNING event_id
-         ),
-         first AS MATERIALIZED (
-             SELECT coalesce(array_agg(event_id), '{}') AS ids FROM recorded
+             RETURNING endpoint_id, event_id
          )
-         SELECT first.ids, h.subject, h.generation, h.sequence, h.tombstone, h.parts, h.item,
-                h.item_kind, h.company_id
-         FROM first LEFT JOIN LATERAL (
-             SELECT subject, generation, sequence, tombstone, parts::text AS parts,
-                    item::text AS item, item_kind, company_id
-             FROM copy_items
-             WHERE endpoint_id = $1 AND subject = ANY($4) AND cardinality(first.ids) >= 0
-             ORDER BY subject COLLATE \"C\"
+         SELECT endpoint_id, event_id, NULL::int8, NULL::text, NULL::bool, NULL::text,
+                NULL::text, NULL::text, NULL::int8
+         FROM recorded
+         UNION ALL
+         SELECT h.*
+         FROM unnest($4::uuid[], $5::text[]) AS s(endpoint_id, subject)
+         CROSS JOIN LATERAL (
+             SELECT c.endpoint_id, c.subject, c.generation, c.sequence, c.tombstone,
+                    c.parts::text, c.item::text, c.item_kind, c.company_id
+             FROM copy_items c
+             WHERE c.endpoint_id = s.endpoint_id AND c.subject = s.subject
              FOR UPDATE
-         ) h ON true",
+         ) h",
     )
-    .bind(endpoint)
-    .bind(tenant)
-    .bind(event_ids)
-    .bind(subjects)
+    .bind(&e_endpoint)
+    .bind(&e_id)
+    .bind(&e_tenant)
+    .bind(&s_endpoint)
+    .bind(&s_subject)
     .fetch_all(conn)
     .await?;
-    let first_seen = rows
-        .first()
-        .map(|row| row.0.iter().cloned().collect())
-        .unwrap_or_default();
-    let held = rows
-        .into_iter()
-        .filter_map(|(_, subject, g, seq, tomb, parts, item, kind, company)| {
-            Some((subject?, g?, seq?, tomb?, parts?, item, kind, company))
-        })
-        .map(held_entry_from_row)
-        .collect::<Result<_, _>>()?;
-    Ok((first_seen, held))
+    for (endpoint, key, generation, sequence, tombstone, parts, item, kind, company) in rows {
+        let run = found.entry(endpoint).or_default();
+        match (generation, sequence, tombstone, parts) {
+            (Some(g), Some(seq), Some(tomb), Some(parts)) => {
+                let (subject, entry) =
+                    held_entry_from_row((key, g, seq, tomb, parts, item, kind, company))?;
+                run.held.insert(subject, entry);
+            }
+            _ => {
+                run.first_seen.insert(key);
+            }
+        }
+    }
+    Ok(found)
 }
 
 type HeldEntryRow = (
@@ -510,93 +547,65 @@ pub struct DecidedChange<'a> {
     pub item_text: Option<&'a str>,
 }
 
-/// Writes the rows a run of decisions left (each subject once, as the rules' reference copy
-/// holds it after carrying the decisions out in order, under [`lock_endpoint`] and the rows'
-/// [`load_held_many`] locks) and appends their changes, in one statement.
-///
-/// The statement still decides: a row is written only where its position wins over the row as
-/// it is now (the precedence of the last decision that wrote it: newer generation, higher
-/// sequence, or a removal at the same sequence over an item), and changes are appended only for
-/// subjects written, numbered in the order given. Returns (rows written, changes appended).
-pub async fn write_decided(
-    conn: &mut PgConnection,
-    tenant: Uuid,
-    endpoint: Uuid,
-    rows: &[(&str, &HeldEntry, Option<&str>)],
-    changes: &[DecidedChange<'_>],
-) -> Result<(i64, i64), StoreError> {
-    if rows.is_empty() {
-        return Ok((0, 0));
-    }
-    let write = DecidedWrite::new(rows, changes)?;
-    let query = sqlx::query_as(&WRITE_DECIDED).bind(endpoint).bind(tenant);
-    Ok(write.bind(query).fetch_one(conn).await?)
-}
-
-/// The parameters `$3`–`$18` of [`WRITE_DECIDED_CTES`]: the rows a run of decisions left and
-/// the changes to append, as arrays. `$1` is the endpoint and `$2` its tenant, bound by the
-/// caller, who may append CTEs of its own (numbered from `$19`) to the statement, so that what
-/// else its transaction writes goes in the same round trip.
-pub struct DecidedWrite<'a> {
-    subjects: Vec<&'a str>,
+/// The rows that several endpoints' runs of decisions left, and the changes to append, as the
+/// arrays `$1`–`$20` of [`WRITE_DECIDED_CTES`]. Each run's rows are its subjects once each, as
+/// the rules' reference copy holds them after carrying the decisions out in order, decided under
+/// the endpoint's writer lock and the rows' locks ([`record_event_ids_and_load_held`]). The
+/// caller appends CTEs of its own (numbered from `$21`), so what else its transaction writes
+/// goes in the same round trip.
+#[derive(Debug, Default)]
+pub struct DecidedWrites {
+    r_endpoint: Vec<Uuid>,
+    r_tenant: Vec<Uuid>,
+    subjects: Vec<String>,
     generations: Vec<i64>,
-    sequences: Vec<&'a str>,
+    sequences: Vec<String>,
     tombstones: Vec<bool>,
-    item_kinds: Vec<Option<&'a str>>,
+    item_kinds: Vec<Option<String>>,
     company_ids: Vec<Option<i64>>,
     parts: Vec<String>,
     items: Vec<Option<String>>,
+    c_endpoint: Vec<Uuid>,
+    c_tenant: Vec<Uuid>,
     c_op: Vec<&'static str>,
-    c_subject: Vec<&'a str>,
-    c_kind: Vec<Option<&'a str>>,
+    c_subject: Vec<String>,
+    c_kind: Vec<Option<String>>,
     c_generation: Vec<i64>,
-    c_sequence: Vec<&'a str>,
-    c_event: Vec<&'a str>,
+    c_sequence: Vec<String>,
+    c_event: Vec<String>,
     c_item: Vec<Option<String>>,
     c_diff: Vec<String>,
 }
 
-impl<'a> DecidedWrite<'a> {
-    pub fn new(
-        rows: &[(&'a str, &'a HeldEntry, Option<&'a str>)],
-        changes: &[DecidedChange<'a>],
-    ) -> Result<Self, StoreError> {
-        let mut write = DecidedWrite {
-            subjects: Vec::with_capacity(rows.len()),
-            generations: Vec::with_capacity(rows.len()),
-            sequences: Vec::with_capacity(rows.len()),
-            tombstones: Vec::with_capacity(rows.len()),
-            item_kinds: Vec::with_capacity(rows.len()),
-            company_ids: Vec::with_capacity(rows.len()),
-            parts: Vec::with_capacity(rows.len()),
-            items: Vec::with_capacity(rows.len()),
-            c_op: Vec::with_capacity(changes.len()),
-            c_subject: Vec::with_capacity(changes.len()),
-            c_kind: Vec::with_capacity(changes.len()),
-            c_generation: Vec::with_capacity(changes.len()),
-            c_sequence: Vec::with_capacity(changes.len()),
-            c_event: Vec::with_capacity(changes.len()),
-            c_item: Vec::with_capacity(changes.len()),
-            c_diff: Vec::with_capacity(changes.len()),
-        };
+impl DecidedWrites {
+    /// Adds one endpoint's run: its rows (subject, row, the row item's text when the caller has
+    /// it) and its changes, in the order they are to be numbered.
+    pub fn push(
+        &mut self,
+        endpoint: Uuid,
+        tenant: Uuid,
+        rows: &[(&str, &HeldEntry, Option<&str>)],
+        changes: &[DecidedChange<'_>],
+    ) -> Result<(), StoreError> {
         for (subject, row, text) in rows {
-            write.subjects.push(subject);
-            write.generations.push(to_i64(row.held.generation)?);
-            write.sequences.push(row.held.sequence.as_str());
-            write.item_kinds.push(row.item_kind.as_deref());
-            write.company_ids.push(row.company_id);
+            self.r_endpoint.push(endpoint);
+            self.r_tenant.push(tenant);
+            self.subjects.push((*subject).to_owned());
+            self.generations.push(to_i64(row.held.generation)?);
+            self.sequences.push(row.held.sequence.as_str().to_owned());
+            self.item_kinds.push(row.item_kind.clone());
+            self.company_ids.push(row.company_id);
             match &row.held.content {
                 HeldContent::Item { parts, item } => {
-                    write.tombstones.push(false);
-                    write.parts.push(parts_json(parts));
-                    write
-                        .items
+                    self.tombstones.push(false);
+                    self.parts.push(parts_json(parts));
+                    self.items
                         .push(Some(text.map_or_else(|| item.to_string(), str::to_owned)));
                 }
                 HeldContent::Tombstone => {
-                    write.tombstones.push(true);
-                    write.parts.push("[]".to_owned());
-                    write.items.push(None);
+                    self.tombstones.push(true);
+                    self.parts.push("[]".to_owned());
+                    self.items.push(None);
                 }
             }
         }
@@ -609,17 +618,17 @@ impl<'a> DecidedWrite<'a> {
                     item,
                     diff,
                 } => {
-                    write.c_op.push("upsert");
-                    write.c_subject.push(subject.as_str());
-                    write.c_kind.push(Some(item.item_kind.as_str()));
-                    write.c_generation.push(to_i64(*generation)?);
-                    write.c_sequence.push(sequence.as_str());
-                    write.c_item.push(Some(
+                    self.c_op.push("upsert");
+                    self.c_subject.push(subject.clone());
+                    self.c_kind.push(Some(item.item_kind.as_str().to_owned()));
+                    self.c_generation.push(to_i64(*generation)?);
+                    self.c_sequence.push(sequence.as_str().to_owned());
+                    self.c_item.push(Some(
                         change
                             .item_text
                             .map_or_else(|| item.raw.to_string(), str::to_owned),
                     ));
-                    write.c_diff.push(diff_json(diff));
+                    self.c_diff.push(diff_json(diff));
                 }
                 Decision::Tombstone {
                     subject,
@@ -627,35 +636,32 @@ impl<'a> DecidedWrite<'a> {
                     sequence,
                     removed_item: true,
                 } => {
-                    write.c_op.push("remove");
-                    write.c_subject.push(subject.as_str());
-                    write.c_kind.push(kind_of_subject(subject));
-                    write.c_generation.push(to_i64(*generation)?);
-                    write.c_sequence.push(sequence.as_str());
-                    write.c_item.push(None);
-                    write.c_diff.push(diff_json(&PartsDiff::default()));
+                    self.c_op.push("remove");
+                    self.c_subject.push(subject.clone());
+                    self.c_kind
+                        .push(kind_of_subject(subject).map(str::to_owned));
+                    self.c_generation.push(to_i64(*generation)?);
+                    self.c_sequence.push(sequence.as_str().to_owned());
+                    self.c_item.push(None);
+                    self.c_diff.push(diff_json(&PartsDiff::default()));
                 }
                 _ => continue,
             }
-            write.c_event.push(change.event_id);
+            self.c_endpoint.push(endpoint);
+            self.c_tenant.push(tenant);
+            self.c_event.push(change.event_id.to_owned());
         }
-        Ok(write)
+        Ok(())
     }
 
-    /// How many rows the write carries (the count `written` returns when every row wins).
-    pub fn rows(&self) -> usize {
-        self.subjects.len()
-    }
-
-    /// Binds `$3`–`$18` after the caller's `$1` (endpoint) and `$2` (tenant).
+    /// Binds `$1`–`$20`.
     pub fn bind<'q, O>(
         self,
         query: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
-    ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>
-    where
-        'a: 'q,
-    {
+    ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
         query
+            .bind(self.r_endpoint)
+            .bind(self.r_tenant)
             .bind(self.subjects)
             .bind(self.generations)
             .bind(self.sequences)
@@ -664,6 +670,8 @@ impl<'a> DecidedWrite<'a> {
             .bind(self.company_ids)
             .bind(self.parts)
             .bind(self.items)
+            .bind(self.c_endpoint)
+            .bind(self.c_tenant)
             .bind(self.c_op)
             .bind(self.c_subject)
             .bind(self.c_kind)
@@ -675,26 +683,24 @@ impl<'a> DecidedWrite<'a> {
     }
 }
 
-static WRITE_DECIDED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!(
-        "{WRITE_DECIDED_CTES}
-         SELECT (SELECT count(*) FROM written), (SELECT count(*) FROM change)"
-    )
-});
-
-/// The CTEs of [`write_decided`]'s statement, for a caller that adds its own (see
-/// [`DecidedWrite`]): `written` returns each subject written, `change` one row per change
-/// appended.
+/// The CTEs that write [`DecidedWrites`] (the caller adds its own and the final `SELECT`).
+///
+/// They still decide: a row is written only where its position wins over the row as it is now
+/// (the precedence of the last decision that wrote it: newer generation, higher sequence, or a
+/// removal at the same sequence over an item), and an endpoint's changes are appended only for
+/// its subjects written, numbered from its change counter in the order given. `written` returns
+/// (endpoint, subject) for each row written, `change` the endpoint of each change appended.
 pub const WRITE_DECIDED_CTES: &str = "WITH input AS MATERIALIZED (
-         SELECT * FROM unnest($3::text[], $4::int8[], $5::text[], $6::bool[], $7::text[],
-                              $8::int8[], $9::text[], $10::text[])
-             AS r(subject, generation, sequence, tombstone, item_kind, company_id, parts, item)
+         SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::int8[], $5::text[],
+                              $6::bool[], $7::text[], $8::int8[], $9::text[], $10::text[])
+             AS r(endpoint_id, tenant_id, subject, generation, sequence, tombstone, item_kind,
+                  company_id, parts, item)
      ),
      written AS (
          INSERT INTO copy_items AS held (endpoint_id, subject, tenant_id, generation, sequence,
                                          tombstone, item_kind, company_id, parts, item)
-         SELECT $1, subject, $2, generation, sequence, tombstone, item_kind, company_id,
-                parts::jsonb, item::jsonb
+         SELECT endpoint_id, subject, tenant_id, generation, sequence, tombstone, item_kind,
+                company_id, parts::jsonb, item::jsonb
          FROM input
          ON CONFLICT (endpoint_id, subject) DO UPDATE
          SET generation = excluded.generation, sequence = excluded.sequence,
@@ -707,32 +713,37 @@ pub const WRITE_DECIDED_CTES: &str = "WITH input AS MATERIALIZED (
                 AND (excluded.sequence > held.sequence
                      OR (excluded.sequence = held.sequence
                          AND excluded.tombstone AND NOT held.tombstone)))
-         RETURNING subject
+         RETURNING endpoint_id, subject
      ),
      pending AS MATERIALIZED (
-         SELECT * FROM unnest($11::text[], $12::text[], $13::text[], $14::int8[], $15::text[],
-                              $16::text[], $17::text[], $18::text[])
-             WITH ORDINALITY AS c(operation, subject, item_kind, generation, sequence, event_id,
-                                  item, diff, ord)
+         SELECT * FROM unnest($11::uuid[], $12::uuid[], $13::text[], $14::text[], $15::text[],
+                              $16::int8[], $17::text[], $18::text[], $19::text[], $20::text[])
+             WITH ORDINALITY AS c(endpoint_id, tenant_id, operation, subject, item_kind,
+                                  generation, sequence, event_id, item, diff, ord)
      ),
-     kept AS (
-         SELECT p.*, row_number() OVER (ORDER BY p.ord) AS n
-         FROM pending p WHERE p.subject IN (SELECT subject FROM written)
+     kept AS MATERIALIZED (
+         SELECT p.*,
+                row_number() OVER (PARTITION BY p.endpoint_id ORDER BY p.ord) AS n,
+                count(*) OVER (PARTITION BY p.endpoint_id) AS total
+         FROM pending p
+         WHERE (p.endpoint_id, p.subject) IN (SELECT endpoint_id, subject FROM written)
      ),
      counter AS (
          INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id, last)
-         SELECT $1, $2, count(*) FROM kept HAVING count(*) > 0
+         SELECT endpoint_id, tenant_id, count(*) FROM kept
+         GROUP BY endpoint_id, tenant_id
+         ORDER BY endpoint_id
          ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last + excluded.last
-         RETURNING last
+         RETURNING endpoint_id, last
      ),
      change AS (
          INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject, item_kind,
                               generation, sequence, event_id, reload_generation, item, parts_diff)
-         SELECT $1, counter.last - (SELECT count(*) FROM kept) + kept.n, $2, kept.operation,
-                kept.subject, kept.item_kind, kept.generation, kept.sequence, kept.event_id,
-                NULL, kept.item::jsonb, kept.diff::jsonb
-         FROM kept CROSS JOIN counter
-         RETURNING 1
+         SELECT k.endpoint_id, counter.last - k.total + k.n, k.tenant_id, k.operation,
+                k.subject, k.item_kind, k.generation, k.sequence, k.event_id, NULL,
+                k.item::jsonb, k.diff::jsonb
+         FROM kept k JOIN counter ON counter.endpoint_id = k.endpoint_id
+         RETURNING endpoint_id
      )";
 
 /// Rule "Then merge the read into the copy under the reset's generation", for one item read:

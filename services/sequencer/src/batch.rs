@@ -1,0 +1,251 @@
+//! Group commit for apply transactions: runs of different endpoints share one (and so do the
+//! reads of their pending messages).
+//!
+//! At a steady rate spread over many endpoints, most runs are one message: applied alone, each
+//! costs a transaction of its own (three statements, a commit and its WAL flush). Workers instead
+//! hand their prepared runs to a queue; a few appliers each take whatever has gathered (up to a
+//! limit, each endpoint once) and apply it with [`apply_runs`], which still decides every run by
+//! itself under its own locks and answers each worker with its own run's outcome. While one
+//! applier commits, the next batch gathers for another, so batches grow with load and latency
+//! stays near one transaction. [`PendingReader`] does the same for the read that comes before:
+//! the workers looking for messages at one moment share one statement.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use sqlx::PgPool;
+use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::task::JoinHandle;
+use uuid::Uuid;
+
+use crate::apply::{apply_runs, ApplyError, BatchReport, PreparedRun};
+use crate::metrics::SequencerMetrics;
+use crate::state::{self, PendingMessage};
+use crate::wake::Waker;
+
+struct Job {
+    run: PreparedRun,
+    reply: oneshot::Sender<Result<BatchReport, ApplyError>>,
+}
+
+/// The workers' way to the appliers (cheap to clone).
+#[derive(Clone)]
+pub struct ApplyBatcher {
+    queue: mpsc::Sender<Job>,
+}
+
+impl std::fmt::Debug for ApplyBatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApplyBatcher").finish_non_exhaustive()
+    }
+}
+
+/// Why a run handed to the batcher has no answer.
+#[derive(Debug, thiserror::Error)]
+#[error("the sequencer's appliers have stopped")]
+pub struct BatcherStopped;
+
+impl ApplyBatcher {
+    /// Starts `appliers` tasks taking up to `max_runs` runs a transaction. They end when every
+    /// clone of the batcher is dropped and the queue is empty.
+    /// `changes_waker` announces to the publisher the endpoints a transaction appended changes
+    /// to, once it committed.
+    pub fn start(
+        pool: PgPool,
+        appliers: usize,
+        max_runs: usize,
+        changes_waker: Option<Waker>,
+        metrics: SequencerMetrics,
+    ) -> (Self, Vec<JoinHandle<()>>) {
+        let (queue, receiver) = mpsc::channel(1024);
+        let receiver = Arc::new(Mutex::new(receiver));
+        let tasks = (0..appliers.max(1))
+            .map(|_| {
+                tokio::spawn(apply_batches(
+                    pool.clone(),
+                    receiver.clone(),
+                    max_runs.max(1),
+                    changes_waker.clone(),
+                    metrics.clone(),
+                ))
+            })
+            .collect();
+        (Self { queue }, tasks)
+    }
+
+    /// Applies one prepared run, beside whatever other endpoints' runs are waiting.
+    pub async fn apply(&self, run: PreparedRun) -> Result<BatchReport, ApplyError> {
+        let (reply, answer) = oneshot::channel();
+        self.queue
+            .send(Job { run, reply })
+            .await
+            .map_err(|_| ApplyError::Stopped(BatcherStopped))?;
+        answer
+            .await
+            .map_err(|_| ApplyError::Stopped(BatcherStopped))?
+    }
+}
+
+async fn apply_batches(
+    pool: PgPool,
+    receiver: Arc<Mutex<mpsc::Receiver<Job>>>,
+    max_runs: usize,
+    changes_waker: Option<Waker>,
+    metrics: SequencerMetrics,
+) {
+    // Runs of an endpoint already in the batch wait for the next one: two runs of one endpoint
+    // in one statement would write its rows twice.
+    let mut held_back: Vec<Job> = Vec::new();
+    loop {
+        let Some(jobs) = gather(&receiver, max_runs, &mut held_back).await else {
+            return;
+        };
+        let mut endpoints = HashSet::new();
+        let (batch, later): (Vec<Job>, Vec<Job>) = jobs
+            .into_iter()
+            .partition(|job| endpoints.insert(job.run.endpoint()));
+        held_back = later;
+        metrics.apply_batch_runs.observe(batch.len() as f64);
+        let keys: Vec<(uuid::Uuid, uuid::Uuid)> = batch
+            .iter()
+            .map(|job| (job.run.tenant(), job.run.endpoint()))
+            .collect();
+        let (runs, replies): (Vec<PreparedRun>, Vec<_>) =
+            batch.into_iter().map(|job| (job.run, job.reply)).unzip();
+        let answers = apply_runs(&pool, runs, &metrics).await;
+        let mut announced: Vec<String> = Vec::new();
+        for ((reply, answer), (tenant, endpoint)) in replies.into_iter().zip(answers).zip(keys) {
+            if answer.as_ref().is_ok_and(|report| report.changes > 0) {
+                announced.push(crate::wake::change_payload(tenant, endpoint));
+            }
+            // A worker that stopped waiting has nothing to learn.
+            let _ = reply.send(answer);
+        }
+        if let (Some(waker), false) = (&changes_waker, announced.is_empty()) {
+            // Best effort: a lost announcement only means the publisher's poll finds them.
+            if let Err(error) = waker.publish(&announced).await {
+                tracing::debug!(%error, "could not announce new changes");
+            }
+        }
+    }
+}
+
+/// Waits for the first job (unless some were held back from the last batch), then takes
+/// whatever else is already queued, up to `max`. `None` once every sender is gone.
+async fn gather<J>(
+    receiver: &Mutex<mpsc::Receiver<J>>,
+    max: usize,
+    held_back: &mut Vec<J>,
+) -> Option<Vec<J>> {
+    let mut jobs = std::mem::take(held_back);
+    if !jobs.is_empty() {
+        return Some(jobs);
+    }
+    let mut receiver = receiver.lock().await;
+    jobs.push(receiver.recv().await?);
+    while jobs.len() < max {
+        match receiver.try_recv() {
+            Ok(job) => jobs.push(job),
+            Err(_) => break,
+        }
+    }
+    Some(jobs)
+}
+
+/// Each endpoint's pending messages, as [`state::pending_messages`] reads them.
+type PendingRead = Result<(i64, Vec<PendingMessage>), ApplyError>;
+
+struct ReadJob {
+    endpoint: Uuid,
+    applied: i64,
+    reply: oneshot::Sender<PendingRead>,
+}
+
+/// Group reads of pending messages: the workers that look for messages at the same moment
+/// share one statement ([`state::pending_messages_many`]) instead of a round trip each.
+#[derive(Clone)]
+pub struct PendingReader {
+    queue: mpsc::Sender<ReadJob>,
+}
+
+impl std::fmt::Debug for PendingReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingReader").finish_non_exhaustive()
+    }
+}
+
+impl PendingReader {
+    /// Starts `readers` tasks, each reading for up to `max_endpoints` endpoints at once, at
+    /// most `limit` messages each.
+    pub fn start(
+        pool: PgPool,
+        readers: usize,
+        max_endpoints: usize,
+        limit: i64,
+    ) -> (Self, Vec<JoinHandle<()>>) {
+        let (queue, receiver) = mpsc::channel(1024);
+        let receiver = Arc::new(Mutex::new(receiver));
+        let tasks = (0..readers.max(1))
+            .map(|_| {
+                tokio::spawn(read_batches(
+                    pool.clone(),
+                    receiver.clone(),
+                    max_endpoints.max(1),
+                    limit,
+                ))
+            })
+            .collect();
+        (Self { queue }, tasks)
+    }
+
+    /// The endpoint's arrival counter and its messages after `applied` (see
+    /// [`state::pending_messages`]).
+    pub async fn read(&self, endpoint: Uuid, applied: i64) -> PendingRead {
+        let (reply, answer) = oneshot::channel();
+        self.queue
+            .send(ReadJob {
+                endpoint,
+                applied,
+                reply,
+            })
+            .await
+            .map_err(|_| ApplyError::Stopped(BatcherStopped))?;
+        answer
+            .await
+            .map_err(|_| ApplyError::Stopped(BatcherStopped))?
+    }
+}
+
+async fn read_batches(
+    pool: PgPool,
+    receiver: Arc<Mutex<mpsc::Receiver<ReadJob>>>,
+    max_endpoints: usize,
+    limit: i64,
+) {
+    let mut held_back: Vec<ReadJob> = Vec::new();
+    loop {
+        let Some(jobs) = gather(&receiver, max_endpoints, &mut held_back).await else {
+            return;
+        };
+        let mut endpoints = HashSet::new();
+        let (batch, later): (Vec<ReadJob>, Vec<ReadJob>) = jobs
+            .into_iter()
+            .partition(|job| endpoints.insert(job.endpoint));
+        held_back = later;
+        let cursors: Vec<(Uuid, i64)> = batch.iter().map(|j| (j.endpoint, j.applied)).collect();
+        match state::pending_messages_many(&pool, &cursors, limit).await {
+            Ok(mut found) => {
+                for job in batch {
+                    let read = found.remove(&job.endpoint).unwrap_or((0, Vec::new()));
+                    let _ = job.reply.send(Ok(read));
+                }
+            }
+            Err(error) => {
+                let error = error.to_string();
+                for job in batch {
+                    let _ = job.reply.send(Err(ApplyError::PendingRead(error.clone())));
+                }
+            }
+        }
+    }
+}
