@@ -1,12 +1,15 @@
 //! The sequencer's apply transaction against a real Postgres: a worker whose fencing token moved
 //! on writes nothing; a run of messages is applied once, in order, with its duplicates, older
-//! generations and tests answered by the rules; the wake-up reaches a running sequencer.
+//! generations and tests answered by the rules; runs of several endpoints in one transaction are
+//! each answered for themselves; the wake-up reaches a running sequencer.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use relay_sequencer::apply::{apply_messages, ApplyError, EndpointContext};
+use relay_sequencer::apply::{
+    apply_messages, apply_runs, prepare_run, ApplyError, EndpointContext, PreparedRun,
+};
 use relay_sequencer::ownership::claim_fence;
 use relay_sequencer::state::{self, EndpointRegistration, PendingMessage};
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
@@ -76,6 +79,21 @@ async fn setup() -> Setup {
 pub(crate) async fn setup_with_upstream(upstream_base_url: Option<String>) -> Setup {
     let db = TestDb::new().await;
     let tenant = db.tenant().await;
+    let (endpoint, ctx) = add_endpoint(&db, tenant, upstream_base_url).await;
+    Setup {
+        db,
+        tenant,
+        endpoint,
+        ctx,
+    }
+}
+
+/// Registers an endpoint of `tenant` in sync under av1 at generation 1.
+async fn add_endpoint(
+    db: &TestDb,
+    tenant: Uuid,
+    upstream_base_url: Option<String>,
+) -> (Uuid, Arc<EndpointContext>) {
     let endpoint = Uuid::new_v4();
     db.endpoint(tenant, endpoint, &random_secret()).await;
     // In sync under av1 already, so no reload begins until a message asks for one.
@@ -97,12 +115,7 @@ pub(crate) async fn setup_with_upstream(upstream_base_url: Option<String>) -> Se
         },
         reqwest::Client::new(),
     ));
-    Setup {
-        db,
-        tenant,
-        endpoint,
-        ctx,
-    }
+    (endpoint, ctx)
 }
 
 #[tokio::test]
@@ -227,6 +240,90 @@ async fn a_run_of_messages_applies_in_order_with_duplicates_and_older_generation
         Some("1.6"),
         "the through of the last applied"
     );
+}
+
+/// A run prepared from what is stored past the endpoint's cursor.
+async fn prepared(db: &TestDb, ctx: &Arc<EndpointContext>, token: i64) -> PreparedRun {
+    let (applied, messages) = pending(db, ctx.id()).await;
+    let through = messages.last().map_or(applied, |m| m.arrival_seq);
+    let metrics = SequencerMetrics::unregistered();
+    prepare_run(&db.pool, ctx, token, (applied, through), messages, &metrics)
+        .await
+        .unwrap()
+}
+
+fn seqs(changes: &[copy::Change]) -> Vec<i64> {
+    changes.iter().map(|c| c.change_seq).collect()
+}
+
+#[tokio::test]
+async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_itself() {
+    let s = setup().await;
+    let (a, a_ctx) = (s.endpoint, s.ctx.clone());
+    let (b, b_ctx) = add_endpoint(&s.db, s.tenant, None).await;
+    let (c, c_ctx) = add_endpoint(&s.db, s.tenant, None).await;
+    // Event ids are de-duplicated per endpoint: B's "evt_1" is not A's.
+    store(
+        &s.db,
+        s.tenant,
+        a,
+        &[update(a, 1, "evt_1", 1, 10), update(a, 1, "evt_2", 2, 11)],
+    )
+    .await;
+    store(&s.db, s.tenant, b, &[update(b, 1, "evt_1", 1, 10)]).await;
+    store(&s.db, s.tenant, c, &[update(c, 1, "evt_9", 9, 10)]).await;
+    let a_token = claim_fence(&s.db.pool, a).await.unwrap();
+    let b_token = claim_fence(&s.db.pool, b).await.unwrap();
+    let c_stale = claim_fence(&s.db.pool, c).await.unwrap();
+    // C was taken over after its run was prepared: its fence moved on.
+    claim_fence(&s.db.pool, c).await.unwrap();
+
+    let runs = vec![
+        prepared(&s.db, &a_ctx, a_token).await,
+        prepared(&s.db, &b_ctx, b_token).await,
+        prepared(&s.db, &c_ctx, c_stale).await,
+    ];
+    let a_stale_run = prepared(&s.db, &a_ctx, a_token).await;
+    let metrics = SequencerMetrics::unregistered();
+    let answers = apply_runs(&s.db.pool, runs, &metrics).await;
+    assert_eq!(answers.len(), 3);
+    assert_eq!(answers[0].as_ref().unwrap().changes, 2, "{answers:?}");
+    assert_eq!(answers[1].as_ref().unwrap().changes, 1, "{answers:?}");
+    assert!(matches!(answers[2], Err(ApplyError::Fenced)), "{answers:?}");
+
+    assert_eq!(copy::copy_rows(&s.db.pool, a).await.unwrap().len(), 2);
+    assert_eq!(copy::copy_rows(&s.db.pool, b).await.unwrap().len(), 1);
+    assert!(copy::copy_rows(&s.db.pool, c).await.unwrap().is_empty());
+    assert_eq!(
+        seqs(&copy::list_changes(&s.db.pool, a).await.unwrap()),
+        [1, 2]
+    );
+    assert_eq!(seqs(&copy::list_changes(&s.db.pool, b).await.unwrap()), [1]);
+    assert!(copy::list_changes(&s.db.pool, c).await.unwrap().is_empty());
+    assert_eq!(state::applied_through(&s.db.pool, a).await.unwrap(), 2);
+    assert_eq!(state::applied_through(&s.db.pool, b).await.unwrap(), 1);
+    assert_eq!(state::applied_through(&s.db.pool, c).await.unwrap(), 0);
+
+    // A's run again (its cursor has moved on) beside a new run of B's: the shared transaction
+    // fails as a whole, and each run is tried alone, so B's still applies, once.
+    store(&s.db, s.tenant, b, &[update(b, 1, "evt_3", 3, 12)]).await;
+    let runs = vec![a_stale_run, prepared(&s.db, &b_ctx, b_token).await];
+    let answers = apply_runs(&s.db.pool, runs, &metrics).await;
+    assert!(
+        matches!(answers[0], Err(ApplyError::CursorMoved)),
+        "{answers:?}"
+    );
+    assert_eq!(answers[1].as_ref().unwrap().changes, 1, "{answers:?}");
+    assert_eq!(
+        seqs(&copy::list_changes(&s.db.pool, a).await.unwrap()),
+        [1, 2]
+    );
+    assert_eq!(
+        seqs(&copy::list_changes(&s.db.pool, b).await.unwrap()),
+        [1, 2]
+    );
+    assert_eq!(copy::copy_rows(&s.db.pool, b).await.unwrap().len(), 2);
+    assert_eq!(state::applied_through(&s.db.pool, b).await.unwrap(), 2);
 }
 
 #[tokio::test]
