@@ -181,10 +181,10 @@ async fn bench_tenant(pool: &PgPool, endpoints: &[Uuid], upstream: Option<&str>)
     tenant
 }
 
-/// Messages stored and not applied, and changes not published. The count of changes reads the
-/// unpublished changes' partial index: without statistics (a server with autovacuum off never
-/// gathers any) Postgres would scan the whole table every second, and the measurement would
-/// cost the run it measures.
+/// Messages stored and not applied, and changes not published. The count of changes is made to
+/// read the unpublished changes' partial index: without statistics (a server with autovacuum
+/// off never gathers any) Postgres plans a scan of the whole outbox. The sample still costs
+/// something (BENCHMARKS.md gives its share), and the same in every run.
 async fn backlog_sample(pool: &PgPool) -> Result<(i64, i64), sqlx::Error> {
     let mut tx = pool.begin().await?;
     sqlx::query("SET LOCAL enable_seqscan = off")

@@ -195,6 +195,14 @@ pub struct SequencerArgs {
     )]
     pub runs_per_transaction: usize,
 
+    /// No more endpoints' runs join an apply transaction once it holds this many messages.
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_MESSAGES_PER_TRANSACTION",
+        default_value_t = 256
+    )]
+    pub messages_per_transaction: usize,
+
     /// Stored messages read at a time per endpoint.
     #[arg(long, env = "RELAY_SEQUENCER_MESSAGES_PER_READ", default_value_t = 100)]
     pub messages_per_read: i64,

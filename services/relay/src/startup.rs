@@ -152,6 +152,7 @@ impl SequencerArgs {
             messages_per_read: self.messages_per_read,
             appliers: self.appliers,
             runs_per_transaction: self.runs_per_transaction,
+            messages_per_transaction: self.messages_per_transaction,
             sweep_interval: Duration::from_millis(self.sweep_interval_ms),
             idle_linger: Duration::from_millis(self.idle_linger_ms),
             applied_events_retention: (self.applied_events_retention_days > 0)

@@ -251,6 +251,11 @@ impl PreparedRun {
     pub fn tenant(&self) -> Uuid {
         self.ctx.tenant()
     }
+
+    /// The number of messages in the run.
+    pub fn messages(&self) -> usize {
+        self.pending.len()
+    }
 }
 
 /// Parses the run's messages and reads each refetch they ask for (so no lock is ever held

@@ -46,14 +46,16 @@ impl std::fmt::Debug for ApplyBatcher {
 pub struct BatcherStopped;
 
 impl ApplyBatcher {
-    /// Starts `appliers` tasks taking up to `max_runs` runs a transaction. They end when every
-    /// clone of the batcher is dropped and the queue is empty.
+    /// Starts `appliers` tasks taking up to `max_runs` runs, and no more runs once they hold
+    /// `max_messages` messages, a transaction (long runs, a backlog's, need no company: their
+    /// cost per message is low already, and a huge transaction only delays every run in it).
+    /// They end when every clone of the batcher is dropped and the queue is empty.
     /// `changes_waker` announces to the publisher the endpoints a transaction appended changes
     /// to, once it committed.
     pub fn start(
         pool: PgPool,
         appliers: usize,
-        max_runs: usize,
+        (max_runs, max_messages): (usize, usize),
         changes_waker: Option<Waker>,
         metrics: SequencerMetrics,
     ) -> (Self, Vec<JoinHandle<()>>) {
@@ -64,7 +66,10 @@ impl ApplyBatcher {
                 tokio::spawn(apply_batches(
                     pool.clone(),
                     receiver.clone(),
-                    max_runs.max(1),
+                    Limits {
+                        jobs: max_runs.max(1),
+                        weight: max_messages.max(1),
+                    },
                     changes_waker.clone(),
                     metrics.clone(),
                 ))
@@ -89,7 +94,7 @@ impl ApplyBatcher {
 async fn apply_batches(
     pool: PgPool,
     receiver: Arc<Mutex<mpsc::Receiver<Job>>>,
-    max_runs: usize,
+    limits: Limits,
     changes_waker: Option<Waker>,
     metrics: SequencerMetrics,
 ) {
@@ -97,7 +102,8 @@ async fn apply_batches(
     // in one statement would write its rows twice.
     let mut held_back: Vec<Job> = Vec::new();
     loop {
-        let Some(jobs) = gather(&receiver, max_runs, &mut held_back).await else {
+        let weight = |job: &Job| job.run.messages();
+        let Some(jobs) = gather(&receiver, limits, weight, &mut held_back).await else {
             return;
         };
         let mut endpoints = HashSet::new();
@@ -130,11 +136,20 @@ async fn apply_batches(
     }
 }
 
+/// How much one batch takes: at most `jobs` jobs, and no more once their weights reach
+/// `weight`.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    jobs: usize,
+    weight: usize,
+}
+
 /// Waits for the first job (unless some were held back from the last batch), then takes
-/// whatever else is already queued, up to `max`. `None` once every sender is gone.
+/// whatever else is already queued, within `limits`. `None` once every sender is gone.
 async fn gather<J>(
     receiver: &Mutex<mpsc::Receiver<J>>,
-    max: usize,
+    limits: Limits,
+    weight: impl Fn(&J) -> usize,
     held_back: &mut Vec<J>,
 ) -> Option<Vec<J>> {
     let mut jobs = std::mem::take(held_back);
@@ -142,10 +157,15 @@ async fn gather<J>(
         return Some(jobs);
     }
     let mut receiver = receiver.lock().await;
-    jobs.push(receiver.recv().await?);
-    while jobs.len() < max {
+    let first = receiver.recv().await?;
+    let mut taken = weight(&first);
+    jobs.push(first);
+    while jobs.len() < limits.jobs && taken < limits.weight {
         match receiver.try_recv() {
-            Ok(job) => jobs.push(job),
+            Ok(job) => {
+                taken += weight(&job);
+                jobs.push(job);
+            }
             Err(_) => break,
         }
     }
@@ -224,7 +244,11 @@ async fn read_batches(
 ) {
     let mut held_back: Vec<ReadJob> = Vec::new();
     loop {
-        let Some(jobs) = gather(&receiver, max_endpoints, &mut held_back).await else {
+        let limits = Limits {
+            jobs: max_endpoints,
+            weight: usize::MAX,
+        };
+        let Some(jobs) = gather(&receiver, limits, |_| 1, &mut held_back).await else {
             return;
         };
         let mut endpoints = HashSet::new();

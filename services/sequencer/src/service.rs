@@ -37,6 +37,8 @@ pub struct SequencerConfig {
     pub appliers: usize,
     /// Endpoints' runs applied in one transaction at most.
     pub runs_per_transaction: usize,
+    /// No more runs join a transaction once it holds this many messages.
+    pub messages_per_transaction: usize,
     /// How often Postgres is swept for endpoints with work (the safety net under wake-ups).
     pub sweep_interval: Duration,
     /// How long an idle worker keeps its endpoint before letting go: long enough that an
@@ -64,6 +66,7 @@ impl Default for SequencerConfig {
             messages_per_read: 100,
             appliers: 2,
             runs_per_transaction: 64,
+            messages_per_transaction: 256,
             sweep_interval: Duration::from_secs(1),
             idle_linger: Duration::from_secs(10),
             applied_events_retention: Some(Duration::from_secs(31 * 24 * 3600)),
@@ -172,7 +175,7 @@ async fn schedule(
     let (batcher, appliers) = ApplyBatcher::start(
         pool.clone(),
         config.appliers,
-        config.runs_per_transaction,
+        (config.runs_per_transaction, config.messages_per_transaction),
         Some(changes_waker.clone()),
         metrics.clone(),
     );
