@@ -6,7 +6,8 @@
 //!
 //! Every run prints its seed; `RELAY_TEST_SEED=<seed>` replays one seed alone, and
 //! `RELAY_TEST_CONVERGENCE_SEEDS=<n>` runs that many seeds, spread over the five tests (CI runs
-//! their defaults, 23 in all).
+//! their defaults, 23 in all); `RELAY_TEST_CONVERGENCE_SKIP=<k>` starts each test's seeds `k`
+//! past its first.
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
@@ -592,7 +593,12 @@ fn seeds(first: u64, count: u64) -> Vec<u64> {
         .and_then(|s| s.parse::<u64>().ok())
         .map(|n| n.div_ceil(5))
         .unwrap_or(count);
-    (first..first + count).collect()
+    // A later long run can start past the seeds an earlier one ran.
+    let skip = std::env::var("RELAY_TEST_CONVERGENCE_SKIP")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or(0);
+    (first + skip..first + skip + count).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
