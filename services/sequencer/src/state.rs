@@ -54,7 +54,7 @@ const TRACK_COLUMNS: &str =
 /// can claim it until this transaction ends), takes the endpoint's writer lock (its change
 /// counter row: see `relay_store::copy::lock_endpoint`), and reads the track row locked, in that
 /// order, the order every writer of the endpoint takes them in. `None`: the fence moved on, and
-/// nothing was locked past the fence row.
+/// nothing was locked past the fence row. [`open_tracks`] for one endpoint.
 pub async fn open_track(
     conn: &mut PgConnection,
     tenant: Uuid,
@@ -62,59 +62,12 @@ pub async fn open_track(
     token: i64,
     track: &str,
 ) -> Result<Option<EndpointTrack>, StateError> {
-    type Row = (
-        bool,
-        Option<i64>,
-        Option<String>,
-        Option<String>,
-        Option<bool>,
-        Option<i64>,
-        Option<serde_json::Value>,
-    );
-    // Each step depends on the one before (the writer's insert selects from the fence, the
-    // track's read joins on the writer's row), so Postgres takes the locks in that order.
-    let row: Row = sqlx::query_as(&format!(
-        "WITH fence AS MATERIALIZED (
-             SELECT token FROM endpoint_fences WHERE endpoint_id = $1 FOR SHARE
-         ),
-         writer AS MATERIALIZED (
-             INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id)
-             SELECT $1, $2 FROM fence WHERE fence.token = $3
-             ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last
-             RETURNING endpoint_id
-         )
-         SELECT w.endpoint_id IS NOT NULL, {TRACK_COLUMNS}
-         FROM (SELECT 1) AS one
-         LEFT JOIN writer w ON true
-         LEFT JOIN LATERAL (
-             SELECT {TRACK_COLUMNS} FROM endpoint_tracks
-             WHERE endpoint_id = w.endpoint_id AND track = $4
-             FOR UPDATE
-         ) t ON true"
-    ))
-    .bind(endpoint)
-    .bind(tenant)
-    .bind(token)
-    .bind(track)
-    .fetch_one(conn)
-    .await?;
-    let (owned, generation, access_version, through, last_was_reset, last_reset, reload) = row;
-    if !owned {
-        return Ok(None);
-    }
-    let Some(last_was_reset) = last_was_reset else {
-        // A track never written: nothing held yet.
-        return Ok(Some(EndpointTrack::default()));
+    let claim = TrackClaim {
+        endpoint,
+        tenant,
+        token,
     };
-    track_from_row((
-        generation,
-        access_version,
-        through,
-        last_was_reset,
-        last_reset,
-        reload,
-    ))
-    .map(Some)
+    Ok(open_tracks(conn, &[claim], track).await?.pop().flatten())
 }
 
 /// Creates the track row if it is missing, so that [`open_track`] always has a row to lock: a
@@ -224,9 +177,11 @@ pub struct TrackClaim {
 }
 
 /// [`open_track`] for several endpoints in one statement: for each claim in the order given,
-/// its track row locked, or `None` when the fence moved on. Each endpoint's locks are taken in
-/// the order every writer takes them (fence, writer lock, track), and the endpoints in id
-/// order, so two such statements never wait on each other in a cycle.
+/// its track row locked, or `None` when the fence moved on. Each step depends on the one before
+/// (the writer's insert joins the fences read, the track's read joins the writers' rows), so
+/// each endpoint's locks are taken in the order every writer takes them (fence, writer lock,
+/// track), and the endpoints in id order, so two such statements never wait on each other in a
+/// cycle.
 pub async fn open_tracks(
     conn: &mut PgConnection,
     claims: &[TrackClaim],
