@@ -166,9 +166,11 @@ async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
     .unwrap();
     // Two of the outbox's changes are published.
     sqlx::query(
-        "UPDATE changes SET published_at = now() WHERE endpoint_id = $1 AND change_seq <= 2",
+        "INSERT INTO endpoint_publish_cursors (endpoint_id, tenant_id, published_through)
+         VALUES ($1, $2, 2)",
     )
     .bind(endpoint)
+    .bind(tenant)
     .execute(&app.db.pool)
     .await
     .unwrap();

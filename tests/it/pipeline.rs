@@ -41,6 +41,11 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+/// Changes the broker has not confirmed: past their endpoint's publish cursor.
+const UNPUBLISHED: &str = "SELECT count(*) FROM changes c
+     LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = c.endpoint_id
+     WHERE c.change_seq > COALESCE(p.published_through, 0)";
+
 // ---- The control plane ----
 
 const KEY: &[u8] = b"test-signing-key-of-the-pipeline-control-plane";
@@ -205,11 +210,10 @@ async fn backlog(pool: &PgPool) -> Backlog {
             .fetch_one(pool)
             .await
             .unwrap();
-    let unpublished: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM changes WHERE published_at IS NULL")
-            .fetch_one(pool)
-            .await
-            .unwrap();
+    let unpublished: i64 = sqlx::query_scalar(UNPUBLISHED)
+        .fetch_one(pool)
+        .await
+        .unwrap();
     Backlog {
         waiting,
         reloading,

@@ -140,7 +140,8 @@ where
 
 async fn unpublished(pool: &PgPool, tenants: &[Uuid]) -> i64 {
     sqlx::query_scalar(
-        "SELECT count(*) FROM changes WHERE published_at IS NULL AND tenant_id = ANY($1)",
+        "SELECT count(*) FROM changes c LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = c.endpoint_id
+         WHERE c.change_seq > COALESCE(p.published_through, 0) AND c.tenant_id = ANY($1)",
     )
     .bind(tenants)
     .fetch_one(pool)
@@ -809,7 +810,8 @@ async fn a_tenant_whose_broker_is_unreachable_does_not_stall_another() {
     wait_published(pool, &[b], seed).await;
     // A got nowhere: its broker never answered.
     let a_published: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM changes WHERE tenant_id = $1 AND published_at IS NOT NULL",
+        "SELECT count(*) FROM changes c LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = c.endpoint_id
+         WHERE c.tenant_id = $1 AND c.change_seq <= COALESCE(p.published_through, 0)",
     )
     .bind(a)
     .fetch_one(pool)
@@ -974,7 +976,8 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
     // What the first publisher left unmarked: the stalled batch, and whatever it went on to
     // send and have confirmed while that mark hung (sending does not wait for marks).
     let unmarked_at_abort: BTreeSet<String> = sqlx::query_as::<_, (Uuid, i64)>(
-        "SELECT endpoint_id, change_seq FROM changes WHERE tenant_id = $1 AND published_at IS NULL",
+        "SELECT c.endpoint_id, c.change_seq FROM changes c LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = c.endpoint_id
+         WHERE c.tenant_id = $1 AND c.change_seq > COALESCE(p.published_through, 0)",
     )
     .bind(tenant)
     .fetch_all(pool)
@@ -1220,7 +1223,8 @@ async fn nacked_changes_are_sent_again_in_order() {
         Duration::from_secs(60),
         || async {
             let published: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM changes WHERE tenant_id = $1 AND published_at IS NOT NULL",
+                "SELECT count(*) FROM changes c LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = c.endpoint_id
+         WHERE c.tenant_id = $1 AND c.change_seq <= COALESCE(p.published_through, 0)",
             )
             .bind(tenant)
             .fetch_one(pool)
@@ -1374,6 +1378,135 @@ async fn publishers_killed_at_random_moments_lose_and_reorder_nothing() {
     }
 }
 
+/// The mark statement by itself: each endpoint's publish cursor moves to the highest change_seq
+/// given for it and never back; a stale fencing token marks nothing; an endpoint of another
+/// tenant is never touched; the backlog and the sweep read what the cursors say.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mark_moves_each_endpoints_cursor_forward_only_and_only_under_the_fence() {
+    use relay_publisher::outbox::{self, Marked};
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let (a, b) = (env.db.tenant().await, env.db.tenant().await);
+    let mut feeds = vec![Feed::new(a), Feed::new(a), Feed::new(b)];
+    for feed in &mut feeds {
+        while change_count(pool, feed.endpoint).await < 6 {
+            feed.step(pool, &mut rng).await;
+        }
+    }
+    let counts = [
+        change_count(pool, feeds[0].endpoint).await,
+        change_count(pool, feeds[1].endpoint).await,
+    ];
+    sqlx::query("INSERT INTO publisher_fences (tenant_id, token) VALUES ($1, 7), ($2, 3)")
+        .bind(a)
+        .bind(b)
+        .execute(pool)
+        .await
+        .unwrap();
+    let cursor = |endpoint: Uuid| async move {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT published_through FROM endpoint_publish_cursors WHERE endpoint_id = $1",
+        )
+        .bind(endpoint)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+    };
+    let (e0, e1, e2) = (feeds[0].endpoint, feeds[1].endpoint, feeds[2].endpoint);
+    let mut sweep = outbox::endpoints_with_backlog(pool, a, 10).await.unwrap();
+    sweep.sort();
+    let mut expected = vec![e0, e1];
+    expected.sort();
+    assert_eq!(sweep, expected, "seed {seed}");
+    let mut tenants = outbox::tenants_with_backlog(pool, 10).await.unwrap();
+    tenants.sort();
+    let mut both = vec![a, b];
+    both.sort();
+    assert_eq!(tenants, both, "seed {seed}");
+
+    // Keys in any order, several per endpoint: the highest of each counts.
+    let marked = outbox::mark_published(pool, a, 7, &[(e0, 2), (e1, 1), (e0, 1), (e0, 3)])
+        .await
+        .unwrap();
+    assert_eq!(marked, Marked::Marked(4), "seed {seed}");
+    assert_eq!((cursor(e0).await, cursor(e1).await), (Some(3), Some(1)));
+    let (backlog, oldest) = outbox::backlog(pool, a).await.unwrap();
+    assert_eq!(backlog, counts[0] - 3 + counts[1] - 1, "seed {seed}");
+    assert!(oldest.is_some());
+
+    // A late or repeated mark moves nothing back.
+    let marked = outbox::mark_published(pool, a, 7, &[(e0, 2), (e1, 1)])
+        .await
+        .unwrap();
+    assert_eq!(marked, Marked::Marked(0), "seed {seed}");
+    assert_eq!((cursor(e0).await, cursor(e1).await), (Some(3), Some(1)));
+
+    // A stale token: nothing.
+    let marked = outbox::mark_published(pool, a, 6, &[(e0, 5)])
+        .await
+        .unwrap();
+    assert_eq!(marked, Marked::FencedOut, "seed {seed}");
+    assert_eq!(cursor(e0).await, Some(3));
+
+    // Tenant A's owner naming tenant B's endpoint, before and after B's own mark: B's cursor
+    // is neither made nor moved by it.
+    let marked = outbox::mark_published(pool, a, 7, &[(e2, 4)])
+        .await
+        .unwrap();
+    assert_eq!(marked, Marked::Marked(0), "seed {seed}");
+    assert_eq!(cursor(e2).await, None, "seed {seed}");
+    let marked = outbox::mark_published(pool, b, 3, &[(e2, 1)])
+        .await
+        .unwrap();
+    assert_eq!(marked, Marked::Marked(1), "seed {seed}");
+    let marked = outbox::mark_published(pool, a, 7, &[(e2, 4)])
+        .await
+        .unwrap();
+    assert_eq!(marked, Marked::Marked(0), "seed {seed}");
+    assert_eq!(cursor(e2).await, Some(1), "seed {seed}");
+
+    // Never past the endpoint's last change.
+    let marked = outbox::mark_published(pool, a, 7, &[(e1, counts[1] + 1)])
+        .await
+        .unwrap();
+    assert_eq!(marked, Marked::Marked(0), "seed {seed}");
+    assert_eq!(cursor(e1).await, Some(1), "seed {seed}");
+
+    // Every change marked: no backlog, no sweep, and the next read starts past the cursor.
+    let marked = outbox::mark_published(pool, a, 7, &[(e0, counts[0]), (e1, counts[1])])
+        .await
+        .unwrap();
+    assert_eq!(
+        marked,
+        Marked::Marked((counts[0] - 3 + counts[1] - 1) as u64),
+        "seed {seed}"
+    );
+    assert_eq!(outbox::backlog(pool, a).await.unwrap(), (0, None));
+    assert!(outbox::endpoints_with_backlog(pool, a, 10)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        outbox::tenants_with_backlog(pool, 10).await.unwrap(),
+        vec![b]
+    );
+    let next = outbox::next_changes(pool, a, &[(e0, 0, 10), (e1, 0, 10)])
+        .await
+        .unwrap();
+    assert!(next.is_empty(), "seed {seed}: {} read", next.len());
+    feeds[0].step(pool, &mut rng).await;
+    let next = outbox::next_changes(pool, a, &[(e0, 0, 10)]).await.unwrap();
+    let seqs: Vec<i64> = next.iter().map(|c| c.key().1).collect();
+    let now = change_count(pool, e0).await;
+    assert_eq!(
+        seqs,
+        ((counts[0] + 1)..=now).collect::<Vec<_>>(),
+        "seed {seed}"
+    );
+}
+
 /// Not a test of behaviour: how fast one publisher drains a backlog on this machine. Run with
 /// `cargo test -p relay-tests --test it publisher_drain_rate -- --ignored --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1408,6 +1541,15 @@ async fn publisher_drain_rate() {
     .bind(endpoints)
     .bind(per_endpoint)
     .bind(&item)
+    .execute(pool)
+    .await
+    .unwrap();
+    // The counters the sequencer keeps beside its changes (the publisher reads its backlog there).
+    sqlx::query(
+        "INSERT INTO endpoint_change_counters (endpoint_id, tenant_id, last)
+         SELECT endpoint_id, tenant_id, max(change_seq) FROM changes
+         GROUP BY endpoint_id, tenant_id",
+    )
     .execute(pool)
     .await
     .unwrap();
@@ -1542,12 +1684,22 @@ async fn publisher_latency_at_rate() {
             endpoint_ids.push(e.1);
             seqs.push(e.2);
         }
+        // The changes and their endpoints' counters, as the sequencer writes them.
         sqlx::query(
-            "INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject,
-                                  item_kind, generation, sequence, event_id, item, parts_diff)
-             SELECT e, s, t, 'upsert', 'announcement:1', 'announcement', 1, '1', 'evt',
-                    $4::jsonb, '{\"added\": [], \"changed\": [], \"removed\": []}'::jsonb
-             FROM unnest($1::uuid[], $2::uuid[], $3::int8[]) AS x (t, e, s)",
+            "WITH written AS (
+                 INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject,
+                                      item_kind, generation, sequence, event_id, item,
+                                      parts_diff)
+                 SELECT e, s, t, 'upsert', 'announcement:1', 'announcement', 1, '1', 'evt',
+                        $4::jsonb, '{\"added\": [], \"changed\": [], \"removed\": []}'::jsonb
+                 FROM unnest($1::uuid[], $2::uuid[], $3::int8[]) AS x (t, e, s)
+                 RETURNING endpoint_id, tenant_id, change_seq
+             )
+             INSERT INTO endpoint_change_counters (endpoint_id, tenant_id, last)
+             SELECT endpoint_id, tenant_id, max(change_seq) FROM written
+             GROUP BY endpoint_id, tenant_id
+             ON CONFLICT (endpoint_id) DO UPDATE
+                 SET last = GREATEST(endpoint_change_counters.last, excluded.last)",
         )
         .bind(&tenant_ids)
         .bind(&endpoint_ids)

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use uuid::Uuid;
 
 /// How the publisher runs. [`Default`] is what [`PublisherArgs`] defaults to.
 #[derive(Clone)]
@@ -40,16 +41,18 @@ pub struct PublisherConfig {
     pub retry_max: Duration,
     /// A tenant with no unpublished change for this long is released (its connection closed).
     pub idle_release: Duration,
-    /// How often the backlog gauges of an owned tenant are refreshed (a count over its
-    /// unpublished changes).
+    /// How often the backlog gauges of an owned tenant are refreshed (its endpoints' change
+    /// counters against their publish cursors).
     pub metrics_interval: Duration,
     /// How often an owned tenant's destination row is read again (the control plane may change
     /// it); a changed destination closes the connection and opens one to the new place.
     pub destination_refresh: Duration,
-    /// For tests: called with the message ids of a batch of confirmed publishes, awaited before
-    /// they are marked published. A hook that never returns stands for a publisher that dies
+    /// For tests and the benchmark: called with the message ids of a batch of confirmed
+    /// publishes, awaited before they are marked published. A hook that never returns stands for a publisher that dies
     /// between the broker's confirm and the mark.
     pub before_mark: Option<BeforeMark>,
+    /// For the benchmark: told of each change the moment its broker confirm is taken in.
+    pub on_confirm: Option<OnConfirm>,
 }
 
 /// See [`PublisherConfig::before_mark`].
@@ -59,6 +62,16 @@ pub struct BeforeMark(pub Arc<dyn Fn(Vec<String>) -> BoxFuture<'static, ()> + Se
 impl fmt::Debug for BeforeMark {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("BeforeMark(..)")
+    }
+}
+
+/// See [`PublisherConfig::on_confirm`]: called with the endpoint and the change_seq.
+#[derive(Clone)]
+pub struct OnConfirm(pub Arc<dyn Fn(Uuid, i64) + Send + Sync>);
+
+impl fmt::Debug for OnConfirm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OnConfirm(..)")
     }
 }
 
@@ -81,6 +94,7 @@ impl fmt::Debug for PublisherConfig {
             .field("metrics_interval", &self.metrics_interval)
             .field("destination_refresh", &self.destination_refresh)
             .field("before_mark", &self.before_mark)
+            .field("on_confirm", &self.on_confirm)
             .finish()
     }
 }
@@ -122,6 +136,7 @@ impl Default for PublisherConfig {
             metrics_interval: Duration::from_secs(1),
             destination_refresh: Duration::from_secs(10),
             before_mark: None,
+            on_confirm: None,
         }
     }
 }

@@ -2,8 +2,10 @@
 //! endpoint's next ones, marking confirmed ones published (under the tenant's fence), the backlog's size, and the
 //! tenant's destination.
 //!
-//! Every query over the backlog reads the partial index `changes_unpublished_tenant` (only
-//! unpublished rows), so its cost follows the backlog, not the history.
+//! What is published is one number per endpoint, its publish cursor (`endpoint_publish_cursors`):
+//! the publisher sends an endpoint's changes in order, one at a time, so what the broker
+//! confirmed is always a prefix. An endpoint's backlog is its change counter minus its cursor;
+//! its changes are read by their primary key from the cursor on.
 
 use sqlx::PgPool;
 use time::OffsetDateTime;
@@ -32,20 +34,15 @@ pub enum OutboxError {
     Malformed(String, String),
 }
 
-/// The tenants that have at least one unpublished change, at most `limit`: a loose index scan,
-/// one probe of the partial index per tenant.
+/// The tenants that have at least one unpublished change, at most `limit`: every endpoint's
+/// change counter against its publish cursor (one row each per endpoint).
 pub async fn tenants_with_backlog(pool: &PgPool, limit: i64) -> Result<Vec<Uuid>, OutboxError> {
     let tenants = sqlx::query_scalar(
-        "WITH RECURSIVE t (tenant_id) AS (
-             (SELECT tenant_id FROM changes WHERE published_at IS NULL
-              ORDER BY tenant_id LIMIT 1)
-             UNION ALL
-             SELECT (SELECT c.tenant_id FROM changes c
-                     WHERE c.published_at IS NULL AND c.tenant_id > t.tenant_id
-                     ORDER BY c.tenant_id LIMIT 1)
-             FROM t WHERE t.tenant_id IS NOT NULL
-         )
-         SELECT tenant_id FROM t WHERE tenant_id IS NOT NULL LIMIT $1",
+        "SELECT DISTINCT k.tenant_id
+         FROM endpoint_change_counters k
+         LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id
+         WHERE k.last > COALESCE(p.published_through, 0)
+         LIMIT $1",
     )
     .bind(limit)
     .fetch_all(pool)
@@ -69,25 +66,19 @@ type Row = (
 );
 
 /// The tenant's endpoints that have at least one unpublished change, in id order, at most
-/// `limit`: a loose index scan, one probe of the partial index per endpoint.
+/// `limit`.
 pub async fn endpoints_with_backlog(
     pool: &PgPool,
     tenant: Uuid,
     limit: i64,
 ) -> Result<Vec<Uuid>, OutboxError> {
     let endpoints = sqlx::query_scalar(
-        "WITH RECURSIVE e (endpoint_id) AS (
-             (SELECT endpoint_id FROM changes
-              WHERE tenant_id = $1 AND published_at IS NULL
-              ORDER BY endpoint_id LIMIT 1)
-             UNION ALL
-             SELECT (SELECT c.endpoint_id FROM changes c
-                     WHERE c.tenant_id = $1 AND c.published_at IS NULL
-                       AND c.endpoint_id > e.endpoint_id
-                     ORDER BY c.endpoint_id LIMIT 1)
-             FROM e WHERE e.endpoint_id IS NOT NULL
-         )
-         SELECT endpoint_id FROM e WHERE endpoint_id IS NOT NULL LIMIT $2",
+        "SELECT k.endpoint_id
+         FROM endpoint_change_counters k
+         LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id
+         WHERE k.tenant_id = $1 AND k.last > COALESCE(p.published_through, 0)
+         ORDER BY k.endpoint_id
+         LIMIT $2",
     )
     .bind(tenant)
     .bind(limit)
@@ -97,8 +88,8 @@ pub async fn endpoints_with_backlog(
 }
 
 /// For each `(endpoint, through, room)`: the endpoint's unpublished changes after change_seq
-/// `through`, in change_seq order, at most `room` of them; one probe of the partial index per
-/// endpoint. Ordered by endpoint, then change_seq.
+/// `through` (and after its publish cursor), in change_seq order, at most `room` of them; one
+/// range read of the primary key per endpoint. Ordered by endpoint, then change_seq.
 pub async fn next_changes(
     pool: &PgPool,
     tenant: Uuid,
@@ -120,7 +111,9 @@ pub async fn next_changes(
          CROSS JOIN LATERAL (
              SELECT * FROM changes c
              WHERE c.tenant_id = $1 AND c.endpoint_id = w.endpoint_id
-               AND c.published_at IS NULL AND c.change_seq > w.through
+               AND c.change_seq > GREATEST(w.through, COALESCE(
+                   (SELECT p.published_through FROM endpoint_publish_cursors p
+                    WHERE p.endpoint_id = w.endpoint_id), 0))
              ORDER BY c.change_seq
              LIMIT w.room
          ) c
@@ -186,18 +179,22 @@ fn to_change(tenant: Uuid, row: Row) -> Result<OutboxChange, OutboxError> {
 /// What [`mark_published`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Marked {
-    /// The fence is ours; this many rows were marked (fewer than asked when some were marked
-    /// already, by an earlier owner that had them confirmed too).
+    /// The fence is ours; the publish cursors moved forward over this many changes (fewer than
+    /// asked when some were marked already, by an earlier owner that had them confirmed too).
     Marked(u64),
     /// Another publisher claimed the tenant since we did: nothing marked. Stop publishing.
     FencedOut,
 }
 
-/// Marks the given changes of the tenant published, in one statement that first checks, under a
-/// share lock on the fence row, that `token` is still the tenant's: so no new owner can claim
-/// the tenant while the mark runs, and a stale owner marks nothing.
+/// Marks the given changes of the tenant published: each endpoint's publish cursor moves to the
+/// highest change_seq given for it, in one statement that first checks, under a share lock on
+/// the fence row, that `token` is still the tenant's: so no new owner can claim the tenant while
+/// the mark runs, and a stale owner marks nothing. A cursor only moves forward (the statement's
+/// own `where`), so a late or repeated mark changes nothing.
 ///
-/// Call it only with changes the broker confirmed. Marking is what keeps a change from being
+/// Call it only with changes the broker confirmed, and only once every earlier change of the
+/// same endpoint was confirmed too (the publisher sends an endpoint's changes one at a time, in
+/// order): the cursor says "everything up to here". Marking is what keeps a change from being
 /// sent again; a confirmed change left unmarked (a crash before this) is sent again, under the
 /// same message id.
 pub async fn mark_published(
@@ -206,14 +203,14 @@ pub async fn mark_published(
     token: i64,
     keys: &[(Uuid, i64)],
 ) -> Result<Marked, OutboxError> {
-    let (endpoints, seqs): (Vec<Uuid>, Vec<i64>) = keys.iter().copied().unzip();
-    // Each key is looked up by itself (the lateral read, kept apart from the update by `offset
-    // 0`), so the plan is a point read per key whatever the statistics say. Written as a join
-    // on the keys, the planner chose, on statistics taken while the backlog was small, to scan
-    // every unpublished change of the tenant on each mark: seconds per mark once the backlog
-    // was in the tens of thousands, which kept it growing. A row updated between the read and
-    // the update (only a fenced-out owner's mark could) no longer matches its row id and stays
-    // unmarked: it is sent again, which the contract allows.
+    let mut through: Vec<(Uuid, i64)> = keys.to_vec();
+    through.sort_unstable();
+    // The highest change_seq of each endpoint: sorted, so the last of each run of one endpoint.
+    through.reverse();
+    through.dedup_by_key(|(endpoint, _)| *endpoint);
+    // Endpoint id order, the same for every mark: two marks never wait on each other crosswise.
+    through.reverse();
+    let (endpoints, seqs): (Vec<Uuid>, Vec<i64>) = through.into_iter().unzip();
     let mut tx = pool.begin().await?;
     // Not waiting for the WAL flush: a mark lost to a Postgres crash is a change sent again
     // under the same message_id, which the contract allows (it is what a publisher crash
@@ -221,23 +218,40 @@ pub async fn mark_published(
     sqlx::query("SET LOCAL synchronous_commit = off")
         .execute(&mut *tx)
         .await?;
+    // A cursor is only made or moved for an endpoint of this tenant, and never past the
+    // endpoint's last change (its change counter, read by key: joined as a whole, the plan read
+    // every counter of the tenant on each mark). `before` reads the cursors as
+    // the statement began (every part of one statement sees the same snapshot), so the count
+    // is what this mark moved.
     let (ours, marked): (Option<bool>, i64) = sqlx::query_as(
         "WITH fence AS (
              SELECT token = $2 AS ours FROM publisher_fences WHERE tenant_id = $1 FOR SHARE
          ),
-         marked AS (
-             UPDATE changes c SET published_at = now()
-             FROM unnest($3::uuid[], $4::int8[]) AS k (endpoint_id, change_seq)
+         moved AS (
+             INSERT INTO endpoint_publish_cursors AS p
+                 (endpoint_id, tenant_id, published_through, published_at)
+             SELECT k.endpoint_id, $1, k.through, now()
+             FROM unnest($3::uuid[], $4::int8[]) AS k (endpoint_id, through)
              CROSS JOIN LATERAL (
-                 SELECT x.ctid AS row_id FROM changes x
-                 WHERE x.endpoint_id = k.endpoint_id AND x.change_seq = k.change_seq
-                   AND x.tenant_id = $1 AND x.published_at IS NULL
+                 SELECT n.last FROM endpoint_change_counters n
+                 WHERE n.endpoint_id = k.endpoint_id AND n.tenant_id = $1
                  OFFSET 0
-             ) found
-             WHERE c.ctid = found.row_id AND (SELECT ours FROM fence)
-             RETURNING 1
+             ) n
+             WHERE (SELECT ours FROM fence) AND k.through <= n.last
+             ON CONFLICT (endpoint_id) DO UPDATE
+                 SET published_through = excluded.published_through,
+                     published_at = excluded.published_at
+                 WHERE p.tenant_id = excluded.tenant_id
+                   AND p.published_through < excluded.published_through
+             RETURNING p.endpoint_id, p.published_through
+         ),
+         before AS (
+             SELECT endpoint_id, published_through FROM endpoint_publish_cursors
+             WHERE endpoint_id = ANY($3)
          )
-         SELECT (SELECT ours FROM fence), (SELECT count(*) FROM marked)",
+         SELECT (SELECT ours FROM fence),
+                (SELECT COALESCE(sum(m.published_through - COALESCE(b.published_through, 0)), 0)
+                 FROM moved m LEFT JOIN before b ON b.endpoint_id = m.endpoint_id)::int8",
     )
     .bind(tenant)
     .bind(token)
@@ -253,14 +267,23 @@ pub async fn mark_published(
     })
 }
 
-/// How many of the tenant's changes are unpublished, and when the oldest of them was made.
+/// How many of the tenant's changes are unpublished, and when the oldest of them was made (the
+/// first unpublished change of each endpoint with a backlog, read by its key).
 pub async fn backlog(
     pool: &PgPool,
     tenant: Uuid,
 ) -> Result<(i64, Option<OffsetDateTime>), OutboxError> {
     let row = sqlx::query_as(
-        "SELECT count(*), min(created_at) FROM changes
-         WHERE tenant_id = $1 AND published_at IS NULL",
+        "WITH behind AS (
+             SELECT k.endpoint_id, k.last, COALESCE(p.published_through, 0) AS through
+             FROM endpoint_change_counters k
+             LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id
+             WHERE k.tenant_id = $1 AND k.last > COALESCE(p.published_through, 0)
+         )
+         SELECT COALESCE(sum(b.last - b.through), 0)::int8,
+                min((SELECT c.created_at FROM changes c
+                     WHERE c.endpoint_id = b.endpoint_id AND c.change_seq = b.through + 1))
+         FROM behind b",
     )
     .bind(tenant)
     .fetch_one(pool)

@@ -491,6 +491,9 @@ impl Worker {
             return false;
         }
         if let Some(change) = self.stream.confirmed(endpoint) {
+            if let Some(observer) = &self.shared.config.on_confirm {
+                (observer.0)(endpoint, seq);
+            }
             let metrics = &self.shared.metrics;
             metrics.confirmed.inc();
             let latency = (OffsetDateTime::now_utc() - change.created_at).as_seconds_f64();

@@ -49,8 +49,14 @@ pub struct PipelineBenchArgs {
     pub rate: f64,
     #[arg(long, default_value_t = 1000)]
     pub endpoints: usize,
+    /// Seconds of load that are measured, after the warm-up.
     #[arg(long, default_value_t = 60)]
     pub duration_s: u64,
+    /// Seconds of load before measuring starts. The first seconds are every endpoint's first
+    /// messages: the sequencer takes each endpoint (a lock, a fencing token, its state read)
+    /// while the load is already at full rate.
+    #[arg(long, default_value_t = 3)]
+    pub warmup_s: u64,
     #[command(flatten)]
     pub sequencer: SequencerArgs,
     #[command(flatten)]
@@ -181,25 +187,55 @@ async fn bench_tenant(pool: &PgPool, endpoints: &[Uuid], upstream: Option<&str>)
     tenant
 }
 
-/// Messages stored and not applied, and changes not published. The count of changes is made to
-/// read the unpublished changes' partial index: without statistics (a server with autovacuum
-/// off never gathers any) Postgres plans a scan of the whole outbox. The sample still costs
-/// something (BENCHMARKS.md gives its share), and the same in every run.
+/// Messages stored and not applied, and changes not published: each a sum over per-endpoint
+/// counters and cursors (a few thousand rows), so the sample costs little and the same whatever
+/// the history.
 async fn backlog_sample(pool: &PgPool) -> Result<(i64, i64), sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query("SET LOCAL enable_seqscan = off")
-        .execute(&mut *tx)
-        .await?;
-    let sample = sqlx::query_as(
+    sqlx::query_as(
         "SELECT (SELECT coalesce(sum(a.last_arrival_seq - coalesce(c.applied_arrival_seq, 0)), 0)::int8
                  FROM endpoint_arrival_counters a
                  LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = a.endpoint_id),
-                (SELECT count(*) FROM changes WHERE published_at IS NULL)",
+                (SELECT coalesce(sum(k.last - coalesce(p.published_through, 0)), 0)::int8
+                 FROM endpoint_change_counters k
+                 LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id)",
     )
-    .fetch_one(&mut *tx)
+    .fetch_one(pool)
+    .await
+}
+
+/// Stores the confirm times the publisher reported in a table of the bench's database, for the
+/// latency query to join. A change confirmed twice (sent again after a lost confirm) keeps its
+/// first time.
+async fn record_confirms(
+    pool: &PgPool,
+    confirmed_at: Vec<(Uuid, i64, OffsetDateTime)>,
+) -> anyhow::Result<()> {
+    sqlx::query(
+        "CREATE TABLE bench_confirms (
+             endpoint_id uuid NOT NULL,
+             change_seq bigint NOT NULL,
+             confirmed_at timestamptz NOT NULL,
+             PRIMARY KEY (endpoint_id, change_seq)
+         )",
+    )
+    .execute(pool)
     .await?;
-    tx.commit().await?;
-    Ok(sample)
+    for chunk in confirmed_at.chunks(20_000) {
+        let endpoints: Vec<Uuid> = chunk.iter().map(|c| c.0).collect();
+        let seqs: Vec<i64> = chunk.iter().map(|c| c.1).collect();
+        let times: Vec<OffsetDateTime> = chunk.iter().map(|c| c.2).collect();
+        sqlx::query(
+            "INSERT INTO bench_confirms (endpoint_id, change_seq, confirmed_at)
+             SELECT * FROM unnest($1::uuid[], $2::int8[], $3::timestamptz[])
+             ON CONFLICT (endpoint_id, change_seq) DO NOTHING",
+        )
+        .bind(&endpoints)
+        .bind(&seqs)
+        .bind(&times)
+        .execute(pool)
+        .await?;
+    }
+    Ok(())
 }
 
 fn sequencer_config(global: &GlobalArgs, args: &SequencerArgs) -> SequencerConfig {
@@ -554,7 +590,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
         endpoints: args.endpoints,
         concurrency: 256,
         duration_s: args.duration_s,
-        warmup_s: 3,
+        warmup_s: args.warmup_s,
         rate: args.rate,
         body_bytes: 3072,
         provision: false,
@@ -587,8 +623,23 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     let mut publisher_args = args.publisher.clone();
     publisher_args.redis_url = global.redis_url.clone();
     publisher_args.publisher_key_prefix = prefix.clone();
+    // When each change's broker confirm was taken in by the publisher.
+    let confirmed_at = Arc::new(std::sync::Mutex::new(
+        Vec::<(Uuid, i64, OffsetDateTime)>::new(),
+    ));
+    let mut publisher_config = publisher_args.config();
+    let recorded = confirmed_at.clone();
+    publisher_config.on_confirm = Some(relay_publisher::OnConfirm(Arc::new(
+        move |endpoint, seq| {
+            let at = OffsetDateTime::now_utc();
+            recorded
+                .lock()
+                .expect("not poisoned")
+                .push((endpoint, seq, at));
+        },
+    )));
     let publisher =
-        relay_publisher::Publisher::start(pool.clone(), publisher_args.config(), &registry).await?;
+        relay_publisher::Publisher::start(pool.clone(), publisher_config, &registry).await?;
     let mut ingest_config = relay_ingest::IngestConfig {
         waker: Some(relay_sequencer::Waker::connect(&global.redis_url, &prefix).await?),
         ..relay_ingest::IngestConfig::default()
@@ -634,15 +685,8 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     // Let what was accepted drain, then read the latencies from the rows themselves.
     let drain_started = Instant::now();
     loop {
-        let left: i64 = sqlx::query_scalar(
-            "SELECT (SELECT count(*) FROM changes WHERE published_at IS NULL)
-                  + (SELECT coalesce(sum(a.last_arrival_seq - coalesce(c.applied_arrival_seq, 0)), 0)::int8
-                     FROM endpoint_arrival_counters a
-                     LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = a.endpoint_id)",
-        )
-        .fetch_one(&pool)
-        .await?;
-        if left == 0 || drain_started.elapsed() > Duration::from_secs(300) {
+        let (unapplied, unpublished) = backlog_sample(&pool).await?;
+        if unapplied + unpublished == 0 || drain_started.elapsed() > Duration::from_secs(300) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -655,21 +699,25 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     publisher.stop().await;
     sequencer.stop().await;
     drain.abort();
+    let confirmed_at = std::mem::take(&mut *confirmed_at.lock().expect("not poisoned"));
+    record_confirms(&pool, confirmed_at).await?;
 
-    // Receipt (the front tier began reading the message) to confirm (the broker confirmed the
-    // change, and the publisher marked it), for messages received after the warm-up.
+    // Receipt (the front tier began reading the message) to confirm (the publisher took in the
+    // broker's confirm of the change), for messages received after the warm-up.
     // Split at the change's created_at (the sequencer's apply transaction began): receipt to
     // applied is the front tier and the sequencer, applied to confirm the publisher.
     type Latencies = (i64, Vec<Option<f64>>);
     let (count, quantiles): Latencies = sqlx::query_as(
         "WITH pairs AS (
-             SELECT extract(epoch FROM c.published_at - m.received_at)::float8 AS latency,
+             SELECT extract(epoch FROM b.confirmed_at - m.received_at)::float8 AS latency,
                     extract(epoch FROM c.created_at - m.received_at)::float8 AS applied,
-                    extract(epoch FROM c.published_at - c.created_at)::float8 AS published
+                    extract(epoch FROM b.confirmed_at - c.created_at)::float8 AS published
              FROM messages m
              JOIN changes c ON c.endpoint_id = m.endpoint_id
                  AND c.event_id = convert_from(m.body, 'UTF8')::jsonb #>> '{events,0,id}'
-             WHERE m.received_at >= $1 AND m.received_at < $2 AND c.published_at IS NOT NULL
+             JOIN bench_confirms b ON b.endpoint_id = c.endpoint_id
+                 AND b.change_seq = c.change_seq
+             WHERE m.received_at >= $1 AND m.received_at < $2
          )
          SELECT count(*), ARRAY[
                 percentile_cont(0.5) WITHIN GROUP (ORDER BY latency),
@@ -680,7 +728,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
                 percentile_cont(0.99) WITHIN GROUP (ORDER BY published)]
          FROM pairs",
     )
-    .bind(load_started + time::Duration::seconds(3))
+    .bind(load_started + time::Duration::seconds(args.warmup_s as i64))
     .bind(load_ended)
     .fetch_one(&pool)
     .await?;
@@ -694,6 +742,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
             "rate": args.rate,
             "endpoints": args.endpoints,
             "duration_s": args.duration_s,
+            "warmup_s": args.warmup_s,
             "measured_changes": count,
             "receipt_to_confirm_ms": {"p50": ms(p50), "p99": ms(p99), "max": ms(max)},
             "receipt_to_applied_ms": {"p50": ms(q(3)), "p99": ms(q(4))},

@@ -987,9 +987,12 @@ pub async fn list_changes<'e>(
         bool,
     );
     let rows: Vec<Row> = sqlx::query_as(
-        "SELECT change_seq, operation, subject, item_kind, generation, sequence, event_id,
-                reload_generation, item::text, parts_diff::text, published_at IS NOT NULL
-         FROM changes WHERE endpoint_id = $1 ORDER BY change_seq",
+        "SELECT c.change_seq, c.operation, c.subject, c.item_kind, c.generation, c.sequence,
+                c.event_id, c.reload_generation, c.item::text, c.parts_diff::text,
+                c.change_seq <= COALESCE(p.published_through, 0)
+         FROM changes c
+         LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = c.endpoint_id
+         WHERE c.endpoint_id = $1 ORDER BY c.change_seq",
     )
     .bind(endpoint)
     .fetch_all(db)

@@ -339,10 +339,16 @@ pub async fn endpoint_state(
         .fetch_one(&mut *tx)
         .await?;
     let (backlog, last_change_seq): (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM changes
-                 WHERE endpoint_id = $1 AND tenant_id = $2 AND published_at IS NULL),
-                COALESCE((SELECT last FROM endpoint_change_counters
-                          WHERE endpoint_id = $1 AND tenant_id = $2), 0)",
+        "WITH counter AS (
+             SELECT COALESCE((SELECT last FROM endpoint_change_counters
+                              WHERE endpoint_id = $1 AND tenant_id = $2), 0) AS last
+         )
+         SELECT GREATEST(counter.last - COALESCE((SELECT published_through
+                                                  FROM endpoint_publish_cursors
+                                                  WHERE endpoint_id = $1 AND tenant_id = $2), 0),
+                         0),
+                counter.last
+         FROM counter",
     )
     .bind(id)
     .bind(tenant)
