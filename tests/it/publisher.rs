@@ -686,6 +686,54 @@ async fn a_broker_outage_mid_run_loses_nothing_and_keeps_order() {
     }
 }
 
+/// More tenants than pooled connections: every tenant's marks and reads share a pool of
+/// three. A mark's transaction must not sit on its connection while its tenant's task waits for
+/// another one (as it did when the mark ran inside the task's loop: with every connection held
+/// by a parked mark, each tenant's read waited out the pool's acquire timeout). Postgres never
+/// fails the publisher, and every queue rebuilds its copies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_tenants_than_connections_share_the_pool_without_timeouts() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let mut tenants = Vec::new();
+    for _ in 0..12 {
+        tenants.push(env.db.tenant().await);
+    }
+    let mut feeds: Vec<Feed> = (0..24).map(|i| Feed::new(tenants[i % 12])).collect();
+    write(pool, &mut feeds, &mut rng, 480).await;
+    let publisher_pool = relay_store::connect(
+        &env.db.url,
+        &relay_store::PoolOptions {
+            max_connections: 3,
+            acquire_timeout: Duration::from_secs(2),
+            ..relay_store::PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let registry = prometheus::Registry::new();
+    let publisher = Publisher::start(publisher_pool, env.config(env.vhost.url()), &registry)
+        .await
+        .unwrap();
+    write(pool, &mut feeds, &mut rng, 120).await;
+    wait_published(pool, &tenants, seed).await;
+    publisher.stop().await;
+    assert_eq!(
+        metric(&registry, "relay_publisher_postgres_errors_total"),
+        0.0,
+        "seed {seed}: the publisher waited out its pool"
+    );
+
+    let broker = env.broker().await;
+    for tenant in tenants {
+        let messages = drain(&broker, &tenant_queue(tenant), true).await;
+        let (consumer, _) = rebuild(tenant, &messages, seed);
+        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
+        assert_rebuilt(pool, &consumer, &own, seed).await;
+    }
+}
+
 /// Someone deletes the tenant's queue while the publisher holds a connection to it: the next
 /// publish comes back unroutable (not counted as published), the queue is declared again, and
 /// every later change arrives in it, in order.

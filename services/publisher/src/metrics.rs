@@ -9,6 +9,10 @@ use prometheus::{
 /// Where broker trouble happened, as the `stage` label of `relay_publisher_broker_errors_total`.
 pub const BROKER_STAGES: [&str; 3] = ["connect", "publish", "confirm"];
 
+/// What the publisher was doing when Postgres failed it, as the `stage` label of
+/// `relay_publisher_postgres_errors_total`.
+pub const POSTGRES_STAGES: [&str; 5] = ["poll", "read", "mark", "backlog", "destination"];
+
 #[derive(Clone)]
 pub struct PublisherMetrics {
     /// Messages handed to a broker (each attempt counts, a resend too).
@@ -31,6 +35,8 @@ pub struct PublisherMetrics {
     /// Tenants with unpublished changes, whoever owns them (as this process' last poll saw).
     pub backlog_tenants: IntGauge,
     pub broker_errors: IntCounterVec,
+    /// Postgres failures (unreachable, timed out, no connection free in the pool), by stage.
+    pub postgres_errors: IntCounterVec,
     /// Tenants given up because their lease was lost or their fence taken.
     pub ownership_losses: IntCounter,
 }
@@ -95,12 +101,23 @@ impl PublisherMetrics {
                 ),
                 &["stage"],
             )?,
+            postgres_errors: IntCounterVec::new(
+                Opts::new(
+                    "relay_publisher_postgres_errors_total",
+                    "Postgres failures (unreachable, timed out, no pooled connection free), by \
+                     stage; each is retried.",
+                ),
+                &["stage"],
+            )?,
             ownership_losses: counter(
                 "relay_publisher_ownership_losses_total",
                 "Tenants given up because their lease ran out or another publisher fenced \
                  this one out.",
             )?,
         };
+        for stage in POSTGRES_STAGES {
+            metrics.postgres_errors.with_label_values(&[stage]);
+        }
         for stage in BROKER_STAGES {
             metrics.broker_errors.with_label_values(&[stage]);
         }
@@ -115,6 +132,7 @@ impl PublisherMetrics {
         registry.register(Box::new(metrics.tenants_owned.clone()))?;
         registry.register(Box::new(metrics.backlog_tenants.clone()))?;
         registry.register(Box::new(metrics.broker_errors.clone()))?;
+        registry.register(Box::new(metrics.postgres_errors.clone()))?;
         registry.register(Box::new(metrics.ownership_losses.clone()))?;
         Ok(metrics)
     }

@@ -32,6 +32,8 @@ pub enum OutboxError {
     Database(#[from] sqlx::Error),
     #[error("outbox row {0} is malformed: {1}")]
     Malformed(String, String),
+    #[error("the mark did not finish: {0}")]
+    Interrupted(String),
 }
 
 /// The tenants that have at least one unpublished change, at most `limit`: every endpoint's

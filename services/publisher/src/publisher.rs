@@ -171,6 +171,11 @@ async fn coordinate(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
         let tenants = match outbox::tenants_with_backlog(&shared.pool, 100_000).await {
             Ok(tenants) => tenants,
             Err(error) => {
+                shared
+                    .metrics
+                    .postgres_errors
+                    .with_label_values(&["poll"])
+                    .inc();
                 tracing::warn!(error = %error, "looking for unpublished changes failed");
                 continue;
             }

@@ -323,6 +323,7 @@ impl Worker {
             {
                 next_destination = now + config.destination_refresh;
                 if let Err(error) = self.refresh_target().await {
+                    self.postgres_trouble("destination");
                     tracing::warn!(tenant = %self.tenant, error = %error, "reading the destination failed");
                     self.hold();
                 }
@@ -336,6 +337,7 @@ impl Worker {
                 && (self.stream.sweep || !self.stream.wanted.is_empty())
             {
                 if let Err(error) = self.read_outbox().await {
+                    self.postgres_trouble("read");
                     tracing::warn!(tenant = %self.tenant, error = %error, "reading the outbox failed");
                     self.hold();
                 }
@@ -578,7 +580,18 @@ impl Worker {
                     .collect();
                 (hook.0)(ids).await;
             }
-            let result = outbox::mark_published(&pool, tenant, token, &keys).await;
+            // The statement runs in a task of its own: this future is polled only while the
+            // loop waits in its `select!`, and a transaction parked with its pooled connection
+            // while the loop awaits a connection for a read would hold one per tenant; with
+            // more tenants than connections, every tenant's read then waits for a connection
+            // that only a parked mark holds (until the pool's acquire timeout).
+            let marking = keys.clone();
+            let mark = tokio::spawn(async move {
+                outbox::mark_published(&pool, tenant, token, &marking).await
+            });
+            let result = mark
+                .await
+                .unwrap_or_else(|error| Err(OutboxError::Interrupted(error.to_string())));
             (keys, result)
         }));
     }
@@ -597,6 +610,7 @@ impl Worker {
                 false
             }
             Err(error) => {
+                self.postgres_trouble("mark");
                 tracing::warn!(tenant = %self.tenant, error = %error,
                                "marking confirmed changes failed; will retry");
                 // Marked first, before what was confirmed since.
@@ -728,9 +742,18 @@ impl Worker {
                     .set(age);
             }
             Err(error) => {
+                self.postgres_trouble("backlog");
                 tracing::debug!(tenant = %self.tenant, error = %error, "backlog metrics not refreshed")
             }
         }
+    }
+
+    fn postgres_trouble(&self, stage: &'static str) {
+        self.shared
+            .metrics
+            .postgres_errors
+            .with_label_values(&[stage])
+            .inc();
     }
 
     fn broker_trouble(&self, stage: &'static str, error: &BrokerError) {
