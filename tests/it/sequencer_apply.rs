@@ -303,6 +303,12 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
     assert_eq!(state::applied_through(&s.db.pool, a).await.unwrap(), 2);
     assert_eq!(state::applied_through(&s.db.pool, b).await.unwrap(), 1);
     assert_eq!(state::applied_through(&s.db.pool, c).await.unwrap(), 0);
+    let events = |label: &str| metrics.events.with_label_values(&[label]).get();
+    assert_eq!(
+        events("stored"),
+        3,
+        "A's two and B's one; C's run was never decided"
+    );
 
     // A's run again (its cursor has moved on) beside a new run of B's: the shared transaction
     // fails as a whole, and each run is tried alone, so B's still applies, once.
@@ -324,6 +330,9 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
     );
     assert_eq!(copy::copy_rows(&s.db.pool, b).await.unwrap().len(), 2);
     assert_eq!(state::applied_through(&s.db.pool, b).await.unwrap(), 2);
+    // Counted as committed: B's new event once (it was decided twice), A's stale run not at all.
+    assert_eq!(events("stored"), 4);
+    assert_eq!(events("ignored_duplicate"), 0);
 }
 
 #[tokio::test]

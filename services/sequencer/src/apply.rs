@@ -376,7 +376,7 @@ async fn apply_together(
         .iter()
         .map(|(run, track)| {
             let found = held.remove(&run.ctx.id()).unwrap_or_default();
-            decide_run(run, track.clone(), found, metrics)
+            decide_run(run, track.clone(), found)
         })
         .collect();
     let mut writes = copy::DecidedWrites::default();
@@ -435,6 +435,7 @@ async fn apply_together(
         .zip(&decided)
         .zip(&written)
         .map(|(((run, _), run_decided), written)| {
+            run_decided.tally.count(metrics);
             for (_, outcome, _, _) in &run_decided.outcomes {
                 metrics
                     .messages
@@ -483,6 +484,35 @@ fn run_keys<'r>(run: &'r PreparedRun, held_track: &EndpointTrack) -> (Vec<&'r st
     (ids, subjects)
 }
 
+/// What a run's decisions count in the metrics, kept until its transaction commits: a run
+/// decided again (its shared transaction failed as a whole and it is tried alone) counts once.
+#[derive(Debug, Default)]
+struct Tally {
+    /// One label of `relay_sequencer_events_total` per event.
+    events: Vec<&'static str>,
+    /// Labels of `relay_sequencer_refetches_total` decided under the lock.
+    refetches: Vec<&'static str>,
+    /// Reloads begun or superseded.
+    reloads_started: u64,
+}
+
+impl Tally {
+    fn count(&self, metrics: &SequencerMetrics) {
+        for label in &self.events {
+            metrics.events.with_label_values(&[label]).inc();
+        }
+        for label in &self.refetches {
+            metrics.refetches.with_label_values(&[label]).inc();
+        }
+        if self.reloads_started > 0 {
+            metrics
+                .reloads
+                .with_label_values(&["started"])
+                .inc_by(self.reloads_started);
+        }
+    }
+}
+
 /// What one run's decisions leave to write.
 struct DecidedRun {
     /// The track after the run.
@@ -496,15 +526,12 @@ struct DecidedRun {
     /// which of `texts` is the row's item.
     rows: Vec<(String, copy::HeldEntry, Option<usize>)>,
     outcomes: Vec<(i64, MessageOutcome, i32, i32)>,
+    tally: Tally,
 }
 
 /// Carries one run's messages out by the rules, against the rows read and locked for it.
-fn decide_run(
-    run: &PreparedRun,
-    held_track: EndpointTrack,
-    found: copy::RunHeld,
-    metrics: &SequencerMetrics,
-) -> DecidedRun {
+fn decide_run(run: &PreparedRun, held_track: EndpointTrack, found: copy::RunHeld) -> DecidedRun {
+    let mut tally = Tally::default();
     let endpoint = run.ctx.id();
     let copy::RunHeld {
         first_seen,
@@ -551,18 +578,18 @@ fn decide_run(
             }
             MessageDecision::BeginReload(reload) => {
                 tracing::info!(%endpoint, generation = reload.generation, "reset: reload begins");
-                metrics.reloads.with_label_values(&["started"]).inc();
+                tally.reloads_started += 1;
                 MessageOutcome::ReloadBegun
             }
             MessageDecision::SupersedeReload { stopped, begun } => {
                 tracing::info!(%endpoint, stopped = stopped.generation,
                     begun = begun.generation, "newer reset: reload replaced");
-                metrics.reloads.with_label_values(&["started"]).inc();
+                tally.reloads_started += 1;
                 MessageOutcome::ReloadSuperseded
             }
             MessageDecision::ApplyEvents { generation, reload } => {
                 if let Some(start) = &reload {
-                    note_reload_start(metrics, endpoint, start);
+                    note_reload_start(&mut tally, endpoint, start);
                 }
                 for event in &message.events {
                     // Rule "De-duplicate events by id, for each endpoint": recorded before this
@@ -578,7 +605,7 @@ fn decide_run(
                             generation,
                             event,
                             &run.prefetched,
-                            metrics,
+                            &mut tally,
                             endpoint,
                         );
                         match decision {
@@ -598,7 +625,7 @@ fn decide_run(
                             }
                         }
                     };
-                    metrics.events.with_label_values(&[label]).inc();
+                    tally.events.push(label);
                     if label.starts_with("ignored") || label.starts_with("refetch_") {
                         events_ignored += 1;
                     } else {
@@ -671,6 +698,7 @@ fn decide_run(
         texts,
         rows,
         outcomes,
+        tally,
     }
 }
 
@@ -682,7 +710,7 @@ fn decide_one(
     generation: u64,
     event: &relay_wire::Event,
     prefetched: &Prefetched,
-    metrics: &SequencerMetrics,
+    tally: &mut Tally,
     endpoint: Uuid,
 ) -> Result<Decision, &'static str> {
     let held = feed_subject(event).and_then(|s| reference.get(s));
@@ -714,10 +742,10 @@ fn decide_one(
                 }
                 _ => "reload",
             };
-            metrics.refetches.with_label_values(&[label]).inc();
+            tally.refetches.push(label);
             let (next, start) = track.read_feed_again();
             *track = next;
-            note_reload_start(metrics, endpoint, &start);
+            note_reload_start(tally, endpoint, &start);
             Err("refetch_reload")
         }
     }
@@ -732,8 +760,8 @@ fn decision_label(decision: &Decision) -> &'static str {
     }
 }
 
-fn note_reload_start(metrics: &SequencerMetrics, endpoint: Uuid, start: &ReloadStart) {
-    metrics.reloads.with_label_values(&["started"]).inc();
+fn note_reload_start(tally: &mut Tally, endpoint: Uuid, start: &ReloadStart) {
+    tally.reloads_started += 1;
     match start {
         ReloadStart::Begin(r) => {
             tracing::info!(%endpoint, generation = r.generation, cause = ?r.cause, "reload begins")
