@@ -511,6 +511,18 @@ fn rebuild(
     (consumer, seen)
 }
 
+/// Drains each tenant's queue and checks that the reference consumer rebuilds, from it alone,
+/// every copy of the tenant's feeds as Postgres holds it.
+async fn assert_queues_rebuild(env: &Env, tenants: &[Uuid], feeds: &[Feed]) {
+    let broker = env.broker().await;
+    for &tenant in tenants {
+        let messages = drain(&broker, &tenant_queue(tenant), true).await;
+        let (consumer, _) = rebuild(tenant, &messages, env.seed);
+        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
+        assert_rebuilt(&env.db.pool, &consumer, &own, env.seed).await;
+    }
+}
+
 /// The rebuilt copy of every feed equals Postgres' copy; every change came, in order (no gap).
 async fn assert_rebuilt(pool: &PgPool, consumer: &ReferenceConsumer, feeds: &[&Feed], seed: u64) {
     let stats = consumer.stats();
@@ -677,13 +689,7 @@ async fn a_broker_outage_mid_run_loses_nothing_and_keeps_order() {
     wait_published(pool, &tenants, seed).await;
     publisher.stop().await;
 
-    let broker = env.broker().await;
-    for tenant in tenants {
-        let messages = drain(&broker, &tenant_queue(tenant), true).await;
-        let (consumer, _) = rebuild(tenant, &messages, seed);
-        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
-        assert_rebuilt(pool, &consumer, &own, seed).await;
-    }
+    assert_queues_rebuild(&env, &tenants, &feeds).await;
 }
 
 /// More tenants than pooled connections: every tenant's marks and reads share a pool of
@@ -725,13 +731,7 @@ async fn more_tenants_than_connections_share_the_pool_without_timeouts() {
         "seed {seed}: the publisher waited out its pool"
     );
 
-    let broker = env.broker().await;
-    for tenant in tenants {
-        let messages = drain(&broker, &tenant_queue(tenant), true).await;
-        let (consumer, _) = rebuild(tenant, &messages, seed);
-        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
-        assert_rebuilt(pool, &consumer, &own, seed).await;
-    }
+    assert_queues_rebuild(&env, &tenants, &feeds).await;
 }
 
 /// Someone deletes the tenant's queue while the publisher holds a connection to it: the next
@@ -965,13 +965,7 @@ async fn several_publishers_at_once_keep_each_endpoints_order() {
     wait_published(pool, &tenants, seed).await;
     third.stop().await;
 
-    let broker = env.broker().await;
-    for tenant in tenants {
-        let messages = drain(&broker, &tenant_queue(tenant), true).await;
-        let (consumer, _) = rebuild(tenant, &messages, seed);
-        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
-        assert_rebuilt(pool, &consumer, &own, seed).await;
-    }
+    assert_queues_rebuild(&env, &tenants, &feeds).await;
 }
 
 /// A publisher dies after the broker confirmed a round and before it marked it: its successor
