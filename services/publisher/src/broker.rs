@@ -321,26 +321,30 @@ pub fn properties(change: &OutboxChange) -> BasicProperties {
 
 /// Hands one change to the broker (persistent, mandatory), within `timeout`. The returned
 /// confirm resolves when the broker acks, nacks or returns it (see [`classify`]).
-pub async fn publish(
+pub fn publish(
     link: &Link,
     change: &OutboxChange,
     timeout: Duration,
-) -> Result<PublisherConfirm, BrokerError> {
-    let options = BasicPublishOptions {
-        mandatory: true,
-        ..BasicPublishOptions::default()
-    };
-    let body = change.message.encode();
-    let send = link.channel.basic_publish(
-        &link.target.exchange,
-        &link.target.routing_key,
-        options,
-        &body,
-        properties(change),
+) -> impl std::future::Future<Output = Result<PublisherConfirm, BrokerError>> + Send + 'static {
+    // Everything is taken from `link` and `change` now, so the future owns what it needs and
+    // the caller can keep many in flight without awaiting each in turn.
+    let channel = link.channel.clone();
+    let (exchange, routing_key) = (
+        link.target.exchange.clone(),
+        link.target.routing_key.clone(),
     );
-    match tokio::time::timeout(timeout, send).await {
-        Ok(result) => Ok(result?),
-        Err(_) => Err(BrokerError::Timeout("publishing", timeout)),
+    let body = change.message.encode();
+    let properties = properties(change);
+    async move {
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let send = channel.basic_publish(&exchange, &routing_key, options, &body, properties);
+        match tokio::time::timeout(timeout, send).await {
+            Ok(result) => Ok(result?),
+            Err(_) => Err(BrokerError::Timeout("publishing", timeout)),
+        }
     }
 }
 

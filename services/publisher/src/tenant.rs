@@ -21,6 +21,12 @@
 //! `held_through`, is remembered until it is marked, so a later read never returns a change
 //! already sent.
 //!
+//! # Nothing waits in the loop
+//! The loop itself only keeps the books. A read of the outbox runs in a task of its own (one at
+//! a time), and so do marks and the backlog gauges' refresh; a publish is handed to lapin and
+//! awaited, with its confirm, among the other confirms. So a slow statement or a slow broker
+//! never stops the loop from taking confirms and sending each endpoint's next change.
+//!
 //! # Marking
 //! Confirmed changes are marked published in batches, one statement at a time beside the
 //! sending: whatever was confirmed while the last mark ran goes in the next. A mark is only
@@ -121,12 +127,19 @@ pub(crate) async fn run(
         stream: Stream::default(),
         confirms: FuturesUnordered::new(),
         marking: None,
+        reading: None,
+        refreshing: None,
         hold_until: None,
         redeclare: false,
     };
     worker.backoff.reset(worker.shared.config.retry_min);
     let end = worker.run().await;
     tracing::info!(%tenant, ?end, "publisher gives the tenant up");
+    if let Some(refreshing) = worker.refreshing.take() {
+        // Its gauges are about to be forgotten; a late refresh would bring them back.
+        refreshing.abort();
+        let _ = refreshing.await;
+    }
     let Worker {
         shared,
         lease,
@@ -154,7 +167,20 @@ type MarkFuture =
 
 enum Confirmed {
     Outcome(Outcome),
+    /// The publish itself failed: nothing reached the broker, or it is in doubt.
+    NotSent(BrokerError),
+    /// Sent; no confirm came.
     Failed(BrokerError),
+}
+
+/// A read of the outbox running beside the loop (see [`Worker::start_read`]).
+type ReadFuture = Pin<Box<dyn Future<Output = ReadDone> + Send>>;
+
+enum ReadDone {
+    /// The tenant's endpoints with a backlog.
+    Swept(Result<Vec<Uuid>, OutboxError>),
+    /// The next changes of the endpoints asked for (endpoint, room asked).
+    Changes(Vec<(Uuid, usize)>, Result<Vec<OutboxChange>, OutboxError>),
 }
 
 /// The tenant's changes between Postgres and the broker.
@@ -280,6 +306,9 @@ struct Worker {
     stream: Stream,
     confirms: FuturesUnordered<ConfirmFuture>,
     marking: Option<MarkFuture>,
+    reading: Option<ReadFuture>,
+    /// The backlog gauges' refresh, when one runs.
+    refreshing: Option<tokio::task::JoinHandle<()>>,
     /// Nothing is sent before this (a pause after broker trouble).
     hold_until: Option<Instant>,
     /// A publish came back unroutable: declare the queue before sending again.
@@ -290,6 +319,7 @@ struct Worker {
 enum Woke {
     Confirm(Uuid, i64, Confirmed),
     Marked(Vec<(Uuid, i64)>, Result<Marked, OutboxError>),
+    Read(ReadDone),
     Other,
 }
 
@@ -315,7 +345,7 @@ impl Worker {
             }
             if now >= next_metrics {
                 next_metrics = now + config.metrics_interval;
-                self.refresh_backlog_metrics().await;
+                self.refresh_backlog_metrics();
             }
             // A new destination closes the link: wait until nothing is in flight on it.
             if (now >= next_destination && self.stream.in_flight.is_empty())
@@ -332,18 +362,19 @@ impl Worker {
             let (endpoints, sweep) = self.signal.take();
             self.stream.wanted.extend(endpoints);
             self.stream.sweep |= sweep;
-            if self.hold_until.is_none()
+            if self.reading.is_none()
+                && self.hold_until.is_none()
                 && self.stream.held < config.max_in_flight * PER_ENDPOINT
                 && (self.stream.sweep || !self.stream.wanted.is_empty())
             {
-                if let Err(error) = self.read_outbox().await {
-                    self.postgres_trouble("read");
-                    tracing::warn!(tenant = %self.tenant, error = %error, "reading the outbox failed");
-                    self.hold();
-                }
+                self.start_read();
             }
 
-            if self.stream.is_empty() && self.confirms.is_empty() && self.marking.is_none() {
+            if self.stream.is_empty()
+                && self.confirms.is_empty()
+                && self.marking.is_none()
+                && self.reading.is_none()
+            {
                 if now.duration_since(idle_since) >= config.idle_release {
                     return End::Idle;
                 }
@@ -369,7 +400,8 @@ impl Worker {
             if self.stream.is_empty() {
                 deadline = deadline.min(idle_since + config.idle_release);
             }
-            let (confirms, marking) = (&mut self.confirms, &mut self.marking);
+            let (confirms, marking, reading) =
+                (&mut self.confirms, &mut self.marking, &mut self.reading);
             let (notify, shutdown) = (&self.signal.notify, &mut self.shutdown);
             let woke = tokio::select! {
                 Some((endpoint, seq, confirmed)) = confirms.next(), if !confirms.is_empty() => {
@@ -377,6 +409,8 @@ impl Worker {
                 }
                 (keys, result) = async { marking.as_mut().expect("guarded").await },
                     if marking.is_some() => Woke::Marked(keys, result),
+                done = async { reading.as_mut().expect("guarded").await },
+                    if reading.is_some() => Woke::Read(done),
                 _ = notify.notified() => Woke::Other,
                 _ = tokio::time::sleep_until(deadline.into()) => Woke::Other,
                 _ = shutdown.changed() => Woke::Other,
@@ -399,6 +433,10 @@ impl Worker {
                         }
                         return End::Lost;
                     }
+                }
+                Woke::Read(done) => {
+                    self.reading = None;
+                    self.on_read(done);
                 }
                 Woke::Other => {}
             }
@@ -458,30 +496,28 @@ impl Worker {
                 break;
             };
             let (endpoint, seq) = change.key();
-            match publish(&link, &change, config.confirm_timeout).await {
-                Ok(confirm) => {
-                    self.shared.metrics.published.inc();
-                    let timeout = config.confirm_timeout;
-                    let deadline = tokio::time::Instant::now() + timeout;
-                    self.confirms.push(Box::pin(async move {
-                        let confirmed = match tokio::time::timeout_at(deadline, confirm).await {
-                            Ok(Ok(confirmation)) => Confirmed::Outcome(classify(confirmation)),
-                            Ok(Err(error)) => Confirmed::Failed(error.into()),
-                            Err(_) => Confirmed::Failed(BrokerError::Timeout(
-                                "waiting for the confirm",
-                                timeout,
-                            )),
-                        };
-                        (endpoint, seq, confirmed)
-                    }));
-                }
-                Err(error) => {
-                    self.stream.put_back(endpoint);
-                    self.broker_trouble("publish", &error);
-                    self.link_failed(link, &error).await;
-                    return;
-                }
-            }
+            // Not awaited here: the publish and its confirm run together in `confirms`, so the
+            // loop hands every ready change over at once and goes back to taking confirms.
+            // Lapin numbers a publish (for its confirm) and queues its frames in the same poll,
+            // so any number may be under way at once.
+            let publishing = publish(&link, &change, config.confirm_timeout);
+            let published = self.shared.metrics.published.clone();
+            let timeout = config.confirm_timeout;
+            self.confirms.push(Box::pin(async move {
+                let confirm = match publishing.await {
+                    Ok(confirm) => confirm,
+                    Err(error) => return (endpoint, seq, Confirmed::NotSent(error)),
+                };
+                published.inc();
+                let confirmed = match tokio::time::timeout(timeout, confirm).await {
+                    Ok(Ok(confirmation)) => Confirmed::Outcome(classify(confirmation)),
+                    Ok(Err(error)) => Confirmed::Failed(error.into()),
+                    Err(_) => {
+                        Confirmed::Failed(BrokerError::Timeout("waiting for the confirm", timeout))
+                    }
+                };
+                (endpoint, seq, confirmed)
+            }));
         }
         self.link = Some(link);
     }
@@ -536,6 +572,13 @@ impl Worker {
                 self.stream.put_back(endpoint);
                 let error = BrokerError::Unconfirmed(1);
                 self.broker_trouble("confirm", &error);
+                if let Some(link) = self.link.take() {
+                    self.link_failed(link, &error).await;
+                }
+            }
+            Confirmed::NotSent(error) => {
+                self.stream.put_back(endpoint);
+                self.broker_trouble("publish", &error);
                 if let Some(link) = self.link.take() {
                     self.link_failed(link, &error).await;
                 }
@@ -647,22 +690,29 @@ impl Worker {
         End::Shutdown
     }
 
-    /// Reads the next changes of the endpoints asked for (all with a backlog on a sweep).
-    async fn read_outbox(&mut self) -> Result<(), OutboxError> {
+    /// Starts a read of the outbox, in a task of its own beside the loop (which goes on taking
+    /// confirms and sending meanwhile): on a sweep, which endpoints of the tenant have a
+    /// backlog (they are read next); otherwise the next changes of the endpoints asked for.
+    /// One read runs at a time, so what it is asked for (each endpoint's room, and the changes
+    /// it already holds) cannot change under it except by sending, which only frees room.
+    fn start_read(&mut self) {
         let pool = self.shared.pool.clone();
-        let mut endpoints: Vec<Uuid> = self.stream.wanted.drain().collect();
+        let tenant = self.tenant;
         if std::mem::take(&mut self.stream.sweep) {
-            match outbox::endpoints_with_backlog(&pool, self.tenant, 1_000_000).await {
-                Ok(all) => endpoints.extend(all),
-                Err(error) => {
-                    self.stream.sweep = true;
-                    self.stream.wanted.extend(endpoints);
-                    return Err(error);
-                }
-            }
+            // In a task of its own for the reason a mark is (see `start_mark`).
+            let task = tokio::spawn(async move {
+                outbox::endpoints_with_backlog(&pool, tenant, 1_000_000).await
+            });
+            self.reading = Some(Box::pin(async move {
+                ReadDone::Swept(
+                    task.await
+                        .unwrap_or_else(|error| Err(OutboxError::Interrupted(error.to_string()))),
+                )
+            }));
+            return;
         }
+        let mut endpoints: Vec<Uuid> = self.stream.wanted.drain().collect();
         endpoints.sort_unstable();
-        endpoints.dedup();
         let limit = self.shared.config.max_in_flight * PER_ENDPOINT;
         let mut asked: Vec<(Uuid, usize)> = Vec::new();
         let mut budget = limit.saturating_sub(self.stream.held);
@@ -676,23 +726,54 @@ impl Worker {
             budget -= room;
             asked.push((endpoint, room));
         }
-        for chunk in asked.chunks(ENDPOINTS_PER_READ) {
-            let plan: Vec<(Uuid, i64, i64)> = chunk
-                .iter()
-                .map(|(endpoint, room)| {
-                    let through = self.stream.held_through.get(endpoint).copied();
-                    (*endpoint, through.unwrap_or(0), *room as i64)
-                })
-                .collect();
-            match outbox::next_changes(&pool, self.tenant, &plan).await {
-                Ok(changes) => self.stream.add_read(chunk, changes),
-                Err(error) => {
-                    self.stream.sweep = true;
-                    return Err(error);
-                }
-            }
+        if asked.is_empty() {
+            return;
         }
-        Ok(())
+        let plans: Vec<Vec<(Uuid, i64, i64)>> = asked
+            .chunks(ENDPOINTS_PER_READ)
+            .map(|chunk| {
+                chunk
+                    .iter()
+                    .map(|(endpoint, room)| {
+                        let through = self.stream.held_through.get(endpoint).copied();
+                        (*endpoint, through.unwrap_or(0), *room as i64)
+                    })
+                    .collect()
+            })
+            .collect();
+        let task = tokio::spawn(async move {
+            let mut changes = Vec::new();
+            for plan in plans {
+                changes.extend(outbox::next_changes(&pool, tenant, &plan).await?);
+            }
+            Ok(changes)
+        });
+        self.reading = Some(Box::pin(async move {
+            let read = task
+                .await
+                .unwrap_or_else(|error| Err(OutboxError::Interrupted(error.to_string())));
+            ReadDone::Changes(asked, read)
+        }));
+    }
+
+    /// Takes in what a read found. A failed read asks for a sweep (what it was asked for is
+    /// found again) after a pause.
+    fn on_read(&mut self, done: ReadDone) {
+        let failed = match done {
+            ReadDone::Swept(Ok(endpoints)) => {
+                self.stream.wanted.extend(endpoints);
+                return;
+            }
+            ReadDone::Changes(asked, Ok(changes)) => {
+                self.stream.add_read(&asked, changes);
+                return;
+            }
+            ReadDone::Swept(Err(error)) | ReadDone::Changes(_, Err(error)) => error,
+        };
+        self.stream.sweep = true;
+        self.postgres_trouble("read");
+        tracing::warn!(tenant = %self.tenant, error = %failed, "reading the outbox failed");
+        self.hold();
     }
 
     /// Renews the lease when due; `false` once it is lost (not renewed in time, or taken).
@@ -728,24 +809,36 @@ impl Worker {
         Ok(())
     }
 
-    async fn refresh_backlog_metrics(&mut self) {
-        match outbox::backlog(&self.shared.pool, self.tenant).await {
-            Ok((count, oldest)) => {
-                let metrics = &self.shared.metrics;
-                metrics.backlog.with_label_values(&[&self.label]).set(count);
-                let age = oldest.map_or(0.0, |t| {
-                    (OffsetDateTime::now_utc() - t).as_seconds_f64().max(0.0)
-                });
-                metrics
-                    .oldest_age
-                    .with_label_values(&[&self.label])
-                    .set(age);
-            }
-            Err(error) => {
-                self.postgres_trouble("backlog");
-                tracing::debug!(tenant = %self.tenant, error = %error, "backlog metrics not refreshed")
-            }
+    /// Refreshes the tenant's backlog gauges in a task of its own (unless the last refresh
+    /// still runs): a slow count must not hold up sending.
+    fn refresh_backlog_metrics(&mut self) {
+        if self
+            .refreshing
+            .as_ref()
+            .is_some_and(|task| !task.is_finished())
+        {
+            return;
         }
+        let (pool, tenant, label) = (self.shared.pool.clone(), self.tenant, self.label.clone());
+        let metrics = self.shared.metrics.clone();
+        self.refreshing = Some(tokio::spawn(async move {
+            match outbox::backlog(&pool, tenant).await {
+                Ok((count, oldest)) => {
+                    metrics.backlog.with_label_values(&[&label]).set(count);
+                    let age = oldest.map_or(0.0, |t| {
+                        (OffsetDateTime::now_utc() - t).as_seconds_f64().max(0.0)
+                    });
+                    metrics.oldest_age.with_label_values(&[&label]).set(age);
+                }
+                Err(error) => {
+                    metrics
+                        .postgres_errors
+                        .with_label_values(&["backlog"])
+                        .inc();
+                    tracing::debug!(%tenant, error = %error, "backlog metrics not refreshed")
+                }
+            }
+        }));
     }
 
     fn postgres_trouble(&self, stage: &'static str) {
