@@ -206,7 +206,7 @@ pub async fn open_tracks(
          ),
          fence AS MATERIALIZED (
              SELECT f.endpoint_id, f.token FROM endpoint_fences f
-             WHERE f.endpoint_id IN (SELECT endpoint_id FROM input)
+             WHERE f.endpoint_id = ANY($1::uuid[])
              ORDER BY f.endpoint_id
              FOR SHARE
          ),
@@ -433,7 +433,10 @@ static WRITE_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
                  last_received_at = coalesce(k.received_at, c.last_received_at),
                  last_applied_at = now()
              FROM runs k
-             WHERE c.endpoint_id = k.endpoint_id AND c.applied_arrival_seq = k.from_seq
+             -- `= ANY` as well as the join: without statistics the planner joins the few
+             -- runs against a scan of every cursor; this makes it read the runs' by key.
+             WHERE c.endpoint_id = ANY($36::uuid[])
+               AND c.endpoint_id = k.endpoint_id AND c.applied_arrival_seq = k.from_seq
              RETURNING c.endpoint_id
          ),
          created AS (
