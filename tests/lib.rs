@@ -213,6 +213,7 @@ impl TestApp {
                 acquire_timeout: config.answer_deadline,
                 statement_timeout: Some(config.answer_deadline),
                 generic_plans: true,
+                ..PoolOptions::default()
             },
         )
         .unwrap();
@@ -243,6 +244,7 @@ impl TestApp {
                 acquire_timeout: config.answer_deadline,
                 statement_timeout: Some(config.answer_deadline),
                 generic_plans: true,
+                ..PoolOptions::default()
             },
         )
         .unwrap();

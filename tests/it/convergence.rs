@@ -50,6 +50,7 @@ async fn sequencer_child_process() {
             acquire_timeout: Duration::from_secs(30),
             statement_timeout: Some(Duration::from_secs(60)),
             generic_plans: false,
+            ..PoolOptions::default()
         },
     )
     .unwrap();

@@ -12,3 +12,4 @@ mod publisher;
 mod sequencer_apply;
 mod sequencer_ownership;
 mod sequencer_reload;
+mod store_pool;

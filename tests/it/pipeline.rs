@@ -394,6 +394,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
             acquire_timeout: Duration::from_secs(30),
             statement_timeout: Some(Duration::from_secs(60)),
             generic_plans: false,
+            ..PoolOptions::default()
         },
     )
     .unwrap();

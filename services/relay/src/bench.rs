@@ -135,6 +135,7 @@ async fn fresh_database(global: &GlobalArgs, recreate: bool) -> anyhow::Result<P
             acquire_timeout: Duration::from_secs(60),
             statement_timeout: Some(Duration::from_secs(600)),
             generic_plans: false,
+            ..PoolOptions::default()
         },
     )?;
     Ok(pool)

@@ -40,6 +40,7 @@ pub fn ingest_pool(global: &GlobalArgs, statement_timeout: Duration) -> anyhow::
         acquire_timeout: statement_timeout,
         statement_timeout: Some(statement_timeout),
         generic_plans: true,
+        ..PoolOptions::default()
     };
     relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
 }
@@ -171,6 +172,7 @@ pub fn sequencer_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
         acquire_timeout: Duration::from_secs(30),
         statement_timeout: Some(Duration::from_secs(300)),
         generic_plans: true,
+        ..PoolOptions::default()
     };
     relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
 }
@@ -204,6 +206,7 @@ fn service_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
         acquire_timeout: Duration::from_secs(10),
         statement_timeout: Some(Duration::from_secs(30)),
         generic_plans: false,
+        ..PoolOptions::default()
     };
     relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
 }
