@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use relay_store::messages::{self, IncomingMessage, StoreOutcome};
+use relay_store::{KeptConnection, StoreError};
 use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::JoinHandle;
@@ -100,6 +101,8 @@ async fn write_batches(
     batching: Arc<Batching>,
     metrics: Arc<IngestMetrics>,
 ) {
+    // Batches follow each other closely under load: keep the connection between them.
+    let mut connection = KeptConnection::new(pool);
     loop {
         let Some(jobs) = gather(&receiver, &batching).await else {
             return;
@@ -112,14 +115,19 @@ async fn write_batches(
         }
         let batch: Vec<IncomingMessage> = jobs.iter().map(|j| j.message.clone()).collect();
         let started = Instant::now();
-        let result =
-            tokio::time::timeout(batching.timeout, messages::store_batch(&pool, &batch)).await;
+        let result = tokio::time::timeout(batching.timeout, async {
+            let mut taken = connection.take().await.map_err(StoreError::from)?;
+            let outcomes = messages::store_batch(&mut *taken, &batch).await?;
+            Ok::<_, StoreError>((outcomes, taken))
+        })
+        .await;
         metrics
             .batch_seconds
             .observe(started.elapsed().as_secs_f64());
         metrics.batch_messages.observe(batch.len() as f64);
         match result {
-            Ok(Ok(outcomes)) => {
+            Ok(Ok((outcomes, taken))) => {
+                connection.keep(taken);
                 let mut stored: Vec<uuid::Uuid> = Vec::new();
                 for (job, outcome) in jobs.into_iter().zip(outcomes) {
                     if matches!(outcome, StoreOutcome::Stored { .. }) {
@@ -140,6 +148,7 @@ async fn write_batches(
                 }
             }
             Ok(Err(error)) => {
+                // The connection went with the error: a broken one is not kept.
                 tracing::warn!(%error, messages = batch.len(), "storing a batch failed");
                 let error = WriteError::Failed(error.to_string());
                 for job in jobs {

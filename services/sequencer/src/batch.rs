@@ -243,6 +243,8 @@ async fn read_batches(
     limit: i64,
 ) {
     let mut held_back: Vec<ReadJob> = Vec::new();
+    // Reads follow each other closely under load: keep the connection between them.
+    let mut connection = relay_store::KeptConnection::new(pool);
     loop {
         let limits = Limits {
             jobs: max_endpoints,
@@ -257,7 +259,17 @@ async fn read_batches(
             .partition(|job| endpoints.insert(job.endpoint));
         held_back = later;
         let cursors: Vec<(Uuid, i64)> = batch.iter().map(|j| (j.endpoint, j.applied)).collect();
-        match state::pending_messages_many(&pool, &cursors, limit).await {
+        let read = match connection.take().await {
+            Ok(mut taken) => {
+                let read = state::pending_messages_many(&mut taken, &cursors, limit).await;
+                if read.is_ok() {
+                    connection.keep(taken);
+                }
+                read
+            }
+            Err(error) => Err(error.into()),
+        };
+        match read {
             Ok(mut found) => {
                 for job in batch {
                     let read = found.remove(&job.endpoint).unwrap_or((0, Vec::new()));

@@ -566,7 +566,7 @@ pub async fn pending_messages(
 /// its arrival counter and its messages after the cursor up to the counter, at most `limit`
 /// each. One statement, so one snapshot: each counter bounds exactly what its read sees.
 pub async fn pending_messages_many(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     cursors: &[(Uuid, i64)],
     limit: i64,
 ) -> Result<std::collections::HashMap<Uuid, (i64, Vec<PendingMessage>)>, StateError> {
@@ -595,7 +595,7 @@ pub async fn pending_messages_many(
     .bind(cursors.iter().map(|c| c.0).collect::<Vec<_>>())
     .bind(cursors.iter().map(|c| c.1).collect::<Vec<_>>())
     .bind(limit)
-    .fetch_all(pool)
+    .fetch_all(conn)
     .await?;
     let mut found: std::collections::HashMap<Uuid, (i64, Vec<PendingMessage>)> =
         std::collections::HashMap::with_capacity(cursors.len());

@@ -1,10 +1,11 @@
 //! Connecting to Postgres.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::migrate::Migrator;
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgPool};
+use sqlx::{ConnectOptions, Connection, PgPool, Postgres};
 
 /// The workspace's `migrations/`, compiled in so the binary can migrate with no files beside it.
 pub static MIGRATOR: Migrator = sqlx::migrate!("../../migrations");
@@ -72,4 +73,39 @@ pub fn connect(database_url: &str, options: &PoolOptions) -> Result<PgPool, sqlx
             })
         })
         .connect_lazy_with(connect))
+}
+
+/// The connection a loop keeps between statements that follow each other closely.
+///
+/// Handing a connection back to the pool costs a round trip: sqlx checks every connection it
+/// takes back. A loop that runs a statement every few milliseconds (the front tier's batch
+/// writers, the sequencer's shared reader) keeps its connection instead, and gives it back
+/// after a pause, so that the pool's own check runs before it is used again. A statement that
+/// failed takes its connection with it: only connections that just worked are kept.
+pub struct KeptConnection {
+    pool: PgPool,
+    kept: Option<(PoolConnection<Postgres>, Instant)>,
+}
+
+impl KeptConnection {
+    /// How long after its last statement a connection is still used without a check.
+    pub const KEEP_FOR: Duration = Duration::from_secs(1);
+
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool, kept: None }
+    }
+
+    /// The connection kept from the last statement if it ended less than [`Self::KEEP_FOR`]
+    /// ago; otherwise one from the pool (the kept one goes back to it).
+    pub async fn take(&mut self) -> Result<PoolConnection<Postgres>, sqlx::Error> {
+        match self.kept.take() {
+            Some((connection, used_at)) if used_at.elapsed() < Self::KEEP_FOR => Ok(connection),
+            _ => self.pool.acquire().await,
+        }
+    }
+
+    /// Keeps `connection`, whose statement just succeeded, for the next one.
+    pub fn keep(&mut self, connection: PoolConnection<Postgres>) {
+        self.kept = Some((connection, Instant::now()));
+    }
 }

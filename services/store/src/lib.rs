@@ -18,7 +18,7 @@ pub mod endpoints;
 pub mod messages;
 pub mod tenants;
 
-pub use db::{connect, PoolOptions, MIGRATOR};
+pub use db::{connect, KeptConnection, PoolOptions, MIGRATOR};
 
 /// A store call failed. Callers at the edges add context; this keeps the cause.
 #[derive(Debug, thiserror::Error)]

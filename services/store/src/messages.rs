@@ -54,8 +54,10 @@ pub enum StoreOutcome {
 /// that are new, and reports on every message. Within a batch an endpoint's messages are
 /// numbered in the order given; a webhook-id repeated within the batch is a duplicate of its
 /// first occurrence.
-pub async fn store_batch(
-    pool: &PgPool,
+///
+/// Runs on a pool or on one connection (the front tier's writers keep theirs between batches).
+pub async fn store_batch<'c, E: sqlx::PgExecutor<'c>>(
+    executor: E,
     batch: &[IncomingMessage],
 ) -> Result<Vec<StoreOutcome>, StoreError> {
     // First occurrence of each (endpoint, webhook-id) in the batch; later ones repeat it.
@@ -139,7 +141,7 @@ pub async fn store_batch(
     .bind(column(&fresh, |m| m.generation))
     .bind(column(&fresh, |m| &m.body[..]))
     .bind(&endpoint_ids)
-    .fetch_all(pool)
+    .fetch_all(executor)
     .await?;
     if rows.len() != unique.len() {
         return Err(StoreError::Invalid(format!(
