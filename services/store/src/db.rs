@@ -60,7 +60,7 @@ pub fn connect(database_url: &str, options: &PoolOptions) -> Result<PgPool, sqlx
         .max_connections(options.max_connections)
         .acquire_timeout(options.acquire_timeout)
         // sqlx's default pings every connection on every acquire. At a few thousand statements a
-        // second that is a third of the round trips to Postgres, each waking a backend and
+        // second that is over a quarter of the round trips to Postgres, each waking a backend and
         // waiting for it. A connection that fails anyway fails its statement, which every caller
         // already handles (and the pool then closes it).
         .test_before_acquire(false)
