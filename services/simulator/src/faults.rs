@@ -16,7 +16,10 @@ pub struct Faults {
     /// An API read is slowed by `slow_read_ms`.
     pub slow_reads: f64,
     pub slow_read_ms: u64,
-    /// An API read (/v1/feed, an item read) is served from a snapshot taken before recent changes.
+    /// An API read (/v1/feed, an item read) is served from a snapshot taken before recent changes,
+    /// but never from before what the key's endpoints were already sent (see
+    /// `Upstream::world_for_read`): the lag a receiver meets after its messages, not a promise
+    /// broken.
     pub stale_reads: f64,
     /// An item read answers a load balancer's 404: plain text, no access_version.
     pub lb_404: f64,

@@ -280,6 +280,9 @@ pub struct Upstream {
     tracks: BTreeMap<Uuid, TrackState>,
     log: BTreeMap<Uuid, Vec<LogEntry>>,
     snapshots: VecDeque<World>,
+    /// For each key, the newest position a message handed to one of its endpoints reaches (an
+    /// events message's `through`, a reset's `resume_from`): a stale read is never older.
+    sent_through: BTreeMap<String, Cursor>,
     config: SenderConfig,
     faults: Faults,
     seed: u64,
@@ -300,6 +303,7 @@ impl Upstream {
             tracks: BTreeMap::new(),
             log: BTreeMap::new(),
             snapshots: VecDeque::new(),
+            sent_through: BTreeMap::new(),
             config,
             faults,
             seed,
@@ -592,6 +596,11 @@ impl Upstream {
         } else {
             self.build_events(&endpoint)?
         };
+        let sent = self
+            .sent_through
+            .entry(endpoint.key_token.clone())
+            .or_insert(built.through);
+        *sent = (*sent).max(built.through);
         let track = self.tracks.get_mut(&id)?;
         track.attempts += 1;
         let attempt = track.attempts;
@@ -1126,12 +1135,24 @@ impl Upstream {
         }))
     }
 
-    /// The world to serve a read from: now, or a stale snapshot when that fault strikes.
-    fn world_for_read(&mut self) -> World {
+    /// The world to serve a key's read from: now, or a stale snapshot when that fault strikes.
+    ///
+    /// A snapshot older than what the key's endpoints were already sent is never served: the
+    /// upstream's reads show at least what its messages told (a reset's `resume_from`, an events
+    /// message's `through`). Without that promise no receiver could follow the reading rules to a
+    /// correct copy: a reset's pages read from before a removal it replaced would bring the item
+    /// back at the new generation, and nothing later would remove it again.
+    fn world_for_read(&mut self, token: &str) -> World {
         let p = self.faults.stale_reads.clamp(0.0, 1.0);
         if !self.snapshots.is_empty() && self.api_rng.gen_bool(p) {
-            let index = self.api_rng.gen_range(0..self.snapshots.len());
-            return self.snapshots[index].clone();
+            let floor = self.sent_through.get(token).copied();
+            let fresh_enough: Vec<usize> = (0..self.snapshots.len())
+                .filter(|&i| floor.is_none_or(|f| self.snapshots[i].head() >= f))
+                .collect();
+            if !fresh_enough.is_empty() {
+                let index = fresh_enough[self.api_rng.gen_range(0..fresh_enough.len())];
+                return self.snapshots[index].clone();
+            }
         }
         self.world.clone()
     }
@@ -1194,7 +1215,7 @@ impl Upstream {
             }
             self.mid_reload_faults(token, now_ms);
         }
-        let world = self.world_for_read();
+        let world = self.world_for_read(token);
         let key = world.keys.get(token).ok_or(ApiError::Unauthorized)?;
         let limit = limit.clamp(1, 500);
         let items: Vec<_> = world
@@ -1240,7 +1261,7 @@ impl Upstream {
         if self.api_rng.gen_bool(p) {
             return Ok(ItemRead::LoadBalancer404);
         }
-        let world = self.world_for_read();
+        let world = self.world_for_read(token);
         let key = world.keys.get(token).ok_or(ApiError::Unauthorized)?;
         let selection = Selection {
             lang: lang.to_owned(),

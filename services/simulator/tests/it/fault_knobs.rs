@@ -1,7 +1,7 @@
 //! Each sender and API fault knob, turned fully on, does what it names.
 
-use relay_simulator::model::Selection;
-use relay_simulator::upstream::{MessageKind, SenderConfig};
+use relay_simulator::model::{ChangeKind, Selection};
+use relay_simulator::upstream::{ItemRead, MessageKind, SenderConfig};
 use relay_simulator::Faults;
 use relay_wire::ItemKind;
 
@@ -103,6 +103,49 @@ fn stale_reads_serve_a_snapshot_from_before_recent_changes() {
         sizes.insert(page["data"].as_array().unwrap().len());
     }
     assert!(sizes.iter().all(|n| *n < 2), "never the latest: {sizes:?}");
+}
+
+#[test]
+fn stale_reads_never_predate_what_the_keys_endpoints_were_sent() {
+    let mut up = common::upstream(SenderConfig::default());
+    let id = common::endpoint(&mut up, "http://x/{id}", false);
+    let first = up
+        .create_item(ItemKind::Announcement, 28, "gone soon", 1_791_439_200_000)
+        .unwrap()
+        .feed_item_id;
+    for n in 1..4 {
+        create(&mut up, n);
+    }
+    drain(&mut up, id, 0, ok);
+    up.change_item(&first, ChangeKind::Withdrawn, "", 1_791_439_200_100, false)
+        .unwrap();
+    up.set_faults(Faults {
+        stale_reads: 1.0,
+        ..Faults::default()
+    });
+    let subjects = |up: &mut relay_simulator::Upstream| -> Vec<String> {
+        let page = up
+            .feed_page(KEY, &Selection::all("en"), None, 100, 0)
+            .unwrap();
+        page["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|entry| entry["subject"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    // The withdrawal was not sent yet: a read may still be from before it.
+    assert!((0..20).any(|_| subjects(&mut up).contains(&first)));
+    // The backlog is replaced by a reset whose resume_from is past the withdrawal: once it is
+    // sent, no read (page or item) is from before it.
+    up.queue_reset(id, "behind", 0);
+    let sent = drain(&mut up, id, 0, ok);
+    assert_eq!(sent[0].kind, MessageKind::Reset);
+    for _ in 0..20 {
+        assert!(!subjects(&mut up).contains(&first));
+        let read = up.item_read(KEY, &first, "en", None).unwrap();
+        assert!(matches!(read, ItemRead::Gone(_)), "{read:?}");
+    }
 }
 
 #[test]
