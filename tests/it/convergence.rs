@@ -70,6 +70,7 @@ fn child_config(spec: &Value) -> SequencerConfig {
         sweep_interval: Duration::from_millis(200),
         idle_linger: Duration::from_millis(100),
         upstream_timeout: Duration::from_secs(5),
+        feed_page_limit: spec["feed_page_limit"].as_u64().unwrap() as usize,
         ..SequencerConfig::default()
     }
 }
@@ -126,6 +127,10 @@ struct Run {
     sequencers: usize,
     /// SIGKILL a sequencer at random moments (then start it again).
     kills: bool,
+    /// Items per `/v1/feed` page the sequencers ask for: small, so that a reload's pass has
+    /// several pages and the faults between pages (access changed, a newer reset, an expired
+    /// cursor) strike.
+    feed_page_limit: usize,
 }
 
 impl Run {
@@ -139,6 +144,7 @@ impl Run {
             faults: Faults::all(),
             sequencers: 2,
             kills: true,
+            feed_page_limit: 8,
         }
     }
 }
@@ -413,6 +419,7 @@ async fn delete_redis_keys(prefix: &str) {
 
 /// Runs one seed end to end and checks convergence; panics with the seed on any difference.
 async fn converge(run: Run) {
+    relay_tests::init_logging();
     let seed = run.seed;
     eprintln!("convergence: seed {seed} ({run:?})");
     let key_prefix = format!("relay-test-{}:", Uuid::new_v4().simple());
@@ -456,6 +463,7 @@ async fn converge(run: Run) {
         "redis_url": redis_url(),
         "key_prefix": key_prefix,
         "lease_ms": 1500,
+        "feed_page_limit": run.feed_page_limit,
     });
     let mut sequencers: Vec<Option<SequencerProcess>> = (0..run.sequencers)
         .map(|_| Some(SequencerProcess::start(&spec)))

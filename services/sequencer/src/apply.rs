@@ -84,6 +84,12 @@ impl EndpointContext {
         self.registration.tenant_id
     }
 
+    /// Reads `/v1/feed` `limit` items per page (see [`UpstreamClient::with_page_limit`]).
+    pub fn with_feed_page_limit(mut self, limit: usize) -> Self {
+        self.upstream = self.upstream.map(|client| client.with_page_limit(limit));
+        self
+    }
+
     /// The endpoint's language and filter: read once, and again by every reload.
     pub async fn selection(&self) -> Result<FeedSelection, UpstreamError> {
         let mut held = self.selection.lock().await;

@@ -53,6 +53,9 @@ pub struct SequencerConfig {
     pub retention_interval: Duration,
     /// Timeout of each upstream API request.
     pub upstream_timeout: Duration,
+    /// Items per `/v1/feed` page a reload asks for: the most the API gives (500) by default, so
+    /// a pass makes the fewest reads; tests ask for fewer, so that a pass has several pages.
+    pub feed_page_limit: usize,
     pub reload_backoff: ReloadBackoff,
 }
 
@@ -72,6 +75,7 @@ impl Default for SequencerConfig {
             applied_events_retention: Some(Duration::from_secs(31 * 24 * 3600)),
             retention_interval: Duration::from_secs(600),
             upstream_timeout: Duration::from_secs(10),
+            feed_page_limit: crate::upstream::FEED_PAGE_LIMIT,
             reload_backoff: ReloadBackoff::default(),
         }
     }
@@ -193,6 +197,7 @@ async fn schedule(
         idle_linger: config.idle_linger,
         reload_backoff: config.reload_backoff,
         error_pause: Duration::from_millis(200),
+        feed_page_limit: config.feed_page_limit,
     };
     let permits = Arc::new(Semaphore::new(config.max_concurrent_endpoints.max(1)));
     let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));

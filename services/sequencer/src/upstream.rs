@@ -35,6 +35,8 @@ pub struct UpstreamClient {
     http: reqwest::Client,
     base_url: String,
     api_key: String,
+    /// Items asked for per `/v1/feed` page.
+    page_limit: usize,
 }
 
 impl std::fmt::Debug for UpstreamClient {
@@ -123,8 +125,9 @@ struct PageItem {
     item: Value,
 }
 
-/// Items per `/v1/feed` page: the most the API gives, so a pass makes the fewest reads.
-const PAGE_LIMIT: &str = "500";
+/// Items per `/v1/feed` page by default: the most the API gives, so a pass makes the fewest
+/// reads.
+pub const FEED_PAGE_LIMIT: usize = 500;
 
 impl UpstreamClient {
     pub fn new(
@@ -137,9 +140,17 @@ impl UpstreamClient {
                 http,
                 base_url: base.trim_end_matches('/').to_owned(),
                 api_key: key.to_owned(),
+                page_limit: FEED_PAGE_LIMIT,
             }),
             _ => Err(UpstreamError::NotConfigured),
         }
+    }
+
+    /// Asks for `limit` items per `/v1/feed` page (1 to 500) instead of the most: tests use
+    /// small pages so that a pass has several, and the faults between pages strike.
+    pub fn with_page_limit(mut self, limit: usize) -> Self {
+        self.page_limit = limit.clamp(1, FEED_PAGE_LIMIT);
+        self
     }
 
     /// A client for this crate's reads: every request bounded by `timeout`.
@@ -223,7 +234,7 @@ impl UpstreamClient {
         let mut cursor: Option<String> = None;
         loop {
             let mut query = selection.query();
-            query.push(("limit", PAGE_LIMIT.to_owned()));
+            query.push(("limit", self.page_limit.to_string()));
             if let Some(cursor) = &cursor {
                 query.push(("cursor", cursor.clone()));
             }

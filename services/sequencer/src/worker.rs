@@ -47,6 +47,8 @@ pub struct WorkerConfig {
     pub idle_linger: Duration,
     pub reload_backoff: ReloadBackoff,
     pub error_pause: Duration,
+    /// Items per `/v1/feed` page a reload asks for.
+    pub feed_page_limit: usize,
 }
 
 /// How a worker ended: the wake count it had seen last (the scheduler starts it again when more
@@ -120,7 +122,9 @@ pub async fn run_worker(
         tracing::warn!(%endpoint, %error, "could not create the track row");
         return finish(renewer, &lease, None, &owners, &metrics, exit(wakes_seen)).await;
     }
-    let ctx = Arc::new(EndpointContext::new(registration, http));
+    let ctx = Arc::new(
+        EndpointContext::new(registration, http).with_feed_page_limit(config.feed_page_limit),
+    );
     let mut reload: Option<RunningReload> = None;
     let mut cursor: Option<i64> = None;
 
