@@ -408,6 +408,8 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
             sweep_interval: Duration::from_millis(200),
             idle_linger: Duration::from_millis(100),
             upstream_timeout: Duration::from_secs(5),
+            // Reloads of several pages, so the faults between pages strike.
+            feed_page_limit: 8,
             ..SequencerConfig::default()
         },
         SequencerMetrics::unregistered(),
