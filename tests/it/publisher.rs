@@ -590,6 +590,10 @@ async fn each_tenants_queue_rebuilds_its_copies_once_and_in_order() {
         metric(&registry, "relay_publisher_publish_latency_seconds"),
         total as f64
     );
+    assert_eq!(
+        metric(&registry, "relay_publisher_confirm_wait_seconds"),
+        total as f64
+    );
     assert_eq!(metric(&registry, "relay_publisher_tenants_owned"), 0.0);
 
     let broker = env.broker().await;

@@ -309,6 +309,11 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
         3,
         "A's two and B's one; C's run was never decided"
     );
+    // One transaction took the three runs: each of its steps was timed once.
+    for step in relay_sequencer::metrics::APPLY_STEPS {
+        let timed = metrics.apply_step_duration.with_label_values(&[step]);
+        assert_eq!(timed.get_sample_count(), 1, "step {step}");
+    }
 
     // A's run again (its cursor has moved on) beside a new run of B's: the shared transaction
     // fails as a whole, and each run is tried alone, so B's still applies, once.

@@ -31,6 +31,8 @@ pub struct PublisherMetrics {
     pub oldest_age: GaugeVec,
     /// From a change's creation (the sequencer's commit) to the broker's confirm.
     pub latency: Histogram,
+    /// From handing a change's message to the broker to its confirm (acked or nacked).
+    pub confirm_wait: Histogram,
     pub tenants_owned: IntGauge,
     /// Tenants with unpublished changes, whoever owns them (as this process' last poll saw).
     pub backlog_tenants: IntGauge,
@@ -86,6 +88,13 @@ impl PublisherMetrics {
                 )
                 .buckets(exponential_buckets(0.001, 2.0, 17)?),
             )?,
+            confirm_wait: Histogram::with_opts(
+                HistogramOpts::new(
+                    "relay_publisher_confirm_wait_seconds",
+                    "From handing a message to the broker to its confirm (ack or nack).",
+                )
+                .buckets(exponential_buckets(0.00025, 2.0, 17)?),
+            )?,
             tenants_owned: IntGauge::new(
                 "relay_publisher_tenants_owned",
                 "Tenants this publisher holds the lease of.",
@@ -129,6 +138,7 @@ impl PublisherMetrics {
         registry.register(Box::new(metrics.backlog.clone()))?;
         registry.register(Box::new(metrics.oldest_age.clone()))?;
         registry.register(Box::new(metrics.latency.clone()))?;
+        registry.register(Box::new(metrics.confirm_wait.clone()))?;
         registry.register(Box::new(metrics.tenants_owned.clone()))?;
         registry.register(Box::new(metrics.backlog_tenants.clone()))?;
         registry.register(Box::new(metrics.broker_errors.clone()))?;

@@ -502,15 +502,20 @@ impl Worker {
             // so any number may be under way at once.
             let publishing = publish(&link, &change, config.confirm_timeout);
             let published = self.shared.metrics.published.clone();
+            let confirm_wait = self.shared.metrics.confirm_wait.clone();
             let timeout = config.confirm_timeout;
             self.confirms.push(Box::pin(async move {
+                let handed = Instant::now();
                 let confirm = match publishing.await {
                     Ok(confirm) => confirm,
                     Err(error) => return (endpoint, seq, Confirmed::NotSent(error)),
                 };
                 published.inc();
                 let confirmed = match tokio::time::timeout(timeout, confirm).await {
-                    Ok(Ok(confirmation)) => Confirmed::Outcome(classify(confirmation)),
+                    Ok(Ok(confirmation)) => {
+                        confirm_wait.observe(handed.elapsed().as_secs_f64());
+                        Confirmed::Outcome(classify(confirmation))
+                    }
                     Ok(Err(error)) => Confirmed::Failed(error.into()),
                     Err(_) => {
                         Confirmed::Failed(BrokerError::Timeout("waiting for the confirm", timeout))

@@ -204,6 +204,96 @@ async fn backlog_sample(pool: &PgPool) -> Result<(i64, i64), sqlx::Error> {
     .await
 }
 
+/// The histograms that split the path into steps: each apply transaction's steps, and the
+/// broker's confirm wait.
+const STEP_HISTOGRAMS: [(&str, Option<&str>); 2] = [
+    ("relay_sequencer_apply_step_seconds", Some("step")),
+    ("relay_publisher_confirm_wait_seconds", None),
+];
+
+/// Per step: each bucket's upper bound (seconds) and cumulative count, as gathered now.
+type StepBuckets = std::collections::BTreeMap<String, Vec<(f64, u64)>>;
+
+fn step_buckets(registry: &prometheus::Registry) -> StepBuckets {
+    let mut steps = StepBuckets::new();
+    for family in registry.gather() {
+        let Some((name, label)) = STEP_HISTOGRAMS
+            .iter()
+            .find(|(name, _)| *name == family.name())
+        else {
+            continue;
+        };
+        for metric in family.get_metric() {
+            let key = match label {
+                Some(label) => metric
+                    .get_label()
+                    .iter()
+                    .find(|pair| pair.name() == *label)
+                    .map(|pair| format!("apply_{}", pair.value()))
+                    .unwrap_or_default(),
+                None => name
+                    .trim_start_matches("relay_publisher_")
+                    .trim_end_matches("_seconds")
+                    .to_owned(),
+            };
+            let histogram = metric.get_histogram();
+            // The last bucket (+Inf) is the count of every observation.
+            let buckets = histogram
+                .get_bucket()
+                .iter()
+                .map(|b| (b.upper_bound(), b.cumulative_count()))
+                .chain([(f64::INFINITY, histogram.get_sample_count())])
+                .collect();
+            steps.insert(key, buckets);
+        }
+    }
+    steps
+}
+
+/// p50 and p99 (ms) of what each step observed between two gatherings, estimated from the
+/// buckets as Prometheus' `histogram_quantile` does (linear within the bucket the quantile falls
+/// in; the last finite bound when it falls past it).
+fn step_quantiles(before: &StepBuckets, after: &StepBuckets) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    for (step, buckets) in after {
+        let earlier = before.get(step);
+        let counts: Vec<(f64, u64)> = buckets
+            .iter()
+            .enumerate()
+            .map(|(i, (bound, count))| {
+                let was = earlier.and_then(|e| e.get(i)).map_or(0, |b| b.1);
+                (*bound, count.saturating_sub(was))
+            })
+            .collect();
+        let total = counts.last().map_or(0, |c| c.1);
+        let quantile = |q: f64| {
+            if total == 0 {
+                return None;
+            }
+            let rank = q * total as f64;
+            let (mut lower, mut below) = (0.0, 0u64);
+            for &(upper, count) in &counts {
+                if count as f64 >= rank {
+                    let seconds = if upper.is_finite() {
+                        let share = (rank - below as f64) / (count - below).max(1) as f64;
+                        lower + (upper - lower) * share
+                    } else {
+                        lower
+                    };
+                    return Some((seconds * 1000.0 * 100.0).round() / 100.0);
+                }
+                (lower, below) = (upper, count);
+            }
+            None
+        };
+        out.insert(
+            step.clone(),
+            json!({"count": total, "p50": quantile(0.5), "p99": quantile(0.99)}),
+        );
+    }
+    serde_json::Value::Object(out)
+}
+
 /// Stores the confirm times the publisher reported in a table of the bench's database, for the
 /// latency query to join. A change confirmed twice (sent again after a lost confirm) keeps its
 /// first time.
@@ -672,6 +762,15 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
         }
     });
     let load_started = OffsetDateTime::now_utc();
+    // The step histograms as the warm-up ends, so the run's figures leave the warm-up out.
+    let warmup_steps = {
+        let registry = registry.clone();
+        let warmup = Duration::from_secs(args.warmup_s);
+        tokio::spawn(async move {
+            tokio::time::sleep(warmup).await;
+            step_buckets(&registry)
+        })
+    };
     crate::loadgen::run(
         global,
         crate::loadgen::LoadgenArgs {
@@ -681,6 +780,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     )
     .await?;
     let load_ended = OffsetDateTime::now_utc();
+    let steps = step_quantiles(&warmup_steps.await?, &step_buckets(&registry));
     // Backlog samples taken while the load ran (the ones after are the drain).
     let samples_during_load = samples.lock().expect("not poisoned").len();
     // Let what was accepted drain, then read the latencies from the rows themselves.
@@ -754,6 +854,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
             },
             "backlog_last_10_s_of_load": tail,
             "drain_after_load_s": (drain_s * 10.0).round() / 10.0,
+            "steps_ms": steps,
         })
     );
     pool.close().await;

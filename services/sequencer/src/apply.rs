@@ -326,6 +326,31 @@ pub async fn apply_runs(
     }
 }
 
+/// Times the steps of one apply transaction into `relay_sequencer_apply_step_seconds`: each
+/// step from the end of the one before. A step that fails is not observed.
+struct StepClock<'a> {
+    metrics: &'a SequencerMetrics,
+    last: std::time::Instant,
+}
+
+impl<'a> StepClock<'a> {
+    fn new(metrics: &'a SequencerMetrics) -> Self {
+        Self {
+            metrics,
+            last: std::time::Instant::now(),
+        }
+    }
+
+    fn done(&mut self, step: &str) {
+        let now = std::time::Instant::now();
+        self.metrics
+            .apply_step_duration
+            .with_label_values(&[step])
+            .observe((now - self.last).as_secs_f64());
+        self.last = now;
+    }
+}
+
 /// One transaction for every run in `runs`, three statements inside it: the first checks each
 /// fence, takes each endpoint's writer lock and reads its track row locked; the second records
 /// the runs' event ids and reads (and locks) the rows of the subjects they touch; the third
@@ -343,7 +368,9 @@ async fn apply_together(
     runs: &[&PreparedRun],
     metrics: &SequencerMetrics,
 ) -> Result<Vec<Result<BatchReport, ApplyError>>, ApplyError> {
+    let mut steps = StepClock::new(metrics);
     let mut tx = pool.begin().await?;
+    steps.done("begin");
     let claims: Vec<state::TrackClaim> = runs
         .iter()
         .map(|run| state::TrackClaim {
@@ -353,6 +380,7 @@ async fn apply_together(
         })
         .collect();
     let tracks = state::open_tracks(&mut tx, &claims, state::FEED_TRACK).await?;
+    steps.done("open_tracks");
     let owned: Vec<(&PreparedRun, EndpointTrack)> = runs
         .iter()
         .zip(&tracks)
@@ -377,6 +405,7 @@ async fn apply_together(
         })
         .collect();
     let mut held = copy::record_event_ids_and_load_held(&mut tx, &run_keys).await?;
+    steps.done("load_held");
 
     let decided: Vec<DecidedRun> = owned
         .iter()
@@ -419,7 +448,9 @@ async fn apply_together(
             last_received_at: last.map(|m| m.received_at),
         });
     }
+    steps.done("decide");
     let written = state::write_runs(&mut tx, writes, &ends).await?;
+    steps.done("write");
     for (((run, _), run_decided), written) in owned.iter().zip(&decided).zip(&written) {
         let endpoint = run.ctx.id();
         if written.rows != run_decided.rows.len() as i64 {
@@ -434,6 +465,7 @@ async fn apply_together(
         }
     }
     tx.commit().await?;
+    steps.done("commit");
 
     let now = OffsetDateTime::now_utc();
     let mut reports = owned

@@ -34,6 +34,17 @@ pub const REFETCH_OUTCOMES: [&str; 6] = [
 
 pub const RELOAD_OUTCOMES: [&str; 3] = ["started", "merged", "abandoned"];
 
+/// The steps of an apply transaction, in order (see `apply_together`): each is one round trip
+/// to Postgres but `decide`, the rules run in this process.
+pub const APPLY_STEPS: [&str; 6] = [
+    "begin",
+    "open_tracks",
+    "load_held",
+    "decide",
+    "write",
+    "commit",
+];
+
 #[derive(Clone)]
 pub struct SequencerMetrics {
     pub messages: IntCounterVec,
@@ -41,6 +52,7 @@ pub struct SequencerMetrics {
     pub apply_lag: Histogram,
     pub message_apply_duration: Histogram,
     pub apply_batch_runs: Histogram,
+    pub apply_step_duration: HistogramVec,
     pub reloads_running: IntGauge,
     pub reloads: IntCounterVec,
     pub reload_duration: HistogramVec,
@@ -89,6 +101,15 @@ impl SequencerMetrics {
             )
             .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]),
         )?;
+        let apply_step_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "relay_sequencer_apply_step_seconds",
+                "Time of each step of an apply transaction (begin, open_tracks, load_held, \
+                 decide, write, commit): where an applied message's wait goes.",
+            )
+            .buckets(prometheus::exponential_buckets(0.00025, 2.0, 15)?),
+            &["step"],
+        )?;
         let reloads_running = IntGauge::new(
             "relay_sequencer_reloads_running",
             "Reloads this process is reading or merging now.",
@@ -133,6 +154,7 @@ impl SequencerMetrics {
         registry.register(Box::new(apply_lag.clone()))?;
         registry.register(Box::new(message_apply_duration.clone()))?;
         registry.register(Box::new(apply_batch_runs.clone()))?;
+        registry.register(Box::new(apply_step_duration.clone()))?;
         registry.register(Box::new(reloads_running.clone()))?;
         registry.register(Box::new(reloads.clone()))?;
         registry.register(Box::new(reload_duration.clone()))?;
@@ -151,12 +173,16 @@ impl SequencerMetrics {
         for outcome in RELOAD_OUTCOMES {
             reloads.with_label_values(&[outcome]);
         }
+        for step in APPLY_STEPS {
+            apply_step_duration.with_label_values(&[step]);
+        }
         Ok(Self {
             messages,
             events,
             apply_lag,
             message_apply_duration,
             apply_batch_runs,
+            apply_step_duration,
             reloads_running,
             reloads,
             reload_duration,
