@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use relay_store::endpoints::{self, EndpointStatus};
-use relay_tests::{feed_body, random_secret, Signed, TestApp};
+use relay_tests::{feed_body, random_secret, test_config, Signed, TestApp};
 use reqwest::StatusCode;
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -260,10 +260,18 @@ where
 
 #[tokio::test]
 async fn forged_stale_and_unsigned_messages_are_401_and_store_nothing() {
-    let app = TestApp::spawn().await;
+    // The front tier's clock stands still, so "301 s ahead" stays 301 s ahead while the test
+    // runs (with the real clock a slow second made it 300, inside the tolerance).
+    let at = OffsetDateTime::now_utc();
+    let app = TestApp::spawn_with(
+        test_config(),
+        std::sync::Arc::new(relay_ingest::FixedClock(at)),
+        None,
+    )
+    .await;
     let (endpoint, secret) = app.endpoint().await;
     let body = feed_body(endpoint, 1);
-    let now = OffsetDateTime::now_utc().unix_timestamp();
+    let now = at.unix_timestamp();
 
     let wrong_secret = Signed::new(&[random_secret()], body.clone());
     let mut tampered = Signed::new(std::slice::from_ref(&secret), body.clone());
