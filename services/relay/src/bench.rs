@@ -674,6 +674,71 @@ async fn drain_queue(amqp_url: String, queue: String) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Each measured second's p99 (by the second a message was received), to tell a tail made by a
+/// few bad seconds from one spread over the run: the median second, how many seconds had a p99
+/// over 100 ms, and the worst five as `[seconds into the load, p99, receipt to applied p99,
+/// applied to confirm p99]`.
+async fn per_second_tail(
+    pool: &PgPool,
+    load_started: OffsetDateTime,
+    warmup_s: u64,
+    load_ended: OffsetDateTime,
+) -> Result<Value, sqlx::Error> {
+    let rows: Vec<(f64, f64, f64, f64)> = sqlx::query_as(
+        "WITH pairs AS (
+             SELECT floor(extract(epoch FROM m.received_at - $1))::float8 AS second,
+                    extract(epoch FROM b.confirmed_at - m.received_at)::float8 AS latency,
+                    extract(epoch FROM c.created_at - m.received_at)::float8 AS applied,
+                    extract(epoch FROM b.confirmed_at - c.created_at)::float8 AS published
+             FROM messages m
+             JOIN changes c ON c.endpoint_id = m.endpoint_id
+                 AND c.event_id = convert_from(m.body, 'UTF8')::jsonb #>> '{events,0,id}'
+             JOIN bench_confirms b ON b.endpoint_id = c.endpoint_id
+                 AND b.change_seq = c.change_seq
+             WHERE m.received_at >= $2 AND m.received_at < $3
+         )
+         SELECT second,
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY latency),
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY applied),
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY published)
+         FROM pairs GROUP BY second ORDER BY second",
+    )
+    .bind(load_started)
+    .bind(load_started + time::Duration::seconds(warmup_s as i64))
+    .bind(load_ended)
+    .fetch_all(pool)
+    .await?;
+    let ms = |s: f64| (s * 10_000.0).round() / 10.0;
+    let mut p99s: Vec<f64> = rows.iter().map(|r| r.1).collect();
+    p99s.sort_by(f64::total_cmp);
+    let median = p99s.get(p99s.len() / 2).copied().map(ms);
+    let mut worst = rows.clone();
+    worst.sort_by(|a, b| b.1.total_cmp(&a.1));
+    worst.truncate(5);
+    Ok(json!({
+        "seconds": rows.len(),
+        "median": median,
+        "over_100": p99s.iter().filter(|&&p| p > 0.1).count(),
+        "worst": worst
+            .iter()
+            .map(|r| json!([r.0, ms(r.1), ms(r.2), ms(r.3)]))
+            .collect::<Vec<_>>(),
+    }))
+}
+
+/// The measured window's CPU: the machine's busy share, each process group's cores, and the
+/// machine's CPU per measured message (busy share × cores × seconds / messages).
+fn cpu_figures(usage: crate::cpu::CpuUsage, measured_s: u64, messages: i64) -> Value {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let busy_ms = usage.machine_busy_pct / 100.0 * cores * measured_s as f64 * 1000.0;
+    let per_message = (messages > 0).then(|| (busy_ms / messages as f64 * 1000.0).round() / 1000.0);
+    json!({
+        "machine_busy_pct": usage.machine_busy_pct,
+        "cores": usage.cores,
+        "machine_cpu_ms_per_message": per_message,
+    })
+}
+
 async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Result<()> {
     let pool = fresh_database(global, args.recreate_database).await?;
     let loadgen = crate::loadgen::LoadgenArgs {
@@ -762,13 +827,14 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
         }
     });
     let load_started = OffsetDateTime::now_utc();
-    // The step histograms as the warm-up ends, so the run's figures leave the warm-up out.
+    // The step histograms and the CPU counters as the warm-up ends, so the run's figures
+    // leave the warm-up out.
     let warmup_steps = {
         let registry = registry.clone();
         let warmup = Duration::from_secs(args.warmup_s);
         tokio::spawn(async move {
             tokio::time::sleep(warmup).await;
-            step_buckets(&registry)
+            (step_buckets(&registry), crate::cpu::CpuSnapshot::take())
         })
     };
     crate::loadgen::run(
@@ -780,7 +846,12 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     )
     .await?;
     let load_ended = OffsetDateTime::now_utc();
-    let steps = step_quantiles(&warmup_steps.await?, &step_buckets(&registry));
+    let cpu_at_end = crate::cpu::CpuSnapshot::take();
+    let (steps_at_warmup, cpu_at_warmup) = warmup_steps.await?;
+    let steps = step_quantiles(&steps_at_warmup, &step_buckets(&registry));
+    let cpu = cpu_at_warmup
+        .zip(cpu_at_end)
+        .map(|(before, after)| after.since(&before));
     // Backlog samples taken while the load ran (the ones after are the drain).
     let samples_during_load = samples.lock().expect("not poisoned").len();
     // Let what was accepted drain, then read the latencies from the rows themselves.
@@ -833,6 +904,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     .bind(load_ended)
     .fetch_one(&pool)
     .await?;
+    let seconds = per_second_tail(&pool, load_started, args.warmup_s, load_ended).await?;
     let q = |i: usize| quantiles.get(i).copied().flatten();
     let (p50, p99, max) = (q(0), q(1), q(2));
     let ms = |v: Option<f64>| v.map(|s| (s * 10_000.0).round() / 10.0);
@@ -855,6 +927,8 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
             "backlog_last_10_s_of_load": tail,
             "drain_after_load_s": (drain_s * 10.0).round() / 10.0,
             "steps_ms": steps,
+            "per_second_p99_ms": seconds,
+            "cpu": cpu.map(|usage| cpu_figures(usage, args.duration_s, count)),
         })
     );
     pool.close().await;

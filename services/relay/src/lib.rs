@@ -8,10 +8,12 @@
 //! - [`telemetry`]: logging and the `/metrics` endpoint.
 //! - [`commands`]: `migrate`, `tenant`, `endpoint`.
 //! - [`loadgen`]: the front tier's load generator.
+//! - [`cpu`]: where the machine's CPU went during a benchmark window.
 
 pub mod bench;
 pub mod cli;
 pub mod commands;
+pub mod cpu;
 pub mod loadgen;
 pub mod startup;
 pub mod telemetry;

@@ -1,0 +1,173 @@
+//! Where the machine's CPU went during a benchmark window, read from Linux's `/proc`.
+//!
+//! On this project's machines the relay, Postgres and RabbitMQ share two cores, and whether a
+//! change to one of them helped shows more steadily in the CPU each message costs than in a
+//! tail latency that moves with every burst of the machine. A snapshot holds the busy and total
+//! jiffies of `/proc/stat` and the CPU time of every process by group; two snapshots give the
+//! share of the machine that was busy and the cores each group used between them. Elsewhere
+//! than Linux (no `/proc`), a snapshot is `None` and the bench reports no CPU figures.
+
+use std::collections::BTreeMap;
+use std::fs;
+
+/// The groups processes are counted under, by their command name.
+fn group_of(comm: &str) -> &'static str {
+    if comm == "relay" {
+        "relay"
+    } else if comm.starts_with("postgres") {
+        "postgres"
+    } else if comm.starts_with("beam") || comm == "epmd" || comm == "erl_child_setup" {
+        "rabbitmq"
+    } else if comm.starts_with("redis") {
+        "redis"
+    } else {
+        "other"
+    }
+}
+
+/// The machine's and each process group's CPU time at one moment.
+#[derive(Debug, Clone)]
+pub struct CpuSnapshot {
+    /// Jiffies of `/proc/stat`'s `cpu` line: busy (all but idle and iowait) and all.
+    busy: u64,
+    total: u64,
+    /// Each group's user + system time, in jiffies, over the processes alive now.
+    by_pid: BTreeMap<u32, (&'static str, u64)>,
+}
+
+/// What two snapshots say about the time between them.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct CpuUsage {
+    /// Share of all cores busy, in percent (100 = every core busy all the time).
+    pub machine_busy_pct: f64,
+    /// Cores used by each process group (1.0 = one core all the time).
+    pub cores: BTreeMap<&'static str, f64>,
+}
+
+impl CpuSnapshot {
+    pub fn take() -> Option<Self> {
+        let stat = fs::read_to_string("/proc/stat").ok()?;
+        let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+        let fields: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|f| f.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal (guest times are inside user).
+        let total: u64 = fields.iter().take(8).sum();
+        let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
+        let mut by_pid = BTreeMap::new();
+        for entry in fs::read_dir("/proc").ok()?.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            // A process can end between listing and reading: skip it.
+            let Ok(text) = fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            if let Some(sample) = parse_process_stat(&text) {
+                by_pid.insert(pid, sample);
+            }
+        }
+        Some(CpuSnapshot {
+            busy: total.saturating_sub(idle),
+            total,
+            by_pid,
+        })
+    }
+
+    /// From `before` to `self`. A process that began in between counts from zero; one that
+    /// ended in between is not counted (its last moments are lost, which a window of tens of
+    /// seconds with long-lived servers does not notice).
+    pub fn since(&self, before: &CpuSnapshot) -> CpuUsage {
+        let total = self.total.saturating_sub(before.total).max(1);
+        let busy = self.busy.saturating_sub(before.busy);
+        let cores_in_machine = cores_of_machine() as f64;
+        let mut jiffies: BTreeMap<&'static str, u64> = BTreeMap::new();
+        for (pid, (group, now)) in &self.by_pid {
+            let then = before.by_pid.get(pid).map_or(0, |(_, t)| *t);
+            *jiffies.entry(group).or_default() += now.saturating_sub(then);
+        }
+        // `total` counts every core's jiffies, so one core busy throughout is total / cores.
+        let per_core = total as f64 / cores_in_machine;
+        CpuUsage {
+            machine_busy_pct: round2(100.0 * busy as f64 / total as f64),
+            cores: jiffies
+                .into_iter()
+                .map(|(group, j)| (group, round2(j as f64 / per_core)))
+                .collect(),
+        }
+    }
+}
+
+/// The command name and user + system jiffies of one `/proc/<pid>/stat` line.
+fn parse_process_stat(text: &str) -> Option<(&'static str, u64)> {
+    // The command name is in parentheses and may itself hold spaces or parentheses.
+    let open = text.find('(')?;
+    let close = text.rfind(')')?;
+    let comm = &text[open + 1..close];
+    let rest: Vec<&str> = text[close + 1..].split_whitespace().collect();
+    // After the name: state (index 0), ..., utime (11), stime (12).
+    let utime: u64 = rest.get(11)?.parse().ok()?;
+    let stime: u64 = rest.get(12)?.parse().ok()?;
+    Some((group_of(comm), utime + stime))
+}
+
+fn cores_of_machine() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_line_gives_its_group_and_cpu_time() {
+        let line = "4242 (postgres) S 1 4242 4242 0 -1 4194560 900 0 0 0 150 25 0 0 20 0 1 0";
+        assert_eq!(parse_process_stat(line), Some(("postgres", 175)));
+        let odd = "7 (tokio (rt) x) R 1 7 7 0 -1 0 0 0 0 0 3 4 0 0 20 0 1 0";
+        assert_eq!(parse_process_stat(odd), Some(("other", 7)));
+        assert_eq!(parse_process_stat("garbage"), None);
+    }
+
+    #[test]
+    fn two_snapshots_give_busy_share_and_cores_per_group() {
+        let before = CpuSnapshot {
+            busy: 100,
+            total: 400,
+            by_pid: BTreeMap::from([(1, ("relay", 10)), (2, ("postgres", 50))]),
+        };
+        let after = CpuSnapshot {
+            busy: 300,
+            total: 800,
+            by_pid: BTreeMap::from([
+                (1, ("relay", 60)),
+                (2, ("postgres", 150)),
+                (3, ("postgres", 20)),
+            ]),
+        };
+        let usage = after.since(&before);
+        assert_eq!(usage.machine_busy_pct, 50.0);
+        let per_core = 400.0 / cores_of_machine() as f64;
+        assert_eq!(usage.cores["relay"], round2(50.0 / per_core));
+        assert_eq!(usage.cores["postgres"], round2(120.0 / per_core));
+    }
+
+    #[test]
+    fn this_machine_can_be_read_where_it_is_linux() {
+        if cfg!(target_os = "linux") {
+            let first = CpuSnapshot::take().expect("/proc is readable");
+            let second = CpuSnapshot::take().expect("/proc is readable");
+            let usage = second.since(&first);
+            assert!((0.0..=100.0).contains(&usage.machine_busy_pct));
+        }
+    }
+}
