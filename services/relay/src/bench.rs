@@ -726,6 +726,22 @@ async fn per_second_tail(
     }))
 }
 
+/// The host's writeback settings, printed with the figures because they move the tail: with
+/// the kernel's defaults, seconds of table growth are written back in one burst that every
+/// commit waits behind (deploy/README.md, "The database host"). `None` where not readable.
+fn writeback_settings() -> Value {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/proc/sys/vm/{name}"))
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    json!({
+        "dirty_background_bytes": read("dirty_background_bytes"),
+        "dirty_background_ratio": read("dirty_background_ratio"),
+        "dirty_expire_centisecs": read("dirty_expire_centisecs"),
+    })
+}
+
 /// The measured window's CPU: the machine's busy share, each process group's cores, and the
 /// machine's CPU per measured message (busy share × cores × seconds / messages).
 fn cpu_figures(usage: crate::cpu::CpuUsage, measured_s: u64, messages: i64) -> Value {
@@ -928,6 +944,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
             "drain_after_load_s": (drain_s * 10.0).round() / 10.0,
             "steps_ms": steps,
             "per_second_p99_ms": seconds,
+            "host_writeback": writeback_settings(),
             "cpu": cpu.map(|usage| cpu_figures(usage, args.duration_s, count)),
         })
     );
