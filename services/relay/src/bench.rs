@@ -674,6 +674,22 @@ async fn drain_queue(amqp_url: String, queue: String) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Each measured message's latencies, as `pairs`: the second of the load it arrived in
+/// (`$1` the load's start), receipt to confirm, receipt to applied and applied to confirm, for
+/// messages received from `$2` (the warm-up's end) to `$3` (the load's end).
+const MEASURED_PAIRS: &str = "WITH pairs AS (
+     SELECT floor(extract(epoch FROM m.received_at - $1))::float8 AS second,
+            extract(epoch FROM b.confirmed_at - m.received_at)::float8 AS latency,
+            extract(epoch FROM c.created_at - m.received_at)::float8 AS applied,
+            extract(epoch FROM b.confirmed_at - c.created_at)::float8 AS published
+     FROM messages m
+     JOIN changes c ON c.endpoint_id = m.endpoint_id
+         AND c.event_id = convert_from(m.body, 'UTF8')::jsonb #>> '{events,0,id}'
+     JOIN bench_confirms b ON b.endpoint_id = c.endpoint_id
+         AND b.change_seq = c.change_seq
+     WHERE m.received_at >= $2 AND m.received_at < $3
+ )";
+
 /// Each measured second's p99 (by the second a message was received), to tell a tail made by a
 /// few bad seconds from one spread over the run: the median second, how many seconds had a p99
 /// over 100 ms, and the worst five as `[seconds into the load, p99, receipt to applied p99,
@@ -684,25 +700,14 @@ async fn per_second_tail(
     warmup_s: u64,
     load_ended: OffsetDateTime,
 ) -> Result<Value, sqlx::Error> {
-    let rows: Vec<(f64, f64, f64, f64)> = sqlx::query_as(
-        "WITH pairs AS (
-             SELECT floor(extract(epoch FROM m.received_at - $1))::float8 AS second,
-                    extract(epoch FROM b.confirmed_at - m.received_at)::float8 AS latency,
-                    extract(epoch FROM c.created_at - m.received_at)::float8 AS applied,
-                    extract(epoch FROM b.confirmed_at - c.created_at)::float8 AS published
-             FROM messages m
-             JOIN changes c ON c.endpoint_id = m.endpoint_id
-                 AND c.event_id = convert_from(m.body, 'UTF8')::jsonb #>> '{events,0,id}'
-             JOIN bench_confirms b ON b.endpoint_id = c.endpoint_id
-                 AND b.change_seq = c.change_seq
-             WHERE m.received_at >= $2 AND m.received_at < $3
-         )
+    let rows: Vec<(f64, f64, f64, f64)> = sqlx::query_as(&format!(
+        "{MEASURED_PAIRS}
          SELECT second,
                 percentile_cont(0.99) WITHIN GROUP (ORDER BY latency),
                 percentile_cont(0.99) WITHIN GROUP (ORDER BY applied),
                 percentile_cont(0.99) WITHIN GROUP (ORDER BY published)
-         FROM pairs GROUP BY second ORDER BY second",
-    )
+         FROM pairs GROUP BY second ORDER BY second"
+    ))
     .bind(load_started)
     .bind(load_started + time::Duration::seconds(warmup_s as i64))
     .bind(load_ended)
@@ -895,18 +900,8 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     // Split at the change's created_at (the sequencer's apply transaction began): receipt to
     // applied is the front tier and the sequencer, applied to confirm the publisher.
     type Latencies = (i64, Vec<Option<f64>>);
-    let (count, quantiles): Latencies = sqlx::query_as(
-        "WITH pairs AS (
-             SELECT extract(epoch FROM b.confirmed_at - m.received_at)::float8 AS latency,
-                    extract(epoch FROM c.created_at - m.received_at)::float8 AS applied,
-                    extract(epoch FROM b.confirmed_at - c.created_at)::float8 AS published
-             FROM messages m
-             JOIN changes c ON c.endpoint_id = m.endpoint_id
-                 AND c.event_id = convert_from(m.body, 'UTF8')::jsonb #>> '{events,0,id}'
-             JOIN bench_confirms b ON b.endpoint_id = c.endpoint_id
-                 AND b.change_seq = c.change_seq
-             WHERE m.received_at >= $1 AND m.received_at < $2
-         )
+    let (count, quantiles): Latencies = sqlx::query_as(&format!(
+        "{MEASURED_PAIRS}
          SELECT count(*), ARRAY[
                 percentile_cont(0.5) WITHIN GROUP (ORDER BY latency),
                 percentile_cont(0.99) WITHIN GROUP (ORDER BY latency), max(latency),
@@ -914,8 +909,9 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
                 percentile_cont(0.99) WITHIN GROUP (ORDER BY applied),
                 percentile_cont(0.5) WITHIN GROUP (ORDER BY published),
                 percentile_cont(0.99) WITHIN GROUP (ORDER BY published)]
-         FROM pairs",
-    )
+         FROM pairs"
+    ))
+    .bind(load_started)
     .bind(load_started + time::Duration::seconds(args.warmup_s as i64))
     .bind(load_ended)
     .fetch_one(&pool)
