@@ -750,7 +750,7 @@ fn writeback_settings() -> Value {
 /// The measured window's CPU: the machine's busy share, each process group's cores, and the
 /// machine's CPU per measured message (busy share × cores × seconds / messages).
 fn cpu_figures(usage: crate::cpu::CpuUsage, measured_s: u64, messages: i64) -> Value {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let cores = crate::cpu::cores_of_machine() as f64;
     let busy_ms = usage.machine_busy_pct / 100.0 * cores * measured_s as f64 * 1000.0;
     let per_message = (messages > 0).then(|| (busy_ms / messages as f64 * 1000.0).round() / 1000.0);
     json!({

@@ -117,7 +117,8 @@ fn parse_process_stat(text: &str) -> Option<(&'static str, u64)> {
     Some((group_of(comm), utime + stime))
 }
 
-fn cores_of_machine() -> usize {
+/// The cores this process may run on (the machine's, unless it is confined).
+pub fn cores_of_machine() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
