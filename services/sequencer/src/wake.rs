@@ -1,5 +1,8 @@
 //! The fast path from the front tier to the sequencer: after a batch of messages commits, the
-//! front tier publishes each endpoint's id on a Redis channel; every sequencer process listens.
+//! front tier publishes the endpoints' ids on a Redis channel; every sequencer process listens.
+//! One message carries a whole batch's ids, separated by spaces (see [`Waker::publish`]): a
+//! message per endpoint cost Redis, the publishing process and every listener a frame each, as
+//! many as there are messages.
 //! Pub/sub loses what is sent while nobody listens, which is why the sequencer also sweeps
 //! Postgres periodically: the wake-up only makes the common case quick.
 //!
@@ -68,23 +71,38 @@ impl Waker {
         Ok(Self { redis, channel })
     }
 
-    /// One PUBLISH per endpoint, pipelined in one round trip.
+    /// Wakes the listeners for `endpoints` (see [`Waker::publish`]).
     pub async fn wake(&self, endpoints: &[Uuid]) -> Result<(), redis::RedisError> {
         let payloads: Vec<String> = endpoints.iter().map(Uuid::to_string).collect();
         self.publish(&payloads).await
     }
 
-    /// One PUBLISH per payload, pipelined in one round trip.
+    /// Publishes `payloads` (none may contain a space) in one round trip: joined by spaces into
+    /// as few messages as [`PAYLOADS_PER_MESSAGE`] allows. A listener reads each message back
+    /// with [`split_payloads`].
     pub async fn publish(&self, payloads: &[String]) -> Result<(), redis::RedisError> {
         if payloads.is_empty() {
             return Ok(());
         }
         let mut pipe = redis::pipe();
-        for payload in payloads {
-            pipe.cmd("PUBLISH").arg(&self.channel).arg(payload).ignore();
+        for chunk in payloads.chunks(PAYLOADS_PER_MESSAGE) {
+            pipe.cmd("PUBLISH")
+                .arg(&self.channel)
+                .arg(chunk.join(" "))
+                .ignore();
         }
         pipe.query_async::<()>(&mut self.redis.clone()).await
     }
+}
+
+/// The most payloads one published message joins: a front-tier batch's endpoints (256 at
+/// most by default) fit in one message of about 9 kB.
+pub const PAYLOADS_PER_MESSAGE: usize = 512;
+
+/// The payloads one published message carries. A message of one payload (what earlier versions
+/// sent) reads the same way.
+pub fn split_payloads(message: &str) -> impl Iterator<Item = &str> {
+    message.split(' ').filter(|payload| !payload.is_empty())
 }
 
 /// Listens for wake-ups until `stop`, reconnecting after errors, and forwards each endpoint id.
@@ -97,8 +115,8 @@ pub async fn listen(
     listen_parsed(redis_url, channel, wakes, stop, |p| Uuid::parse_str(p).ok()).await
 }
 
-/// Listens on `channel` until `stop`, reconnecting after errors, and forwards every payload that
-/// `parse` reads (the others are dropped).
+/// Listens on `channel` until `stop`, reconnecting after errors, and forwards every payload (of
+/// every message, [`split_payloads`]) that `parse` reads (the others are dropped).
 pub async fn listen_parsed<T, F>(
     redis_url: String,
     channel: String,
@@ -148,7 +166,7 @@ where
                     )));
                 };
                 let payload: String = message.get_payload()?;
-                if let Some(wake) = parse(&payload) {
+                for wake in split_payloads(&payload).filter_map(parse) {
                     if wakes.send(wake).is_err() {
                         return Ok(());
                     }
@@ -156,5 +174,25 @@ where
             }
             _ = stop.changed() => return Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_carries_many_payloads_and_one_alone_reads_as_before() {
+        let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        let joined = [change_payload(a, b), change_payload(b, a)].join(" ");
+        let read: Vec<_> = split_payloads(&joined)
+            .filter_map(parse_change_payload)
+            .collect();
+        assert_eq!(read, vec![(a, b), (b, a)]);
+        let alone: Vec<_> = split_payloads(&a.to_string())
+            .filter_map(|p| Uuid::parse_str(p).ok())
+            .collect();
+        assert_eq!(alone, vec![a]);
+        assert_eq!(split_payloads("").count(), 0);
     }
 }
