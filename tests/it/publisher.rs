@@ -1577,7 +1577,7 @@ async fn publisher_drain_rate() {
         "INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject, item_kind,
                               generation, sequence, event_id, item, parts_diff)
          SELECT e.endpoint_id, s, e.tenant_id, 'upsert', 'announcement:' || s, 'announcement',
-                1, lpad(s::text, 19, '0'), 'evt_' || s, $4::jsonb,
+                1, lpad(s::text, 19, '0'), 'evt_' || s, $4::json,
                 '{\"added\": [], \"changed\": [\"flash:1\"], \"removed\": []}'::jsonb
          FROM (SELECT t AS tenant_id, gen_random_uuid() AS endpoint_id
                FROM unnest($1::uuid[]) t, generate_series(1, $2)) e,
@@ -1737,7 +1737,7 @@ async fn publisher_latency_at_rate() {
                                       item_kind, generation, sequence, event_id, item,
                                       parts_diff)
                  SELECT e, s, t, 'upsert', 'announcement:1', 'announcement', 1, '1', 'evt',
-                        $4::jsonb, '{\"added\": [], \"changed\": [], \"removed\": []}'::jsonb
+                        $4::json, '{\"added\": [], \"changed\": [], \"removed\": []}'::jsonb
                  FROM unnest($1::uuid[], $2::uuid[], $3::int8[]) AS x (t, e, s)
                  RETURNING endpoint_id, tenant_id, change_seq
              )

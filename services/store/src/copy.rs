@@ -14,7 +14,7 @@
 //!
 //! [`precedence`]: relay_rules::precedence()
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 
 use relay_rules::{merge_item, Decision, Held, HeldContent, PartsDiff, ReadItem};
 use relay_wire::{ItemKind, PartRef, Sequence};
@@ -170,7 +170,7 @@ macro_rules! append_change {
              INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject,
                                   item_kind, generation, sequence, event_id, reload_generation,
                                   item, parts_diff)
-             SELECT $1, counter.last, $2, $11, $3, $6, $4, $5, $12, $13, $9::jsonb, $14::jsonb
+             SELECT $1, counter.last, $2, $11, $3, $6, $4, $5, $12, $13, $9::json, $14::jsonb
              FROM counter
              RETURNING change_seq
          )
@@ -185,7 +185,7 @@ const STORE: &str = concat!(
     "WITH written AS (
          INSERT INTO copy_items AS held (endpoint_id, subject, tenant_id, generation, sequence,
                                          tombstone, item_kind, company_id, parts, item)
-         VALUES ($1, $3, $2, $4, $5, false, $6, $7, $8::jsonb, $9::jsonb)
+         VALUES ($1, $3, $2, $4, $5, false, $6, $7, $8::jsonb, $9::json)
          ON CONFLICT (endpoint_id, subject) DO UPDATE
          SET generation = excluded.generation, sequence = excluded.sequence, tombstone = false,
              item_kind = excluded.item_kind, company_id = excluded.company_id,
@@ -205,7 +205,7 @@ const TOMBSTONE: &str = concat!(
     "WITH written AS (
          INSERT INTO copy_items AS held (endpoint_id, subject, tenant_id, generation, sequence,
                                          tombstone, item_kind, company_id, parts, item)
-         VALUES ($1, $3, $2, $4, $5, true, $6, $7, $8::jsonb, $9::jsonb)
+         VALUES ($1, $3, $2, $4, $5, true, $6, $7, $8::jsonb, $9::json)
          ON CONFLICT (endpoint_id, subject) DO UPDATE
          SET generation = excluded.generation, sequence = excluded.sequence, tombstone = true,
              item_kind = coalesce(excluded.item_kind, held.item_kind), company_id = NULL,
@@ -409,8 +409,8 @@ pub async fn load_held_many(
     rows.into_iter().map(held_entry_from_row).collect()
 }
 
-/// One endpoint's part of [`record_event_ids_and_load_held`]: the ids of its run's events, and
-/// the subjects they touch.
+/// One endpoint's part of [`RECORD_AND_LOAD_CTES`]: the ids of its run's events, and the
+/// subjects they touch.
 #[derive(Debug, Clone, Copy)]
 pub struct RunKeys<'a> {
     pub endpoint: Uuid,
@@ -419,99 +419,113 @@ pub struct RunKeys<'a> {
     pub subjects: &'a [&'a str],
 }
 
-/// What [`record_event_ids_and_load_held`] found for one endpoint: the ids not applied before
-/// (now recorded), and what the copy holds of the subjects asked for (locked).
+/// What [`RECORD_AND_LOAD_CTES`] found for one endpoint: the ids not applied before (now
+/// recorded), and what the copy holds of the subjects asked for (locked).
 #[derive(Debug, Clone, Default)]
 pub struct RunHeld {
     pub first_seen: HashSet<String>,
     pub held: BTreeMap<String, HeldEntry>,
 }
 
-/// [`record_event_ids`] and [`load_held_many`] for several endpoints' runs in one statement (one
-/// round trip): each endpoint's event ids not applied before, now recorded, and what its copy
-/// holds of its subjects, locked (`for update`, in endpoint then subject order).
-pub async fn record_event_ids_and_load_held(
-    conn: &mut PgConnection,
-    runs: &[RunKeys<'_>],
-) -> Result<HashMap<Uuid, RunHeld>, StoreError> {
-    let mut found: HashMap<Uuid, RunHeld> = runs
-        .iter()
-        .map(|run| (run.endpoint, RunHeld::default()))
-        .collect();
-    let (mut e_endpoint, mut e_tenant, mut e_id) = (Vec::new(), Vec::new(), Vec::new());
-    let mut keys: Vec<(Uuid, &str)> = Vec::new();
-    for run in runs {
-        for id in run.event_ids {
-            e_endpoint.push(run.endpoint);
-            e_tenant.push(run.tenant);
-            e_id.push(*id);
+impl RunHeld {
+    /// Adds a row `held` returned (its columns in the order the CTE names them).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_held(
+        &mut self,
+        subject: String,
+        generation: i64,
+        sequence: String,
+        tombstone: bool,
+        parts: String,
+        item: Option<String>,
+        item_kind: Option<String>,
+        company_id: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let (subject, entry) = held_entry_from_row((
+            subject, generation, sequence, tombstone, parts, item, item_kind, company_id,
+        ))?;
+        self.held.insert(subject, entry);
+        Ok(())
+    }
+}
+
+/// Several endpoints' [`RunKeys`] as the arrays `$1`–`$5` of [`RECORD_AND_LOAD_CTES`].
+#[derive(Debug, Default)]
+pub struct RunKeyArrays<'a> {
+    e_endpoint: Vec<Uuid>,
+    e_id: Vec<&'a str>,
+    e_tenant: Vec<Uuid>,
+    s_endpoint: Vec<Uuid>,
+    s_subject: Vec<&'a str>,
+}
+
+impl<'a> RunKeyArrays<'a> {
+    pub fn new(runs: &[RunKeys<'a>]) -> Self {
+        let mut arrays = Self::default();
+        let mut keys: Vec<(Uuid, &str)> = Vec::new();
+        for run in runs {
+            for id in run.event_ids {
+                arrays.e_endpoint.push(run.endpoint);
+                arrays.e_tenant.push(run.tenant);
+                arrays.e_id.push(id);
+            }
+            keys.extend(run.subjects.iter().map(|subject| (run.endpoint, *subject)));
         }
-        keys.extend(run.subjects.iter().map(|subject| (run.endpoint, *subject)));
+        // Rows are locked in the order given (each read by its key, whatever the table's
+        // statistics): endpoint, then subject in byte order, as `load_held_many` locks them.
+        keys.sort_unstable();
+        keys.dedup();
+        (arrays.s_endpoint, arrays.s_subject) = keys.into_iter().unzip();
+        arrays
     }
-    // Rows are locked in the order given (each read by its key, whatever the table's
-    // statistics): endpoint, then subject in byte order, as `load_held_many` locks them.
-    keys.sort_unstable();
-    keys.dedup();
-    let (s_endpoint, s_subject): (Vec<Uuid>, Vec<&str>) = keys.into_iter().unzip();
-    if e_id.is_empty() && s_subject.is_empty() {
-        return Ok(found);
+
+    /// Binds `$1`–`$5`.
+    pub fn bind<'q, O>(
+        self,
+        query: sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>
+    where
+        'a: 'q,
+    {
+        query
+            .bind(self.e_endpoint)
+            .bind(self.e_id)
+            .bind(self.e_tenant)
+            .bind(self.s_endpoint)
+            .bind(self.s_subject)
     }
-    // An id recorded comes back as a row with no generation; a held row always has one.
-    type Row = (
-        Uuid,
-        String,
-        Option<i64>,
-        Option<String>,
-        Option<bool>,
-        Option<String>,
-        Option<String>,
-        Option<String>,
-        Option<i64>,
-    );
-    let rows: Vec<Row> = sqlx::query_as(
-        "WITH recorded AS (
-             INSERT INTO applied_events (endpoint_id, event_id, tenant_id)
-             SELECT endpoint_id, event_id, tenant_id
-             FROM unnest($1::uuid[], $2::text[], $3::uuid[]) AS ids(endpoint_id, event_id, tenant_id)
-             ON CONFLICT (endpoint_id, event_id) DO NOTHING
-             RETURNING endpoint_id, event_id
-         )
-         SELECT endpoint_id, event_id, NULL::int8, NULL::text, NULL::bool, NULL::text,
-                NULL::text, NULL::text, NULL::int8
-         FROM recorded
-         UNION ALL
+}
+
+/// [`record_event_ids`] and [`load_held_many`] for several endpoints' runs, as CTEs of a
+/// statement that takes the endpoints' writer locks itself (see [`lock_endpoint`]) in a CTE
+/// `writer (endpoint_id)` before these: only the endpoints it returns are recorded and read,
+/// each after its lock (both join it). `recorded (endpoint_id, event_id)` is every id not
+/// applied before, now recorded; `held (endpoint_id, subject, generation, sequence, tombstone,
+/// parts, item, item_kind, company_id)` is what the copy holds of the subjects, locked
+/// (`for update`). The arrays are `$1`–`$5` ([`RunKeyArrays`]); the caller numbers its own from
+/// `$6` and writes the final `SELECT`.
+pub const RECORD_AND_LOAD_CTES: &str = "recorded AS (
+         INSERT INTO applied_events (endpoint_id, event_id, tenant_id)
+         SELECT ids.endpoint_id, ids.event_id, ids.tenant_id
+         FROM unnest($1::uuid[], $2::text[], $3::uuid[]) AS ids(endpoint_id, event_id, tenant_id)
+         JOIN writer w ON w.endpoint_id = ids.endpoint_id
+         ON CONFLICT (endpoint_id, event_id) DO NOTHING
+         RETURNING endpoint_id, event_id
+     ),
+     held AS (
          SELECT h.*
          FROM unnest($4::uuid[], $5::text[]) AS s(endpoint_id, subject)
+         JOIN writer w ON w.endpoint_id = s.endpoint_id
          CROSS JOIN LATERAL (
              SELECT c.endpoint_id, c.subject, c.generation, c.sequence, c.tombstone,
-                    c.parts::text, c.item::text, c.item_kind, c.company_id
+                    c.parts::text AS parts, c.item::text AS item, c.item_kind, c.company_id
              FROM copy_items c
-             WHERE c.endpoint_id = s.endpoint_id AND c.subject = s.subject
+             -- By the writer's row, not the input's: no plan can lock a row of an endpoint
+             -- before (or without) its writer lock.
+             WHERE c.endpoint_id = w.endpoint_id AND c.subject = s.subject
              FOR UPDATE
-         ) h",
-    )
-    .bind(&e_endpoint)
-    .bind(&e_id)
-    .bind(&e_tenant)
-    .bind(&s_endpoint)
-    .bind(&s_subject)
-    .fetch_all(conn)
-    .await?;
-    for (endpoint, key, generation, sequence, tombstone, parts, item, kind, company) in rows {
-        let run = found.entry(endpoint).or_default();
-        match (generation, sequence, tombstone, parts) {
-            (Some(g), Some(seq), Some(tomb), Some(parts)) => {
-                let (subject, entry) =
-                    held_entry_from_row((key, g, seq, tomb, parts, item, kind, company))?;
-                run.held.insert(subject, entry);
-            }
-            _ => {
-                run.first_seen.insert(key);
-            }
-        }
-    }
-    Ok(found)
-}
+         ) h
+     )";
 
 type HeldEntryRow = (
     String,
@@ -550,7 +564,7 @@ pub struct DecidedChange<'a> {
 /// The rows that several endpoints' runs of decisions left, and the changes to append, as the
 /// arrays `$1`–`$20` of [`WRITE_DECIDED_CTES`]. Each run's rows are its subjects once each, as
 /// the rules' reference copy holds them after carrying the decisions out in order, decided under
-/// the endpoint's writer lock and the rows' locks ([`record_event_ids_and_load_held`]). The
+/// the endpoint's writer lock and the rows' locks ([`RECORD_AND_LOAD_CTES`]). The
 /// caller appends CTEs of its own (numbered from `$21`), so what else its transaction writes
 /// goes in the same round trip.
 #[derive(Debug, Default)]
@@ -700,7 +714,7 @@ pub const WRITE_DECIDED_CTES: &str = "WITH input AS MATERIALIZED (
          INSERT INTO copy_items AS held (endpoint_id, subject, tenant_id, generation, sequence,
                                          tombstone, item_kind, company_id, parts, item)
          SELECT endpoint_id, subject, tenant_id, generation, sequence, tombstone, item_kind,
-                company_id, parts::jsonb, item::jsonb
+                company_id, parts::jsonb, item::json
          FROM input
          ON CONFLICT (endpoint_id, subject) DO UPDATE
          SET generation = excluded.generation, sequence = excluded.sequence,
@@ -741,7 +755,7 @@ pub const WRITE_DECIDED_CTES: &str = "WITH input AS MATERIALIZED (
                               generation, sequence, event_id, reload_generation, item, parts_diff)
          SELECT k.endpoint_id, counter.last - k.total + k.n, k.tenant_id, k.operation,
                 k.subject, k.item_kind, k.generation, k.sequence, k.event_id, NULL,
-                k.item::jsonb, k.diff::jsonb
+                k.item::json, k.diff::jsonb
          FROM kept k JOIN counter ON counter.endpoint_id = k.endpoint_id
          RETURNING endpoint_id
      )";
@@ -892,7 +906,7 @@ const MERGE_STORE: &str = "WITH input AS MATERIALIZED (
          INSERT INTO copy_items AS held (endpoint_id, subject, tenant_id, generation, sequence,
                                          tombstone, item_kind, company_id, parts, item)
          SELECT $1, subject, $2, $3, sequence, false, item_kind, company_id, parts::jsonb,
-                item::jsonb
+                item::json
          FROM input ORDER BY ord
          ON CONFLICT (endpoint_id, subject) DO UPDATE
          SET generation = excluded.generation, sequence = excluded.sequence, tombstone = false,
@@ -917,7 +931,7 @@ const MERGE_STORE: &str = "WITH input AS MATERIALIZED (
                               generation, sequence, event_id, reload_generation, item, parts_diff)
          SELECT $1, counter.last - (SELECT count(*) FROM numbered) + numbered.n, $2, 'upsert',
                 numbered.subject, numbered.item_kind, $3, numbered.sequence, NULL, $3,
-                numbered.item::jsonb, numbered.diff::jsonb
+                numbered.item::json, numbered.diff::jsonb
          FROM numbered CROSS JOIN counter
          RETURNING 1
      )
