@@ -49,8 +49,14 @@ pub struct PartsDiff {
 }
 
 /// One change of one endpoint's copy. Field by field as the schema describes it.
+///
+/// `Item` is how the item is held: a parsed [`Value`] for a consumer (what [`decode`] gives),
+/// or the JSON text itself ([`RawValue`](serde_json::value::RawValue)) for the publisher, which sends the item as the
+/// outbox holds it rather than parsing it only to write it out again.
+///
+/// [`decode`]: ChangeMessage::decode
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ChangeMessage {
+pub struct ChangeMessage<Item = Value> {
     pub v: u32,
     pub tenant_id: Uuid,
     pub webhook_endpoint_id: Uuid,
@@ -64,7 +70,7 @@ pub struct ChangeMessage {
     pub reload_generation: Option<u64>,
     /// On upsert only; absent (not null) on remove.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub item: Option<Value>,
+    pub item: Option<Item>,
     pub parts_diff: PartsDiff,
     #[serde(with = "time::serde::rfc3339")]
     pub changed_at: OffsetDateTime,
@@ -80,17 +86,20 @@ pub enum DecodeError {
     Inconsistent(String, &'static str),
 }
 
-impl ChangeMessage {
+impl<Item: Serialize> ChangeMessage<Item> {
     /// The AMQP `message_id`: `<endpoint>:<change_seq>`, the same each time a change is sent.
     pub fn message_id(&self) -> String {
         message_id(self.webhook_endpoint_id, self.change_seq)
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        // Serializing plain data with string keys cannot fail.
+        // Serializing plain data with string keys (and an item that is JSON already) cannot
+        // fail.
         serde_json::to_vec(self).expect("a change message serializes")
     }
+}
 
+impl ChangeMessage {
     /// Parses a body, refusing other versions and bodies whose fields contradict each other
     /// (what the schema's conditions say, checked here too so a consumer need not run a
     /// schema validator).
