@@ -242,6 +242,70 @@ async fn a_run_of_messages_applies_in_order_with_duplicates_and_older_generation
     );
 }
 
+/// The apply transaction records every event id of a run before it knows which messages apply
+/// (the track it reads in the same statement decides that), and forgets those of messages that
+/// do not: an event skipped with its message is applied when it comes again in one that applies.
+#[tokio::test]
+async fn the_ids_of_messages_that_do_not_apply_are_not_kept() {
+    let s = setup().await;
+    let token = claim_fence(&s.db.pool, s.endpoint).await.unwrap();
+    let tested = json!({
+        "v": 1, "webhook_endpoint_id": s.endpoint.to_string(),
+        "events": [{"id": "evt_test", "type": "webhook_endpoint.tested",
+                    "data": {"test_send_id": "5f0e3c1a-7b2d-4e8f-9a6b-1c2d3e4f5a6b"}}],
+    });
+    store(
+        &s.db,
+        s.tenant,
+        s.endpoint,
+        &[
+            update(s.endpoint, 2, "evt_2", 1, 5),
+            // Older than the generation just taken: skipped, and so is its event.
+            update(s.endpoint, 1, "evt_old", 2, 7),
+            tested,
+        ],
+    )
+    .await;
+    let (applied, messages) = pending(&s.db, s.endpoint).await;
+    let metrics = SequencerMetrics::unregistered();
+    apply_messages(&s.db.pool, &s.ctx, token, applied, &messages, &metrics)
+        .await
+        .unwrap();
+    let recorded = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT event_id FROM applied_events WHERE endpoint_id = $1 ORDER BY event_id",
+        )
+        .bind(s.endpoint)
+        .fetch_all(&s.db.pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(recorded().await, ["evt_2"]);
+
+    // The skipped event again, in a message of the generation held: not a duplicate.
+    store(
+        &s.db,
+        s.tenant,
+        s.endpoint,
+        &[update(s.endpoint, 2, "evt_old", 2, 7)],
+    )
+    .await;
+    let (applied, messages) = pending(&s.db, s.endpoint).await;
+    apply_messages(&s.db.pool, &s.ctx, token, applied, &messages, &metrics)
+        .await
+        .unwrap();
+    assert_eq!(recorded().await, ["evt_2", "evt_old"]);
+    let rows = copy::copy_rows(&s.db.pool, s.endpoint).await.unwrap();
+    assert_eq!(rows["announcement:2"].generation, 2);
+    assert_eq!(
+        metrics
+            .events
+            .with_label_values(&["ignored_duplicate"])
+            .get(),
+        0
+    );
+}
+
 /// A run prepared from what is stored past the endpoint's cursor.
 async fn prepared(db: &TestDb, ctx: &Arc<EndpointContext>, token: i64) -> PreparedRun {
     let (applied, messages) = pending(db, ctx.id()).await;

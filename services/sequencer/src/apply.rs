@@ -2,11 +2,12 @@
 //! [`decide_event`].
 //!
 //! One transaction applies one run of messages for each of several endpoints (a batch of one
-//! when applied alone), three statements inside it: the first checks each fence, takes each
-//! endpoint's writer lock and reads its track row locked; the second records the runs' event
-//! ids and reads (and locks) the rows of the subjects they touch; the third writes the rows the
-//! decisions left (each still checking its position), appends their changes, writes the track
-//! rows and the outcomes and moves each apply cursor (only from where it was read). A
+//! when applied alone), two statements inside it: the first checks each fence, takes each
+//! endpoint's writer lock, reads its track row locked, records the runs' event ids and reads
+//! (and locks) the rows of the subjects they touch; the second writes the rows the decisions
+//! left (each still checking its position), appends their changes, writes the track rows and
+//! the outcomes, forgets the ids of messages that did not apply and moves each apply cursor
+//! (only from where it was read). A
 //! refetch's item read happens before that transaction (so no lock is held across HTTP), and
 //! its answer is decided inside it against the row as it is then: "read it before applying the
 //! next message".
@@ -298,7 +299,7 @@ pub async fn prepare_run(
 
 /// Applies several endpoints' runs (each endpoint once), answering each run in the order given.
 ///
-/// They are tried in one transaction of three statements whatever their number (see
+/// They are tried in one transaction of two statements whatever their number (see
 /// [`apply_together`]); a run whose fence moved on is answered [`ApplyError::Fenced`] and the
 /// others still commit. When that transaction fails as a whole (an error, or a write that
 /// disagreed with what was decided under its locks), nothing of it committed, and each run is
@@ -351,12 +352,13 @@ impl<'a> StepClock<'a> {
     }
 }
 
-/// One transaction for every run in `runs`, three statements inside it: the first checks each
-/// fence, takes each endpoint's writer lock and reads its track row locked; the second records
-/// the runs' event ids and reads (and locks) the rows of the subjects they touch; the third
-/// writes the rows the decisions left (each still checking its position), appends their
-/// changes, writes the track rows and the outcomes and moves each cursor (only from where it
-/// was read).
+/// One transaction for every run in `runs`, two statements inside it: the first
+/// ([`state::open_runs`]) checks each fence, takes each endpoint's writer lock, reads its track
+/// row locked, records the event ids of every message of the run and reads (and locks) the rows
+/// of the subjects they touch; the second ([`state::write_runs`]) writes the rows the decisions
+/// left (each still checking its position), appends their changes, writes the track rows and
+/// the outcomes, forgets the ids of the messages the track says do not apply, and moves each
+/// cursor (only from where it was read).
 ///
 /// Each run's messages are still taken one at a time, in order, by the rules: the track row goes
 /// through [`step`] message by message, and each event is decided against what the copy holds
@@ -371,52 +373,51 @@ async fn apply_together(
     let mut steps = StepClock::new(metrics);
     let mut tx = pool.begin().await?;
     steps.done("begin");
-    let claims: Vec<state::TrackClaim> = runs
+    // Every event of every message, and the subjects they touch: which messages apply their
+    // events depends on the track, which the same statement reads (and locks). The ids of
+    // those that do not apply are forgotten again by the write, in this transaction.
+    let every_key: Vec<(Vec<&str>, Vec<&str>)> = runs.iter().map(|run| all_keys(run)).collect();
+    let claims: Vec<state::RunClaim<'_>> = runs
         .iter()
-        .map(|run| state::TrackClaim {
-            endpoint: run.ctx.id(),
-            tenant: run.ctx.tenant(),
-            token: run.token,
+        .zip(&every_key)
+        .map(|(run, (ids, subjects))| state::RunClaim {
+            claim: state::TrackClaim {
+                endpoint: run.ctx.id(),
+                tenant: run.ctx.tenant(),
+                token: run.token,
+            },
+            keys: copy::RunKeys {
+                endpoint: run.ctx.id(),
+                tenant: run.ctx.tenant(),
+                event_ids: ids,
+                subjects,
+            },
         })
         .collect();
-    let tracks = state::open_tracks(&mut tx, &claims, state::FEED_TRACK).await?;
-    steps.done("open_tracks");
-    let owned: Vec<(&PreparedRun, EndpointTrack)> = runs
-        .iter()
-        .zip(&tracks)
-        .filter_map(|(run, track)| Some((*run, track.clone()?)))
-        .collect();
+    let opened = state::open_runs(&mut tx, &claims, state::FEED_TRACK).await?;
+    steps.done("open");
 
-    // Which messages apply their events: the track's transitions alone decide that (a refetch's
-    // "read /v1/feed again" begins a reload, which never changes whether a later message
-    // applies), so each run's event ids and subjects are known before anything is written.
-    let keys: Vec<(Vec<&str>, Vec<&str>)> = owned
-        .iter()
-        .map(|(run, track)| run_keys(run, track))
-        .collect();
-    let run_keys: Vec<copy::RunKeys<'_>> = owned
-        .iter()
-        .zip(&keys)
-        .map(|((run, _), (ids, subjects))| copy::RunKeys {
-            endpoint: run.ctx.id(),
-            tenant: run.ctx.tenant(),
-            event_ids: ids,
-            subjects,
-        })
-        .collect();
-    let mut held = copy::record_event_ids_and_load_held(&mut tx, &run_keys).await?;
-    steps.done("load_held");
-
-    let decided: Vec<DecidedRun> = owned
-        .iter()
-        .map(|(run, track)| {
-            let found = held.remove(&run.ctx.id()).unwrap_or_default();
-            decide_run(run, track.clone(), found)
-        })
-        .collect();
+    // The runs whose fence is still theirs, each with its track as read, the ids to forget
+    // (recorded above, but of messages the track says do not apply), and its decisions.
+    let mut owned: Vec<(&PreparedRun, EndpointTrack, Vec<String>)> = Vec::new();
+    let mut decided: Vec<DecidedRun> = Vec::new();
+    for (run, opened) in runs.iter().zip(opened) {
+        let Some(state::OpenedRun { track, held }) = opened else {
+            continue;
+        };
+        let applying = applying_event_ids(run, &track);
+        let forget = held
+            .first_seen
+            .iter()
+            .filter(|id| !applying.contains(id.as_str()))
+            .cloned()
+            .collect();
+        decided.push(decide_run(run, track.clone(), held));
+        owned.push((*run, track, forget));
+    }
     let mut writes = copy::DecidedWrites::default();
     let mut ends = Vec::with_capacity(decided.len());
-    for ((run, held_track), run_decided) in owned.iter().zip(&decided) {
+    for ((run, held_track, forget), run_decided) in owned.iter().zip(&decided) {
         let rows: Vec<(&str, &copy::HeldEntry, Option<&str>)> = run_decided
             .rows
             .iter()
@@ -443,6 +444,7 @@ async fn apply_together(
             tenant: run.ctx.tenant(),
             track: (run_decided.track != *held_track).then_some(&run_decided.track),
             outcomes: &run_decided.outcomes,
+            forget: forget.iter().map(String::as_str).collect(),
             from: run.applied,
             to: run.through,
             last_received_at: last.map(|m| m.received_at),
@@ -451,7 +453,7 @@ async fn apply_together(
     steps.done("decide");
     let written = state::write_runs(&mut tx, writes, &ends).await?;
     steps.done("write");
-    for (((run, _), run_decided), written) in owned.iter().zip(&decided).zip(&written) {
+    for (((run, _, _), run_decided), written) in owned.iter().zip(&decided).zip(&written) {
         let endpoint = run.ctx.id();
         if written.rows != run_decided.rows.len() as i64 {
             // Every row was decided under its lock, so the statement can only agree; if it does
@@ -472,7 +474,7 @@ async fn apply_together(
         .iter()
         .zip(&decided)
         .zip(&written)
-        .map(|(((run, _), run_decided), written)| {
+        .map(|(((run, _, _), run_decided), written)| {
             run_decided.tally.count(metrics);
             for (_, outcome, _, _) in &run_decided.outcomes {
                 metrics
@@ -503,23 +505,30 @@ async fn apply_together(
         .collect())
 }
 
-/// The event ids a run applies and the subjects they touch, from its messages' track
-/// transitions alone.
-fn run_keys<'r>(run: &'r PreparedRun, held_track: &EndpointTrack) -> (Vec<&'r str>, Vec<&'r str>) {
-    let mut probe = held_track.clone();
-    let mut applying: Vec<&relay_wire::Event> = Vec::new();
-    for message in run.parsed.iter().flatten() {
-        let (next, decision) = step(&probe, message);
-        if matches!(decision, MessageDecision::ApplyEvents { .. }) {
-            applying.extend(message.events.iter());
-        }
-        probe = next;
-    }
-    let ids: Vec<&str> = applying.iter().map(|e| e.id.as_str()).collect();
-    let mut subjects: Vec<&str> = applying.iter().filter_map(|e| feed_subject(e)).collect();
+/// Every event id of a run's messages, and the subjects of its feed events (sorted, once each).
+fn all_keys(run: &PreparedRun) -> (Vec<&str>, Vec<&str>) {
+    let events = || run.parsed.iter().flatten().flat_map(|m| m.events.iter());
+    let ids: Vec<&str> = events().map(|e| e.id.as_str()).collect();
+    let mut subjects: Vec<&str> = events().filter_map(|e| feed_subject(e)).collect();
     subjects.sort_unstable();
     subjects.dedup();
     (ids, subjects)
+}
+
+/// The event ids of the run's messages that apply their events, from the messages' track
+/// transitions alone (a refetch's "read /v1/feed again" begins a reload, which never changes
+/// whether a later message applies).
+fn applying_event_ids<'r>(run: &'r PreparedRun, held_track: &EndpointTrack) -> HashSet<&'r str> {
+    let mut probe = held_track.clone();
+    let mut applying = HashSet::new();
+    for message in run.parsed.iter().flatten() {
+        let (next, decision) = step(&probe, message);
+        if matches!(decision, MessageDecision::ApplyEvents { .. }) {
+            applying.extend(message.events.iter().map(|e| e.id.as_str()));
+        }
+        probe = next;
+    }
+    applying
 }
 
 /// What a run's decisions count in the metrics, kept until its transaction commits: a run

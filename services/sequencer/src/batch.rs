@@ -2,7 +2,7 @@
 //! reads of their pending messages).
 //!
 //! At a steady rate spread over many endpoints, most runs are one message: applied alone, each
-//! costs a transaction of its own (three statements, a commit and its WAL flush). Workers instead
+//! costs a transaction of its own (two statements, a commit and its WAL flush). Workers instead
 //! hand their prepared runs to a queue; a few appliers each take whatever has gathered (up to a
 //! limit, each endpoint once) and apply it with [`apply_runs`], which still decides every run by
 //! itself under its own locks and answers each worker with its own run's outcome. While one

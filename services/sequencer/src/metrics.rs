@@ -36,14 +36,7 @@ pub const RELOAD_OUTCOMES: [&str; 3] = ["started", "merged", "abandoned"];
 
 /// The steps of an apply transaction, in order (see `apply_together`): each is one round trip
 /// to Postgres but `decide`, the rules run in this process.
-pub const APPLY_STEPS: [&str; 6] = [
-    "begin",
-    "open_tracks",
-    "load_held",
-    "decide",
-    "write",
-    "commit",
-];
+pub const APPLY_STEPS: [&str; 5] = ["begin", "open", "decide", "write", "commit"];
 
 #[derive(Clone)]
 pub struct SequencerMetrics {
@@ -104,8 +97,8 @@ impl SequencerMetrics {
         let apply_step_duration = HistogramVec::new(
             HistogramOpts::new(
                 "relay_sequencer_apply_step_seconds",
-                "Time of each step of an apply transaction (begin, open_tracks, load_held, \
-                 decide, write, commit): where an applied message's wait goes.",
+                "Time of each step of an apply transaction (begin, open, decide, write, \
+                 commit): where an applied message's wait goes.",
             )
             .buckets(prometheus::exponential_buckets(0.00025, 2.0, 15)?),
             &["step"],

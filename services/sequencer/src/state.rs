@@ -268,14 +268,205 @@ pub async fn open_tracks(
         .collect())
 }
 
+/// One endpoint's claim in [`open_runs`], and the keys of its run: every event id of its
+/// messages and the subjects they touch.
+#[derive(Debug, Clone, Copy)]
+pub struct RunClaim<'a> {
+    pub claim: TrackClaim,
+    pub keys: relay_store::copy::RunKeys<'a>,
+}
+
+/// What [`open_runs`] found for an endpoint it holds: its track row, and its run's event ids
+/// not applied before (now recorded) and rows (locked).
+#[derive(Debug, Clone)]
+pub struct OpenedRun {
+    pub track: EndpointTrack,
+    pub held: relay_store::copy::RunHeld,
+}
+
+/// [`open_tracks`] and the copy's [`RECORD_AND_LOAD_CTES`] for several endpoints' runs in one
+/// statement (one round trip): for each claim in the order given, `None` when its fence moved
+/// on (nothing of it recorded or locked past the fence row); else its track row locked, its
+/// run's event ids not applied before, now recorded, and what its copy holds of the run's
+/// subjects, locked. Each endpoint's locks come in the order every writer takes them: fence,
+/// writer lock, track, then its ids and rows (each part joins the one before).
+///
+/// Which of a run's messages apply their events depends on the track, which this statement
+/// reads: so it records the ids of every event of the run, and the caller forgets, in the same
+/// transaction, those of messages that turn out not to apply ([`RunEnd::forget`]).
+///
+/// [`RECORD_AND_LOAD_CTES`]: relay_store::copy::RECORD_AND_LOAD_CTES
+pub async fn open_runs(
+    conn: &mut PgConnection,
+    runs: &[RunClaim<'_>],
+    track: &str,
+) -> Result<Vec<Option<OpenedRun>>, StateError> {
+    let mut sorted: Vec<&RunClaim> = runs.iter().collect();
+    sorted.sort_by_key(|r| r.claim.endpoint);
+    let keys: Vec<relay_store::copy::RunKeys> = sorted.iter().map(|r| r.keys).collect();
+    let query = sqlx::query_as::<_, OpenRow>(&OPEN_RUNS);
+    let rows: Vec<OpenRow> = relay_store::copy::RunKeyArrays::new(&keys)
+        .bind(query)
+        .bind(sorted.iter().map(|r| r.claim.endpoint).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|r| r.claim.tenant).collect::<Vec<_>>())
+        .bind(sorted.iter().map(|r| r.claim.token).collect::<Vec<_>>())
+        .bind(track)
+        .fetch_all(conn)
+        .await?;
+    let (track_rows, other_rows): (Vec<OpenRow>, Vec<OpenRow>) =
+        rows.into_iter().partition(|row| row.kind == OPENED_TRACK);
+    let mut opened: std::collections::HashMap<Uuid, OpenedRun> = std::collections::HashMap::new();
+    for row in track_rows.into_iter().chain(other_rows) {
+        match row.kind {
+            OPENED_TRACK => {
+                if !row.owned {
+                    continue;
+                }
+                let track = match row.last_was_reset {
+                    // A track never written: nothing held yet.
+                    None => EndpointTrack::default(),
+                    Some(last_was_reset) => track_from_row((
+                        row.generation,
+                        row.access_version,
+                        row.through,
+                        last_was_reset,
+                        row.last_reset_generation,
+                        row.reload,
+                    ))?,
+                };
+                opened.insert(
+                    row.endpoint_id,
+                    OpenedRun {
+                        track,
+                        held: relay_store::copy::RunHeld::default(),
+                    },
+                );
+            }
+            // Taken after the track rows: every id and copy row belongs to an endpoint opened.
+            kind => {
+                let run = opened.get_mut(&row.endpoint_id).ok_or_else(|| {
+                    StateError::Invalid(format!("{kind} row for an endpoint not opened"))
+                })?;
+                let key = row
+                    .key
+                    .ok_or_else(|| StateError::Invalid("open row without its key".into()))?;
+                if kind == OPENED_EVENT_ID {
+                    run.held.first_seen.insert(key);
+                    continue;
+                }
+                let (Some(generation), Some(sequence), Some(tombstone), Some(parts)) =
+                    (row.generation, row.sequence, row.tombstone, row.parts)
+                else {
+                    return Err(StateError::Invalid(format!("copy row {key} is incomplete")));
+                };
+                run.held
+                    .add_held(
+                        key,
+                        generation,
+                        sequence,
+                        tombstone,
+                        parts,
+                        row.item,
+                        row.item_kind,
+                        row.company_id,
+                    )
+                    .map_err(|e| StateError::Invalid(e.to_string()))?;
+            }
+        }
+    }
+    Ok(runs
+        .iter()
+        .map(|r| opened.remove(&r.claim.endpoint))
+        .collect())
+}
+
+/// The kinds of row [`OPEN_RUNS`] returns, in the order it returns them.
+const OPENED_TRACK: i16 = 0;
+const OPENED_EVENT_ID: i16 = 1;
+const OPENED_COPY_ROW: i16 = 2;
+
+/// One row of [`OPEN_RUNS`]: an endpoint's track (`owned` false: its fence moved on), one of its
+/// ids recorded (`key` the event id), or one of its copy's rows (`key` the subject).
+#[derive(sqlx::FromRow)]
+struct OpenRow {
+    kind: i16,
+    endpoint_id: Uuid,
+    owned: bool,
+    key: Option<String>,
+    generation: Option<i64>,
+    access_version: Option<String>,
+    through: Option<String>,
+    last_was_reset: Option<bool>,
+    last_reset_generation: Option<i64>,
+    reload: Option<serde_json::Value>,
+    sequence: Option<String>,
+    tombstone: Option<bool>,
+    parts: Option<String>,
+    item: Option<String>,
+    item_kind: Option<String>,
+    company_id: Option<i64>,
+}
+
+/// [`open_runs`]' statement: the copy's CTEs take `$1`–`$5`; the claims are `$6`–`$8`
+/// (endpoint, tenant, token, in endpoint order), the track's name `$9`.
+static OPEN_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "WITH input AS MATERIALIZED (
+             SELECT * FROM unnest($6::uuid[], $7::uuid[], $8::int8[]) WITH ORDINALITY
+                 AS i(endpoint_id, tenant_id, token, ord)
+         ),
+         fence AS MATERIALIZED (
+             SELECT f.endpoint_id, f.token FROM endpoint_fences f
+             WHERE f.endpoint_id = ANY($6::uuid[])
+             ORDER BY f.endpoint_id
+             FOR SHARE
+         ),
+         writer AS MATERIALIZED (
+             INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id)
+             SELECT i.endpoint_id, i.tenant_id
+             FROM input i JOIN fence f ON f.endpoint_id = i.endpoint_id AND f.token = i.token
+             ORDER BY i.endpoint_id
+             ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last
+             RETURNING endpoint_id
+         ),
+         opened AS MATERIALIZED (
+             SELECT w.endpoint_id, t.*
+             FROM writer w
+             LEFT JOIN LATERAL (
+                 SELECT {TRACK_COLUMNS} FROM endpoint_tracks
+                 WHERE endpoint_id = w.endpoint_id AND track = $9
+                 FOR UPDATE
+             ) t ON true
+         ),
+         {copy_ctes}
+         SELECT {OPENED_TRACK}::int2 AS kind, i.endpoint_id, o.endpoint_id IS NOT NULL AS owned,
+                NULL::text AS key, o.generation, o.access_version, o.through, o.last_was_reset,
+                o.last_reset_generation, o.reload, NULL::text AS sequence,
+                NULL::bool AS tombstone, NULL::text AS parts, NULL::text AS item,
+                NULL::text AS item_kind, NULL::int8 AS company_id
+         FROM input i LEFT JOIN opened o ON o.endpoint_id = i.endpoint_id
+         UNION ALL
+         SELECT {OPENED_EVENT_ID}::int2, endpoint_id, true, event_id, NULL, NULL, NULL, NULL,
+                NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+         FROM recorded
+         UNION ALL
+         SELECT {OPENED_COPY_ROW}::int2, endpoint_id, true, subject, generation, NULL, NULL,
+                NULL, NULL, NULL, sequence, tombstone, parts, item, item_kind, company_id
+         FROM held",
+        copy_ctes = relay_store::copy::RECORD_AND_LOAD_CTES
+    )
+});
+
 /// How one endpoint's run of messages ends, beside the copy's writes: the track row (when the
-/// run changed it), how each message was applied, and the apply cursor moved from `from` to
+/// run changed it), how each message was applied, the event ids [`open_runs`] recorded for
+/// messages that did not apply (forgotten again), and the apply cursor moved from `from` to
 /// `to`.
 pub struct RunEnd<'a> {
     pub endpoint: Uuid,
     pub tenant: Uuid,
     pub track: Option<&'a EndpointTrack>,
     pub outcomes: &'a [(i64, MessageOutcome, i32, i32)],
+    pub forget: Vec<&'a str>,
     pub from: i64,
     pub to: i64,
     pub last_received_at: Option<OffsetDateTime>,
@@ -339,6 +530,14 @@ pub async fn write_runs(
             o_ignored.push(*ignored);
         }
     }
+    let mut f_endpoint = Vec::new();
+    let mut f_event = Vec::new();
+    for end in ends {
+        for id in &end.forget {
+            f_endpoint.push(end.endpoint);
+            f_event.push(*id);
+        }
+    }
     let query = sqlx::query_as(&WRITE_RUNS);
     let rows: Vec<(Uuid, i64, i64, i64)> = decided
         .bind(query)
@@ -362,6 +561,8 @@ pub async fn write_runs(
         .bind(ends.iter().map(|e| e.from).collect::<Vec<_>>())
         .bind(ends.iter().map(|e| e.to).collect::<Vec<_>>())
         .bind(ends.iter().map(|e| e.last_received_at).collect::<Vec<_>>())
+        .bind(f_endpoint)
+        .bind(f_event)
         .fetch_all(conn)
         .await?;
     let mut written: std::collections::HashMap<Uuid, RunWritten> = rows
@@ -384,10 +585,10 @@ pub async fn write_runs(
 }
 
 /// [`write_runs`]' statement: the copy's CTEs (`$1`–`$20`), then the tracks that changed
-/// (`$21` the track's name, `$22`–`$29`), the outcomes (`$30`–`$35`) and the cursors (`$36`–`$40`:
-/// endpoint, tenant, from, to, the last message's receipt time). A cursor moves only from where
-/// the run read it: updated where it is at `from`, or created when the run read none (`from`
-/// 0) and there is still none.
+/// (`$21` the track's name, `$22`–`$29`), the outcomes (`$30`–`$35`), the cursors (`$36`–`$40`:
+/// endpoint, tenant, from, to, the last message's receipt time) and the event ids to forget
+/// (`$41`–`$42`: endpoint, event id). A cursor moves only from where the run read it: updated
+/// where it is at `from`, or created when the run read none (`from` 0) and there is still none.
 static WRITE_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "{ctes},
@@ -446,6 +647,14 @@ static WRITE_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
              WHERE from_seq = 0
              ON CONFLICT (endpoint_id) DO NOTHING
              RETURNING endpoint_id
+         ),
+         forgotten AS (
+             DELETE FROM applied_events a
+             USING unnest($41::uuid[], $42::text[]) AS f(endpoint_id, event_id)
+             -- Checked once, before the join: with nothing to forget (nearly always) no plan
+             -- reads the table at all.
+             WHERE cardinality($41::uuid[]) > 0
+               AND a.endpoint_id = f.endpoint_id AND a.event_id = f.event_id
          )
          SELECT k.endpoint_id, coalesce(w.n, 0), coalesce(c.n, 0),
                 coalesce(m.n, 0) + coalesce(n.n, 0)
