@@ -57,6 +57,9 @@ pub struct PipelineBenchArgs {
     /// while the load is already at full rate.
     #[arg(long, default_value_t = 3)]
     pub warmup_s: u64,
+    /// The front tier's concurrent batch writers, as `relay ingest --writers`.
+    #[arg(long, env = "RELAY_INGEST_WRITERS", default_value_t = 2)]
+    pub ingest_writers: usize,
     #[command(flatten)]
     pub sequencer: SequencerArgs,
     #[command(flatten)]
@@ -406,8 +409,10 @@ async fn apply(global: &GlobalArgs, args: ApplyBenchArgs) -> anyhow::Result<()> 
 
     let metrics = SequencerMetrics::unregistered();
     let started = Instant::now();
+    // The sequencer's own pool, as `relay sequencer` makes it (generic plans): the bench's
+    // pool plans every statement anew, which is not what production runs.
     let sequencer = Sequencer::start(
-        pool.clone(),
+        crate::startup::sequencer_pool(global)?,
         sequencer_config(global, &args.sequencer),
         metrics.clone(),
     )
@@ -546,7 +551,7 @@ async fn timed_reload(
     store_batch(pool, &[reset_message(endpoint, tenant, generation)?]).await?;
     let started = Instant::now();
     let sequencer = Sequencer::start(
-        pool.clone(),
+        crate::startup::sequencer_pool(global)?,
         sequencer_config(global, args),
         SequencerMetrics::unregistered(),
     )
@@ -822,6 +827,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
         ..relay_ingest::IngestConfig::default()
     };
     ingest_config.answer_deadline = Duration::from_secs(10);
+    ingest_config.writers = args.ingest_writers;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let ingest = crate::startup::IngestServer::start_with_registry(
