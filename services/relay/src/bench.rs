@@ -679,6 +679,20 @@ async fn drain_queue(amqp_url: String, queue: String) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Deletes the bench tenant's queue, whatever it still holds.
+async fn delete_queue(amqp_url: &str, queue: &str) -> anyhow::Result<()> {
+    use relay_publisher::lapin::options::QueueDeleteOptions;
+    let connection =
+        relay_publisher::broker::connect(amqp_url, "relay-bench-cleanup", Duration::from_secs(5))
+            .await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .queue_delete(queue, QueueDeleteOptions::default())
+        .await?;
+    connection.close(0, "bench done").await?;
+    Ok(())
+}
+
 /// Each measured message's latencies, as `pairs`: the second of the load it arrived in
 /// (`$1` the load's start), receipt to confirm, receipt to applied and applied to confirm, for
 /// messages received from `$2` (the warm-up's end) to `$3` (the load's end).
@@ -789,7 +803,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     .execute(&pool)
     .await?;
     let queue = relay_publisher::tenant_queue(tenant);
-    let drain = tokio::spawn(drain_queue(args.publisher.amqp_url.clone(), queue));
+    let drain = tokio::spawn(drain_queue(args.publisher.amqp_url.clone(), queue.clone()));
 
     let registry = prometheus::Registry::new();
     let prefix = format!("relay-bench-{}:", Uuid::new_v4().simple());
@@ -898,6 +912,8 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     publisher.stop().await;
     sequencer.stop().await;
     drain.abort();
+    // The bench's queue is of no use after it: leave the broker as it was.
+    delete_queue(&args.publisher.amqp_url, &queue).await?;
     let confirmed_at = std::mem::take(&mut *confirmed_at.lock().expect("not poisoned"));
     record_confirms(&pool, confirmed_at).await?;
 
