@@ -168,6 +168,35 @@ fn track_values(state: &EndpointTrack) -> Result<TrackValues, StateError> {
     ))
 }
 
+/// The CTEs that open [`open_tracks`]' and [`open_runs`]' statements, so that both take an
+/// endpoint's locks the same way: `input` (the claims: endpoints, tenants and tokens from
+/// `$first`, `$first + 1` and `$first + 2`, in endpoint order), `fence` (the fence rows
+/// share-locked, in id order) and `writer` (the writer lock, the change counter row, taken only
+/// where the token still matches; its rows are the endpoints still owned).
+fn claim_ctes(first: u32) -> String {
+    let (endpoints, tenants, tokens) = (first, first + 1, first + 2);
+    format!(
+        "input AS MATERIALIZED (
+             SELECT * FROM unnest(${endpoints}::uuid[], ${tenants}::uuid[], ${tokens}::int8[])
+                 WITH ORDINALITY AS i(endpoint_id, tenant_id, token, ord)
+         ),
+         fence AS MATERIALIZED (
+             SELECT f.endpoint_id, f.token FROM endpoint_fences f
+             WHERE f.endpoint_id = ANY(${endpoints}::uuid[])
+             ORDER BY f.endpoint_id
+             FOR SHARE
+         ),
+         writer AS MATERIALIZED (
+             INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id)
+             SELECT i.endpoint_id, i.tenant_id
+             FROM input i JOIN fence f ON f.endpoint_id = i.endpoint_id AND f.token = i.token
+             ORDER BY i.endpoint_id
+             ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last
+             RETURNING endpoint_id
+         )"
+    )
+}
+
 /// One endpoint's claim in [`open_tracks`]: the fencing token its worker holds.
 #[derive(Debug, Clone, Copy)]
 pub struct TrackClaim {
@@ -200,24 +229,7 @@ pub async fn open_tracks(
     let mut sorted: Vec<&TrackClaim> = claims.iter().collect();
     sorted.sort_by_key(|c| c.endpoint);
     let rows: Vec<Row> = sqlx::query_as(&format!(
-        "WITH input AS MATERIALIZED (
-             SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::int8[]) WITH ORDINALITY
-                 AS i(endpoint_id, tenant_id, token, ord)
-         ),
-         fence AS MATERIALIZED (
-             SELECT f.endpoint_id, f.token FROM endpoint_fences f
-             WHERE f.endpoint_id = ANY($1::uuid[])
-             ORDER BY f.endpoint_id
-             FOR SHARE
-         ),
-         writer AS MATERIALIZED (
-             INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id)
-             SELECT i.endpoint_id, i.tenant_id
-             FROM input i JOIN fence f ON f.endpoint_id = i.endpoint_id AND f.token = i.token
-             ORDER BY i.endpoint_id
-             ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last
-             RETURNING endpoint_id
-         )
+        "WITH {claims}
          SELECT i.endpoint_id, w.endpoint_id IS NOT NULL, {TRACK_COLUMNS}
          FROM input i
          LEFT JOIN writer w ON w.endpoint_id = i.endpoint_id
@@ -226,7 +238,8 @@ pub async fn open_tracks(
              WHERE endpoint_id = w.endpoint_id AND track = $4
              FOR UPDATE
          ) t ON true
-         ORDER BY i.ord"
+         ORDER BY i.ord",
+        claims = claim_ctes(1)
     ))
     .bind(sorted.iter().map(|c| c.endpoint).collect::<Vec<_>>())
     .bind(sorted.iter().map(|c| c.tenant).collect::<Vec<_>>())
@@ -411,24 +424,7 @@ struct OpenRow {
 /// (endpoint, tenant, token, in endpoint order), the track's name `$9`.
 static OPEN_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "WITH input AS MATERIALIZED (
-             SELECT * FROM unnest($6::uuid[], $7::uuid[], $8::int8[]) WITH ORDINALITY
-                 AS i(endpoint_id, tenant_id, token, ord)
-         ),
-         fence AS MATERIALIZED (
-             SELECT f.endpoint_id, f.token FROM endpoint_fences f
-             WHERE f.endpoint_id = ANY($6::uuid[])
-             ORDER BY f.endpoint_id
-             FOR SHARE
-         ),
-         writer AS MATERIALIZED (
-             INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id)
-             SELECT i.endpoint_id, i.tenant_id
-             FROM input i JOIN fence f ON f.endpoint_id = i.endpoint_id AND f.token = i.token
-             ORDER BY i.endpoint_id
-             ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last
-             RETURNING endpoint_id
-         ),
+        "WITH {claims},
          opened AS MATERIALIZED (
              SELECT w.endpoint_id, t.*
              FROM writer w
@@ -453,6 +449,7 @@ static OPEN_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
          SELECT {OPENED_COPY_ROW}::int2, endpoint_id, true, subject, generation, NULL, NULL,
                 NULL, NULL, NULL, sequence, tombstone, parts, item, item_kind, company_id
          FROM held",
+        claims = claim_ctes(6),
         copy_ctes = relay_store::copy::RECORD_AND_LOAD_CTES
     )
 });
