@@ -766,6 +766,32 @@ fn writeback_settings() -> Value {
     })
 }
 
+/// Messages signed and parsed by [`machine_probe_ms`].
+const PROBE_MESSAGES: usize = 20_000;
+
+/// How long this machine takes, on one thread, to sign and parse [`PROBE_MESSAGES`] messages
+/// like the load's: the same work on every run, so the figure moves only with the machine's
+/// speed. Taken on the idle machine before the load and after the drain, it tells a slow run
+/// of a slow machine from a slow run of the code (the machines of this kind have been seen
+/// to run the same build 25% slower from one session to the next, and slower for minutes
+/// within one).
+async fn machine_probe_ms() -> anyhow::Result<f64> {
+    tokio::task::spawn_blocking(|| {
+        let secret = SigningSecret::from_bytes(vec![7u8; 32]).expect("a 32-byte key");
+        let padding = "results ".repeat(2_900 / 8);
+        let started = Instant::now();
+        for n in 0..PROBE_MESSAGES as u64 {
+            let (_, _, signature, body) =
+                crate::loadgen::build_message(Uuid::nil(), &secret, n, &padding);
+            let parsed = relay_wire::message::Message::parse(&body)
+                .map_err(|error| anyhow::anyhow!("the probe's message does not parse: {error}"))?;
+            std::hint::black_box((signature, parsed));
+        }
+        Ok((started.elapsed().as_secs_f64() * 10_000.0).round() / 10.0)
+    })
+    .await?
+}
+
 /// The measured window's CPU: the machine's busy share, each process group's cores, and the
 /// machine's CPU per measured message (busy share × cores × seconds / messages).
 fn cpu_figures(usage: crate::cpu::CpuUsage, measured_s: u64, messages: i64) -> Value {
@@ -781,6 +807,7 @@ fn cpu_figures(usage: crate::cpu::CpuUsage, measured_s: u64, messages: i64) -> V
 
 async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Result<()> {
     let pool = fresh_database(global, args.recreate_database).await?;
+    let probe_before = machine_probe_ms().await?;
     let loadgen = crate::loadgen::LoadgenArgs {
         url: String::new(),
         endpoints: args.endpoints,
@@ -906,6 +933,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     }
     let drain_s = drain_started.elapsed().as_secs_f64();
     sampler.abort();
+    let probe_after = machine_probe_ms().await?;
     let mut samples = samples.lock().expect("not poisoned").clone();
     samples.truncate(samples_during_load);
     ingest.stop().await?;
@@ -963,6 +991,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
             "steps_ms": steps,
             "per_second_p99_ms": seconds,
             "host_writeback": writeback_settings(),
+            "machine_probe_ms": {"before": probe_before, "after": probe_after},
             "cpu": cpu.map(|usage| cpu_figures(usage, args.duration_s, count)),
         })
     );
