@@ -766,15 +766,15 @@ fn writeback_settings() -> Value {
     })
 }
 
-/// Messages signed and parsed by [`machine_probe_ms`].
+/// Messages built, signed and parsed by [`machine_probe_ms`].
 const PROBE_MESSAGES: usize = 20_000;
 
 /// How long this machine takes, on one thread, to build, sign and parse [`PROBE_MESSAGES`]
-/// messages like the load's (one event, about 3.7 kB): the same work on every run, so the figure moves only with the machine's
-/// speed. Taken on the idle machine before the load and after the drain, it tells a slow run
-/// of a slow machine from a slow run of the code (the machines of this kind have been seen
-/// to run the same build 25% slower from one session to the next, and slower for minutes
-/// within one).
+/// messages like the load's (one event, about 3.7 kB): the same work on every run, so the
+/// figure moves only with the machine's speed. Taken on the idle machine before the load and
+/// after the drain, it tells a slow run of a slow machine from a slow run of the code (the
+/// machines of this kind have been seen to run the same build 25% slower from one session to
+/// the next, and slower for minutes within one).
 async fn machine_probe_ms() -> anyhow::Result<f64> {
     tokio::task::spawn_blocking(|| {
         let secret = SigningSecret::from_bytes(vec![7u8; 32]).expect("a 32-byte key");
