@@ -37,6 +37,9 @@ pub enum BenchCommand {
     /// applied by the sequencer, published to RabbitMQ and confirmed; receipt-to-confirm
     /// latency and backlogs.
     Pipeline(PipelineBenchArgs),
+    /// Tenant B's apply lag in quiet phases and in phases where tenant A sends hostile messages
+    /// and a stranger holds slow connections, alternating in one run.
+    Isolation(crate::bench_isolation::IsolationBenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -106,10 +109,11 @@ pub async fn run(global: &GlobalArgs, command: BenchCommand) -> anyhow::Result<(
         BenchCommand::Apply(args) => apply(global, args).await,
         BenchCommand::Reload(args) => reload(global, args).await,
         BenchCommand::Pipeline(args) => pipeline(global, args).await,
+        BenchCommand::Isolation(args) => crate::bench_isolation::run(global, args).await,
     }
 }
 
-async fn fresh_database(global: &GlobalArgs, recreate: bool) -> anyhow::Result<PgPool> {
+pub(crate) async fn fresh_database(global: &GlobalArgs, recreate: bool) -> anyhow::Result<PgPool> {
     if !recreate {
         bail!(
             "the bench drops and creates RELAY_DATABASE_URL's database: pass --recreate-database"
@@ -498,7 +502,7 @@ fn render_pages(items: &[(u64, u64, u64)]) -> Vec<Value> {
         .collect()
 }
 
-async fn serve_feed(
+pub(crate) async fn serve_feed(
     pages: Vec<Value>,
 ) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let app = Router::new()

@@ -9,8 +9,11 @@
 //! - [`commands`]: `migrate`, `tenant`, `endpoint`.
 //! - [`loadgen`]: the front tier's load generator.
 //! - [`cpu`]: where the machine's CPU went during a benchmark window.
+//! - [`bench`]: the benchmarks; `bench_isolation` is `relay bench isolation`, what one tenant's
+//!   attacks cost another.
 
 pub mod bench;
+mod bench_isolation;
 pub mod cli;
 pub mod commands;
 pub mod cpu;
