@@ -12,4 +12,5 @@ mod publisher;
 mod sequencer_apply;
 mod sequencer_ownership;
 mod sequencer_reload;
+mod stack;
 mod store_pool;

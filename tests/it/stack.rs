@@ -1,0 +1,506 @@
+//! The whole relay in one test process, for the tests that run it end to end (the pipeline,
+//! the hostile tenant): the control plane and a client for it, the copy and the oracle, the
+//! backlog, the publisher, and the queues read back.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use relay_api::auth::{mint, JwtKeys, Subject};
+use relay_api::{ApiConfig, ApiServer};
+use relay_publisher::lapin::options::QueueDeclareOptions;
+use relay_publisher::lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use relay_publisher::lapin::types::FieldTable;
+use relay_publisher::lapin::Connection;
+use relay_publisher::{
+    ChangeMessage, Publisher, PublisherConfig, PublisherHandle, ReferenceConsumer,
+};
+use relay_simulator::Simulation;
+use relay_store::copy;
+use relay_store::PoolOptions;
+use relay_tests::redis_url;
+use serde_json::Value;
+use sqlx::PgPool;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+/// Changes of the endpoints `$1` the broker has not confirmed: past their endpoint's publish
+/// cursor.
+const UNPUBLISHED: &str = "SELECT count(*) FROM changes c
+     LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = c.endpoint_id
+     WHERE c.change_seq > COALESCE(p.published_through, 0) AND c.endpoint_id = ANY($1)";
+
+// ---- The control plane ----
+
+const KEY: &[u8] = b"test-signing-key-of-the-whole-relay-in-one-process";
+
+/// The control plane in-process on port 0, and a client for it.
+pub(crate) struct Api {
+    pub(crate) server: ApiServer,
+    pub(crate) base_url: String,
+    pub(crate) client: reqwest::Client,
+}
+
+pub(crate) struct Answer {
+    pub(crate) status: u16,
+    pub(crate) text: String,
+    pub(crate) json: Value,
+}
+
+impl Api {
+    pub(crate) async fn start(database_url: &str) -> Self {
+        let pool = relay_store::connect(database_url, &PoolOptions::default()).unwrap();
+        let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
+        config.upstream_timeout = Duration::from_secs(5);
+        let server = ApiServer::start(pool, config).await.unwrap();
+        let base_url = format!("http://{}", server.address);
+        Self {
+            server,
+            base_url,
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(30))
+                .build()
+                .unwrap(),
+        }
+    }
+
+    /// An operator's token, minted with the API's signing key (as `relay token issue` does).
+    pub(crate) fn operator_token() -> String {
+        mint(
+            &JwtKeys::new(KEY).unwrap(),
+            "relay",
+            &Subject::Operator {
+                name: "stack-test".into(),
+            },
+            Duration::from_secs(3600),
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap()
+        .token
+    }
+
+    pub(crate) async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        token: &str,
+        body: Option<&Value>,
+    ) -> Answer {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut request = self
+            .client
+            .request(method, format!("{}{path}", self.base_url))
+            .bearer_auth(token);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        let response = request.send().await.expect("the API answers");
+        let status = response.status().as_u16();
+        let text = response.text().await.unwrap();
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Answer { status, text, json }
+    }
+
+    /// A call that must answer `expect`; its JSON.
+    pub(crate) async fn ok(
+        &self,
+        expect: u16,
+        method: &str,
+        path: &str,
+        token: &str,
+        body: Option<&Value>,
+    ) -> Value {
+        let answer = self.call(method, path, token, body).await;
+        assert_eq!(answer.status, expect, "{method} {path}: {}", answer.text);
+        answer.json
+    }
+
+    /// The endpoint's copy read through the API, page by page (tombstones left out).
+    pub(crate) async fn copy(&self, token: &str, endpoint: Uuid) -> Items {
+        let mut items = Items::new();
+        let mut after: Option<String> = None;
+        loop {
+            let path = match &after {
+                Some(subject) => format!("/v1/endpoints/{endpoint}/copy?limit=7&after={subject}"),
+                None => format!("/v1/endpoints/{endpoint}/copy?limit=7"),
+            };
+            let page = self.ok(200, "GET", &path, token, None).await;
+            for row in page["data"].as_array().unwrap() {
+                assert_eq!(row["tombstone"], false, "{row}");
+                let subject = row["subject"].as_str().unwrap().to_owned();
+                let sequence = row["sequence"].as_str().unwrap().to_owned();
+                let previous = items.insert(subject, (sequence, row["item"].clone()));
+                assert!(previous.is_none(), "a subject on two pages: {row}");
+            }
+            match page["next_cursor"].as_str() {
+                Some(cursor) => after = Some(cursor.to_owned()),
+                None => return items,
+            }
+        }
+    }
+}
+
+// ---- The copy, the oracle, the backlog ----
+
+/// What a copy holds of its items: subject → (sequence, item).
+pub(crate) type Items = BTreeMap<String, (String, Value)>;
+
+pub(crate) fn oracle(sim: &Simulation, endpoint: Uuid) -> Items {
+    sim.lock()
+        .expected_copy(endpoint)
+        .into_iter()
+        .map(|(subject, (sequence, item))| (subject, (sequence.as_str().to_owned(), item)))
+        .collect()
+}
+
+pub(crate) fn without_positions(items: &Items) -> BTreeMap<String, Value> {
+    items
+        .iter()
+        .map(|(s, (_, item))| (s.clone(), item.clone()))
+        .collect()
+}
+
+/// The copy in Postgres (for the wait; the checks read it through the API).
+pub(crate) async fn copy_items(pool: &PgPool, endpoint: Uuid) -> Items {
+    copy::copy_rows(pool, endpoint)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|(subject, held)| match held.content {
+            relay_rules::HeldContent::Item { item, .. } => {
+                Some((subject, (held.sequence.as_str().to_owned(), item)))
+            }
+            relay_rules::HeldContent::Tombstone => None,
+        })
+        .collect()
+}
+
+/// What is left to do, over all endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Backlog {
+    /// Messages stored and not applied.
+    pub(crate) waiting: i64,
+    /// Reloads not merged.
+    pub(crate) reloading: i64,
+    /// Changes not published.
+    pub(crate) unpublished: i64,
+}
+
+/// What is left to do for `endpoints`.
+pub(crate) async fn backlog(pool: &PgPool, endpoints: &[Uuid]) -> Backlog {
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM messages m
+         LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = m.endpoint_id
+         WHERE m.arrival_seq > coalesce(c.applied_arrival_seq, 0)
+           AND m.endpoint_id = ANY($1)",
+    )
+    .bind(endpoints)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let reloading: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM endpoint_tracks WHERE reload IS NOT NULL AND endpoint_id = ANY($1)",
+    )
+    .bind(endpoints)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let unpublished: i64 = sqlx::query_scalar(UNPUBLISHED)
+        .bind(endpoints)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    Backlog {
+        waiting,
+        reloading,
+        unpublished,
+    }
+}
+
+/// Waits until the upstream is idle and `endpoints` have nothing left to apply, merge or
+/// publish, with every copy equal to the oracle, three looks in a row; panics with what differs
+/// after `limit`. Returns how long it took.
+pub(crate) async fn quiesce(
+    pool: &PgPool,
+    sim: &Simulation,
+    endpoints: &[Uuid],
+    limit: Duration,
+    seed: u64,
+) -> Duration {
+    let started = Instant::now();
+    let done = Backlog {
+        waiting: 0,
+        reloading: 0,
+        unpublished: 0,
+    };
+    let mut stable_rounds = 0;
+    loop {
+        let idle = sim.wait_idle(Duration::from_millis(10)).await;
+        let left = backlog(pool, endpoints).await;
+        let mut equal = true;
+        for &id in endpoints {
+            if copy_items(pool, id).await != oracle(sim, id) {
+                equal = false;
+                break;
+            }
+        }
+        if idle && left == done && equal {
+            stable_rounds += 1;
+            if stable_rounds >= 3 {
+                return started.elapsed();
+            }
+        } else {
+            stable_rounds = 0;
+        }
+        if started.elapsed() > limit {
+            let mut report = Vec::new();
+            for &id in endpoints {
+                let (copy, truth) = (copy_items(pool, id).await, oracle(sim, id));
+                if copy != truth {
+                    report.push(format!(
+                        "endpoint {id}: {} items, oracle {}: {}",
+                        copy.len(),
+                        truth.len(),
+                        describe_difference(&copy, &truth)
+                    ));
+                }
+            }
+            panic!(
+                "seed {seed}: not quiescent within {limit:?} (upstream idle {idle}, {left:?}): {}",
+                report.join(" | ")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+pub(crate) async fn change_count(pool: &PgPool, endpoint: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM changes WHERE endpoint_id = $1")
+        .bind(endpoint)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+pub(crate) fn describe_difference(copy: &Items, oracle: &Items) -> String {
+    let mut lines = Vec::new();
+    for (subject, (sequence, item)) in oracle {
+        match copy.get(subject) {
+            None => lines.push(format!("missing {subject} at {sequence}")),
+            Some((s, _)) if s != sequence => {
+                lines.push(format!("{subject}: copy at {s}, oracle at {sequence}"))
+            }
+            Some((_, i)) if i != item => lines.push(format!("{subject}: item differs")),
+            _ => {}
+        }
+    }
+    for subject in copy.keys().filter(|s| !oracle.contains_key(*s)) {
+        lines.push(format!("extra {subject}"));
+    }
+    lines.truncate(10);
+    lines.join("; ")
+}
+
+// ---- The publisher and the queues ----
+
+pub(crate) fn publisher_config(amqp_url: String, key_prefix: &str) -> PublisherConfig {
+    PublisherConfig {
+        amqp_url,
+        redis_url: redis_url(),
+        key_prefix: key_prefix.to_owned(),
+        poll_interval: Duration::from_millis(20),
+        // Above connect_timeout + confirm_timeout, as the config asks.
+        lease: Duration::from_millis(3_500),
+        connect_timeout: Duration::from_millis(1_000),
+        // A silent broker is given up on soon.
+        confirm_timeout: Duration::from_secs(2),
+        retry_min: Duration::from_millis(20),
+        retry_max: Duration::from_millis(300),
+        idle_release: Duration::from_millis(500),
+        metrics_interval: Duration::from_millis(100),
+        destination_refresh: Duration::from_millis(300),
+        ..PublisherConfig::default()
+    }
+}
+
+pub(crate) async fn start_publisher(
+    pool: &PgPool,
+    config: PublisherConfig,
+) -> (PublisherHandle, prometheus::Registry) {
+    let registry = prometheus::Registry::new();
+    let handle = Publisher::start(pool.clone(), config, &registry)
+        .await
+        .expect("the pipeline test needs Redis on 127.0.0.1:6379");
+    (handle, registry)
+}
+
+/// Sum of every series of a counter family (0 when absent).
+pub(crate) fn counter(registry: &prometheus::Registry, name: &str) -> f64 {
+    registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == name)
+        .flat_map(|f| f.get_metric().iter())
+        .map(|m| m.get_counter().get_value())
+        .sum()
+}
+
+/// One message as it came off a queue.
+pub(crate) struct Delivered {
+    pub(crate) message_id: String,
+    pub(crate) kind: String,
+    pub(crate) body: Vec<u8>,
+}
+
+/// Reads and acknowledges every message in the queue (the publisher is stopped, so the count is
+/// final), in queue order.
+pub(crate) async fn drain(broker: &Connection, queue: &str) -> Vec<Delivered> {
+    let channel = broker.create_channel().await.unwrap();
+    let count = channel
+        .queue_declare(
+            queue,
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{queue} is declared: {e}"))
+        .message_count() as usize;
+    channel
+        .basic_qos(500, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            queue,
+            "pipeline-drain",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut out = Vec::with_capacity(count);
+    while out.len() < count {
+        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+            .await
+            .unwrap_or_else(|_| panic!("{queue}: {} of {count} messages came", out.len()))
+            .expect("the consumer is open")
+            .unwrap();
+        let text = |s: &Option<relay_publisher::lapin::types::ShortString>| {
+            s.as_ref().map(|s| s.to_string()).unwrap_or_default()
+        };
+        out.push(Delivered {
+            message_id: text(delivery.properties.message_id()),
+            kind: text(delivery.properties.kind()),
+            body: delivery.data.clone(),
+        });
+        delivery.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let _ = channel.close(200, "drained").await;
+    out
+}
+
+/// Drains `tenant`'s queue (its publisher stopped, so the count is final) and checks that it
+/// rebuilds each of `own` endpoints' copies: the oracle's items, every change sequence once,
+/// nothing of another tenant or endpoint, repeats only of the same message. Returns how many
+/// messages came, and how many of them were repeats.
+pub(crate) async fn check_tenant_queue(
+    broker: &Connection,
+    pool: &PgPool,
+    sim: &Simulation,
+    tenant: Uuid,
+    own: &[Uuid],
+    seed: u64,
+) -> (usize, usize) {
+    let mut tenant_changes = 0;
+    for &id in own {
+        tenant_changes += change_count(pool, id).await;
+    }
+    // The queue is declared with the tenant's first publish: an endpoint whose filter selects
+    // nothing may have no change at all, and a tenant of only such endpoints no queue.
+    let messages = if tenant_changes > 0 {
+        drain(broker, &relay_publisher::tenant_queue(tenant)).await
+    } else {
+        Vec::new()
+    };
+    let mut consumer = ReferenceConsumer::new(tenant);
+    let mut bodies: HashMap<String, Value> = HashMap::new();
+    let mut repeats = 0;
+    for delivered in &messages {
+        let message = ChangeMessage::decode(&delivered.body)
+            .unwrap_or_else(|e| panic!("seed {seed}: an undecodable message: {e}"));
+        assert_eq!(
+            message.tenant_id, tenant,
+            "seed {seed}: another tenant's change in {tenant}'s queue"
+        );
+        assert!(
+            own.contains(&message.webhook_endpoint_id),
+            "seed {seed}: endpoint {} is not {tenant}'s",
+            message.webhook_endpoint_id
+        );
+        assert_eq!(delivered.message_id, message.message_id(), "seed {seed}");
+        assert_eq!(
+            delivered.message_id,
+            format!("{}:{}", message.webhook_endpoint_id, message.change_seq),
+            "seed {seed}"
+        );
+        assert_eq!(delivered.kind, message.operation.as_str(), "seed {seed}");
+        let body: Value = serde_json::from_slice(&delivered.body).unwrap();
+        match bodies.get(&delivered.message_id) {
+            Some(first) => {
+                assert_eq!(
+                    first, &body,
+                    "seed {seed}: message {} came twice with different content",
+                    delivered.message_id
+                );
+                repeats += 1;
+            }
+            None => {
+                bodies.insert(delivered.message_id.clone(), body);
+            }
+        }
+        consumer.receive(&message);
+    }
+    let stats = consumer.stats();
+    assert_eq!(
+        stats.gaps, 0,
+        "seed {seed}: tenant {tenant}: changes missing or out of order: {stats:?}"
+    );
+    assert_eq!(stats.other_tenant, 0, "seed {seed}: {stats:?}");
+    assert_eq!(stats.removals_of_nothing, 0, "seed {seed}: {stats:?}");
+    assert_eq!(
+        stats.duplicates as usize,
+        messages.len() - bodies.len(),
+        "seed {seed}: a repeat that is not of the same message_id: {stats:?}"
+    );
+    for &id in own {
+        let count = change_count(pool, id).await;
+        assert_eq!(
+            consumer.last_change_seq(id),
+            count,
+            "seed {seed}: endpoint {id} has {count} changes"
+        );
+        let received: BTreeSet<i64> = bodies
+            .values()
+            .filter(|b| b["webhook_endpoint_id"] == id.to_string())
+            .map(|b| b["change_seq"].as_i64().unwrap())
+            .collect();
+        assert_eq!(
+            received,
+            (1..=count).collect::<BTreeSet<i64>>(),
+            "seed {seed}: endpoint {id}: a change sequence is missing"
+        );
+        let truth = oracle(sim, id);
+        let rebuilt = consumer.items(id);
+        assert!(
+            rebuilt == without_positions(&truth),
+            "seed {seed}: endpoint {id}'s copy rebuilt from the queue ({} items) is not the \
+             oracle's ({} items)",
+            rebuilt.len(),
+            truth.len()
+        );
+    }
+    (messages.len(), repeats)
+}
