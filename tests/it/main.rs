@@ -11,5 +11,6 @@ mod pipeline;
 mod publisher;
 mod sequencer_apply;
 mod sequencer_ownership;
+mod sequencer_quarantine;
 mod sequencer_reload;
 mod store_pool;
