@@ -11,6 +11,7 @@ mod pipeline;
 mod publisher;
 mod sequencer_apply;
 mod sequencer_ownership;
+mod sequencer_quarantine;
 mod sequencer_reload;
 mod stack;
 mod store_pool;

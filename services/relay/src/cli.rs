@@ -182,6 +182,25 @@ pub struct SequencerArgs {
     )]
     pub max_concurrent_endpoints: usize,
 
+    /// The most of those endpoints one tenant's may be, as a fraction (0 to 1, at least one
+    /// endpoint): a tenant with many endpoints, or a hanging upstream, leaves the rest to others.
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_MAX_TENANT_SHARE",
+        default_value_t = relay_sequencer::service::DEFAULT_MAX_TENANT_SHARE
+    )]
+    pub max_tenant_share: f64,
+
+    /// Tries of a stored message whose apply fails (with jittered exponential backoff, the
+    /// endpoint's slot given back between them) before it is quarantined and the feed read again.
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_APPLY_ATTEMPTS",
+        default_value_t = relay_sequencer::service::DEFAULT_APPLY_ATTEMPTS,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub apply_attempts: u32,
+
     /// Apply transactions open at once; each applies the endpoints' runs that gathered while
     /// the others committed.
     #[arg(long, env = "RELAY_SEQUENCER_APPLIERS", default_value_t = 2)]

@@ -150,6 +150,8 @@ impl SequencerArgs {
             key_prefix: global.redis_key_prefix.clone(),
             lease: Duration::from_millis(self.lease_ms),
             max_concurrent_endpoints: self.max_concurrent_endpoints,
+            max_tenant_share: self.max_tenant_share,
+            apply_attempts: self.apply_attempts,
             messages_per_read: self.messages_per_read,
             appliers: self.appliers,
             runs_per_transaction: self.runs_per_transaction,

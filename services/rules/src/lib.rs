@@ -19,6 +19,8 @@
 //! - [`track`]: the per endpoint-and-track state machine over whole messages: generations,
 //!   access versions, resets and the reloads they begin, the kept `through`.
 //! - [`reload`]: merging a reload's read into the copy, and whether its pages agree.
+//! - [`quarantine`]: a stored message that cannot be applied: retried with backoff, then kept
+//!   aside and the feed read again.
 //! - [`refetch`]: what to do with the answer of a refetch's item read.
 //! - [`rewind`]: what to do after restoring the copy from a backup, and with a rewind's answer.
 //! - [`model`]: a small in-memory reference copy ([`FeedCopy`]) that carries decisions out, and
@@ -29,6 +31,7 @@ pub mod event;
 pub mod model;
 pub mod parts;
 pub mod precedence;
+pub mod quarantine;
 pub mod refetch;
 pub mod reload;
 pub mod rewind;
@@ -41,6 +44,7 @@ pub use event::{
 pub use model::{Endpoint, FeedCopy, Received};
 pub use parts::{diff_parts, PartsDiff};
 pub use precedence::{precedence, Held, HeldContent, Precedence};
+pub use quarantine::{decide_failed_apply, quarantine, ApplyBackoff, FailedApply, Unapplicable};
 pub use refetch::{
     decide_refetch, PendingRefetch, RefetchAnswer, RefetchOutcome, REFETCH_ATTEMPTS,
 };
@@ -52,5 +56,5 @@ pub use rewind::{
     decide_rewind, restore_plan, RestorePlan, RewindAnswer, RewindOutcome, RewindRefusal,
 };
 pub use track::{
-    step, EndpointTrack, MalformedMessage, MessageDecision, Reload, ReloadCause, ReloadStart,
+    step, EndpointTrack, MessageDecision, Reload, ReloadCause, ReloadStart,
 };

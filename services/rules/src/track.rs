@@ -7,6 +7,8 @@
 use relay_wire::{EventBody, Message, ResetData, Track};
 use serde::{Deserialize, Serialize};
 
+use crate::quarantine::{quarantine, Unapplicable};
+
 /// What the copy keeps of one endpoint's track.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EndpointTrack {
@@ -83,15 +85,12 @@ pub enum MessageDecision {
         generation: u64,
         reload: Option<ReloadStart>,
     },
-    /// A feed message that lacks what version 1 requires of it: logged, never applied.
-    Malformed(MalformedMessage),
-}
-
-/// Why a feed-track message cannot be applied.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum MalformedMessage {
-    #[error("a message of the feed track carries no generation")]
-    MissingGeneration,
+    /// A message that can never be applied (see [`crate::quarantine`]): kept aside with `why`,
+    /// and the feed read again (`reload`), so the endpoint goes on and its copy converges.
+    Quarantine {
+        why: Unapplicable,
+        reload: ReloadStart,
+    },
 }
 
 /// The transition for one message, applied in the order received (rule "Apply each endpoint's
@@ -111,6 +110,8 @@ pub enum MalformedMessage {
 ///   still applied by the same rules ("While you read, keep applying the messages that follow").
 /// - Rule "A rewind raises the generation too but sends no reset, and a reload it overtakes goes
 ///   on": a newer generation without a reset leaves a running reload alone.
+/// - A feed message without a generation can never be applied: `Quarantine`, and the feed is
+///   read again (see [`crate::quarantine`]).
 /// - Rule "Keep, with the copy, the through of the last message of events applied": a message of
 ///   events sets `through` and clears `last_was_reset`; a reset sets `last_was_reset`.
 ///
@@ -132,9 +133,7 @@ pub fn step(state: &EndpointTrack, message: &Message) -> (EndpointTrack, Message
         return step_reset(state, reset);
     }
     let Some(generation) = message.generation else {
-        return same(MessageDecision::Malformed(
-            MalformedMessage::MissingGeneration,
-        ));
+        return quarantine(state, Unapplicable::MissingGeneration);
     };
     if let Some(held) = state.generation {
         if generation < held {

@@ -466,16 +466,18 @@ fn ignore_unnamed_rule_a_track_version_1_does_not_name_is_ignored() {
 }
 
 #[test]
-fn older_generation_rule_a_feed_message_without_a_generation_is_malformed() {
+fn older_generation_rule_a_feed_message_without_a_generation_is_quarantined_and_read_again() {
     let m = parse(
         json!({"v": 1, "webhook_endpoint_id": ENDPOINT, "track": "feed",
                          "events": []}),
     );
-    let (_, d) = step(&loaded(4, "av"), &m);
-    assert_eq!(
-        d,
-        MessageDecision::Malformed(MalformedMessage::MissingGeneration)
-    );
+    let (track, d) = step(&loaded(4, "av"), &m);
+    let MessageDecision::Quarantine { why, reload } = d else {
+        panic!("{d:?}")
+    };
+    assert_eq!(why, Unapplicable::MissingGeneration);
+    assert!(matches!(reload, ReloadStart::Begin(ref r) if r.generation == 4));
+    assert_eq!(track.reload.map(|r| r.generation), Some(4));
 }
 
 #[test]

@@ -17,9 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use relay_rules::{
-    decide_event, decide_refetch, feed_subject, step, Decision, EndpointTrack, FeedCopy,
-    IgnoreReason, MessageDecision, PendingRefetch, RefetchAnswer, RefetchOutcome, ReloadStart,
-    REFETCH_ATTEMPTS,
+    decide_event, decide_refetch, feed_subject, quarantine, step, Decision, EndpointTrack,
+    FeedCopy, IgnoreReason, MessageDecision, PendingRefetch, RefetchAnswer, RefetchOutcome,
+    ReloadStart, Unapplicable, REFETCH_ATTEMPTS,
 };
 use relay_store::copy;
 use relay_store::StoreError;
@@ -53,6 +53,43 @@ pub enum ApplyError {
     /// several workers).
     #[error("reading pending messages: {0}")]
     PendingRead(String),
+}
+
+impl ApplyError {
+    /// Whether the failure may come from the messages being applied, so that it counts as a
+    /// failed attempt of the endpoint's next message: Postgres refused a statement for what it
+    /// holds, or a stored value does not fit. Not when it comes from around them (Postgres out
+    /// of reach, too slow or shutting down, a conflict with another transaction, another owner,
+    /// the sequencer stopping): those are retried for as long as they last and quarantine
+    /// nothing.
+    pub fn may_be_the_message(&self) -> bool {
+        match self {
+            ApplyError::Database(error)
+            | ApplyError::Store(StoreError::Database(error))
+            | ApplyError::State(StateError::Database(error)) => statement_refused(error),
+            ApplyError::Store(StoreError::Invalid(_)) | ApplyError::State(StateError::Invalid(_)) => {
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Postgres refused the statement for its values (a data exception, a constraint, ...) rather
+/// than for the state of the server or of other transactions (SQLSTATE classes 08 connection,
+/// 40 rollback: serialization or deadlock, 53 resources, 55 lock not available, 57 cancelled or
+/// shutting down, 58 system, XX internal).
+fn statement_refused(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(db) => !db.code().is_some_and(|code| {
+            matches!(
+                code.get(..2),
+                Some("08" | "40" | "53" | "55" | "57" | "58" | "XX")
+            )
+        }),
+        sqlx::Error::Encode(_) => true,
+        _ => false,
+    }
 }
 
 /// One owned endpoint: its registration, its upstream client, and the selection (language,
@@ -297,6 +334,56 @@ pub async fn prepare_run(
     })
 }
 
+/// Sets aside the endpoint's next message (`arrival_seq`, the first after the cursor at
+/// `applied`), whose apply failed `attempts` times (the last with `error`), and reads the feed
+/// again (relay-rules' [`quarantine`]), in one transaction: under the endpoint's locks
+/// ([`state::open_track`]), the statement that moves the cursor past it (only from `applied`)
+/// records it and its outcome, and the track row takes the reload.
+pub async fn quarantine_failing(
+    pool: &PgPool,
+    ctx: &EndpointContext,
+    token: i64,
+    (applied, arrival_seq): (i64, i64),
+    (attempts, error): (u32, String),
+    metrics: &SequencerMetrics,
+) -> Result<(), ApplyError> {
+    let (tenant, endpoint) = (ctx.tenant(), ctx.id());
+    let mut tx = pool.begin().await?;
+    let Some(held) = state::open_track(&mut tx, tenant, endpoint, token, state::FEED_TRACK).await?
+    else {
+        return Err(ApplyError::Fenced);
+    };
+    let why = Unapplicable::KeepsFailing { attempts, error };
+    let reason = why.to_string();
+    let (track, decision) = quarantine(&held, why);
+    let attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
+    if !state::quarantine_next(
+        &mut tx,
+        tenant,
+        endpoint,
+        (applied, arrival_seq),
+        &reason,
+        attempts,
+    )
+    .await?
+    {
+        return Err(ApplyError::CursorMoved);
+    }
+    state::save_track(&mut tx, tenant, endpoint, state::FEED_TRACK, &track).await?;
+    tx.commit().await?;
+    tracing::warn!(%endpoint, arrival_seq, %reason, "message quarantined; the feed is read again");
+    let mut tally = Tally::default();
+    if let MessageDecision::Quarantine { reload, .. } = &decision {
+        note_reload_start(&mut tally, endpoint, reload);
+    }
+    tally.count(metrics);
+    metrics
+        .messages
+        .with_label_values(&[MessageOutcome::Quarantined.as_str()])
+        .inc();
+    Ok(())
+}
+
 /// Applies several endpoints' runs (each endpoint once), answering each run in the order given.
 ///
 /// They are tried in one transaction of two statements whatever their number (see
@@ -444,6 +531,7 @@ async fn apply_together(
             tenant: run.ctx.tenant(),
             track: (run_decided.track != *held_track).then_some(&run_decided.track),
             outcomes: &run_decided.outcomes,
+            quarantined: &run_decided.quarantined,
             forget: forget.iter().map(String::as_str).collect(),
             from: run.applied,
             to: run.through,
@@ -573,6 +661,8 @@ struct DecidedRun {
     /// which of `texts` is the row's item.
     rows: Vec<(String, copy::HeldEntry, Option<usize>)>,
     outcomes: Vec<(i64, MessageOutcome, i32, i32)>,
+    /// The messages set aside: (arrival_seq, reason).
+    quarantined: Vec<(i64, String)>,
     tally: Tally,
 }
 
@@ -598,26 +688,28 @@ fn decide_run(run: &PreparedRun, held_track: EndpointTrack, found: copy::RunHeld
     let mut seen_in_run: HashSet<&str> = HashSet::new();
     let mut decided: Vec<(Decision, String)> = Vec::new();
     let mut outcomes: Vec<(i64, MessageOutcome, i32, i32)> = Vec::with_capacity(run.pending.len());
+    let mut quarantined: Vec<(i64, String)> = Vec::new();
     for (message, stored) in run.parsed.iter().zip(&run.pending) {
-        let Ok(message) = message else {
-            // The front tier parsed it before storing it, so this is a stored body the current
-            // code reads differently: log it, count it, and move on (it can never apply).
-            tracing::error!(%endpoint, arrival_seq = stored.arrival_seq,
-                "stored message does not parse");
-            outcomes.push((stored.arrival_seq, MessageOutcome::Malformed, 0, 0));
-            continue;
+        // A stored body that is not a v1 message (the front tier stores what the upstream
+        // signed, whatever it holds) can never apply: set aside, and the feed read again.
+        let (next, decision) = match message {
+            Ok(message) => step(&track, message),
+            Err(error) => quarantine(&track, Unapplicable::NotV1(error.to_string())),
         };
-        let (next, decision) = step(&track, message);
+        // Only a message that parsed has events to apply.
+        let events = message.as_ref().map_or(&[][..], |m| m.events.as_slice());
         track = next;
         let mut events_applied = 0;
         let mut events_ignored = 0;
         let outcome = match decision {
             MessageDecision::Test => MessageOutcome::Test,
             MessageDecision::IgnoredTrack => MessageOutcome::IgnoredTrack,
-            MessageDecision::Malformed(why) => {
+            MessageDecision::Quarantine { why, reload } => {
                 tracing::warn!(%endpoint, arrival_seq = stored.arrival_seq, %why,
-                    "message not applied");
-                MessageOutcome::Malformed
+                    "message quarantined; the feed is read again");
+                note_reload_start(&mut tally, endpoint, &reload);
+                quarantined.push((stored.arrival_seq, why.to_string()));
+                MessageOutcome::Quarantined
             }
             MessageDecision::SkipOlderGeneration { generation, held } => {
                 tracing::debug!(%endpoint, generation, held, "message of an older generation");
@@ -638,7 +730,7 @@ fn decide_run(run: &PreparedRun, held_track: EndpointTrack, found: copy::RunHeld
                 if let Some(start) = &reload {
                     note_reload_start(&mut tally, endpoint, start);
                 }
-                for event in &message.events {
+                for event in events {
                     // Rule "De-duplicate events by id, for each endpoint": recorded before this
                     // run, or earlier in it.
                     let label = if !first_seen.contains(&event.id)
@@ -745,6 +837,7 @@ fn decide_run(run: &PreparedRun, held_track: EndpointTrack, found: copy::RunHeld
         texts,
         rows,
         outcomes,
+        quarantined,
         tally,
     }
 }

@@ -13,6 +13,7 @@
 //! - [`reload`]: reading `/v1/feed` until its pages agree, and merging the read.
 //! - [`worker`]: one owned endpoint: messages in order, its reload beside them, the lease.
 //! - [`service`]: the process: wake-ups, the sweep, a bounded set of workers.
+//! - [`slots`]: how many workers at once, and how many of them for one tenant.
 //! - [`wake`]: the Redis wake-up the front tier publishes after each commit.
 //! - [`metrics`]: what the sequencer exports.
 //!
@@ -25,6 +26,7 @@ pub mod metrics;
 pub mod ownership;
 pub mod reload;
 pub mod service;
+pub mod slots;
 pub mod state;
 pub mod upstream;
 pub mod wake;

@@ -53,6 +53,7 @@ pub struct SequencerMetrics {
     pub endpoints_owned: IntGauge,
     pub lock_losses: IntCounter,
     pub applied_events_forgotten: IntCounter,
+    pub apply_failures: IntCounter,
 }
 
 impl SequencerMetrics {
@@ -141,7 +142,13 @@ impl SequencerMetrics {
             "relay_sequencer_applied_events_forgotten_total",
             "Applied event ids deleted after their retention.",
         )?;
+        let apply_failures = IntCounter::new(
+            "relay_sequencer_apply_failures_total",
+            "Failed applies of a message alone that its content may have caused (each is one \
+             of its tries before quarantine).",
+        )?;
         registry.register(Box::new(applied_events_forgotten.clone()))?;
+        registry.register(Box::new(apply_failures.clone()))?;
         registry.register(Box::new(messages.clone()))?;
         registry.register(Box::new(events.clone()))?;
         registry.register(Box::new(apply_lag.clone()))?;
@@ -183,6 +190,7 @@ impl SequencerMetrics {
             endpoints_owned,
             lock_losses,
             applied_events_forgotten,
+            apply_failures,
         })
     }
 

@@ -1,13 +1,15 @@
 //! The sequencer process: wake-ups and the sweep find endpoints with work; a worker per endpoint
-//! (at most `max_concurrent_endpoints` at once) owns it and applies it.
+//! (at most `max_concurrent_endpoints` at once, and at most a tenant's share of them for one
+//! tenant: [`crate::slots`]) owns it and applies it.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use relay_rules::ApplyBackoff;
 use sqlx::PgPool;
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
@@ -15,10 +17,19 @@ use crate::batch::{ApplyBatcher, PendingReader};
 use crate::metrics::SequencerMetrics;
 use crate::ownership::{Owners, OwnershipConfig, OwnershipError};
 use crate::reload::ReloadBackoff;
+use crate::slots::Slots;
 use crate::state;
 use crate::upstream::UpstreamClient;
 use crate::wake::{listen, wake_channel};
 use crate::worker::{run_worker, WorkerConfig, WorkerExit, WorkerSignal};
+
+/// The most of a process's workers one tenant may hold: half, so one tenant's endpoints (many,
+/// or stuck on a hanging upstream) always leave the other half to the others.
+pub const DEFAULT_MAX_TENANT_SHARE: f64 = 0.5;
+
+/// Tries of a message whose apply fails before it is quarantined: with the default backoff,
+/// about 7 s of trying, enough to outlast a brief fault without holding the endpoint long.
+pub const DEFAULT_APPLY_ATTEMPTS: u32 = 5;
 
 /// How the sequencer behaves. The defaults suit one machine with the front tier beside it.
 #[derive(Debug, Clone)]
@@ -30,6 +41,12 @@ pub struct SequencerConfig {
     pub lease: Duration,
     /// Endpoints worked at once by this process.
     pub max_concurrent_endpoints: usize,
+    /// The most of those one tenant may hold, as a fraction (see [`crate::slots`]).
+    pub max_tenant_share: f64,
+    /// Tries of a stored message whose apply fails before it is quarantined.
+    pub apply_attempts: u32,
+    /// The waits between those tries.
+    pub apply_backoff: ApplyBackoff,
     /// Messages read from Postgres at a time per endpoint.
     pub messages_per_read: i64,
     /// Apply transactions open at once (each takes the runs that gathered while the others
@@ -66,6 +83,12 @@ impl Default for SequencerConfig {
             key_prefix: "relay:".to_owned(),
             lease: Duration::from_secs(10),
             max_concurrent_endpoints: 128,
+            max_tenant_share: DEFAULT_MAX_TENANT_SHARE,
+            apply_attempts: DEFAULT_APPLY_ATTEMPTS,
+            apply_backoff: ApplyBackoff {
+                first: Duration::from_millis(500),
+                max: Duration::from_secs(30),
+            },
             messages_per_read: 100,
             appliers: 2,
             runs_per_transaction: 64,
@@ -198,8 +221,10 @@ async fn schedule(
         reload_backoff: config.reload_backoff,
         error_pause: Duration::from_millis(200),
         feed_page_limit: config.feed_page_limit,
+        apply_attempts: config.apply_attempts,
+        apply_backoff: config.apply_backoff,
     };
-    let permits = Arc::new(Semaphore::new(config.max_concurrent_endpoints.max(1)));
+    let slots = Slots::new(config.max_concurrent_endpoints, config.max_tenant_share);
     let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let lease_duration = config.lease;
     let mut active: HashMap<Uuid, Arc<WorkerSignal>> = HashMap::new();
@@ -213,32 +238,46 @@ async fn schedule(
         active.insert(endpoint, signal.clone());
         let (pool, owners, http) = (pool.clone(), owners.clone(), http.clone());
         let (config, metrics) = (worker_config.clone(), metrics.clone());
-        let permits = permits.clone();
+        let slots = slots.clone();
         let stopping = stopping.clone();
         workers.spawn(async move {
-            let Ok(permit) = permits.clone().acquire_owned().await else {
-                return WorkerExit {
-                    endpoint,
-                    wakes_seen: 0,
-                };
+            let gone = WorkerExit {
+                endpoint,
+                wakes_seen: 0,
             };
+            // The endpoint's tenant decides which share its worker counts against: read under
+            // one of the process's slots (so reads are as bounded as workers), then that slot is
+            // kept or, while the tenant is at its share, given back.
+            let any = slots.take_any().await;
             if stopping.load(Ordering::SeqCst) {
-                return WorkerExit {
-                    endpoint,
-                    wakes_seen: 0,
-                };
+                return gone;
+            }
+            let registration = match state::load_registration(&pool, endpoint).await {
+                Ok(Some(registration)) => registration,
+                Ok(None) => {
+                    tracing::warn!(%endpoint, "messages for an endpoint that is not registered");
+                    return gone;
+                }
+                Err(error) => {
+                    tracing::warn!(%endpoint, %error, "could not read the endpoint");
+                    return gone;
+                }
+            };
+            let slot = slots.take_holding(registration.tenant_id, any).await;
+            if stopping.load(Ordering::SeqCst) {
+                return gone;
             }
             run_worker(
                 pool,
                 owners,
                 http,
-                endpoint,
+                registration,
                 signal,
                 config,
                 metrics,
                 lease_duration,
                 stopping,
-                (permits, permit),
+                (slots, slot),
             )
             .await
         });
@@ -253,6 +292,7 @@ async fn schedule(
                 }
             }
             Some(done) = workers.join_next(), if !workers.is_empty() => {
+                slots.forget_idle();
                 let Ok(exit) = done else { continue };
                 if let Some(signal) = active.remove(&exit.endpoint) {
                     if signal.wakes.load(Ordering::SeqCst) > exit.wakes_seen

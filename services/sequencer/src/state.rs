@@ -455,7 +455,7 @@ static OPEN_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
 });
 
 /// How one endpoint's run of messages ends, beside the copy's writes: the track row (when the
-/// run changed it), how each message was applied, the event ids [`open_runs`] recorded for
+/// run changed it), how each message was applied, the messages set aside, the event ids [`open_runs`] recorded for
 /// messages that did not apply (forgotten again), and the apply cursor moved from `from` to
 /// `to`.
 pub struct RunEnd<'a> {
@@ -463,6 +463,8 @@ pub struct RunEnd<'a> {
     pub tenant: Uuid,
     pub track: Option<&'a EndpointTrack>,
     pub outcomes: &'a [(i64, MessageOutcome, i32, i32)],
+    /// The messages set aside: (arrival_seq, reason).
+    pub quarantined: &'a [(i64, String)],
     pub forget: Vec<&'a str>,
     pub from: i64,
     pub to: i64,
@@ -535,6 +537,20 @@ pub async fn write_runs(
             f_event.push(*id);
         }
     }
+    let mut q_endpoint = Vec::new();
+    let mut q_tenant = Vec::new();
+    let mut q_seq = Vec::new();
+    let mut q_reason = Vec::new();
+    for end in ends {
+        for (seq, reason) in end.quarantined {
+            q_endpoint.push(end.endpoint);
+            q_tenant.push(end.tenant);
+            q_seq.push(*seq);
+            q_reason.push(relay_store::quarantine::reason_text(reason));
+        }
+    }
+    // A body that does not parse is set aside at its first look.
+    let q_attempts = vec![1i32; q_seq.len()];
     let query = sqlx::query_as(&WRITE_RUNS);
     let rows: Vec<(Uuid, i64, i64, i64)> = decided
         .bind(query)
@@ -560,6 +576,11 @@ pub async fn write_runs(
         .bind(ends.iter().map(|e| e.last_received_at).collect::<Vec<_>>())
         .bind(f_endpoint)
         .bind(f_event)
+        .bind(q_endpoint)
+        .bind(q_tenant)
+        .bind(q_seq)
+        .bind(q_reason)
+        .bind(q_attempts)
         .fetch_all(conn)
         .await?;
     let mut written: std::collections::HashMap<Uuid, RunWritten> = rows
@@ -583,8 +604,9 @@ pub async fn write_runs(
 
 /// [`write_runs`]' statement: the copy's CTEs (`$1`–`$20`), then the tracks that changed
 /// (`$21` the track's name, `$22`–`$29`), the outcomes (`$30`–`$35`), the cursors (`$36`–`$40`:
-/// endpoint, tenant, from, to, the last message's receipt time) and the event ids to forget
-/// (`$41`–`$42`: endpoint, event id). A cursor moves only from where the run read it: updated
+/// endpoint, tenant, from, to, the last message's receipt time), the event ids to forget
+/// (`$41`–`$42`: endpoint, event id) and the messages set aside (`$43`–`$47`, see
+/// [`relay_store::quarantine::record_cte`]). A cursor moves only from where the run read it: updated
 /// where it is at `from`, or created when the run read none (`from` 0) and there is still none.
 static WRITE_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
@@ -652,7 +674,8 @@ static WRITE_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
              -- reads the table at all.
              WHERE cardinality($41::uuid[]) > 0
                AND a.endpoint_id = f.endpoint_id AND a.event_id = f.event_id
-         )
+         ),
+         {quarantined}
          SELECT k.endpoint_id, coalesce(w.n, 0), coalesce(c.n, 0),
                 coalesce(m.n, 0) + coalesce(n.n, 0)
          FROM runs k
@@ -664,7 +687,60 @@ static WRITE_RUNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
              ON m.endpoint_id = k.endpoint_id
          LEFT JOIN (SELECT endpoint_id, count(*) AS n FROM created GROUP BY 1) n
              ON n.endpoint_id = k.endpoint_id",
-        ctes = relay_store::copy::WRITE_DECIDED_CTES
+        ctes = relay_store::copy::WRITE_DECIDED_CTES,
+        quarantined = relay_store::quarantine::record_cte(43),
+    )
+});
+
+/// Sets aside the endpoint's next message (`arrival_seq`, the first after the cursor at `from`),
+/// whose apply kept failing, in one statement: moves the cursor past it (only from `from`: the
+/// statement decides that this transaction is the one moving it), notes its outcome and records
+/// it with `reason` and `attempts`. `false`: the cursor was not at `from` (roll back). The
+/// caller holds the endpoint (fence, writer lock, track row: [`open_track`]) and writes the
+/// track's reload in the same transaction.
+pub async fn quarantine_next(
+    conn: &mut PgConnection,
+    tenant: Uuid,
+    endpoint: Uuid,
+    (from, arrival_seq): (i64, i64),
+    reason: &str,
+    attempts: i32,
+) -> Result<bool, StateError> {
+    let moved: i64 = sqlx::query_scalar(&QUARANTINE_NEXT)
+        .bind(endpoint)
+        .bind(tenant)
+        .bind(from)
+        .bind(arrival_seq)
+        .bind(MessageOutcome::Quarantined.as_str())
+        .bind(vec![endpoint])
+        .bind(vec![tenant])
+        .bind(vec![arrival_seq])
+        .bind(vec![relay_store::quarantine::reason_text(reason)])
+        .bind(vec![attempts])
+        .fetch_one(conn)
+        .await?;
+    Ok(moved == 1)
+}
+
+static QUARANTINE_NEXT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "WITH moved AS (
+             INSERT INTO endpoint_apply_cursors AS c (endpoint_id, tenant_id,
+                 applied_arrival_seq, last_applied_at)
+             VALUES ($1, $2, $4, now())
+             ON CONFLICT (endpoint_id) DO UPDATE
+             SET applied_arrival_seq = excluded.applied_arrival_seq, last_applied_at = now()
+             WHERE c.applied_arrival_seq = $3
+             RETURNING endpoint_id
+         ),
+         noted AS (
+             INSERT INTO message_applications (endpoint_id, arrival_seq, tenant_id, outcome)
+             SELECT endpoint_id, $4, $2, $5 FROM moved
+             ON CONFLICT (endpoint_id, arrival_seq) DO NOTHING
+         ),
+         {quarantined}
+         SELECT count(*) FROM moved",
+        quarantined = relay_store::quarantine::record_cte(6),
     )
 });
 
@@ -830,7 +906,8 @@ pub enum MessageOutcome {
     OlderGeneration,
     ReloadBegun,
     ReloadSuperseded,
-    Malformed,
+    /// Set aside: it can never be applied (see `relay_rules::quarantine`).
+    Quarantined,
 }
 
 impl MessageOutcome {
@@ -842,7 +919,7 @@ impl MessageOutcome {
             MessageOutcome::OlderGeneration => "older_generation",
             MessageOutcome::ReloadBegun => "reload_begun",
             MessageOutcome::ReloadSuperseded => "reload_superseded",
-            MessageOutcome::Malformed => "malformed",
+            MessageOutcome::Quarantined => "quarantined",
         }
     }
 
@@ -853,7 +930,7 @@ impl MessageOutcome {
         MessageOutcome::OlderGeneration,
         MessageOutcome::ReloadBegun,
         MessageOutcome::ReloadSuperseded,
-        MessageOutcome::Malformed,
+        MessageOutcome::Quarantined,
     ];
 }
 

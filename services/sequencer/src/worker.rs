@@ -5,9 +5,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use relay_rules::Reload;
+use relay_rules::{decide_failed_apply, ApplyBackoff, FailedApply, Reload};
 use sqlx::PgPool;
-use tokio::sync::{Mutex, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Mutex, Notify};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
@@ -15,7 +15,8 @@ use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::SequencerMetrics;
 use crate::ownership::{Lease, Owners};
 use crate::reload::{run_reload, ReloadBackoff, ReloadEnd};
-use crate::state::{self, FEED_TRACK};
+use crate::slots::{Slot, Slots};
+use crate::state::{self, EndpointRegistration, FEED_TRACK};
 
 /// What the scheduler and the endpoint's worker share.
 #[derive(Default)]
@@ -49,6 +50,9 @@ pub struct WorkerConfig {
     pub error_pause: Duration,
     /// Items per `/v1/feed` page a reload asks for.
     pub feed_page_limit: usize,
+    /// Tries of a message whose apply fails before it is quarantined, and the waits between.
+    pub apply_attempts: u32,
+    pub apply_backoff: ApplyBackoff,
 }
 
 /// How a worker ended: the wake count it had seen last (the scheduler starts it again when more
@@ -63,23 +67,32 @@ struct RunningReload {
     task: JoinHandle<Result<ReloadEnd, ApplyError>>,
 }
 
-/// Owns `endpoint` if nobody else does, and works it until idle.
+/// The endpoint's next message while its apply keeps failing.
+struct NextFailing {
+    arrival_seq: i64,
+    attempts: u32,
+}
+
+/// Owns the endpoint if nobody else does, and works it until idle.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_worker(
     pool: PgPool,
     owners: Owners,
     http: reqwest::Client,
-    endpoint: Uuid,
+    registration: EndpointRegistration,
     signal: Arc<WorkerSignal>,
     config: WorkerConfig,
     metrics: SequencerMetrics,
     lease_duration: Duration,
     stopping: Arc<AtomicBool>,
-    (permits, permit): (Arc<Semaphore>, OwnedSemaphorePermit),
+    (slots, slot): (Arc<Slots>, Slot),
 ) -> WorkerExit {
-    // The permit bounds endpoints being *worked* at once; an idle worker lingering for more
-    // messages gives it back, so lingering never starves endpoints that have work.
-    let mut permit = Some(permit);
+    // The slot bounds endpoints being *worked* at once; an idle worker lingering for more
+    // messages, or waiting to try a failed message again, gives it back, so waiting never
+    // starves endpoints that have work.
+    let endpoint = registration.id;
+    let tenant = registration.tenant_id;
+    let mut permit = Some(slot);
     let mut wakes_seen = signal.wakes.load(Ordering::SeqCst);
     let exit = |wakes_seen| WorkerExit {
         endpoint,
@@ -105,17 +118,6 @@ pub async fn run_worker(
         metrics.clone(),
     ));
 
-    let registration = match state::load_registration(&pool, endpoint).await {
-        Ok(Some(registration)) => registration,
-        Ok(None) => {
-            tracing::warn!(%endpoint, "messages for an endpoint that is not registered");
-            return finish(renewer, &lease, None, &owners, &metrics, exit(wakes_seen)).await;
-        }
-        Err(error) => {
-            tracing::warn!(%endpoint, %error, "could not read the endpoint");
-            return finish(renewer, &lease, None, &owners, &metrics, exit(wakes_seen)).await;
-        }
-    };
     if let Err(error) =
         state::ensure_track(&pool, registration.tenant_id, endpoint, FEED_TRACK).await
     {
@@ -127,25 +129,107 @@ pub async fn run_worker(
     );
     let mut reload: Option<RunningReload> = None;
     let mut cursor: Option<i64> = None;
+    // After a run failed in a way its messages may have caused: apply the next message alone,
+    // so that a failure is that message's (and the messages before it still apply).
+    let mut next_alone = false;
+    let mut failing: Option<NextFailing> = None;
 
     loop {
         if lost.load(Ordering::SeqCst) || stopping.load(Ordering::SeqCst) {
             break;
         }
         if permit.is_none() {
-            match permits.clone().acquire_owned().await {
-                Ok(p) => permit = Some(p),
-                Err(_) => break,
-            }
+            permit = Some(slots.take(tenant).await);
         }
         wakes_seen = signal.wakes.load(Ordering::SeqCst);
-        let step = apply_available(&pool, &ctx, token, &mut cursor, &config, &metrics).await;
+        let mut tried = Tried::default();
+        let step = apply_available(
+            &pool,
+            &ctx,
+            token,
+            &mut cursor,
+            (&config, &metrics),
+            (next_alone, &mut tried),
+        )
+        .await;
         let (applied_any, reload_pending) = match step {
-            Ok(applied) => (applied.messages > 0, applied.reload_pending),
+            Ok(applied) => {
+                next_alone = false;
+                (applied.messages > 0, applied.reload_pending)
+            }
             Err(error @ (ApplyError::Fenced | ApplyError::CursorMoved)) => {
                 metrics.lock_losses.inc();
                 tracing::info!(%endpoint, %error, "lost the endpoint to another worker");
                 break;
+            }
+            Err(error) if error.may_be_the_message() => {
+                let Some((applied, arrival_seq)) = tried.alone else {
+                    if !next_alone {
+                        tracing::info!(%endpoint, %error,
+                            "a run failed; its next message alone now");
+                        next_alone = true;
+                    } else {
+                        // Failed before any message was tried: nothing to count it against.
+                        tracing::warn!(%endpoint, %error, "applying messages failed; retrying");
+                        tokio::time::sleep(config.error_pause).await;
+                    }
+                    continue;
+                };
+                next_alone = true;
+                metrics.apply_failures.inc();
+                let attempts = match &failing {
+                    Some(f) if f.arrival_seq == arrival_seq => f.attempts + 1,
+                    _ => 1,
+                };
+                failing = Some(NextFailing {
+                    arrival_seq,
+                    attempts,
+                });
+                let decision = decide_failed_apply(
+                    attempts,
+                    config.apply_attempts,
+                    config.apply_backoff,
+                    rand::random::<f64>(),
+                );
+                match decision {
+                    FailedApply::RetryAfter(wait) => {
+                        tracing::warn!(%endpoint, arrival_seq, attempts, %error, ?wait,
+                            "applying the message failed; it is tried again");
+                        // Waits holding only the lock: the slot goes to endpoints with work.
+                        permit = None;
+                        wait_or_stop(&signal, &stopping, &lost, wait).await;
+                    }
+                    FailedApply::Quarantine => {
+                        let quarantined = crate::apply::quarantine_failing(
+                            &pool,
+                            &ctx,
+                            token,
+                            (applied, arrival_seq),
+                            (attempts, error.to_string()),
+                            &metrics,
+                        )
+                        .await;
+                        match quarantined {
+                            Ok(()) => {
+                                failing = None;
+                                next_alone = false;
+                                cursor = Some(arrival_seq);
+                            }
+                            Err(error @ (ApplyError::Fenced | ApplyError::CursorMoved)) => {
+                                metrics.lock_losses.inc();
+                                tracing::info!(%endpoint, %error,
+                                    "lost the endpoint to another worker");
+                                break;
+                            }
+                            Err(error) => {
+                                // Still failing when tried next: quarantined then.
+                                tracing::warn!(%endpoint, %error, "quarantining failed; retrying");
+                                tokio::time::sleep(config.error_pause).await;
+                            }
+                        }
+                    }
+                }
+                continue;
             }
             Err(error) => {
                 tracing::warn!(%endpoint, %error, "applying messages failed; retrying");
@@ -240,6 +324,27 @@ pub async fn run_worker(
     finish(renewer, &lease, reload, &owners, &metrics, exit(wakes_seen)).await
 }
 
+/// Waits `wait`, or less when the sequencer stops or the lease is lost (a stopping scheduler
+/// wakes every worker).
+async fn wait_or_stop(
+    signal: &WorkerSignal,
+    stopping: &AtomicBool,
+    lost: &AtomicBool,
+    wait: Duration,
+) {
+    let until = tokio::time::Instant::now() + wait;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep_until(until) => return,
+            _ = signal.notify.notified() => {
+                if stopping.load(Ordering::SeqCst) || lost.load(Ordering::SeqCst) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
 async fn wait_finished<T>(task: &JoinHandle<T>) {
     while !task.is_finished() {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -253,18 +358,34 @@ struct Applied {
     reload_pending: bool,
 }
 
-/// Applies every message available now, in order. `cursor` is the apply cursor as this worker
-/// last left it (read from Postgres when `None`, and forgotten after an error, whose commit may
-/// or may not have happened): the worker owns the endpoint, so nobody else moves it.
+/// The last run [`apply_available`] tried, when it was one message alone: (the cursor it
+/// followed, its arrival_seq). After a failure, that message's failure.
+#[derive(Default)]
+struct Tried {
+    alone: Option<(i64, i64)>,
+}
+
+/// Applies every message available now, in order (with `first_alone`, the first one in a run of
+/// its own). `cursor` is the apply cursor as this worker last left it (read from Postgres when
+/// `None`, and forgotten after an error, whose commit may or may not have happened): the worker
+/// owns the endpoint, so nobody else moves it.
 async fn apply_available(
     pool: &PgPool,
     ctx: &Arc<EndpointContext>,
     token: i64,
     cursor: &mut Option<i64>,
-    config: &WorkerConfig,
-    metrics: &SequencerMetrics,
+    (config, metrics): (&WorkerConfig, &SequencerMetrics),
+    (first_alone, tried): (bool, &mut Tried),
 ) -> Result<Applied, ApplyError> {
-    let result = apply_from_cursor(pool, ctx, token, cursor, (config, metrics)).await;
+    let result = apply_from_cursor(
+        pool,
+        ctx,
+        token,
+        cursor,
+        (config, metrics),
+        (first_alone, tried),
+    )
+    .await;
     if result.is_err() {
         *cursor = None;
     }
@@ -277,6 +398,7 @@ async fn apply_from_cursor(
     token: i64,
     cursor: &mut Option<i64>,
     (config, metrics): (&WorkerConfig, &SequencerMetrics),
+    (mut alone, tried): (bool, &mut Tried),
 ) -> Result<Applied, ApplyError> {
     let endpoint = ctx.id();
     let mut applied = match *cursor {
@@ -289,7 +411,8 @@ async fn apply_from_cursor(
         reload_pending: false,
     };
     loop {
-        let (counter, pending) = match &config.reader {
+        tried.alone = None;
+        let (counter, mut pending) = match &config.reader {
             Some(reader) => reader.read(endpoint, applied).await?,
             None => {
                 state::pending_messages(pool, endpoint, applied, config.messages_per_read).await?
@@ -312,8 +435,13 @@ async fn apply_from_cursor(
             }
             return Ok(done);
         }
+        if alone {
+            pending.truncate(1);
+        }
+        tried.alone = (pending.len() == 1).then(|| (applied, pending[0].arrival_seq));
         // Everything below the counter was read: the cursor can skip to it.
-        let complete = (pending.len() as i64) < config.messages_per_read;
+        let complete = !alone && (pending.len() as i64) < config.messages_per_read;
+        alone = false;
         let last = pending.last().map_or(applied, |m| m.arrival_seq);
         let through = if complete { counter.max(last) } else { last };
         let run = crate::apply::prepare_run(pool, ctx, token, (applied, through), pending, metrics)

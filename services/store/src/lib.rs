@@ -9,6 +9,7 @@
 //! - [`tenants`]: tenant rows.
 //! - [`endpoints`]: webhook endpoints, their status and their signing secrets.
 //! - [`messages`]: the stored webhook messages, written in batches.
+//! - [`quarantine`]: stored messages the sequencer set aside, their retry and discard.
 //! - [`copy`]: each endpoint's copy of the feed, the event ids applied to it, and its outbox of
 //!   changes: the rules crate's decisions carried out as conditional writes.
 
@@ -16,6 +17,7 @@ pub mod copy;
 pub mod db;
 pub mod endpoints;
 pub mod messages;
+pub mod quarantine;
 pub mod tenants;
 
 pub use db::{connect, KeptConnection, PoolOptions, MIGRATOR};

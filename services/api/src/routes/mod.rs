@@ -19,6 +19,7 @@ use crate::metrics::ApiMetrics;
 
 pub mod destinations;
 pub mod endpoints;
+pub mod quarantine;
 pub mod reads;
 pub mod rewind;
 pub mod tenants;
@@ -96,6 +97,9 @@ fn documented() -> OpenApiRouter<AppState> {
         .routes(routes!(reads::get_copy_item))
         .routes(routes!(reads::endpoint_state))
         .routes(routes!(reads::list_messages))
+        .routes(routes!(quarantine::list_quarantine))
+        .routes(routes!(quarantine::retry_quarantined))
+        .routes(routes!(quarantine::discard_quarantined))
 }
 
 /// The OpenAPI document, as `/openapi.json` serves it.

@@ -233,6 +233,10 @@ pub struct StateView {
     pub outbox_backlog: i64,
     /// The number of the last change appended.
     pub last_change_seq: i64,
+    /// Messages set aside because they cannot be applied, waiting for a retry or a discard
+    /// (`/v1/endpoints/{id}/quarantine`), and the reason of the latest.
+    pub messages_quarantined: i64,
+    pub last_quarantine_reason: Option<String>,
 }
 
 type TrackRow = (
@@ -354,6 +358,8 @@ pub async fn endpoint_state(
     .bind(tenant)
     .fetch_one(&mut *tx)
     .await?;
+    let (quarantined, quarantine_reason) =
+        relay_store::quarantine::summary(&mut *tx, tenant, id).await?;
     tx.commit().await?;
     Ok(Json(StateView {
         endpoint_id: id,
@@ -369,14 +375,19 @@ pub async fn endpoint_state(
         last_applied_at: last_applied,
         outbox_backlog: backlog,
         last_change_seq,
+        messages_quarantined: quarantined,
+        last_quarantine_reason: quarantine_reason,
     }))
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ApplicationView {
     /// applied, test, ignored_track, older_generation, reload_begun, reload_superseded,
-    /// malformed; `unrecorded` for a message applied before outcomes were kept.
+    /// malformed, quarantined; `unrecorded` for a message applied before outcomes were kept.
     pub outcome: String,
+    /// Why a quarantined message cannot be applied.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     pub events_applied: i32,
     pub events_ignored: i32,
     #[serde(with = "time::serde::rfc3339::option")]
@@ -431,6 +442,7 @@ struct MessageRow {
     events_ignored: Option<i32>,
     applied_at: Option<OffsetDateTime>,
     passed: bool,
+    reason: Option<String>,
 }
 
 #[utoipa::path(
@@ -478,10 +490,13 @@ pub async fn list_messages(
                 CASE WHEN $5 THEN m.body END AS body,
                 a.outcome, a.events_applied, a.events_ignored, a.applied_at,
                 (a.outcome IS NOT NULL OR m.arrival_seq <= COALESCE(c.applied_arrival_seq, 0))
-                    AS passed
+                    AS passed,
+                q.reason
          FROM messages m
          LEFT JOIN message_applications a
            ON a.endpoint_id = m.endpoint_id AND a.arrival_seq = m.arrival_seq
+         LEFT JOIN quarantined_messages q
+           ON q.endpoint_id = m.endpoint_id AND q.arrival_seq = m.arrival_seq
          LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = m.endpoint_id
          WHERE m.endpoint_id = $1 AND m.tenant_id = $2 AND {condition}
          ORDER BY m.arrival_seq {order} LIMIT $4"
@@ -510,6 +525,7 @@ pub async fn list_messages(
             answered: 202,
             applied: m.passed.then(|| ApplicationView {
                 outcome: m.outcome.unwrap_or_else(|| "unrecorded".to_owned()),
+                reason: m.reason,
                 events_applied: m.events_applied.unwrap_or(0),
                 events_ignored: m.events_ignored.unwrap_or(0),
                 applied_at: m.applied_at,

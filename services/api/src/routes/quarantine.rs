@@ -1,0 +1,180 @@
+//! An endpoint's quarantined messages: stored messages the sequencer set aside because they can
+//! never be applied (a body that is not a v1 message, or one whose apply kept failing), while the
+//! endpoint went on and a reload brought its copy up to date without them. The tenant lists
+//! them, and retries or discards each.
+//!
+//! A retry stores the message again as a new arrival at the end of the endpoint's order (see
+//! [`relay_store::quarantine::retry`] for why applying it late is safe under the reading rules);
+//! if it still cannot be applied it is quarantined again, under its new number. A discard keeps
+//! the message and its quarantine row for audit, marked discarded: the relay answered 2xx for
+//! it, so it is never deleted.
+//!
+//! Every query names the tenant: another tenant's endpoint or message is a 404.
+
+use std::collections::HashMap;
+
+use axum::extract::{Path, Query, State};
+use axum::Json;
+use relay_store::quarantine::{self, Quarantined, Resolution};
+use serde::Serialize;
+use time::OffsetDateTime;
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use super::{owned_endpoint, parse_uuid, AppState, QueryArgs};
+use crate::auth::TenantId;
+use crate::error::{ApiError, ErrorBody};
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct QuarantinedView {
+    /// The arrival number it was quarantined under.
+    pub arrival_seq: i64,
+    pub webhook_id: Option<String>,
+    /// Why it cannot be applied: the parse error, or the last failure of its apply.
+    pub reason: String,
+    /// How many times its apply was tried.
+    pub attempts: i32,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub quarantined_at: OffsetDateTime,
+    /// quarantined (waiting), retried or discarded.
+    pub status: String,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub resolved_at: Option<OffsetDateTime>,
+    /// A retried message's new arrival number (its messages listing shows how it applied).
+    pub retried_as: Option<i64>,
+}
+
+impl From<Quarantined> for QuarantinedView {
+    fn from(q: Quarantined) -> Self {
+        Self {
+            arrival_seq: q.arrival_seq,
+            webhook_id: q.webhook_id,
+            reason: q.reason,
+            attempts: q.attempts,
+            quarantined_at: q.quarantined_at,
+            status: q.status,
+            resolved_at: q.resolved_at,
+            retried_as: q.retried_as,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct QuarantinePage {
+    pub data: Vec<QuarantinedView>,
+    /// Pass as `after` for the next page; absent on the last.
+    pub next_cursor: Option<String>,
+}
+
+#[utoipa::path(
+    get, path = "/v1/endpoints/{endpoint_id}/quarantine", tag = "quarantine",
+    security(("bearer" = [])),
+    params(
+        ("endpoint_id" = Uuid, Path),
+        ("status" = Option<String>, Query,
+         description = "quarantined (default), retried, discarded or all"),
+        ("after" = Option<i64>, Query, description = "The next_cursor of the previous page"),
+        ("limit" = Option<i64>, Query, description = "1 to 200, default 50"),
+    ),
+    responses(
+        (status = 200, body = QuarantinePage, description = "By arrival number"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn list_quarantine(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Result<Json<QuarantinePage>, ApiError> {
+    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let query = QueryArgs::new(query, &["status", "after", "limit"])?;
+    let status = match query.text("status") {
+        None | Some("quarantined") => Some("quarantined"),
+        Some("all") => None,
+        Some(s @ ("retried" | "discarded")) => Some(s),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "status",
+                "quarantined, retried, discarded or all",
+            ))
+        }
+    };
+    let after = query.parsed::<i64>("after", "a cursor from a previous page")?;
+    let limit = query.limit(50, 200)?;
+    owned_endpoint(&state.pool, tenant, id).await?;
+    let rows = quarantine::list(&state.pool, tenant, id, status, after, limit).await?;
+    let next_cursor = (rows.len() as i64 == limit)
+        .then(|| rows.last().map(|q| q.arrival_seq.to_string()))
+        .flatten();
+    Ok(Json(QuarantinePage {
+        data: rows.into_iter().map(QuarantinedView::from).collect(),
+        next_cursor,
+    }))
+}
+
+#[utoipa::path(
+    post, path = "/v1/endpoints/{endpoint_id}/quarantine/{arrival_seq}/retry",
+    tag = "quarantine", security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path), ("arrival_seq" = i64, Path)),
+    responses(
+        (status = 200, body = QuarantinedView,
+         description = "Stored again as a new arrival (`retried_as`); the sequencer applies it"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody, description = "No such quarantined message"),
+        (status = 409, body = ErrorBody, description = "Already retried or discarded"),
+    )
+)]
+pub async fn retry_quarantined(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path((endpoint_id, arrival_seq)): Path<(String, String)>,
+) -> Result<Json<QuarantinedView>, ApiError> {
+    let (id, seq) = message_key(&endpoint_id, &arrival_seq)?;
+    resolved(quarantine::retry(&state.pool, tenant, id, seq).await?)
+}
+
+#[utoipa::path(
+    post, path = "/v1/endpoints/{endpoint_id}/quarantine/{arrival_seq}/discard",
+    tag = "quarantine", security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path), ("arrival_seq" = i64, Path)),
+    responses(
+        (status = 200, body = QuarantinedView,
+         description = "Marked discarded: kept for audit, never applied"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody, description = "No such quarantined message"),
+        (status = 409, body = ErrorBody, description = "Already retried or discarded"),
+    )
+)]
+pub async fn discard_quarantined(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path((endpoint_id, arrival_seq)): Path<(String, String)>,
+) -> Result<Json<QuarantinedView>, ApiError> {
+    let (id, seq) = message_key(&endpoint_id, &arrival_seq)?;
+    resolved(quarantine::discard(&state.pool, tenant, id, seq).await?)
+}
+
+fn message_key(endpoint_id: &str, arrival_seq: &str) -> Result<(Uuid, i64), ApiError> {
+    let id = parse_uuid("endpoint_id", endpoint_id)?;
+    let seq = arrival_seq
+        .parse::<i64>()
+        .map_err(|_| ApiError::invalid("arrival_seq", "not a whole number"))?;
+    Ok((id, seq))
+}
+
+fn resolved(resolution: Resolution) -> Result<Json<QuarantinedView>, ApiError> {
+    match resolution {
+        Resolution::Done(q) => Ok(Json(q.into())),
+        Resolution::AlreadyResolved(q) => Err(ApiError::conflict(
+            Some("arrival_seq"),
+            format!("already {}", q.status),
+        )),
+        Resolution::NotFound => Err(ApiError::NotFound("quarantined message")),
+    }
+}

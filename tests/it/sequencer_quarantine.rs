@@ -1,0 +1,920 @@
+//! No message can wedge its endpoint, and no tenant can hold the sequencer: against real
+//! Postgres and Redis with the real sequencer,
+//! - a stored body that is not a v1 message is quarantined, a reload brings what it held, the
+//!   endpoint's later messages apply, and its copy equals the simulator's oracle;
+//! - a message whose apply fails is tried a bounded number of times (another tenant's messages
+//!   apply meanwhile), then quarantined, and the endpoint goes on; through the API its tenant
+//!   sees it, retries it (it applies) or discards one, and another tenant gets 404s;
+//! - a NUL in an event id quarantines its message rather than failing for ever;
+//! - one tenant whose upstream hangs holds at most its share of the workers while another
+//!   tenant's messages apply.
+//!
+//! Seeded where random: the seed is printed; `RELAY_TEST_SEED=<seed>` replays it.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use relay_api::auth::{mint, JwtKeys, Subject};
+use relay_api::{ApiConfig, ApiServer};
+use relay_ingest::SystemClock;
+use relay_rules::ApplyBackoff;
+use relay_sequencer::state;
+use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
+use relay_simulator::cli::{prepare, SimulateArgs};
+use relay_simulator::model::ChangeKind;
+use relay_simulator::Simulation;
+use relay_store::endpoints::{self, NewEndpoint};
+use relay_store::messages::{store_batch, IncomingMessage};
+use relay_store::{copy, tenants, PoolOptions};
+use relay_tests::{random_secret, redis_url, seed, test_config, RedisPrefix, TestApp, TestDb};
+use relay_wire::{Sequence, SigningSecret};
+use serde_json::{json, Value};
+use sqlx::PgPool;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+/// What a copy holds of its items: subject → (sequence, item).
+type Items = BTreeMap<String, (String, Value)>;
+
+async fn copy_items(pool: &PgPool, endpoint: Uuid) -> Items {
+    copy::copy_rows(pool, endpoint)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|(subject, held)| match held.content {
+            relay_rules::HeldContent::Item { item, .. } => {
+                Some((subject, (held.sequence.as_str().to_owned(), item)))
+            }
+            relay_rules::HeldContent::Tombstone => None,
+        })
+        .collect()
+}
+
+fn oracle(sim: &Simulation, endpoint: Uuid) -> Items {
+    sim.lock()
+        .expected_copy(endpoint)
+        .into_iter()
+        .map(|(subject, (sequence, item))| (subject, (sequence.as_str().to_owned(), item)))
+        .collect()
+}
+
+/// Messages stored and not applied, and reloads not merged, over every endpoint.
+async fn backlog(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT (SELECT count(*) FROM messages m
+                 LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = m.endpoint_id
+                 WHERE m.arrival_seq > COALESCE(c.applied_arrival_seq, 0)),
+                (SELECT count(*) FROM endpoint_tracks WHERE reload IS NOT NULL)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Polls `done` every 100 ms until it holds; past `limit`, fails with `what` (and the seed).
+async fn wait_until<F, Fut>(limit: Duration, what: impl Fn() -> String, mut done: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while !done().await {
+        assert!(started.elapsed() < limit, "{}", what());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn sequencer_config(prefix: &str) -> SequencerConfig {
+    SequencerConfig {
+        redis_url: redis_url(),
+        key_prefix: prefix.to_owned(),
+        lease: Duration::from_millis(1500),
+        sweep_interval: Duration::from_millis(200),
+        idle_linger: Duration::from_millis(100),
+        upstream_timeout: Duration::from_secs(5),
+        feed_page_limit: 8,
+        ..SequencerConfig::default()
+    }
+}
+
+async fn sequencer_pool(url: &str) -> PgPool {
+    relay_store::connect(
+        url,
+        &PoolOptions {
+            max_connections: 8,
+            acquire_timeout: Duration::from_secs(30),
+            statement_timeout: Some(Duration::from_secs(60)),
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+/// Stores `bodies` for the endpoint as the front tier does (track and generation copied out
+/// when the body has them); their arrival numbers.
+async fn store_raw(pool: &PgPool, tenant: Uuid, endpoint: Uuid, bodies: &[Vec<u8>]) -> Vec<i64> {
+    let batch: Vec<IncomingMessage> = bodies
+        .iter()
+        .map(|body| {
+            let parsed: Option<Value> = serde_json::from_slice(body).ok();
+            IncomingMessage {
+                endpoint_id: endpoint,
+                tenant_id: tenant,
+                webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
+                signed_at: OffsetDateTime::now_utc(),
+                attempt: Some(1),
+                received_at: OffsetDateTime::now_utc(),
+                track: parsed
+                    .as_ref()
+                    .and_then(|b| b["track"].as_str().map(str::to_owned)),
+                generation: parsed.as_ref().and_then(|b| b["generation"].as_i64()),
+                body: Bytes::from(body.clone()),
+            }
+        })
+        .collect();
+    store_batch(pool, &batch)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|outcome| match outcome {
+            relay_store::messages::StoreOutcome::Stored { arrival_seq } => arrival_seq,
+            other => panic!("not stored: {other:?}"),
+        })
+        .collect()
+}
+
+/// A v1 message of one update of `announcement:n` at sequence `seq`, with event id `id`.
+fn update(endpoint: Uuid, id: &str, n: u64, seq: u64) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "v": 1, "webhook_endpoint_id": endpoint.to_string(), "track": "feed",
+        "generation": 1, "access_version": "av1",
+        "since": format!("1.{}", seq - 1), "through": format!("1.{seq}"),
+        "events": [{
+            "id": id, "type": "announcement.updated",
+            "subject": format!("announcement:{n}"),
+            "sequence": Sequence::from_parts(1, seq).as_str(),
+            "specversion": "1.0", "source": "https://api.quanor.com/v1/feed",
+            "data": {"type": "item", "feed_item_id": format!("announcement:{n}"),
+                     "item_kind": "announcement", "seq": seq, "first_seq": seq,
+                     "parts": [{"part_id": format!("story:{n}"), "part_version": seq}]},
+        }],
+    }))
+    .unwrap()
+}
+
+/// A v1 message of one update whose item must be read (a refetch).
+fn refetch(endpoint: Uuid, id: &str, n: u64, seq: u64) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "v": 1, "webhook_endpoint_id": endpoint.to_string(), "track": "feed",
+        "generation": 1, "access_version": "av1",
+        "since": format!("1.{}", seq - 1), "through": format!("1.{seq}"),
+        "events": [{
+            "id": id, "type": "announcement.updated",
+            "subject": format!("announcement:{n}"),
+            "sequence": Sequence::from_parts(1, seq).as_str(),
+            "specversion": "1.0", "source": "https://api.quanor.com/v1/feed",
+            "data": {"type": "refetch", "feed_item_id": format!("announcement:{n}"),
+                     "op": "new", "seq": seq},
+        }],
+    }))
+    .unwrap()
+}
+
+/// Registers an endpoint of `tenant` in sync under av1 at generation 1 (no reload begins until
+/// a message asks for one), its upstream at `upstream` if given.
+async fn in_sync_endpoint(pool: &PgPool, tenant: Uuid, upstream: Option<&str>) -> Uuid {
+    let endpoint = Uuid::new_v4();
+    endpoints::create(
+        pool,
+        &NewEndpoint {
+            id: endpoint,
+            tenant_id: tenant,
+            secret: random_secret(),
+            upstream_base_url: upstream.map(str::to_owned),
+            upstream_api_key: upstream.map(|_| "key".to_owned()),
+        },
+    )
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
+         VALUES ($1, 'feed', $2, 1, 'av1')",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .execute(pool)
+    .await
+    .unwrap();
+    endpoint
+}
+
+async fn applied_through(pool: &PgPool, endpoint: Uuid) -> i64 {
+    state::applied_through(pool, endpoint).await.unwrap()
+}
+
+/// (status, reason, attempts) of each quarantine row of the endpoint, by arrival number.
+async fn quarantine_rows(pool: &PgPool, endpoint: Uuid) -> Vec<(i64, String, String, i32)> {
+    sqlx::query_as(
+        "SELECT arrival_seq, status, reason, attempts FROM quarantined_messages
+         WHERE endpoint_id = $1 ORDER BY arrival_seq",
+    )
+    .bind(endpoint)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn an_unparseable_stored_message_is_quarantined_and_the_copy_still_equals_the_oracle() {
+    let seed = seed();
+    eprintln!("quarantine: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
+    let waker = Waker::connect(&redis_url(), &prefix.0).await.unwrap();
+    let app = TestApp::spawn_with(
+        relay_ingest::IngestConfig {
+            waker: Some(waker),
+            ..test_config()
+        },
+        Arc::new(SystemClock),
+        None,
+    )
+    .await;
+    let pool = app.db.pool.clone();
+    let api_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let api = format!("http://{}", api_listener.local_addr().unwrap());
+    let rate = 20.0;
+    let duration = Duration::from_secs(3);
+    let args = SimulateArgs {
+        receiver_url: app.base_url.clone(),
+        endpoints: 2,
+        keys: 1,
+        seed,
+        rate,
+        duration_s: duration.as_secs(),
+        faults: "none".into(),
+        time_compression: 3600.0,
+        listen: "127.0.0.1:0".into(),
+        print_endpoints: false,
+        quiet: true,
+    };
+    let (upstream, workload, infos) = prepare(&args).unwrap();
+    let tenant = Uuid::new_v4();
+    tenants::create(&pool, tenant, "simulated").await.unwrap();
+    for info in &infos {
+        endpoints::create(
+            &pool,
+            &NewEndpoint {
+                id: info.id,
+                tenant_id: tenant,
+                secret: SigningSecret::parse(&info.secrets[0]).unwrap(),
+                upstream_base_url: Some(api.clone()),
+                upstream_api_key: Some(info.key_token.clone()),
+            },
+        )
+        .await
+        .unwrap();
+    }
+    let sim = Simulation::new(upstream, Duration::from_secs(2));
+    relay_simulator::api::serve(api_listener, sim.clone())
+        .await
+        .unwrap();
+    let ids: Vec<Uuid> = infos.iter().map(|i| i.id).collect();
+    let (poisoned, healthy) = (ids[0], ids[1]);
+    let converged = || {
+        let (pool, sim, ids) = (pool.clone(), sim.clone(), ids.clone());
+        move || {
+            let (pool, sim, ids) = (pool.clone(), sim.clone(), ids.clone());
+            async move {
+                if !sim.wait_idle(Duration::from_millis(10)).await {
+                    return false;
+                }
+                for &id in &ids {
+                    if copy_items(&pool, id).await != oracle(&sim, id) {
+                        return false;
+                    }
+                }
+                backlog(&pool).await == (0, 0)
+            }
+        }
+    };
+
+    // 1. The workload, applied as it comes.
+    let sequencer = Sequencer::start(
+        sequencer_pool(&app.db.url).await,
+        sequencer_config(&prefix.0),
+        SequencerMetrics::unregistered(),
+    )
+    .await
+    .unwrap();
+    let _senders = sim.spawn_senders();
+    sim.clone().run_workload(workload, rate, duration).await;
+    wait_until(
+        Duration::from_secs(90),
+        || format!("seed {seed}: the workload's copies never equalled the oracle"),
+        converged(),
+    )
+    .await;
+    sequencer.stop().await;
+
+    // 2. One more change, stored while no sequencer runs; the poisoned endpoint's copy of it is
+    // then a body that is not a v1 message (as the front tier stores what the upstream signed).
+    let subject = copy_items(&pool, poisoned)
+        .await
+        .into_keys()
+        .next()
+        .unwrap_or_else(|| panic!("seed {seed}: the workload made no item"));
+    let change = |headline: &'static str| {
+        let subject = subject.clone();
+        move |upstream: &mut relay_simulator::upstream::Upstream, _: u64| {
+            // Item timestamps after the workload's virtual ones.
+            let at_ms = OffsetDateTime::now_utc().unix_timestamp() * 1000;
+            upstream
+                .change_item(&subject, ChangeKind::StoryAdded, headline, at_ms, false)
+                .unwrap_or_else(|e| panic!("seed {seed}: changing {subject}: {e}"));
+        }
+    };
+    let before = applied_through(&pool, poisoned).await;
+    sim.change(change("while the sequencer was away"));
+    wait_until(
+        Duration::from_secs(30),
+        || format!("seed {seed}: the upstream never sent its change"),
+        || {
+            let sim = sim.clone();
+            async move { sim.wait_idle(Duration::from_millis(10)).await }
+        },
+    )
+    .await;
+    let stored: Vec<i64> = sqlx::query_scalar(
+        "SELECT arrival_seq FROM messages WHERE endpoint_id = $1 AND arrival_seq > $2
+         ORDER BY arrival_seq",
+    )
+    .bind(poisoned)
+    .bind(before)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(stored.len(), 1, "seed {seed}: one message of the change");
+    let not_v1 = format!(
+        r#"{{"v": 1, "webhook_endpoint_id": "{poisoned}", "track": "feed", "generation": 1,
+            "events": {{"not": "a list"}}}}"#
+    );
+    sqlx::query("UPDATE messages SET body = $3 WHERE endpoint_id = $1 AND arrival_seq = $2")
+        .bind(poisoned)
+        .bind(stored[0])
+        .bind(not_v1.as_bytes())
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_ne!(
+        copy_items(&pool, poisoned).await,
+        oracle(&sim, poisoned),
+        "seed {seed}: the change is not in the copy yet"
+    );
+
+    // 3. The sequencer again: the message is quarantined, the reload brings the change, and the
+    // endpoint's later messages apply.
+    let metrics = SequencerMetrics::unregistered();
+    let sequencer = Sequencer::start(
+        sequencer_pool(&app.db.url).await,
+        sequencer_config(&prefix.0),
+        metrics.clone(),
+    )
+    .await
+    .unwrap();
+    wait_until(
+        Duration::from_secs(60),
+        || format!("seed {seed}: the copies never equalled the oracle after the quarantine"),
+        converged(),
+    )
+    .await;
+    sim.change(change("after the quarantine"));
+    wait_until(
+        Duration::from_secs(60),
+        || format!("seed {seed}: the change after the quarantine never reached the copy"),
+        converged(),
+    )
+    .await;
+    sequencer.stop().await;
+
+    let rows = quarantine_rows(&pool, poisoned).await;
+    assert_eq!(rows.len(), 1, "seed {seed}: {rows:?}");
+    let (seq, status, reason, attempts) = &rows[0];
+    assert_eq!(*seq, stored[0]);
+    assert_eq!(status, "quarantined");
+    assert!(reason.starts_with("not a v1 message"), "{reason}");
+    assert_eq!(*attempts, 1);
+    assert!(quarantine_rows(&pool, healthy).await.is_empty());
+    let outcome: String = sqlx::query_scalar(
+        "SELECT outcome FROM message_applications WHERE endpoint_id = $1 AND arrival_seq = $2",
+    )
+    .bind(poisoned)
+    .bind(stored[0])
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(outcome, "quarantined");
+    assert!(
+        applied_through(&pool, poisoned).await > stored[0],
+        "seed {seed}: later messages applied"
+    );
+    let quarantined = metrics.messages.with_label_values(&["quarantined"]).get();
+    assert_eq!(quarantined, 1, "seed {seed}");
+    app.stop().await;
+}
+
+// ---- The control plane ----
+
+const KEY: &[u8] = b"test-signing-key-of-the-quarantine-control-plane";
+
+struct Api {
+    _server: ApiServer,
+    base_url: String,
+    client: reqwest::Client,
+}
+
+impl Api {
+    async fn start(database_url: &str) -> Self {
+        let pool = relay_store::connect(database_url, &PoolOptions::default()).unwrap();
+        let server = ApiServer::start(pool, ApiConfig::new(JwtKeys::new(KEY).unwrap()))
+            .await
+            .unwrap();
+        let base_url = format!("http://{}", server.address);
+        Self {
+            _server: server,
+            base_url,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    fn token(tenant: Uuid) -> String {
+        mint(
+            &JwtKeys::new(KEY).unwrap(),
+            "relay",
+            &Subject::Tenant(tenant),
+            Duration::from_secs(3600),
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap()
+        .token
+    }
+
+    /// The answer's status and JSON.
+    async fn call(&self, method: &str, path: &str, tenant: Uuid) -> (u16, Value) {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let response = self
+            .client
+            .request(method, format!("{}{path}", self.base_url))
+            .bearer_auth(Self::token(tenant))
+            .send()
+            .await
+            .expect("the API answers");
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap_or(Value::Null))
+    }
+}
+
+#[tokio::test]
+async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_and_retried() {
+    let db = TestDb::new().await;
+    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
+    let (a, b) = (db.tenant().await, db.tenant().await);
+    let a_endpoint = in_sync_endpoint(&db.pool, a, None).await;
+    let b_endpoint = in_sync_endpoint(&db.pool, b, None).await;
+    // Any event id starting "poison" makes the apply transaction fail, as a value Postgres
+    // refuses would, until the test lifts it.
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.event_id LIKE 'poison%' THEN
+                 RAISE EXCEPTION 'refused event %', NEW.event_id;
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse_poison BEFORE INSERT ON applied_events
+             FOR EACH ROW EXECUTE FUNCTION refuse_poison();",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let metrics = SequencerMetrics::unregistered();
+    let attempts = 2;
+    let sequencer = Sequencer::start(
+        sequencer_pool(&db.url).await,
+        SequencerConfig {
+            apply_attempts: attempts,
+            // The one wait lasts at least 5 s: long enough that B's messages, stored with A's,
+            // are applied while A's failing message still waits for its second try.
+            apply_backoff: ApplyBackoff {
+                first: Duration::from_secs(10),
+                max: Duration::from_secs(10),
+            },
+            ..sequencer_config(&prefix.0)
+        },
+        metrics.clone(),
+    )
+    .await
+    .unwrap();
+    let a_seqs = store_raw(
+        &db.pool,
+        a,
+        a_endpoint,
+        &[
+            update(a_endpoint, "evt_1", 1, 10),
+            update(a_endpoint, "poison_2", 2, 11),
+            update(a_endpoint, "evt_3", 3, 12),
+        ],
+    )
+    .await;
+    let b_seqs = store_raw(
+        &db.pool,
+        b,
+        b_endpoint,
+        &[
+            update(b_endpoint, "evt_1", 1, 10),
+            update(b_endpoint, "evt_2", 2, 11),
+        ],
+    )
+    .await;
+
+    // B's messages apply while A's failing message waits (its first try failed, the message
+    // before it applied alone).
+    wait_until(
+        Duration::from_secs(30),
+        || "B's messages never applied".to_owned(),
+        {
+            let (pool, endpoint, want) = (&db.pool, b_endpoint, b_seqs[1]);
+            move || async move { applied_through(pool, endpoint).await == want }
+        },
+    )
+    .await;
+    wait_until(
+        Duration::from_secs(30),
+        || "A's first message never applied".to_owned(),
+        {
+            let (pool, endpoint, want) = (&db.pool, a_endpoint, a_seqs[0]);
+            move || async move { applied_through(pool, endpoint).await == want }
+        },
+    )
+    .await;
+    assert!(
+        quarantine_rows(&db.pool, a_endpoint).await.is_empty(),
+        "quarantined before its last try"
+    );
+
+    // Then, after its last try, quarantined; the endpoint goes on.
+    wait_until(
+        Duration::from_secs(60),
+        || "A's later message never applied".to_owned(),
+        {
+            let (pool, endpoint, want) = (&db.pool, a_endpoint, a_seqs[2]);
+            move || async move { applied_through(pool, endpoint).await == want }
+        },
+    )
+    .await;
+    let rows = quarantine_rows(&db.pool, a_endpoint).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let (seq, status, reason, tried) = &rows[0];
+    assert_eq!((*seq, status.as_str()), (a_seqs[1], "quarantined"));
+    assert_eq!(*tried, attempts as i32);
+    assert!(reason.contains("refused event poison_2"), "{reason}");
+    assert_eq!(metrics.apply_failures.get(), u64::from(attempts));
+    assert_eq!(
+        metrics.messages.with_label_values(&["quarantined"]).get(),
+        1
+    );
+    let copy = copy_items(&db.pool, a_endpoint).await;
+    assert!(copy.contains_key("announcement:1") && copy.contains_key("announcement:3"));
+    assert!(!copy.contains_key("announcement:2"));
+    // The quarantine began a reload ("read /v1/feed again"); with no upstream it cannot merge,
+    // and it does not hold the endpoint's messages back.
+    let track = state::peek_track(&db.pool, a_endpoint, state::FEED_TRACK)
+        .await
+        .unwrap();
+    assert!(track.reload.is_some(), "{track:?}");
+
+    // A body that is not a v1 message, to discard.
+    let not_v1 = store_raw(&db.pool, a, a_endpoint, &[b"{\"v\": 1}".to_vec()]).await[0];
+    wait_until(
+        Duration::from_secs(30),
+        || "the body that is not v1 was never quarantined".to_owned(),
+        {
+            let pool = &db.pool;
+            move || async move { quarantine_rows(pool, a_endpoint).await.len() == 2 }
+        },
+    )
+    .await;
+
+    // The control plane: A sees both, in its state and its listing; B sees none of it.
+    let api = Api::start(&db.url).await;
+    let base = format!("/v1/endpoints/{a_endpoint}");
+    let (status, state_view) = api.call("GET", &format!("{base}/state"), a).await;
+    assert_eq!(status, 200, "{state_view}");
+    assert_eq!(state_view["messages_quarantined"], 2, "{state_view}");
+    assert!(
+        state_view["last_quarantine_reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("not a v1 message")),
+        "{state_view}"
+    );
+    let (status, listed) = api.call("GET", &format!("{base}/quarantine"), a).await;
+    assert_eq!(status, 200, "{listed}");
+    let seqs: Vec<i64> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|q| q["arrival_seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(seqs, [a_seqs[1], not_v1], "{listed}");
+    let (_, messages) = api
+        .call("GET", &format!("{base}/messages?order=arrival"), a)
+        .await;
+    let poisoned = messages["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["arrival_seq"] == a_seqs[1])
+        .unwrap();
+    assert_eq!(poisoned["applied"]["outcome"], "quarantined", "{poisoned}");
+    assert!(
+        poisoned["applied"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("refused event")),
+        "{poisoned}"
+    );
+    for (method, path) in [
+        ("GET", format!("{base}/quarantine")),
+        ("POST", format!("{base}/quarantine/{}/retry", a_seqs[1])),
+        ("POST", format!("{base}/quarantine/{not_v1}/discard")),
+    ] {
+        let (status, body) = api.call(method, &path, b).await;
+        assert_eq!(status, 404, "B on {method} {path}: {body}");
+    }
+    let (status, _) = api
+        .call(
+            "POST",
+            &format!("/v1/endpoints/{b_endpoint}/quarantine/{}/retry", a_seqs[1]),
+            b,
+        )
+        .await;
+    assert_eq!(status, 404, "A's number under B's endpoint");
+
+    // Discarded: kept, never applied; a second discard conflicts.
+    let (status, discarded) = api
+        .call("POST", &format!("{base}/quarantine/{not_v1}/discard"), a)
+        .await;
+    assert_eq!((status, &discarded["status"]), (200, &json!("discarded")));
+    let (status, _) = api
+        .call("POST", &format!("{base}/quarantine/{not_v1}/discard"), a)
+        .await;
+    assert_eq!(status, 409);
+
+    // Retried once what made it fail is gone: a new arrival, applied by the usual rules.
+    sqlx::query("DROP TRIGGER refuse_poison ON applied_events")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let (status, retried) = api
+        .call("POST", &format!("{base}/quarantine/{}/retry", a_seqs[1]), a)
+        .await;
+    assert_eq!(status, 200, "{retried}");
+    assert_eq!(retried["status"], "retried");
+    let new_seq = retried["retried_as"].as_i64().unwrap();
+    assert!(new_seq > not_v1, "{retried}");
+    wait_until(
+        Duration::from_secs(30),
+        || "the retried message never applied".to_owned(),
+        {
+            let (pool, endpoint, want) = (&db.pool, a_endpoint, new_seq);
+            move || async move { applied_through(pool, endpoint).await >= want }
+        },
+    )
+    .await;
+    assert!(copy_items(&db.pool, a_endpoint)
+        .await
+        .contains_key("announcement:2"));
+    let (_, messages) = api
+        .call("GET", &format!("{base}/messages?order=arrival"), a)
+        .await;
+    let outcomes: Vec<(i64, Value)> = messages["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["arrival_seq"].as_i64().unwrap(), m["applied"]["outcome"].clone()))
+        .collect();
+    assert_eq!(
+        outcomes,
+        [
+            (a_seqs[0], json!("applied")),
+            (a_seqs[2], json!("applied")),
+            (not_v1, json!("quarantined")),
+            (new_seq, json!("applied")),
+        ]
+    );
+    let (_, state_view) = api.call("GET", &format!("{base}/state"), a).await;
+    assert_eq!(state_view["messages_quarantined"], 0, "{state_view}");
+    let (status, _) = api
+        .call("POST", &format!("{base}/quarantine/{}/retry", a_seqs[1]), a)
+        .await;
+    assert_eq!(status, 409, "retried twice");
+    // Its webhook-id still marks it stored: a redelivery is a duplicate.
+    let duplicates: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM messages WHERE endpoint_id = $1 AND arrival_seq = $2",
+    )
+    .bind(a_endpoint)
+    .bind(new_seq)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(duplicates, 1);
+    sequencer.stop().await;
+}
+
+#[tokio::test]
+async fn a_nul_in_an_event_id_quarantines_its_message_and_the_endpoint_goes_on() {
+    let db = TestDb::new().await;
+    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
+    let tenant = db.tenant().await;
+    let endpoint = in_sync_endpoint(&db.pool, tenant, None).await;
+    let sequencer = Sequencer::start(
+        sequencer_pool(&db.url).await,
+        SequencerConfig {
+            apply_backoff: ApplyBackoff {
+                first: Duration::from_millis(20),
+                max: Duration::from_millis(100),
+            },
+            ..sequencer_config(&prefix.0)
+        },
+        SequencerMetrics::unregistered(),
+    )
+    .await
+    .unwrap();
+    let seqs = store_raw(
+        &db.pool,
+        tenant,
+        endpoint,
+        &[
+            update(endpoint, "evt\u{0}x", 1, 10),
+            update(endpoint, "evt_2", 2, 11),
+        ],
+    )
+    .await;
+    wait_until(
+        Duration::from_secs(60),
+        || "the message after the NUL never applied".to_owned(),
+        {
+            let (pool, endpoint, want) = (&db.pool, endpoint, seqs[1]);
+            move || async move { applied_through(pool, endpoint).await == want }
+        },
+    )
+    .await;
+    sequencer.stop().await;
+    let rows = quarantine_rows(&db.pool, endpoint).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!((rows[0].0, rows[0].1.as_str()), (seqs[0], "quarantined"));
+    assert!(!rows[0].2.contains('\0'));
+    assert!(copy_items(&db.pool, endpoint)
+        .await
+        .contains_key("announcement:2"));
+}
+
+/// An upstream that accepts connections and never answers, counting how many are open at once.
+struct HangingUpstream {
+    url: String,
+    open: Arc<AtomicUsize>,
+    most: Arc<AtomicUsize>,
+}
+
+impl HangingUpstream {
+    async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let open = Arc::new(AtomicUsize::new(0));
+        let most = Arc::new(AtomicUsize::new(0));
+        let (o, m) = (open.clone(), most.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (o, m) = (o.clone(), m.clone());
+                tokio::spawn(async move {
+                    let now = o.fetch_add(1, Ordering::SeqCst) + 1;
+                    m.fetch_max(now, Ordering::SeqCst);
+                    // Read the request, answer nothing; the client closes on its timeout.
+                    let mut buffer = [0u8; 4096];
+                    while let Ok(n) = tokio::io::AsyncReadExt::read(&mut stream, &mut buffer).await
+                    {
+                        if n == 0 {
+                            break;
+                        }
+                    }
+                    o.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        Self { url, open, most }
+    }
+}
+
+#[tokio::test]
+async fn a_tenant_whose_upstream_hangs_holds_at_most_its_share_of_the_workers() {
+    let db = TestDb::new().await;
+    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
+    let hanging = HangingUpstream::start().await;
+    let (a, b) = (db.tenant().await, db.tenant().await);
+    let mut a_endpoints = Vec::new();
+    for _ in 0..6 {
+        a_endpoints.push(in_sync_endpoint(&db.pool, a, Some(&hanging.url)).await);
+    }
+    let mut b_endpoints = Vec::new();
+    for _ in 0..3 {
+        b_endpoints.push(in_sync_endpoint(&db.pool, b, None).await);
+    }
+    // Each of A's endpoints has a message whose item must be read from A's upstream, which
+    // never answers: its worker waits on the read.
+    for (i, &endpoint) in a_endpoints.iter().enumerate() {
+        store_raw(
+            &db.pool,
+            a,
+            endpoint,
+            &[refetch(endpoint, &format!("evt_{i}"), 1, 10)],
+        )
+        .await;
+    }
+    let max_concurrent = 4;
+    let sequencer = Sequencer::start(
+        sequencer_pool(&db.url).await,
+        SequencerConfig {
+            max_concurrent_endpoints: max_concurrent,
+            max_tenant_share: 0.5,
+            upstream_timeout: Duration::from_secs(120),
+            ..sequencer_config(&prefix.0)
+        },
+        SequencerMetrics::unregistered(),
+    )
+    .await
+    .unwrap();
+    // A's workers are waiting on its upstream before B's messages arrive.
+    wait_until(
+        Duration::from_secs(30),
+        || "A's workers never reached its upstream".to_owned(),
+        || {
+            let open = hanging.open.clone();
+            async move { open.load(Ordering::SeqCst) >= 2 }
+        },
+    )
+    .await;
+    let mut last = Vec::new();
+    for &endpoint in &b_endpoints {
+        last.push(
+            store_raw(
+                &db.pool,
+                b,
+                endpoint,
+                &[
+                    update(endpoint, "evt_1", 1, 10),
+                    update(endpoint, "evt_2", 2, 11),
+                ],
+            )
+            .await[1],
+        );
+    }
+    // Far within A's upstream timeout: B's messages cannot be waiting for A's workers to give
+    // their slots back.
+    wait_until(
+        Duration::from_secs(60),
+        || {
+            format!(
+                "B's messages never applied while A's upstream hung (A's requests open at \
+                 once, at most: {})",
+                hanging.most.load(Ordering::SeqCst)
+            )
+        },
+        || {
+            let (pool, b_endpoints, last) = (db.pool.clone(), b_endpoints.clone(), last.clone());
+            async move {
+                for (endpoint, last) in b_endpoints.iter().zip(&last) {
+                    if applied_through(&pool, *endpoint).await != *last {
+                        return false;
+                    }
+                }
+                true
+            }
+        },
+    )
+    .await;
+    let most = hanging.most.load(Ordering::SeqCst);
+    assert!(
+        most <= max_concurrent / 2,
+        "A held {most} of {max_concurrent} workers at once"
+    );
+    for &endpoint in &a_endpoints {
+        assert_eq!(applied_through(&db.pool, endpoint).await, 0);
+    }
+    // Its workers wait on reads that never end: stopped as a killed process would be.
+    sequencer.abort();
+}
