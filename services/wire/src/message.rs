@@ -753,11 +753,15 @@ mod tests {
             ("events[2].data.access_version", |m| {
                 &mut m["events"][2]["data"]["access_version"]
             }),
-            ("events[2].data.reason", |m| &mut m["events"][2]["data"]["reason"]),
+            ("events[2].data.reason", |m| {
+                &mut m["events"][2]["data"]["reason"]
+            }),
             ("events[2].data.resume_from", |m| {
                 &mut m["events"][2]["data"]["resume_from"]
             }),
-            ("events[2].data.track", |m| &mut m["events"][2]["data"]["track"]),
+            ("events[2].data.track", |m| {
+                &mut m["events"][2]["data"]["track"]
+            }),
         ];
         for (field, at) in spoil {
             for bad in ['\u{0}', '\n', '\u{1b}', '\u{7f}', '\u{9b}'] {
