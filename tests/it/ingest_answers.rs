@@ -316,30 +316,11 @@ async fn forged_stale_and_unsigned_messages_are_401_and_store_nothing() {
 }
 
 #[tokio::test]
-async fn a_signed_body_that_is_not_a_message_for_this_endpoint_is_400() {
+async fn a_signed_body_naming_another_endpoint_is_400() {
+    // Bodies that are not v1 messages are stored and answered 202: see ingest_hostile.rs.
     let app = TestApp::spawn().await;
     let (endpoint, secret) = app.endpoint().await;
     let secrets = std::slice::from_ref(&secret);
-
-    let not_json = Signed::new(secrets, b"{\"v\":1,".to_vec());
-    let response = app.post(endpoint, &not_json).await;
-    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
-    let answer: serde_json::Value = response.json().await.unwrap();
-    assert_eq!(answer["error"], "malformed");
-    assert!(answer["detail"]
-        .as_str()
-        .unwrap()
-        .starts_with("not a v1 webhook message: the body is not JSON"));
-
-    let no_events = Signed::new(
-        secrets,
-        serde_json::to_vec(&serde_json::json!({"v": 1, "webhook_endpoint_id": endpoint})).unwrap(),
-    );
-    let answer: serde_json::Value = app.post(endpoint, &no_events).await.json().await.unwrap();
-    assert_eq!(
-        answer["detail"],
-        "not a v1 webhook message: events is missing"
-    );
 
     // Signed with this endpoint's secret, but naming another endpoint.
     let elsewhere = Uuid::new_v4();

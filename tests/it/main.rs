@@ -4,6 +4,7 @@ mod api;
 mod convergence;
 mod copy;
 mod ingest_answers;
+mod ingest_hostile;
 mod ingest_outage;
 mod ingest_replicas;
 mod ingest_vector;

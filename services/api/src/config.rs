@@ -5,7 +5,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use clap::builder::TypedValueParser as _;
 use clap::{ArgGroup, Args};
+use relay_listener::ListenerLimits;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
@@ -95,6 +97,13 @@ impl JwtKeyArgs {
     }
 }
 
+/// The control plane listener's bounds: its clients are a few tenants' tools and the operators'.
+pub const LISTENER_LIMITS: ListenerLimits = ListenerLimits {
+    header_read_timeout: Duration::from_secs(5),
+    body_read_timeout: Duration::from_secs(10),
+    max_connections: 256,
+};
+
 /// `relay api`: serve the control plane. Every flag is prefixed (`--api-...`, `--jwt-...`) so
 /// that `relay all` can take these beside the other tiers' flags without a clash.
 #[derive(Debug, Clone, Args)]
@@ -107,6 +116,23 @@ pub struct ApiArgs {
     /// How long a call to the upstream's API (a rewind) may take, in seconds.
     #[arg(long, env = "RELAY_API_UPSTREAM_TIMEOUT_S", default_value_t = 10)]
     pub api_upstream_timeout_s: u64,
+    /// Milliseconds a request's head may take to arrive (from the connection's opening or its
+    /// previous answer); a slower connection is closed.
+    #[arg(long, env = "RELAY_API_HEADER_READ_TIMEOUT_MS",
+          default_value_t = LISTENER_LIMITS.header_read_timeout.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub api_header_read_timeout_ms: u64,
+    /// Milliseconds a request's body may take to arrive after its head; a slower one is
+    /// answered 408 and its connection closed.
+    #[arg(long, env = "RELAY_API_BODY_READ_TIMEOUT_MS",
+          default_value_t = LISTENER_LIMITS.body_read_timeout.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub api_body_read_timeout_ms: u64,
+    /// Connections served at once; one more is answered 503 with Retry-After and closed.
+    #[arg(long, env = "RELAY_API_MAX_CONNECTIONS",
+          default_value_t = LISTENER_LIMITS.max_connections,
+          value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
+    pub api_max_connections: usize,
 }
 
 /// The control plane's settings, validated.
@@ -116,6 +142,8 @@ pub struct ApiConfig {
     pub keys: JwtKeys,
     pub audience: String,
     pub upstream_timeout: Duration,
+    /// Header and body read timeouts and the bound on open connections.
+    pub listener: ListenerLimits,
     /// Where the API's metrics are registered: the binary's registry, served on its
     /// `/metrics`. A fresh one by default.
     pub registry: prometheus::Registry,
@@ -129,6 +157,7 @@ impl ApiConfig {
             keys,
             audience: "relay".to_owned(),
             upstream_timeout: Duration::from_secs(10),
+            listener: LISTENER_LIMITS,
             registry: prometheus::Registry::new(),
         }
     }
@@ -142,6 +171,11 @@ impl ApiArgs {
             keys: self.jwt.keys()?,
             audience: self.jwt.audience()?,
             upstream_timeout: Duration::from_secs(self.api_upstream_timeout_s.max(1)),
+            listener: ListenerLimits {
+                header_read_timeout: Duration::from_millis(self.api_header_read_timeout_ms),
+                body_read_timeout: Duration::from_millis(self.api_body_read_timeout_ms),
+                max_connections: self.api_max_connections,
+            },
             registry: prometheus::Registry::new(),
         })
     }
@@ -246,6 +280,7 @@ mod tests {
         assert_eq!(config.listen.port(), 0);
         assert_eq!(config.audience, "relay");
         assert_eq!(config.upstream_timeout, Duration::from_secs(10));
+        assert_eq!(config.listener, LISTENER_LIMITS);
         let short = Serve::try_parse_from(["relay", "--jwt-secret", "short"]).unwrap();
         assert!(matches!(
             short.api.to_config(),

@@ -116,13 +116,13 @@ impl ApiServer {
         let address = listener.local_addr().map_err(ServeError::Serve)?;
         let app = build(pool, config)?;
         let (stop, stopped) = oneshot::channel::<()>();
+        let limits = config.listener;
         let done = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .await
-                .map_err(ServeError::Serve)
+            relay_listener::serve(listener, app, limits, async move {
+                let _ = stopped.await;
+            })
+            .await;
+            Ok(())
         });
         tracing::info!(%address, "control plane API listening");
         Ok(Self {

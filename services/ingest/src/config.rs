@@ -3,6 +3,17 @@
 
 use std::time::Duration;
 
+use relay_listener::ListenerLimits;
+
+/// The webhook listener's bounds. A head takes the upstream one write; a 1 MiB body at 5 s
+/// still needs only 200 kB/s; past 4,096 connections at once (the upstream holds one per message
+/// in flight) a new one is answered 503 rather than taking a file descriptor.
+pub const LISTENER_LIMITS: ListenerLimits = ListenerLimits {
+    header_read_timeout: Duration::from_secs(5),
+    body_read_timeout: Duration::from_secs(5),
+    max_connections: 4096,
+};
+
 #[derive(Debug, Clone)]
 pub struct IngestConfig {
     /// Bodies larger than this are refused with 413 without being read further. The wire file
@@ -31,6 +42,9 @@ pub struct IngestConfig {
     /// Tells the sequencers which endpoints just got messages (a Redis publish after each
     /// commit). `None`: they find them by their periodic sweep alone.
     pub waker: Option<relay_sequencer::Waker>,
+    /// Header and body read timeouts and the bound on open connections of the webhook listener.
+    /// The body's timeout counts within the answer deadline, so keep it shorter.
+    pub listener: ListenerLimits,
 }
 
 impl Default for IngestConfig {
@@ -46,6 +60,7 @@ impl Default for IngestConfig {
             endpoint_cache_ttl: Duration::from_secs(60),
             endpoint_cache_max_entries: 100_000,
             waker: None,
+            listener: LISTENER_LIMITS,
         }
     }
 }

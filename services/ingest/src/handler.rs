@@ -4,13 +4,23 @@
 //! 1. a declared Content-Length over the limit: 413, without reading the body;
 //! 2. the endpoint: 404 when unknown, 410 when paused (the upstream then holds its messages
 //!    until the endpoint is resumed);
-//! 3. the body, read up to the limit: 413 once it passes it;
+//! 3. the body, read up to the limit: 413 once it passes it (408 when it does not arrive within
+//!    the listener's body read timeout);
 //! 4. the signature over the raw bytes with the endpoint's secrets, then the timestamp: 401;
-//! 5. the body is a v1 message naming this same endpoint: 400;
+//! 5. a webhook-id header of 1 to 256 bytes, and a body that does not name another endpoint in
+//!    its `webhook_endpoint_id`: 400;
 //! 6. stored, committed: 202 (or 200 for a webhook-id stored before).
 //!
+//! A verified body that is not a v1 message this relay reads (not JSON, a field of v1 in a shape
+//! v1 does not have, an unknown `data.type`, a control character in an id) is still stored, as
+//! received and with no track, and answered 202 (outcome `accepted_unparsed`): the signature
+//! proves the upstream sent it, and refusing it would only make the upstream resend it for a
+//! day while the endpoint's stream waits behind it. The sequencer, which reads every stored
+//! body again, sets it aside and reloads the endpoint's feed.
+//!
 //! If the message cannot be committed within the answer deadline (Postgres down or slow), the
-//! answer is 503 with Retry-After: never a 2xx for anything not committed.
+//! answer is 503 with Retry-After: never a 2xx for anything not committed. A 503 says only that
+//! the relay is unavailable; what went wrong is logged, never answered.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,7 +33,7 @@ use axum::Json;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use relay_store::endpoints::EndpointStatus;
 use relay_store::messages::{IncomingMessage, StoreOutcome};
-use relay_wire::{Message, SignatureHeaders, VerifyError};
+use relay_wire::{Message, MessageError, SignatureHeaders, VerifyError};
 use serde_json::json;
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -33,6 +43,7 @@ use crate::config::IngestConfig;
 use crate::endpoint_cache::EndpointCache;
 use crate::metrics::{IngestMetrics, Outcome};
 use crate::writer::BatchWriter;
+use relay_listener::BodyReadTimeout;
 
 /// The longest webhook-id stored; the upstream's are `msg_` and 32 hex digits.
 const MAX_WEBHOOK_ID_LEN: usize = 256;
@@ -45,18 +56,31 @@ pub struct AppState {
     pub clock: Arc<dyn Clock>,
 }
 
+/// What a 503 answers, whatever the cause (which goes to the log).
+const UNAVAILABLE_DETAIL: &str = "the relay cannot store messages right now; retry later";
+
 /// How a request was answered.
 #[derive(Debug)]
 enum Answer {
     Accepted,
+    /// Verified and stored, but not a v1 message this relay reads.
+    AcceptedUnparsed(MessageError),
     Duplicate,
-    TooLarge { limit: usize },
+    TooLarge {
+        limit: usize,
+    },
     UnknownEndpoint,
     Paused,
     BadSignature(VerifyError),
-    StaleTimestamp { skew_s: i64 },
+    StaleTimestamp {
+        skew_s: i64,
+    },
     Malformed(String),
-    EndpointMismatch { named: Uuid },
+    BodyTimeout(String),
+    EndpointMismatch {
+        named: Uuid,
+    },
+    /// The cause is for the log only.
     Unavailable(String),
 }
 
@@ -64,6 +88,7 @@ impl Answer {
     fn outcome(&self) -> Outcome {
         match self {
             Answer::Accepted => Outcome::Accepted,
+            Answer::AcceptedUnparsed(_) => Outcome::AcceptedUnparsed,
             Answer::Duplicate => Outcome::Duplicate,
             Answer::TooLarge { .. } => Outcome::TooLarge,
             Answer::UnknownEndpoint => Outcome::UnknownEndpoint,
@@ -71,6 +96,7 @@ impl Answer {
             Answer::BadSignature(_) => Outcome::BadSignature,
             Answer::StaleTimestamp { .. } => Outcome::StaleTimestamp,
             Answer::Malformed(_) => Outcome::Malformed,
+            Answer::BodyTimeout(_) => Outcome::BodyTimeout,
             Answer::EndpointMismatch { .. } => Outcome::EndpointMismatch,
             Answer::Unavailable(_) => Outcome::Unavailable,
         }
@@ -81,6 +107,14 @@ impl Answer {
         let (status, detail) = match self {
             Answer::Accepted => {
                 return (StatusCode::ACCEPTED, Json(json!({"status": outcome}))).into_response()
+            }
+            Answer::AcceptedUnparsed(error) => {
+                let detail = format!("stored, but not a v1 message this relay reads: {error}");
+                return (
+                    StatusCode::ACCEPTED,
+                    Json(json!({"status": outcome, "detail": detail})),
+                )
+                    .into_response();
             }
             Answer::Duplicate => {
                 return (StatusCode::OK, Json(json!({"status": outcome}))).into_response()
@@ -103,14 +137,15 @@ impl Answer {
                 VerifyError::TimestampOutsideTolerance { skew_s }.to_string(),
             ),
             Answer::Malformed(detail) => (StatusCode::BAD_REQUEST, detail),
+            Answer::BodyTimeout(detail) => (StatusCode::REQUEST_TIMEOUT, detail),
             Answer::EndpointMismatch { named } => (
                 StatusCode::BAD_REQUEST,
                 format!("the body names webhook endpoint {named}, not the one in the URL"),
             ),
-            Answer::Unavailable(detail) => {
+            Answer::Unavailable(_) => {
                 let mut response = (
                     StatusCode::SERVICE_UNAVAILABLE,
-                    Json(json!({"error": outcome, "detail": detail})),
+                    Json(json!({"error": outcome, "detail": UNAVAILABLE_DETAIL})),
                 )
                     .into_response();
                 response
@@ -131,9 +166,10 @@ pub async fn receive(
 ) -> Response {
     let started = Instant::now();
     let deadline = tokio::time::Instant::now() + state.config.answer_deadline;
+    let endpoint_id = Uuid::parse_str(&endpoint_text).ok();
     let answer = match tokio::time::timeout_at(
         deadline,
-        take_message(&state, &endpoint_text, &headers, body, deadline),
+        take_message(&state, endpoint_id, &headers, body, deadline),
     )
     .await
     {
@@ -141,14 +177,21 @@ pub async fn receive(
         Err(_) => Answer::Unavailable("the message could not be stored in time".into()),
     };
     let outcome = answer.outcome();
+    let endpoint = LoggedEndpoint {
+        id: endpoint_id,
+        text: &endpoint_text,
+    };
     match &answer {
         Answer::Accepted | Answer::Duplicate => {
-            tracing::debug!(endpoint = %endpoint_text, outcome = outcome.label(), "answered")
+            tracing::debug!(%endpoint, outcome = outcome.label(), "answered")
         }
-        Answer::Unavailable(detail) => {
-            tracing::warn!(endpoint = %endpoint_text, %detail, "answered 503")
+        Answer::AcceptedUnparsed(error) => {
+            tracing::warn!(%endpoint, %error, "stored a verified body that is not a v1 message")
         }
-        other => tracing::info!(endpoint = %endpoint_text, answer = ?other, "refused"),
+        Answer::Unavailable(cause) => {
+            tracing::warn!(%endpoint, %cause, "answered 503")
+        }
+        other => tracing::info!(%endpoint, answer = ?other, "refused"),
     }
     state
         .metrics
@@ -156,9 +199,34 @@ pub async fn receive(
     answer.into_response(state.config.retry_after.as_secs().max(1))
 }
 
+/// The URL's endpoint id as logs show it: the UUID when it is one; otherwise the decoded text,
+/// escaped and cut short, since a path can hold line breaks and terminal escapes (`%0a`,
+/// `%1b`) that would forge or garble log lines.
+struct LoggedEndpoint<'a> {
+    id: Option<Uuid>,
+    text: &'a str,
+}
+
+impl std::fmt::Display for LoggedEndpoint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const SHOWN_CHARS: usize = 64;
+        match self.id {
+            Some(id) => write!(f, "{id}"),
+            None => {
+                let shown: String = self.text.chars().take(SHOWN_CHARS).collect();
+                write!(f, "{shown:?}")?;
+                if self.text.chars().nth(SHOWN_CHARS).is_some() {
+                    f.write_str("...")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 async fn take_message(
     state: &AppState,
-    endpoint_text: &str,
+    endpoint_id: Option<Uuid>,
     headers: &HeaderMap,
     body: Body,
     deadline: tokio::time::Instant,
@@ -173,7 +241,7 @@ async fn take_message(
         return Answer::TooLarge { limit };
     }
 
-    let Ok(endpoint_id) = Uuid::parse_str(endpoint_text) else {
+    let Some(endpoint_id) = endpoint_id else {
         return Answer::UnknownEndpoint;
     };
     let endpoint = match state.cache.get(endpoint_id).await {
@@ -190,6 +258,9 @@ async fn take_message(
     let body = match Limited::new(body, limit).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(error) if error.is::<LengthLimitError>() => return Answer::TooLarge { limit },
+        Err(error) if BodyReadTimeout::is_cause_of(&*error) => {
+            return Answer::BodyTimeout(error.to_string())
+        }
         Err(error) => return Answer::Malformed(format!("the body could not be read: {error}")),
     };
     state.metrics.body_read(body.len());
@@ -218,17 +289,23 @@ async fn take_message(
         return Answer::Malformed(format!("a webhook-id is 1 to {MAX_WEBHOOK_ID_LEN} bytes"));
     }
 
-    let message = match Message::parse(&body) {
-        Ok(message) => message,
-        Err(error) => return Answer::Malformed(format!("not a v1 webhook message: {error}")),
-    };
-    if message.webhook_endpoint_id != endpoint_id {
-        return Answer::EndpointMismatch {
-            named: message.webhook_endpoint_id,
-        };
-    }
-    let Some(generation) = message.generation.map(i64::try_from).transpose().ok() else {
-        return Answer::Malformed("generation is out of range".into());
+    let (track, generation, unparsed) = match Message::parse(&body) {
+        Ok(message) if message.webhook_endpoint_id != endpoint_id => {
+            return Answer::EndpointMismatch {
+                named: message.webhook_endpoint_id,
+            }
+        }
+        Ok(message) => (
+            message.track.as_ref().map(|t| t.as_str().to_owned()),
+            message.generation.map(|g| {
+                i64::try_from(g).expect("Message::parse keeps generations within a bigint")
+            }),
+            None,
+        ),
+        Err(error) => match named_endpoint(&body) {
+            Some(named) if named != endpoint_id => return Answer::EndpointMismatch { named },
+            _ => (None, None, Some(error)),
+        },
     };
 
     let incoming = IncomingMessage {
@@ -238,15 +315,68 @@ async fn take_message(
         signed_at: OffsetDateTime::from_unix_timestamp(signed_at).unwrap_or(received_at),
         attempt: header_text("quanor-webhook-attempt").and_then(|v| v.parse().ok()),
         received_at,
-        track: message.track.as_ref().map(|t| t.as_str().to_owned()),
+        track,
         generation,
         body,
     };
     match state.writer.store(incoming, deadline).await {
-        Ok(StoreOutcome::Stored { .. }) => Answer::Accepted,
+        Ok(StoreOutcome::Stored { .. }) => match unparsed {
+            None => Answer::Accepted,
+            Some(error) => Answer::AcceptedUnparsed(error),
+        },
         Ok(StoreOutcome::Duplicate) => Answer::Duplicate,
         Ok(StoreOutcome::EndpointPaused) => Answer::Paused,
         Ok(StoreOutcome::EndpointUnknown) => Answer::UnknownEndpoint,
         Err(error) => Answer::Unavailable(error.to_string()),
+    }
+}
+
+/// The endpoint a body names in its `webhook_endpoint_id`, read leniently: from any body that is
+/// a JSON object holding that field as a UUID, whether or not the rest is a v1 message. A body
+/// signed with this endpoint's secret that names another endpoint was sent to the wrong place,
+/// and storing it here would hand it to the wrong tenant's copy.
+fn named_endpoint(body: &[u8]) -> Option<Uuid> {
+    // Only bodies that fail to parse come here, so reading one whole costs the common path
+    // nothing.
+    let body: serde_json::Value = serde_json::from_slice(body).ok()?;
+    Uuid::parse_str(body.get("webhook_endpoint_id")?.as_str()?).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logged(text: &str) -> String {
+        LoggedEndpoint {
+            id: Uuid::parse_str(text).ok(),
+            text,
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn logged_endpoint_ids_cannot_break_or_colour_a_log_line() {
+        let id = "8D2F0C39-2B63-4C55-9A8A-3F5B1D7C1E20";
+        assert_eq!(logged(id), "8d2f0c39-2b63-4c55-9a8a-3f5b1d7c1e20");
+        assert_eq!(
+            logged("x\n2026-12-01T00:00:00Z INFO forged\u{1b}[31m"),
+            r#""x\n2026-12-01T00:00:00Z INFO forged\u{1b}[31m""#
+        );
+        let long = "a".repeat(1000);
+        assert_eq!(logged(&long), format!("\"{}\"...", "a".repeat(64)));
+    }
+
+    #[test]
+    fn the_endpoint_a_body_names_is_read_from_any_json_object() {
+        let other = Uuid::new_v4();
+        let named = |body: serde_json::Value| named_endpoint(body.to_string().as_bytes());
+        assert_eq!(
+            named(json!({"v": "?", "webhook_endpoint_id": other, "events": 3})),
+            Some(other)
+        );
+        assert_eq!(named(json!({"webhook_endpoint_id": "abc"})), None);
+        assert_eq!(named(json!({"webhook_endpoint_id": 5})), None);
+        assert_eq!(named(json!([other])), None);
+        assert_eq!(named_endpoint(b"{not json"), None);
     }
 }

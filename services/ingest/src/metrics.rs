@@ -9,6 +9,7 @@ use prometheus::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Accepted,
+    AcceptedUnparsed,
     Duplicate,
     BadSignature,
     StaleTimestamp,
@@ -16,13 +17,15 @@ pub enum Outcome {
     UnknownEndpoint,
     Paused,
     Malformed,
+    BodyTimeout,
     EndpointMismatch,
     Unavailable,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 10] = [
+    pub const ALL: [Outcome; 12] = [
         Outcome::Accepted,
+        Outcome::AcceptedUnparsed,
         Outcome::Duplicate,
         Outcome::BadSignature,
         Outcome::StaleTimestamp,
@@ -30,6 +33,7 @@ impl Outcome {
         Outcome::UnknownEndpoint,
         Outcome::Paused,
         Outcome::Malformed,
+        Outcome::BodyTimeout,
         Outcome::EndpointMismatch,
         Outcome::Unavailable,
     ];
@@ -37,6 +41,7 @@ impl Outcome {
     pub fn label(self) -> &'static str {
         match self {
             Outcome::Accepted => "accepted",
+            Outcome::AcceptedUnparsed => "accepted_unparsed",
             Outcome::Duplicate => "duplicate",
             Outcome::BadSignature => "bad_signature",
             Outcome::StaleTimestamp => "stale_timestamp",
@@ -44,6 +49,7 @@ impl Outcome {
             Outcome::UnknownEndpoint => "unknown_endpoint",
             Outcome::Paused => "paused",
             Outcome::Malformed => "malformed",
+            Outcome::BodyTimeout => "body_timeout",
             Outcome::EndpointMismatch => "endpoint_mismatch",
             Outcome::Unavailable => "unavailable",
         }

@@ -5,6 +5,12 @@
 //! has gathered (up to a batch limit), store it in one transaction, and answer every request of
 //! the batch once it committed. While one writer commits, the next batch gathers for another, so
 //! batches grow with load and latency stays near one commit.
+//!
+//! Sharing a statement must not let one message fail the others. The handler stores only values
+//! that fit their columns, but should Postgres still refuse a batch for a value it holds, the
+//! writer stores the batch's halves apart, and their halves, until the message that cannot be
+//! stored is alone: only its request fails. Halves are stored in order, so arrival order still
+//! follows the order the messages were taken.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -113,57 +119,87 @@ async fn write_batches(
         if jobs.is_empty() {
             continue;
         }
-        let batch: Vec<IncomingMessage> = jobs.iter().map(|j| j.message.clone()).collect();
-        let started = Instant::now();
-        let result = tokio::time::timeout(batching.timeout, async {
-            let mut taken = connection.take().await.map_err(StoreError::from)?;
-            let outcomes = messages::store_batch(&mut *taken, &batch).await?;
-            Ok::<_, StoreError>((outcomes, taken))
-        })
-        .await;
-        metrics
-            .batch_seconds
-            .observe(started.elapsed().as_secs_f64());
-        metrics.batch_messages.observe(batch.len() as f64);
-        match result {
-            Ok(Ok((outcomes, taken))) => {
-                connection.keep(taken);
-                let mut stored: Vec<uuid::Uuid> = Vec::new();
-                for (job, outcome) in jobs.into_iter().zip(outcomes) {
-                    if matches!(outcome, StoreOutcome::Stored { .. }) {
-                        stored.push(job.message.endpoint_id);
-                    }
-                    let _ = job.reply.send(Ok(outcome));
-                }
-                if let Some(waker) = &batching.waker {
-                    stored.sort_unstable();
-                    stored.dedup();
-                    let waker = waker.clone();
-                    // After the answers: a lost wake-up only waits for the sequencer's sweep.
-                    tokio::spawn(async move {
-                        if let Err(error) = waker.wake(&stored).await {
-                            tracing::debug!(%error, "wake-up not published");
+        let deadline = tokio::time::Instant::now() + batching.timeout;
+        let mut stored: Vec<uuid::Uuid> = Vec::new();
+        // Parts still to store, the next one last.
+        let mut parts: Vec<Vec<Job>> = vec![jobs];
+        while let Some(mut part) = parts.pop() {
+            let batch: Vec<IncomingMessage> = part.iter().map(|j| j.message.clone()).collect();
+            let started = Instant::now();
+            let result = tokio::time::timeout_at(deadline, async {
+                let mut taken = connection.take().await.map_err(StoreError::from)?;
+                let outcomes = messages::store_batch(&mut *taken, &batch).await?;
+                Ok::<_, StoreError>((outcomes, taken))
+            })
+            .await;
+            metrics
+                .batch_seconds
+                .observe(started.elapsed().as_secs_f64());
+            metrics.batch_messages.observe(batch.len() as f64);
+            match result {
+                Ok(Ok((outcomes, taken))) => {
+                    connection.keep(taken);
+                    for (job, outcome) in part.into_iter().zip(outcomes) {
+                        if matches!(outcome, StoreOutcome::Stored { .. }) {
+                            stored.push(job.message.endpoint_id);
                         }
-                    });
+                        let _ = job.reply.send(Ok(outcome));
+                    }
                 }
-            }
-            Ok(Err(error)) => {
-                // The connection went with the error: a broken one is not kept.
-                tracing::warn!(%error, messages = batch.len(), "storing a batch failed");
-                let error = WriteError::Failed(error.to_string());
-                for job in jobs {
-                    let _ = job.reply.send(Err(error.clone()));
+                Ok(Err(error)) if part.len() > 1 && refused_for_a_value(&error) => {
+                    tracing::warn!(%error, messages = part.len(), "a batch was refused for a value it holds; storing its halves apart");
+                    let second = part.split_off(part.len() / 2);
+                    parts.push(second);
+                    parts.push(part);
                 }
-            }
-            Err(_) => {
-                // The transaction future was dropped: its connection is closed rather than
-                // returned, and Postgres rolls back whatever it had begun.
-                tracing::warn!(messages = batch.len(), "storing a batch timed out");
-                for job in jobs {
-                    let _ = job.reply.send(Err(WriteError::TimedOut));
+                Ok(Err(error)) => {
+                    // The connection went with the error: a broken one is not kept.
+                    tracing::warn!(%error, messages = part.len(), "storing a batch failed");
+                    let error = WriteError::Failed(error.to_string());
+                    for job in part {
+                        let _ = job.reply.send(Err(error.clone()));
+                    }
+                }
+                Err(_) => {
+                    // The transaction future was dropped: its connection is closed rather than
+                    // returned, and Postgres rolls back whatever it had begun.
+                    tracing::warn!(messages = part.len(), "storing a batch timed out");
+                    for job in part.into_iter().chain(parts.drain(..).flatten()) {
+                        let _ = job.reply.send(Err(WriteError::TimedOut));
+                    }
                 }
             }
         }
+        if let Some(waker) = batching.waker.as_ref().filter(|_| !stored.is_empty()) {
+            stored.sort_unstable();
+            stored.dedup();
+            let waker = waker.clone();
+            // After the answers: a lost wake-up only waits for the sequencer's sweep.
+            tokio::spawn(async move {
+                if let Err(error) = waker.wake(&stored).await {
+                    tracing::debug!(%error, "wake-up not published");
+                }
+            });
+        }
+    }
+}
+
+/// True when Postgres refused the statement for a value it was given (SQLSTATE classes 22,
+/// data exception; 23, integrity constraint; 54, program limit exceeded, such as an index row
+/// too large), or the store found one message's endpoint in a state it cannot store for: the
+/// same batch without that message would be stored. Not for a lost connection, a timeout or
+/// a server shutting down, which fail every part alike.
+fn refused_for_a_value(error: &StoreError) -> bool {
+    match error {
+        StoreError::Database(sqlx::Error::Database(database)) => {
+            database.code().is_some_and(|code| {
+                ["22", "23", "54"]
+                    .iter()
+                    .any(|class| code.starts_with(class))
+            })
+        }
+        StoreError::Invalid(_) => true,
+        _ => false,
     }
 }
 

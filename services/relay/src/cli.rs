@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 
+use clap::builder::TypedValueParser as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
@@ -163,6 +164,27 @@ pub struct IngestArgs {
         default_value_t = 100_000
     )]
     pub endpoint_cache_max_entries: usize,
+
+    /// Milliseconds a request's head may take to arrive (from the connection's opening or its
+    /// previous answer); a slower connection is closed.
+    #[arg(long, env = "RELAY_INGEST_HEADER_READ_TIMEOUT_MS",
+          default_value_t = relay_ingest::config::LISTENER_LIMITS.header_read_timeout.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_read_timeout_ms: u64,
+
+    /// Milliseconds a request's body may take to arrive after its head; a slower one is
+    /// answered 408 and its connection closed. Keep it under the answer deadline.
+    #[arg(long, env = "RELAY_INGEST_BODY_READ_TIMEOUT_MS",
+          default_value_t = relay_ingest::config::LISTENER_LIMITS.body_read_timeout.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_read_timeout_ms: u64,
+
+    /// Webhook connections served at once; one more is answered 503 with Retry-After and
+    /// closed. Keep the process's open-file limit (LimitNOFILE) well above it.
+    #[arg(long, env = "RELAY_INGEST_MAX_CONNECTIONS",
+          default_value_t = relay_ingest::config::LISTENER_LIMITS.max_connections,
+          value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
+    pub max_connections: usize,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use relay_ingest::{Clock, IngestConfig, SystemClock};
+use relay_listener::ListenerLimits;
 use relay_store::PoolOptions;
 use sqlx::PgPool;
 use tokio::net::TcpListener;
@@ -27,6 +28,11 @@ impl IngestArgs {
             batch_max_messages: self.batch_max_messages,
             endpoint_cache_ttl: Duration::from_secs(self.endpoint_cache_ttl_s),
             endpoint_cache_max_entries: self.endpoint_cache_max_entries,
+            listener: ListenerLimits {
+                header_read_timeout: Duration::from_millis(self.header_read_timeout_ms),
+                body_read_timeout: Duration::from_millis(self.body_read_timeout_ms),
+                max_connections: self.max_connections,
+            },
             ..IngestConfig::default()
         }
     }
@@ -84,17 +90,15 @@ impl IngestServer {
     ) -> anyhow::Result<Self> {
         let address = listener.local_addr()?;
         let metrics_address = metrics_listener.local_addr()?;
+        let limits = config.listener;
         let ingest = relay_ingest::build(pool, config, &registry, clock)?;
         let (stop, stopped) = oneshot::channel::<()>();
         let done = tokio::spawn(async move {
-            let metrics = tokio::spawn(async move {
-                axum::serve(metrics_listener, telemetry::metrics_router(registry)).await
-            });
-            let served = axum::serve(listener, ingest.router)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .await;
+            let metrics = tokio::spawn(telemetry::serve_metrics(metrics_listener, registry));
+            relay_listener::serve(listener, ingest.router, limits, async move {
+                let _ = stopped.await;
+            })
+            .await;
             metrics.abort();
             ingest.cache_listener.abort();
             // The router is gone, so once the in-flight requests finished every queue sender
@@ -102,7 +106,7 @@ impl IngestServer {
             for writer in ingest.writers {
                 let _ = writer.await;
             }
-            served.context("serving webhooks")
+            Ok(())
         });
         Ok(Self {
             address,
@@ -186,9 +190,7 @@ pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> a
     let registry = prometheus::Registry::new();
     let metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
-    let serve_metrics = tokio::spawn(async move {
-        axum::serve(metrics_listener, telemetry::metrics_router(registry)).await
-    });
+    let serve_metrics = tokio::spawn(telemetry::serve_metrics(metrics_listener, registry));
     let sequencer =
         relay_sequencer::Sequencer::start(pool, command.args.to_config(global), metrics)
             .await
@@ -234,9 +236,7 @@ pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> a
     .await
     .context("starting the publisher (is Redis up?)")?;
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
-    let serve_metrics = tokio::spawn(async move {
-        axum::serve(metrics_listener, telemetry::metrics_router(registry)).await
-    });
+    let serve_metrics = tokio::spawn(telemetry::serve_metrics(metrics_listener, registry));
     tracing::info!("publisher running");
     shutdown_signal().await;
     tracing::info!("shutting down: finishing the rounds in flight");
@@ -253,9 +253,7 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
     let mut server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
     tracing::info!(address = %server.address, "control plane running");
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
-    let serve_metrics = tokio::spawn(async move {
-        axum::serve(metrics_listener, telemetry::metrics_router(registry)).await
-    });
+    let serve_metrics = tokio::spawn(telemetry::serve_metrics(metrics_listener, registry));
     let result = tokio::select! {
         result = server.wait() => result.map_err(anyhow::Error::from),
         () = shutdown_signal() => server.stop().await.map_err(anyhow::Error::from),

@@ -31,6 +31,17 @@ pub fn metrics_router(registry: Registry) -> Router {
         .with_state(registry)
 }
 
+/// Serves [`metrics_router`] on `listener` until the task is aborted.
+pub async fn serve_metrics(listener: TcpListener, registry: Registry) {
+    relay_listener::serve(
+        listener,
+        metrics_router(registry),
+        relay_listener::ListenerLimits::METRICS,
+        std::future::pending(),
+    )
+    .await
+}
+
 async fn render_metrics(State(registry): State<Registry>) -> impl IntoResponse {
     let encoder = TextEncoder::new();
     let mut buffer = Vec::new();

@@ -5,6 +5,11 @@
 //! is kept as an ignored value, never an error. A field that version 1 names but that has the
 //! wrong shape is an error, because applying a half-understood change would corrupt a copy,
 //! while refusing the message makes the upstream retry it and, in the end, reset the endpoint.
+//!
+//! The strings the relay keeps as identifiers (the track, event ids and types, subjects,
+//! sequences and positions, access versions, feed item and part ids) may not hold control
+//! characters: Postgres' text cannot hold NUL, one such value would fail every message it shares
+//! a statement with, and a control character in an id only ever forges or breaks what shows it.
 
 use serde_json::{Map, Value};
 use uuid::Uuid;
@@ -201,6 +206,22 @@ pub enum MessageError {
     },
     #[error("message version {0} is not one this relay reads (it reads 1)")]
     UnsupportedVersion(u64),
+    #[error("{field} holds a control character (U+{code:04X})")]
+    ControlCharacter { field: String, code: u32 },
+}
+
+/// The largest generation kept: Postgres' bigint.
+const MAX_GENERATION: u64 = i64::MAX as u64;
+
+/// Refuses `text` when it holds a control character (C0, DEL or C1), naming `field`.
+fn check_identifier(text: &str, field: impl FnOnce() -> String) -> Result<(), MessageError> {
+    match text.chars().find(|c| c.is_control()) {
+        None => Ok(()),
+        Some(c) => Err(MessageError::ControlCharacter {
+            field: field(),
+            code: u32::from(c),
+        }),
+    }
 }
 
 impl Message {
@@ -225,11 +246,11 @@ impl Message {
                 field: "webhook_endpoint_id".into(),
                 expected: "a UUID",
             })?;
-        let track = at.optional_str("track")?.map(|t| Track::parse(&t));
-        let generation = at.optional_u64("generation")?;
-        let access_version = at.optional_str("access_version")?;
-        let since = at.optional_str("since")?;
-        let through = at.optional_str("through")?;
+        let track = at.optional_id("track")?.map(|t| Track::parse(&t));
+        let generation = at.optional_generation("generation")?;
+        let access_version = at.optional_id("access_version")?;
+        let since = at.optional_id("since")?;
+        let through = at.optional_id("through")?;
         let complete = at.optional_bool("complete")?;
         let raw_events = match at.take("events") {
             Some(Value::Array(events)) => events,
@@ -274,8 +295,8 @@ impl Event {
             });
         };
         let mut at = Fields::new(&mut fields, path);
-        let id = at.required_str("id")?;
-        let event_type = at.required_str("type")?;
+        let id = at.required_id("id")?;
+        let event_type = at.required_id("type")?;
         let data = at.take("data").unwrap_or(Value::Null);
         let body = match event_type.split_once('.') {
             Some(("webhook_endpoint", "reset")) => {
@@ -286,8 +307,8 @@ impl Event {
             }
             Some((kind, action)) => match (ItemKind::parse(kind), FeedAction::parse(action)) {
                 (Some(kind), Some(action)) => {
-                    let subject = at.required_str("subject")?;
-                    let sequence = Sequence::new(at.required_str("sequence")?);
+                    let subject = at.required_id("subject")?;
+                    let sequence = Sequence::new(at.required_id("sequence")?);
                     let data = FeedData::parse(data, action, &at.path("data"))?;
                     EventBody::Feed {
                         kind,
@@ -321,14 +342,14 @@ impl FeedData {
         if data_type == "refetch" {
             let mut at = Fields::new(&mut fields, path);
             return Ok(FeedData::Refetch {
-                feed_item_id: at.required_str("feed_item_id")?,
+                feed_item_id: at.required_id("feed_item_id")?,
                 seq: at.required_u64("seq")?,
             });
         }
         if action.is_removal() {
             let mut at = Fields::new(&mut fields, path);
             return Ok(FeedData::Removal {
-                feed_item_id: at.required_str("feed_item_id")?,
+                feed_item_id: at.required_id("feed_item_id")?,
                 seq: at.required_u64("seq")?,
             });
         }
@@ -357,7 +378,7 @@ impl FeedItem {
             fields: object,
             prefix: path,
         };
-        let feed_item_id = at.required_str("feed_item_id")?.to_owned();
+        let feed_item_id = at.required_id("feed_item_id")?.to_owned();
         let kind_text = at.required_str("item_kind")?;
         let item_kind = ItemKind::parse(kind_text).ok_or_else(|| MessageError::WrongShape {
             field: at.path("item_kind"),
@@ -421,7 +442,7 @@ impl PartRef {
             }
         };
         Ok(PartRef {
-            part_id: at.required_str("part_id")?.to_owned(),
+            part_id: at.required_id("part_id")?.to_owned(),
             part_version,
         })
     }
@@ -437,11 +458,13 @@ impl ResetData {
         };
         let mut at = Fields::new(&mut fields, path);
         Ok(ResetData {
-            access_version: at.required_str("access_version")?,
-            generation: at.required_u64("generation")?,
-            reason: at.optional_str("reason")?.unwrap_or_default(),
-            resume_from: at.optional_str("resume_from")?,
-            track: Track::parse(&at.required_str("track")?),
+            access_version: at.required_id("access_version")?,
+            generation: at
+                .optional_generation("generation")?
+                .ok_or_else(|| MessageError::Missing(at.path("generation")))?,
+            reason: at.optional_id("reason")?.unwrap_or_default(),
+            resume_from: at.optional_id("resume_from")?,
+            track: Track::parse(&at.required_id("track")?),
         })
     }
 }
@@ -456,7 +479,7 @@ impl TestedData {
         };
         let mut at = Fields::new(&mut fields, path);
         Ok(TestedData {
-            test_send_id: at.required_str("test_send_id")?,
+            test_send_id: at.required_id("test_send_id")?,
             example: at.take("example"),
         })
     }
@@ -491,6 +514,13 @@ impl<'a> FieldsRef<'a> {
     fn required_str(&self, name: &str) -> Result<&'a str, MessageError> {
         self.optional_str(name)?
             .ok_or_else(|| MessageError::Missing(self.path(name)))
+    }
+
+    /// A string kept as an identifier: no control characters.
+    fn required_id(&self, name: &str) -> Result<&'a str, MessageError> {
+        let text = self.required_str(name)?;
+        check_identifier(text, || self.path(name))?;
+        Ok(text)
     }
 
     fn required_u64(&self, name: &str) -> Result<u64, MessageError> {
@@ -549,6 +579,30 @@ impl<'a> Fields<'a> {
     fn required_str(&mut self, name: &str) -> Result<String, MessageError> {
         self.optional_str(name)?
             .ok_or_else(|| MessageError::Missing(self.path(name)))
+    }
+
+    /// A string kept as an identifier: no control characters.
+    fn optional_id(&mut self, name: &str) -> Result<Option<String>, MessageError> {
+        let text = self.optional_str(name)?;
+        if let Some(text) = &text {
+            check_identifier(text, || self.path(name))?;
+        }
+        Ok(text)
+    }
+
+    fn required_id(&mut self, name: &str) -> Result<String, MessageError> {
+        self.optional_id(name)?
+            .ok_or_else(|| MessageError::Missing(self.path(name)))
+    }
+
+    /// A generation: a whole number that fits the bigint it is stored in.
+    fn optional_generation(&mut self, name: &str) -> Result<Option<u64>, MessageError> {
+        match self.optional_u64(name)? {
+            Some(generation) if generation > MAX_GENERATION => {
+                Err(self.wrong(name, "at most 9223372036854775807"))
+            }
+            generation => Ok(generation),
+        }
     }
 
     fn optional_u64(&mut self, name: &str) -> Result<Option<u64>, MessageError> {
@@ -651,6 +705,110 @@ mod tests {
             Message::parse(b"{not json"),
             Err(MessageError::NotJson(_))
         ));
+    }
+
+    /// A v1 feed message whose every identifier is valid, for tests to spoil one at a time.
+    fn good_feed_message() -> Value {
+        json!({
+            "v": 1, "webhook_endpoint_id": ENDPOINT, "track": "feed", "generation": 2,
+            "access_version": "av_1", "since": "1.8", "through": "1.10",
+            "events": [
+                {"id": "evt_u", "type": "announcement.updated", "subject": "announcement:5",
+                 "sequence": "0000000001.0000000000000000009",
+                 "data": {"type": "item", "feed_item_id": "announcement:5",
+                          "item_kind": "announcement", "seq": 9, "title": "Q3 \u{0007} ok",
+                          "parts": [{"part_id": "p_1", "part_version": 1}]}},
+                {"id": "evt_r", "type": "announcement.hidden", "subject": "announcement:6",
+                 "sequence": "0000000001.0000000000000000010",
+                 "data": {"type": "refetch", "feed_item_id": "announcement:6", "seq": 10}},
+                {"id": "evt_x", "type": "webhook_endpoint.reset",
+                 "data": {"access_version": "av_2", "generation": 3, "reason": "behind",
+                          "resume_from": "1.10", "track": "feed"}}
+            ]
+        })
+    }
+
+    #[test]
+    fn control_characters_in_identifiers_are_refused_and_named() {
+        assert!(parse(good_feed_message()).is_ok());
+        let spoil: [(&str, fn(&mut Value) -> &mut Value); 16] = [
+            ("track", |m| &mut m["track"]),
+            ("access_version", |m| &mut m["access_version"]),
+            ("since", |m| &mut m["since"]),
+            ("through", |m| &mut m["through"]),
+            ("events[0].id", |m| &mut m["events"][0]["id"]),
+            ("events[0].type", |m| &mut m["events"][0]["type"]),
+            ("events[0].subject", |m| &mut m["events"][0]["subject"]),
+            ("events[0].sequence", |m| &mut m["events"][0]["sequence"]),
+            ("events[0].data.feed_item_id", |m| {
+                &mut m["events"][0]["data"]["feed_item_id"]
+            }),
+            ("events[0].data.parts[0].part_id", |m| {
+                &mut m["events"][0]["data"]["parts"][0]["part_id"]
+            }),
+            ("events[1].data.feed_item_id", |m| {
+                &mut m["events"][1]["data"]["feed_item_id"]
+            }),
+            ("events[2].id", |m| &mut m["events"][2]["id"]),
+            ("events[2].data.access_version", |m| {
+                &mut m["events"][2]["data"]["access_version"]
+            }),
+            ("events[2].data.reason", |m| {
+                &mut m["events"][2]["data"]["reason"]
+            }),
+            ("events[2].data.resume_from", |m| {
+                &mut m["events"][2]["data"]["resume_from"]
+            }),
+            ("events[2].data.track", |m| {
+                &mut m["events"][2]["data"]["track"]
+            }),
+        ];
+        for (field, at) in spoil {
+            for bad in ['\u{0}', '\n', '\u{1b}', '\u{7f}', '\u{9b}'] {
+                let mut message = good_feed_message();
+                let slot = at(&mut message);
+                let spoiled = format!("{}{bad}x", slot.as_str().unwrap());
+                *slot = Value::String(spoiled);
+                assert_eq!(
+                    parse(message).unwrap_err(),
+                    MessageError::ControlCharacter {
+                        field: field.to_owned(),
+                        code: u32::from(bad),
+                    },
+                    "{field} with {bad:?}"
+                );
+            }
+        }
+        // The wire's own example of a NUL in a track, as a JSON escape in the raw bytes.
+        let body = br#"{"v":1,"webhook_endpoint_id":"8d2f0c39-2b63-4c55-9a8a-3f5b1d7c1e20","track":"feed\u0000x","events":[]}"#;
+        assert_eq!(
+            Message::parse(body).unwrap_err().to_string(),
+            "track holds a control character (U+0000)"
+        );
+        // Text that is not an identifier (an item's title) keeps whatever it holds, and
+        // identifiers may be any other Unicode.
+        let mut message = good_feed_message();
+        message["events"][0]["subject"] = json!("announcement:é€😀 tab-free");
+        assert!(parse(message).is_ok());
+    }
+
+    #[test]
+    fn generations_past_a_bigint_are_refused() {
+        let mut message = good_feed_message();
+        message["generation"] = json!(9_223_372_036_854_775_807u64);
+        assert_eq!(parse(message).unwrap().generation, Some(i64::MAX as u64));
+        let mut message = good_feed_message();
+        message["generation"] = json!(9_223_372_036_854_775_808u64);
+        assert_eq!(
+            parse(message).unwrap_err().to_string(),
+            "generation must be at most 9223372036854775807"
+        );
+        let mut message = good_feed_message();
+        message["events"][2]["data"]["generation"] = json!(u64::MAX);
+        assert_eq!(
+            parse(message).unwrap_err().to_string(),
+            "events[2].data.generation must be at most 9223372036854775807"
+        );
     }
 
     #[test]
