@@ -13,3 +13,4 @@ mod sequencer_apply;
 mod sequencer_ownership;
 mod sequencer_reload;
 mod store_pool;
+mod tenant_broker;
