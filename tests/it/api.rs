@@ -11,11 +11,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use relay_api::auth::{mint, JwtKeys, Subject};
+use relay_api::broker::{BrokerAccess, ManagementSettings};
 use relay_api::{ApiConfig, ApiServer};
+use relay_rules::destination::DestinationPolicy;
 use relay_rules::decide_event;
 use relay_store::copy::{self, Cause};
 use relay_store::messages::{store_batch, IncomingMessage};
-use relay_tests::{random_secret, TestDb};
+use relay_tests::{random_secret, TestDb, Vhost};
 use relay_wire::{Message, Sequence};
 use serde_json::{json, Value};
 use time::OffsetDateTime;
@@ -36,6 +38,8 @@ const AUDIENCE: &str = "relay";
 /// The API on 127.0.0.1, port 0, against a database of its own.
 pub struct ApiApp {
     pub db: TestDb,
+    /// The relay broker's vhost, when the test makes broker users (deleted with the app).
+    _vhost: Option<Vhost>,
     server: Option<ApiServer>,
     registry: prometheus::Registry,
     pub base_url: String,
@@ -52,14 +56,35 @@ pub struct Answer {
 
 impl ApiApp {
     pub async fn spawn() -> Self {
+        Self::spawn_on(None).await
+    }
+
+    /// The API with the relay's broker at a vhost of the test's own (for the routes that make
+    /// broker users there).
+    pub async fn spawn_with_vhost() -> Self {
+        let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
+        Self::spawn_on(Some(vhost)).await
+    }
+
+    async fn spawn_on(vhost: Option<Vhost>) -> Self {
         let db = TestDb::new().await;
         let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
         config.upstream_timeout = Duration::from_secs(5);
+        if let Some(vhost) = &vhost {
+            config.broker = BrokerAccess::new(
+                &vhost.url(),
+                &ManagementSettings::default(),
+                None,
+                DestinationPolicy::default(),
+            )
+            .unwrap();
+        }
         let registry = config.registry.clone();
         let server = ApiServer::start(db.pool.clone(), config).await.unwrap();
         let base_url = format!("http://{}", server.address);
         Self {
             db,
+            _vhost: vhost,
             server: Some(server),
             registry,
             base_url,
@@ -310,7 +335,7 @@ struct Route {
 
 #[tokio::test]
 async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
-    let app = ApiApp::spawn().await;
+    let app = ApiApp::spawn_with_vhost().await;
     let (tenant_a, token_a) = app.tenant("tenant A").await;
     let (tenant_b, token_b) = app.tenant("tenant B").await;
     let (endpoint_a, secret_a) = app.endpoint(&token_a, json!({})).await;
@@ -447,6 +472,12 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             200,
         ),
         ("DELETE /v1/destination", None, Tenant, OwnOnly, 200),
+        // In this order for A's token: made, read, rotated, deleted (no user is left behind).
+        ("POST /v1/broker/credentials", None, Tenant, OwnOnly, 201),
+        // B has none of its own.
+        ("GET /v1/broker/credentials", None, Tenant, NotFound, 200),
+        ("POST /v1/broker/credentials/rotate", None, Tenant, OwnOnly, 200),
+        ("DELETE /v1/broker/credentials", None, Tenant, OwnOnly, 204),
         (
             "POST /v1/endpoints/{endpoint_id}/tracks/{track}/rewind",
             None,

@@ -16,3 +16,4 @@ mod sequencer_quarantine;
 mod sequencer_reload;
 mod stack;
 mod store_pool;
+mod tenant_broker;

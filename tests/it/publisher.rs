@@ -28,6 +28,7 @@ use relay_publisher::{
     tenant_queue, BeforeMark, ChangeMessage, Publisher, PublisherConfig, PublisherHandle,
     ReferenceConsumer, TailArgs, TailOutput,
 };
+use relay_rules::destination::DestinationPolicy;
 use relay_rules::{decide_event, Decision, HeldContent, IgnoreReason, ReadItem};
 use relay_store::copy::{self, Cause};
 use relay_tests::{amqp_addr, redis_url, seed, PgProxy, ProxyMode, RedisPrefix, TestDb, Vhost};
@@ -39,15 +40,15 @@ use uuid::Uuid;
 // ---- Environment: Redis, RabbitMQ, a vhost per test ----
 
 /// Everything one test stands on.
-struct Env {
-    db: TestDb,
-    vhost: Vhost,
+pub(crate) struct Env {
+    pub(crate) db: TestDb,
+    pub(crate) vhost: Vhost,
     prefix: RedisPrefix,
-    seed: u64,
+    pub(crate) seed: u64,
 }
 
 impl Env {
-    async fn new() -> Self {
+    pub(crate) async fn new() -> Self {
         let seed = seed();
         eprintln!("publisher test seed: {seed} (RELAY_TEST_SEED replays it)");
         Self {
@@ -59,7 +60,7 @@ impl Env {
     }
 
     /// Settings for tests: short waits so failures are noticed and retried quickly.
-    fn config(&self, amqp_url: String) -> PublisherConfig {
+    pub(crate) fn config(&self, amqp_url: String) -> PublisherConfig {
         PublisherConfig {
             amqp_url,
             redis_url: redis_url(),
@@ -73,11 +74,17 @@ impl Env {
             idle_release: Duration::from_millis(500),
             metrics_interval: Duration::from_millis(100),
             destination_refresh: Duration::from_millis(300),
+            // Every broker here is on 127.0.0.1; a tenant's "own" broker is the test's vhost
+            // behind a proxy of its own (the relay's broker itself is refused).
+            destination_policy: DestinationPolicy {
+                allow_private: true,
+                ..DestinationPolicy::default()
+            },
             ..PublisherConfig::default()
         }
     }
 
-    async fn start(&self, config: PublisherConfig) -> (PublisherHandle, prometheus::Registry) {
+    pub(crate) async fn start(&self, config: PublisherConfig) -> (PublisherHandle, prometheus::Registry) {
         let registry = prometheus::Registry::new();
         let handle = Publisher::start(self.db.pool.clone(), config, &registry)
             .await
@@ -85,7 +92,7 @@ impl Env {
         (handle, registry)
     }
 
-    async fn broker(&self) -> Connection {
+    pub(crate) async fn broker(&self) -> Connection {
         relay_publisher::broker::connect(&self.vhost.url(), "test", Duration::from_secs(10))
             .await
             .expect("the publisher tests need RabbitMQ on 127.0.0.1:5672")
@@ -93,7 +100,7 @@ impl Env {
 }
 
 /// Sum of every series of a metric family (0 when absent).
-fn metric(registry: &prometheus::Registry, name: &str) -> f64 {
+pub(crate) fn metric(registry: &prometheus::Registry, name: &str) -> f64 {
     use prometheus::proto::MetricType;
     let mut sum = 0.0;
     for family in registry.gather().iter().filter(|f| f.name() == name) {
@@ -120,7 +127,7 @@ fn labelled(registry: &prometheus::Registry, name: &str, value: &str) -> Option<
 }
 
 /// Waits for `check` to hold, polling; panics with `what` after `timeout`.
-async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
+pub(crate) async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
@@ -138,7 +145,7 @@ where
     }
 }
 
-async fn unpublished(pool: &PgPool, tenants: &[Uuid]) -> i64 {
+pub(crate) async fn unpublished(pool: &PgPool, tenants: &[Uuid]) -> i64 {
     sqlx::query_scalar(
         "SELECT count(*) FROM changes c LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = c.endpoint_id
          WHERE c.change_seq > COALESCE(p.published_through, 0) AND c.tenant_id = ANY($1)",
@@ -149,7 +156,7 @@ async fn unpublished(pool: &PgPool, tenants: &[Uuid]) -> i64 {
     .unwrap()
 }
 
-async fn wait_published(pool: &PgPool, tenants: &[Uuid], seed: u64) {
+pub(crate) async fn wait_published(pool: &PgPool, tenants: &[Uuid], seed: u64) {
     wait_until(
         &format!("every change of {tenants:?} published (seed {seed})"),
         Duration::from_secs(120),
@@ -202,7 +209,7 @@ fn feed_event(id: &str, s: u32, g: u64, n: u64, removal: bool) -> Event {
 }
 
 /// One endpoint's upstream, as the sequencer would apply it.
-struct Feed {
+pub(crate) struct Feed {
     tenant: Uuid,
     endpoint: Uuid,
     generation: u64,
@@ -211,7 +218,7 @@ struct Feed {
 }
 
 impl Feed {
-    fn new(tenant: Uuid) -> Self {
+    pub(crate) fn new(tenant: Uuid) -> Self {
         Self {
             tenant,
             endpoint: Uuid::new_v4(),
@@ -292,14 +299,14 @@ impl Feed {
 }
 
 /// Random steps over `feeds`, `steps` in all.
-async fn write(pool: &PgPool, feeds: &mut [Feed], rng: &mut StdRng, steps: usize) {
+pub(crate) async fn write(pool: &PgPool, feeds: &mut [Feed], rng: &mut StdRng, steps: usize) {
     for _ in 0..steps {
         let i = rng.gen_range(0..feeds.len());
         feeds[i].step(pool, rng).await;
     }
 }
 
-async fn change_count_of(pool: &PgPool, tenant: Uuid) -> i64 {
+pub(crate) async fn change_count_of(pool: &PgPool, tenant: Uuid) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM changes WHERE tenant_id = $1")
         .bind(tenant)
         .fetch_one(pool)
@@ -332,13 +339,13 @@ async fn postgres_items(pool: &PgPool, endpoint: Uuid) -> BTreeMap<String, Value
 
 /// One message as it came off a queue.
 #[derive(Debug, Clone)]
-struct Delivered {
-    message_id: String,
+pub(crate) struct Delivered {
+    pub(crate) message_id: String,
     kind: String,
     content_type: String,
     delivery_mode: u8,
     timestamp: u64,
-    body: Vec<u8>,
+    pub(crate) body: Vec<u8>,
 }
 
 impl Delivered {
@@ -361,7 +368,7 @@ impl Delivered {
 /// Reads every message in the queue (the publishers are stopped, so the count is final), in
 /// queue order. With `ack` they are removed; without, the broker puts them back when the
 /// channel closes.
-async fn drain(broker: &Connection, queue: &str, ack: bool) -> Vec<Delivered> {
+pub(crate) async fn drain(broker: &Connection, queue: &str, ack: bool) -> Vec<Delivered> {
     let channel = broker.create_channel().await.unwrap();
     let count = channel
         .queue_declare(
@@ -1244,12 +1251,14 @@ async fn nacked_changes_are_sent_again_in_order() {
         )
         .await
         .unwrap();
+    // The tenant's "own" broker: the test's vhost through an address that is not the relay's.
+    let own_broker = PgProxy::start(amqp_addr()).await;
     sqlx::query(
         "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
          VALUES ($1, 'own_exchange', $2, 'tenant-x', 'all')",
     )
     .bind(tenant)
-    .bind(env.vhost.url())
+    .bind(env.vhost.url_via(own_broker.address))
     .execute(pool)
     .await
     .unwrap();
@@ -1312,12 +1321,14 @@ async fn a_missing_exchange_or_binding_holds_the_backlog_until_fixed() {
     let mut rng = StdRng::seed_from_u64(seed);
     let pool = &env.db.pool;
     let tenant = env.db.tenant().await;
+    // The tenant's "own" broker: the test's vhost through an address that is not the relay's.
+    let own_broker = PgProxy::start(amqp_addr()).await;
     sqlx::query(
         "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
          VALUES ($1, 'own_exchange', $2, 'late', 'changes')",
     )
     .bind(tenant)
-    .bind(env.vhost.url())
+    .bind(env.vhost.url_via(own_broker.address))
     .execute(pool)
     .await
     .unwrap();

@@ -11,7 +11,11 @@ use relay_listener::ListenerLimits;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use relay_publisher::config::DEFAULT_AMQP_URL;
+use relay_rules::destination::DestinationPolicy;
+
 use crate::auth::{self, IssuedToken, JwtKeys, KeyError, Subject, TokenError};
+use crate::broker::{BrokerAccess, ManagementSettings};
 
 /// Where the JWT signing key comes from. Shared by `relay api` and `relay token issue`, which
 /// must use the same key.
@@ -64,6 +68,8 @@ pub enum ConfigError {
     Subject,
     #[error(transparent)]
     Token(#[from] TokenError),
+    #[error("the relay's broker: {0}")]
+    Broker(String),
 }
 
 fn read_key(path: &Path) -> Result<Vec<u8>, ConfigError> {
@@ -106,7 +112,7 @@ pub const LISTENER_LIMITS: ListenerLimits = ListenerLimits {
 
 /// `relay api`: serve the control plane. Every flag is prefixed (`--api-...`, `--jwt-...`) so
 /// that `relay all` can take these beside the other tiers' flags without a clash.
-#[derive(Debug, Clone, Args)]
+#[derive(Clone, Args)]
 pub struct ApiArgs {
     /// Where the API listens.
     #[arg(long, env = "RELAY_API_LISTEN", default_value = "127.0.0.1:8081")]
@@ -133,6 +139,43 @@ pub struct ApiArgs {
           default_value_t = LISTENER_LIMITS.max_connections,
           value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
     pub api_max_connections: usize,
+    /// The RabbitMQ management API of the relay's broker (plugin rabbitmq_management), where
+    /// tenants' users are made. Default: http://<RELAY_AMQP_URL's host>:15672.
+    #[arg(long, env = "RELAY_AMQP_MANAGEMENT_URL")]
+    pub amqp_management_url: Option<String>,
+    /// The management API's user (needs the `administrator` tag). Default: RELAY_AMQP_URL's.
+    #[arg(long, env = "RELAY_AMQP_MANAGEMENT_USER")]
+    pub amqp_management_user: Option<String>,
+    /// The management API's password. Default: RELAY_AMQP_URL's.
+    #[arg(long, env = "RELAY_AMQP_MANAGEMENT_PASSWORD", hide_env_values = true)]
+    pub amqp_management_password: Option<String>,
+    /// host:port tenants connect to for their queue, when not RELAY_AMQP_URL's (the relay may
+    /// reach its broker by an internal name).
+    #[arg(long, env = "RELAY_AMQP_TENANT_ADDRESS")]
+    pub amqp_tenant_address: Option<String>,
+    /// The relay's own broker. Not a flag of its own: the `relay` binary sets it from
+    /// RELAY_AMQP_URL, which the publisher reads too.
+    #[arg(skip = DEFAULT_AMQP_URL.to_owned())]
+    pub relay_amqp_url: String,
+    /// Where tenants' own-exchange destinations may point. Not flags of their own: the `relay`
+    /// binary sets it from RELAY_DESTINATION_*, which the publisher reads too.
+    #[arg(skip)]
+    pub destination_policy: DestinationPolicy,
+}
+
+// By hand: the derived form would print the management password.
+impl std::fmt::Debug for ApiArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiArgs")
+            .field("api_listen", &self.api_listen)
+            .field("jwt", &self.jwt)
+            .field("api_upstream_timeout_s", &self.api_upstream_timeout_s)
+            .field("amqp_management_url", &self.amqp_management_url)
+            .field("amqp_management_user", &self.amqp_management_user)
+            .field("amqp_tenant_address", &self.amqp_tenant_address)
+            .field("destination_policy", &self.destination_policy)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The control plane's settings, validated.
@@ -144,13 +187,17 @@ pub struct ApiConfig {
     pub upstream_timeout: Duration,
     /// Header and body read timeouts and the bound on open connections.
     pub listener: ListenerLimits,
+    /// The relay's own broker: destinations are refused there, and tenants' users are made
+    /// there.
+    pub broker: BrokerAccess,
     /// Where the API's metrics are registered: the binary's registry, served on its
     /// `/metrics`. A fresh one by default.
     pub registry: prometheus::Registry,
 }
 
 impl ApiConfig {
-    /// Settings for `keys`, listening on 127.0.0.1 with a port the system picks (tests).
+    /// Settings for `keys`, listening on 127.0.0.1 with a port the system picks, the relay's
+    /// broker at its defaults (tests).
     pub fn new(keys: JwtKeys) -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -158,6 +205,13 @@ impl ApiConfig {
             audience: "relay".to_owned(),
             upstream_timeout: Duration::from_secs(10),
             listener: LISTENER_LIMITS,
+            broker: BrokerAccess::new(
+                DEFAULT_AMQP_URL,
+                &ManagementSettings::default(),
+                None,
+                DestinationPolicy::default(),
+            )
+            .expect("the default AMQP URL is valid"),
             registry: prometheus::Registry::new(),
         }
     }
@@ -176,6 +230,16 @@ impl ApiArgs {
                 body_read_timeout: Duration::from_millis(self.api_body_read_timeout_ms),
                 max_connections: self.api_max_connections,
             },
+            broker: BrokerAccess::new(
+                &self.relay_amqp_url,
+                &ManagementSettings {
+                    url: self.amqp_management_url.clone(),
+                    user: self.amqp_management_user.clone(),
+                    password: self.amqp_management_password.clone(),
+                },
+                self.amqp_tenant_address.clone(),
+                self.destination_policy.clone(),
+            )?,
             registry: prometheus::Registry::new(),
         })
     }

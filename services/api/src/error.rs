@@ -43,6 +43,9 @@ pub enum ApiError {
     /// 503: Postgres is unreachable or too slow.
     #[error("database unavailable: {0}")]
     Unavailable(#[source] sqlx::Error),
+    /// 503: the relay's broker (its management API, or its name) failed the request.
+    #[error("broker unavailable: {0}")]
+    BrokerUnavailable(String),
     /// 500: anything else.
     #[error("internal: {0}")]
     Internal(String),
@@ -71,7 +74,9 @@ impl ApiError {
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::Conflict { .. } => (StatusCode::CONFLICT, "conflict"),
             ApiError::Upstream(_) => (StatusCode::BAD_GATEWAY, "upstream_failed"),
-            ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ApiError::Unavailable(_) | ApiError::BrokerUnavailable(_) => {
+                (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+            }
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         }
     }
@@ -126,6 +131,10 @@ impl IntoResponse for ApiError {
             ApiError::Unavailable(e) => {
                 tracing::warn!(error = %e, "database unavailable");
                 (None, "the database is unavailable; try again".to_owned())
+            }
+            ApiError::BrokerUnavailable(e) => {
+                tracing::warn!(error = %e, "broker unavailable");
+                (None, "the relay's broker is unavailable; try again".to_owned())
             }
             ApiError::Internal(e) => {
                 tracing::error!(error = %e, "internal error");

@@ -8,6 +8,8 @@
 //!   validated [`ApiConfig`], and [`issue_token`].
 //! - [`auth`]: HS256 JWTs: minting, verifying (with a previous key during a rotation), and the
 //!   [`auth::TenantId`] and [`auth::Operator`] extractors every handler starts with.
+//! - [`broker`]: the relay's own broker: where it is (destinations there are refused) and its
+//!   management API, where each tenant's user is made.
 //! - [`error`]: [`ApiError`], its JSON form (`{"error", "field", "detail"}`), and the JSON body
 //!   extractor whose errors name the field.
 //! - [`routes`]: one module per resource; each query is scoped by the caller's tenant.
@@ -20,6 +22,7 @@
 //! them.
 
 pub mod auth;
+pub mod broker;
 pub mod config;
 pub mod error;
 pub mod metrics;

@@ -52,6 +52,7 @@ pub fn build(pool: PgPool, config: &ApiConfig) -> Result<Router, ServeError> {
         verifier: Arc::new(Verifier::new(config.keys.clone(), &config.audience)),
         http,
         metrics: metrics.clone(),
+        broker: Arc::new(config.broker.clone()),
     };
     Ok(routes::router(state).layer(middleware::from_fn_with_state(metrics, observe)))
 }

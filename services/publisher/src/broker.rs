@@ -1,5 +1,6 @@
 //! AMQP: connecting (lapin on tokio), the tenant's queue, and confirmed publishes.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -8,6 +9,7 @@ use lapin::publisher_confirm::{Confirmation, PublisherConfirm};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use relay_rules::destination::{DestinationPolicy, Refusal};
 use uuid::Uuid;
 
 use crate::message::CONTENT_TYPE;
@@ -25,6 +27,11 @@ pub enum BrokerError {
     Unconfirmed(u64),
     #[error("{0} timed out after {1:?}")]
     Timeout(&'static str, Duration),
+    /// The tenant's destination points where tenants may not send (see [`checked_uri`]).
+    #[error("destination refused: {0}")]
+    Refused(#[from] Refusal),
+    #[error("resolving {0}: {1}")]
+    Resolve(String, String),
 }
 
 /// The queue the relay declares for a tenant without a destination of its own.
@@ -42,7 +49,14 @@ const HEARTBEAT_S: u16 = 10;
 /// the URL's own bounds are set too (unless it names them): the TCP connect gives up after
 /// `timeout`, and an established connection that stops answering ends by the heartbeat.
 pub async fn connect(url: &str, name: &str, timeout: Duration) -> Result<Connection, BrokerError> {
-    let mut uri: AMQPUri = url.parse().map_err(BrokerError::Url)?;
+    connect_uri(url.parse().map_err(BrokerError::Url)?, name, timeout).await
+}
+
+async fn connect_uri(
+    mut uri: AMQPUri,
+    name: &str,
+    timeout: Duration,
+) -> Result<Connection, BrokerError> {
     uri.query
         .connection_timeout
         .get_or_insert(timeout.as_millis().max(1) as u64);
@@ -55,6 +69,44 @@ pub async fn connect(url: &str, name: &str, timeout: Duration) -> Result<Connect
         .await
         .map_err(|_| BrokerError::Timeout("connecting", timeout))?
         .map_err(BrokerError::from)
+}
+
+/// Every address `uri`'s host resolves to, with its port, within `timeout`.
+async fn resolve(uri: &AMQPUri, timeout: Duration) -> Result<Vec<SocketAddr>, BrokerError> {
+    let (host, port) = (uri.authority.host.clone(), uri.authority.port);
+    let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+    let failed = |error: String| BrokerError::Resolve(host.clone(), error);
+    let lookup = tokio::net::lookup_host((host.clone(), port));
+    match tokio::time::timeout(timeout, lookup).await {
+        Ok(Ok(addresses)) => Ok(addresses.collect()),
+        Ok(Err(error)) => Err(failed(error.to_string())),
+        Err(_) => Err(failed(format!("timed out after {timeout:?}"))),
+    }
+}
+
+/// A tenant's own broker, checked against `policy` and the relay's own broker (`relay_url`)
+/// after resolving both: the URI returned names the address that was checked, so lapin's
+/// connect cannot resolve the name again to somewhere else (a DNS answer that changed since
+/// the control plane accepted the destination, or changes between check and connect).
+pub async fn checked_uri(
+    url: &str,
+    relay_url: &str,
+    policy: &DestinationPolicy,
+    timeout: Duration,
+) -> Result<AMQPUri, BrokerError> {
+    let mut uri: AMQPUri = url.parse().map_err(BrokerError::Url)?;
+    let relay: AMQPUri = relay_url.parse().map_err(BrokerError::Url)?;
+    let host = uri.authority.host.to_ascii_lowercase();
+    policy.check_host(host.trim_start_matches('[').trim_end_matches(']'))?;
+    let resolved = resolve(&uri, timeout).await?;
+    let relay_addresses = resolve(&relay, timeout).await?;
+    policy.check(
+        host.trim_start_matches('[').trim_end_matches(']'),
+        &resolved,
+        &relay_addresses,
+    )?;
+    uri.authority.host = resolved[0].ip().to_string();
+    Ok(uri)
 }
 
 /// Declares `relay.tenant.<id>`: durable, quorum (replicated, and it survives a broker restart
@@ -214,14 +266,16 @@ impl Link {
         target: Target,
         tenant: Uuid,
         relay: &RelayBroker,
+        policy: &DestinationPolicy,
         timeout: Duration,
     ) -> Result<Self, BrokerError> {
         let shared = target.on_relay_broker();
         let connection = if shared {
             relay.get().await?
         } else {
+            let uri = checked_uri(&target.url, &relay.url, policy, timeout).await?;
             let name = format!("relay-publisher {tenant}");
-            Arc::new(connect(&target.url, &name, timeout).await?)
+            Arc::new(connect_uri(uri, &name, timeout).await?)
         };
         let setup = async {
             let channel = connection.create_channel().await?;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use relay_rules::destination::DestinationPolicy;
 use uuid::Uuid;
 
 /// How the publisher runs. [`Default`] is what [`PublisherArgs`] defaults to.
@@ -14,6 +15,9 @@ pub struct PublisherConfig {
     /// The relay's own broker: where the tenants without a destination of their own get a
     /// durable quorum queue `relay.tenant.<tenant_id>`.
     pub amqp_url: String,
+    /// Where a tenant's own-exchange destination may point; checked at every connect, after
+    /// resolving its host. The relay's own broker is refused whatever this allows.
+    pub destination_policy: DestinationPolicy,
     /// Redis, for the per-tenant ownership leases.
     pub redis_url: String,
     /// Every Redis key starts with this (several relays, or tests, can share one Redis).
@@ -80,6 +84,7 @@ impl fmt::Debug for PublisherConfig {
         // The URLs may hold passwords: show them without.
         f.debug_struct("PublisherConfig")
             .field("amqp_url", &redact(&self.amqp_url))
+            .field("destination_policy", &self.destination_policy)
             .field("redis_url", &redact(&self.redis_url))
             .field("key_prefix", &self.key_prefix)
             .field("poll_interval", &self.poll_interval)
@@ -122,6 +127,7 @@ impl Default for PublisherConfig {
         let ms = Duration::from_millis;
         PublisherConfig {
             amqp_url: DEFAULT_AMQP_URL.to_owned(),
+            destination_policy: DestinationPolicy::default(),
             redis_url: DEFAULT_REDIS_URL.to_owned(),
             key_prefix: "relay:".to_owned(),
             poll_interval: ms(500),
@@ -149,6 +155,9 @@ pub struct PublisherArgs {
     /// quorum queue `relay.tenant.<tenant_id>` there.
     #[arg(long, env = "RELAY_AMQP_URL", default_value = DEFAULT_AMQP_URL)]
     pub amqp_url: String,
+
+    #[command(flatten)]
+    pub destinations: DestinationArgs,
 
     /// Redis, for the per-tenant ownership leases. Not a flag of its own: the `relay` binary
     /// sets it from its global `--redis-url` (RELAY_REDIS_URL), which every tier shares.
@@ -212,11 +221,43 @@ pub struct PublisherArgs {
     pub publisher_idle_release_ms: u64,
 }
 
+/// Where tenants' own-exchange destinations may point: read by the publisher (at every
+/// connect) and the control plane (when a destination is set).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct DestinationArgs {
+    /// Hosts a tenant's own-exchange destination may name, comma-separated: `broker.example.com`
+    /// or `*.example.com` (any name below it). Empty: any host that resolves to public
+    /// addresses. The relay's own broker is refused whatever this allows.
+    #[arg(long, env = "RELAY_DESTINATION_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub destination_allowed_hosts: Vec<String>,
+
+    /// Let destinations resolve to loopback, private, link-local and other non-public
+    /// addresses (tenants' brokers on the relay's own network; tests on one machine). The
+    /// relay's own broker stays refused.
+    #[arg(long, env = "RELAY_DESTINATION_ALLOW_PRIVATE", default_value_t = false)]
+    pub destination_allow_private: bool,
+}
+
+impl DestinationArgs {
+    pub fn policy(&self) -> DestinationPolicy {
+        DestinationPolicy {
+            allowed_hosts: self
+                .destination_allowed_hosts
+                .iter()
+                .map(|host| host.trim().to_owned())
+                .filter(|host| !host.is_empty())
+                .collect(),
+            allow_private: self.destination_allow_private,
+        }
+    }
+}
+
 impl PublisherArgs {
     pub fn config(&self) -> PublisherConfig {
         let ms = Duration::from_millis;
         PublisherConfig {
             amqp_url: self.amqp_url.clone(),
+            destination_policy: self.destinations.policy(),
             redis_url: self.redis_url.clone(),
             key_prefix: self.publisher_key_prefix.clone(),
             poll_interval: ms(self.publisher_poll_ms.max(1)),

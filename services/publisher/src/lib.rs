@@ -42,7 +42,7 @@ pub mod tail;
 pub mod tenant;
 
 pub use broker::tenant_queue;
-pub use config::{BeforeMark, OnConfirm, PublisherArgs, PublisherConfig};
+pub use config::{BeforeMark, DestinationArgs, OnConfirm, PublisherArgs, PublisherConfig};
 pub use consumer::{ConsumerStats, Received, ReferenceConsumer};
 pub use message::{ChangeMessage, SCHEMA};
 pub use metrics::PublisherMetrics;

@@ -7,7 +7,9 @@ use prometheus::{
 };
 
 /// Where broker trouble happened, as the `stage` label of `relay_publisher_broker_errors_total`.
-pub const BROKER_STAGES: [&str; 3] = ["connect", "publish", "confirm"];
+/// `refused`: the tenant's destination resolved to the relay's own broker or to an address the
+/// operator does not allow; nothing was sent.
+pub const BROKER_STAGES: [&str; 4] = ["connect", "refused", "publish", "confirm"];
 
 /// What the publisher was doing when Postgres failed it, as the `stage` label of
 /// `relay_publisher_postgres_errors_total`.

@@ -341,3 +341,22 @@ pub async fn destination(pool: &PgPool, tenant: Uuid) -> Result<Destination, Out
         )),
     }
 }
+
+/// Records why the publisher refused the tenant's destination (`None`: it was not refused, and
+/// an earlier reason is cleared). Written only when it changes anything.
+pub async fn record_refusal(
+    pool: &PgPool,
+    tenant: Uuid,
+    reason: Option<&str>,
+) -> Result<(), OutboxError> {
+    sqlx::query(
+        "UPDATE tenant_destinations
+         SET refused_reason = $2, refused_at = CASE WHEN $2 IS NULL THEN NULL ELSE now() END
+         WHERE tenant_id = $1 AND refused_reason IS DISTINCT FROM $2",
+    )
+    .bind(tenant)
+    .bind(reason)
+    .execute(pool)
+    .await?;
+    Ok(())
+}

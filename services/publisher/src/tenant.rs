@@ -131,6 +131,7 @@ pub(crate) async fn run(
         refreshing: None,
         hold_until: None,
         redeclare: false,
+        refusal_recorded: None,
     };
     worker.backoff.reset(worker.shared.config.retry_min);
     let end = worker.run().await;
@@ -313,6 +314,8 @@ struct Worker {
     hold_until: Option<Instant>,
     /// A publish came back unroutable: declare the queue before sending again.
     redeclare: bool,
+    /// What was last written of the destination's refusal (`Some(None)`: cleared).
+    refusal_recorded: Option<Option<String>>,
 }
 
 /// What woke the loop.
@@ -464,10 +467,23 @@ impl Worker {
                     return;
                 };
                 let relay = &self.shared.relay;
-                match Link::open(target, self.tenant, relay, config.connect_timeout).await {
+                let policy = &config.destination_policy;
+                let own_broker = target.declare.is_none();
+                match Link::open(target, self.tenant, relay, policy, config.connect_timeout).await
+                {
                     Ok(link) => {
                         self.redeclare = false;
+                        if own_broker {
+                            self.record_refusal(None).await;
+                        }
                         link
+                    }
+                    Err(BrokerError::Refused(refusal)) => {
+                        let error = BrokerError::Refused(refusal.clone());
+                        self.broker_trouble("refused", &error);
+                        self.record_refusal(Some(refusal.to_string())).await;
+                        self.hold();
+                        return;
                     }
                     Err(error) => {
                         self.broker_trouble("connect", &error);
@@ -810,6 +826,8 @@ impl Worker {
                 link.close().await;
             }
             self.target = Some(target);
+            // The control plane cleared any refusal when it stored the new destination.
+            self.refusal_recorded = None;
         }
         Ok(())
     }
@@ -844,6 +862,22 @@ impl Worker {
                 }
             }
         }));
+    }
+
+    /// Tells the tenant (through its destination's row) why its destination is refused, or
+    /// that it no longer is. Best effort: the refusal holds whether or not it is recorded.
+    async fn record_refusal(&mut self, reason: Option<String>) {
+        if self.refusal_recorded.as_ref() == Some(&reason) {
+            return;
+        }
+        match outbox::record_refusal(&self.shared.pool, self.tenant, reason.as_deref()).await {
+            Ok(()) => self.refusal_recorded = Some(reason),
+            Err(error) => {
+                self.postgres_trouble("destination");
+                tracing::warn!(tenant = %self.tenant, error = %error,
+                               "recording the destination's refusal failed");
+            }
+        }
     }
 
     fn postgres_trouble(&self, stage: &'static str) {

@@ -313,6 +313,13 @@ pub struct PublisherCommand {
 pub struct ApiCommand {
     #[command(flatten)]
     pub args: relay_api::ApiArgs,
+    /// The relay's own RabbitMQ (as the publisher's RELAY_AMQP_URL): tenants' destinations
+    /// there are refused, and tenants' users are made there.
+    #[arg(long, env = "RELAY_AMQP_URL", default_value = relay_publisher::config::DEFAULT_AMQP_URL,
+          hide_env_values = true)]
+    pub amqp_url: String,
+    #[command(flatten)]
+    pub destinations: relay_publisher::DestinationArgs,
     /// Address `/metrics` is served on.
     #[arg(
         long,

@@ -248,7 +248,10 @@ pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> a
 /// `relay api`: serve the control plane until SIGINT or SIGTERM.
 pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Result<()> {
     let registry = prometheus::Registry::new();
-    let mut config = command.args.to_config()?;
+    let mut args = command.args.clone();
+    args.relay_amqp_url = command.amqp_url.clone();
+    args.destination_policy = command.destinations.policy();
+    let mut config = args.to_config()?;
     config.registry = registry.clone();
     let mut server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
     tracing::info!(address = %server.address, "control plane running");
@@ -306,7 +309,11 @@ pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> 
     .await
     .context("starting the publisher (is Redis up?)")?;
     // The control plane needs a signing key; without one the other tiers still run.
-    let api = match args.api.to_config() {
+    // The control plane refuses destinations by the publisher's broker and policy.
+    let mut api_args = args.api.clone();
+    api_args.relay_amqp_url = args.publisher.amqp_url.clone();
+    api_args.destination_policy = args.publisher.destinations.policy();
+    let api = match api_args.to_config() {
         Ok(mut config) => {
             config.registry = registry.clone();
             let server = relay_api::ApiServer::start(service_pool(global)?, config).await?;

@@ -7,12 +7,14 @@
 //! # Layout
 //! - [`db`]: connecting, and the embedded migrations.
 //! - [`tenants`]: tenant rows.
+//! - [`broker_users`]: each tenant's user on the relay's broker (the user lives in RabbitMQ).
 //! - [`endpoints`]: webhook endpoints, their status and their signing secrets.
 //! - [`messages`]: the stored webhook messages, written in batches.
 //! - [`quarantine`]: stored messages the sequencer set aside, their retry and discard.
 //! - [`copy`]: each endpoint's copy of the feed, the event ids applied to it, and its outbox of
 //!   changes: the rules crate's decisions carried out as conditional writes.
 
+pub mod broker_users;
 pub mod copy;
 pub mod db;
 pub mod endpoints;

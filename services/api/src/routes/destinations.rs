@@ -2,14 +2,18 @@
 //! tenant's own AMQP broker, exchange and routing key. The broker URL holds credentials: it is
 //! write-only, like secrets.
 
+use std::time::Duration;
+
 use axum::extract::State;
 use axum::Json;
+use relay_rules::destination::Refusal;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
 use super::AppState;
 use crate::auth::TenantId;
+use crate::broker::{resolve, BrokerAccess};
 use crate::error::{ApiError, ErrorBody, JsonBody};
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -25,6 +29,13 @@ pub struct DestinationView {
     #[serde(with = "time::serde::rfc3339::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
     pub updated_at: Option<OffsetDateTime>,
+    /// Why the publisher refuses to send to this destination (it resolved to the relay's own
+    /// broker, or to an address the operator does not allow), when it does. Nothing is sent
+    /// until the destination is changed or its host resolves elsewhere.
+    pub refused_reason: Option<String>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub refused_at: Option<OffsetDateTime>,
 }
 
 /// `{"kind": "relay_queue"}`, or `{"kind": "own_exchange", "amqp_url": ..., "exchange": ...,
@@ -49,18 +60,33 @@ pub enum DestinationKind {
     OwnExchange,
 }
 
-type Row = (String, Option<String>, Option<String>, bool, OffsetDateTime);
+type Row = (
+    String,
+    Option<String>,
+    Option<String>,
+    bool,
+    OffsetDateTime,
+    Option<String>,
+    Option<OffsetDateTime>,
+);
+
+const COLUMNS: &str =
+    "kind, exchange, routing_key, amqp_url IS NOT NULL, updated_at, refused_reason, refused_at";
 
 fn view(row: Option<Row>) -> DestinationView {
     match row {
-        Some((kind, exchange, routing_key, amqp_url_set, updated_at)) => DestinationView {
-            kind,
-            default: false,
-            exchange,
-            routing_key,
-            amqp_url_set,
-            updated_at: Some(updated_at),
-        },
+        Some((kind, exchange, routing_key, amqp_url_set, updated_at, refused_reason, refused_at)) => {
+            DestinationView {
+                kind,
+                default: false,
+                exchange,
+                routing_key,
+                amqp_url_set,
+                updated_at: Some(updated_at),
+                refused_reason,
+                refused_at,
+            }
+        }
         None => DestinationView {
             kind: "relay_queue".to_owned(),
             default: true,
@@ -68,6 +94,8 @@ fn view(row: Option<Row>) -> DestinationView {
             routing_key: None,
             amqp_url_set: false,
             updated_at: None,
+            refused_reason: None,
+            refused_at: None,
         },
     }
 }
@@ -91,16 +119,38 @@ fn amqp_name(field: &str, value: Option<&str>, allow_empty: bool) -> Result<Stri
     Ok(value.to_owned())
 }
 
-fn amqp_url(value: Option<&str>) -> Result<String, ApiError> {
+/// How long resolving a destination's host may take.
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The broker URL, refused (naming the field) when it points where tenants may not send: at
+/// the relay's own broker whatever the operator allows, or at a host or address the operator's
+/// policy does not allow. A host that does not resolve now is taken: the publisher checks again
+/// at every connect.
+async fn amqp_url(value: Option<&str>, broker: &BrokerAccess) -> Result<String, ApiError> {
     const FIELD: &str = "amqp_url";
     let value = value.ok_or_else(|| ApiError::invalid(FIELD, "required for own_exchange"))?;
     let url = reqwest::Url::parse(value.trim())
         .map_err(|_| ApiError::invalid(FIELD, "not an absolute URL"))?;
-    if !matches!(url.scheme(), "amqp" | "amqps") || url.host_str().is_none() {
-        return Err(ApiError::invalid(
-            FIELD,
-            "an amqp:// or amqps:// URL with a host",
-        ));
+    let host = match url.host_str() {
+        Some(host) if matches!(url.scheme(), "amqp" | "amqps") && !host.is_empty() => {
+            host.trim_matches(['[', ']']).to_ascii_lowercase()
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                FIELD,
+                "an amqp:// or amqps:// URL with a host",
+            ))
+        }
+    };
+    let port = url
+        .port()
+        .unwrap_or(if url.scheme() == "amqps" { 5671 } else { 5672 });
+    let policy = &broker.destination_policy;
+    let refused = |refusal: Refusal| ApiError::invalid(FIELD, refusal.to_string());
+    policy.check_host(&host).map_err(refused)?;
+    if let Ok(resolved) = resolve(&host, port, RESOLVE_TIMEOUT).await {
+        let relay = broker.addresses(RESOLVE_TIMEOUT).await?;
+        policy.check(&host, &resolved, &relay).map_err(refused)?;
     }
     Ok(value.trim().to_owned())
 }
@@ -116,10 +166,9 @@ pub async fn get_destination(
     State(state): State<AppState>,
     TenantId(tenant): TenantId,
 ) -> Result<Json<DestinationView>, ApiError> {
-    let row: Option<Row> = sqlx::query_as(
-        "SELECT kind, exchange, routing_key, amqp_url IS NOT NULL, updated_at
-         FROM tenant_destinations WHERE tenant_id = $1",
-    )
+    let row: Option<Row> = sqlx::query_as(&format!(
+        "SELECT {COLUMNS} FROM tenant_destinations WHERE tenant_id = $1"
+    ))
     .bind(tenant)
     .fetch_optional(&state.pool)
     .await?;
@@ -154,7 +203,7 @@ pub async fn put_destination(
             (None, None, None)
         }
         DestinationKind::OwnExchange => (
-            Some(amqp_url(body.amqp_url.as_deref())?),
+            Some(amqp_url(body.amqp_url.as_deref(), &state.broker).await?),
             // The default exchange is named "": allowed, with the routing key a queue's name.
             Some(amqp_name("exchange", body.exchange.as_deref(), true)?),
             Some(amqp_name("routing_key", body.routing_key.as_deref(), true)?),
@@ -164,14 +213,15 @@ pub async fn put_destination(
         DestinationKind::RelayQueue => "relay_queue",
         DestinationKind::OwnExchange => "own_exchange",
     };
-    let row: Option<Row> = sqlx::query_as(
+    let row: Option<Row> = sqlx::query_as(&format!(
         "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
          SELECT t.id, $2, $3, $4, $5 FROM tenants t WHERE t.id = $1
          ON CONFLICT (tenant_id) DO UPDATE
          SET kind = excluded.kind, amqp_url = excluded.amqp_url, exchange = excluded.exchange,
-             routing_key = excluded.routing_key, updated_at = now()
-         RETURNING kind, exchange, routing_key, amqp_url IS NOT NULL, updated_at",
-    )
+             routing_key = excluded.routing_key, updated_at = now(),
+             refused_reason = NULL, refused_at = NULL
+         RETURNING {COLUMNS}"
+    ))
     .bind(tenant)
     .bind(kind)
     .bind(&url)

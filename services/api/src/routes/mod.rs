@@ -14,9 +14,11 @@ use utoipa_axum::routes;
 use uuid::Uuid;
 
 use crate::auth::{HasVerifier, Verifier};
+use crate::broker::BrokerAccess;
 use crate::error::ApiError;
 use crate::metrics::ApiMetrics;
 
+pub mod broker;
 pub mod destinations;
 pub mod endpoints;
 pub mod quarantine;
@@ -32,6 +34,8 @@ pub struct AppState {
     /// For the upstream's API (rewinds).
     pub http: reqwest::Client,
     pub metrics: Arc<ApiMetrics>,
+    /// The relay's own broker: destinations are checked against it; tenants' users live there.
+    pub broker: Arc<BrokerAccess>,
 }
 
 impl HasVerifier for AppState {
@@ -92,6 +96,12 @@ fn documented() -> OpenApiRouter<AppState> {
             destinations::put_destination,
             destinations::delete_destination
         ))
+        .routes(routes!(
+            broker::get_credentials,
+            broker::create_credentials,
+            broker::delete_credentials
+        ))
+        .routes(routes!(broker::rotate_credentials))
         .routes(routes!(rewind::rewind_track))
         .routes(routes!(reads::list_copy))
         .routes(routes!(reads::get_copy_item))

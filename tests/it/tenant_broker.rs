@@ -1,0 +1,623 @@
+//! Tenant isolation on the broker side, against the real RabbitMQ (and its management API):
+//! a tenant's own-exchange destination cannot reach the relay's own broker (refused by the
+//! control plane, and by the publisher for a row that bypassed it), nor a private address
+//! unless the operator allows it; each tenant's broker credentials open its own queue and
+//! nothing else, as the broker itself decides; rotating them ends the old password; and a tenant
+//! whose broker hangs does not hold up another tenant's changes.
+//!
+//! Each test has its own database, vhost and Redis prefix; the RabbitMQ users a test makes are
+//! deleted at its end (through the API, and by a guard if the test fails first).
+
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::SeedableRng as _;
+use relay_api::auth::{mint, JwtKeys, Subject};
+use relay_api::broker::{BrokerAccess, ManagementSettings};
+use relay_api::{ApiConfig, ApiServer};
+use relay_publisher::lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use relay_publisher::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use relay_publisher::lapin::{BasicProperties, Connection};
+use relay_publisher::{tenant_queue, PublisherConfig};
+use relay_rules::destination::DestinationPolicy;
+use relay_tests::{amqp_addr, PgProxy, ProxyMode, TestDb};
+use serde_json::{json, Value};
+use sqlx::PgPool;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::publisher::{
+    change_count_of, drain, metric, unpublished, wait_published, wait_until, write, Env, Feed,
+};
+
+const KEY: &[u8] = b"test-signing-key-of-the-control-plane";
+
+/// The control plane with the relay's broker at `relay_amqp_url` and `policy`.
+struct Api {
+    server: Option<ApiServer>,
+    base_url: String,
+    client: reqwest::Client,
+}
+
+impl Api {
+    async fn start(pool: PgPool, relay_amqp_url: &str, policy: DestinationPolicy) -> Self {
+        let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
+        config.broker =
+            BrokerAccess::new(relay_amqp_url, &ManagementSettings::default(), None, policy)
+                .unwrap();
+        let server = ApiServer::start(pool, config).await.unwrap();
+        Self {
+            base_url: format!("http://{}", server.address),
+            server: Some(server),
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(30))
+                .build()
+                .unwrap(),
+        }
+    }
+
+    async fn call(&self, method: &str, path: &str, tenant: Uuid, body: Option<Value>) -> (u16, Value) {
+        let token = mint(
+            &JwtKeys::new(KEY).unwrap(),
+            "relay",
+            &Subject::Tenant(tenant),
+            Duration::from_secs(600),
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap()
+        .token;
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut request = self
+            .client
+            .request(method, format!("{}{path}", self.base_url))
+            .bearer_auth(token);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let answer = request.send().await.expect("the API answers");
+        let status = answer.status().as_u16();
+        let text = answer.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    async fn stop(mut self) {
+        if let Some(server) = self.server.take() {
+            server.stop().await.unwrap();
+        }
+    }
+}
+
+fn own_exchange(amqp_url: &str, exchange: &str, routing_key: &str) -> Value {
+    json!({"kind": "own_exchange", "amqp_url": amqp_url, "exchange": exchange,
+           "routing_key": routing_key})
+}
+
+fn loopback_allowed() -> DestinationPolicy {
+    DestinationPolicy {
+        allow_private: true,
+        ..DestinationPolicy::default()
+    }
+}
+
+/// The attack of the issue: tenant A's destination at the relay's own broker, default
+/// exchange, routing key B's queue. Refused with 400 naming `amqp_url` however the relay's
+/// broker is named (an address of its host, a loopback alias, a name that resolves to it, the
+/// default port), even where the operator allows loopback destinations; nothing is stored.
+/// Without that setting, loopback and private addresses are refused too; with it, another port
+/// on this machine is taken. An allow-list of hosts refuses every other host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_the_api() {
+    let db = TestDb::new().await;
+    let (a, b) = (db.tenant().await, db.tenant().await);
+    let relay = "amqp://guest:guest@127.0.0.1:5672/relay";
+    let b_queue = tenant_queue(b);
+    let stored = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM tenant_destinations")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+
+    let api = Api::start(db.pool.clone(), relay, loopback_allowed()).await;
+    for url in [
+        "amqp://guest:guest@127.0.0.1:5672/relay",
+        "amqp://guest:guest@127.0.0.1/%2f",
+        "amqp://guest:guest@127.1.2.3:5672/other",
+        "amqp://guest:guest@localhost:5672/relay",
+        "amqp://guest:guest@LocalHost/relay",
+        "amqp://guest:guest@0.0.0.0:5672/relay",
+        "amqp://guest:guest@[::1]:5672/relay",
+        "amqp://guest:guest@[::ffff:127.0.0.1]:5672/relay",
+        "amqp://guest:guest@2130706433:5672/relay",
+    ] {
+        let (status, answer) = api
+            .call("PUT", "/v1/destination", a, Some(own_exchange(url, "", &b_queue)))
+            .await;
+        assert_eq!((status, answer["field"].as_str()), (400, Some("amqp_url")), "{url}: {answer}");
+        assert!(
+            answer["detail"].as_str().unwrap().contains("relay's own broker"),
+            "{url}: {answer}"
+        );
+    }
+    assert_eq!(stored().await, 0);
+    // Another listener on this machine is someone else's broker, once the operator allows it.
+    let (status, answer) = api
+        .call(
+            "PUT",
+            "/v1/destination",
+            a,
+            Some(own_exchange("amqp://u:p@127.0.0.1:5673/%2f", "x", "k")),
+        )
+        .await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["refused_reason"], Value::Null);
+    api.stop().await;
+
+    // The default policy: no loopback, private or link-local address at all.
+    sqlx::query("DELETE FROM tenant_destinations")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let api = Api::start(db.pool.clone(), relay, DestinationPolicy::default()).await;
+    for url in [
+        "amqp://u:p@127.0.0.1:5673/%2f",
+        "amqp://u:p@localhost:5673/%2f",
+        "amqp://u:p@10.0.0.1/%2f",
+        "amqp://u:p@169.254.169.254/%2f",
+        "amqp://u:p@[fd00::1]/%2f",
+        "amqp://u:p@0x7f000001:5673/%2f",
+    ] {
+        let (status, answer) = api
+            .call("PUT", "/v1/destination", a, Some(own_exchange(url, "x", "k")))
+            .await;
+        assert_eq!((status, answer["field"].as_str()), (400, Some("amqp_url")), "{url}: {answer}");
+        assert!(
+            answer["detail"].as_str().unwrap().contains("not a public address"),
+            "{url}: {answer}"
+        );
+    }
+    assert_eq!(stored().await, 0);
+    api.stop().await;
+
+    // An allow-list: its hosts, nothing else.
+    let listed = DestinationPolicy {
+        allowed_hosts: vec!["*.brokers.example".into()],
+        allow_private: false,
+    };
+    let api = Api::start(db.pool.clone(), relay, listed).await;
+    let (status, answer) = api
+        .call(
+            "PUT",
+            "/v1/destination",
+            a,
+            Some(own_exchange("amqp://u:p@evil.example/%2f", "x", "k")),
+        )
+        .await;
+    assert_eq!((status, answer["field"].as_str()), (400, Some("amqp_url")), "{answer}");
+    assert_eq!(stored().await, 0);
+    api.stop().await;
+}
+
+/// A destination row written straight into Postgres (as if the DNS answer the API checked had
+/// changed since): A1's at the relay's own broker with B's queue as routing key, A2's at a
+/// loopback broker the operator did not allow. The publisher refuses both at connect and says
+/// why in their destinations (what `GET /v1/destination` shows), while B's changes reach B's
+/// queue, and only B's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_publisher_refuses_a_destination_at_the_relays_broker_that_bypassed_the_api() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let (a1, a2, b) = (
+        env.db.tenant().await,
+        env.db.tenant().await,
+        env.db.tenant().await,
+    );
+    let other_broker = PgProxy::start(amqp_addr()).await;
+    for (tenant, url) in [
+        (a1, env.vhost.url()),
+        (a2, env.vhost.url_via(other_broker.address)),
+    ] {
+        sqlx::query(
+            "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
+             VALUES ($1, 'own_exchange', $2, '', $3)",
+        )
+        .bind(tenant)
+        .bind(url)
+        .bind(tenant_queue(b))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    let mut feeds: Vec<Feed> = [a1, a2, b, b].into_iter().map(Feed::new).collect();
+    let config = PublisherConfig {
+        destination_policy: DestinationPolicy::default(),
+        ..env.config(env.vhost.url())
+    };
+    let (publisher, registry) = env.start(config).await;
+    write(pool, &mut feeds, &mut rng, 80).await;
+    wait_published(pool, &[b], seed).await;
+
+    let api = Api::start(pool.clone(), &env.vhost.url(), DestinationPolicy::default()).await;
+    for (tenant, why) in [(a1, "relay's own broker"), (a2, "not a public address")] {
+        let api = &api;
+        wait_until(
+            &format!("{tenant}'s destination refused because {why} (seed {seed})"),
+            Duration::from_secs(60),
+            || async move {
+                let (status, answer) = api.call("GET", "/v1/destination", tenant, None).await;
+                assert_eq!(status, 200, "{answer}");
+                answer["refused_reason"]
+                    .as_str()
+                    .is_some_and(|reason| reason.contains(why))
+                    && answer["refused_at"].is_string()
+            },
+        )
+        .await;
+    }
+    assert!(metric(&registry, "relay_publisher_broker_errors_total") >= 2.0);
+    // More of B's changes while A's are refused: still published.
+    write(pool, &mut feeds[2..], &mut rng, 20).await;
+    wait_published(pool, &[b], seed).await;
+    publisher.stop().await;
+    api.stop().await;
+    for tenant in [a1, a2] {
+        assert_eq!(
+            unpublished(pool, &[tenant]).await,
+            change_count_of(pool, tenant).await,
+            "seed {seed}"
+        );
+    }
+    let broker = env.broker().await;
+    let delivered = drain(&broker, &tenant_queue(b), true).await;
+    assert_eq!(delivered.len() as i64, change_count_of(pool, b).await, "seed {seed}");
+    for message in &delivered {
+        let body: Value = serde_json::from_slice(&message.body).unwrap();
+        assert_eq!(body["tenant_id"], json!(b), "seed {seed}: {body}");
+    }
+}
+
+/// Deletes the given RabbitMQ users when dropped: a test that fails before it deletes them
+/// through the API leaves nothing behind either.
+struct UsersGuard(Vec<String>);
+
+impl Drop for UsersGuard {
+    fn drop(&mut self) {
+        for user in &self.0 {
+            let _ = std::process::Command::new("rabbitmqctl")
+                .args(["delete_user", user])
+                .output();
+        }
+    }
+}
+
+fn tenant_url(credentials: &Value, password: &str) -> String {
+    let url = credentials["amqp_url"].as_str().unwrap();
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let (user, rest) = rest.split_once('@').unwrap();
+    format!("{scheme}://{user}:{password}@{rest}")
+}
+
+async fn connect(url: &str) -> Result<Connection, relay_publisher::broker::BrokerError> {
+    relay_publisher::broker::connect(url, "tenant test", Duration::from_secs(10)).await
+}
+
+fn quorum() -> FieldTable {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        ShortString::from("x-queue-type"),
+        AMQPValue::LongString(LongString::from("quorum")),
+    );
+    arguments
+}
+
+/// What the broker said to one operation on a fresh channel: `Ok` or its error text.
+async fn attempt<F, Fut, T>(connection: &Connection, operation: F) -> Result<(), String>
+where
+    F: FnOnce(relay_publisher::lapin::Channel) -> Fut,
+    Fut: std::future::Future<Output = Result<T, relay_publisher::lapin::Error>>,
+{
+    let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
+    operation(channel).await.map(|_| ()).map_err(|e| e.to_string())
+}
+
+/// Publishes one message with confirms: `Ok` only when the broker acked it.
+async fn publish(
+    connection: &Connection,
+    exchange: &str,
+    routing_key: &str,
+) -> Result<(), String> {
+    let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    let confirm = channel
+        .basic_publish(
+            exchange,
+            routing_key,
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            b"{}",
+            BasicProperties::default(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    match confirm.await.map(relay_publisher::broker::classify) {
+        Ok(relay_publisher::broker::Outcome::Confirmed) => Ok(()),
+        Ok(other) => Err(format!("not confirmed: {other:?}")),
+        Err(error) => Err(error.to_string()),
+    }
+}
+
+async fn message_count(connection: &Connection, queue: &str) -> u32 {
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            queue,
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .message_count()
+}
+
+/// Each tenant's credentials, made through the API: B's may consume B's queue, and the broker
+/// itself refuses them on A's queue (consume, declare, bind, publish to it through the default
+/// exchange or any other) and everything else but reading B's queue. The answers tell how to
+/// connect; only the call that made (or rotated) the credentials holds the password. Rotating
+/// ends the old password and the connections made with it. Deleting them deletes the user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
+    let env = Env::new().await;
+    let (a, b) = (env.db.tenant().await, env.db.tenant().await);
+    let _guard = UsersGuard(vec![BrokerAccess::username(a), BrokerAccess::username(b)]);
+    let api = Api::start(env.db.pool.clone(), &env.vhost.url(), loopback_allowed()).await;
+    let (a_queue, b_queue) = (tenant_queue(a), tenant_queue(b));
+
+    let (status, missing) = api.call("GET", "/v1/broker/credentials", b, None).await;
+    assert_eq!(status, 404, "{missing}");
+    let (status, made_a) = api.call("POST", "/v1/broker/credentials", a, None).await;
+    assert_eq!(status, 201, "{made_a}");
+    let (status, made) = api.call("POST", "/v1/broker/credentials", b, None).await;
+    assert_eq!(status, 201, "{made}");
+    let password = made["password"].as_str().unwrap().to_owned();
+    assert_eq!(made["queue"], json!(b_queue));
+    assert_eq!(made["vhost"], json!(env.vhost.name));
+    assert_eq!(made["username"], json!(BrokerAccess::username(b)));
+    let (status, again) = api.call("POST", "/v1/broker/credentials", b, None).await;
+    assert_eq!(status, 409, "{again}");
+    let (status, shown) = api.call("GET", "/v1/broker/credentials", b, None).await;
+    assert_eq!(status, 200, "{shown}");
+    assert_eq!(shown.get("password"), None, "{shown}");
+    assert!(!shown.to_string().contains(&password));
+    assert_eq!(shown["amqp_url"], made["amqp_url"]);
+
+    // A message in each queue, put there by the relay's own user.
+    let relay = env.broker().await;
+    publish(&relay, "", &a_queue).await.unwrap();
+    publish(&relay, "", &b_queue).await.unwrap();
+
+    let b_url = tenant_url(&made, &password);
+    let as_b = connect(&b_url).await.expect("B's credentials connect");
+    // B's own queue: consumed.
+    let channel = as_b.create_channel().await.unwrap();
+    let mut consumer = channel
+        .basic_consume(&b_queue, "b", BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .expect("B may consume its own queue");
+    use futures::StreamExt as _;
+    let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+        .await
+        .expect("B's message arrives")
+        .unwrap()
+        .unwrap();
+    assert_eq!(delivery.data, b"{}");
+
+    // A's queue, and everything else: refused by the broker.
+    let refused: Vec<(&str, Result<(), String>)> = vec![
+        (
+            "consume A's queue",
+            attempt(&as_b, |c| {
+                let q = a_queue.clone();
+                async move {
+                    c.basic_consume(&q, "x", BasicConsumeOptions::default(), FieldTable::default())
+                        .await
+                }
+            })
+            .await,
+        ),
+        (
+            "declare A's queue",
+            attempt(&as_b, |c| {
+                let q = a_queue.clone();
+                async move {
+                    let durable = QueueDeclareOptions {
+                        durable: true,
+                        ..QueueDeclareOptions::default()
+                    };
+                    c.queue_declare(&q, durable, quorum()).await
+                }
+            })
+            .await,
+        ),
+        (
+            "bind A's queue",
+            attempt(&as_b, |c| {
+                let q = a_queue.clone();
+                async move {
+                    c.queue_bind(&q, "amq.direct", "b", QueueBindOptions::default(), FieldTable::default())
+                        .await
+                }
+            })
+            .await,
+        ),
+        (
+            "declare a queue of its own",
+            attempt(&as_b, |c| async move {
+                c.queue_declare("b-spy", QueueDeclareOptions::default(), FieldTable::default())
+                    .await
+            })
+            .await,
+        ),
+        (
+            "publish to A's queue",
+            publish(&as_b, "", &a_queue).await,
+        ),
+        (
+            "publish to its own queue",
+            publish(&as_b, "", &b_queue).await,
+        ),
+        (
+            "publish to amq.direct",
+            publish(&as_b, "amq.direct", &a_queue).await,
+        ),
+    ];
+    for (what, result) in &refused {
+        let error = result.as_ref().expect_err(what);
+        assert!(
+            error.contains("ACCESS_REFUSED") || error.contains("403"),
+            "{what}: {error}"
+        );
+    }
+    // A passive declare is the one thing RabbitMQ checks no permission for (3.10: it names
+    // no resource to configure, write or read): B learns that a queue of that name exists and
+    // its message and consumer counts, given A's tenant id, which no answer of the API tells
+    // another tenant. No message, no binding, no publish. Pinned here, so a broker that
+    // starts refusing it shows.
+    let peeked = as_b
+        .create_channel()
+        .await
+        .unwrap()
+        .queue_declare(
+            &a_queue,
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("RabbitMQ checks no permission for a passive declare");
+    assert_eq!(peeked.message_count(), 1);
+    // A's queue holds what the relay put there, and nothing of B's.
+    assert_eq!(message_count(&relay, &a_queue).await, 1);
+
+    // Rotation: the old password no longer connects, its connection is closed, the new one
+    // works.
+    let (status, rotated) = api.call("POST", "/v1/broker/credentials/rotate", b, None).await;
+    assert_eq!(status, 200, "{rotated}");
+    let new_password = rotated["password"].as_str().unwrap().to_owned();
+    assert_ne!(new_password, password);
+    assert!(connect(&b_url).await.is_err(), "the old password still connects");
+    wait_until(
+        "the old password's connection closed",
+        Duration::from_secs(30),
+        || async { !as_b.status().connected() },
+    )
+    .await;
+    let as_b = connect(&tenant_url(&rotated, &new_password))
+        .await
+        .expect("the new password connects");
+    as_b.create_channel()
+        .await
+        .unwrap()
+        .basic_consume(&b_queue, "b2", BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .expect("B consumes with its new password");
+    let _ = as_b.close(200, "done").await;
+
+    // Deleted: the users are gone from the broker, nothing is left behind.
+    for tenant in [a, b] {
+        let (status, answer) = api.call("DELETE", "/v1/broker/credentials", tenant, None).await;
+        assert_eq!(status, 204, "{answer}");
+        let (status, _) = api.call("GET", "/v1/broker/credentials", tenant, None).await;
+        assert_eq!(status, 404);
+    }
+    let users = std::process::Command::new("rabbitmqctl")
+        .args(["list_users", "--quiet"])
+        .output()
+        .unwrap();
+    let users = String::from_utf8_lossy(&users.stdout);
+    for tenant in [a, b] {
+        assert!(!users.contains(&BrokerAccess::username(tenant)), "{users}");
+    }
+    api.stop().await;
+}
+
+/// Tenant A's own broker accepts TCP connections and never answers; B's changes (on the
+/// relay's queue) are confirmed meanwhile, again and again, through a publisher whose Postgres
+/// pool is smaller than the tenants it runs: A's hanging connects hold nothing B needs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_tenant_broker_does_not_stop_another_tenants_changes() {
+    let env = Env::new().await;
+    let seed = env.seed;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let pool = &env.db.pool;
+    let hanging = PgProxy::start(amqp_addr()).await;
+    hanging.set(ProxyMode::Blackhole);
+    let hanging_tenants = [
+        env.db.tenant().await,
+        env.db.tenant().await,
+        env.db.tenant().await,
+    ];
+    let b = env.db.tenant().await;
+    for tenant in hanging_tenants {
+        sqlx::query(
+            "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
+             VALUES ($1, 'own_exchange', $2, 'x', 'k')",
+        )
+        .bind(tenant)
+        .bind(env.vhost.url_via(hanging.address))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    let mut feeds: Vec<Feed> = hanging_tenants.iter().copied().chain([b, b]).map(Feed::new).collect();
+    write(pool, &mut feeds, &mut rng, 60).await;
+    let small_pool = relay_store::connect(
+        &env.db.url,
+        &relay_store::PoolOptions {
+            max_connections: 2,
+            ..relay_store::PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let registry = prometheus::Registry::new();
+    let publisher = relay_publisher::Publisher::start(
+        small_pool,
+        env.config(env.vhost.url()),
+        &registry,
+    )
+    .await
+    .unwrap();
+    wait_published(pool, &[b], seed).await;
+    wait_until(
+        &format!("the hanging brokers' connects timing out (seed {seed})"),
+        Duration::from_secs(60),
+        || async { metric(&registry, "relay_publisher_broker_errors_total") >= 3.0 },
+    )
+    .await;
+    for _ in 0..3 {
+        write(pool, &mut feeds[3..], &mut rng, 20).await;
+        wait_published(pool, &[b], seed).await;
+    }
+    assert_eq!(
+        unpublished(pool, &hanging_tenants).await,
+        change_count_of(pool, hanging_tenants[0]).await
+            + change_count_of(pool, hanging_tenants[1]).await
+            + change_count_of(pool, hanging_tenants[2]).await,
+        "seed {seed}"
+    );
+    publisher.stop().await;
+}
