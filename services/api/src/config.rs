@@ -116,6 +116,8 @@ pub struct ApiConfig {
     pub keys: JwtKeys,
     pub audience: String,
     pub upstream_timeout: Duration,
+    /// Which upstream URLs endpoints may name, and where the rewind call may go.
+    pub outbound: relay_netguard::OutboundPolicy,
     /// Where the API's metrics are registered: the binary's registry, served on its
     /// `/metrics`. A fresh one by default.
     pub registry: prometheus::Registry,
@@ -129,19 +131,25 @@ impl ApiConfig {
             keys,
             audience: "relay".to_owned(),
             upstream_timeout: Duration::from_secs(10),
+            outbound: relay_netguard::OutboundPolicy::default(),
             registry: prometheus::Registry::new(),
         }
     }
 }
 
 impl ApiArgs {
-    /// Reads the key files and checks every value.
-    pub fn to_config(&self) -> Result<ApiConfig, ConfigError> {
+    /// Reads the key files and checks every value; `outbound` is the operator's policy for
+    /// upstream URLs (a setting every tier shares).
+    pub fn to_config(
+        &self,
+        outbound: relay_netguard::OutboundPolicy,
+    ) -> Result<ApiConfig, ConfigError> {
         Ok(ApiConfig {
             listen: self.api_listen,
             keys: self.jwt.keys()?,
             audience: self.jwt.audience()?,
             upstream_timeout: Duration::from_secs(self.api_upstream_timeout_s.max(1)),
+            outbound,
             registry: prometheus::Registry::new(),
         })
     }
@@ -240,7 +248,7 @@ mod tests {
             "127.0.0.1:0",
         ])
         .unwrap();
-        let config = serve.api.to_config();
+        let config = serve.api.to_config(Default::default());
         std::fs::remove_dir_all(&dir).unwrap();
         let config = config.unwrap();
         assert_eq!(config.listen.port(), 0);
@@ -248,7 +256,7 @@ mod tests {
         assert_eq!(config.upstream_timeout, Duration::from_secs(10));
         let short = Serve::try_parse_from(["relay", "--jwt-secret", "short"]).unwrap();
         assert!(matches!(
-            short.api.to_config(),
+            short.api.to_config(Default::default()),
             Err(ConfigError::Key(KeyError::TooShort(5)))
         ));
     }

@@ -68,7 +68,7 @@ struct RunningReload {
 pub async fn run_worker(
     pool: PgPool,
     owners: Owners,
-    http: reqwest::Client,
+    http: relay_netguard::GuardedClient,
     endpoint: Uuid,
     signal: Arc<WorkerSignal>,
     config: WorkerConfig,
