@@ -159,6 +159,7 @@ impl SequencerArgs {
             applied_events_retention: (self.applied_events_retention_days > 0)
                 .then(|| Duration::from_secs(self.applied_events_retention_days * 24 * 3600)),
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
+            outbound: global.outbound.policy(),
             ..relay_sequencer::SequencerConfig::default()
         }
     }
@@ -246,7 +247,7 @@ pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> a
 /// `relay api`: serve the control plane until SIGINT or SIGTERM.
 pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Result<()> {
     let registry = prometheus::Registry::new();
-    let mut config = command.args.to_config()?;
+    let mut config = command.args.to_config(global.outbound.policy())?;
     config.registry = registry.clone();
     let mut server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
     tracing::info!(address = %server.address, "control plane running");
@@ -306,7 +307,7 @@ pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> 
     .await
     .context("starting the publisher (is Redis up?)")?;
     // The control plane needs a signing key; without one the other tiers still run.
-    let api = match args.api.to_config() {
+    let api = match args.api.to_config(global.outbound.policy()) {
         Ok(mut config) => {
             config.registry = registry.clone();
             let server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
