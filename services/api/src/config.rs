@@ -190,6 +190,8 @@ pub struct ApiConfig {
     /// The relay's own broker: destinations are refused there, and tenants' users are made
     /// there.
     pub broker: BrokerAccess,
+    /// Which upstream URLs endpoints may name, and where the rewind call may go.
+    pub outbound: relay_netguard::OutboundPolicy,
     /// Where the API's metrics are registered: the binary's registry, served on its
     /// `/metrics`. A fresh one by default.
     pub registry: prometheus::Registry,
@@ -212,14 +214,19 @@ impl ApiConfig {
                 DestinationPolicy::default(),
             )
             .expect("the default AMQP URL is valid"),
+            outbound: relay_netguard::OutboundPolicy::default(),
             registry: prometheus::Registry::new(),
         }
     }
 }
 
 impl ApiArgs {
-    /// Reads the key files and checks every value.
-    pub fn to_config(&self) -> Result<ApiConfig, ConfigError> {
+    /// Reads the key files and checks every value; `outbound` is the operator's policy for
+    /// upstream URLs (a setting every tier shares).
+    pub fn to_config(
+        &self,
+        outbound: relay_netguard::OutboundPolicy,
+    ) -> Result<ApiConfig, ConfigError> {
         Ok(ApiConfig {
             listen: self.api_listen,
             keys: self.jwt.keys()?,
@@ -240,6 +247,7 @@ impl ApiArgs {
                 self.amqp_tenant_address.clone(),
                 self.destination_policy.clone(),
             )?,
+            outbound,
             registry: prometheus::Registry::new(),
         })
     }
@@ -338,7 +346,7 @@ mod tests {
             "127.0.0.1:0",
         ])
         .unwrap();
-        let config = serve.api.to_config();
+        let config = serve.api.to_config(Default::default());
         std::fs::remove_dir_all(&dir).unwrap();
         let config = config.unwrap();
         assert_eq!(config.listen.port(), 0);
@@ -347,7 +355,7 @@ mod tests {
         assert_eq!(config.listener, LISTENER_LIMITS);
         let short = Serve::try_parse_from(["relay", "--jwt-secret", "short"]).unwrap();
         assert!(matches!(
-            short.api.to_config(),
+            short.api.to_config(Default::default()),
             Err(ConfigError::Key(KeyError::TooShort(5)))
         ));
     }

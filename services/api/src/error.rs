@@ -17,7 +17,9 @@ use utoipa::ToSchema;
 /// What went wrong with a request.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    /// 400: a field of the request (body, path or query) is not acceptable.
+    /// 400: a field of the request (body, path or query) is not acceptable: its shape, its
+    /// value, a control character or its length (every text field is checked before it reaches
+    /// Postgres).
     #[error("{field}: {detail}")]
     Invalid { field: String, detail: String },
     /// 401: no token, or one that does not verify, has expired or is for another audience.
@@ -187,10 +189,69 @@ where
     }
 }
 
-/// Parses `bytes` as `T`, naming the field at fault.
+/// The longest text any field of a request takes, in bytes. Fields with a shorter bound of their
+/// own (names, URLs, keys) check it too; this one keeps every value well under what a Postgres
+/// index row holds, whatever the field.
+pub const MAX_TEXT_BYTES: usize = 4096;
+
+/// Refuses text no field of the API takes: control characters (NUL, which Postgres cannot
+/// store in a text column; line breaks and ESC, which would forge or colour log lines) and more
+/// than `max_bytes`. The error names `field`, never the value.
+pub fn check_text(field: &str, text: &str, max_bytes: usize) -> Result<(), ApiError> {
+    if text.len() > max_bytes {
+        return Err(ApiError::invalid(
+            field,
+            format!("at most {max_bytes} bytes"),
+        ));
+    }
+    if text.chars().any(char::is_control) {
+        return Err(ApiError::invalid(
+            field,
+            "no control characters (NUL, line breaks, escapes)",
+        ));
+    }
+    Ok(())
+}
+
+/// [`check_text`] on every string of a JSON value, naming each by its path as
+/// `serde_path_to_error` does (`secrets[1]`, `a.b`).
+fn check_strings(value: &serde_json::Value, path: &str) -> Result<(), ApiError> {
+    use serde_json::Value;
+    let field = |path: &str| {
+        if path.is_empty() {
+            "body".to_owned()
+        } else {
+            path.to_owned()
+        }
+    };
+    match value {
+        Value::String(text) => check_text(&field(path), text, MAX_TEXT_BYTES),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, item)| check_strings(item, &format!("{path}[{i}]"))),
+        Value::Object(fields) => fields.iter().try_for_each(|(name, item)| {
+            // A name is echoed as the field of an "unknown field" error: it must be as clean
+            // as a value.
+            check_text(&field(path), name, 200)?;
+            let path = if path.is_empty() {
+                name.clone()
+            } else {
+                format!("{path}.{name}")
+            };
+            check_strings(item, &path)
+        }),
+        Value::Null | Value::Bool(_) | Value::Number(_) => Ok(()),
+    }
+}
+
+/// Parses `bytes` as `T`, naming the field at fault: first every string is checked
+/// ([`check_text`]), then the shape.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    let deserializer = &mut serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(deserializer).map_err(|error| {
+    let value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|error| ApiError::invalid("body", scrub(&error.to_string())))?;
+    check_strings(&value, "")?;
+    serde_path_to_error::deserialize(value).map_err(|error| {
         let path = error.path().to_string();
         let message = error.into_inner().to_string();
         // "." is the root; "?" a place the parser never reached a field of (broken JSON).
@@ -271,5 +332,23 @@ mod tests {
         assert_eq!(field, "secrets");
         assert!(!detail.contains("whsec_"), "{detail}");
         assert_eq!(field_of("{").0, "body");
+    }
+
+    #[test]
+    fn control_characters_and_oversized_text_are_refused_by_field() {
+        let (field, detail) = field_of("{\"name\": \"a\\u0000b\", \"secrets\": []}");
+        assert_eq!(field, "name");
+        assert!(detail.contains("control"), "{detail}");
+        let (field, _) = field_of("{\"name\": \"a\", \"secrets\": [\"ok\", \"x\\u001b[31m\"]}");
+        assert_eq!(field, "secrets[1]");
+        let (field, _) = field_of("{\"name\": \"a\\nforged\", \"secrets\": []}");
+        assert_eq!(field, "name");
+        let long = "s".repeat(MAX_TEXT_BYTES + 1);
+        let (field, detail) = field_of(&format!(r#"{{"name": "a", "secrets": ["{long}"]}}"#));
+        assert_eq!(field, "secrets[0]");
+        assert!(detail.contains("at most"), "{detail}");
+        assert!(!detail.contains(&long[..10]), "{detail}");
+        let (field, _) = field_of("{\"na\\u0000me\": \"a\", \"secrets\": []}");
+        assert_eq!(field, "body");
     }
 }

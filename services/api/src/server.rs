@@ -39,12 +39,9 @@ pub enum ServeError {
 
 /// The API's router over `pool`: for embedding it in another server.
 pub fn build(pool: PgPool, config: &ApiConfig) -> Result<Router, ServeError> {
-    let http = reqwest::Client::builder()
-        .timeout(config.upstream_timeout)
-        // A redirect from the upstream's API is not an answer version 1 describes, and
-        // following one would send the API key to wherever it points.
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
+    // No redirect is followed (GuardedClient): one is not an answer version 1 describes, and
+    // following it would send the API key to wherever it points.
+    let http = relay_netguard::GuardedClient::new(config.outbound, config.upstream_timeout)
         .map_err(ServeError::Client)?;
     let metrics = Arc::new(ApiMetrics::register(&config.registry).map_err(ServeError::Metrics)?);
     let state = AppState {

@@ -5,7 +5,9 @@
 //! The API key goes only into the request's header. Errors carry the status or the kind of
 //! failure, never the URL's query or a header, so none can leak the key into a log or an answer.
 
+use relay_netguard::GuardedClient;
 use relay_rules::{RewindAnswer, RewindRefusal};
+use reqwest::Method;
 use serde::Deserialize;
 use uuid::Uuid;
 
@@ -18,6 +20,10 @@ pub enum UpstreamError {
     Status { status: u16 },
     #[error("the upstream answered {status} with a body that is not {expected}")]
     Body { status: u16, expected: &'static str },
+    /// The endpoint's upstream URL, or what its name resolves to, is not where the operator
+    /// lets the relay send requests.
+    #[error("{0}")]
+    Refused(relay_netguard::Refusal),
 }
 
 #[derive(Deserialize)]
@@ -33,7 +39,7 @@ struct Refused {
 /// `POST {base_url}/v1/webhook-endpoints/{endpoint}/tracks/{track}/rewind` with `{"since"}`.
 /// `track` must already be a plain name (checked by the caller): it goes into the path.
 pub async fn rewind(
-    client: &reqwest::Client,
+    client: &GuardedClient,
     base_url: &str,
     api_key: &str,
     endpoint: Uuid,
@@ -45,13 +51,17 @@ pub async fn rewind(
         base_url.trim_end_matches('/')
     );
     let response = client
-        .post(url)
+        .request(Method::POST, &url)
+        .map_err(UpstreamError::Refused)?
         .bearer_auth(api_key)
         .json(&serde_json::json!({ "since": since }))
         .send()
         .await
-        // without_url: the error's text then names the failure, not where it happened.
-        .map_err(|e| UpstreamError::Unreachable(e.without_url().to_string()))?;
+        .map_err(|e| match relay_netguard::refusal_in(&e) {
+            Some(refusal) => UpstreamError::Refused(refusal.clone()),
+            // without_url: the error's text then names the failure, not where it happened.
+            None => UpstreamError::Unreachable(e.without_url().to_string()),
+        })?;
     let status = response.status().as_u16();
     match status {
         202 => {

@@ -339,6 +339,8 @@ async fn record_confirms(
 fn sequencer_config(global: &GlobalArgs, args: &SequencerArgs) -> SequencerConfig {
     SequencerConfig {
         key_prefix: format!("relay-bench-{}:", Uuid::new_v4().simple()),
+        // The benchmark's upstream is its own feed server, on 127.0.0.1 over http.
+        outbound: relay_netguard::OutboundPolicy::ANY,
         ..args.to_config(global)
     }
 }

@@ -24,7 +24,7 @@ pub struct Cli {
     pub command: Command,
 }
 
-#[derive(Debug, Args)]
+#[derive(Args)]
 pub struct GlobalArgs {
     /// Postgres connection URL.
     #[arg(
@@ -67,6 +67,46 @@ pub struct GlobalArgs {
     /// (default `info`).
     #[arg(long, env = "RELAY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub log_format: LogFormat,
+
+    /// Where the sequencer and the control plane may send requests on a tenant's behalf.
+    #[command(flatten)]
+    pub outbound: relay_netguard::OutboundArgs,
+}
+
+// By hand: the URLs may hold passwords.
+impl std::fmt::Debug for GlobalArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use relay_publisher::config::redact;
+        f.debug_struct("GlobalArgs")
+            .field("database_url", &redact(&self.database_url))
+            .field("database_max_connections", &self.database_max_connections)
+            .field("redis_url", &redact(&self.redis_url))
+            .field("redis_key_prefix", &self.redis_key_prefix)
+            .field("log_format", &self.log_format)
+            .field("outbound", &self.outbound)
+            .finish()
+    }
+}
+
+impl Cli {
+    /// Parses the command line (and the environment) as [`command`] describes it.
+    pub fn parse_env() -> Self {
+        use clap::FromArgMatches as _;
+        let matches = command().get_matches();
+        Self::from_arg_matches(&matches).unwrap_or_else(|error| error.exit())
+    }
+}
+
+/// The command line, with no environment variable's value shown in any `--help`: the values of
+/// RELAY_DATABASE_URL, RELAY_REDIS_URL and RELAY_AMQP_URL hold passwords, and a setting added
+/// later may hold one too, so none is shown (only its name).
+pub fn command() -> clap::Command {
+    fn hide(command: clap::Command) -> clap::Command {
+        command
+            .mut_args(|arg| arg.hide_env_values(true))
+            .mut_subcommands(hide)
+    }
+    hide(<Cli as clap::CommandFactory>::command())
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

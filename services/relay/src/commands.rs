@@ -93,6 +93,13 @@ pub async fn simulate(global: &GlobalArgs, command: SimulateCommand) -> anyhow::
             }
         }
         eprintln!("registered {} simulated endpoints", infos.len());
+        let outbound = global.outbound.policy();
+        if !(outbound.allow_http && outbound.allow_private) {
+            eprintln!(
+                "the relay reads this simulator's API at http://{listen}: run its sequencer and \
+                 API with RELAY_UPSTREAM_ALLOW_HTTP=true and RELAY_UPSTREAM_ALLOW_PRIVATE=true"
+            );
+        }
     }
     relay_simulator::run(command.args).await
 }

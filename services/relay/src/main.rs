@@ -1,12 +1,10 @@
-use clap::Parser;
-
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use relay::cli::{Cli, Command};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = Cli::parse_env();
     relay::telemetry::init_logging(cli.global.log_format);
     match cli.command {
         Command::Migrate => relay::commands::migrate(&cli.global).await,

@@ -165,6 +165,7 @@ impl SequencerArgs {
             applied_events_retention: (self.applied_events_retention_days > 0)
                 .then(|| Duration::from_secs(self.applied_events_retention_days * 24 * 3600)),
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
+            outbound: global.outbound.policy(),
             ..relay_sequencer::SequencerConfig::default()
         }
     }
@@ -251,7 +252,7 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
     let mut args = command.args.clone();
     args.relay_amqp_url = command.amqp_url.clone();
     args.destination_policy = command.destinations.policy();
-    let mut config = args.to_config()?;
+    let mut config = args.to_config(global.outbound.policy())?;
     config.registry = registry.clone();
     let mut server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
     tracing::info!(address = %server.address, "control plane running");
@@ -313,7 +314,7 @@ pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> 
     let mut api_args = args.api.clone();
     api_args.relay_amqp_url = args.publisher.amqp_url.clone();
     api_args.destination_policy = args.publisher.destinations.policy();
-    let api = match api_args.to_config() {
+    let api = match api_args.to_config(global.outbound.policy()) {
         Ok(mut config) => {
             config.registry = registry.clone();
             let server = relay_api::ApiServer::start(service_pool(global)?, config).await?;

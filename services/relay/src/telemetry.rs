@@ -9,6 +9,9 @@ use axum::routing::get;
 use axum::Router;
 use prometheus::{Encoder, Registry, TextEncoder};
 use tokio::net::TcpListener;
+use tracing_subscriber::field::RecordFields;
+use tracing_subscriber::fmt::format::{DefaultFields, Writer};
+use tracing_subscriber::fmt::FormatFields;
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::LogFormat;
@@ -17,10 +20,45 @@ pub fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     // A second init (tests start many apps in one process) is not an error worth stopping for.
+    // JSON needs no escaping of ours: serde_json escapes every control character in a string.
     let _ = match format {
-        LogFormat::Text => builder.try_init(),
+        LogFormat::Text => builder.fmt_fields(EscapedFields::default()).try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
+}
+
+/// The text format's fields and message with every control character escaped (`\n`,
+/// `\u{1b}`): values come from requests (an endpoint id decoded from `%0a` in a URL, a tenant's
+/// name), and a raw line break would forge a log line, an ESC recolour or hide what follows.
+#[derive(Debug, Default)]
+pub struct EscapedFields(DefaultFields);
+
+impl<'writer> FormatFields<'writer> for EscapedFields {
+    fn format_fields<R: RecordFields>(
+        &self,
+        mut writer: Writer<'writer>,
+        fields: R,
+    ) -> std::fmt::Result {
+        let mut formatted = String::new();
+        self.0.format_fields(Writer::new(&mut formatted), fields)?;
+        writer.write_str(&escape_controls(&formatted))
+    }
+}
+
+/// `text` with each control character (C0, DEL, C1) written as its Rust escape.
+pub fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut escaped = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c.is_control() {
+            escaped.extend(c.escape_debug());
+        } else {
+            escaped.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(escaped)
 }
 
 /// The router serving `/metrics` from `registry`, and `/healthz` for liveness probes.
@@ -63,4 +101,90 @@ pub async fn bind(address: SocketAddr, what: &str) -> anyhow::Result<TcpListener
         .with_context(|| format!("binding the {what} listener to {address}"))?;
     tracing::info!(address = %listener.local_addr()?, "{what} listening");
     Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex};
+
+    use tracing_subscriber::fmt::MakeWriter;
+
+    use super::*;
+
+    /// Collects what a subscriber writes.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> MakeWriter<'a> for Captured {
+        type Writer = Captured;
+        fn make_writer(&'a self) -> Captured {
+            self.clone()
+        }
+    }
+
+    impl Captured {
+        fn text(&self) -> String {
+            String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+        }
+    }
+
+    const FORGED: &str = "ab\n2026-12-01T00:00:00Z  INFO forged: admin logged in\u{1b}[2K\r\u{0}";
+
+    fn log_hostile_values() {
+        let span = tracing::info_span!("request", endpoint = %FORGED);
+        let _entered = span.enter();
+        tracing::info!(endpoint = %FORGED, name = FORGED, "message {}", FORGED);
+    }
+
+    #[test]
+    fn text_logs_escape_control_characters_in_fields_spans_and_messages() {
+        let captured = Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(captured.clone())
+            .with_ansi(true)
+            .fmt_fields(EscapedFields::default())
+            .finish();
+        tracing::subscriber::with_default(subscriber, log_hostile_values);
+        let text = captured.text();
+        assert_eq!(
+            text.matches('\n').count(),
+            1,
+            "one event, one line: {text:?}"
+        );
+        assert!(!text.contains('\r') && !text.contains('\0'), "{text:?}");
+        // The formatter's own colours stay; the values' ESC does not.
+        assert!(!text.contains("\u{1b}[2K"), "{text:?}");
+        assert_eq!(
+            text.matches("ab\\n2026").count(),
+            4,
+            "span, two fields, message: {text:?}"
+        );
+        assert!(text.contains("\\u{1b}[2K"), "{text:?}");
+    }
+
+    #[test]
+    fn json_logs_are_escaped_by_serde() {
+        let captured = Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(captured.clone())
+            .json()
+            .finish();
+        tracing::subscriber::with_default(subscriber, log_hostile_values);
+        let text = captured.text();
+        assert_eq!(text.matches('\n').count(), 1, "{text:?}");
+        assert!(!text.contains('\u{1b}') && !text.contains('\r'), "{text:?}");
+        let line: serde_json::Value = serde_json::from_str(text.trim_end()).unwrap();
+        assert_eq!(line["fields"]["endpoint"], FORGED);
+    }
 }

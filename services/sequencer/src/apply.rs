@@ -101,7 +101,7 @@ pub struct EndpointContext {
 }
 
 impl EndpointContext {
-    pub fn new(registration: EndpointRegistration, http: reqwest::Client) -> Self {
+    pub fn new(registration: EndpointRegistration, http: relay_netguard::GuardedClient) -> Self {
         let upstream = UpstreamClient::new(
             http,
             registration.upstream_base_url.as_deref(),

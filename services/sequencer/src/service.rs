@@ -70,6 +70,9 @@ pub struct SequencerConfig {
     pub retention_interval: Duration,
     /// Timeout of each upstream API request.
     pub upstream_timeout: Duration,
+    /// Where upstream requests may go (the operator's setting; https to public addresses by
+    /// default).
+    pub outbound: relay_netguard::OutboundPolicy,
     /// Items per `/v1/feed` page a reload asks for: the most the API gives (500) by default, so
     /// a pass makes the fewest reads; tests ask for fewer, so that a pass has several pages.
     pub feed_page_limit: usize,
@@ -98,6 +101,7 @@ impl Default for SequencerConfig {
             applied_events_retention: Some(Duration::from_secs(31 * 24 * 3600)),
             retention_interval: Duration::from_secs(600),
             upstream_timeout: Duration::from_secs(10),
+            outbound: relay_netguard::OutboundPolicy::default(),
             feed_page_limit: crate::upstream::FEED_PAGE_LIMIT,
             reload_backoff: ReloadBackoff::default(),
         }
@@ -198,7 +202,7 @@ async fn schedule(
         wake_tx,
         stop.clone(),
     ));
-    let http = UpstreamClient::http_client(config.upstream_timeout);
+    let http = UpstreamClient::http_client(config.upstream_timeout, config.outbound);
     let (batcher, appliers) = ApplyBatcher::start(
         pool.clone(),
         config.appliers,

@@ -3,9 +3,10 @@
 
 use std::time::Duration;
 
+use relay_netguard::{refusal_in, GuardedClient, OutboundPolicy, Refusal};
 use relay_rules::{ReadItem, RefetchAnswer};
 use relay_wire::{FeedItem, ItemKind, Sequence};
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde::Deserialize;
 use serde_json::Value;
 use uuid::Uuid;
@@ -24,6 +25,10 @@ pub enum UpstreamError {
     Status { url: String, status: StatusCode },
     #[error("{url} answered something unreadable: {detail}")]
     Body { url: String, detail: String },
+    /// The base URL, or what its name resolves to, is not where the operator lets the relay
+    /// send requests.
+    #[error("request to {url} refused: {refusal}")]
+    Refused { url: String, refusal: Refusal },
     /// `410 cursor_expired` on a page after the first: start the pass again.
     #[error("the feed cursor expired")]
     CursorExpired,
@@ -32,7 +37,7 @@ pub enum UpstreamError {
 /// One endpoint's view of the upstream: where to read and with which key.
 #[derive(Clone)]
 pub struct UpstreamClient {
-    http: reqwest::Client,
+    http: GuardedClient,
     base_url: String,
     api_key: String,
     /// Items asked for per `/v1/feed` page.
@@ -131,7 +136,7 @@ pub const FEED_PAGE_LIMIT: usize = 500;
 
 impl UpstreamClient {
     pub fn new(
-        http: reqwest::Client,
+        http: GuardedClient,
         base_url: Option<&str>,
         api_key: Option<&str>,
     ) -> Result<Self, UpstreamError> {
@@ -153,13 +158,10 @@ impl UpstreamClient {
         self
     }
 
-    /// A client for this crate's reads: every request bounded by `timeout`.
-    pub fn http_client(timeout: Duration) -> reqwest::Client {
-        reqwest::Client::builder()
-            .timeout(timeout)
-            .connect_timeout(timeout)
-            .build()
-            .expect("a reqwest client with timeouts only")
+    /// A client for this crate's reads: every request bounded by `timeout`, sent only where
+    /// `policy` allows, and no redirect followed (see [`GuardedClient`]).
+    pub fn http_client(timeout: Duration, policy: OutboundPolicy) -> GuardedClient {
+        GuardedClient::new(policy, timeout).expect("a reqwest client with a resolver and timeouts")
     }
 
     async fn get(
@@ -168,16 +170,24 @@ impl UpstreamClient {
         query: &[(&str, String)],
     ) -> Result<(StatusCode, String, bytes::Bytes), UpstreamError> {
         let url = format!("{}{path}", self.base_url);
+        let refused = |url: &str, refusal: Refusal| UpstreamError::Refused {
+            url: url.to_owned(),
+            refusal,
+        };
         let answer = self
             .http
-            .get(&url)
+            .request(Method::GET, &url)
+            .map_err(|refusal| refused(&url, refusal))?
             .bearer_auth(&self.api_key)
             .query(query)
             .send()
             .await
-            .map_err(|source| UpstreamError::Request {
-                url: url.clone(),
-                source,
+            .map_err(|source| match refusal_in(&source) {
+                Some(refusal) => refused(&url, refusal.clone()),
+                None => UpstreamError::Request {
+                    url: url.clone(),
+                    source,
+                },
             })?;
         let status = answer.status();
         let body = answer

@@ -78,7 +78,7 @@ struct NextFailing {
 pub async fn run_worker(
     pool: PgPool,
     owners: Owners,
-    http: reqwest::Client,
+    http: relay_netguard::GuardedClient,
     registration: EndpointRegistration,
     signal: Arc<WorkerSignal>,
     config: WorkerConfig,

@@ -6,6 +6,7 @@
 //! them, and no request type derives `Debug`, so none can be printed by accident.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
@@ -17,6 +18,8 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 use uuid::Uuid;
+
+use relay_netguard::{GuardedClient, GuardedResolver, ResolveError};
 
 use super::{owned_endpoint, parse_uuid, AppState, QueryArgs};
 use crate::auth::TenantId;
@@ -72,7 +75,8 @@ pub struct NewEndpoint {
     pub id: Uuid,
     /// The endpoint's language, as set at the upstream (`en`, `sv`, ...).
     pub lang: String,
-    /// The upstream API's base URL, for reloads, refetches and rewinds.
+    /// The upstream API's base URL, for reloads, refetches and rewinds: https, to a public
+    /// address (http and non-public addresses only where the operator allows them).
     #[serde(default)]
     pub upstream_base_url: Option<String>,
     /// The API key for the upstream's API. Write-only.
@@ -163,21 +167,27 @@ pub fn valid_lang(field: &str, text: &str) -> Result<String, ApiError> {
     Ok(text.to_owned())
 }
 
-/// An http(s) base URL with a host and nothing after the path. Credentials in the URL are
-/// refused: they belong in the API key, which is never returned, while the URL is.
-pub fn valid_base_url(text: &str) -> Result<String, ApiError> {
+/// How long registering waits for a name's addresses before taking it unresolved.
+const REGISTRATION_LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A base URL the relay may send requests to: https (http only where the operator allows it),
+/// a host that is no loopback, private, link-local or other non-public address in any spelling,
+/// and nothing after the path. Credentials in the URL are refused: they belong in the API key,
+/// which is never returned, while the URL is.
+///
+/// A name is resolved here too, so one that points at a refused address is told at once; a
+/// name that does not resolve now (or within a moment) is taken: DNS may not be set up yet.
+/// Every request resolves it again and checks again ([`relay_netguard::GuardedResolver`]):
+/// this answer is no promise.
+pub async fn valid_base_url(http: &GuardedClient, text: &str) -> Result<String, ApiError> {
     const FIELD: &str = "upstream_base_url";
     if text.len() > 2000 {
         return Err(ApiError::invalid(FIELD, "at most 2000 characters"));
     }
-    let url = reqwest::Url::parse(text.trim())
-        .map_err(|_| ApiError::invalid(FIELD, "not an absolute URL"))?;
-    if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
-        return Err(ApiError::invalid(
-            FIELD,
-            "an http:// or https:// URL with a host",
-        ));
-    }
+    let policy = http.policy();
+    let url = policy
+        .check_url(text)
+        .map_err(|refusal| ApiError::invalid(FIELD, refusal.to_string()))?;
     if !url.username().is_empty() || url.password().is_some() {
         return Err(ApiError::invalid(
             FIELD,
@@ -186,6 +196,15 @@ pub fn valid_base_url(text: &str) -> Result<String, ApiError> {
     }
     if url.query().is_some() || url.fragment().is_some() {
         return Err(ApiError::invalid(FIELD, "no query or fragment"));
+    }
+    if let (Some(name), false) = (url.domain(), policy.allow_private) {
+        let resolver = GuardedResolver::new(policy);
+        let lookup = resolver.resolve_host(name);
+        if let Ok(Err(ResolveError::Refused(refusal))) =
+            tokio::time::timeout(REGISTRATION_LOOKUP_TIMEOUT, lookup).await
+        {
+            return Err(ApiError::invalid(FIELD, refusal.to_string()));
+        }
     }
     Ok(url.as_str().trim_end_matches('/').to_owned())
 }
@@ -205,8 +224,18 @@ fn valid_api_key(text: &str) -> Result<String, ApiError> {
     Ok(text.to_owned())
 }
 
+/// The longest secret taken, in characters: the upstream's are 24 to 64 bytes of key, and
+/// HMAC-SHA256 hashes a key over 64 bytes down to 32 anyway.
+const MAX_SECRET_CHARS: usize = 200;
+
 /// The secret's stored (`whsec_`) form. The error names the field, never the value.
 fn valid_secret(field: &str, text: &str) -> Result<String, ApiError> {
+    if text.len() > MAX_SECRET_CHARS {
+        return Err(ApiError::invalid(
+            field,
+            format!("at most {MAX_SECRET_CHARS} characters"),
+        ));
+    }
     SigningSecret::parse(text)
         .map(|s| s.to_whsec())
         .map_err(|e| ApiError::invalid(field, e.to_string()))
@@ -269,7 +298,11 @@ pub async fn load_endpoint(
     request_body = NewEndpoint,
     responses(
         (status = 201, body = EndpointView),
-        (status = 400, body = ErrorBody, description = "A field is not acceptable: nothing created"),
+        (status = 400, body = ErrorBody, description = "A field is not acceptable: nothing \
+            created. Among them: an upstream_base_url that is not https, or that names (or \
+            resolves to) a loopback, private, link-local or other non-public address, unless the \
+            operator allows it; text with control characters (NUL, line breaks, ESC) or over its \
+            length; a secret over 200 characters"),
         (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
         (status = 409, body = ErrorBody, description = "The id is registered already"),
     )
@@ -280,11 +313,10 @@ pub async fn create_endpoint(
     JsonBody(body): JsonBody<NewEndpoint>,
 ) -> Result<(StatusCode, Json<EndpointView>), ApiError> {
     let lang = valid_lang("lang", &body.lang)?;
-    let base_url = body
-        .upstream_base_url
-        .as_deref()
-        .map(valid_base_url)
-        .transpose()?;
+    let base_url = match body.upstream_base_url.as_deref() {
+        Some(text) => Some(valid_base_url(&state.http, text).await?),
+        None => None,
+    };
     let api_key = body
         .upstream_api_key
         .as_deref()
@@ -429,7 +461,9 @@ pub async fn get_endpoint(
     request_body = EndpointUpdate,
     responses(
         (status = 200, body = EndpointView),
-        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 400, body = ErrorBody, description = "A field is not acceptable (as for \
+            registering): nothing changed"),
+        (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
     )
 )]
@@ -445,11 +479,10 @@ pub async fn update_endpoint(
         .as_deref()
         .map(|l| valid_lang("lang", l))
         .transpose()?;
-    let base_url = body
-        .upstream_base_url
-        .as_deref()
-        .map(valid_base_url)
-        .transpose()?;
+    let base_url = match body.upstream_base_url.as_deref() {
+        Some(text) => Some(valid_base_url(&state.http, text).await?),
+        None => None,
+    };
     let api_key = body
         .upstream_api_key
         .as_deref()

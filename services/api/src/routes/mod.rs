@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use crate::auth::{HasVerifier, Verifier};
 use crate::broker::BrokerAccess;
-use crate::error::ApiError;
+use crate::error::{check_text, ApiError};
 use crate::metrics::ApiMetrics;
 
 pub mod broker;
@@ -32,7 +32,8 @@ pub struct AppState {
     pub pool: PgPool,
     pub verifier: Arc<Verifier>,
     /// For the upstream's API (rewinds).
-    pub http: reqwest::Client,
+    /// Requests to tenants' upstreams: every one checked against the operator's policy.
+    pub http: relay_netguard::GuardedClient,
     pub metrics: Arc<ApiMetrics>,
     /// The relay's own broker: destinations are checked against it; tenants' users live there.
     pub broker: Arc<BrokerAccess>,
@@ -138,6 +139,9 @@ pub fn parse_uuid(field: &str, text: &str) -> Result<Uuid, ApiError> {
 
 /// A query string's values, read one field at a time so each error names its field. Unknown
 /// parameters are refused, as unknown body fields are.
+/// The longest query value any route takes (cursors are the longest), in bytes.
+const MAX_QUERY_VALUE_BYTES: usize = 1000;
+
 pub struct QueryArgs(HashMap<String, String>);
 
 impl QueryArgs {
@@ -147,6 +151,9 @@ impl QueryArgs {
                 unknown.clone(),
                 format!("unknown query parameter; known: {}", known.join(", ")),
             ));
+        }
+        for (name, value) in &map {
+            check_text(name, value, MAX_QUERY_VALUE_BYTES)?;
         }
         Ok(Self(map))
     }

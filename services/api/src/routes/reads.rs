@@ -18,7 +18,7 @@ use uuid::Uuid;
 
 use super::{owned_endpoint, parse_uuid, AppState, QueryArgs};
 use crate::auth::TenantId;
-use crate::error::{ApiError, ErrorBody};
+use crate::error::{check_text, ApiError, ErrorBody};
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct CopyItemView {
@@ -78,6 +78,9 @@ fn copy_view(row: CopyRow) -> Result<CopyItemView, ApiError> {
         updated_at,
     })
 }
+
+/// The longest subject a copy item path takes, in bytes (subjects are `kind:id`).
+const MAX_SUBJECT_BYTES: usize = 1000;
 
 const COPY_COLUMNS: &str = "subject, item_kind, company_id, generation, sequence, tombstone,
      parts::text, item::text, updated_at";
@@ -174,6 +177,7 @@ pub async fn get_copy_item(
     Path((endpoint_id, subject)): Path<(String, String)>,
 ) -> Result<Json<CopyItemView>, ApiError> {
     let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    check_text("subject", &subject, MAX_SUBJECT_BYTES)?;
     owned_endpoint(&state.pool, tenant, id).await?;
     let row: Option<CopyRow> = sqlx::query_as(&format!(
         "SELECT {COPY_COLUMNS} FROM copy_items

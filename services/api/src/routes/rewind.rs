@@ -93,8 +93,11 @@ fn unsigned(value: Option<i64>) -> Option<u64> {
             answer, and what the relay does about it"),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
-        (status = 409, body = ErrorBody, description = "The endpoint has no upstream URL or key"),
-        (status = 502, body = ErrorBody, description = "The upstream failed: nothing changed"),
+        (status = 409, body = ErrorBody, description = "The endpoint has no upstream URL or key, \
+            or its upstream_base_url (or an address its name resolves to) is one the operator's \
+            policy refuses (field `upstream_base_url`): nothing was sent"),
+        (status = 502, body = ErrorBody, description = "The upstream failed, or answered a \
+            redirect (never followed): nothing changed"),
     )
 )]
 pub async fn rewind_track(
@@ -164,7 +167,13 @@ pub async fn rewind_track(
                         .with_label_values(&["upstream_failed"])
                         .inc();
                     tracing::warn!(%tenant, endpoint = %id, track, error = %e, "rewind failed");
-                    ApiError::Upstream(e.to_string())
+                    match e {
+                        upstream::UpstreamError::Refused(refusal) => ApiError::conflict(
+                            Some("upstream_base_url"),
+                            format!("the stored upstream_base_url is refused: {refusal}"),
+                        ),
+                        e => ApiError::Upstream(e.to_string()),
+                    }
                 })?;
             (Some(since.clone()), Some(answer))
         }

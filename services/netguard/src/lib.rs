@@ -1,0 +1,39 @@
+//! Where the relay may send requests on a tenant's behalf (the upstream's API, with the
+//! tenant's key): public addresses over https, unless the operator allows more.
+//!
+//! # Layout
+//! - [`policy`]: pure: which addresses are refused and why ([`classify`]), and whether a URL may
+//!   be registered or requested ([`OutboundPolicy::check_url`]).
+//! - [`client`]: the IO side: a DNS resolver that drops refused addresses after resolution
+//!   ([`GuardedResolver`]), and the HTTP client every outbound call goes through
+//!   ([`GuardedClient`]): the resolver, no redirects, literal addresses checked before sending.
+//! - [`OutboundArgs`]: the operator's settings, as flags and environment variables.
+
+pub mod client;
+pub mod policy;
+
+pub use client::{refusal_in, GuardedClient, GuardedResolver, ResolveError};
+pub use policy::{classify, AddressKind, OutboundPolicy, Refusal};
+
+/// The operator's settings for outbound requests. Both off by default: https to public
+/// addresses only.
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
+pub struct OutboundArgs {
+    /// Allow plain http:// upstream URLs (tests and the simulator; never in production: the
+    /// tenant's API key would cross the network in the clear).
+    #[arg(long, env = "RELAY_UPSTREAM_ALLOW_HTTP", global = true)]
+    pub upstream_allow_http: bool,
+    /// Allow upstream URLs that name or resolve to loopback, private, link-local (cloud
+    /// metadata) and other non-public addresses (tests and the simulator on 127.0.0.1).
+    #[arg(long, env = "RELAY_UPSTREAM_ALLOW_PRIVATE", global = true)]
+    pub upstream_allow_private: bool,
+}
+
+impl OutboundArgs {
+    pub fn policy(&self) -> OutboundPolicy {
+        OutboundPolicy {
+            allow_http: self.upstream_allow_http,
+            allow_private: self.upstream_allow_private,
+        }
+    }
+}
