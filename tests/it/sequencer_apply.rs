@@ -113,7 +113,11 @@ async fn add_endpoint(
             upstream_api_key: upstream_base_url.as_ref().map(|_| "key".to_owned()),
             upstream_base_url,
         },
-        reqwest::Client::new(),
+        relay_netguard::GuardedClient::new(
+            relay_netguard::OutboundPolicy::ANY,
+            std::time::Duration::from_secs(5),
+        )
+        .unwrap(),
     ));
     (endpoint, ctx)
 }

@@ -43,11 +43,19 @@ pub fn build(pool: PgPool, config: &ApiConfig) -> Result<Router, ServeError> {
     // following it would send the API key to wherever it points.
     let http = relay_netguard::GuardedClient::new(config.outbound, config.upstream_timeout)
         .map_err(ServeError::Client)?;
+    // The relay's own broker's management API: an address the operator configured, not one a
+    // tenant named, so no outbound policy applies; still no redirect followed.
+    let management = reqwest::Client::builder()
+        .timeout(config.upstream_timeout)
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(ServeError::Client)?;
     let metrics = Arc::new(ApiMetrics::register(&config.registry).map_err(ServeError::Metrics)?);
     let state = AppState {
         pool,
         verifier: Arc::new(Verifier::new(config.keys.clone(), &config.audience)),
         http,
+        management,
         metrics: metrics.clone(),
         broker: Arc::new(config.broker.clone()),
     };

@@ -127,7 +127,7 @@ pub async fn create_credentials(
             "the tenant has broker credentials; rotate them for a new password",
         ));
     }
-    let password = state.broker.issue(&state.http, tenant).await?;
+    let password = state.broker.issue(&state.management, tenant).await?;
     let user = broker_users::record(&state.pool, tenant, &BrokerAccess::username(tenant))
         .await?
         .ok_or(ApiError::NotFound("tenant"))?;
@@ -156,7 +156,7 @@ pub async fn rotate_credentials(
     let user = broker_users::get(&state.pool, tenant)
         .await?
         .ok_or(NOT_ISSUED)?;
-    let password = state.broker.issue(&state.http, tenant).await?;
+    let password = state.broker.issue(&state.management, tenant).await?;
     let user = broker_users::record(&state.pool, tenant, &user.username)
         .await?
         .ok_or(ApiError::NotFound("tenant"))?;
@@ -180,7 +180,7 @@ pub async fn delete_credentials(
     broker_users::get(&state.pool, tenant)
         .await?
         .ok_or(NOT_ISSUED)?;
-    state.broker.revoke(&state.http, tenant).await?;
+    state.broker.revoke(&state.management, tenant).await?;
     broker_users::delete(&state.pool, tenant).await?;
     tracing::info!(%tenant, "broker credentials deleted");
     Ok(StatusCode::NO_CONTENT)

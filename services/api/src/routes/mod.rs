@@ -31,9 +31,11 @@ pub mod tenants;
 pub struct AppState {
     pub pool: PgPool,
     pub verifier: Arc<Verifier>,
-    /// For the upstream's API (rewinds).
-    /// Requests to tenants' upstreams: every one checked against the operator's policy.
+    /// Requests to tenants' upstreams (rewinds): every one checked against the operator's
+    /// policy.
     pub http: relay_netguard::GuardedClient,
+    /// Requests to the relay's own broker's management API (tenants' users).
+    pub management: reqwest::Client,
     pub metrics: Arc<ApiMetrics>,
     /// The relay's own broker: destinations are checked against it; tenants' users live there.
     pub broker: Arc<BrokerAccess>,
