@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use relay_api::auth::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
+use relay_netguard::OutboundPolicy;
 use relay_rules::decide_event;
 use relay_store::copy::{self, Cause};
 use relay_store::messages::{store_batch, IncomingMessage};
@@ -51,10 +52,17 @@ pub struct Answer {
 }
 
 impl ApiApp {
+    /// The API taking any upstream URL: the tests' upstreams are simulators on 127.0.0.1.
     pub async fn spawn() -> Self {
+        Self::spawn_with(OutboundPolicy::ANY).await
+    }
+
+    /// The API with the operator's policy for upstream URLs set to `outbound`.
+    pub async fn spawn_with(outbound: OutboundPolicy) -> Self {
         let db = TestDb::new().await;
         let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
         config.upstream_timeout = Duration::from_secs(5);
+        config.outbound = outbound;
         let registry = config.registry.clone();
         let server = ApiServer::start(db.pool.clone(), config).await.unwrap();
         let base_url = format!("http://{}", server.address);

@@ -21,6 +21,7 @@ use rand_chacha::ChaCha8Rng;
 use relay_api::auth::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
 use relay_ingest::SystemClock;
+use relay_netguard::OutboundPolicy;
 use relay_publisher::lapin::options::QueueDeclareOptions;
 use relay_publisher::lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use relay_publisher::lapin::types::FieldTable;
@@ -68,6 +69,7 @@ impl Api {
         let pool = relay_store::connect(database_url, &PoolOptions::default()).unwrap();
         let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
         config.upstream_timeout = Duration::from_secs(5);
+        config.outbound = OutboundPolicy::ANY;
         let server = ApiServer::start(pool, config).await.unwrap();
         let base_url = format!("http://{}", server.address);
         Self {
@@ -408,6 +410,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
             sweep_interval: Duration::from_millis(200),
             idle_linger: Duration::from_millis(100),
             upstream_timeout: Duration::from_secs(5),
+            outbound: OutboundPolicy::ANY,
             // Reloads of several pages, so the faults between pages strike.
             feed_page_limit: 8,
             ..SequencerConfig::default()
