@@ -13,8 +13,9 @@ use std::time::Duration;
 use relay_api::auth::{mint, JwtKeys, Subject};
 use relay_api::broker::{BrokerAccess, ManagementSettings};
 use relay_api::{ApiConfig, ApiServer};
-use relay_rules::destination::DestinationPolicy;
+use relay_netguard::OutboundPolicy;
 use relay_rules::decide_event;
+use relay_rules::destination::DestinationPolicy;
 use relay_store::copy::{self, Cause};
 use relay_store::messages::{store_batch, IncomingMessage};
 use relay_tests::{random_secret, TestDb, Vhost};
@@ -55,21 +56,28 @@ pub struct Answer {
 }
 
 impl ApiApp {
+    /// The API taking any upstream URL: the tests' upstreams are simulators on 127.0.0.1.
     pub async fn spawn() -> Self {
-        Self::spawn_on(None).await
+        Self::spawn_on(None, OutboundPolicy::ANY).await
     }
 
     /// The API with the relay's broker at a vhost of the test's own (for the routes that make
     /// broker users there).
     pub async fn spawn_with_vhost() -> Self {
         let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
-        Self::spawn_on(Some(vhost)).await
+        Self::spawn_on(Some(vhost), OutboundPolicy::ANY).await
     }
 
-    async fn spawn_on(vhost: Option<Vhost>) -> Self {
+    /// The API with the operator's policy for upstream URLs set to `outbound`.
+    pub async fn spawn_with(outbound: OutboundPolicy) -> Self {
+        Self::spawn_on(None, outbound).await
+    }
+
+    async fn spawn_on(vhost: Option<Vhost>, outbound: OutboundPolicy) -> Self {
         let db = TestDb::new().await;
         let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
         config.upstream_timeout = Duration::from_secs(5);
+        config.outbound = outbound;
         if let Some(vhost) = &vhost {
             config.broker = BrokerAccess::new(
                 &vhost.url(),
@@ -476,7 +484,13 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
         ("POST /v1/broker/credentials", None, Tenant, OwnOnly, 201),
         // B has none of its own.
         ("GET /v1/broker/credentials", None, Tenant, NotFound, 200),
-        ("POST /v1/broker/credentials/rotate", None, Tenant, OwnOnly, 200),
+        (
+            "POST /v1/broker/credentials/rotate",
+            None,
+            Tenant,
+            OwnOnly,
+            200,
+        ),
         ("DELETE /v1/broker/credentials", None, Tenant, OwnOnly, 204),
         (
             "POST /v1/endpoints/{endpoint_id}/tracks/{track}/rewind",

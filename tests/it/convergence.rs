@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_ingest::SystemClock;
+use relay_netguard::OutboundPolicy;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
 use relay_simulator::cli::{prepare, SimulateArgs};
 use relay_simulator::{Faults, Simulation};
@@ -70,6 +71,8 @@ fn child_config(spec: &Value) -> SequencerConfig {
         sweep_interval: Duration::from_millis(200),
         idle_linger: Duration::from_millis(100),
         upstream_timeout: Duration::from_secs(5),
+        // The simulator is on 127.0.0.1.
+        outbound: OutboundPolicy::ANY,
         feed_page_limit: spec["feed_page_limit"].as_u64().unwrap() as usize,
         ..SequencerConfig::default()
     }

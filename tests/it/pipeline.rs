@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_ingest::SystemClock;
+use relay_netguard::OutboundPolicy;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
 use relay_simulator::cli::{prepare, SimulateArgs};
 use relay_simulator::{Faults, Simulation};
@@ -93,6 +94,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
             sweep_interval: Duration::from_millis(200),
             idle_linger: Duration::from_millis(100),
             upstream_timeout: Duration::from_secs(5),
+            outbound: OutboundPolicy::ANY,
             // Reloads of several pages, so the faults between pages strike.
             feed_page_limit: 8,
             ..SequencerConfig::default()

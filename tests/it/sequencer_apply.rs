@@ -7,11 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use relay_netguard::OutboundPolicy;
 use relay_sequencer::apply::{
     apply_messages, apply_runs, prepare_run, ApplyError, EndpointContext, PreparedRun,
 };
 use relay_sequencer::ownership::claim_fence;
 use relay_sequencer::state::{self, EndpointRegistration, PendingMessage};
+use relay_sequencer::upstream::UpstreamClient;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
 use relay_store::copy;
 use relay_store::messages::{store_batch, IncomingMessage};
@@ -113,11 +115,7 @@ async fn add_endpoint(
             upstream_api_key: upstream_base_url.as_ref().map(|_| "key".to_owned()),
             upstream_base_url,
         },
-        relay_netguard::GuardedClient::new(
-            relay_netguard::OutboundPolicy::ANY,
-            std::time::Duration::from_secs(5),
-        )
-        .unwrap(),
+        UpstreamClient::http_client(Duration::from_secs(5), OutboundPolicy::ANY),
     ));
     (endpoint, ctx)
 }
@@ -419,6 +417,7 @@ async fn a_wake_up_reaches_a_running_sequencer() {
             key_prefix: prefix.clone(),
             // A sweep far in the future: only the wake-up can make it look.
             sweep_interval: Duration::from_secs(3600),
+            outbound: OutboundPolicy::ANY,
             ..SequencerConfig::default()
         },
         SequencerMetrics::unregistered(),

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use relay_api::auth::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
+use relay_netguard::OutboundPolicy;
 use relay_publisher::lapin::options::QueueDeclareOptions;
 use relay_publisher::lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use relay_publisher::lapin::types::FieldTable;
@@ -52,6 +53,7 @@ impl Api {
         let pool = relay_store::connect(database_url, &PoolOptions::default()).unwrap();
         let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
         config.upstream_timeout = Duration::from_secs(5);
+        config.outbound = OutboundPolicy::ANY;
         let server = ApiServer::start(pool, config).await.unwrap();
         let base_url = format!("http://{}", server.address);
         Self {

