@@ -195,6 +195,7 @@ async fn the_operator_setting_allows_http_and_private_addresses() {
     let http_only = ApiApp::spawn_with(OutboundPolicy {
         allow_http: true,
         allow_private: false,
+        allowed_networks: Vec::new(),
     })
     .await;
     let (_, token) = http_only.tenant("plain").await;
@@ -285,6 +286,7 @@ async fn a_stored_url_the_policy_refuses_is_refused_again_when_calling() {
     let app = ApiApp::spawn_with(OutboundPolicy {
         allow_http: true,
         allow_private: false,
+        allowed_networks: Vec::new(),
     })
     .await;
     let (tenant, token) = app.tenant("grandfathered").await;
@@ -343,13 +345,14 @@ async fn the_sequencers_reads_follow_no_redirect_and_reach_no_refused_address() 
     let http_only = OutboundPolicy {
         allow_http: true,
         allow_private: false,
+        allowed_networks: Vec::new(),
     };
     let mut urls = vec![upstream.clone()];
     if let Some(alias) = loopback_alias() {
         urls.push(upstream.replace("127.0.0.1", &alias));
     }
     for url in urls {
-        let strict = UpstreamClient::http_client(Duration::from_secs(5), http_only);
+        let strict = UpstreamClient::http_client(Duration::from_secs(5), http_only.clone());
         let client = UpstreamClient::new(strict, Some(&url), Some("qk_secret_key")).unwrap();
         match client.selection(endpoint).await {
             Err(UpstreamError::Refused { refusal, .. }) => {

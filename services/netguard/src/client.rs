@@ -13,7 +13,7 @@ use crate::policy::{OutboundPolicy, Refusal};
 
 /// Resolves with the system's resolver, then keeps only the addresses the policy allows. A name
 /// with none left fails to resolve, so nothing is sent.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct GuardedResolver {
     policy: OutboundPolicy,
 }
@@ -87,7 +87,7 @@ pub enum ResolveError {
 
 impl Resolve for GuardedResolver {
     fn resolve(&self, name: Name) -> Resolving {
-        let resolver = *self;
+        let resolver = self.clone();
         Box::pin(async move {
             let addresses = resolver.resolve_host(name.as_str()).await?;
             Ok(Box::new(addresses.into_iter()) as Addrs)
@@ -114,13 +114,13 @@ impl GuardedClient {
             .redirect(reqwest::redirect::Policy::none())
             .no_proxy()
             .https_only(!policy.allow_http)
-            .dns_resolver(Arc::new(GuardedResolver::new(policy)))
+            .dns_resolver(Arc::new(GuardedResolver::new(policy.clone())))
             .build()?;
         Ok(Self { http, policy })
     }
 
-    pub fn policy(&self) -> OutboundPolicy {
-        self.policy
+    pub fn policy(&self) -> &OutboundPolicy {
+        &self.policy
     }
 
     /// A request to `url`, or why the policy refuses it.
@@ -216,6 +216,7 @@ mod tests {
         let policy = OutboundPolicy {
             allow_http: true,
             allow_private: false,
+            allowed_networks: Vec::new(),
         };
         let client = GuardedClient::new(policy, Duration::from_secs(5)).unwrap();
         // The URL passes the pure check (a name), so only the resolver can stop it.

@@ -15,9 +15,9 @@ pub mod policy;
 pub use client::{refusal_in, GuardedClient, GuardedResolver, ResolveError};
 pub use policy::{classify, AddressKind, OutboundPolicy, Refusal};
 
-/// The operator's settings for outbound requests. Both off by default: https to public
+/// The operator's settings for outbound requests. All off by default: https to public
 /// addresses only.
-#[derive(Debug, Clone, Copy, Default, clap::Args)]
+#[derive(Debug, Clone, Default, clap::Args)]
 pub struct OutboundArgs {
     /// Allow plain http:// upstream URLs (tests and the simulator; never in production: the
     /// tenant's API key would cross the network in the clear).
@@ -27,6 +27,16 @@ pub struct OutboundArgs {
     /// metadata) and other non-public addresses (tests and the simulator on 127.0.0.1).
     #[arg(long, env = "RELAY_UPSTREAM_ALLOW_PRIVATE", global = true)]
     pub upstream_allow_private: bool,
+    /// Non-public networks upstream URLs may reach, comma-separated CIDRs (`10.1.2.0/24`,
+    /// `127.0.0.2/32`), while every other non-public address stays refused: an upstream, or a
+    /// proxy to it, on a private network of the operator's.
+    #[arg(
+        long,
+        env = "RELAY_UPSTREAM_ALLOW_NETWORKS",
+        global = true,
+        value_delimiter = ','
+    )]
+    pub upstream_allow_networks: Vec<ipnet::IpNet>,
 }
 
 impl OutboundArgs {
@@ -34,6 +44,7 @@ impl OutboundArgs {
         OutboundPolicy {
             allow_http: self.upstream_allow_http,
             allow_private: self.upstream_allow_private,
+            allowed_networks: self.upstream_allow_networks.clone(),
         }
     }
 }

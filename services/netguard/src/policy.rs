@@ -6,6 +6,7 @@
 //! private network) and learn from the answers, or the timings, what is there. So only public
 //! unicast addresses are taken, unless the operator says otherwise.
 
+use ipnet::IpNet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use url::{Host, Url};
@@ -173,12 +174,15 @@ fn classify_v6(ip: Ipv6Addr) -> Option<AddressKind> {
 }
 
 /// What the operator allows beyond https to public addresses.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OutboundPolicy {
     /// Plain http:// URLs.
     pub allow_http: bool,
     /// Loopback, private, link-local and every other non-public address (see [`classify`]).
     pub allow_private: bool,
+    /// Non-public networks allowed one by one, when `allow_private` is off: an upstream (or a
+    /// proxy in front of it) on a private network of the operator's, and nothing else there.
+    pub allowed_networks: Vec<IpNet>,
 }
 
 /// Why a URL or an address is refused. The text says why without repeating the URL.
@@ -206,12 +210,19 @@ impl OutboundPolicy {
     pub const ANY: OutboundPolicy = OutboundPolicy {
         allow_http: true,
         allow_private: true,
+        allowed_networks: Vec::new(),
     };
 
-    /// Refuses `address` unless it is public or the operator allows non-public ones.
+    /// Refuses `address` unless it is public, the operator allows non-public ones, or it lies
+    /// in a network the operator allows.
     pub fn check_address(&self, address: IpAddr) -> Result<(), Refusal> {
         match classify(address) {
-            Some(kind) if !self.allow_private => Err(Refusal::Address { address, kind }),
+            Some(kind)
+                if !self.allow_private
+                    && !self.allowed_networks.iter().any(|n| n.contains(&address)) =>
+            {
+                Err(Refusal::Address { address, kind })
+            }
             _ => Ok(()),
         }
     }
@@ -257,6 +268,35 @@ impl OutboundPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_allowed_network_lets_its_addresses_through_and_no_other() {
+        let policy = OutboundPolicy {
+            allow_http: true,
+            allow_private: false,
+            allowed_networks: vec![
+                "127.0.0.2/32".parse().unwrap(),
+                "10.1.2.0/24".parse().unwrap(),
+            ],
+        };
+        for allowed in [
+            "http://127.0.0.2:9700/",
+            "http://10.1.2.3/",
+            "https://10.1.2.255/v1",
+        ] {
+            assert!(policy.check_url(allowed).is_ok(), "{allowed}");
+        }
+        for refused in [
+            "http://127.0.0.1:9700/",
+            "http://0x7f000001/",
+            "http://10.1.3.1/",
+            "http://169.254.169.254/",
+            "http://[fd00::1]/",
+            "http://localhost:9700/",
+        ] {
+            assert!(policy.check_url(refused).is_err(), "{refused}");
+        }
+    }
 
     fn kind(text: &str) -> Option<AddressKind> {
         classify(text.parse().unwrap())
@@ -354,7 +394,7 @@ mod tests {
         }
     }
 
-    fn refused(policy: OutboundPolicy, url: &str) -> Refusal {
+    fn refused(policy: &OutboundPolicy, url: &str) -> Refusal {
         policy.check_url(url).expect_err(url)
     }
 
@@ -373,9 +413,9 @@ mod tests {
             "file:///etc/passwd",
             "gopher://x",
         ] {
-            assert_eq!(refused(policy, url), Refusal::HttpsOnly, "{url}");
+            assert_eq!(refused(&policy, url), Refusal::HttpsOnly, "{url}");
         }
-        assert_eq!(refused(policy, "api.quanor.com"), Refusal::NotAUrl);
+        assert_eq!(refused(&policy, "api.quanor.com"), Refusal::NotAUrl);
         for (url, address) in [
             (
                 "https://169.254.169.254/latest/meta-data",
@@ -391,7 +431,7 @@ mod tests {
             ("https://0", "0.0.0.0"),
             ("https://0xa9.0xfe.0xa9.0xfe", "169.254.169.254"),
         ] {
-            match refused(policy, url) {
+            match refused(&policy, url) {
                 Refusal::Address { address: found, .. } => {
                     assert_eq!(found, address.parse::<IpAddr>().unwrap(), "{url}")
                 }
@@ -404,7 +444,7 @@ mod tests {
             "https://redis.localhost",
         ] {
             assert!(
-                matches!(refused(policy, url), Refusal::LocalName(_)),
+                matches!(refused(&policy, url), Refusal::LocalName(_)),
                 "{url}"
             );
         }
@@ -415,24 +455,26 @@ mod tests {
         let http = OutboundPolicy {
             allow_http: true,
             allow_private: false,
+            allowed_networks: Vec::new(),
         };
         http.check_url("http://api.quanor.com").unwrap();
         assert!(matches!(
-            refused(http, "http://localhost:6379"),
+            refused(&http, "http://localhost:6379"),
             Refusal::LocalName(_)
         ));
         assert!(matches!(
-            refused(http, "http://127.0.0.1:9700"),
+            refused(&http, "http://127.0.0.1:9700"),
             Refusal::Address { .. }
         ));
-        assert_eq!(refused(http, "ftp://x"), Refusal::HttpOrHttps);
+        assert_eq!(refused(&http, "ftp://x"), Refusal::HttpOrHttps);
         let private = OutboundPolicy {
             allow_http: false,
             allow_private: true,
+            allowed_networks: Vec::new(),
         };
         private.check_url("https://127.0.0.1:9700").unwrap();
         assert_eq!(
-            refused(private, "http://127.0.0.1:9700"),
+            refused(&private, "http://127.0.0.1:9700"),
             Refusal::HttpsOnly
         );
         OutboundPolicy::ANY
@@ -443,7 +485,7 @@ mod tests {
     #[test]
     fn a_refusal_says_why_without_the_url() {
         let text = refused(
-            OutboundPolicy::default(),
+            &OutboundPolicy::default(),
             "https://169.254.169.254/secret-path",
         )
         .to_string();

@@ -198,7 +198,7 @@ pub async fn valid_base_url(http: &GuardedClient, text: &str) -> Result<String, 
         return Err(ApiError::invalid(FIELD, "no query or fragment"));
     }
     if let (Some(name), false) = (url.domain(), policy.allow_private) {
-        let resolver = GuardedResolver::new(policy);
+        let resolver = GuardedResolver::new(policy.clone());
         let lookup = resolver.resolve_host(name);
         if let Ok(Err(ResolveError::Refused(refusal))) =
             tokio::time::timeout(REGISTRATION_LOOKUP_TIMEOUT, lookup).await
