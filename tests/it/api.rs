@@ -13,8 +13,8 @@ use std::time::Duration;
 use relay_api::auth::{mint, JwtKeys, Subject};
 use relay_api::broker::{BrokerAccess, ManagementSettings};
 use relay_api::{ApiConfig, ApiServer};
-use relay_rules::destination::DestinationPolicy;
 use relay_rules::decide_event;
+use relay_rules::destination::DestinationPolicy;
 use relay_store::copy::{self, Cause};
 use relay_store::messages::{store_batch, IncomingMessage};
 use relay_tests::{random_secret, TestDb, Vhost};
@@ -476,7 +476,13 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
         ("POST /v1/broker/credentials", None, Tenant, OwnOnly, 201),
         // B has none of its own.
         ("GET /v1/broker/credentials", None, Tenant, NotFound, 200),
-        ("POST /v1/broker/credentials/rotate", None, Tenant, OwnOnly, 200),
+        (
+            "POST /v1/broker/credentials/rotate",
+            None,
+            Tenant,
+            OwnOnly,
+            200,
+        ),
         ("DELETE /v1/broker/credentials", None, Tenant, OwnOnly, 204),
         (
             "POST /v1/endpoints/{endpoint_id}/tracks/{track}/rewind",

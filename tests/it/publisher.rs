@@ -84,7 +84,10 @@ impl Env {
         }
     }
 
-    pub(crate) async fn start(&self, config: PublisherConfig) -> (PublisherHandle, prometheus::Registry) {
+    pub(crate) async fn start(
+        &self,
+        config: PublisherConfig,
+    ) -> (PublisherHandle, prometheus::Registry) {
         let registry = prometheus::Registry::new();
         let handle = Publisher::start(self.db.pool.clone(), config, &registry)
             .await

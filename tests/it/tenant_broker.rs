@@ -59,7 +59,13 @@ impl Api {
         }
     }
 
-    async fn call(&self, method: &str, path: &str, tenant: Uuid, body: Option<Value>) -> (u16, Value) {
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        tenant: Uuid,
+        body: Option<Value>,
+    ) -> (u16, Value) {
         let token = mint(
             &JwtKeys::new(KEY).unwrap(),
             "relay",
@@ -134,11 +140,23 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
         "amqp://guest:guest@2130706433:5672/relay",
     ] {
         let (status, answer) = api
-            .call("PUT", "/v1/destination", a, Some(own_exchange(url, "", &b_queue)))
+            .call(
+                "PUT",
+                "/v1/destination",
+                a,
+                Some(own_exchange(url, "", &b_queue)),
+            )
             .await;
-        assert_eq!((status, answer["field"].as_str()), (400, Some("amqp_url")), "{url}: {answer}");
+        assert_eq!(
+            (status, answer["field"].as_str()),
+            (400, Some("amqp_url")),
+            "{url}: {answer}"
+        );
         assert!(
-            answer["detail"].as_str().unwrap().contains("relay's own broker"),
+            answer["detail"]
+                .as_str()
+                .unwrap()
+                .contains("relay's own broker"),
             "{url}: {answer}"
         );
     }
@@ -171,11 +189,23 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
         "amqp://u:p@0x7f000001:5673/%2f",
     ] {
         let (status, answer) = api
-            .call("PUT", "/v1/destination", a, Some(own_exchange(url, "x", "k")))
+            .call(
+                "PUT",
+                "/v1/destination",
+                a,
+                Some(own_exchange(url, "x", "k")),
+            )
             .await;
-        assert_eq!((status, answer["field"].as_str()), (400, Some("amqp_url")), "{url}: {answer}");
+        assert_eq!(
+            (status, answer["field"].as_str()),
+            (400, Some("amqp_url")),
+            "{url}: {answer}"
+        );
         assert!(
-            answer["detail"].as_str().unwrap().contains("not a public address"),
+            answer["detail"]
+                .as_str()
+                .unwrap()
+                .contains("not a public address"),
             "{url}: {answer}"
         );
     }
@@ -196,7 +226,11 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
             Some(own_exchange("amqp://u:p@evil.example/%2f", "x", "k")),
         )
         .await;
-    assert_eq!((status, answer["field"].as_str()), (400, Some("amqp_url")), "{answer}");
+    assert_eq!(
+        (status, answer["field"].as_str()),
+        (400, Some("amqp_url")),
+        "{answer}"
+    );
     assert_eq!(stored().await, 0);
     api.stop().await;
 }
@@ -274,7 +308,11 @@ async fn the_publisher_refuses_a_destination_at_the_relays_broker_that_bypassed_
     }
     let broker = env.broker().await;
     let delivered = drain(&broker, &tenant_queue(b), true).await;
-    assert_eq!(delivered.len() as i64, change_count_of(pool, b).await, "seed {seed}");
+    assert_eq!(
+        delivered.len() as i64,
+        change_count_of(pool, b).await,
+        "seed {seed}"
+    );
     for message in &delivered {
         let body: Value = serde_json::from_slice(&message.body).unwrap();
         assert_eq!(body["tenant_id"], json!(b), "seed {seed}: {body}");
@@ -321,17 +359,22 @@ where
     F: FnOnce(relay_publisher::lapin::Channel) -> Fut,
     Fut: std::future::Future<Output = Result<T, relay_publisher::lapin::Error>>,
 {
-    let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
-    operation(channel).await.map(|_| ()).map_err(|e| e.to_string())
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| e.to_string())?;
+    operation(channel)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 /// Publishes one message with confirms: `Ok` only when the broker acked it.
-async fn publish(
-    connection: &Connection,
-    exchange: &str,
-    routing_key: &str,
-) -> Result<(), String> {
-    let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
+async fn publish(connection: &Connection, exchange: &str, routing_key: &str) -> Result<(), String> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| e.to_string())?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await
@@ -413,7 +456,12 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
     // B's own queue: consumed.
     let channel = as_b.create_channel().await.unwrap();
     let mut consumer = channel
-        .basic_consume(&b_queue, "b", BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            &b_queue,
+            "b",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .expect("B may consume its own queue");
     use futures::StreamExt as _;
@@ -431,8 +479,13 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
             attempt(&as_b, |c| {
                 let q = a_queue.clone();
                 async move {
-                    c.basic_consume(&q, "x", BasicConsumeOptions::default(), FieldTable::default())
-                        .await
+                    c.basic_consume(
+                        &q,
+                        "x",
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
                 }
             })
             .await,
@@ -456,8 +509,14 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
             attempt(&as_b, |c| {
                 let q = a_queue.clone();
                 async move {
-                    c.queue_bind(&q, "amq.direct", "b", QueueBindOptions::default(), FieldTable::default())
-                        .await
+                    c.queue_bind(
+                        &q,
+                        "amq.direct",
+                        "b",
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
                 }
             })
             .await,
@@ -465,15 +524,16 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
         (
             "declare a queue of its own",
             attempt(&as_b, |c| async move {
-                c.queue_declare("b-spy", QueueDeclareOptions::default(), FieldTable::default())
-                    .await
+                c.queue_declare(
+                    "b-spy",
+                    QueueDeclareOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
             })
             .await,
         ),
-        (
-            "publish to A's queue",
-            publish(&as_b, "", &a_queue).await,
-        ),
+        ("publish to A's queue", publish(&as_b, "", &a_queue).await),
         (
             "publish to its own queue",
             publish(&as_b, "", &b_queue).await,
@@ -515,11 +575,16 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
 
     // Rotation: the old password no longer connects, its connection is closed, the new one
     // works.
-    let (status, rotated) = api.call("POST", "/v1/broker/credentials/rotate", b, None).await;
+    let (status, rotated) = api
+        .call("POST", "/v1/broker/credentials/rotate", b, None)
+        .await;
     assert_eq!(status, 200, "{rotated}");
     let new_password = rotated["password"].as_str().unwrap().to_owned();
     assert_ne!(new_password, password);
-    assert!(connect(&b_url).await.is_err(), "the old password still connects");
+    assert!(
+        connect(&b_url).await.is_err(),
+        "the old password still connects"
+    );
     wait_until(
         "the old password's connection closed",
         Duration::from_secs(30),
@@ -532,16 +597,25 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
     as_b.create_channel()
         .await
         .unwrap()
-        .basic_consume(&b_queue, "b2", BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            &b_queue,
+            "b2",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .expect("B consumes with its new password");
     let _ = as_b.close(200, "done").await;
 
     // Deleted: the users are gone from the broker, nothing is left behind.
     for tenant in [a, b] {
-        let (status, answer) = api.call("DELETE", "/v1/broker/credentials", tenant, None).await;
+        let (status, answer) = api
+            .call("DELETE", "/v1/broker/credentials", tenant, None)
+            .await;
         assert_eq!(status, 204, "{answer}");
-        let (status, _) = api.call("GET", "/v1/broker/credentials", tenant, None).await;
+        let (status, _) = api
+            .call("GET", "/v1/broker/credentials", tenant, None)
+            .await;
         assert_eq!(status, 404);
     }
     let users = std::process::Command::new("rabbitmqctl")
@@ -583,7 +657,12 @@ async fn a_hanging_tenant_broker_does_not_stop_another_tenants_changes() {
         .await
         .unwrap();
     }
-    let mut feeds: Vec<Feed> = hanging_tenants.iter().copied().chain([b, b]).map(Feed::new).collect();
+    let mut feeds: Vec<Feed> = hanging_tenants
+        .iter()
+        .copied()
+        .chain([b, b])
+        .map(Feed::new)
+        .collect();
     write(pool, &mut feeds, &mut rng, 60).await;
     let small_pool = relay_store::connect(
         &env.db.url,
@@ -594,13 +673,10 @@ async fn a_hanging_tenant_broker_does_not_stop_another_tenants_changes() {
     )
     .unwrap();
     let registry = prometheus::Registry::new();
-    let publisher = relay_publisher::Publisher::start(
-        small_pool,
-        env.config(env.vhost.url()),
-        &registry,
-    )
-    .await
-    .unwrap();
+    let publisher =
+        relay_publisher::Publisher::start(small_pool, env.config(env.vhost.url()), &registry)
+            .await
+            .unwrap();
     wait_published(pool, &[b], seed).await;
     wait_until(
         &format!("the hanging brokers' connects timing out (seed {seed})"),

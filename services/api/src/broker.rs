@@ -330,7 +330,9 @@ mod tests {
         assert_eq!(access.management_url.as_str(), "http://127.0.0.1:15672/");
         assert_eq!(access.management_password, "gu@st");
         assert_eq!(
-            access.endpoint(&["permissions", "/", "relay-tenant-x"]).as_str(),
+            access
+                .endpoint(&["permissions", "/", "relay-tenant-x"])
+                .as_str(),
             "http://127.0.0.1:15672/api/permissions/%2F/relay-tenant-x"
         );
         assert!(!format!("{access:?}").contains("gu@st"));

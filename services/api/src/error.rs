@@ -134,7 +134,10 @@ impl IntoResponse for ApiError {
             }
             ApiError::BrokerUnavailable(e) => {
                 tracing::warn!(error = %e, "broker unavailable");
-                (None, "the relay's broker is unavailable; try again".to_owned())
+                (
+                    None,
+                    "the relay's broker is unavailable; try again".to_owned(),
+                )
             }
             ApiError::Internal(e) => {
                 tracing::error!(error = %e, "internal error");

@@ -74,7 +74,10 @@ async fn connect_uri(
 /// Every address `uri`'s host resolves to, with its port, within `timeout`.
 async fn resolve(uri: &AMQPUri, timeout: Duration) -> Result<Vec<SocketAddr>, BrokerError> {
     let (host, port) = (uri.authority.host.clone(), uri.authority.port);
-    let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
     let failed = |error: String| BrokerError::Resolve(host.clone(), error);
     let lookup = tokio::net::lookup_host((host.clone(), port));
     match tokio::time::timeout(timeout, lookup).await {

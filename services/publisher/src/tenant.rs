@@ -469,8 +469,7 @@ impl Worker {
                 let relay = &self.shared.relay;
                 let policy = &config.destination_policy;
                 let own_broker = target.declare.is_none();
-                match Link::open(target, self.tenant, relay, policy, config.connect_timeout).await
-                {
+                match Link::open(target, self.tenant, relay, policy, config.connect_timeout).await {
                     Ok(link) => {
                         self.redeclare = false;
                         if own_broker {

@@ -70,7 +70,10 @@ impl DestinationPolicy {
             return Err(Refusal::Unresolved);
         }
         for address in resolved {
-            if relay_broker.iter().any(|relay| same_listener(*address, *relay)) {
+            if relay_broker
+                .iter()
+                .any(|relay| same_listener(*address, *relay))
+            {
                 return Err(Refusal::RelayBroker(*address));
             }
             let ip = canonical(address.ip());

@@ -118,7 +118,10 @@ pub async fn create_credentials(
     State(state): State<AppState>,
     TenantId(tenant): TenantId,
 ) -> Result<(StatusCode, Json<BrokerCredentialsView>), ApiError> {
-    if relay_store::tenants::get(&state.pool, tenant).await?.is_none() {
+    if relay_store::tenants::get(&state.pool, tenant)
+        .await?
+        .is_none()
+    {
         return Err(ApiError::NotFound("tenant"));
     }
     if broker_users::get(&state.pool, tenant).await?.is_some() {

@@ -75,18 +75,24 @@ const COLUMNS: &str =
 
 fn view(row: Option<Row>) -> DestinationView {
     match row {
-        Some((kind, exchange, routing_key, amqp_url_set, updated_at, refused_reason, refused_at)) => {
-            DestinationView {
-                kind,
-                default: false,
-                exchange,
-                routing_key,
-                amqp_url_set,
-                updated_at: Some(updated_at),
-                refused_reason,
-                refused_at,
-            }
-        }
+        Some((
+            kind,
+            exchange,
+            routing_key,
+            amqp_url_set,
+            updated_at,
+            refused_reason,
+            refused_at,
+        )) => DestinationView {
+            kind,
+            default: false,
+            exchange,
+            routing_key,
+            amqp_url_set,
+            updated_at: Some(updated_at),
+            refused_reason,
+            refused_at,
+        },
         None => DestinationView {
             kind: "relay_queue".to_owned(),
             default: true,
