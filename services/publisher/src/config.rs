@@ -153,7 +153,7 @@ impl Default for PublisherConfig {
 pub struct PublisherArgs {
     /// The relay's own RabbitMQ: tenants without a destination of their own get a durable
     /// quorum queue `relay.tenant.<tenant_id>` there.
-    #[arg(long, env = "RELAY_AMQP_URL", default_value = DEFAULT_AMQP_URL)]
+    #[arg(long, env = "RELAY_AMQP_URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true)]
     pub amqp_url: String,
 
     #[command(flatten)]

@@ -32,7 +32,7 @@ pub struct TailArgs {
     pub tenant: Uuid,
 
     /// The broker holding the queue (the relay's own, for tenants without a destination).
-    #[arg(long, env = "RELAY_AMQP_URL", default_value = DEFAULT_AMQP_URL)]
+    #[arg(long, env = "RELAY_AMQP_URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true)]
     pub amqp_url: String,
 
     /// The queue to read; by default the relay's `relay.tenant.<tenant>`. Name yours when the

@@ -186,7 +186,12 @@ pub async fn get_destination(
     request_body = DestinationUpdate,
     responses(
         (status = 200, body = DestinationView),
-        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 400, body = ErrorBody,
+         description = "A field is not acceptable; `amqp_url` when its host resolves to the \
+                        relay's own broker, is not among the hosts the operator allows, or \
+                        resolves to a loopback, private or link-local address the operator \
+                        does not allow"),
+        (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
     )
 )]
