@@ -108,6 +108,7 @@ pub const LISTENER_LIMITS: ListenerLimits = ListenerLimits {
     header_read_timeout: Duration::from_secs(5),
     body_read_timeout: Duration::from_secs(10),
     max_connections: 256,
+    max_headless_per_address: 16,
 };
 
 /// `relay api`: serve the control plane. Every flag is prefixed (`--api-...`, `--jwt-...`) so
@@ -139,6 +140,12 @@ pub struct ApiArgs {
           default_value_t = LISTENER_LIMITS.max_connections,
           value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
     pub api_max_connections: usize,
+    /// Connections from one address that have not sent a complete request head yet; one more
+    /// from that address is answered 503 with Retry-After and closed.
+    #[arg(long, env = "RELAY_API_MAX_HEADLESS_PER_ADDRESS",
+          default_value_t = LISTENER_LIMITS.max_headless_per_address,
+          value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
+    pub api_max_headless_per_address: usize,
     /// The RabbitMQ management API of the relay's broker (plugin rabbitmq_management), where
     /// tenants' users are made. Default: http://<RELAY_AMQP_URL's host>:15672.
     #[arg(long, env = "RELAY_AMQP_MANAGEMENT_URL")]
@@ -236,6 +243,7 @@ impl ApiArgs {
                 header_read_timeout: Duration::from_millis(self.api_header_read_timeout_ms),
                 body_read_timeout: Duration::from_millis(self.api_body_read_timeout_ms),
                 max_connections: self.api_max_connections,
+                max_headless_per_address: self.api_max_headless_per_address,
             },
             broker: BrokerAccess::new(
                 &self.relay_amqp_url,

@@ -7,11 +7,14 @@ use relay_listener::ListenerLimits;
 
 /// The webhook listener's bounds. A head takes the upstream one write; a 1 MiB body at 5 s
 /// still needs only 200 kB/s; past 4,096 connections at once (the upstream holds one per message
-/// in flight) a new one is answered 503 rather than taking a file descriptor.
+/// in flight) a new one is answered 503 rather than taking a file descriptor. The upstream
+/// sends a head the moment it connects, so 32 connections without one from a single address are
+/// a slow client's, never the upstream's.
 pub const LISTENER_LIMITS: ListenerLimits = ListenerLimits {
     header_read_timeout: Duration::from_secs(5),
     body_read_timeout: Duration::from_secs(5),
     max_connections: 4096,
+    max_headless_per_address: 32,
 };
 
 #[derive(Debug, Clone)]

@@ -10,10 +10,16 @@
 //!   gets a [`BodyReadTimeout`] error, and the client a 408 with the connection closed;
 //! - at most [`ListenerLimits::max_connections`] connections are served at once. One more is
 //!   answered 503 with Retry-After and closed straight away, so a crowd of slow clients costs
-//!   the others a quick refusal, not a file descriptor the process no longer has.
+//!   the others a quick refusal, not a file descriptor the process no longer has;
+//! - at most [`ListenerLimits::max_headless_per_address`] connections from one address that
+//!   have not yet sent a complete request head are held at once: a slow client's connections
+//!   take slots only until then, so one address cannot fill the listener with them while the
+//!   upstream's connections, which send their head at once, never meet this bound.
 
+use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::future::Future;
+use std::net::IpAddr;
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -43,6 +49,9 @@ pub struct ListenerLimits {
     pub body_read_timeout: Duration,
     /// Connections served at once; more are answered 503 and closed.
     pub max_connections: usize,
+    /// Connections from one address that have not sent a complete request head yet; more from
+    /// that address are answered 503 and closed.
+    pub max_headless_per_address: usize,
 }
 
 impl ListenerLimits {
@@ -51,6 +60,7 @@ impl ListenerLimits {
         header_read_timeout: Duration::from_secs(5),
         body_read_timeout: Duration::from_secs(5),
         max_connections: 64,
+        max_headless_per_address: 16,
     };
 }
 
@@ -99,11 +109,12 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) {
     let connections = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let headless = Headless::new(limits.max_headless_per_address);
     let refusals = Arc::new(Semaphore::new(MAX_REFUSALS_IN_FLIGHT));
     let (stopping, stop_seen) = watch::channel(false);
     let mut shutdown = pin!(shutdown);
     loop {
-        let (stream, _) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(error) => {
@@ -113,16 +124,19 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
-        match connections.clone().try_acquire_owned() {
-            Ok(permit) => {
+        let admitted = headless
+            .admit(peer.ip())
+            .and_then(|headless| Some((headless, connections.clone().try_acquire_owned().ok()?)));
+        match admitted {
+            Some((headless, permit)) => {
                 let router = router.clone();
                 let stop_seen = stop_seen.clone();
                 tokio::spawn(async move {
-                    serve_connection(stream, router, limits, stop_seen).await;
+                    serve_connection(stream, router, limits, headless, stop_seen).await;
                     drop(permit);
                 });
             }
-            Err(_) => match refusals.clone().try_acquire_owned() {
+            None => match refusals.clone().try_acquire_owned() {
                 Ok(permit) => {
                     tokio::spawn(async move {
                         refuse(stream, limits).await;
@@ -146,9 +160,13 @@ async fn serve_connection(
     stream: TcpStream,
     router: Router,
     limits: ListenerLimits,
+    headless: HeadlessSlot,
     mut stop_seen: watch::Receiver<bool>,
 ) {
+    // Given back with the first request head (or when the connection ends before one).
+    let headless = Arc::new(std::sync::Mutex::new(Some(headless)));
     let service = service_fn(move |request: Request<Incoming>| {
+        headless.lock().unwrap_or_else(|p| p.into_inner()).take();
         let mut router = router.clone();
         let timed_out = Arc::new(AtomicBool::new(false));
         let request = request.map(|body| {
@@ -187,6 +205,54 @@ async fn serve_connection(
     }
     if stopping {
         let _ = connection.await;
+    }
+}
+
+/// How many connections each address holds that have not sent a request head yet.
+#[derive(Clone)]
+struct Headless {
+    limit: usize,
+    held: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// One connection's place among its address's headless ones, given back when dropped.
+struct HeadlessSlot {
+    address: IpAddr,
+    held: Arc<std::sync::Mutex<HashMap<IpAddr, usize>>>,
+}
+
+impl Headless {
+    fn new(limit: usize) -> Self {
+        Self {
+            limit: limit.max(1),
+            held: Arc::default(),
+        }
+    }
+
+    /// A place for one more headless connection from `address`, unless it holds its limit.
+    fn admit(&self, address: IpAddr) -> Option<HeadlessSlot> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let count = held.entry(address).or_default();
+        if *count >= self.limit {
+            return None;
+        }
+        *count += 1;
+        Some(HeadlessSlot {
+            address,
+            held: self.held.clone(),
+        })
+    }
+}
+
+impl Drop for HeadlessSlot {
+    fn drop(&mut self) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = held.get_mut(&self.address) {
+            *count -= 1;
+            if *count == 0 {
+                held.remove(&self.address);
+            }
+        }
     }
 }
 

@@ -225,6 +225,14 @@ pub struct IngestArgs {
           default_value_t = relay_ingest::config::LISTENER_LIMITS.max_connections,
           value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
     pub max_connections: usize,
+
+    /// Webhook connections from one address that have not sent a complete request head yet;
+    /// one more from that address is answered 503 with Retry-After and closed. The upstream
+    /// sends its head at once, so this bounds only slow clients.
+    #[arg(long, env = "RELAY_INGEST_MAX_HEADLESS_PER_ADDRESS",
+          default_value_t = relay_ingest::config::LISTENER_LIMITS.max_headless_per_address,
+          value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
+    pub max_headless_per_address: usize,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -32,6 +32,7 @@ impl IngestArgs {
                 header_read_timeout: Duration::from_millis(self.header_read_timeout_ms),
                 body_read_timeout: Duration::from_millis(self.body_read_timeout_ms),
                 max_connections: self.max_connections,
+                max_headless_per_address: self.max_headless_per_address,
             },
             ..IngestConfig::default()
         }
