@@ -731,7 +731,8 @@ mod tests {
     #[test]
     fn control_characters_in_identifiers_are_refused_and_named() {
         assert!(parse(good_feed_message()).is_ok());
-        let spoil: [(&str, fn(&mut Value) -> &mut Value); 16] = [
+        type Slot = fn(&mut Value) -> &mut Value;
+        let spoil: [(&str, Slot); 16] = [
             ("track", |m| &mut m["track"]),
             ("access_version", |m| &mut m["access_version"]),
             ("since", |m| &mut m["since"]),
