@@ -23,18 +23,35 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use relay_api::broker::BrokerAccess;
 use relay_ingest::SystemClock;
+use relay_netguard::OutboundPolicy;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
 use relay_simulator::cli::{prepare, SimulateArgs};
 use relay_simulator::upstream::{Answer as SimAnswer, LogEntry};
 use relay_simulator::{Faults, Simulation};
 use relay_store::PoolOptions;
-use relay_tests::{random_secret, redis_url, seed, test_config, RedisPrefix, Signed, TestApp, Vhost};
+use relay_tests::{
+    feed_body, random_secret, redis_url, seed, test_config, RedisPrefix, Signed, TestApp, Vhost,
+};
 use serde_json::{json, Value};
-use tokio::io::AsyncWriteExt as _;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use uuid::Uuid;
 
-use crate::stack::{check_tenant_queue, oracle, publisher_config, quiesce, start_publisher, Api};
+use crate::stack::{
+    check_tenant_queue, copy_items, oracle, publisher_config, quiesce, start_publisher, Api,
+};
+use crate::tenant_broker::{assert_refused_but_own_queue, connect, tenant_url, UsersGuard};
+
+/// Where the simulator serves the upstream's API: the one non-public network the operator
+/// allows in this test, so every other loopback address stays refused.
+const UPSTREAM_HOST: &str = "127.0.0.2";
+/// The stranger's own address: its slow connections are bounded per address.
+const STRANGER_HOST: &str = "127.0.0.3";
+/// The front tier's bound on connections without a request head from one address.
+const HEADLESS_PER_ADDRESS: usize = 16;
+/// More than that.
+const SLOW_CONNECTIONS: usize = 60;
 
 /// A's poison: each body is signed with A's own secret, so the relay must take it as genuine.
 fn poison_bodies(endpoint: Uuid, n: u64) -> Vec<(&'static str, Value)> {
@@ -58,7 +75,11 @@ fn poison_bodies(endpoint: Uuid, n: u64) -> Vec<(&'static str, Value)> {
         ("nul_track", message("feed\u{0}x", json!(1), json!([]))),
         (
             "nul_event_id",
-            message("feed", json!(1), json!([event(format!("evt_{n}\u{0}"), item.clone())])),
+            message(
+                "feed",
+                json!(1),
+                json!([event(format!("evt_{n}\u{0}"), item.clone())]),
+            ),
         ),
         (
             "nul_part_id",
@@ -92,7 +113,10 @@ async fn post_signed(
     secret: &relay_wire::SigningSecret,
     body: &Value,
 ) -> u16 {
-    let signed = Signed::new(std::slice::from_ref(secret), serde_json::to_vec(body).unwrap());
+    let signed = Signed::new(
+        std::slice::from_ref(secret),
+        serde_json::to_vec(body).unwrap(),
+    );
     client
         .post(format!("{base_url}/webhooks/{endpoint}"))
         .header("webhook-id", &signed.webhook_id)
@@ -109,37 +133,59 @@ async fn post_signed(
 /// How the stranger's slow connections ended.
 #[derive(Default)]
 struct SlowTally {
+    /// Answered 503 at once: past the bound.
     refused: AtomicUsize,
+    /// Closed by the relay without an answer: the header read timeout.
     closed: AtomicUsize,
+    /// Still open when the stranger gave up.
     still_open: AtomicUsize,
 }
 
-/// Sends a request head one byte every `pace` until `give_up`, counting how the relay dealt
-/// with it.
+/// From the stranger's address, sends a request head one byte every `pace` until the relay
+/// answers or closes, or `give_up` passes; counts which.
 async fn slow_connection(
     address: std::net::SocketAddr,
     pace: Duration,
     give_up: Duration,
     tally: Arc<SlowTally>,
 ) {
-    let ends = tokio::time::Instant::now() + give_up;
-    let Ok(Ok(mut stream)) =
-        tokio::time::timeout_at(ends, tokio::net::TcpStream::connect(address)).await
-    else {
-        tally.refused.fetch_add(1, Ordering::Relaxed);
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket
+        .bind(format!("{STRANGER_HOST}:0").parse().unwrap())
+        .unwrap();
+    let Ok(stream) = socket.connect(address).await else {
+        tally.closed.fetch_add(1, Ordering::Relaxed);
         return;
     };
-    let head = format!("POST /webhooks/{} HTTP/1.1\r\nhost: relay\r\nx-slow: ", Uuid::new_v4());
-    for byte in head.bytes().chain(std::iter::repeat(b'a')) {
-        if tokio::time::Instant::now() >= ends {
-            tally.still_open.fetch_add(1, Ordering::Relaxed);
-            return;
+    let (mut read, mut write) = stream.into_split();
+    let answer = async move {
+        let mut head = [0u8; 12];
+        let read = read.read(&mut head).await.unwrap_or(0);
+        head[..read].starts_with(b"HTTP/1.1 503")
+    };
+    let trickle = async move {
+        let head = format!(
+            "POST /webhooks/{} HTTP/1.1\r\nhost: relay\r\nx-slow: ",
+            Uuid::new_v4()
+        );
+        for byte in head.bytes().chain(std::iter::repeat(b'a')) {
+            if write.write_all(&[byte]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(pace).await;
         }
-        if stream.write_all(&[byte]).await.is_err() {
+    };
+    tokio::select! {
+        refused = answer => {
+            let counter = if refused { &tally.refused } else { &tally.closed };
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        () = trickle => {
             tally.closed.fetch_add(1, Ordering::Relaxed);
-            return;
         }
-        tokio::time::sleep(pace).await;
+        () = tokio::time::sleep(give_up) => {
+            tally.still_open.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -158,6 +204,11 @@ async fn a_hostile_tenant_cannot_hurt_another() {
             waker: Some(waker),
             // The upstream's own send timeout is 15 s: answer well within it on a slow machine.
             answer_deadline: Duration::from_secs(10),
+            listener: relay_listener::ListenerLimits {
+                header_read_timeout: Duration::from_secs(2),
+                max_headless_per_address: HEADLESS_PER_ADDRESS,
+                ..relay_ingest::config::LISTENER_LIMITS
+            },
             ..test_config()
         },
         Arc::new(SystemClock),
@@ -165,7 +216,13 @@ async fn a_hostile_tenant_cannot_hurt_another() {
     )
     .await;
     let pool = app.db.pool.clone();
-    let api = Api::start(&app.db.url).await;
+    // The operator allows the simulator's address and nothing else that is not public.
+    let outbound = OutboundPolicy {
+        allow_http: true,
+        allow_private: false,
+        allowed_networks: vec![format!("{UPSTREAM_HOST}/32").parse().unwrap()],
+    };
+    let api = Api::start(&app.db.url, &vhost.url(), outbound.clone()).await;
     let sequencer_pool = relay_store::connect(
         &app.db.url,
         &PoolOptions {
@@ -188,6 +245,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
             idle_linger: Duration::from_millis(100),
             upstream_timeout: Duration::from_secs(5),
             feed_page_limit: 8,
+            outbound,
             ..SequencerConfig::default()
         },
         SequencerMetrics::unregistered(),
@@ -200,7 +258,9 @@ async fn a_hostile_tenant_cannot_hurt_another() {
 
     // 2. Tenant B, onboarded through the API with the simulator's endpoints; tenant A with two
     // endpoints of its own.
-    let sim_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let sim_listener = tokio::net::TcpListener::bind(format!("{UPSTREAM_HOST}:0"))
+        .await
+        .unwrap();
     let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
     let args = SimulateArgs {
         receiver_url: app.base_url.clone(),
@@ -218,12 +278,18 @@ async fn a_hostile_tenant_cannot_hurt_another() {
     let (mut upstream, workload, infos) = prepare(&args).unwrap();
     upstream.set_faults(Faults::all());
     let operator = Api::operator_token();
-    let mut tenant = |name: &'static str| {
+    let tenant = |name: &'static str| {
         let api = &api;
         let operator = operator.clone();
         async move {
             let created = api
-                .ok(201, "POST", "/v1/tenants", &operator, Some(&json!({"name": name})))
+                .ok(
+                    201,
+                    "POST",
+                    "/v1/tenants",
+                    &operator,
+                    Some(&json!({"name": name})),
+                )
                 .await;
             let id: Uuid = created["id"].as_str().unwrap().parse().unwrap();
             let minted = api
@@ -277,10 +343,14 @@ async fn a_hostile_tenant_cannot_hurt_another() {
         .await
         .unwrap();
     let senders = sim.spawn_senders();
-    let workload_task = tokio::spawn(sim.clone().run_workload(workload, args.rate, Duration::from_secs(6)));
+    let workload_task = tokio::spawn(sim.clone().run_workload(
+        workload,
+        args.rate,
+        Duration::from_secs(6),
+    ));
 
     let slow = Arc::new(SlowTally::default());
-    let address: std::net::SocketAddr = app.base_url.trim_start_matches("http://").parse().unwrap();
+    let address = app.server.as_ref().unwrap().address;
     let slow_tasks: Vec<_> = (0..SLOW_CONNECTIONS)
         .map(|_| {
             tokio::spawn(slow_connection(
@@ -303,17 +373,24 @@ async fn a_hostile_tenant_cannot_hurt_another() {
         let mut sends = Vec::new();
         for (i, (endpoint, secret)) in a_endpoints.iter().enumerate() {
             for (label, body) in poison_bodies(*endpoint, 1_000 + round * 10 + i as u64) {
-                let (client, base_url, secret) = (client.clone(), app.base_url.clone(), secret.clone());
+                let (client, base_url, secret) =
+                    (client.clone(), app.base_url.clone(), secret.clone());
                 let endpoint = *endpoint;
                 sends.push(tokio::spawn(async move {
-                    (label, post_signed(&client, &base_url, endpoint, &secret, &body).await)
+                    (
+                        label,
+                        post_signed(&client, &base_url, endpoint, &secret, &body).await,
+                    )
                 }));
                 poison_sent += 1;
             }
         }
         for send in sends {
             let (label, status) = send.await.unwrap();
-            poison_answers.entry(label.to_owned()).or_default().push(status);
+            poison_answers
+                .entry(label.to_owned())
+                .or_default()
+                .push(status);
         }
     }
     let steps = workload_task.await.unwrap();
@@ -321,9 +398,50 @@ async fn a_hostile_tenant_cannot_hurt_another() {
         task.await.unwrap();
     }
 
-    // 4. The control plane: A's private upstreams and its destination at the relay's broker.
-    // (filled in against the API's refusals)
-    let _ = (&a, &a_token, &b, steps, poison_sent, &poison_answers);
+    // A's endpoints go on after their poison: a good message of each applies.
+    for (i, (endpoint, secret)) in a_endpoints.iter().enumerate() {
+        let body: Value = serde_json::from_slice(&feed_body(*endpoint, 7_000 + i as u64)).unwrap();
+        let status = post_signed(&client, &app.base_url, *endpoint, secret, &body).await;
+        assert_eq!(status, 202, "seed {seed}: A's good message");
+    }
+
+    // 4. The control plane: A's upstreams at private addresses, and A's destination at the
+    // relay's own broker, aimed at B's queue.
+    for url in [
+        "http://169.254.169.254/latest/meta-data",
+        "http://10.0.0.1",
+        "http://[fd00::1]",
+        "http://localhost:6379",
+        "http://0x7f000001:6379",
+        "http://127.0.0.1:5672",
+    ] {
+        let answer = api
+            .call(
+                "POST",
+                "/v1/endpoints",
+                &a_token,
+                Some(&json!({
+                    "id": Uuid::new_v4(), "lang": "en", "upstream_base_url": url,
+                    "upstream_api_key": "a-key", "secrets": [random_secret().to_whsec()],
+                })),
+            )
+            .await;
+        assert_eq!(answer.status, 400, "seed {seed}: {url}: {}", answer.text);
+        assert_eq!(answer.json["field"], "upstream_base_url", "{}", answer.text);
+    }
+    let answer = api
+        .call(
+            "PUT",
+            "/v1/destination",
+            &a_token,
+            Some(&json!({
+                "kind": "own_exchange", "amqp_url": vhost.url(), "exchange": "",
+                "routing_key": relay_publisher::tenant_queue(b),
+            })),
+        )
+        .await;
+    assert_eq!(answer.status, 400, "seed {seed}: {}", answer.text);
+    assert_eq!(answer.json["field"], "amqp_url", "{}", answer.text);
 
     // 5. Quiescence for B; B's copies and queue against the oracle.
     sim.change(|upstream, _| upstream.set_faults(Faults::default()));
@@ -331,18 +449,76 @@ async fn a_hostile_tenant_cannot_hurt_another() {
     publisher.stop().await;
     for &id in &b_ids {
         let read = api.copy(&b_token, id).await;
-        assert!(read == oracle(&sim, id), "seed {seed}: B's endpoint {id}'s copy is not the oracle's");
+        assert!(
+            read == oracle(&sim, id),
+            "seed {seed}: B's endpoint {id}'s copy is not the oracle's"
+        );
     }
     let broker = relay_publisher::broker::connect(&vhost.url(), "test", Duration::from_secs(10))
         .await
         .unwrap();
     let (b_messages, _) = check_tenant_queue(&broker, &pool, &sim, b, &b_ids, seed).await;
 
+    // A's poison: stored, quarantined and listed; its good messages applied all the same.
+    for (i, (endpoint, _)) in a_endpoints.iter().enumerate() {
+        let path = format!("/v1/endpoints/{endpoint}/quarantine?limit=200");
+        let mut listed = Value::Null;
+        for _ in 0..300 {
+            listed = api.ok(200, "GET", &path, &a_token, None).await;
+            if listed["data"].as_array().unwrap().len() >= poison_sent / a_endpoints.len() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(
+            listed["data"].as_array().unwrap().len(),
+            poison_sent / a_endpoints.len(),
+            "seed {seed}: A's endpoint {endpoint}: {listed}"
+        );
+        let subject = format!("announcement:{}", 7_000 + i as u64);
+        let mut applied = false;
+        for _ in 0..300 {
+            if copy_items(&pool, *endpoint).await.contains_key(&subject) {
+                applied = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            applied,
+            "seed {seed}: A's endpoint {endpoint} is wedged behind its poison"
+        );
+        // B cannot see A's quarantine.
+        let answer = api.call("GET", &path, &b_token, None).await;
+        assert_eq!(answer.status, 404, "seed {seed}: {}", answer.text);
+    }
+
+    // B's broker credentials: the broker itself refuses them on A's queue.
+    let _users = UsersGuard(vec![BrokerAccess::username(a), BrokerAccess::username(b)]);
+    api.ok(201, "POST", "/v1/broker/credentials", &a_token, None)
+        .await;
+    let made = api
+        .ok(201, "POST", "/v1/broker/credentials", &b_token, None)
+        .await;
+    let as_b = connect(&tenant_url(&made, made["password"].as_str().unwrap()))
+        .await
+        .expect("B's credentials connect");
+    assert_refused_but_own_queue(
+        &as_b,
+        &relay_publisher::tenant_queue(a),
+        &relay_publisher::tenant_queue(b),
+    )
+    .await;
+    let _ = as_b.close(200, "done").await;
+
     // Every message the upstream sent B was answered 2xx, attack or not.
     for &id in &b_ids {
         let upstream = sim.lock();
         for entry in upstream.log(id) {
-            if let LogEntry::Answered { answer, webhook_id, .. } = entry {
+            if let LogEntry::Answered {
+                answer, webhook_id, ..
+            } = entry
+            {
                 assert!(
                     matches!(answer, SimAnswer::Status { code, .. } if (200..300).contains(code)),
                     "seed {seed}: B's message {webhook_id} answered {answer:?}"
@@ -356,19 +532,30 @@ async fn a_hostile_tenant_cannot_hurt_another() {
             "seed {seed}: A's {label} answered {answers:?}"
         );
     }
-    let slow_total = slow.refused.load(Ordering::Relaxed)
-        + slow.closed.load(Ordering::Relaxed)
-        + slow.still_open.load(Ordering::Relaxed);
-    assert_eq!(slow_total, SLOW_CONNECTIONS, "seed {seed}");
-    assert_eq!(
+    let (refused, closed, still_open) = (
+        slow.refused.load(Ordering::Relaxed),
+        slow.closed.load(Ordering::Relaxed),
         slow.still_open.load(Ordering::Relaxed),
-        0,
+    );
+    assert_eq!(
+        refused + closed + still_open,
+        SLOW_CONNECTIONS,
+        "seed {seed}"
+    );
+    assert_eq!(
+        still_open, 0,
         "seed {seed}: a slow connection outlived the header timeout"
+    );
+    assert!(
+        refused > 0 && closed > 0,
+        "seed {seed}: past the bound per address, slow connections are refused at once \
+         ({refused}), and those admitted are cut at the header timeout ({closed})"
     );
 
     eprintln!(
-        "hostile tenant: seed {seed} passed: {b_messages} changes in B's queue, {poison_sent} \
-         poison messages, {:.1} s to quiesce",
+        "hostile tenant: seed {seed} passed: {steps} workload steps, {b_messages} changes in B's \
+         queue, {poison_sent} poison messages, {refused} slow connections refused and {closed} \
+         cut, {:.1} s to quiesce",
         quiesced_in.as_secs_f64()
     );
     let _ = broker.close(200, "done").await;
@@ -382,6 +569,3 @@ async fn a_hostile_tenant_cannot_hurt_another() {
     drop(vhost);
     drop(prefix);
 }
-
-/// More than the test's front tier takes at once.
-const SLOW_CONNECTIONS: usize = 80;

@@ -4,6 +4,7 @@ mod api;
 mod api_hostile;
 mod convergence;
 mod copy;
+mod hostile_tenant;
 mod ingest_answers;
 mod ingest_hostile;
 mod ingest_outage;

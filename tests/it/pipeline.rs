@@ -72,7 +72,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     let pool = app.db.pool.clone();
 
     // 2. The control plane, a sequencer and the publisher (its broker behind a proxy).
-    let api = Api::start(&app.db.url).await;
+    let api = Api::start(&app.db.url, &vhost.url(), OutboundPolicy::ANY).await;
     let sequencer_pool = relay_store::connect(
         &app.db.url,
         &PoolOptions {

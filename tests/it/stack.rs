@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use relay_api::auth::{mint, JwtKeys, Subject};
+use relay_api::broker::{BrokerAccess, ManagementSettings};
 use relay_api::{ApiConfig, ApiServer};
 use relay_netguard::OutboundPolicy;
 use relay_publisher::lapin::options::QueueDeclareOptions;
@@ -16,6 +17,7 @@ use relay_publisher::lapin::Connection;
 use relay_publisher::{
     ChangeMessage, Publisher, PublisherConfig, PublisherHandle, ReferenceConsumer,
 };
+use relay_rules::destination::DestinationPolicy;
 use relay_simulator::Simulation;
 use relay_store::copy;
 use relay_store::PoolOptions;
@@ -49,11 +51,25 @@ pub(crate) struct Answer {
 }
 
 impl Api {
-    pub(crate) async fn start(database_url: &str) -> Self {
+    /// The control plane on `database_url`, with `relay_amqp_url` as the relay's own broker
+    /// (destinations are refused there, tenants' users are made there) and `outbound` as the
+    /// operator's policy for upstream URLs.
+    pub(crate) async fn start(
+        database_url: &str,
+        relay_amqp_url: &str,
+        outbound: OutboundPolicy,
+    ) -> Self {
         let pool = relay_store::connect(database_url, &PoolOptions::default()).unwrap();
         let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
         config.upstream_timeout = Duration::from_secs(5);
-        config.outbound = OutboundPolicy::ANY;
+        config.outbound = outbound;
+        config.broker = BrokerAccess::new(
+            relay_amqp_url,
+            &ManagementSettings::default(),
+            None,
+            DestinationPolicy::default(),
+        )
+        .unwrap();
         let server = ApiServer::start(pool, config).await.unwrap();
         let base_url = format!("http://{}", server.address);
         Self {

@@ -321,7 +321,7 @@ async fn the_publisher_refuses_a_destination_at_the_relays_broker_that_bypassed_
 
 /// Deletes the given RabbitMQ users when dropped: a test that fails before it deletes them
 /// through the API leaves nothing behind either.
-struct UsersGuard(Vec<String>);
+pub(crate) struct UsersGuard(pub(crate) Vec<String>);
 
 impl Drop for UsersGuard {
     fn drop(&mut self) {
@@ -333,14 +333,14 @@ impl Drop for UsersGuard {
     }
 }
 
-fn tenant_url(credentials: &Value, password: &str) -> String {
+pub(crate) fn tenant_url(credentials: &Value, password: &str) -> String {
     let url = credentials["amqp_url"].as_str().unwrap();
     let (scheme, rest) = url.split_once("://").unwrap();
     let (user, rest) = rest.split_once('@').unwrap();
     format!("{scheme}://{user}:{password}@{rest}")
 }
 
-async fn connect(url: &str) -> Result<Connection, relay_publisher::broker::BrokerError> {
+pub(crate) async fn connect(url: &str) -> Result<Connection, relay_publisher::broker::BrokerError> {
     relay_publisher::broker::connect(url, "tenant test", Duration::from_secs(10)).await
 }
 
@@ -415,64 +415,11 @@ async fn message_count(connection: &Connection, queue: &str) -> u32 {
         .message_count()
 }
 
-/// Each tenant's credentials, made through the API: B's may consume B's queue, and the broker
-/// itself refuses them on A's queue (consume, declare, bind, publish to it through the default
-/// exchange or any other) and everything else but reading B's queue. The answers tell how to
-/// connect; only the call that made (or rotated) the credentials holds the password. Rotating
-/// ends the old password and the connections made with it. Deleting them deletes the user.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
-    let env = Env::new().await;
-    let (a, b) = (env.db.tenant().await, env.db.tenant().await);
-    let _guard = UsersGuard(vec![BrokerAccess::username(a), BrokerAccess::username(b)]);
-    let api = Api::start(env.db.pool.clone(), &env.vhost.url(), loopback_allowed()).await;
-    let (a_queue, b_queue) = (tenant_queue(a), tenant_queue(b));
-
-    let (status, missing) = api.call("GET", "/v1/broker/credentials", b, None).await;
-    assert_eq!(status, 404, "{missing}");
-    let (status, made_a) = api.call("POST", "/v1/broker/credentials", a, None).await;
-    assert_eq!(status, 201, "{made_a}");
-    let (status, made) = api.call("POST", "/v1/broker/credentials", b, None).await;
-    assert_eq!(status, 201, "{made}");
-    let password = made["password"].as_str().unwrap().to_owned();
-    assert_eq!(made["queue"], json!(b_queue));
-    assert_eq!(made["vhost"], json!(env.vhost.name));
-    assert_eq!(made["username"], json!(BrokerAccess::username(b)));
-    let (status, again) = api.call("POST", "/v1/broker/credentials", b, None).await;
-    assert_eq!(status, 409, "{again}");
-    let (status, shown) = api.call("GET", "/v1/broker/credentials", b, None).await;
-    assert_eq!(status, 200, "{shown}");
-    assert_eq!(shown.get("password"), None, "{shown}");
-    assert!(!shown.to_string().contains(&password));
-    assert_eq!(shown["amqp_url"], made["amqp_url"]);
-
-    // A message in each queue, put there by the relay's own user.
-    let relay = env.broker().await;
-    publish(&relay, "", &a_queue).await.unwrap();
-    publish(&relay, "", &b_queue).await.unwrap();
-
-    let b_url = tenant_url(&made, &password);
-    let as_b = connect(&b_url).await.expect("B's credentials connect");
-    // B's own queue: consumed.
-    let channel = as_b.create_channel().await.unwrap();
-    let mut consumer = channel
-        .basic_consume(
-            &b_queue,
-            "b",
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("B may consume its own queue");
-    use futures::StreamExt as _;
-    let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
-        .await
-        .expect("B's message arrives")
-        .unwrap()
-        .unwrap();
-    assert_eq!(delivery.data, b"{}");
-
-    // A's queue, and everything else: refused by the broker.
+/// With `tenant`'s credentials (`as_tenant`), the broker itself refuses everything on
+/// `anothers_queue` (consume, declare, bind, publish to it through the default exchange or any
+/// other) and everything else but reading `own_queue`: declaring a queue, publishing anywhere.
+pub(crate) async fn assert_refused_but_own_queue(as_b: &Connection, a_queue: &str, b_queue: &str) {
+    let a_queue = a_queue.to_owned();
     let refused: Vec<(&str, Result<(), String>)> = vec![
         (
             "consume A's queue",
@@ -550,6 +497,67 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
             "{what}: {error}"
         );
     }
+}
+
+/// Each tenant's credentials, made through the API: B's may consume B's queue, and the broker
+/// itself refuses them on A's queue (consume, declare, bind, publish to it through the default
+/// exchange or any other) and everything else but reading B's queue. The answers tell how to
+/// connect; only the call that made (or rotated) the credentials holds the password. Rotating
+/// ends the old password and the connections made with it. Deleting them deletes the user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
+    let env = Env::new().await;
+    let (a, b) = (env.db.tenant().await, env.db.tenant().await);
+    let _guard = UsersGuard(vec![BrokerAccess::username(a), BrokerAccess::username(b)]);
+    let api = Api::start(env.db.pool.clone(), &env.vhost.url(), loopback_allowed()).await;
+    let (a_queue, b_queue) = (tenant_queue(a), tenant_queue(b));
+
+    let (status, missing) = api.call("GET", "/v1/broker/credentials", b, None).await;
+    assert_eq!(status, 404, "{missing}");
+    let (status, made_a) = api.call("POST", "/v1/broker/credentials", a, None).await;
+    assert_eq!(status, 201, "{made_a}");
+    let (status, made) = api.call("POST", "/v1/broker/credentials", b, None).await;
+    assert_eq!(status, 201, "{made}");
+    let password = made["password"].as_str().unwrap().to_owned();
+    assert_eq!(made["queue"], json!(b_queue));
+    assert_eq!(made["vhost"], json!(env.vhost.name));
+    assert_eq!(made["username"], json!(BrokerAccess::username(b)));
+    let (status, again) = api.call("POST", "/v1/broker/credentials", b, None).await;
+    assert_eq!(status, 409, "{again}");
+    let (status, shown) = api.call("GET", "/v1/broker/credentials", b, None).await;
+    assert_eq!(status, 200, "{shown}");
+    assert_eq!(shown.get("password"), None, "{shown}");
+    assert!(!shown.to_string().contains(&password));
+    assert_eq!(shown["amqp_url"], made["amqp_url"]);
+
+    // A message in each queue, put there by the relay's own user.
+    let relay = env.broker().await;
+    publish(&relay, "", &a_queue).await.unwrap();
+    publish(&relay, "", &b_queue).await.unwrap();
+
+    let b_url = tenant_url(&made, &password);
+    let as_b = connect(&b_url).await.expect("B's credentials connect");
+    // B's own queue: consumed.
+    let channel = as_b.create_channel().await.unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            &b_queue,
+            "b",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("B may consume its own queue");
+    use futures::StreamExt as _;
+    let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+        .await
+        .expect("B's message arrives")
+        .unwrap()
+        .unwrap();
+    assert_eq!(delivery.data, b"{}");
+
+    // A's queue, and everything else: refused by the broker.
+    assert_refused_but_own_queue(&as_b, &a_queue, &b_queue).await;
     // A passive declare is the one thing RabbitMQ checks no permission for (3.10: it names
     // no resource to configure, write or read): B learns that a queue of that name exists and
     // its message and consumer counts, given A's tenant id, which no answer of the API tells

@@ -811,6 +811,24 @@ fn cpu_figures(usage: crate::cpu::CpuUsage, measured_s: u64, messages: i64) -> V
     })
 }
 
+/// Registers the loadgen's tenant and endpoints, each in sync under the loadgen's
+/// access_version: the benches time the path of events, not a first reload (loadgen endpoints
+/// have no upstream API to reload from). Returns the tenant.
+pub(crate) async fn provision_in_sync(
+    global: &GlobalArgs,
+    pool: &PgPool,
+    loadgen: &crate::loadgen::LoadgenArgs,
+) -> anyhow::Result<Uuid> {
+    crate::loadgen::provision(global, loadgen).await?;
+    sqlx::query(
+        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
+         SELECT id, 'feed', tenant_id, 1, 'loadgen1' FROM webhook_endpoints",
+    )
+    .execute(pool)
+    .await?;
+    Ok(crate::loadgen::loadgen_tenant(loadgen.seed))
+}
+
 async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Result<()> {
     let pool = fresh_database(global, args.recreate_database).await?;
     let probe_before = machine_probe_ms().await?;
@@ -825,16 +843,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
         provision: false,
         seed: 1,
     };
-    crate::loadgen::provision(global, &loadgen).await?;
-    let tenant = crate::loadgen::loadgen_tenant(loadgen.seed);
-    // The endpoints start in sync under the loadgen's access_version: the bench times the path
-    // of events, not a first reload (loadgen endpoints have no upstream API to reload from).
-    sqlx::query(
-        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
-         SELECT id, 'feed', tenant_id, 1, 'loadgen1' FROM webhook_endpoints",
-    )
-    .execute(&pool)
-    .await?;
+    let tenant = provision_in_sync(global, &pool, &loadgen).await?;
     let queue = relay_publisher::tenant_queue(tenant);
     let drain = tokio::spawn(drain_queue(args.publisher.amqp_url.clone(), queue.clone()));
 

@@ -159,16 +159,7 @@ pub async fn run(global: &GlobalArgs, args: IsolationBenchArgs) -> anyhow::Resul
         provision: false,
         seed: 1,
     };
-    crate::loadgen::provision(global, &loadgen).await?;
-    let victim = crate::loadgen::loadgen_tenant(loadgen.seed);
-    // B's endpoints start in sync under the loadgen's access_version: the bench times events,
-    // not a first reload.
-    sqlx::query(
-        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
-         SELECT id, 'feed', tenant_id, 1, 'loadgen1' FROM webhook_endpoints",
-    )
-    .execute(&pool)
-    .await?;
+    let victim = crate::bench::provision_in_sync(global, &pool, &loadgen).await?;
 
     // A's endpoints read a local feed when a quarantine asks them to read /v1/feed again.
     let (feed, feed_task) = crate::bench::serve_feed(Vec::new()).await?;
@@ -198,6 +189,8 @@ pub async fn run(global: &GlobalArgs, args: IsolationBenchArgs) -> anyhow::Resul
         crate::startup::sequencer_pool(global)?,
         SequencerConfig {
             key_prefix: prefix.clone(),
+            // A's endpoints read the bench's own feed, on this machine.
+            outbound: relay_netguard::OutboundPolicy::ANY,
             ..args.sequencer.to_config(global)
         },
         SequencerMetrics::register(&registry)?,
