@@ -703,7 +703,12 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
         .as_array()
         .unwrap()
         .iter()
-        .map(|m| (m["arrival_seq"].as_i64().unwrap(), m["applied"]["outcome"].clone()))
+        .map(|m| {
+            (
+                m["arrival_seq"].as_i64().unwrap(),
+                m["applied"]["outcome"].clone(),
+            )
+        })
         .collect();
     assert_eq!(
         outcomes,

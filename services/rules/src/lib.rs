@@ -55,6 +55,4 @@ pub use reload::{
 pub use rewind::{
     decide_rewind, restore_plan, RestorePlan, RewindAnswer, RewindOutcome, RewindRefusal,
 };
-pub use track::{
-    step, EndpointTrack, MessageDecision, Reload, ReloadCause, ReloadStart,
-};
+pub use track::{step, EndpointTrack, MessageDecision, Reload, ReloadCause, ReloadStart};

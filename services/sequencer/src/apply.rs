@@ -67,9 +67,8 @@ impl ApplyError {
             ApplyError::Database(error)
             | ApplyError::Store(StoreError::Database(error))
             | ApplyError::State(StateError::Database(error)) => statement_refused(error),
-            ApplyError::Store(StoreError::Invalid(_)) | ApplyError::State(StateError::Invalid(_)) => {
-                true
-            }
+            ApplyError::Store(StoreError::Invalid(_))
+            | ApplyError::State(StateError::Invalid(_)) => true,
             _ => false,
         }
     }
