@@ -377,9 +377,23 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
     )
     .await;
     store_messages(&app.db, tenant_a, endpoint_a, 1).await;
+    // Two of A's messages set aside by the sequencer: one to retry, one to discard.
+    let set_aside = store_messages(&app.db, tenant_a, endpoint_a, 2).await;
+    sqlx::query(
+        "INSERT INTO quarantined_messages (endpoint_id, tenant_id, arrival_seq, reason, attempts)
+         SELECT $1, $2, unnest($3::int8[]), 'not a v1 message', 1",
+    )
+    .bind(endpoint_a)
+    .bind(tenant_a)
+    .bind(&set_aside)
+    .execute(&app.db.pool)
+    .await
+    .unwrap();
 
     let fill = |template: &str| {
+        let set_aside = set_aside[usize::from(template.ends_with("/discard"))];
         template
+            .replace("{arrival_seq}", &set_aside.to_string())
             .replace("{tenant_id}", &tenant_a.to_string())
             .replace("{endpoint_id}", &endpoint_a.to_string())
             .replace("{secret_id}", &secret_id.to_string())
@@ -522,6 +536,27 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
         ),
         (
             "GET /v1/endpoints/{endpoint_id}/messages",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "GET /v1/endpoints/{endpoint_id}/quarantine",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "POST /v1/endpoints/{endpoint_id}/quarantine/{arrival_seq}/retry",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "POST /v1/endpoints/{endpoint_id}/quarantine/{arrival_seq}/discard",
             None,
             Tenant,
             NotFound,
