@@ -53,7 +53,13 @@ impl HasVerifier for AppState {
         title = "relay control plane",
         description = "Tenants, their webhook endpoints, secrets and destination, and reads of \
                        each endpoint's copy of the feed. Every route but /openapi.json takes a \
-                       bearer JWT: an operator's for /v1/tenants, a tenant's for the rest."
+                       bearer JWT: an operator's for /v1/tenants, a tenant's for the rest. \
+                       Any route may also answer 408 `body_timeout` (the body did not arrive \
+                       within RELAY_API_BODY_READ_TIMEOUT_MS; the connection is closed) and \
+                       503 `too_many_connections` with Retry-After (the listener serves as many \
+                       connections as it allows, or as many from this address that have not \
+                       sent a request head); a request head that does not arrive within \
+                       RELAY_API_HEADER_READ_TIMEOUT_MS has its connection closed unanswered."
     ),
     modifiers(&BearerAuth),
     components(schemas(crate::error::ErrorBody))
