@@ -108,7 +108,7 @@ pub const LISTENER_LIMITS: ListenerLimits = ListenerLimits {
     header_read_timeout: Duration::from_secs(5),
     body_read_timeout: Duration::from_secs(10),
     max_connections: 256,
-    max_headless_per_address: 16,
+    max_headless_per_address: 64,
 };
 
 /// `relay api`: serve the control plane. Every flag is prefixed (`--api-...`, `--jwt-...`) so

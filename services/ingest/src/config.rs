@@ -7,14 +7,16 @@ use relay_listener::ListenerLimits;
 
 /// The webhook listener's bounds. A head takes the upstream one write; a 1 MiB body at 5 s
 /// still needs only 200 kB/s; past 4,096 connections at once (the upstream holds one per message
-/// in flight) a new one is answered 503 rather than taking a file descriptor. The upstream
-/// sends a head the moment it connects, so 32 connections without one from a single address are
-/// a slow client's, never the upstream's.
+/// in flight) a new one is answered 503 rather than taking a file descriptor. One address holds
+/// at most 256 connections that have not sent their head yet: the upstream sends its head the
+/// moment it connects, so only a burst of that many new connections in the same instant meets
+/// the bound (and is retried after Retry-After), while a slow client from one address can hold
+/// no more than a sixteenth of the listener.
 pub const LISTENER_LIMITS: ListenerLimits = ListenerLimits {
     header_read_timeout: Duration::from_secs(5),
     body_read_timeout: Duration::from_secs(5),
     max_connections: 4096,
-    max_headless_per_address: 32,
+    max_headless_per_address: 256,
 };
 
 #[derive(Debug, Clone)]
