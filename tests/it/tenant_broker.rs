@@ -423,7 +423,7 @@ pub(crate) async fn assert_refused_but_own_queue(as_b: &Connection, a_queue: &st
     let refused: Vec<(&str, Result<(), String>)> = vec![
         (
             "consume A's queue",
-            attempt(&as_b, |c| {
+            attempt(as_b, |c| {
                 let q = a_queue.clone();
                 async move {
                     c.basic_consume(
@@ -439,7 +439,7 @@ pub(crate) async fn assert_refused_but_own_queue(as_b: &Connection, a_queue: &st
         ),
         (
             "declare A's queue",
-            attempt(&as_b, |c| {
+            attempt(as_b, |c| {
                 let q = a_queue.clone();
                 async move {
                     let durable = QueueDeclareOptions {
@@ -453,7 +453,7 @@ pub(crate) async fn assert_refused_but_own_queue(as_b: &Connection, a_queue: &st
         ),
         (
             "bind A's queue",
-            attempt(&as_b, |c| {
+            attempt(as_b, |c| {
                 let q = a_queue.clone();
                 async move {
                     c.queue_bind(
@@ -470,7 +470,7 @@ pub(crate) async fn assert_refused_but_own_queue(as_b: &Connection, a_queue: &st
         ),
         (
             "declare a queue of its own",
-            attempt(&as_b, |c| async move {
+            attempt(as_b, |c| async move {
                 c.queue_declare(
                     "b-spy",
                     QueueDeclareOptions::default(),
@@ -480,14 +480,11 @@ pub(crate) async fn assert_refused_but_own_queue(as_b: &Connection, a_queue: &st
             })
             .await,
         ),
-        ("publish to A's queue", publish(&as_b, "", &a_queue).await),
-        (
-            "publish to its own queue",
-            publish(&as_b, "", &b_queue).await,
-        ),
+        ("publish to A's queue", publish(as_b, "", &a_queue).await),
+        ("publish to its own queue", publish(as_b, "", b_queue).await),
         (
             "publish to amq.direct",
-            publish(&as_b, "amq.direct", &a_queue).await,
+            publish(as_b, "amq.direct", &a_queue).await,
         ),
     ];
     for (what, result) in &refused {
