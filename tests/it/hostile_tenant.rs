@@ -17,12 +17,12 @@
 //! Seeded: every run prints its seed; `RELAY_TEST_SEED=<seed>` replays one.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use relay::bench::{slow_connection, SlowEnd};
 use relay_api::broker::BrokerAccess;
 use relay_ingest::SystemClock;
 use relay_netguard::OutboundPolicy;
@@ -35,7 +35,6 @@ use relay_tests::{
     feed_body, random_secret, redis_url, seed, test_config, RedisPrefix, Signed, TestApp, Vhost,
 };
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use uuid::Uuid;
 
 use crate::stack::{
@@ -128,65 +127,6 @@ async fn post_signed(
         .await
         .map(|r| r.status().as_u16())
         .unwrap_or(0)
-}
-
-/// How the stranger's slow connections ended.
-#[derive(Default)]
-struct SlowTally {
-    /// Answered 503 at once: past the bound.
-    refused: AtomicUsize,
-    /// Closed by the relay without an answer: the header read timeout.
-    closed: AtomicUsize,
-    /// Still open when the stranger gave up.
-    still_open: AtomicUsize,
-}
-
-/// From the stranger's address, sends a request head one byte every `pace` until the relay
-/// answers or closes, or `give_up` passes; counts which.
-async fn slow_connection(
-    address: std::net::SocketAddr,
-    pace: Duration,
-    give_up: Duration,
-    tally: Arc<SlowTally>,
-) {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket
-        .bind(format!("{STRANGER_HOST}:0").parse().unwrap())
-        .unwrap();
-    let Ok(stream) = socket.connect(address).await else {
-        tally.closed.fetch_add(1, Ordering::Relaxed);
-        return;
-    };
-    let (mut read, mut write) = stream.into_split();
-    let answer = async move {
-        let mut head = [0u8; 12];
-        let read = read.read(&mut head).await.unwrap_or(0);
-        head[..read].starts_with(b"HTTP/1.1 503")
-    };
-    let trickle = async move {
-        let head = format!(
-            "POST /webhooks/{} HTTP/1.1\r\nhost: relay\r\nx-slow: ",
-            Uuid::new_v4()
-        );
-        for byte in head.bytes().chain(std::iter::repeat(b'a')) {
-            if write.write_all(&[byte]).await.is_err() {
-                return;
-            }
-            tokio::time::sleep(pace).await;
-        }
-    };
-    tokio::select! {
-        refused = answer => {
-            let counter = if refused { &tally.refused } else { &tally.closed };
-            counter.fetch_add(1, Ordering::Relaxed);
-        }
-        () = trickle => {
-            tally.closed.fetch_add(1, Ordering::Relaxed);
-        }
-        () = tokio::time::sleep(give_up) => {
-            tally.still_open.fetch_add(1, Ordering::Relaxed);
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -349,15 +289,15 @@ async fn a_hostile_tenant_cannot_hurt_another() {
         Duration::from_secs(6),
     ));
 
-    let slow = Arc::new(SlowTally::default());
     let address = app.server.as_ref().unwrap().address;
+    let stranger: std::net::IpAddr = STRANGER_HOST.parse().unwrap();
     let slow_tasks: Vec<_> = (0..SLOW_CONNECTIONS)
         .map(|_| {
             tokio::spawn(slow_connection(
                 address,
+                stranger,
                 Duration::from_millis(500),
                 Duration::from_secs(8),
-                slow.clone(),
             ))
         })
         .collect();
@@ -394,8 +334,9 @@ async fn a_hostile_tenant_cannot_hurt_another() {
         }
     }
     let steps = workload_task.await.unwrap();
+    let mut slow_ends = Vec::with_capacity(SLOW_CONNECTIONS);
     for task in slow_tasks {
-        task.await.unwrap();
+        slow_ends.push(task.await.unwrap());
     }
 
     // A's endpoints go on after their poison: a good message of each applies.
@@ -532,10 +473,11 @@ async fn a_hostile_tenant_cannot_hurt_another() {
             "seed {seed}: A's {label} answered {answers:?}"
         );
     }
+    let count = |end: SlowEnd| slow_ends.iter().filter(|e| **e == end).count();
     let (refused, closed, still_open) = (
-        slow.refused.load(Ordering::Relaxed),
-        slow.closed.load(Ordering::Relaxed),
-        slow.still_open.load(Ordering::Relaxed),
+        count(SlowEnd::Refused),
+        count(SlowEnd::Closed),
+        count(SlowEnd::StillOpen),
     );
     assert_eq!(
         refused + closed + still_open,

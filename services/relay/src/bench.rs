@@ -24,6 +24,7 @@ use sqlx::{Connection, PgPool};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+pub use crate::bench_isolation::{slow_connection, SlowEnd};
 use crate::cli::{GlobalArgs, SequencerArgs};
 
 #[derive(Debug, Subcommand)]

@@ -21,7 +21,7 @@ use relay_wire::SigningSecret;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use time::OffsetDateTime;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use uuid::Uuid;
 
 use crate::cli::{GlobalArgs, SequencerArgs};
@@ -56,6 +56,10 @@ pub struct IsolationBenchArgs {
     #[command(flatten)]
     pub sequencer: SequencerArgs,
 }
+
+/// Where the stranger's slow connections come from: another address than tenant B's sender
+/// (127.0.0.1), as a stranger's would be, so the per-address bound meets only the stranger.
+const STRANGER: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 3));
 
 /// The hostile messages tenant A sends, in turn: each is genuine (signed with A's own secret),
 /// and each once failed or wedged more than A's own stream.
@@ -278,7 +282,7 @@ pub async fn run(global: &GlobalArgs, args: IsolationBenchArgs) -> anyhow::Resul
             "attacker_answers": answers,
             "attacker_quarantined_messages": quarantined.0,
             "slow": {
-                "refused_at_connect": tally.slow_refused.load(Ordering::Relaxed),
+                "refused_503": tally.slow_refused.load(Ordering::Relaxed),
                 "closed_by_relay": tally.slow_closed.load(Ordering::Relaxed),
                 "still_open_at_phase_end": tally.slow_open_at_end.load(Ordering::Relaxed),
             },
@@ -299,7 +303,18 @@ async fn attack(
 ) {
     let ends = tokio::time::Instant::now() + phase;
     let slow: Vec<_> = (0..args.slow_connections)
-        .map(|_| tokio::spawn(slow_connection(address, ends, tally.clone())))
+        .map(|_| {
+            let tally = tally.clone();
+            tokio::spawn(async move {
+                let end = slow_connection(address, STRANGER, Duration::from_secs(1), phase).await;
+                let counter = match end {
+                    SlowEnd::Refused => &tally.slow_refused,
+                    SlowEnd::Closed => &tally.slow_closed,
+                    SlowEnd::StillOpen => &tally.slow_open_at_end,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+            })
+        })
         .collect();
     let http = reqwest::Client::new();
     let interval = Duration::from_secs_f64(1.0 / args.attack_rate.max(0.1));
@@ -341,30 +356,57 @@ async fn attack(
     }
 }
 
-/// A connection that sends a request's head one byte a second until `ends`, counting how the
-/// relay dealt with it.
-async fn slow_connection(address: SocketAddr, ends: tokio::time::Instant, tally: Arc<AttackTally>) {
-    let Ok(Ok(mut stream)) =
-        tokio::time::timeout_at(ends, tokio::net::TcpStream::connect(address)).await
-    else {
-        tally.slow_refused.fetch_add(1, Ordering::Relaxed);
-        return;
+/// How a slow client's connection ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlowEnd {
+    /// Answered 503 before its head was complete: a bound was reached.
+    Refused,
+    /// Closed by the relay without an answer (the header read timeout), or never connected.
+    Closed,
+    /// Still open when the client gave up.
+    StillOpen,
+}
+
+/// A slow client, from the address `from`: sends a request head to `address` one byte every
+/// `pace` until the relay answers or closes the connection, or `give_up` passes.
+pub async fn slow_connection(
+    address: SocketAddr,
+    from: std::net::IpAddr,
+    pace: Duration,
+    give_up: Duration,
+) -> SlowEnd {
+    let socket = match from {
+        std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+        std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
     };
-    let head = format!(
-        "POST /webhooks/{} HTTP/1.1\r\nhost: relay\r\nx-slow: ",
-        Uuid::new_v4()
-    );
-    for byte in head.bytes().chain(std::iter::repeat(b'a')) {
-        if tokio::time::Instant::now() >= ends {
-            tally.slow_open_at_end.fetch_add(1, Ordering::Relaxed);
-            return;
+    let Ok(socket) = socket.and_then(|s| s.bind(SocketAddr::new(from, 0)).map(|()| s)) else {
+        return SlowEnd::Closed;
+    };
+    let Ok(Ok(stream)) = tokio::time::timeout(give_up, socket.connect(address)).await else {
+        return SlowEnd::Closed;
+    };
+    let (mut read, mut write) = stream.into_split();
+    let answer = async move {
+        let mut head = [0u8; 12];
+        let read = read.read(&mut head).await.unwrap_or(0);
+        head[..read].starts_with(b"HTTP/1.1 503")
+    };
+    let trickle = async move {
+        let head = format!(
+            "POST /webhooks/{} HTTP/1.1\r\nhost: relay\r\nx-slow: ",
+            Uuid::new_v4()
+        );
+        for byte in head.bytes().chain(std::iter::repeat(b'a')) {
+            if write.write_all(&[byte]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(pace).await;
         }
-        if stream.write_all(&[byte]).await.is_err() {
-            tally.slow_closed.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        tokio::time::sleep_until(ends.min(tokio::time::Instant::now() + Duration::from_secs(1)))
-            .await;
+    };
+    tokio::select! {
+        refused = answer => if refused { SlowEnd::Refused } else { SlowEnd::Closed },
+        () = trickle => SlowEnd::Closed,
+        () = tokio::time::sleep(give_up) => SlowEnd::StillOpen,
     }
 }
 
