@@ -2,8 +2,8 @@
 //! tenant's key): public addresses over https, unless the operator allows more.
 //!
 //! # Layout
-//! - [`policy`]: pure: which addresses are refused and why ([`classify`]), and whether a URL may
-//!   be registered or requested ([`OutboundPolicy::check_url`]).
+//! - [`policy`]: pure: which addresses are refused (relay-rules' [`classify`], re-exported
+//!   here) and whether a URL may be registered or requested ([`OutboundPolicy::check_url`]).
 //! - [`client`]: the IO side: a DNS resolver that drops refused addresses after resolution
 //!   ([`GuardedResolver`]), and the HTTP client every outbound call goes through
 //!   ([`GuardedClient`]): the resolver, no redirects, literal addresses checked before sending.
@@ -13,7 +13,8 @@ pub mod client;
 pub mod policy;
 
 pub use client::{refusal_in, GuardedClient, GuardedResolver, ResolveError};
-pub use policy::{classify, AddressKind, OutboundPolicy, Refusal};
+pub use policy::{OutboundPolicy, Refusal};
+pub use relay_rules::address::{classify, AddressKind};
 
 /// The operator's settings for outbound requests. All off by default: https to public
 /// addresses only.

@@ -9,7 +9,7 @@
 //! non-public addresses (where the relay's broker, its cluster's other nodes and everything
 //! else of the relay's own usually live) unless the operator allows them.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 
 /// What the operator lets tenants name.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -111,48 +111,9 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
-/// Whether `ip` is a public unicast address: not loopback, private, shared (CGNAT),
-/// link-local (cloud metadata services live there), documentation, benchmarking, multicast,
-/// broadcast or reserved.
+/// Whether `ip` is a public unicast address (see [`crate::address::classify`]).
 pub fn is_public(ip: IpAddr) -> bool {
-    match canonical(ip) {
-        IpAddr::V4(v4) => is_public_v4(v4),
-        IpAddr::V6(v6) => is_public_v6(v6),
-    }
-}
-
-fn is_public_v4(ip: Ipv4Addr) -> bool {
-    let [a, b, c, _] = ip.octets();
-    let refused = a == 0
-        || a == 10
-        || a == 127
-        || (a == 100 && (64..128).contains(&b))
-        || (a == 169 && b == 254)
-        || (a == 172 && (16..32).contains(&b))
-        || (a == 192 && b == 0 && c == 0)
-        || (a == 192 && b == 0 && c == 2)
-        || (a == 192 && b == 88 && c == 99)
-        || (a == 192 && b == 168)
-        || (a == 198 && (18..20).contains(&b))
-        || (a == 198 && b == 51 && c == 100)
-        || (a == 203 && b == 0 && c == 113)
-        || a >= 224;
-    !refused
-}
-
-fn is_public_v6(ip: Ipv6Addr) -> bool {
-    let segments = ip.segments();
-    // NAT64 (64:ff9b::/96) reaches the IPv4 address in its last 32 bits.
-    if segments[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-        let [.., hi, lo] = segments;
-        return is_public_v4(Ipv4Addr::from((u32::from(hi) << 16) | u32::from(lo)));
-    }
-    // Only global unicast (2000::/3) is public; within it, documentation (2001:db8::/32),
-    // ORCHID and benchmarking (2001:0::/23 and 2001:2::/48), 6to4 (2002::/16, which embeds an
-    // IPv4 address that may be private) are refused.
-    let global = (segments[0] & 0xe000) == 0x2000;
-    let special = segments[0] == 0x2001 && (segments[1] < 0x0200 || segments[1] == 0x0db8);
-    global && !special && segments[0] != 0x2002
+    crate::address::classify(ip).is_none()
 }
 
 #[cfg(test)]

@@ -23,12 +23,15 @@
 //!   aside and the feed read again.
 //! - [`refetch`]: what to do with the answer of a refetch's item read.
 //! - [`rewind`]: what to do after restoring the copy from a backup, and with a rewind's answer.
+//! - [`address`]: which IP addresses are public, and why the others are not: the one
+//!   classification behind every outbound check.
 //! - [`destination`]: where a tenant's own-exchange destination may point (not the relay's own
 //!   broker; public addresses unless the operator allows others).
 //! - [`model`]: a small in-memory reference copy ([`FeedCopy`]) that carries decisions out, and
 //!   [`Endpoint`], which runs whole messages through the rules as the sequencer does: for the
 //!   property tests here, and for comparing the SQL layer against the rules.
 
+pub mod address;
 pub mod destination;
 pub mod event;
 pub mod model;
