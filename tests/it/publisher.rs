@@ -344,7 +344,7 @@ async fn postgres_items(pool: &PgPool, endpoint: Uuid) -> BTreeMap<String, Value
 #[derive(Debug, Clone)]
 pub(crate) struct Delivered {
     pub(crate) message_id: String,
-    kind: String,
+    pub(crate) kind: String,
     content_type: String,
     delivery_mode: u8,
     timestamp: u64,

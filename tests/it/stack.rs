@@ -5,14 +5,10 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt as _;
 use relay_api::auth::{mint, JwtKeys, Subject};
 use relay_api::broker::{BrokerAccess, ManagementSettings};
 use relay_api::{ApiConfig, ApiServer};
 use relay_netguard::OutboundPolicy;
-use relay_publisher::lapin::options::QueueDeclareOptions;
-use relay_publisher::lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use relay_publisher::lapin::types::FieldTable;
 use relay_publisher::lapin::Connection;
 use relay_publisher::{
     ChangeMessage, Publisher, PublisherConfig, PublisherHandle, ReferenceConsumer,
@@ -363,63 +359,6 @@ pub(crate) fn counter(registry: &prometheus::Registry, name: &str) -> f64 {
         .sum()
 }
 
-/// One message as it came off a queue.
-pub(crate) struct Delivered {
-    pub(crate) message_id: String,
-    pub(crate) kind: String,
-    pub(crate) body: Vec<u8>,
-}
-
-/// Reads and acknowledges every message in the queue (the publisher is stopped, so the count is
-/// final), in queue order.
-pub(crate) async fn drain(broker: &Connection, queue: &str) -> Vec<Delivered> {
-    let channel = broker.create_channel().await.unwrap();
-    let count = channel
-        .queue_declare(
-            queue,
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{queue} is declared: {e}"))
-        .message_count() as usize;
-    channel
-        .basic_qos(500, BasicQosOptions::default())
-        .await
-        .unwrap();
-    let mut consumer = channel
-        .basic_consume(
-            queue,
-            "pipeline-drain",
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let mut out = Vec::with_capacity(count);
-    while out.len() < count {
-        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
-            .await
-            .unwrap_or_else(|_| panic!("{queue}: {} of {count} messages came", out.len()))
-            .expect("the consumer is open")
-            .unwrap();
-        let text = |s: &Option<relay_publisher::lapin::types::ShortString>| {
-            s.as_ref().map(|s| s.to_string()).unwrap_or_default()
-        };
-        out.push(Delivered {
-            message_id: text(delivery.properties.message_id()),
-            kind: text(delivery.properties.kind()),
-            body: delivery.data.clone(),
-        });
-        delivery.ack(BasicAckOptions::default()).await.unwrap();
-    }
-    let _ = channel.close(200, "drained").await;
-    out
-}
-
 /// Drains `tenant`'s queue (its publisher stopped, so the count is final) and checks that it
 /// rebuilds each of `own` endpoints' copies: the oracle's items, every change sequence once,
 /// nothing of another tenant or endpoint, repeats only of the same message. Returns how many
@@ -439,7 +378,7 @@ pub(crate) async fn check_tenant_queue(
     // The queue is declared with the tenant's first publish: an endpoint whose filter selects
     // nothing may have no change at all, and a tenant of only such endpoints no queue.
     let messages = if tenant_changes > 0 {
-        drain(broker, &relay_publisher::tenant_queue(tenant)).await
+        crate::publisher::drain(broker, &relay_publisher::tenant_queue(tenant), true).await
     } else {
         Vec::new()
     };
