@@ -26,7 +26,7 @@ use relay::bench::{slow_connection, SlowEnd};
 use relay_api::broker::BrokerAccess;
 use relay_ingest::SystemClock;
 use relay_netguard::OutboundPolicy;
-use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
+use relay_sequencer::Waker;
 use relay_simulator::cli::{prepare, SimulateArgs};
 use relay_simulator::upstream::{Answer as SimAnswer, LogEntry};
 use relay_simulator::{Faults, Simulation};
@@ -38,7 +38,8 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::stack::{
-    check_tenant_queue, copy_items, oracle, publisher_config, quiesce, start_publisher, Api,
+    check_tenant_queue, copy_items, oracle, publisher_config, quiesce, start_publisher,
+    start_sequencer, Api,
 };
 use crate::tenant_broker::{assert_refused_but_own_queue, connect, tenant_url, UsersGuard};
 
@@ -163,35 +164,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
         allowed_networks: vec![format!("{UPSTREAM_HOST}/32").parse().unwrap()],
     };
     let api = Api::start(&app.db.url, &vhost.url(), outbound.clone()).await;
-    let sequencer_pool = relay_store::connect(
-        &app.db.url,
-        &PoolOptions {
-            max_connections: 8,
-            acquire_timeout: Duration::from_secs(30),
-            statement_timeout: Some(Duration::from_secs(60)),
-            generic_plans: false,
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap();
-    let sequencer = Sequencer::start(
-        sequencer_pool,
-        SequencerConfig {
-            redis_url: redis_url(),
-            key_prefix: prefix.0.clone(),
-            lease: Duration::from_millis(1500),
-            max_concurrent_endpoints: 8,
-            sweep_interval: Duration::from_millis(200),
-            idle_linger: Duration::from_millis(100),
-            upstream_timeout: Duration::from_secs(5),
-            feed_page_limit: 8,
-            outbound,
-            ..SequencerConfig::default()
-        },
-        SequencerMetrics::unregistered(),
-    )
-    .await
-    .unwrap();
+    let sequencer = start_sequencer(&app.db.url, &prefix.0, 8, outbound).await;
     let publisher_pool = relay_store::connect(&app.db.url, &PoolOptions::default()).unwrap();
     let (publisher, _) =
         start_publisher(&publisher_pool, publisher_config(vhost.url(), &prefix.0)).await;

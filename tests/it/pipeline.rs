@@ -20,7 +20,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_ingest::SystemClock;
 use relay_netguard::OutboundPolicy;
-use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
+use relay_sequencer::Waker;
 use relay_simulator::cli::{prepare, SimulateArgs};
 use relay_simulator::{Faults, Simulation};
 use relay_store::PoolOptions;
@@ -32,7 +32,7 @@ use uuid::Uuid;
 
 use crate::stack::{
     change_count, check_tenant_queue, counter, describe_difference, oracle, publisher_config,
-    quiesce, start_publisher, Api,
+    quiesce, start_publisher, start_sequencer, Api,
 };
 
 // ---- The run ----
@@ -73,36 +73,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
 
     // 2. The control plane, a sequencer and the publisher (its broker behind a proxy).
     let api = Api::start(&app.db.url, &vhost.url(), OutboundPolicy::ANY).await;
-    let sequencer_pool = relay_store::connect(
-        &app.db.url,
-        &PoolOptions {
-            max_connections: 8,
-            acquire_timeout: Duration::from_secs(30),
-            statement_timeout: Some(Duration::from_secs(60)),
-            generic_plans: false,
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap();
-    let sequencer = Sequencer::start(
-        sequencer_pool,
-        SequencerConfig {
-            redis_url: redis_url(),
-            key_prefix: prefix.0.clone(),
-            lease: Duration::from_millis(1500),
-            max_concurrent_endpoints: 16,
-            sweep_interval: Duration::from_millis(200),
-            idle_linger: Duration::from_millis(100),
-            upstream_timeout: Duration::from_secs(5),
-            outbound: OutboundPolicy::ANY,
-            // Reloads of several pages, so the faults between pages strike.
-            feed_page_limit: 8,
-            ..SequencerConfig::default()
-        },
-        SequencerMetrics::unregistered(),
-    )
-    .await
-    .expect("the pipeline test needs Redis on 127.0.0.1:6379");
+    let sequencer = start_sequencer(&app.db.url, &prefix.0, 16, OutboundPolicy::ANY).await;
     let proxy = PgProxy::start(amqp_addr()).await;
     let amqp_url = vhost.url_via(proxy.address);
     let publisher_pool = relay_store::connect(&app.db.url, &PoolOptions::default()).unwrap();

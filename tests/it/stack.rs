@@ -14,6 +14,7 @@ use relay_publisher::{
     ChangeMessage, Publisher, PublisherConfig, PublisherHandle, ReferenceConsumer,
 };
 use relay_rules::destination::DestinationPolicy;
+use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::Simulation;
 use relay_store::copy;
 use relay_store::PoolOptions;
@@ -460,4 +461,44 @@ pub(crate) async fn check_tenant_queue(
         );
     }
     (messages.len(), repeats)
+}
+
+/// The sequencer of a whole-relay test, in this process: short leases and sweeps so a test
+/// quiesces quickly, reloads of 8 items a page so the faults between pages strike, at most
+/// `max_concurrent_endpoints` worked at once, upstream requests only where `outbound` allows.
+pub(crate) async fn start_sequencer(
+    database_url: &str,
+    key_prefix: &str,
+    max_concurrent_endpoints: usize,
+    outbound: OutboundPolicy,
+) -> Sequencer {
+    let pool = relay_store::connect(
+        database_url,
+        &PoolOptions {
+            max_connections: 8,
+            acquire_timeout: Duration::from_secs(30),
+            statement_timeout: Some(Duration::from_secs(60)),
+            generic_plans: false,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    Sequencer::start(
+        pool,
+        SequencerConfig {
+            redis_url: redis_url(),
+            key_prefix: key_prefix.to_owned(),
+            lease: Duration::from_millis(1500),
+            max_concurrent_endpoints,
+            sweep_interval: Duration::from_millis(200),
+            idle_linger: Duration::from_millis(100),
+            upstream_timeout: Duration::from_secs(5),
+            feed_page_limit: 8,
+            outbound,
+            ..SequencerConfig::default()
+        },
+        SequencerMetrics::unregistered(),
+    )
+    .await
+    .expect("the whole-relay tests need Redis on 127.0.0.1:6379")
 }
