@@ -329,7 +329,11 @@ async fn a_stored_url_the_policy_refuses_is_refused_again_when_calling() {
 async fn the_sequencers_reads_follow_no_redirect_and_reach_no_refused_address() {
     let endpoint = Uuid::new_v4();
     let (redirecting, redirect_hits, _, target_hits) = redirect_pair().await;
-    let open = UpstreamClient::http_client(Duration::from_secs(5), OutboundPolicy::ANY);
+    let open = UpstreamClient::http_client(
+        Duration::from_secs(5),
+        OutboundPolicy::ANY,
+        &relay_netguard::TrustRoots::platform(),
+    );
     let client = UpstreamClient::new(open, Some(&redirecting), Some("qk_secret_key")).unwrap();
     match client.selection(endpoint).await {
         Err(UpstreamError::Status { status, .. }) => assert_eq!(status.as_u16(), 302),
@@ -352,7 +356,11 @@ async fn the_sequencers_reads_follow_no_redirect_and_reach_no_refused_address() 
         urls.push(upstream.replace("127.0.0.1", &alias));
     }
     for url in urls {
-        let strict = UpstreamClient::http_client(Duration::from_secs(5), http_only.clone());
+        let strict = UpstreamClient::http_client(
+            Duration::from_secs(5),
+            http_only.clone(),
+            &relay_netguard::TrustRoots::platform(),
+        );
         let client = UpstreamClient::new(strict, Some(&url), Some("qk_secret_key")).unwrap();
         match client.selection(endpoint).await {
             Err(UpstreamError::Refused { refusal, .. }) => {

@@ -19,3 +19,4 @@ mod sequencer_reload;
 mod stack;
 mod store_pool;
 mod tenant_broker;
+mod tls_support;

@@ -115,7 +115,11 @@ async fn add_endpoint(
             upstream_api_key: upstream_base_url.as_ref().map(|_| "key".to_owned()),
             upstream_base_url,
         },
-        UpstreamClient::http_client(Duration::from_secs(5), OutboundPolicy::ANY),
+        UpstreamClient::http_client(
+            Duration::from_secs(5),
+            OutboundPolicy::ANY,
+            &relay_netguard::TrustRoots::platform(),
+        ),
     ));
     (endpoint, ctx)
 }

@@ -199,6 +199,8 @@ pub struct ApiConfig {
     pub broker: BrokerAccess,
     /// Which upstream URLs endpoints may name, and where the rewind call may go.
     pub outbound: relay_netguard::OutboundPolicy,
+    /// The roots https requests (the rewind call, the broker's management API) trust.
+    pub trust: relay_netguard::TrustRoots,
     /// Where the API's metrics are registered: the binary's registry, served on its
     /// `/metrics`. A fresh one by default.
     pub registry: prometheus::Registry,
@@ -222,6 +224,7 @@ impl ApiConfig {
             )
             .expect("the default AMQP URL is valid"),
             outbound: relay_netguard::OutboundPolicy::default(),
+            trust: relay_netguard::TrustRoots::platform(),
             registry: prometheus::Registry::new(),
         }
     }
@@ -233,6 +236,7 @@ impl ApiArgs {
     pub fn to_config(
         &self,
         outbound: relay_netguard::OutboundPolicy,
+        trust: relay_netguard::TrustRoots,
     ) -> Result<ApiConfig, ConfigError> {
         Ok(ApiConfig {
             listen: self.api_listen,
@@ -256,6 +260,7 @@ impl ApiArgs {
                 self.destination_policy.clone(),
             )?,
             outbound,
+            trust,
             registry: prometheus::Registry::new(),
         })
     }
@@ -354,7 +359,9 @@ mod tests {
             "127.0.0.1:0",
         ])
         .unwrap();
-        let config = serve.api.to_config(Default::default());
+        let config = serve
+            .api
+            .to_config(Default::default(), relay_netguard::TrustRoots::platform());
         std::fs::remove_dir_all(&dir).unwrap();
         let config = config.unwrap();
         assert_eq!(config.listen.port(), 0);
@@ -363,7 +370,9 @@ mod tests {
         assert_eq!(config.listener, LISTENER_LIMITS);
         let short = Serve::try_parse_from(["relay", "--jwt-secret", "short"]).unwrap();
         assert!(matches!(
-            short.api.to_config(Default::default()),
+            short
+                .api
+                .to_config(Default::default(), relay_netguard::TrustRoots::platform()),
             Err(ConfigError::Key(KeyError::TooShort(5)))
         ));
     }

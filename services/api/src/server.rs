@@ -41,11 +41,16 @@ pub enum ServeError {
 pub fn build(pool: PgPool, config: &ApiConfig) -> Result<Router, ServeError> {
     // No redirect is followed (GuardedClient): one is not an answer version 1 describes, and
     // following it would send the API key to wherever it points.
-    let http = relay_netguard::GuardedClient::new(config.outbound.clone(), config.upstream_timeout)
-        .map_err(ServeError::Client)?;
+    let http = relay_netguard::GuardedClient::new(
+        config.outbound.clone(),
+        &config.trust,
+        config.upstream_timeout,
+    )
+    .map_err(ServeError::Client)?;
     // The relay's own broker's management API: an address the operator configured, not one a
     // tenant named, so no outbound policy applies; still no redirect followed.
     let management = reqwest::Client::builder()
+        .use_preconfigured_tls(config.trust.client_config())
         .timeout(config.upstream_timeout)
         .redirect(reqwest::redirect::Policy::none())
         .build()

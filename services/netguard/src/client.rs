@@ -10,6 +10,7 @@ use reqwest::dns::{Addrs, Name, Resolve, Resolving};
 use reqwest::{Method, RequestBuilder};
 
 use crate::policy::{OutboundPolicy, Refusal};
+use crate::tls::TrustRoots;
 
 /// Resolves with the system's resolver, then keeps only the addresses the policy allows. A name
 /// with none left fails to resolve, so nothing is sent.
@@ -106,9 +107,15 @@ pub struct GuardedClient {
 }
 
 impl GuardedClient {
-    /// A client whose every request, connecting included, ends within `timeout`.
-    pub fn new(policy: OutboundPolicy, timeout: Duration) -> Result<Self, reqwest::Error> {
+    /// A client whose every request, connecting included, ends within `timeout`, trusting
+    /// `trust`'s roots for https.
+    pub fn new(
+        policy: OutboundPolicy,
+        trust: &TrustRoots,
+        timeout: Duration,
+    ) -> Result<Self, reqwest::Error> {
         let http = reqwest::Client::builder()
+            .use_preconfigured_tls(trust.client_config())
             .timeout(timeout)
             .connect_timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())
@@ -218,7 +225,8 @@ mod tests {
             allow_private: false,
             allowed_networks: Vec::new(),
         };
-        let client = GuardedClient::new(policy, Duration::from_secs(5)).unwrap();
+        let client =
+            GuardedClient::new(policy, &TrustRoots::platform(), Duration::from_secs(5)).unwrap();
         // The URL passes the pure check (a name), so only the resolver can stop it.
         let error = client
             .request(Method::GET, &format!("http://{name}:1/"))
@@ -232,7 +240,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_literal_address_is_refused_before_sending() {
-        let client = GuardedClient::new(OutboundPolicy::default(), Duration::from_secs(1)).unwrap();
+        let client = GuardedClient::new(
+            OutboundPolicy::default(),
+            &TrustRoots::platform(),
+            Duration::from_secs(1),
+        )
+        .unwrap();
         for url in [
             "https://127.0.0.1:1/x",
             "https://[::1]:1/",

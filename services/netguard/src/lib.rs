@@ -7,14 +7,25 @@
 //! - [`client`]: the IO side: a DNS resolver that drops refused addresses after resolution
 //!   ([`GuardedResolver`]), and the HTTP client every outbound call goes through
 //!   ([`GuardedClient`]): the resolver, no redirects, literal addresses checked before sending.
-//! - [`OutboundArgs`]: the operator's settings, as flags and environment variables.
+//! - [`tls`]: whom the relay trusts over TLS ([`TrustRoots`]: the platform's roots and the
+//!   operator's CA file), and what a failed connection says ([`error_chain`],
+//!   [`certificate_failure`]). Every TLS client of the relay's (upstream, brokers, Postgres,
+//!   Redis) takes its roots from here.
+//! - [`retry`]: the one retry policy for upstream and broker calls ([`RetryPolicy`]).
+//! - [`OutboundArgs`], [`TlsArgs`]: the operator's settings, as flags and environment variables.
 
 pub mod client;
 pub mod policy;
+pub mod retry;
+pub mod tls;
 
 pub use client::{refusal_in, GuardedClient, GuardedResolver, ResolveError};
 pub use policy::{OutboundPolicy, Refusal};
 pub use relay_rules::address::{classify, AddressKind};
+pub use retry::{Pauses, RetryPolicy};
+pub use tls::{
+    certificate_failure, error_chain, CertificateFailure, TlsArgs, TrustError, TrustRoots,
+};
 
 /// The operator's settings for outbound requests. All off by default: https to public
 /// addresses only.

@@ -337,13 +337,13 @@ async fn record_confirms(
     Ok(())
 }
 
-fn sequencer_config(global: &GlobalArgs, args: &SequencerArgs) -> SequencerConfig {
-    SequencerConfig {
+fn sequencer_config(global: &GlobalArgs, args: &SequencerArgs) -> anyhow::Result<SequencerConfig> {
+    Ok(SequencerConfig {
         key_prefix: format!("relay-bench-{}:", Uuid::new_v4().simple()),
         // The benchmark's upstream is its own feed server, on 127.0.0.1 over http.
         outbound: relay_netguard::OutboundPolicy::ANY,
-        ..args.to_config(global)
-    }
+        ..args.to_config(global)?
+    })
 }
 
 async fn apply(global: &GlobalArgs, args: ApplyBenchArgs) -> anyhow::Result<()> {
@@ -420,7 +420,7 @@ async fn apply(global: &GlobalArgs, args: ApplyBenchArgs) -> anyhow::Result<()> 
     // pool plans every statement anew, which is not what production runs.
     let sequencer = Sequencer::start(
         crate::startup::sequencer_pool(global)?,
-        sequencer_config(global, &args.sequencer),
+        sequencer_config(global, &args.sequencer)?,
         metrics.clone(),
     )
     .await?;
@@ -559,7 +559,7 @@ async fn timed_reload(
     let started = Instant::now();
     let sequencer = Sequencer::start(
         crate::startup::sequencer_pool(global)?,
-        sequencer_config(global, args),
+        sequencer_config(global, args)?,
         SequencerMetrics::unregistered(),
     )
     .await?;
@@ -854,7 +854,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
         crate::startup::sequencer_pool(global)?,
         SequencerConfig {
             key_prefix: prefix.clone(),
-            ..args.sequencer.to_config(global)
+            ..args.sequencer.to_config(global)?
         },
         SequencerMetrics::register(&registry)?,
     )

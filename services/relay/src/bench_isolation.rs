@@ -195,7 +195,7 @@ pub async fn run(global: &GlobalArgs, args: IsolationBenchArgs) -> anyhow::Resul
             key_prefix: prefix.clone(),
             // A's endpoints read the bench's own feed, on this machine.
             outbound: relay_netguard::OutboundPolicy::ANY,
-            ..args.sequencer.to_config(global)
+            ..args.sequencer.to_config(global)?
         },
         SequencerMetrics::register(&registry)?,
     )

@@ -71,6 +71,17 @@ pub struct GlobalArgs {
     /// Where the sequencer and the control plane may send requests on a tenant's behalf.
     #[command(flatten)]
     pub outbound: relay_netguard::OutboundArgs,
+
+    /// Whom every TLS connection trusts (upstream, brokers, Postgres, Redis).
+    #[command(flatten)]
+    pub tls: relay_netguard::TlsArgs,
+}
+
+impl GlobalArgs {
+    /// The roots every TLS client trusts: the platform's and the operator's CA file.
+    pub fn trust(&self) -> anyhow::Result<relay_netguard::TrustRoots> {
+        self.tls.trust().map_err(anyhow::Error::from)
+    }
 }
 
 // By hand: the URLs may hold passwords.
@@ -84,6 +95,7 @@ impl std::fmt::Debug for GlobalArgs {
             .field("redis_key_prefix", &self.redis_key_prefix)
             .field("log_format", &self.log_format)
             .field("outbound", &self.outbound)
+            .field("tls", &self.tls)
             .finish()
     }
 }

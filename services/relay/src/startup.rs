@@ -149,8 +149,11 @@ pub async fn ingest_waker(global: &GlobalArgs) -> Option<relay_sequencer::Waker>
 }
 
 impl SequencerArgs {
-    pub fn to_config(&self, global: &GlobalArgs) -> relay_sequencer::SequencerConfig {
-        relay_sequencer::SequencerConfig {
+    pub fn to_config(
+        &self,
+        global: &GlobalArgs,
+    ) -> anyhow::Result<relay_sequencer::SequencerConfig> {
+        Ok(relay_sequencer::SequencerConfig {
             redis_url: global.redis_url.clone(),
             key_prefix: global.redis_key_prefix.clone(),
             lease: Duration::from_millis(self.lease_ms),
@@ -167,8 +170,9 @@ impl SequencerArgs {
                 .then(|| Duration::from_secs(self.applied_events_retention_days * 24 * 3600)),
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
             outbound: global.outbound.policy(),
+            trust: global.trust()?,
             ..relay_sequencer::SequencerConfig::default()
-        }
+        })
     }
 }
 
@@ -194,7 +198,7 @@ pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> a
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
     let serve_metrics = tokio::spawn(telemetry::serve_metrics(metrics_listener, registry));
     let sequencer =
-        relay_sequencer::Sequencer::start(pool, command.args.to_config(global), metrics)
+        relay_sequencer::Sequencer::start(pool, command.args.to_config(global)?, metrics)
             .await
             .context("starting the sequencer (is Redis up?)")?;
     tracing::info!("sequencer running");
@@ -253,7 +257,7 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
     let mut args = command.args.clone();
     args.relay_amqp_url = command.amqp_url.clone();
     args.destination_policy = command.destinations.policy();
-    let mut config = args.to_config(global.outbound.policy())?;
+    let mut config = args.to_config(global.outbound.policy(), global.trust()?)?;
     config.registry = registry.clone();
     let mut server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
     tracing::info!(address = %server.address, "control plane running");
@@ -297,7 +301,7 @@ pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> 
     let sequencer_metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
     let sequencer = relay_sequencer::Sequencer::start(
         sequencer_pool(global)?,
-        args.sequencer.to_config(global),
+        args.sequencer.to_config(global)?,
         sequencer_metrics,
     )
     .await
@@ -315,7 +319,7 @@ pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> 
     let mut api_args = args.api.clone();
     api_args.relay_amqp_url = args.publisher.amqp_url.clone();
     api_args.destination_policy = args.publisher.destinations.policy();
-    let api = match api_args.to_config(global.outbound.policy()) {
+    let api = match api_args.to_config(global.outbound.policy(), global.trust()?) {
         Ok(mut config) => {
             config.registry = registry.clone();
             let server = relay_api::ApiServer::start(service_pool(global)?, config).await?;

@@ -73,6 +73,8 @@ pub struct SequencerConfig {
     /// Where upstream requests may go (the operator's setting; https to public addresses by
     /// default).
     pub outbound: relay_netguard::OutboundPolicy,
+    /// The roots upstream https connections trust.
+    pub trust: relay_netguard::TrustRoots,
     /// Items per `/v1/feed` page a reload asks for: the most the API gives (500) by default, so
     /// a pass makes the fewest reads; tests ask for fewer, so that a pass has several pages.
     pub feed_page_limit: usize,
@@ -102,6 +104,7 @@ impl Default for SequencerConfig {
             retention_interval: Duration::from_secs(600),
             upstream_timeout: Duration::from_secs(10),
             outbound: relay_netguard::OutboundPolicy::default(),
+            trust: relay_netguard::TrustRoots::platform(),
             feed_page_limit: crate::upstream::FEED_PAGE_LIMIT,
             reload_backoff: ReloadBackoff::default(),
         }
@@ -202,7 +205,7 @@ async fn schedule(
         wake_tx,
         stop.clone(),
     ));
-    let http = UpstreamClient::http_client(config.upstream_timeout, config.outbound);
+    let http = UpstreamClient::http_client(config.upstream_timeout, config.outbound, &config.trust);
     let (batcher, appliers) = ApplyBatcher::start(
         pool.clone(),
         config.appliers,

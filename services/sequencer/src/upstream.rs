@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use relay_netguard::{refusal_in, GuardedClient, OutboundPolicy, Refusal};
+use relay_netguard::{refusal_in, GuardedClient, OutboundPolicy, Refusal, TrustRoots};
 use relay_rules::{ReadItem, RefetchAnswer};
 use relay_wire::{FeedItem, ItemKind, Sequence};
 use reqwest::{Method, StatusCode};
@@ -160,8 +160,13 @@ impl UpstreamClient {
 
     /// A client for this crate's reads: every request bounded by `timeout`, sent only where
     /// `policy` allows, and no redirect followed (see [`GuardedClient`]).
-    pub fn http_client(timeout: Duration, policy: OutboundPolicy) -> GuardedClient {
-        GuardedClient::new(policy, timeout).expect("a reqwest client with a resolver and timeouts")
+    pub fn http_client(
+        timeout: Duration,
+        policy: OutboundPolicy,
+        trust: &TrustRoots,
+    ) -> GuardedClient {
+        GuardedClient::new(policy, trust, timeout)
+            .expect("a reqwest client with a resolver and timeouts")
     }
 
     async fn get(
