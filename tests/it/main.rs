@@ -12,6 +12,7 @@ mod ingest_replicas;
 mod ingest_vector;
 mod pipeline;
 mod publisher;
+mod registration_changes;
 mod sequencer_apply;
 mod sequencer_ownership;
 mod sequencer_quarantine;

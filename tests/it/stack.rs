@@ -463,14 +463,48 @@ pub(crate) async fn check_tenant_queue(
     (messages.len(), repeats)
 }
 
-/// The sequencer of a whole-relay test, in this process: short leases and sweeps so a test
-/// quiesces quickly, reloads of 8 items a page so the faults between pages strike, at most
-/// `max_concurrent_endpoints` worked at once, upstream requests only where `outbound` allows.
+/// The sequencer of a whole-relay test, in this process (see [`sequencer_config`]).
 pub(crate) async fn start_sequencer(
     database_url: &str,
     key_prefix: &str,
     max_concurrent_endpoints: usize,
     outbound: OutboundPolicy,
+) -> Sequencer {
+    start_sequencer_with(
+        database_url,
+        sequencer_config(key_prefix, max_concurrent_endpoints, outbound),
+        SequencerMetrics::unregistered(),
+    )
+    .await
+}
+
+/// A whole-relay test's sequencer settings: short leases and sweeps so a test quiesces
+/// quickly, reloads of 8 items a page so the faults between pages strike, at most
+/// `max_concurrent_endpoints` worked at once, upstream requests only where `outbound` allows.
+pub(crate) fn sequencer_config(
+    key_prefix: &str,
+    max_concurrent_endpoints: usize,
+    outbound: OutboundPolicy,
+) -> SequencerConfig {
+    SequencerConfig {
+        redis_url: redis_url(),
+        key_prefix: key_prefix.to_owned(),
+        lease: Duration::from_millis(1500),
+        max_concurrent_endpoints,
+        sweep_interval: Duration::from_millis(200),
+        idle_linger: Duration::from_millis(100),
+        upstream_timeout: Duration::from_secs(5),
+        feed_page_limit: 8,
+        outbound,
+        ..SequencerConfig::default()
+    }
+}
+
+/// The sequencer with `config` and `metrics`, on a pool of its own.
+pub(crate) async fn start_sequencer_with(
+    database_url: &str,
+    config: SequencerConfig,
+    metrics: SequencerMetrics,
 ) -> Sequencer {
     let pool = relay_store::connect(
         database_url,
@@ -483,22 +517,7 @@ pub(crate) async fn start_sequencer(
         },
     )
     .unwrap();
-    Sequencer::start(
-        pool,
-        SequencerConfig {
-            redis_url: redis_url(),
-            key_prefix: key_prefix.to_owned(),
-            lease: Duration::from_millis(1500),
-            max_concurrent_endpoints,
-            sweep_interval: Duration::from_millis(200),
-            idle_linger: Duration::from_millis(100),
-            upstream_timeout: Duration::from_secs(5),
-            feed_page_limit: 8,
-            outbound,
-            ..SequencerConfig::default()
-        },
-        SequencerMetrics::unregistered(),
-    )
-    .await
-    .expect("the whole-relay tests need Redis on 127.0.0.1:6379")
+    Sequencer::start(pool, config, metrics)
+        .await
+        .expect("the whole-relay tests need Redis on 127.0.0.1:6379")
 }

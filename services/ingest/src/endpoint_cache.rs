@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use relay_store::endpoints::{self, EndpointAuth};
+use relay_store::endpoints::{self, EndpointAuth, CHANGED_CHANNEL};
 use relay_store::StoreError;
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
@@ -20,8 +20,6 @@ use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 use crate::metrics::IngestMetrics;
-
-const CHANNEL: &str = "relay_endpoint_changed";
 
 struct Entry {
     /// `None` caches "no such endpoint", so a scanner cannot make us query for each request.
@@ -151,7 +149,7 @@ impl EndpointCache {
     async fn listen_once(&self) -> Result<(), sqlx::Error> {
         let mut listener = PgListener::connect_with(&self.pool).await?;
         // Once LISTEN is in place nothing can be missed; anything cached before is suspect.
-        listener.listen(CHANNEL).await?;
+        listener.listen(CHANGED_CHANNEL).await?;
         self.invalidate(None);
         self.shared.listening.store(true, Ordering::Release);
         tracing::debug!("listening for endpoint changes");

@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use relay_netguard::RetryPolicy;
 use relay_rules::{
     decide_event, decide_refetch, feed_subject, quarantine, step, Decision, EndpointTrack,
     FeedCopy, IgnoreReason, MessageDecision, PendingRefetch, RefetchAnswer, RefetchOutcome,
@@ -26,7 +27,7 @@ use relay_store::StoreError;
 use relay_wire::{EventBody, FeedData, Message};
 use sqlx::PgPool;
 use time::OffsetDateTime;
-use tokio::sync::Mutex;
+use tokio::sync::{watch, Mutex};
 use uuid::Uuid;
 
 use crate::metrics::SequencerMetrics;
@@ -91,40 +92,93 @@ fn statement_refused(error: &sqlx::Error) -> bool {
     }
 }
 
-/// One owned endpoint: its registration, its upstream client, and the selection (language,
-/// filter) last read from the upstream.
+/// One owned endpoint: its registration as last read, its upstream client, and the selection
+/// (language, filter) last read from the upstream.
+///
+/// The registration can change while the endpoint is owned (a tenant rotates a leaked key or
+/// moves its upstream URL): [`EndpointContext::update`] swaps the client, forgets the selection
+/// (the language may have changed with it) and tells whoever waits on [`EndpointContext::changes`]
+/// (a reload pausing after a failed read tries again at once, with the new values).
 pub struct EndpointContext {
-    pub registration: EndpointRegistration,
-    pub upstream: Result<UpstreamClient, UpstreamError>,
+    id: Uuid,
+    tenant: Uuid,
+    http: relay_netguard::GuardedClient,
+    feed_page_limit: usize,
+    /// `None`: the registration names no upstream base URL or key; nothing is read until it does.
+    upstream: std::sync::RwLock<Option<UpstreamClient>>,
+    changed: watch::Sender<u64>,
     selection: Mutex<Option<FeedSelection>>,
 }
 
 impl EndpointContext {
     pub fn new(registration: EndpointRegistration, http: relay_netguard::GuardedClient) -> Self {
-        let upstream = UpstreamClient::new(
+        let context = Self {
+            id: registration.id,
+            tenant: registration.tenant_id,
             http,
-            registration.upstream_base_url.as_deref(),
-            registration.upstream_api_key.as_deref(),
-        );
-        Self {
-            registration,
-            upstream,
+            feed_page_limit: crate::upstream::FEED_PAGE_LIMIT,
+            upstream: std::sync::RwLock::new(None),
+            changed: watch::channel(0).0,
             selection: Mutex::new(None),
-        }
+        };
+        context.set_client(&registration);
+        context
     }
 
     pub fn id(&self) -> Uuid {
-        self.registration.id
+        self.id
     }
 
     pub fn tenant(&self) -> Uuid {
-        self.registration.tenant_id
+        self.tenant
     }
 
     /// Reads `/v1/feed` `limit` items per page (see [`UpstreamClient::with_page_limit`]).
     pub fn with_feed_page_limit(mut self, limit: usize) -> Self {
-        self.upstream = self.upstream.map(|client| client.with_page_limit(limit));
+        self.feed_page_limit = limit;
+        let client = self.upstream.get_mut().expect("not poisoned").take();
+        *self.upstream.get_mut().expect("not poisoned") =
+            client.map(|client| client.with_page_limit(limit));
         self
+    }
+
+    fn set_client(&self, registration: &EndpointRegistration) {
+        let client = UpstreamClient::new(
+            self.http.clone(),
+            registration.upstream_base_url.as_deref(),
+            registration.upstream_api_key.as_deref(),
+        )
+        .ok()
+        .map(|client| client.with_page_limit(self.feed_page_limit));
+        *self.upstream.write().expect("not poisoned") = client;
+    }
+
+    /// The upstream client as the registration is now, or [`UpstreamError::NotConfigured`].
+    pub fn upstream(&self) -> Result<UpstreamClient, UpstreamError> {
+        self.upstream
+            .read()
+            .expect("not poisoned")
+            .clone()
+            .ok_or(UpstreamError::NotConfigured)
+    }
+
+    /// Whether the registration names an upstream to read: without one, no reload or refetch
+    /// read is tried (each would fail the same way) until a change names one.
+    pub fn has_upstream(&self) -> bool {
+        self.upstream.read().expect("not poisoned").is_some()
+    }
+
+    /// Takes the registration as it is now: the next upstream read uses its URL and key, the
+    /// selection is read again, and [`EndpointContext::changes`] fires.
+    pub async fn update(&self, registration: &EndpointRegistration) {
+        self.set_client(registration);
+        *self.selection.lock().await = None;
+        self.changed.send_modify(|version| *version += 1);
+    }
+
+    /// Fires on each [`EndpointContext::update`].
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
     }
 
     /// The endpoint's language and filter: read once, and again by every reload.
@@ -133,10 +187,7 @@ impl EndpointContext {
         if let Some(selection) = held.as_ref() {
             return Ok(selection.clone());
         }
-        let upstream = self
-            .upstream
-            .as_ref()
-            .map_err(|_| UpstreamError::NotConfigured)?;
+        let upstream = self.upstream()?;
         let selection = upstream.selection(self.id()).await?;
         *held = Some(selection.clone());
         Ok(selection)
@@ -159,8 +210,11 @@ pub struct MessageReport {
 /// The answers of a message's refetch reads, by event id, with the number of the last read.
 type Prefetched = HashMap<String, (RefetchAnswer, u32)>;
 
-/// Pause between refetch reads that failed: short, since the next message waits on them.
-const REFETCH_RETRY_PAUSE: Duration = Duration::from_millis(50);
+/// Pauses between refetch reads that failed: short, since the next message waits on them.
+const REFETCH_RETRY: RetryPolicy = RetryPolicy {
+    first: Duration::from_millis(50),
+    max: Duration::from_millis(400),
+};
 
 /// Reads every refetch of the message whose event is not applied yet, trying a failed read
 /// (a load balancer's 404, no answer) up to [`REFETCH_ATTEMPTS`] times.
@@ -199,7 +253,7 @@ async fn prefetch(
         if applied.contains(event_id) || answers.contains_key(event_id) {
             continue;
         }
-        let (Ok(upstream), Ok(selection)) = (ctx.upstream.as_ref(), ctx.selection().await) else {
+        let (Ok(upstream), Ok(selection)) = (ctx.upstream(), ctx.selection().await) else {
             metrics.refetches.with_label_values(&["failed"]).inc();
             answers.insert(
                 event_id.to_owned(),
@@ -208,6 +262,7 @@ async fn prefetch(
             continue;
         };
         let mut attempt = 1;
+        let mut pauses = REFETCH_RETRY.pauses();
         let answer = loop {
             let answer = upstream.read_item(&selection, feed_item_id).await;
             let label = match &answer {
@@ -221,9 +276,15 @@ async fn prefetch(
                 answer,
                 RefetchAnswer::LoadBalancer404 | RefetchAnswer::Failed
             );
+            if failed {
+                metrics
+                    .upstream_failures
+                    .with_label_values(&["refetch"])
+                    .inc();
+            }
             if failed && attempt < REFETCH_ATTEMPTS {
                 attempt += 1;
-                tokio::time::sleep(REFETCH_RETRY_PAUSE * attempt).await;
+                tokio::time::sleep(pauses.next_pause()).await;
                 continue;
             }
             break answer;

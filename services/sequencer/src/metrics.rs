@@ -32,6 +32,9 @@ pub const REFETCH_OUTCOMES: [&str; 6] = [
     "reload",
 ];
 
+/// The upstream reads the sequencer makes.
+pub const UPSTREAM_CALLS: [&str; 2] = ["reload", "refetch"];
+
 pub const RELOAD_OUTCOMES: [&str; 3] = ["started", "merged", "abandoned"];
 
 /// The steps of an apply transaction, in order (see `apply_together`): each is one round trip
@@ -50,6 +53,9 @@ pub struct SequencerMetrics {
     pub reloads: IntCounterVec,
     pub reload_duration: HistogramVec,
     pub refetches: IntCounterVec,
+    /// Upstream reads that failed (no answer, a refused address or certificate, an error
+    /// status), by the call that made them: what an operator alerts on before any copy lags.
+    pub upstream_failures: IntCounterVec,
     pub endpoints_owned: IntGauge,
     pub lock_losses: IntCounter,
     pub applied_events_forgotten: IntCounter,
@@ -130,6 +136,13 @@ impl SequencerMetrics {
             ),
             &["outcome"],
         )?;
+        let upstream_failures = IntCounterVec::new(
+            Opts::new(
+                "relay_sequencer_upstream_failures_total",
+                "Upstream API reads that failed, by call (reload, refetch).",
+            ),
+            &["call"],
+        )?;
         let endpoints_owned = IntGauge::new(
             "relay_sequencer_endpoints_owned",
             "Endpoints this process holds the lock of now.",
@@ -159,6 +172,7 @@ impl SequencerMetrics {
         registry.register(Box::new(reloads.clone()))?;
         registry.register(Box::new(reload_duration.clone()))?;
         registry.register(Box::new(refetches.clone()))?;
+        registry.register(Box::new(upstream_failures.clone()))?;
         registry.register(Box::new(endpoints_owned.clone()))?;
         registry.register(Box::new(lock_losses.clone()))?;
         for outcome in MessageOutcome::ALL {
@@ -169,6 +183,9 @@ impl SequencerMetrics {
         }
         for outcome in REFETCH_OUTCOMES {
             refetches.with_label_values(&[outcome]);
+        }
+        for call in UPSTREAM_CALLS {
+            upstream_failures.with_label_values(&[call]);
         }
         for outcome in RELOAD_OUTCOMES {
             reloads.with_label_values(&[outcome]);
@@ -187,6 +204,7 @@ impl SequencerMetrics {
             reloads,
             reload_duration,
             refetches,
+            upstream_failures,
             endpoints_owned,
             lock_losses,
             applied_events_forgotten,

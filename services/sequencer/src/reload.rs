@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use relay_netguard::RetryPolicy;
 use relay_rules::{check_pages, PagesCheck, Reload};
 use relay_store::copy;
 use sqlx::PgPool;
@@ -29,36 +30,29 @@ pub enum ReloadEnd {
     Fenced,
 }
 
-/// Pauses between passes that cannot merge: from `first` doubling up to `max`.
-#[derive(Debug, Clone, Copy)]
-pub struct ReloadBackoff {
-    pub first: Duration,
-    pub max: Duration,
-}
-
-impl Default for ReloadBackoff {
-    fn default() -> Self {
-        Self {
-            first: Duration::from_millis(50),
-            max: Duration::from_secs(5),
-        }
-    }
-}
+/// Pauses between passes that cannot merge (a failed read, pages that disagree), by default.
+pub const RELOAD_RETRY: RetryPolicy = RetryPolicy {
+    first: Duration::from_millis(50),
+    max: Duration::from_secs(5),
+};
 
 /// Runs `reload` until it is merged or no longer the track's. Errors of the upstream are retried
-/// with backoff for as long as the reload is the track's: a reload is never given up, since the
-/// copy cannot be right without it.
+/// with `retry`'s pauses for as long as the reload is the track's: a reload is never given up,
+/// since the copy cannot be right without it. A change of the endpoint's registration ends the
+/// pause at once (a rotated key or a moved URL is tried without waiting out the backoff); while
+/// the registration names no upstream, nothing is read until one does.
 pub async fn run_reload(
     pool: &PgPool,
     ctx: &Arc<EndpointContext>,
     token: i64,
     reload: &Reload,
-    backoff: ReloadBackoff,
+    retry: RetryPolicy,
     metrics: &SequencerMetrics,
 ) -> Result<ReloadEnd, ApplyError> {
     let endpoint = ctx.id();
     let started = Instant::now();
-    let mut pause = backoff.first;
+    let mut changes = ctx.changes();
+    let mut pauses = retry.pauses();
     let mut passes = 0u32;
     loop {
         let track = state::peek_track(pool, endpoint, FEED_TRACK).await?;
@@ -102,20 +96,37 @@ pub async fn run_reload(
             Err(UpstreamError::CursorExpired) => {
                 tracing::debug!(%endpoint, passes, "feed cursor expired: reading again");
             }
+            Err(UpstreamError::NotConfigured) => {
+                // Every read would fail the same way: wait for the registration to change.
+                tracing::info!(%endpoint, "the reload waits for the endpoint's upstream settings");
+                if changes.changed().await.is_err() {
+                    return Ok(ReloadEnd::Superseded);
+                }
+                pauses = retry.pauses();
+                continue;
+            }
             Err(error) => {
+                metrics
+                    .upstream_failures
+                    .with_label_values(&["reload"])
+                    .inc();
                 tracing::warn!(%endpoint, passes, %error, "reload read failed");
             }
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(backoff.max);
+        tokio::select! {
+            _ = tokio::time::sleep(pauses.next_pause()) => {}
+            changed = changes.changed() => {
+                if changed.is_ok() {
+                    tracing::info!(%endpoint, "the endpoint's registration changed: reading again now");
+                    pauses = retry.pauses();
+                }
+            }
+        }
     }
 }
 
 async fn read_pass(ctx: &EndpointContext) -> Result<FeedPass, UpstreamError> {
-    let upstream = ctx
-        .upstream
-        .as_ref()
-        .map_err(|_| UpstreamError::NotConfigured)?;
+    let upstream = ctx.upstream()?;
     // "read the endpoint's filter and language as they are now".
     let selection = upstream.selection(ctx.id()).await?;
     ctx.set_selection(selection.clone()).await;

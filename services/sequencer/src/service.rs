@@ -16,7 +16,6 @@ use uuid::Uuid;
 use crate::batch::{ApplyBatcher, PendingReader};
 use crate::metrics::SequencerMetrics;
 use crate::ownership::{Owners, OwnershipConfig, OwnershipError};
-use crate::reload::ReloadBackoff;
 use crate::slots::Slots;
 use crate::state;
 use crate::upstream::UpstreamClient;
@@ -78,7 +77,8 @@ pub struct SequencerConfig {
     /// Items per `/v1/feed` page a reload asks for: the most the API gives (500) by default, so
     /// a pass makes the fewest reads; tests ask for fewer, so that a pass has several pages.
     pub feed_page_limit: usize,
-    pub reload_backoff: ReloadBackoff,
+    /// Pauses between a reload's passes that cannot merge.
+    pub reload_retry: relay_netguard::RetryPolicy,
 }
 
 impl Default for SequencerConfig {
@@ -106,7 +106,7 @@ impl Default for SequencerConfig {
             outbound: relay_netguard::OutboundPolicy::default(),
             trust: relay_netguard::TrustRoots::platform(),
             feed_page_limit: crate::upstream::FEED_PAGE_LIMIT,
-            reload_backoff: ReloadBackoff::default(),
+            reload_retry: crate::reload::RELOAD_RETRY,
         }
     }
 }
@@ -199,10 +199,16 @@ async fn schedule(
             stop.clone(),
         ))
     });
+    let (changed_tx, mut changed_rx) = mpsc::unbounded_channel::<Option<Uuid>>();
+    let registration_listener = tokio::spawn(listen_registration_changes(
+        pool.clone(),
+        changed_tx,
+        stop.clone(),
+    ));
     let sweeper = tokio::spawn(sweep(
         pool.clone(),
         config.sweep_interval,
-        wake_tx,
+        wake_tx.clone(),
         stop.clone(),
     ));
     let http = UpstreamClient::http_client(config.upstream_timeout, config.outbound, &config.trust);
@@ -225,7 +231,7 @@ async fn schedule(
         reader: Some(reader),
         messages_per_read: config.messages_per_read,
         idle_linger: config.idle_linger,
-        reload_backoff: config.reload_backoff,
+        reload_retry: config.reload_retry,
         error_pause: Duration::from_millis(200),
         feed_page_limit: config.feed_page_limit,
         apply_attempts: config.apply_attempts,
@@ -298,6 +304,31 @@ async fn schedule(
                     None => spawn(&mut workers, &mut active, endpoint),
                 }
             }
+            Some(change) = changed_rx.recv() => match change {
+                Some(endpoint) => match active.get(&endpoint) {
+                    Some(signal) => signal.registration_changed(),
+                    // Owned by no worker here: one starts if the change gave it work (settings
+                    // that a waiting reload needed).
+                    None => {
+                        let (pool, wakes) = (pool.clone(), wake_tx.clone());
+                        tokio::spawn(async move {
+                            if let Ok(found) =
+                                state::endpoints_with_work(&pool, Some(endpoint), 1).await
+                            {
+                                for endpoint in found {
+                                    let _ = wakes.send(endpoint);
+                                }
+                            }
+                        });
+                    }
+                },
+                // Changes may have been missed: every worker reads its registration again.
+                None => {
+                    for signal in active.values() {
+                        signal.registration_changed();
+                    }
+                }
+            },
             Some(done) = workers.join_next(), if !workers.is_empty() => {
                 slots.forget_idle();
                 let Ok(exit) = done else { continue };
@@ -323,6 +354,7 @@ async fn schedule(
         task.abort();
     }
     listener.abort();
+    registration_listener.abort();
     sweeper.abort();
     if let Some(retention) = retention {
         retention.abort();
@@ -361,6 +393,53 @@ async fn forget_applied_events(
     }
 }
 
+/// Listens for changes to endpoints' registrations (the Postgres notifications the front tier
+/// also listens for) until `stop`, and forwards each endpoint's id; `None` after (re)connecting,
+/// when changes may have been missed.
+async fn listen_registration_changes(
+    pool: PgPool,
+    changes: mpsc::UnboundedSender<Option<Uuid>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut pauses = LISTEN_RETRY.pauses();
+    loop {
+        let listened = async {
+            let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+            listener
+                .listen(relay_store::endpoints::CHANGED_CHANNEL)
+                .await?;
+            let _ = changes.send(None);
+            pauses = LISTEN_RETRY.pauses();
+            // `try_recv` answers `None` when the connection dropped (changes may be lost).
+            while let Some(notification) = listener.try_recv().await? {
+                if let Ok(endpoint) = Uuid::parse_str(notification.payload()) {
+                    let _ = changes.send(Some(endpoint));
+                }
+            }
+            Ok::<(), sqlx::Error>(())
+        };
+        tokio::select! {
+            result = listened => {
+                if let Err(error) = result {
+                    tracing::warn!(error = %relay_netguard::error_chain(&error),
+                        "listening for endpoint changes failed; retrying");
+                }
+            }
+            _ = stop.changed() => return,
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(pauses.next_pause()) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// Pauses before listening again for endpoint changes after the connection failed.
+const LISTEN_RETRY: relay_netguard::RetryPolicy = relay_netguard::RetryPolicy {
+    first: Duration::from_millis(100),
+    max: Duration::from_secs(5),
+};
+
 async fn sweep(
     pool: PgPool,
     interval: Duration,
@@ -368,7 +447,7 @@ async fn sweep(
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
-        match state::endpoints_with_work(&pool, 100_000).await {
+        match state::endpoints_with_work(&pool, None, 100_000).await {
             Ok(endpoints) => {
                 for endpoint in endpoints {
                     if wakes.send(endpoint).is_err() {

@@ -988,18 +988,31 @@ pub async fn record_applications(
     Ok(())
 }
 
-/// Endpoints with work: messages stored past their cursor, or a reload begun and not merged.
-/// The periodic sweep's query (the Redis wake-up is only the fast path).
-pub async fn endpoints_with_work(pool: &PgPool, limit: i64) -> Result<Vec<Uuid>, StateError> {
+/// Endpoints with work (`only`: of that endpoint alone): messages stored past their cursor, or
+/// a reload begun and not merged. The periodic sweep's query (the Redis wake-up is only the
+/// fast path), and the check after a registration change.
+pub async fn endpoints_with_work(
+    pool: &PgPool,
+    only: Option<Uuid>,
+    limit: i64,
+) -> Result<Vec<Uuid>, StateError> {
     Ok(sqlx::query_scalar(
         "SELECT a.endpoint_id FROM endpoint_arrival_counters a
          LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = a.endpoint_id
          WHERE a.last_arrival_seq > coalesce(c.applied_arrival_seq, 0)
+           AND ($2::uuid IS NULL OR a.endpoint_id = $2)
          UNION
-         SELECT endpoint_id FROM endpoint_tracks WHERE reload IS NOT NULL
+         -- A reload without upstream settings waits for them with no worker: the registration
+         -- change that gives them wakes the endpoint.
+         SELECT t.endpoint_id FROM endpoint_tracks t
+         JOIN webhook_endpoints e ON e.id = t.endpoint_id
+         WHERE t.reload IS NOT NULL
+           AND e.upstream_base_url IS NOT NULL AND e.upstream_api_key IS NOT NULL
+           AND ($2::uuid IS NULL OR t.endpoint_id = $2)
          LIMIT $1",
     )
     .bind(limit)
+    .bind(only)
     .fetch_all(pool)
     .await?)
 }

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use relay_netguard::RetryPolicy;
 use relay_rules::{decide_failed_apply, ApplyBackoff, FailedApply, Reload};
 use sqlx::PgPool;
 use tokio::sync::{Mutex, Notify};
@@ -14,7 +15,7 @@ use uuid::Uuid;
 use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::SequencerMetrics;
 use crate::ownership::{Lease, Owners};
-use crate::reload::{run_reload, ReloadBackoff, ReloadEnd};
+use crate::reload::{run_reload, ReloadEnd};
 use crate::slots::{Slot, Slots};
 use crate::state::{self, EndpointRegistration, FEED_TRACK};
 
@@ -25,12 +26,21 @@ pub struct WorkerSignal {
     pub notify: Notify,
     /// Counts wake-ups, so the scheduler can tell one arrived after the worker's last look.
     pub wakes: AtomicU64,
+    /// Set when the endpoint's registration changed: the worker reads it again.
+    registration_changed: AtomicBool,
 }
 
 impl WorkerSignal {
     pub fn wake(&self) {
         self.wakes.fetch_add(1, Ordering::SeqCst);
         self.notify.notify_one();
+    }
+
+    /// The endpoint's registration changed (or may have: notifications were lost): the worker
+    /// reads it again before its next step.
+    pub fn registration_changed(&self) {
+        self.registration_changed.store(true, Ordering::SeqCst);
+        self.wake();
     }
 }
 
@@ -46,7 +56,7 @@ pub struct WorkerConfig {
     pub reader: Option<crate::batch::PendingReader>,
     pub messages_per_read: i64,
     pub idle_linger: Duration,
-    pub reload_backoff: ReloadBackoff,
+    pub reload_retry: RetryPolicy,
     pub error_pause: Duration,
     /// Items per `/v1/feed` page a reload asks for.
     pub feed_page_limit: usize,
@@ -142,6 +152,23 @@ pub async fn run_worker(
             permit = Some(slots.take(tenant).await);
         }
         wakes_seen = signal.wakes.load(Ordering::SeqCst);
+        if signal.registration_changed.swap(false, Ordering::SeqCst) {
+            match state::load_registration(&pool, endpoint).await {
+                Ok(Some(registration)) => {
+                    tracing::info!(%endpoint, upstream = registration.upstream_base_url.is_some(),
+                        "the endpoint's registration changed");
+                    ctx.update(&registration).await;
+                }
+                // Removed: nothing more to do for it here.
+                Ok(None) => break,
+                Err(error) => {
+                    tracing::warn!(%endpoint, %error, "reading the registration failed; retrying");
+                    signal.registration_changed.store(true, Ordering::SeqCst);
+                    tokio::time::sleep(config.error_pause).await;
+                    continue;
+                }
+            }
+        }
         let mut tried = Tried::default();
         let step = apply_available(
             &pool,
@@ -283,15 +310,17 @@ pub async fn run_worker(
             }
         }
         if reload.is_none() {
-            if let Some(wanted) = wanted {
+            // Without upstream settings the reload waits for them, started by the registration
+            // change that gives them (the sweep leaves such endpoints alone meanwhile).
+            if let Some(wanted) = wanted.filter(|_| ctx.has_upstream()) {
                 // Also the path by which a reload begun and not merged starts again after a
                 // restart: the row says one is running, and nothing here runs it.
                 metrics.reloads_running.inc();
                 let (pool, ctx, metrics) = (pool.clone(), ctx.clone(), metrics.clone());
-                let backoff = config.reload_backoff;
+                let retry = config.reload_retry;
                 let task_reload = wanted.clone();
                 let task = tokio::spawn(async move {
-                    run_reload(&pool, &ctx, token, &task_reload, backoff, &metrics).await
+                    run_reload(&pool, &ctx, token, &task_reload, retry, &metrics).await
                 });
                 reload = Some(RunningReload {
                     reload: wanted,

@@ -9,6 +9,11 @@ use uuid::Uuid;
 
 use crate::StoreError;
 
+/// The Postgres channel on which every change to an endpoint's row or its secrets is announced
+/// (by the triggers of the first migration), its id as the payload: the front tier drops its
+/// cached copy, the sequencer's worker that owns the endpoint reads the registration again.
+pub const CHANGED_CHANNEL: &str = "relay_endpoint_changed";
+
 /// Whether the front tier takes an endpoint's messages. A paused endpoint answers 410, which
 /// the upstream takes as "paused until you resume it".
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,328 @@
+//! A change to an endpoint's registration reaches the sequencer at once, through the control
+//! plane: a PATCH of the upstream URL and key ends a failing reload's pause and its next read
+//! uses the new values; an endpoint registered without upstream settings applies its messages,
+//! reads nothing and keeps no worker busy until it has them, then reloads.
+//!
+//! The reload's pauses here are a minute long, so a reload that merges within seconds of the
+//! PATCH can only have been woken by it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use relay_ingest::SystemClock;
+use relay_netguard::{OutboundPolicy, RetryPolicy};
+use relay_sequencer::wake::Waker;
+use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
+use relay_simulator::cli::{prepare, SimulateArgs};
+use relay_simulator::{EndpointInfo, Simulation};
+use relay_tests::{redis_url, seed, test_config, RedisPrefix, TestApp};
+use serde_json::{json, Value};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::stack::{
+    backlog, copy_items, counter, describe_difference, oracle, sequencer_config,
+    start_sequencer_with, Api,
+};
+
+/// Longer than any wait below: a read after the PATCH within a wait came from the wake-up.
+const LONG_PAUSE: Duration = Duration::from_secs(60);
+/// How long the reload may take once it has the right settings (a slow machine's worst).
+const MERGE_LIMIT: Duration = Duration::from_secs(30);
+
+struct Relay {
+    _prefix: RedisPrefix,
+    app: TestApp,
+    api: Api,
+    token: String,
+    sequencer: Option<Sequencer>,
+    registry: prometheus::Registry,
+    sim: Arc<Simulation>,
+    upstream_api: String,
+    info: EndpointInfo,
+    seed: u64,
+}
+
+impl Relay {
+    /// The front tier, the control plane and a sequencer whose reloads pause a minute after a
+    /// failed read; a simulator with one endpoint, not yet registered; a tenant.
+    async fn start(seed: u64) -> (Self, relay_simulator::Workload) {
+        let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
+        let waker = Waker::connect(&redis_url(), &prefix.0).await.unwrap();
+        let app = TestApp::spawn_with(
+            relay_ingest::IngestConfig {
+                waker: Some(waker),
+                ..test_config()
+            },
+            Arc::new(SystemClock),
+            None,
+        )
+        .await;
+        let api = Api::start(
+            &app.db.url,
+            "amqp://guest:guest@127.0.0.1:5672/%2f",
+            OutboundPolicy::ANY,
+        )
+        .await;
+        let registry = prometheus::Registry::new();
+        let config = SequencerConfig {
+            reload_retry: RetryPolicy {
+                first: LONG_PAUSE,
+                max: LONG_PAUSE,
+            },
+            ..sequencer_config(&prefix.0, 8, OutboundPolicy::ANY)
+        };
+        let sequencer = start_sequencer_with(
+            &app.db.url,
+            config,
+            SequencerMetrics::register(&registry).unwrap(),
+        )
+        .await;
+
+        let sim_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
+        let args = SimulateArgs {
+            receiver_url: app.base_url.clone(),
+            endpoints: 1,
+            keys: 1,
+            seed,
+            rate: 20.0,
+            duration_s: 3,
+            faults: "none".into(),
+            time_compression: 3600.0,
+            listen: "127.0.0.1:0".into(),
+            print_endpoints: false,
+            quiet: true,
+        };
+        let (upstream, workload, infos) = prepare(&args).unwrap();
+        let sim = Simulation::new(upstream, Duration::from_secs(15));
+        relay_simulator::api::serve(sim_listener, sim.clone())
+            .await
+            .unwrap();
+        sim.spawn_senders();
+
+        let operator = Api::operator_token();
+        let tenant = api
+            .ok(
+                201,
+                "POST",
+                "/v1/tenants",
+                &operator,
+                Some(&json!({"name": "registration changes"})),
+            )
+            .await;
+        let minted = api
+            .ok(
+                201,
+                "POST",
+                &format!("/v1/tenants/{}/tokens", tenant["id"].as_str().unwrap()),
+                &operator,
+                Some(&json!({"ttl_s": 3600})),
+            )
+            .await;
+        let relay = Self {
+            _prefix: prefix,
+            app,
+            api,
+            token: minted["token"].as_str().unwrap().to_owned(),
+            sequencer: Some(sequencer),
+            registry,
+            sim,
+            upstream_api,
+            info: infos.into_iter().next().unwrap(),
+            seed,
+        };
+        (relay, workload)
+    }
+
+    fn pool(&self) -> &PgPool {
+        &self.app.db.pool
+    }
+
+    fn endpoint(&self) -> Uuid {
+        self.info.id
+    }
+
+    /// Registers the simulator's endpoint with `upstream` (base URL and key) merged in.
+    async fn register(&self, upstream: Value) {
+        let mut body = json!({
+            "id": self.info.id, "lang": self.info.lang, "secrets": self.info.secrets,
+        });
+        body.as_object_mut()
+            .unwrap()
+            .extend(upstream.as_object().unwrap().clone());
+        self.api
+            .ok(201, "POST", "/v1/endpoints", &self.token, Some(&body))
+            .await;
+    }
+
+    /// The right upstream settings, as a PATCH gives them.
+    async fn patch_right_settings(&self) {
+        self.api
+            .ok(
+                200,
+                "PATCH",
+                &format!("/v1/endpoints/{}", self.endpoint()),
+                &self.token,
+                Some(&json!({
+                    "upstream_base_url": self.upstream_api,
+                    "upstream_api_key": self.info.key_token,
+                })),
+            )
+            .await;
+    }
+
+    /// Runs the workload to its end, then waits until every message is applied.
+    async fn deliver(&self, workload: relay_simulator::Workload) {
+        self.sim
+            .clone()
+            .run_workload(workload, 20.0, Duration::from_secs(3))
+            .await;
+        self.wait_for("every message applied", MERGE_LIMIT, || async {
+            self.sim.wait_idle(Duration::from_millis(10)).await
+                && backlog(self.pool(), &[self.endpoint()]).await.waiting == 0
+        })
+        .await;
+    }
+
+    async fn reloading(&self) -> i64 {
+        backlog(self.pool(), &[self.endpoint()]).await.reloading
+    }
+
+    fn gauge(&self, name: &str) -> f64 {
+        self.registry
+            .gather()
+            .iter()
+            .filter(|f| f.name() == name)
+            .flat_map(|f| f.get_metric().iter())
+            .map(|m| m.get_gauge().get_value())
+            .sum()
+    }
+
+    async fn wait_for<F, Fut>(&self, what: &str, limit: Duration, mut done: F) -> Duration
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let started = Instant::now();
+        while !done().await {
+            assert!(
+                started.elapsed() < limit,
+                "seed {}: not {what} within {limit:?}",
+                self.seed
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        started.elapsed()
+    }
+
+    /// The reload merged and the copy is the oracle's.
+    async fn converged(&self) {
+        let endpoint = self.endpoint();
+        self.wait_for("converged", MERGE_LIMIT, || async {
+            self.reloading().await == 0
+                && copy_items(self.pool(), endpoint).await == oracle(&self.sim, endpoint)
+        })
+        .await;
+        let (copy, truth) = (
+            copy_items(self.pool(), endpoint).await,
+            oracle(&self.sim, endpoint),
+        );
+        assert!(
+            !truth.is_empty(),
+            "seed {}: the workload made no item",
+            self.seed
+        );
+        assert_eq!(
+            copy,
+            truth,
+            "seed {}: {}",
+            self.seed,
+            describe_difference(&copy, &truth)
+        );
+    }
+
+    async fn stop(mut self) {
+        self.sequencer.take().unwrap().stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_patched_url_and_key_reach_the_failing_reload_at_once() {
+    let seed = seed();
+    eprintln!("registration changes: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let (relay, workload) = Relay::start(seed).await;
+    // Nothing listens at port 9 of loopback: every read fails at connect, with a stale key.
+    relay
+        .register(json!({
+            "upstream_base_url": "http://127.0.0.1:9", "upstream_api_key": "stale-key",
+        }))
+        .await;
+    relay.deliver(workload).await;
+    let failures = "relay_sequencer_upstream_failures_total";
+    relay
+        .wait_for("a failed reload read", MERGE_LIMIT, || async {
+            counter(&relay.registry, failures) >= 1.0
+        })
+        .await;
+    assert_eq!(relay.reloading().await, 1, "seed {seed}: the reload waits");
+
+    // The reload now pauses a minute; the PATCH ends the pause.
+    let patched = Instant::now();
+    relay.patch_right_settings().await;
+    relay.converged().await;
+    let took = patched.elapsed();
+    assert!(
+        took < LONG_PAUSE / 2,
+        "seed {seed}: the reload merged {took:?} after the PATCH: it waited out its pause"
+    );
+    assert_eq!(
+        counter(&relay.registry, failures),
+        1.0,
+        "seed {seed}: no read with the stale settings after the first"
+    );
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn an_endpoint_without_upstream_settings_waits_for_them_without_spinning() {
+    let seed = seed();
+    eprintln!("registration changes: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let (relay, workload) = Relay::start(seed).await;
+    relay.register(json!({})).await;
+    relay.deliver(workload).await;
+    // The first message asked for a reload, which cannot read anything yet.
+    assert_eq!(relay.reloading().await, 1, "seed {seed}");
+
+    // Nothing spins: once the worker that applied the messages let go, over two seconds (ten
+    // sweeps) no reload runs, no upstream read is tried and no worker holds the endpoint.
+    relay
+        .wait_for("the worker idle", MERGE_LIMIT, || async {
+            relay.gauge("relay_sequencer_endpoints_owned") == 0.0
+        })
+        .await;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(2) {
+        assert_eq!(
+            relay.gauge("relay_sequencer_reloads_running"),
+            0.0,
+            "seed {seed}"
+        );
+        assert_eq!(
+            relay.gauge("relay_sequencer_endpoints_owned"),
+            0.0,
+            "seed {seed}: a worker holds an endpoint that has nothing it can do"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        counter(&relay.registry, "relay_sequencer_upstream_failures_total"),
+        0.0,
+        "seed {seed}"
+    );
+
+    // The settings arrive: the reload starts and merges without a restart.
+    relay.patch_right_settings().await;
+    relay.converged().await;
+    relay.stop().await;
+}
