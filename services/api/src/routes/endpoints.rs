@@ -76,7 +76,11 @@ pub struct NewEndpoint {
     /// The endpoint's language, as set at the upstream (`en`, `sv`, ...).
     pub lang: String,
     /// The upstream API's base URL, for reloads, refetches and rewinds: https, to a public
-    /// address (http and non-public addresses only where the operator allows them).
+    /// address (http and non-public addresses only where the operator allows them). Without it
+    /// and `upstream_api_key` the endpoint is registered and its messages are stored and
+    /// applied, but nothing can read the upstream: the reload the first message asks for waits
+    /// (the state's `upstream.status` says `needs_settings`) and starts as soon as a PATCH
+    /// gives both.
     #[serde(default)]
     pub upstream_base_url: Option<String>,
     /// The API key for the upstream's API. Write-only.
@@ -87,7 +91,9 @@ pub struct NewEndpoint {
     pub secrets: Vec<String>,
 }
 
-/// Changes an endpoint's settings; absent fields keep their value.
+/// Changes an endpoint's settings; absent fields keep their value. A change reaches the
+/// sequencer's worker for the endpoint at once: a reload failing with the old URL or key reads
+/// again with the new ones without waiting out its pause.
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EndpointUpdate {
