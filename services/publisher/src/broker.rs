@@ -128,6 +128,8 @@ async fn connect_uri(
     let server_name = server_name.to_owned();
     // Runs on lapin's IO thread, blocking: the TLS handshake is bounded by the socket's own
     // timeouts, so a broker that accepts TCP and then says nothing frees the thread.
+    // The result type is lapin's (`Connection::connector`), large as it is.
+    #[allow(clippy::result_large_err)]
     let open = move |uri: &AMQPUri| -> HandshakeResult {
         let stream = match &peer {
             Peer::Checked(addresses) => TcpStream::connect_timeout(&addresses[..], tcp_timeout)?,

@@ -224,7 +224,8 @@ pub struct PublisherArgs {
     )]
     pub publisher_confirm_timeout_ms: u64,
 
-    /// Longest pause between retries after broker trouble, in milliseconds (the first is 100).
+    /// Longest pause between retries after broker trouble, in milliseconds (the first is 100),
+    /// before jitter, which adds up to as much again.
     #[arg(long, env = "RELAY_PUBLISHER_RETRY_MAX_MS", default_value_t = 5_000)]
     pub publisher_retry_max_ms: u64,
 
