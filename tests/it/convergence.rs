@@ -426,7 +426,13 @@ async fn converge(run: Run) {
     let seed = run.seed;
     eprintln!("convergence: seed {seed} ({run:?})");
     let key_prefix = format!("relay-test-{}:", Uuid::new_v4().simple());
-    let waker = Waker::connect(&redis_url(), &key_prefix).await.unwrap();
+    let waker = Waker::connect(
+        &redis_url(),
+        &relay_netguard::TrustRoots::platform(),
+        &key_prefix,
+    )
+    .await
+    .unwrap();
     let app = TestApp::spawn_with(
         relay_ingest::IngestConfig {
             waker: Some(waker),

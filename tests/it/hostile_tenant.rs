@@ -139,7 +139,13 @@ async fn a_hostile_tenant_cannot_hurt_another() {
     // 1. A database, a vhost, a Redis key prefix; every tier in this process.
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
     let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
-    let waker = Waker::connect(&redis_url(), &prefix.0).await.unwrap();
+    let waker = Waker::connect(
+        &redis_url(),
+        &relay_netguard::TrustRoots::platform(),
+        &prefix.0,
+    )
+    .await
+    .unwrap();
     let app = TestApp::spawn_with(
         relay_ingest::IngestConfig {
             waker: Some(waker),

@@ -20,4 +20,5 @@ mod sequencer_reload;
 mod stack;
 mod store_pool;
 mod tenant_broker;
+mod tls_broker;
 mod tls_support;

@@ -59,7 +59,13 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     // 1. A database, a vhost, a Redis key prefix; the front tier with its waker.
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
     let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
-    let waker = Waker::connect(&redis_url(), &prefix.0).await.unwrap();
+    let waker = Waker::connect(
+        &redis_url(),
+        &relay_netguard::TrustRoots::platform(),
+        &prefix.0,
+    )
+    .await
+    .unwrap();
     let app = TestApp::spawn_with(
         relay_ingest::IngestConfig {
             waker: Some(waker),

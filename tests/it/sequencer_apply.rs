@@ -437,12 +437,16 @@ async fn a_wake_up_reaches_a_running_sequencer() {
         &[update(s.endpoint, 1, "evt_w", 7, 3)],
     )
     .await;
-    Waker::connect(&redis_url(), &prefix)
-        .await
-        .unwrap()
-        .wake(&[s.endpoint])
-        .await
-        .unwrap();
+    Waker::connect(
+        &redis_url(),
+        &relay_netguard::TrustRoots::platform(),
+        &prefix,
+    )
+    .await
+    .unwrap()
+    .wake(&[s.endpoint])
+    .await
+    .unwrap();
     let mut applied = 0;
     for _ in 0..200 {
         applied = state::applied_through(&s.db.pool, s.endpoint)

@@ -234,7 +234,13 @@ async fn an_unparseable_stored_message_is_quarantined_and_the_copy_still_equals_
     let seed = seed();
     eprintln!("quarantine: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-    let waker = Waker::connect(&redis_url(), &prefix.0).await.unwrap();
+    let waker = Waker::connect(
+        &redis_url(),
+        &relay_netguard::TrustRoots::platform(),
+        &prefix.0,
+    )
+    .await
+    .unwrap();
     let app = TestApp::spawn_with(
         relay_ingest::IngestConfig {
             waker: Some(waker),

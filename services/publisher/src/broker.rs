@@ -6,9 +6,11 @@ use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::publisher_confirm::{Confirmation, PublisherConfirm};
+use lapin::tcp::{HandshakeResult, RustlsConnector, TcpStream};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::uri::AMQPUri;
+use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use relay_netguard::{CertificateFailure, TrustRoots};
 use relay_rules::destination::{DestinationPolicy, Refusal};
 use uuid::Uuid;
 
@@ -34,6 +36,23 @@ pub enum BrokerError {
     Resolve(String, String),
 }
 
+impl BrokerError {
+    /// The certificate check that refused the broker, when that is why connecting failed.
+    pub fn certificate_failure(&self) -> Option<CertificateFailure> {
+        relay_netguard::certificate_failure(self)
+    }
+
+    /// What went wrong, with every cause under it; a refused certificate first says which
+    /// check refused it (`the certificate's issuer is not a trusted CA (unknown_issuer): ...`).
+    pub fn describe(&self) -> String {
+        let chain = relay_netguard::error_chain(self);
+        match self.certificate_failure() {
+            Some(failure) => format!("{failure} ({}): {chain}", failure.as_str()),
+            None => chain,
+        }
+    }
+}
+
 /// The queue the relay declares for a tenant without a destination of its own.
 pub fn tenant_queue(tenant: Uuid) -> String {
     format!("relay.tenant.{tenant}")
@@ -43,32 +62,103 @@ pub fn tenant_queue(tenant: Uuid) -> String {
 /// host gone, a network that drops packets) is closed by lapin after two of these.
 const HEARTBEAT_S: u16 = 10;
 
-/// Connects with lapin's IO and tasks on the current tokio runtime, within `timeout`.
+/// Connects with lapin's IO and tasks on the current tokio runtime, within `timeout`, trusting
+/// the platform's roots for `amqps://` (see [`connect_trusting`] for the operator's CA).
+pub async fn connect(url: &str, name: &str, timeout: Duration) -> Result<Connection, BrokerError> {
+    connect_trusting(url, name, timeout, &TrustRoots::platform()).await
+}
+
+/// Connects to `url` (`amqp://`, or `amqps://` checked against `trust`) with lapin's IO and
+/// tasks on the current tokio runtime, within `timeout`.
 ///
 /// lapin runs each connection's IO on a thread of its own, which our timeout does not stop; so
 /// the URL's own bounds are set too (unless it names them): the TCP connect gives up after
 /// `timeout`, and an established connection that stops answering ends by the heartbeat.
-pub async fn connect(url: &str, name: &str, timeout: Duration) -> Result<Connection, BrokerError> {
-    connect_uri(url.parse().map_err(BrokerError::Url)?, name, timeout).await
-}
-
-async fn connect_uri(
-    mut uri: AMQPUri,
+pub async fn connect_trusting(
+    url: &str,
     name: &str,
     timeout: Duration,
+    trust: &TrustRoots,
 ) -> Result<Connection, BrokerError> {
-    uri.query
+    let uri: AMQPUri = url.parse().map_err(BrokerError::Url)?;
+    let server_name = bare_host(&uri);
+    connect_uri(uri, Peer::Named, &server_name, name, timeout, trust).await
+}
+
+/// Where the TCP connection goes.
+#[derive(Debug, Clone)]
+enum Peer {
+    /// To the URL's host, resolved as the connection is made.
+    Named,
+    /// To the first of these addresses that answers, resolved and checked beforehand.
+    Checked(Vec<SocketAddr>),
+}
+
+/// The URL's host without an IPv6 address's brackets: the name its certificate must carry.
+fn bare_host(uri: &AMQPUri) -> String {
+    uri.authority
+        .host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned()
+}
+
+/// Connects to `peer`; over `amqps://`, TLS checks the certificate against `trust` for
+/// `server_name` (the host the tenant or the operator named, also when `peer` is the address
+/// it was resolved to).
+async fn connect_uri(
+    mut uri: AMQPUri,
+    peer: Peer,
+    server_name: &str,
+    name: &str,
+    timeout: Duration,
+    trust: &TrustRoots,
+) -> Result<Connection, BrokerError> {
+    let tcp_timeout = *uri
+        .query
         .connection_timeout
         .get_or_insert(timeout.as_millis().max(1) as u64);
+    let tcp_timeout = Duration::from_millis(tcp_timeout);
     uri.query.heartbeat.get_or_insert(HEARTBEAT_S);
     let properties = ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
         .with_reactor(tokio_reactor_trait::Tokio::current())
         .with_connection_name(LongString::from(name.to_owned()));
-    tokio::time::timeout(timeout, Connection::connect_uri(uri, properties))
-        .await
-        .map_err(|_| BrokerError::Timeout("connecting", timeout))?
-        .map_err(BrokerError::from)
+    let tls = RustlsConnector::from(Arc::new(trust.client_config()));
+    let server_name = server_name.to_owned();
+    // Runs on lapin's IO thread, blocking: the TLS handshake is bounded by the socket's own
+    // timeouts, so a broker that accepts TCP and then says nothing frees the thread.
+    // The result type is lapin's (`Connection::connector`), large as it is.
+    #[allow(clippy::result_large_err)]
+    let open = move |uri: &AMQPUri| -> HandshakeResult {
+        let stream = match &peer {
+            Peer::Checked(addresses) => TcpStream::connect_timeout(&addresses[..], tcp_timeout)?,
+            Peer::Named => TcpStream::connect_timeout(
+                (uri.authority.host.as_str(), uri.authority.port),
+                tcp_timeout,
+            )?,
+        };
+        let stream = match uri.scheme {
+            AMQPScheme::AMQP => stream,
+            AMQPScheme::AMQPS => {
+                stream.set_read_timeout(Some(tcp_timeout))?;
+                stream.set_write_timeout(Some(tcp_timeout))?;
+                let stream = stream.into_rustls(&tls, &server_name)?;
+                stream.set_read_timeout(None)?;
+                stream.set_write_timeout(None)?;
+                stream
+            }
+        };
+        stream.set_nonblocking(true)?;
+        Ok(stream)
+    };
+    tokio::time::timeout(
+        timeout,
+        Connection::connector(uri, Box::new(open), properties),
+    )
+    .await
+    .map_err(|_| BrokerError::Timeout("connecting", timeout))?
+    .map_err(BrokerError::from)
 }
 
 /// Every address `uri`'s host resolves to, with its port, within `timeout`.
@@ -88,16 +178,17 @@ async fn resolve(uri: &AMQPUri, timeout: Duration) -> Result<Vec<SocketAddr>, Br
 }
 
 /// A tenant's own broker, checked against `policy` and the relay's own broker (`relay_url`)
-/// after resolving both: the URI returned names the address that was checked, so lapin's
-/// connect cannot resolve the name again to somewhere else (a DNS answer that changed since
-/// the control plane accepted the destination, or changes between check and connect).
+/// after resolving both: the URI, and the addresses that were checked, which the connection is
+/// made to, so that lapin cannot resolve the name again to somewhere else (a DNS answer that
+/// changed since the control plane accepted the destination, or changes between check and
+/// connect). TLS still checks the certificate for the URL's host name.
 pub async fn checked_uri(
     url: &str,
     relay_url: &str,
     policy: &DestinationPolicy,
     timeout: Duration,
-) -> Result<AMQPUri, BrokerError> {
-    let mut uri: AMQPUri = url.parse().map_err(BrokerError::Url)?;
+) -> Result<(AMQPUri, Vec<SocketAddr>), BrokerError> {
+    let uri: AMQPUri = url.parse().map_err(BrokerError::Url)?;
     let relay: AMQPUri = relay_url.parse().map_err(BrokerError::Url)?;
     let host = uri.authority.host.to_ascii_lowercase();
     policy.check_host(host.trim_start_matches('[').trim_end_matches(']'))?;
@@ -108,8 +199,7 @@ pub async fn checked_uri(
         &resolved,
         &relay_addresses,
     )?;
-    uri.authority.host = resolved[0].ip().to_string();
-    Ok(uri)
+    Ok((uri, resolved))
 }
 
 /// Declares `relay.tenant.<id>`: durable, quorum (replicated, and it survives a broker restart
@@ -181,6 +271,8 @@ impl Target {
 pub struct RelayBroker {
     url: String,
     timeout: Duration,
+    /// The roots `amqps://` brokers (the relay's, and tenants' own) are checked against.
+    trust: TrustRoots,
     current: tokio::sync::Mutex<Current>,
 }
 
@@ -193,10 +285,11 @@ struct Current {
 }
 
 impl RelayBroker {
-    pub fn new(url: String, timeout: Duration) -> Self {
+    pub fn new(url: String, timeout: Duration, trust: TrustRoots) -> Self {
         Self {
             url,
             timeout,
+            trust,
             current: tokio::sync::Mutex::new(Current::default()),
         }
     }
@@ -217,7 +310,7 @@ impl RelayBroker {
                 return Err(BrokerError::Down(error.clone()));
             }
         }
-        match connect(&self.url, "relay-publisher", self.timeout).await {
+        match connect_trusting(&self.url, "relay-publisher", self.timeout, &self.trust).await {
             Ok(connection) => {
                 let connection = Arc::new(connection);
                 current.connection = Some(connection.clone());
@@ -225,7 +318,7 @@ impl RelayBroker {
                 Ok(connection)
             }
             Err(error) => {
-                current.failed = Some((std::time::Instant::now(), error.to_string()));
+                current.failed = Some((std::time::Instant::now(), error.describe()));
                 Err(error)
             }
         }
@@ -276,9 +369,11 @@ impl Link {
         let connection = if shared {
             relay.get().await?
         } else {
-            let uri = checked_uri(&target.url, &relay.url, policy, timeout).await?;
+            let (uri, addresses) = checked_uri(&target.url, &relay.url, policy, timeout).await?;
             let name = format!("relay-publisher {tenant}");
-            Arc::new(connect_uri(uri, &name, timeout).await?)
+            let server_name = bare_host(&uri);
+            let peer = Peer::Checked(addresses);
+            Arc::new(connect_uri(uri, peer, &server_name, &name, timeout, &relay.trust).await?)
         };
         let setup = async {
             let channel = connection.create_channel().await?;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use relay_netguard::{RetryPolicy, TrustRoots};
 use relay_rules::destination::DestinationPolicy;
 use uuid::Uuid;
 
@@ -18,6 +19,9 @@ pub struct PublisherConfig {
     /// Where a tenant's own-exchange destination may point; checked at every connect, after
     /// resolving its host. The relay's own broker is refused whatever this allows.
     pub destination_policy: DestinationPolicy,
+    /// The roots TLS connections trust: `amqps://` brokers (the relay's and tenants' own),
+    /// `rediss://`.
+    pub trust: TrustRoots,
     /// Redis, for the per-tenant ownership leases.
     pub redis_url: String,
     /// Every Redis key starts with this (several relays, or tests, can share one Redis).
@@ -40,7 +44,7 @@ pub struct PublisherConfig {
     /// Waiting for the broker's confirm of a publish.
     pub confirm_timeout: Duration,
     /// The first pause after broker trouble; doubled on each failure in a row, up to
-    /// `retry_max`, with jitter.
+    /// `retry_max`, each with jitter ([`PublisherConfig::retry`]).
     pub retry_min: Duration,
     pub retry_max: Duration,
     /// A tenant with no unpublished change for this long is released (its connection closed).
@@ -57,6 +61,16 @@ pub struct PublisherConfig {
     pub before_mark: Option<BeforeMark>,
     /// For the benchmark: told of each change the moment its broker confirm is taken in.
     pub on_confirm: Option<OnConfirm>,
+}
+
+impl PublisherConfig {
+    /// The pauses after broker trouble (and Postgres trouble in a tenant's loop).
+    pub fn retry(&self) -> RetryPolicy {
+        RetryPolicy {
+            first: self.retry_min,
+            max: self.retry_max,
+        }
+    }
 }
 
 /// See [`PublisherConfig::before_mark`].
@@ -85,6 +99,7 @@ impl fmt::Debug for PublisherConfig {
         f.debug_struct("PublisherConfig")
             .field("amqp_url", &redact(&self.amqp_url))
             .field("destination_policy", &self.destination_policy)
+            .field("trust", &self.trust)
             .field("redis_url", &redact(&self.redis_url))
             .field("key_prefix", &self.key_prefix)
             .field("poll_interval", &self.poll_interval)
@@ -128,6 +143,7 @@ impl Default for PublisherConfig {
         PublisherConfig {
             amqp_url: DEFAULT_AMQP_URL.to_owned(),
             destination_policy: DestinationPolicy::default(),
+            trust: TrustRoots::platform(),
             redis_url: DEFAULT_REDIS_URL.to_owned(),
             key_prefix: "relay:".to_owned(),
             poll_interval: ms(500),
@@ -208,7 +224,8 @@ pub struct PublisherArgs {
     )]
     pub publisher_confirm_timeout_ms: u64,
 
-    /// Longest pause between retries after broker trouble, in milliseconds (the first is 100).
+    /// Longest pause between retries after broker trouble, in milliseconds (the first is 100),
+    /// before jitter, which adds up to as much again.
     #[arg(long, env = "RELAY_PUBLISHER_RETRY_MAX_MS", default_value_t = 5_000)]
     pub publisher_retry_max_ms: u64,
 

@@ -34,6 +34,7 @@ pub const TENANTS: Owned = Owned {
 /// The sequencer's ownership mechanism (Redis lease, Postgres fencing token), over tenants.
 pub async fn connect(
     redis_url: &str,
+    trust: &relay_netguard::TrustRoots,
     pool: PgPool,
     key_prefix: String,
     lease: Duration,
@@ -45,6 +46,7 @@ pub async fn connect(
             key_prefix,
             lease,
             owned: TENANTS,
+            trust: trust.clone(),
         },
     )
     .await

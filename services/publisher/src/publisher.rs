@@ -50,13 +50,18 @@ impl Publisher {
         let metrics = PublisherMetrics::register(registry)?;
         let owners = crate::ownership::connect(
             &config.redis_url,
+            &config.trust,
             pool.clone(),
             config.key_prefix.clone(),
             config.lease,
         )
         .await?;
         tracing::info!(amqp = %redact(&config.amqp_url), "publisher starting");
-        let relay = RelayBroker::new(config.amqp_url.clone(), config.connect_timeout);
+        let relay = RelayBroker::new(
+            config.amqp_url.clone(),
+            config.connect_timeout,
+            config.trust.clone(),
+        );
         let shared = Arc::new(Shared {
             pool,
             config,
@@ -119,6 +124,7 @@ async fn coordinate(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
     let (announced_tx, mut announced) = mpsc::unbounded_channel::<(Uuid, Uuid)>();
     let listener = tokio::spawn(relay_sequencer::wake::listen_parsed(
         config.redis_url.clone(),
+        config.trust.clone(),
         relay_sequencer::wake::changes_channel(&config.key_prefix),
         announced_tx,
         stopped.clone(),
@@ -239,7 +245,7 @@ impl Coordinator {
             Err(error) => {
                 // One tenant that cannot be claimed (say, deleted while its changes remain)
                 // must not keep the others from being taken.
-                tracing::warn!(%tenant, error = %error, "taking a tenant's lease failed");
+                tracing::warn!(%tenant, error = %relay_netguard::error_chain(&error), "taking a tenant's lease failed");
                 self.not_before.insert(tenant, now + self.retry_taken);
             }
         }

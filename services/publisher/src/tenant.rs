@@ -52,10 +52,11 @@ use std::time::{Duration, Instant};
 
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt as _, StreamExt as _};
-use rand::Rng as _;
 use time::OffsetDateTime;
 use tokio::sync::{watch, Notify};
 use uuid::Uuid;
+
+use relay_netguard::Pauses;
 
 use crate::broker::{classify, publish, BrokerError, Link, Outcome, Target};
 use crate::outbox::{self, Marked, OutboxChange, OutboxError};
@@ -114,6 +115,7 @@ pub(crate) async fn run(
     shutdown: watch::Receiver<bool>,
 ) {
     let tenant = lease.key;
+    let pauses = shared.config.retry().pauses();
     let mut worker = Worker {
         label: tenant.to_string(),
         tenant,
@@ -123,7 +125,7 @@ pub(crate) async fn run(
         shutdown,
         link: None,
         target: None,
-        backoff: Backoff::default(),
+        pauses,
         stream: Stream::default(),
         confirms: FuturesUnordered::new(),
         marking: None,
@@ -133,7 +135,6 @@ pub(crate) async fn run(
         redeclare: false,
         refusal_recorded: None,
     };
-    worker.backoff.reset(worker.shared.config.retry_min);
     let end = worker.run().await;
     tracing::info!(%tenant, ?end, "publisher gives the tenant up");
     if let Some(refreshing) = worker.refreshing.take() {
@@ -156,7 +157,7 @@ pub(crate) async fn run(
         shared.metrics.ownership_losses.inc();
     } else if let Err(error) = shared.owners.release(lease).await {
         // It runs out by itself within a lease.
-        tracing::warn!(%tenant, error = %error, "could not release the tenant's lease");
+        tracing::warn!(%tenant, error = %relay_netguard::error_chain(&error), "could not release the tenant's lease");
     }
 }
 
@@ -303,7 +304,8 @@ struct Worker {
     shutdown: watch::Receiver<bool>,
     link: Option<Link>,
     target: Option<Target>,
-    backoff: Backoff,
+    /// The pauses after trouble, from the first again after each confirm.
+    pauses: Pauses,
     stream: Stream,
     confirms: FuturesUnordered<ConfirmFuture>,
     marking: Option<MarkFuture>,
@@ -486,6 +488,15 @@ impl Worker {
                     }
                     Err(error) => {
                         self.broker_trouble("connect", &error);
+                        // A tenant's broker whose certificate is refused will not be reached
+                        // until the tenant fixes it: said where the tenant reads it.
+                        if own_broker && error.certificate_failure().is_some() {
+                            let reason = format!(
+                                "the broker's TLS certificate was refused: {}",
+                                error.describe()
+                            );
+                            self.record_refusal(Some(reason)).await;
+                        }
                         self.hold();
                         return;
                     }
@@ -568,7 +579,7 @@ impl Worker {
         match confirmed {
             Confirmed::Outcome(Outcome::Confirmed) => {
                 self.take_confirmed(endpoint, seq);
-                self.backoff.reset(self.shared.config.retry_min);
+                self.pauses = self.shared.config.retry().pauses();
             }
             Confirmed::Outcome(Outcome::Returned) => {
                 metrics.returned.inc();
@@ -806,7 +817,7 @@ impl Worker {
                 Ok(false) => return false,
                 Err(error) => {
                     // Try again soon; the validity check below stops us if it lasts.
-                    tracing::warn!(tenant = %self.tenant, error = %error, "lease renewal failed");
+                    tracing::warn!(tenant = %self.tenant, error = %relay_netguard::error_chain(&error), "lease renewal failed");
                     *next_renew = now + (lease / 10).max(Duration::from_millis(50));
                 }
             }
@@ -898,35 +909,15 @@ impl Worker {
             .as_ref()
             .map(|t| crate::config::redact(&t.url))
             .unwrap_or_default();
-        tracing::warn!(tenant = %self.tenant, stage, broker = %url, error = %error,
-                       "broker trouble; the backlog waits in Postgres");
+        let certificate = error.certificate_failure().map(|failure| failure.as_str());
+        tracing::warn!(tenant = %self.tenant, stage, broker = %url, error = %error.describe(),
+                       certificate, "broker trouble; the backlog waits in Postgres");
     }
 
-    /// Holds sending (and the next read) for the next backoff step.
+    /// Holds sending (and the next read) for the next pause of the retry policy.
     fn hold(&mut self) {
-        let wait = self.backoff.next(self.shared.config.retry_max);
+        let wait = self.pauses.next_pause();
         let until = Instant::now() + wait;
         self.hold_until = Some(self.hold_until.map_or(until, |held| held.max(until)));
-    }
-}
-
-/// Exponential backoff with jitter, reset on success.
-#[derive(Debug, Default)]
-struct Backoff {
-    current: Duration,
-    min: Duration,
-}
-
-impl Backoff {
-    fn reset(&mut self, min: Duration) {
-        self.min = min;
-        self.current = min;
-    }
-
-    fn next(&mut self, max: Duration) -> Duration {
-        let base = self.current.min(max);
-        self.current = (self.current * 2).min(max).max(self.min);
-        // Between half and all of it, so tenants that failed together do not retry together.
-        base.mul_f64(rand::thread_rng().gen_range(0.5..=1.0))
     }
 }

@@ -143,6 +143,7 @@ pub(crate) async fn fresh_database(global: &GlobalArgs, recreate: bool) -> anyho
             acquire_timeout: Duration::from_secs(60),
             statement_timeout: Some(Duration::from_secs(600)),
             generic_plans: false,
+            ca_file: global.trust()?.ca_file().map(std::path::Path::to_path_buf),
             ..PoolOptions::default()
         },
     )?;
@@ -867,6 +868,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
         Vec::<(Uuid, i64, OffsetDateTime)>::new(),
     ));
     let mut publisher_config = publisher_args.config();
+    publisher_config.trust = global.trust()?;
     let recorded = confirmed_at.clone();
     publisher_config.on_confirm = Some(relay_publisher::OnConfirm(Arc::new(
         move |endpoint, seq| {
@@ -880,7 +882,9 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     let publisher =
         relay_publisher::Publisher::start(pool.clone(), publisher_config, &registry).await?;
     let mut ingest_config = relay_ingest::IngestConfig {
-        waker: Some(relay_sequencer::Waker::connect(&global.redis_url, &prefix).await?),
+        waker: Some(
+            relay_sequencer::Waker::connect(&global.redis_url, &global.trust()?, &prefix).await?,
+        ),
         ..relay_ingest::IngestConfig::default()
     };
     ingest_config.answer_deadline = Duration::from_secs(10);

@@ -201,7 +201,9 @@ pub async fn run(global: &GlobalArgs, args: IsolationBenchArgs) -> anyhow::Resul
     )
     .await?;
     let ingest_config = relay_ingest::IngestConfig {
-        waker: Some(relay_sequencer::Waker::connect(&global.redis_url, &prefix).await?),
+        waker: Some(
+            relay_sequencer::Waker::connect(&global.redis_url, &global.trust()?, &prefix).await?,
+        ),
         ..relay_ingest::IngestConfig::default()
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

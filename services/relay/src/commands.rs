@@ -18,6 +18,7 @@ fn admin_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
         &global.database_url,
         &PoolOptions {
             max_connections: 2,
+            ca_file: global.trust()?.ca_file().map(std::path::Path::to_path_buf),
             ..PoolOptions::default()
         },
     )

@@ -39,6 +39,11 @@ impl IngestArgs {
     }
 }
 
+/// The operator's CA file, for the pools (checked as every TLS client's roots are).
+fn ca_file(global: &GlobalArgs) -> anyhow::Result<Option<std::path::PathBuf>> {
+    Ok(global.trust()?.ca_file().map(std::path::Path::to_path_buf))
+}
+
 /// The front tier's pool: its statements end server-side before the answer deadline, and its
 /// few fixed statements are planned once.
 pub fn ingest_pool(global: &GlobalArgs, statement_timeout: Duration) -> anyhow::Result<PgPool> {
@@ -47,6 +52,7 @@ pub fn ingest_pool(global: &GlobalArgs, statement_timeout: Duration) -> anyhow::
         acquire_timeout: statement_timeout,
         statement_timeout: Some(statement_timeout),
         generic_plans: true,
+        ca_file: ca_file(global)?,
         ..PoolOptions::default()
     };
     relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
@@ -133,19 +139,26 @@ impl IngestServer {
 
 /// The front tier's wake-up publisher, when Redis answers: the front tier never depends on
 /// Redis to answer (the sequencers' sweep finds what a missing wake-up would have announced).
-pub async fn ingest_waker(global: &GlobalArgs) -> Option<relay_sequencer::Waker> {
-    let connect = relay_sequencer::Waker::connect(&global.redis_url, &global.redis_key_prefix);
-    match tokio::time::timeout(Duration::from_secs(5), connect).await {
-        Ok(Ok(waker)) => Some(waker),
-        Ok(Err(error)) => {
-            tracing::warn!(%error, "no Redis: sequencers will find new messages by sweeping");
-            None
-        }
-        Err(_) => {
-            tracing::warn!("Redis did not answer: sequencers will find new messages by sweeping");
-            None
-        }
-    }
+pub async fn ingest_waker(global: &GlobalArgs) -> anyhow::Result<Option<relay_sequencer::Waker>> {
+    let trust = global.trust()?;
+    let connect =
+        relay_sequencer::Waker::connect(&global.redis_url, &trust, &global.redis_key_prefix);
+    Ok(
+        match tokio::time::timeout(Duration::from_secs(5), connect).await {
+            Ok(Ok(waker)) => Some(waker),
+            Ok(Err(error)) => {
+                let error = relay_netguard::error_chain(&error);
+                tracing::warn!(%error, "no Redis: sequencers will find new messages by sweeping");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "Redis did not answer: sequencers will find new messages by sweeping"
+                );
+                None
+            }
+        },
+    )
 }
 
 impl SequencerArgs {
@@ -184,6 +197,7 @@ pub fn sequencer_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
         acquire_timeout: Duration::from_secs(30),
         statement_timeout: Some(Duration::from_secs(300)),
         generic_plans: true,
+        ca_file: ca_file(global)?,
         ..PoolOptions::default()
     };
     relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
@@ -216,6 +230,7 @@ fn service_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
         acquire_timeout: Duration::from_secs(10),
         statement_timeout: Some(Duration::from_secs(30)),
         generic_plans: false,
+        ca_file: ca_file(global)?,
         ..PoolOptions::default()
     };
     relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
@@ -224,11 +239,14 @@ fn service_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
 fn publisher_config(
     global: &GlobalArgs,
     args: &relay_publisher::PublisherArgs,
-) -> relay_publisher::PublisherConfig {
+) -> anyhow::Result<relay_publisher::PublisherConfig> {
     let mut args = args.clone();
     args.redis_url = global.redis_url.clone();
     args.publisher_key_prefix = global.redis_key_prefix.clone();
-    args.config()
+    Ok(relay_publisher::PublisherConfig {
+        trust: global.trust()?,
+        ..args.config()
+    })
 }
 
 /// `relay publisher`: publish until SIGINT or SIGTERM, then finish the rounds in flight.
@@ -236,7 +254,7 @@ pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> a
     let registry = prometheus::Registry::new();
     let publisher = relay_publisher::Publisher::start(
         service_pool(global)?,
-        publisher_config(global, &command.args),
+        publisher_config(global, &command.args)?,
         &registry,
     )
     .await
@@ -274,7 +292,7 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
 /// `relay ingest`: serve until SIGINT or SIGTERM.
 pub async fn run_ingest(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Result<()> {
     let mut config = args.to_config();
-    config.waker = ingest_waker(global).await;
+    config.waker = ingest_waker(global).await?;
     // Statements must end before the answer deadline, leaving time to answer.
     let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
     let listener = telemetry::bind(args.listen, "webhook").await?;
@@ -309,7 +327,7 @@ pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> 
 
     let publisher = relay_publisher::Publisher::start(
         service_pool(global)?,
-        publisher_config(global, &args.publisher),
+        publisher_config(global, &args.publisher)?,
         &registry,
     )
     .await
@@ -333,7 +351,7 @@ pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> 
     };
 
     let mut config = args.ingest.to_config();
-    config.waker = ingest_waker(global).await;
+    config.waker = ingest_waker(global).await?;
     let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
     let listener = telemetry::bind(args.ingest.listen, "webhook").await?;
     let metrics_listener = telemetry::bind(args.ingest.metrics_listen, "metrics").await?;

@@ -15,6 +15,7 @@
 //! - [`service`]: the process: wake-ups, the sweep, a bounded set of workers.
 //! - [`slots`]: how many workers at once, and how many of them for one tenant.
 //! - [`wake`]: the Redis wake-up the front tier publishes after each commit.
+//! - [`redis_client`]: opening Redis (`redis://`, or `rediss://` with the operator's CA).
 //! - [`metrics`]: what the sequencer exports.
 //!
 //! "Source kind" is a seam here: the feed track is the only source built; a second source (the
@@ -24,6 +25,7 @@ pub mod apply;
 pub mod batch;
 pub mod metrics;
 pub mod ownership;
+pub mod redis_client;
 pub mod reload;
 pub mod service;
 pub mod slots;

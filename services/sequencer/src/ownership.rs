@@ -57,6 +57,8 @@ pub struct OwnershipConfig {
     /// How long a lock lasts without renewal. Renew well inside it (a third is usual).
     pub lease: Duration,
     pub owned: Owned,
+    /// The roots a `rediss://` connection trusts.
+    pub trust: relay_netguard::TrustRoots,
 }
 
 impl Default for OwnershipConfig {
@@ -65,6 +67,7 @@ impl Default for OwnershipConfig {
             key_prefix: "relay:".to_owned(),
             lease: Duration::from_secs(10),
             owned: ENDPOINTS,
+            trust: relay_netguard::TrustRoots::platform(),
         }
     }
 }
@@ -117,7 +120,7 @@ impl Owners {
         pool: PgPool,
         config: OwnershipConfig,
     ) -> Result<Self, OwnershipError> {
-        let client = redis::Client::open(redis_url)?;
+        let client = crate::redis_client::open(redis_url, &config.trust)?;
         // Bounded waits: a Redis that stopped answering must not hold a worker longer than its
         // lease would last anyway.
         let timeout = (config.lease / 3).max(Duration::from_millis(100));

@@ -72,7 +72,7 @@ pub struct SequencerConfig {
     /// Where upstream requests may go (the operator's setting; https to public addresses by
     /// default).
     pub outbound: relay_netguard::OutboundPolicy,
-    /// The roots upstream https connections trust.
+    /// The roots TLS connections trust: the upstream's https, and Redis' `rediss://`.
     pub trust: relay_netguard::TrustRoots,
     /// Items per `/v1/feed` page a reload asks for: the most the API gives (500) by default, so
     /// a pass makes the fewest reads; tests ask for fewer, so that a pass has several pages.
@@ -138,16 +138,18 @@ impl Sequencer {
             OwnershipConfig {
                 key_prefix: config.key_prefix.clone(),
                 lease: config.lease,
+                trust: config.trust.clone(),
                 ..OwnershipConfig::default()
             },
         )
         .await?;
         // Fail at start, not in the background, when Redis is not there.
-        redis::Client::open(config.redis_url.as_str())?
+        crate::redis_client::open(&config.redis_url, &config.trust)?
             .get_multiplexed_async_connection()
             .await?;
         let changes_waker = crate::wake::Waker::connect_channel(
             &config.redis_url,
+            &config.trust,
             crate::wake::changes_channel(&config.key_prefix),
         )
         .await?;
@@ -186,6 +188,7 @@ async fn schedule(
     let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<Uuid>();
     let listener = tokio::spawn(listen(
         config.redis_url.clone(),
+        config.trust.clone(),
         wake_channel(&config.key_prefix),
         wake_tx.clone(),
         stop.clone(),

@@ -13,6 +13,7 @@
 
 use futures::StreamExt;
 use redis::aio::ConnectionManager;
+use relay_netguard::{RetryPolicy, TrustRoots};
 use tokio::sync::{mpsc, watch};
 use uuid::Uuid;
 
@@ -57,16 +58,21 @@ impl std::fmt::Debug for Waker {
 
 impl Waker {
     /// The front tier's waker: endpoint ids on [`wake_channel`].
-    pub async fn connect(redis_url: &str, key_prefix: &str) -> Result<Self, redis::RedisError> {
-        Self::connect_channel(redis_url, wake_channel(key_prefix)).await
+    pub async fn connect(
+        redis_url: &str,
+        trust: &TrustRoots,
+        key_prefix: &str,
+    ) -> Result<Self, redis::RedisError> {
+        Self::connect_channel(redis_url, trust, wake_channel(key_prefix)).await
     }
 
     /// A waker publishing on `channel`.
     pub async fn connect_channel(
         redis_url: &str,
+        trust: &TrustRoots,
         channel: String,
     ) -> Result<Self, redis::RedisError> {
-        let client = redis::Client::open(redis_url)?;
+        let client = crate::redis_client::open(redis_url, trust)?;
         let redis = ConnectionManager::new(client).await?;
         Ok(Self { redis, channel })
     }
@@ -108,17 +114,29 @@ pub fn split_payloads(message: &str) -> impl Iterator<Item = &str> {
 /// Listens for wake-ups until `stop`, reconnecting after errors, and forwards each endpoint id.
 pub async fn listen(
     redis_url: String,
+    trust: TrustRoots,
     channel: String,
     wakes: mpsc::UnboundedSender<Uuid>,
     stop: watch::Receiver<bool>,
 ) {
-    listen_parsed(redis_url, channel, wakes, stop, |p| Uuid::parse_str(p).ok()).await
+    listen_parsed(redis_url, trust, channel, wakes, stop, |p| {
+        Uuid::parse_str(p).ok()
+    })
+    .await
 }
+
+/// The pauses between attempts to subscribe again: short at first (a Redis restart is over in
+/// moments), never long (the sweep covers meanwhile, but more slowly).
+const RESUBSCRIBE: RetryPolicy = RetryPolicy {
+    first: std::time::Duration::from_millis(100),
+    max: std::time::Duration::from_secs(5),
+};
 
 /// Listens on `channel` until `stop`, reconnecting after errors, and forwards every payload (of
 /// every message, [`split_payloads`]) that `parse` reads (the others are dropped).
 pub async fn listen_parsed<T, F>(
     redis_url: String,
+    trust: TrustRoots,
     channel: String,
     wakes: mpsc::UnboundedSender<T>,
     mut stop: watch::Receiver<bool>,
@@ -126,17 +144,17 @@ pub async fn listen_parsed<T, F>(
 ) where
     F: Fn(&str) -> Option<T>,
 {
-    let mut pause = std::time::Duration::from_millis(100);
+    let mut pauses = RESUBSCRIBE.pauses();
     while !*stop.borrow() {
-        match subscribe(&redis_url, &channel, &wakes, &mut stop, &parse).await {
+        match subscribe(&redis_url, &trust, &channel, &wakes, &mut stop, &parse).await {
             Ok(()) => return,
             Err(error) => {
+                let error = relay_netguard::error_chain(&error);
                 tracing::warn!(%error, "wake-up subscription failed; the sweep covers until it is back");
                 tokio::select! {
-                    _ = tokio::time::sleep(pause) => {}
+                    _ = tokio::time::sleep(pauses.next_pause()) => {}
                     _ = stop.changed() => return,
                 }
-                pause = (pause * 2).min(std::time::Duration::from_secs(5));
             }
         }
     }
@@ -144,6 +162,7 @@ pub async fn listen_parsed<T, F>(
 
 async fn subscribe<T, F>(
     redis_url: &str,
+    trust: &TrustRoots,
     channel: &str,
     wakes: &mpsc::UnboundedSender<T>,
     stop: &mut watch::Receiver<bool>,
@@ -152,7 +171,7 @@ async fn subscribe<T, F>(
 where
     F: Fn(&str) -> Option<T>,
 {
-    let client = redis::Client::open(redis_url)?;
+    let client = crate::redis_client::open(redis_url, trust)?;
     let mut pubsub = client.get_async_pubsub().await?;
     pubsub.subscribe(channel).await?;
     let mut messages = pubsub.on_message();

@@ -1,5 +1,6 @@
 //! Connecting to Postgres.
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use sqlx::migrate::Migrator;
@@ -28,6 +29,10 @@ pub struct PoolOptions {
     /// One used more recently answered moments ago: checking it would only add a round trip to
     /// every statement, which is what sqlx does by default.
     pub check_idle_after: Duration,
+    /// The operator's CA file (`RELAY_TLS_CA_FILE`), trusted beside the platform's roots when
+    /// the database URL asks for TLS (`sslmode=require`, `verify-ca`, `verify-full`) and names
+    /// no `sslrootcert` of its own.
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for PoolOptions {
@@ -38,14 +43,29 @@ impl Default for PoolOptions {
             statement_timeout: Some(Duration::from_secs(10)),
             generic_plans: false,
             check_idle_after: Duration::from_secs(5),
+            ca_file: None,
         }
     }
 }
 
 /// Opens a pool lazily: no connection is made until the first query, so a tier can start (and
 /// answer 503) while Postgres is down, and recovers by itself when it comes back.
+///
+/// TLS is the URL's `sslmode` (`disable`, `prefer`: sqlx's default, `require`, `verify-ca`,
+/// `verify-full`), checked against the platform's roots and `options.ca_file`, unless the URL
+/// (or `PGSSLROOTCERT`) names an `sslrootcert`, which is then trusted beside the platform's
+/// roots instead.
 pub fn connect(database_url: &str, options: &PoolOptions) -> Result<PgPool, sqlx::Error> {
     let mut connect: PgConnectOptions = database_url.parse()?;
+    if let Some(ca_file) = &options.ca_file {
+        let named = connect
+            .to_url_lossy()
+            .query_pairs()
+            .any(|(key, _)| key == "sslrootcert");
+        if !named {
+            connect = connect.ssl_root_cert(ca_file);
+        }
+    }
     connect = connect
         .application_name("relay")
         .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));

@@ -1,0 +1,26 @@
+//! Opening Redis: one place that turns the operator's `RELAY_REDIS_URL` and TLS trust into a
+//! client, for every tier that talks to Redis (the sequencer's leases and wake-ups, the front
+//! tier's waker, the publisher's leases and its listener).
+//!
+//! `redis://host:port` is plain TCP; `rediss://host:port` is TLS, checked against the
+//! platform's roots, or, when the operator gave a CA file, against the platform's roots and
+//! that file's (the Redis client takes one bundle that replaces the platform's roots, hence
+//! [`TrustRoots::bundle_pem`], which holds both). There is no way to skip the check.
+
+use redis::{ConnectionAddr, IntoConnectionInfo as _, TlsCertificates};
+use relay_netguard::TrustRoots;
+
+/// A Redis client for `url`, trusting `trust` when the URL asks for TLS.
+pub fn open(url: &str, trust: &TrustRoots) -> redis::RedisResult<redis::Client> {
+    let info = url.into_connection_info()?;
+    match (&info.addr, trust.bundle_pem()) {
+        (ConnectionAddr::TcpTls { .. }, Some(bundle)) => redis::Client::build_with_tls(
+            info,
+            TlsCertificates {
+                client_tls: None,
+                root_cert: Some(bundle),
+            },
+        ),
+        _ => redis::Client::open(info),
+    }
+}
