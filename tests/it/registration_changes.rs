@@ -48,7 +48,13 @@ impl Relay {
     /// failed read; a simulator with one endpoint, not yet registered; a tenant.
     async fn start(seed: u64) -> (Self, relay_simulator::Workload) {
         let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-        let waker = Waker::connect(&redis_url(), &prefix.0).await.unwrap();
+        let waker = Waker::connect(
+            &redis_url(),
+            &relay_netguard::TrustRoots::platform(),
+            &prefix.0,
+        )
+        .await
+        .unwrap();
         let app = TestApp::spawn_with(
             relay_ingest::IngestConfig {
                 waker: Some(waker),
