@@ -21,8 +21,8 @@ use relay_rules::{
     FeedCopy, IgnoreReason, MessageDecision, PendingRefetch, RefetchAnswer, RefetchOutcome,
     ReloadStart, Unapplicable, REFETCH_ATTEMPTS,
 };
-use relay_store::copy;
 use relay_store::StoreError;
+use relay_store::{copy, upstream_status};
 use relay_wire::{EventBody, FeedData, Message};
 use sqlx::PgPool;
 use time::OffsetDateTime;
@@ -199,7 +199,18 @@ async fn prefetch(
         if applied.contains(event_id) || answers.contains_key(event_id) {
             continue;
         }
-        let (Ok(upstream), Ok(selection)) = (ctx.upstream.as_ref(), ctx.selection().await) else {
+        let selection = ctx.selection().await;
+        if let Err(error) = &selection {
+            upstream_status::record_failure(
+                pool,
+                ctx.tenant(),
+                ctx.id(),
+                error.kind(),
+                &error.to_string(),
+            )
+            .await?;
+        }
+        let (Ok(upstream), Ok(selection)) = (ctx.upstream.as_ref(), selection) else {
             metrics.refetches.with_label_values(&["failed"]).inc();
             answers.insert(
                 event_id.to_owned(),
@@ -209,7 +220,26 @@ async fn prefetch(
         };
         let mut attempt = 1;
         let answer = loop {
-            let answer = upstream.read_item(&selection, feed_item_id).await;
+            let answer = match upstream.read_item(&selection, feed_item_id).await {
+                Ok(answer) => {
+                    if !matches!(answer, RefetchAnswer::LoadBalancer404) {
+                        upstream_status::record_success(pool, ctx.tenant(), ctx.id()).await?;
+                    }
+                    answer
+                }
+                Err(error) => {
+                    tracing::debug!(endpoint = %ctx.id(), %error, "refetch read failed");
+                    upstream_status::record_failure(
+                        pool,
+                        ctx.tenant(),
+                        ctx.id(),
+                        error.kind(),
+                        &error.to_string(),
+                    )
+                    .await?;
+                    RefetchAnswer::Failed
+                }
+            };
             let label = match &answer {
                 RefetchAnswer::Found { .. } => "found",
                 RefetchAnswer::NotFound { .. } => "not_found",

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use relay_rules::{check_pages, PagesCheck, Reload};
-use relay_store::copy;
+use relay_store::{copy, upstream_status};
 use sqlx::PgPool;
 
 use crate::apply::{ApplyError, EndpointContext};
@@ -68,6 +68,7 @@ pub async fn run_reload(
         passes += 1;
         match read_pass(ctx).await {
             Ok(pass) => {
+                upstream_status::record_success(pool, ctx.tenant(), endpoint).await?;
                 let pages = pass.page_access_versions.iter().map(String::as_str);
                 match check_pages(reload.access_version.as_deref(), pages) {
                     PagesCheck::Agree => {
@@ -103,7 +104,15 @@ pub async fn run_reload(
                 tracing::debug!(%endpoint, passes, "feed cursor expired: reading again");
             }
             Err(error) => {
-                tracing::warn!(%endpoint, passes, %error, "reload read failed");
+                tracing::warn!(%endpoint, passes, %error, kind = error.kind(), "reload read failed");
+                upstream_status::record_failure(
+                    pool,
+                    ctx.tenant(),
+                    endpoint,
+                    error.kind(),
+                    &error.to_string(),
+                )
+                .await?;
             }
         }
         tokio::time::sleep(pause).await;
