@@ -20,3 +20,4 @@ mod stack;
 mod store_pool;
 mod tenant_broker;
 mod tls_support;
+mod upstream_tls;
