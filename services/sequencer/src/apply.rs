@@ -21,8 +21,8 @@ use relay_rules::{
     FeedCopy, IgnoreReason, MessageDecision, PendingRefetch, RefetchAnswer, RefetchOutcome,
     ReloadStart, Unapplicable, REFETCH_ATTEMPTS,
 };
+use relay_store::copy;
 use relay_store::StoreError;
-use relay_store::{copy, upstream_status};
 use relay_wire::{EventBody, FeedData, Message};
 use sqlx::PgPool;
 use time::OffsetDateTime;
@@ -31,7 +31,7 @@ use uuid::Uuid;
 
 use crate::metrics::SequencerMetrics;
 use crate::state::{self, EndpointRegistration, MessageOutcome, PendingMessage, StateError};
-use crate::upstream::{FeedSelection, UpstreamClient, UpstreamError};
+use crate::upstream::{self, FeedSelection, UpstreamClient, UpstreamError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
@@ -201,14 +201,7 @@ async fn prefetch(
         }
         let selection = ctx.selection().await;
         if let Err(error) = &selection {
-            upstream_status::record_failure(
-                pool,
-                ctx.tenant(),
-                ctx.id(),
-                error.kind(),
-                &error.to_string(),
-            )
-            .await?;
+            upstream::record_failure(pool, ctx.tenant(), ctx.id(), error).await?;
         }
         let (Ok(upstream), Ok(selection)) = (ctx.upstream.as_ref(), selection) else {
             metrics.refetches.with_label_values(&["failed"]).inc();
@@ -223,20 +216,13 @@ async fn prefetch(
             let answer = match upstream.read_item(&selection, feed_item_id).await {
                 Ok(answer) => {
                     if !matches!(answer, RefetchAnswer::LoadBalancer404) {
-                        upstream_status::record_success(pool, ctx.tenant(), ctx.id()).await?;
+                        upstream::record_success(pool, ctx.tenant(), ctx.id()).await?;
                     }
                     answer
                 }
                 Err(error) => {
                     tracing::debug!(endpoint = %ctx.id(), %error, "refetch read failed");
-                    upstream_status::record_failure(
-                        pool,
-                        ctx.tenant(),
-                        ctx.id(),
-                        error.kind(),
-                        &error.to_string(),
-                    )
-                    .await?;
+                    upstream::record_failure(pool, ctx.tenant(), ctx.id(), &error).await?;
                     RefetchAnswer::Failed
                 }
             };

@@ -10,13 +10,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use relay_rules::{check_pages, PagesCheck, Reload};
-use relay_store::{copy, upstream_status};
+use relay_store::copy;
 use sqlx::PgPool;
 
 use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::SequencerMetrics;
 use crate::state::{self, FEED_TRACK};
-use crate::upstream::{FeedPass, UpstreamError};
+use crate::upstream::{self, FeedPass, UpstreamError};
 
 /// How a reload ended in this process.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,7 +68,7 @@ pub async fn run_reload(
         passes += 1;
         match read_pass(ctx).await {
             Ok(pass) => {
-                upstream_status::record_success(pool, ctx.tenant(), endpoint).await?;
+                upstream::record_success(pool, ctx.tenant(), endpoint).await?;
                 let pages = pass.page_access_versions.iter().map(String::as_str);
                 match check_pages(reload.access_version.as_deref(), pages) {
                     PagesCheck::Agree => {
@@ -105,14 +105,7 @@ pub async fn run_reload(
             }
             Err(error) => {
                 tracing::warn!(%endpoint, passes, %error, kind = error.kind(), "reload read failed");
-                upstream_status::record_failure(
-                    pool,
-                    ctx.tenant(),
-                    endpoint,
-                    error.kind(),
-                    &error.to_string(),
-                )
-                .await?;
+                upstream::record_failure(pool, ctx.tenant(), endpoint, &error).await?;
             }
         }
         tokio::time::sleep(pause).await;

@@ -8,10 +8,12 @@ use relay_netguard::{
     TrustRoots,
 };
 use relay_rules::{ReadItem, RefetchAnswer};
+use relay_store::{upstream_status, StoreError};
 use relay_wire::{FeedItem, ItemKind, Sequence};
 use reqwest::{Method, StatusCode};
 use serde::Deserialize;
 use serde_json::Value;
+use sqlx::PgPool;
 use uuid::Uuid;
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +61,21 @@ impl UpstreamError {
             Self::CursorExpired => "cursor_expired",
         }
     }
+}
+
+/// Records `error` as the endpoint's last upstream failure (its state shows it).
+pub async fn record_failure(
+    pool: &PgPool,
+    tenant: Uuid,
+    endpoint: Uuid,
+    error: &UpstreamError,
+) -> Result<(), StoreError> {
+    upstream_status::record_failure(pool, tenant, endpoint, error.kind(), &error.to_string()).await
+}
+
+/// Records that the endpoint's upstream answered well: ends a failing stretch, if one runs.
+pub async fn record_success(pool: &PgPool, tenant: Uuid, endpoint: Uuid) -> Result<(), StoreError> {
+    upstream_status::record_success(pool, tenant, endpoint).await
 }
 
 /// One endpoint's view of the upstream: where to read and with which key.
