@@ -22,3 +22,4 @@ mod store_pool;
 mod tenant_broker;
 mod tls_broker;
 mod tls_support;
+mod upstream_tls;

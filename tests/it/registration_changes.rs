@@ -191,6 +191,19 @@ impl Relay {
         .await;
     }
 
+    /// The endpoint's state, as the control plane shows it.
+    async fn state(&self) -> Value {
+        self.api
+            .ok(
+                200,
+                "GET",
+                &format!("/v1/endpoints/{}/state", self.endpoint()),
+                &self.token,
+                None,
+            )
+            .await
+    }
+
     async fn reloading(&self) -> i64 {
         backlog(self.pool(), &[self.endpoint()]).await.reloading
     }
@@ -272,6 +285,15 @@ async fn a_patched_url_and_key_reach_the_failing_reload_at_once() {
         })
         .await;
     assert_eq!(relay.reloading().await, 1, "seed {seed}: the reload waits");
+    let state = relay.state().await;
+    assert_eq!(
+        (
+            &state["upstream"]["status"],
+            &state["upstream"]["last_error_kind"]
+        ),
+        (&json!("failing"), &json!("connect")),
+        "seed {seed}: {state}"
+    );
 
     // The reload now pauses a minute; the PATCH ends the pause.
     let patched = Instant::now();
@@ -287,6 +309,8 @@ async fn a_patched_url_and_key_reach_the_failing_reload_at_once() {
         1.0,
         "seed {seed}: no read with the stale settings after the first"
     );
+    let state = relay.state().await;
+    assert_eq!(state["upstream"]["status"], "ok", "seed {seed}: {state}");
     relay.stop().await;
 }
 
@@ -297,8 +321,14 @@ async fn an_endpoint_without_upstream_settings_waits_for_them_without_spinning()
     let (relay, workload) = Relay::start(seed).await;
     relay.register(json!({})).await;
     relay.deliver(workload).await;
-    // The first message asked for a reload, which cannot read anything yet.
+    // The first message asked for a reload, which cannot read anything yet; the state says why.
     assert_eq!(relay.reloading().await, 1, "seed {seed}");
+    let state = relay.state().await;
+    assert_eq!(
+        (&state["reload_running"], &state["upstream"]["status"]),
+        (&json!(true), &json!("needs_settings")),
+        "seed {seed}: {state}"
+    );
 
     // Nothing spins: once the worker that applied the messages let go, over two seconds (ten
     // sweeps) no reload runs, no upstream read is tried and no worker holds the endpoint.
@@ -330,5 +360,7 @@ async fn an_endpoint_without_upstream_settings_waits_for_them_without_spinning()
     // The settings arrive: the reload starts and merges without a restart.
     relay.patch_right_settings().await;
     relay.converged().await;
+    let state = relay.state().await;
+    assert_eq!(state["upstream"]["status"], "ok", "seed {seed}: {state}");
     relay.stop().await;
 }

@@ -4,7 +4,7 @@
 //! Redis) for the length of a test.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
@@ -93,10 +93,6 @@ impl TestCa {
     /// The roots the relay trusts when the operator gives it this CA's file.
     pub fn trust(&self) -> TrustRoots {
         TrustRoots::load(Some(&self.pem_file())).expect("the test CA loads")
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
     }
 }
 

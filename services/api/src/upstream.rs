@@ -14,8 +14,10 @@ use uuid::Uuid;
 /// The rewind call failed: no answer version 1 describes.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
-    #[error("the upstream could not be reached: {0}")]
-    Unreachable(String),
+    /// No answer: `kind` names why (`certificate_unknown_issuer`, `connect`, `timeout`, ...),
+    /// `detail` is the whole chain of causes.
+    #[error("the upstream could not be reached ({kind}): {detail}")]
+    Unreachable { kind: &'static str, detail: String },
     #[error("the upstream answered {status}")]
     Status { status: u16 },
     #[error("the upstream answered {status} with a body that is not {expected}")]
@@ -24,6 +26,32 @@ pub enum UpstreamError {
     /// lets the relay send requests.
     #[error("{0}")]
     Refused(relay_netguard::Refusal),
+}
+
+impl UpstreamError {
+    /// The failure's name for users and logs: `certificate_<check>`, `connect`, `timeout`,
+    /// `request`, `status`, `body`, `refused`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Unreachable { kind, .. } => kind,
+            Self::Status { .. } => "status",
+            Self::Body { .. } => "body",
+            Self::Refused(_) => "refused",
+        }
+    }
+}
+
+fn unreachable(error: &reqwest::Error) -> UpstreamError {
+    let kind = match relay_netguard::certificate_failure(error) {
+        Some(failure) => failure.kind(),
+        None if error.is_timeout() => "timeout",
+        None if error.is_connect() => "connect",
+        None => "request",
+    };
+    UpstreamError::Unreachable {
+        kind,
+        detail: relay_netguard::error_chain(error),
+    }
 }
 
 #[derive(Deserialize)]
@@ -60,7 +88,7 @@ pub async fn rewind(
         .map_err(|e| match relay_netguard::refusal_in(&e) {
             Some(refusal) => UpstreamError::Refused(refusal.clone()),
             // without_url: the error's text then names the failure, not where it happened.
-            None => UpstreamError::Unreachable(e.without_url().to_string()),
+            None => unreachable(&e.without_url()),
         })?;
     let status = response.status().as_u16();
     match status {

@@ -213,6 +213,19 @@ impl CertificateFailure {
         }
     }
 
+    /// The failure's name as users read it beside other failures of a call (the endpoint's
+    /// state, logs): `certificate_` and [`Self::as_str`].
+    pub fn kind(self) -> &'static str {
+        match self {
+            Self::UnknownIssuer => "certificate_unknown_issuer",
+            Self::NameMismatch => "certificate_name_mismatch",
+            Self::Expired => "certificate_expired",
+            Self::NotYetValid => "certificate_not_yet_valid",
+            Self::Revoked => "certificate_revoked",
+            Self::Invalid => "certificate_invalid",
+        }
+    }
+
     fn of(error: &CertificateError) -> Self {
         match error {
             CertificateError::UnknownIssuer => Self::UnknownIssuer,
@@ -319,6 +332,97 @@ mod tests {
             let error = rustls::Error::InvalidCertificate(error);
             assert_eq!(certificate_failure(&error), Some(failure));
         }
+    }
+
+    /// A CA of the test's own, and a server certificate for `localhost` it signed.
+    struct Ca {
+        certificate: rcgen::Certificate,
+        key: rcgen::KeyPair,
+    }
+
+    impl Ca {
+        /// A CA named `name`: two CAs of one name would pass for each other's issuer, and
+        /// the check would fail on the signature rather than on the issuer.
+        fn new(name: &str) -> Self {
+            let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            params.distinguished_name.push(
+                rcgen::DnType::CommonName,
+                format!("netguard test CA {name}"),
+            );
+            let key = rcgen::KeyPair::generate().unwrap();
+            let certificate = params.self_signed(&key).unwrap();
+            Self { certificate, key }
+        }
+
+        fn server(&self) -> Arc<rustls::ServerConfig> {
+            let params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+            let key = rcgen::KeyPair::generate().unwrap();
+            let certificate = params
+                .signed_by(&key, &self.certificate, &self.key)
+                .unwrap();
+            let key = rustls::pki_types::PrivateKeyDer::try_from(key.serialize_der()).unwrap();
+            Arc::new(
+                rustls::ServerConfig::builder()
+                    .with_no_client_auth()
+                    .with_single_cert(vec![certificate.der().clone()], key)
+                    .unwrap(),
+            )
+        }
+    }
+
+    /// A TLS handshake between `client` and `server` in memory, to `localhost`: the client's
+    /// error if it refused the server.
+    fn handshake(
+        client: ClientConfig,
+        server: Arc<rustls::ServerConfig>,
+    ) -> Result<(), rustls::Error> {
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let mut client = rustls::ClientConnection::new(Arc::new(client), name)?;
+        let mut server = rustls::ServerConnection::new(server)?;
+        let mut bytes = Vec::new();
+        // A full handshake takes two round trips; each turn moves what each side wrote.
+        for _ in 0..10 {
+            if !client.is_handshaking() && !server.is_handshaking() {
+                return Ok(());
+            }
+            bytes.clear();
+            client.write_tls(&mut bytes).unwrap();
+            server.read_tls(&mut bytes.as_slice()).unwrap();
+            server.process_new_packets()?;
+            bytes.clear();
+            server.write_tls(&mut bytes).unwrap();
+            client.read_tls(&mut bytes.as_slice()).unwrap();
+            client.process_new_packets()?;
+        }
+        panic!("the handshake did not end");
+    }
+
+    #[test]
+    fn a_loaded_ca_file_makes_a_client_that_trusts_its_servers_and_no_others() {
+        let dir = std::env::temp_dir().join(format!("relay-tls-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (ours, theirs) = (Ca::new("ours"), Ca::new("theirs"));
+        let file = dir.join("ca.pem");
+        std::fs::write(&file, ours.certificate.pem()).unwrap();
+
+        let trust = TrustRoots::load(Some(&file)).unwrap();
+        assert_eq!(trust.ca_file(), Some(file.as_path()));
+        assert_eq!(trust.extra_pem(), Some(ours.certificate.pem().as_str()));
+        handshake(trust.client_config(), ours.server()).expect("the CA file's server is trusted");
+
+        let refused = handshake(trust.client_config(), theirs.server()).unwrap_err();
+        assert_eq!(
+            certificate_failure(&refused),
+            Some(CertificateFailure::UnknownIssuer)
+        );
+        let platform = handshake(TrustRoots::platform().client_config(), ours.server());
+        assert_eq!(
+            certificate_failure(&platform.unwrap_err()),
+            Some(CertificateFailure::UnknownIssuer),
+            "without the CA file, its servers are not trusted"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -163,6 +163,8 @@ pub enum Command {
 pub struct SimulateCommand {
     #[command(flatten)]
     pub args: relay_simulator::SimulateArgs,
+    #[command(flatten)]
+    pub tls: relay_simulator::ApiTlsArgs,
     /// First register the simulated tenants and endpoints (ids, secrets, API keys, and the
     /// API's address, so give `--listen` a fixed port) in RELAY_DATABASE_URL, so a relay using
     /// that database takes their messages.

@@ -83,7 +83,7 @@ pub async fn simulate(global: &GlobalArgs, command: SimulateCommand) -> anyhow::
                     id: info.id,
                     tenant_id,
                     secret: SigningSecret::parse(secret)?,
-                    upstream_base_url: Some(format!("http://{listen}")),
+                    upstream_base_url: Some(format!("{}://{listen}", command.tls.scheme())),
                     upstream_api_key: Some(info.key_token.clone()),
                 },
             )
@@ -95,12 +95,19 @@ pub async fn simulate(global: &GlobalArgs, command: SimulateCommand) -> anyhow::
         }
         eprintln!("registered {} simulated endpoints", infos.len());
         let outbound = global.outbound.policy();
-        if !(outbound.allow_http && outbound.allow_private) {
+        let https = command.tls.tls_cert_file.is_some();
+        if !(outbound.allow_http || https) || !outbound.allow_private {
             eprintln!(
-                "the relay reads this simulator's API at http://{listen}: run its sequencer and \
-                 API with RELAY_UPSTREAM_ALLOW_HTTP=true and RELAY_UPSTREAM_ALLOW_PRIVATE=true"
+                "the relay reads this simulator's API at {}://{listen}: run its sequencer and \
+                 API with RELAY_UPSTREAM_ALLOW_PRIVATE=true{}",
+                command.tls.scheme(),
+                if https {
+                    " and RELAY_TLS_CA_FILE naming the CA that signed --tls-cert-file"
+                } else {
+                    " and RELAY_UPSTREAM_ALLOW_HTTP=true"
+                }
             );
         }
     }
-    relay_simulator::run(command.args).await
+    relay_simulator::run(command.args, command.tls).await
 }

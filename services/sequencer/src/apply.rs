@@ -32,7 +32,7 @@ use uuid::Uuid;
 
 use crate::metrics::SequencerMetrics;
 use crate::state::{self, EndpointRegistration, MessageOutcome, PendingMessage, StateError};
-use crate::upstream::{FeedSelection, UpstreamClient, UpstreamError};
+use crate::upstream::{self, FeedSelection, UpstreamClient, UpstreamError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
@@ -253,7 +253,13 @@ async fn prefetch(
         if applied.contains(event_id) || answers.contains_key(event_id) {
             continue;
         }
-        let (Ok(upstream), Ok(selection)) = (ctx.upstream(), ctx.selection().await) else {
+        let selection = ctx.selection().await;
+        match &selection {
+            // Without settings nothing was tried: the state says so without a failure.
+            Err(UpstreamError::NotConfigured) | Ok(_) => {}
+            Err(error) => upstream::record_failure(pool, ctx.tenant(), ctx.id(), error).await?,
+        }
+        let (Ok(upstream), Ok(selection)) = (ctx.upstream(), selection) else {
             metrics.refetches.with_label_values(&["failed"]).inc();
             answers.insert(
                 event_id.to_owned(),
@@ -264,7 +270,28 @@ async fn prefetch(
         let mut attempt = 1;
         let mut pauses = REFETCH_RETRY.pauses();
         let answer = loop {
-            let answer = upstream.read_item(&selection, feed_item_id).await;
+            let answer = match upstream.read_item(&selection, feed_item_id).await {
+                Ok(RefetchAnswer::LoadBalancer404) => {
+                    metrics
+                        .upstream_failures
+                        .with_label_values(&["refetch", "load_balancer_404"])
+                        .inc();
+                    RefetchAnswer::LoadBalancer404
+                }
+                Ok(answer) => {
+                    upstream::record_success(pool, ctx.tenant(), ctx.id()).await?;
+                    answer
+                }
+                Err(error) => {
+                    tracing::debug!(endpoint = %ctx.id(), %error, "refetch read failed");
+                    metrics
+                        .upstream_failures
+                        .with_label_values(&["refetch", error.kind()])
+                        .inc();
+                    upstream::record_failure(pool, ctx.tenant(), ctx.id(), &error).await?;
+                    RefetchAnswer::Failed
+                }
+            };
             let label = match &answer {
                 RefetchAnswer::Found { .. } => "found",
                 RefetchAnswer::NotFound { .. } => "not_found",
@@ -276,12 +303,6 @@ async fn prefetch(
                 answer,
                 RefetchAnswer::LoadBalancer404 | RefetchAnswer::Failed
             );
-            if failed {
-                metrics
-                    .upstream_failures
-                    .with_label_values(&["refetch"])
-                    .inc();
-            }
             if failed && attempt < REFETCH_ATTEMPTS {
                 attempt += 1;
                 tokio::time::sleep(pauses.next_pause()).await;

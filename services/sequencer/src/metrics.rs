@@ -32,9 +32,6 @@ pub const REFETCH_OUTCOMES: [&str; 6] = [
     "reload",
 ];
 
-/// The upstream reads the sequencer makes.
-pub const UPSTREAM_CALLS: [&str; 2] = ["reload", "refetch"];
-
 pub const RELOAD_OUTCOMES: [&str; 3] = ["started", "merged", "abandoned"];
 
 /// The steps of an apply transaction, in order (see `apply_together`): each is one round trip
@@ -54,7 +51,8 @@ pub struct SequencerMetrics {
     pub reload_duration: HistogramVec,
     pub refetches: IntCounterVec,
     /// Upstream reads that failed (no answer, a refused address or certificate, an error
-    /// status), by the call that made them: what an operator alerts on before any copy lags.
+    /// status), by the call that made them and why: what an operator alerts on before any copy
+    /// lags.
     pub upstream_failures: IntCounterVec,
     pub endpoints_owned: IntGauge,
     pub lock_losses: IntCounter,
@@ -139,9 +137,11 @@ impl SequencerMetrics {
         let upstream_failures = IntCounterVec::new(
             Opts::new(
                 "relay_sequencer_upstream_failures_total",
-                "Upstream API reads that failed, by call (reload, refetch).",
+                "Upstream API reads that failed, by call (reload, refetch) and kind (as the \
+                 endpoint's state names it: connect, timeout, status, certificate_unknown_issuer, \
+                 load_balancer_404, ...).",
             ),
-            &["call"],
+            &["call", "kind"],
         )?;
         let endpoints_owned = IntGauge::new(
             "relay_sequencer_endpoints_owned",
@@ -183,9 +183,6 @@ impl SequencerMetrics {
         }
         for outcome in REFETCH_OUTCOMES {
             refetches.with_label_values(&[outcome]);
-        }
-        for call in UPSTREAM_CALLS {
-            upstream_failures.with_label_values(&[call]);
         }
         for outcome in RELOAD_OUTCOMES {
             reloads.with_label_values(&[outcome]);

@@ -17,7 +17,7 @@ use sqlx::PgPool;
 use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::SequencerMetrics;
 use crate::state::{self, FEED_TRACK};
-use crate::upstream::{FeedPass, UpstreamError};
+use crate::upstream::{self, FeedPass, UpstreamError};
 
 /// How a reload ended in this process.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,6 +62,7 @@ pub async fn run_reload(
         passes += 1;
         match read_pass(ctx).await {
             Ok(pass) => {
+                upstream::record_success(pool, ctx.tenant(), endpoint).await?;
                 let pages = pass.page_access_versions.iter().map(String::as_str);
                 match check_pages(reload.access_version.as_deref(), pages) {
                     PagesCheck::Agree => {
@@ -108,9 +109,10 @@ pub async fn run_reload(
             Err(error) => {
                 metrics
                     .upstream_failures
-                    .with_label_values(&["reload"])
+                    .with_label_values(&["reload", error.kind()])
                     .inc();
-                tracing::warn!(%endpoint, passes, %error, "reload read failed");
+                tracing::warn!(%endpoint, passes, %error, kind = error.kind(), "reload read failed");
+                upstream::record_failure(pool, ctx.tenant(), endpoint, &error).await?;
             }
         }
         tokio::select! {

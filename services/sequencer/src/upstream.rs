@@ -3,23 +3,29 @@
 
 use std::time::Duration;
 
-use relay_netguard::{refusal_in, GuardedClient, OutboundPolicy, Refusal, TrustRoots};
+use relay_netguard::{
+    certificate_failure, error_chain, refusal_in, GuardedClient, OutboundPolicy, Refusal,
+    TrustRoots,
+};
 use relay_rules::{ReadItem, RefetchAnswer};
+use relay_store::{upstream_status, StoreError};
 use relay_wire::{FeedItem, ItemKind, Sequence};
 use reqwest::{Method, StatusCode};
 use serde::Deserialize;
 use serde_json::Value;
+use sqlx::PgPool;
 use uuid::Uuid;
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
     #[error("the endpoint has no upstream API base URL or key registered")]
     NotConfigured,
-    #[error("request to {url} failed: {source}")]
+    /// No answer: the connection, TLS, a timeout. Its text is the whole chain of causes.
+    #[error("request to {url} failed: {}", error_chain(cause))]
     Request {
         url: String,
-        #[source]
-        source: reqwest::Error,
+        /// Not the error's `source`: the text already says all of it.
+        cause: reqwest::Error,
     },
     #[error("{url} answered {status}")]
     Status { url: String, status: StatusCode },
@@ -32,6 +38,44 @@ pub enum UpstreamError {
     /// `410 cursor_expired` on a page after the first: start the pass again.
     #[error("the feed cursor expired")]
     CursorExpired,
+}
+
+impl UpstreamError {
+    /// The failure's name for users (the endpoint's state): `certificate_<check>` (unknown_issuer,
+    /// name_mismatch, expired, ...) when the upstream's certificate was refused, `refused` (the
+    /// operator's outbound policy), `timeout`, `connect`, `request`, `status`, `body`,
+    /// `not_configured`, `cursor_expired`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::NotConfigured => "not_configured",
+            Self::Request { cause, .. } => match certificate_failure(cause) {
+                Some(failure) => failure.kind(),
+                None if cause.is_timeout() => "timeout",
+                None if cause.is_connect() => "connect",
+                None if cause.is_body() || cause.is_decode() => "body",
+                None => "request",
+            },
+            Self::Status { .. } => "status",
+            Self::Body { .. } => "body",
+            Self::Refused { .. } => "refused",
+            Self::CursorExpired => "cursor_expired",
+        }
+    }
+}
+
+/// Records `error` as the endpoint's last upstream failure (its state shows it).
+pub async fn record_failure(
+    pool: &PgPool,
+    tenant: Uuid,
+    endpoint: Uuid,
+    error: &UpstreamError,
+) -> Result<(), StoreError> {
+    upstream_status::record_failure(pool, tenant, endpoint, error.kind(), &error.to_string()).await
+}
+
+/// Records that the endpoint's upstream answered well: ends a failing stretch, if one runs.
+pub async fn record_success(pool: &PgPool, tenant: Uuid, endpoint: Uuid) -> Result<(), StoreError> {
+    upstream_status::record_success(pool, tenant, endpoint).await
 }
 
 /// One endpoint's view of the upstream: where to read and with which key.
@@ -187,20 +231,21 @@ impl UpstreamClient {
             .query(query)
             .send()
             .await
-            .map_err(|source| match refusal_in(&source) {
+            .map_err(|cause| match refusal_in(&cause) {
                 Some(refusal) => refused(&url, refusal.clone()),
+                // The URL is said once, by this error.
                 None => UpstreamError::Request {
                     url: url.clone(),
-                    source,
+                    cause: cause.without_url(),
                 },
             })?;
         let status = answer.status();
         let body = answer
             .bytes()
             .await
-            .map_err(|source| UpstreamError::Request {
+            .map_err(|cause| UpstreamError::Request {
                 url: url.clone(),
-                source,
+                cause: cause.without_url(),
             })?;
         Ok((status, url, body))
     }
@@ -287,20 +332,20 @@ impl UpstreamClient {
     }
 
     /// `GET /v1/feed/items/{feed_item_id}` in the endpoint's language (and its part kinds, so the
-    /// item is rendered as the feed renders it), as the refetch rule reads the answer.
-    pub async fn read_item(&self, selection: &FeedSelection, feed_item_id: &str) -> RefetchAnswer {
+    /// item is rendered as the feed renders it), as the refetch rule reads the answer. An error
+    /// is a read that failed (no answer, an unexpected status, an unreadable item): the rule's
+    /// [`RefetchAnswer::Failed`], with what went wrong for the endpoint's state.
+    pub async fn read_item(
+        &self,
+        selection: &FeedSelection,
+        feed_item_id: &str,
+    ) -> Result<RefetchAnswer, UpstreamError> {
         let mut query = vec![("lang", selection.lang.clone())];
         if let Some(kinds) = &selection.part_kinds {
             query.push(("part_kinds", kinds.join(",")));
         }
         let path = format!("/v1/feed/items/{}", urlencode(feed_item_id));
-        let (status, url, body) = match self.get(&path, &query).await {
-            Ok(answer) => answer,
-            Err(error) => {
-                tracing::debug!(%error, "refetch read failed");
-                return RefetchAnswer::Failed;
-            }
-        };
+        let (status, url, body) = self.get(&path, &query).await?;
         let json: Option<Value> = serde_json::from_slice(&body).ok();
         let access_version = json
             .as_ref()
@@ -316,26 +361,31 @@ impl UpstreamClient {
                     .cloned()
                     .map(|item| FeedItem::from_value(item, "item"));
                 match (sequence, item) {
-                    (Some(sequence), Some(Ok(item))) => RefetchAnswer::Found {
+                    (Some(sequence), Some(Ok(item))) => Ok(RefetchAnswer::Found {
                         access_version,
                         sequence: Sequence::new(sequence.to_owned()),
                         item,
-                    },
-                    _ => {
-                        tracing::warn!(%url, "refetch answer without a readable item");
-                        RefetchAnswer::Failed
-                    }
+                    }),
+                    (_, Some(Err(error))) => Err(UpstreamError::Body {
+                        url,
+                        detail: error.to_string(),
+                    }),
+                    _ => Err(UpstreamError::Body {
+                        url,
+                        detail: "no sequence or item".to_owned(),
+                    }),
                 }
             }
             (StatusCode::NOT_FOUND, Some(access_version)) => {
-                RefetchAnswer::NotFound { access_version }
+                Ok(RefetchAnswer::NotFound { access_version })
             }
             // "a 404 that carries none (a load balancer's) is a read that failed".
-            (StatusCode::NOT_FOUND, None) => RefetchAnswer::LoadBalancer404,
-            (status, _) => {
-                tracing::debug!(%url, %status, "refetch read failed");
-                RefetchAnswer::Failed
-            }
+            (StatusCode::NOT_FOUND, None) => Ok(RefetchAnswer::LoadBalancer404),
+            (StatusCode::OK, None) => Err(UpstreamError::Body {
+                url,
+                detail: "no access_version".to_owned(),
+            }),
+            (status, _) => Err(UpstreamError::Status { url, status }),
         }
     }
 }

@@ -12,6 +12,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
+use tokio::net::TcpStream;
+use tokio_rustls::rustls;
+use tokio_rustls::server::TlsStream;
 use uuid::Uuid;
 
 use crate::driver::Simulation;
@@ -45,6 +48,116 @@ pub async fn serve(
         }
     });
     Ok(addr)
+}
+
+/// The certificate chain and key the API presents over HTTPS, read from PEM.
+pub fn tls_config(
+    certificate_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<Arc<rustls::ServerConfig>, TlsSetupError> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(certificate_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| TlsSetupError::Certificate(e.to_string()))?;
+    if chain.is_empty() {
+        return Err(TlsSetupError::Certificate(
+            "no PEM certificate in it".to_owned(),
+        ));
+    }
+    let key =
+        PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| TlsSetupError::Key(e.to_string()))?;
+    let config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(|e| TlsSetupError::Key(e.to_string()))?;
+    Ok(Arc::new(config))
+}
+
+/// The API's certificate or key could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsSetupError {
+    #[error("the certificate: {0}")]
+    Certificate(String),
+    #[error("the key: {0}")]
+    Key(String),
+}
+
+/// Serves the API over HTTPS on `listener`, presenting `tls`'s certificate, in a background
+/// task; returns the address it listens on.
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    sim: Arc<Simulation>,
+    tls: Arc<rustls::ServerConfig>,
+) -> std::io::Result<SocketAddr> {
+    let addr = listener.local_addr()?;
+    let app = router(sim);
+    let listener = TlsListener::new(listener, tls);
+    tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, app).await {
+            tracing::error!(%error, "simulator API stopped");
+        }
+    });
+    Ok(addr)
+}
+
+/// Connections whose TLS handshake is done. Handshakes run in tasks of their own, so a client
+/// that stalls (or refuses the certificate) holds up no other.
+struct TlsListener {
+    ready: tokio::sync::mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    addr: SocketAddr,
+}
+
+impl TlsListener {
+    fn new(listener: tokio::net::TcpListener, tls: Arc<rustls::ServerConfig>) -> Self {
+        let addr = listener
+            .local_addr()
+            .expect("a bound listener has an address");
+        let (ready_tx, ready) = tokio::sync::mpsc::channel(64);
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+        tokio::spawn(async move {
+            loop {
+                let (stream, peer) = match listener.accept().await {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        tracing::debug!(%error, "accepting a connection");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                if ready_tx.is_closed() {
+                    return;
+                }
+                let (acceptor, ready_tx) = (acceptor.clone(), ready_tx.clone());
+                tokio::spawn(async move {
+                    match acceptor.accept(stream).await {
+                        Ok(stream) => {
+                            let _ = ready_tx.send((stream, peer)).await;
+                        }
+                        Err(error) => tracing::debug!(%peer, %error, "TLS handshake failed"),
+                    }
+                });
+            }
+        });
+        Self { ready, addr }
+    }
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        match self.ready.recv().await {
+            Some(connection) => connection,
+            // The accepting task ended (the runtime is shutting down): no more connections.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.addr)
+    }
 }
 
 impl IntoResponse for ApiError {

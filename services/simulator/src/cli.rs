@@ -58,6 +58,45 @@ pub struct SimulateArgs {
     pub quiet: bool,
 }
 
+/// The simulated API over HTTPS: the certificate (chain) and key it presents, as PEM files.
+/// Both or neither; without them the API is plain http.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ApiTlsArgs {
+    /// The API's certificate chain (PEM), leaf first: with `--tls-key-file`, the API is served
+    /// over https.
+    #[arg(long, requires = "tls_key_file")]
+    pub tls_cert_file: Option<std::path::PathBuf>,
+    /// The private key (PEM) of `--tls-cert-file`'s certificate.
+    #[arg(long, requires = "tls_cert_file")]
+    pub tls_key_file: Option<std::path::PathBuf>,
+}
+
+impl ApiTlsArgs {
+    /// The server configuration the files make; `None` for plain http.
+    pub fn server_config(
+        &self,
+    ) -> anyhow::Result<Option<std::sync::Arc<tokio_rustls::rustls::ServerConfig>>> {
+        let (Some(cert), Some(key)) = (&self.tls_cert_file, &self.tls_key_file) else {
+            return Ok(None);
+        };
+        let cert_pem =
+            std::fs::read(cert).with_context(|| format!("reading {}", cert.display()))?;
+        let key_pem = std::fs::read(key).with_context(|| format!("reading {}", key.display()))?;
+        let config = crate::api::tls_config(&cert_pem, &key_pem)
+            .with_context(|| format!("--tls-cert-file {}", cert.display()))?;
+        Ok(Some(config))
+    }
+
+    /// The API's scheme: `https` when served with a certificate.
+    pub fn scheme(&self) -> &'static str {
+        if self.tls_cert_file.is_some() {
+            "https"
+        } else {
+            "http"
+        }
+    }
+}
+
 /// The receiver URL template with `{id}` in it.
 pub fn url_template(receiver_url: &str) -> String {
     if receiver_url.contains("{id}") {
@@ -87,8 +126,10 @@ pub fn prepare(args: &SimulateArgs) -> anyhow::Result<(Upstream, Workload, Vec<E
     Ok((upstream, workload, infos))
 }
 
-/// Runs the API, a sender per endpoint and the workload, printing what was sent and each answer.
-pub async fn run(args: SimulateArgs) -> anyhow::Result<()> {
+/// Runs the API (over https with `tls`'s files), a sender per endpoint and the workload,
+/// printing what was sent and each answer.
+pub async fn run(args: SimulateArgs, tls: ApiTlsArgs) -> anyhow::Result<()> {
+    let tls_config = tls.server_config()?;
     let (upstream, workload, infos) = prepare(&args)?;
     for info in &infos {
         println!(
@@ -113,8 +154,14 @@ pub async fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("binding the API to {}", args.listen))?;
-    let addr = crate::api::serve(listener, sim.clone()).await?;
-    println!("{}", json!({"api_base_url": format!("http://{addr}")}));
+    let addr = match tls_config {
+        Some(config) => crate::api::serve_tls(listener, sim.clone(), config).await?,
+        None => crate::api::serve(listener, sim.clone()).await?,
+    };
+    println!(
+        "{}",
+        json!({"api_base_url": format!("{}://{addr}", tls.scheme())})
+    );
     let senders = sim.spawn_senders();
     let steps = sim
         .clone()

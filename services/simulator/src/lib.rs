@@ -12,7 +12,7 @@
 //!   ([`Upstream::expected_copy`]) and the log of what was sent.
 //! - [`faults`]: the fault knobs.
 //! - [`workload`]: a seeded random workload of item changes and access changes.
-//! - [`api`]: the REST API over axum.
+//! - [`api`]: the REST API over axum, over http or https ([`api::serve_tls`]).
 //! - [`driver`]: the tokio driver: the clock, HTTP sends with reqwest, the workload loop.
 //! - [`cli`]: `SimulateArgs` and `run`, for the relay's `simulate` subcommand.
 //!
@@ -37,7 +37,7 @@ pub mod render;
 pub mod upstream;
 pub mod workload;
 
-pub use cli::{run, SimulateArgs};
+pub use cli::{run, ApiTlsArgs, SimulateArgs};
 pub use driver::Simulation;
 pub use faults::Faults;
 pub use upstream::{

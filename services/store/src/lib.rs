@@ -11,6 +11,8 @@
 //! - [`endpoints`]: webhook endpoints, their status and their signing secrets.
 //! - [`messages`]: the stored webhook messages, written in batches.
 //! - [`quarantine`]: stored messages the sequencer set aside, their retry and discard.
+//! - [`upstream_status`]: how each endpoint's calls to its upstream fare (the last failure,
+//!   since when, the last recovery).
 //! - [`copy`]: each endpoint's copy of the feed, the event ids applied to it, and its outbox of
 //!   changes: the rules crate's decisions carried out as conditional writes.
 
@@ -21,6 +23,7 @@ pub mod endpoints;
 pub mod messages;
 pub mod quarantine;
 pub mod tenants;
+pub mod upstream_status;
 
 pub use db::{connect, KeptConnection, PoolOptions, MIGRATOR};
 

@@ -208,6 +208,33 @@ pub struct TrackView {
     pub reload_begun_at: Option<OffsetDateTime>,
 }
 
+/// How the relay's calls to the endpoint's upstream fare (its reloads and refetches).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UpstreamStateView {
+    /// `needs_settings` (no upstream_base_url or upstream_api_key registered: no call is
+    /// made), `failing` (the last call failed), or `ok`.
+    pub status: String,
+    /// The last failure's name: `certificate_unknown_issuer`, `certificate_name_mismatch`,
+    /// `certificate_expired` (and other `certificate_*`), `connect`, `timeout`, `refused` (the
+    /// operator's outbound policy), `status` (an unexpected HTTP status), `body`, `request`,
+    /// `not_configured`.
+    pub last_error_kind: Option<String>,
+    /// The last failure with its causes.
+    pub last_error: Option<String>,
+    /// When the calls began failing; null when the last call answered well.
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub failing_since: Option<OffsetDateTime>,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_failure_at: Option<OffsetDateTime>,
+    /// When the upstream last answered well after failing (calls that answer well while none
+    /// failed are not recorded).
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_success_at: Option<OffsetDateTime>,
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct StateView {
     pub endpoint_id: Uuid,
@@ -241,6 +268,7 @@ pub struct StateView {
     /// (`/v1/endpoints/{id}/quarantine`), and the reason of the latest.
     pub messages_quarantined: i64,
     pub last_quarantine_reason: Option<String>,
+    pub upstream: UpstreamStateView,
 }
 
 type TrackRow = (
@@ -273,13 +301,16 @@ pub async fn endpoint_state(
     sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         .execute(&mut *tx)
         .await?;
-    let status: Option<String> =
-        sqlx::query_scalar("SELECT status FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2")
-            .bind(id)
-            .bind(tenant)
-            .fetch_optional(&mut *tx)
-            .await?;
-    let status = status.ok_or(ApiError::NotFound("webhook endpoint"))?;
+    let endpoint: Option<(String, bool)> = sqlx::query_as(
+        "SELECT status,
+                COALESCE(upstream_base_url, '') <> '' AND COALESCE(upstream_api_key, '') <> ''
+         FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2",
+    )
+    .bind(id)
+    .bind(tenant)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let (status, upstream_configured) = endpoint.ok_or(ApiError::NotFound("webhook endpoint"))?;
     let tracks: Vec<TrackRow> = sqlx::query_as(
         "SELECT track, generation, access_version, through, last_was_reset, reload::text,
                 reload_begun_at
@@ -364,7 +395,21 @@ pub async fn endpoint_state(
     .await?;
     let (quarantined, quarantine_reason) =
         relay_store::quarantine::summary(&mut *tx, tenant, id).await?;
+    let upstream = relay_store::upstream_status::read(&mut *tx, tenant, id).await?;
     tx.commit().await?;
+    let upstream = UpstreamStateView {
+        status: match &upstream {
+            _ if !upstream_configured => "needs_settings",
+            Some(recorded) if recorded.failing() => "failing",
+            _ => "ok",
+        }
+        .to_owned(),
+        last_error_kind: upstream.as_ref().map(|u| u.last_error_kind.clone()),
+        last_error: upstream.as_ref().map(|u| u.last_error.clone()),
+        failing_since: upstream.as_ref().and_then(|u| u.failing_since),
+        last_failure_at: upstream.as_ref().map(|u| u.last_failure_at),
+        last_success_at: upstream.as_ref().and_then(|u| u.last_success_at),
+    };
     Ok(Json(StateView {
         endpoint_id: id,
         status,
@@ -381,6 +426,7 @@ pub async fn endpoint_state(
         last_change_seq,
         messages_quarantined: quarantined,
         last_quarantine_reason: quarantine_reason,
+        upstream,
     }))
 }
 

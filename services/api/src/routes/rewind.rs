@@ -166,7 +166,8 @@ pub async fn rewind_track(
                         .rewinds
                         .with_label_values(&["upstream_failed"])
                         .inc();
-                    tracing::warn!(%tenant, endpoint = %id, track, error = %e, "rewind failed");
+                    tracing::warn!(%tenant, endpoint = %id, track, kind = e.kind(), error = %e,
+                                   "rewind failed");
                     match e {
                         upstream::UpstreamError::Refused(refusal) => ApiError::conflict(
                             Some("upstream_base_url"),

@@ -97,7 +97,9 @@ async fn run_sends_verifiable_messages_to_any_receiver() {
         .with_state(receiver.clone());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
-    relay_simulator::run(args).await.unwrap();
+    relay_simulator::run(args, relay_simulator::ApiTlsArgs::default())
+        .await
+        .unwrap();
     assert_eq!(*receiver.refused.lock().unwrap(), Vec::<String>::new());
     assert!(
         *receiver.verified.lock().unwrap() >= infos.len(),
