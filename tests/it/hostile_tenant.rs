@@ -374,9 +374,14 @@ async fn a_hostile_tenant_cannot_hurt_another() {
             "seed {seed}: B's endpoint {id}'s copy is not the oracle's"
         );
     }
-    let broker = relay_publisher::broker::connect(&vhost.url(), "test", Duration::from_secs(10))
-        .await
-        .unwrap();
+    let broker = relay_publisher::broker::connect(
+        &vhost.url(),
+        "test",
+        Duration::from_secs(10),
+        &relay_netguard::TrustRoots::platform(),
+    )
+    .await
+    .unwrap();
     let (b_messages, _) = check_tenant_queue(&broker, &pool, &sim, b, &b_ids, seed).await;
 
     // A's poison: stored, quarantined and listed; its good messages applied all the same.

@@ -277,6 +277,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
         &vhost.url_via(amqp_addr()),
         "test",
         Duration::from_secs(10),
+        &relay_netguard::TrustRoots::platform(),
     )
     .await
     .expect("the pipeline test needs RabbitMQ on 127.0.0.1:5672");

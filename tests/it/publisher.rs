@@ -96,9 +96,14 @@ impl Env {
     }
 
     pub(crate) async fn broker(&self) -> Connection {
-        relay_publisher::broker::connect(&self.vhost.url(), "test", Duration::from_secs(10))
-            .await
-            .expect("the publisher tests need RabbitMQ on 127.0.0.1:5672")
+        relay_publisher::broker::connect(
+            &self.vhost.url(),
+            "test",
+            Duration::from_secs(10),
+            &relay_netguard::TrustRoots::platform(),
+        )
+        .await
+        .expect("the publisher tests need RabbitMQ on 127.0.0.1:5672")
     }
 }
 
@@ -635,6 +640,7 @@ async fn each_tenants_queue_rebuilds_its_copies_once_and_in_order() {
             idle_exit_ms: 3_000,
             output: TailOutput::Changes,
         },
+        &relay_netguard::TrustRoots::platform(),
         &mut out,
         std::future::pending(),
     )
@@ -1082,6 +1088,7 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
             idle_exit_ms: 3_000,
             output: TailOutput::Copy,
         },
+        &relay_netguard::TrustRoots::platform(),
         &mut out,
         std::future::pending(),
     )

@@ -341,7 +341,13 @@ pub(crate) fn tenant_url(credentials: &Value, password: &str) -> String {
 }
 
 pub(crate) async fn connect(url: &str) -> Result<Connection, relay_publisher::broker::BrokerError> {
-    relay_publisher::broker::connect(url, "tenant test", Duration::from_secs(10)).await
+    relay_publisher::broker::connect(
+        url,
+        "tenant test",
+        Duration::from_secs(10),
+        &relay_netguard::TrustRoots::platform(),
+    )
+    .await
 }
 
 fn quorum() -> FieldTable {

@@ -49,14 +49,9 @@ fn amqps_url(env: &Env, proxy: &TlsProxy) -> String {
 
 /// A connection to the vhost over TLS, trusting `trust`, as a consumer of the tenant's would.
 async fn consumer_over_tls(url: &str, trust: &TrustRoots) -> Connection {
-    relay_publisher::broker::connect_trusting(
-        url,
-        "tls test consumer",
-        Duration::from_secs(10),
-        trust,
-    )
-    .await
-    .expect("a TLS connection to the broker through the proxy")
+    relay_publisher::broker::connect(url, "tls test consumer", Duration::from_secs(10), trust)
+        .await
+        .expect("a TLS connection to the broker through the proxy")
 }
 
 /// Every change of `tenant` is in `messages` once, in order per endpoint, and the reference
@@ -276,7 +271,7 @@ async fn a_broker_certificate_from_another_ca_is_refused_and_the_refusal_says_wh
 
     // The relay's own broker behind it: the connect the publisher makes fails, and what it
     // logs (`describe`) names the check, with the cause under it.
-    let refused = relay_publisher::broker::connect_trusting(
+    let refused = relay_publisher::broker::connect(
         &url,
         "tls test",
         Duration::from_secs(10),
@@ -295,7 +290,7 @@ async fn a_broker_certificate_from_another_ca_is_refused_and_the_refusal_says_wh
     );
     // A certificate of the trusted CA for another name is refused for its name.
     let misnamed = TlsProxy::start(&trusted.issue(&["broker.example"]), amqp_addr()).await;
-    let refused = relay_publisher::broker::connect_trusting(
+    let refused = relay_publisher::broker::connect(
         &amqps_url(&env, &misnamed),
         "tls test",
         Duration::from_secs(10),
@@ -311,7 +306,7 @@ async fn a_broker_certificate_from_another_ca_is_refused_and_the_refusal_says_wh
     );
     // And one that has expired, for its date.
     let expired = TlsProxy::start(&trusted.issue_expired(&["localhost"]), amqp_addr()).await;
-    let refused = relay_publisher::broker::connect_trusting(
+    let refused = relay_publisher::broker::connect(
         &amqps_url(&env, &expired),
         "tls test",
         Duration::from_secs(10),

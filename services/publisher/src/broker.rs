@@ -62,19 +62,13 @@ pub fn tenant_queue(tenant: Uuid) -> String {
 /// host gone, a network that drops packets) is closed by lapin after two of these.
 const HEARTBEAT_S: u16 = 10;
 
-/// Connects with lapin's IO and tasks on the current tokio runtime, within `timeout`, trusting
-/// the platform's roots for `amqps://` (see [`connect_trusting`] for the operator's CA).
-pub async fn connect(url: &str, name: &str, timeout: Duration) -> Result<Connection, BrokerError> {
-    connect_trusting(url, name, timeout, &TrustRoots::platform()).await
-}
-
 /// Connects to `url` (`amqp://`, or `amqps://` checked against `trust`) with lapin's IO and
 /// tasks on the current tokio runtime, within `timeout`.
 ///
 /// lapin runs each connection's IO on a thread of its own, which our timeout does not stop; so
 /// the URL's own bounds are set too (unless it names them): the TCP connect gives up after
 /// `timeout`, and an established connection that stops answering ends by the heartbeat.
-pub async fn connect_trusting(
+pub async fn connect(
     url: &str,
     name: &str,
     timeout: Duration,
@@ -310,7 +304,7 @@ impl RelayBroker {
                 return Err(BrokerError::Down(error.clone()));
             }
         }
-        match connect_trusting(&self.url, "relay-publisher", self.timeout, &self.trust).await {
+        match connect(&self.url, "relay-publisher", self.timeout, &self.trust).await {
             Ok(connection) => {
                 let connection = Arc::new(connection);
                 current.connection = Some(connection.clone());

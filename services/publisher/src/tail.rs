@@ -16,6 +16,7 @@ use uuid::Uuid;
 use crate::broker::{connect, tenant_queue};
 use crate::config::{redact, DEFAULT_AMQP_URL};
 use crate::consumer::{ConsumerStats, Received, ReferenceConsumer};
+use relay_netguard::TrustRoots;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum TailOutput {
@@ -68,8 +69,12 @@ struct CopyLine<'a> {
 }
 
 /// Runs tail until the queue is idle for `idle_exit_ms` or Ctrl-C, printing to `out`.
-pub async fn tail(args: &TailArgs, out: &mut (dyn Write + Send)) -> anyhow::Result<ConsumerStats> {
-    tail_until(args, out, async {
+pub async fn tail(
+    args: &TailArgs,
+    trust: &TrustRoots,
+    out: &mut (dyn Write + Send),
+) -> anyhow::Result<ConsumerStats> {
+    tail_until(args, trust, out, async {
         let _ = tokio::signal::ctrl_c().await;
     })
     .await
@@ -78,6 +83,7 @@ pub async fn tail(args: &TailArgs, out: &mut (dyn Write + Send)) -> anyhow::Resu
 /// [`tail`], stopping when `stop` completes instead of on Ctrl-C (or when idle, as there).
 pub async fn tail_until(
     args: &TailArgs,
+    trust: &TrustRoots,
     out: &mut (dyn Write + Send),
     stop: impl Future<Output = ()>,
 ) -> anyhow::Result<ConsumerStats> {
@@ -85,7 +91,7 @@ pub async fn tail_until(
         .queue
         .clone()
         .unwrap_or_else(|| tenant_queue(args.tenant));
-    let connection = connect(&args.amqp_url, "relay tail", Duration::from_secs(10))
+    let connection = connect(&args.amqp_url, "relay tail", Duration::from_secs(10), trust)
         .await
         .with_context(|| format!("connecting to {}", redact(&args.amqp_url)))?;
     let channel = connection.create_channel().await?;

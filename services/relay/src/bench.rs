@@ -647,13 +647,21 @@ async fn reload(global: &GlobalArgs, args: ReloadBenchArgs) -> anyhow::Result<()
 }
 
 /// Reads and drops everything on the tenant's queue, as a fast consumer would.
-async fn drain_queue(amqp_url: String, queue: String) -> anyhow::Result<()> {
+async fn drain_queue(
+    amqp_url: String,
+    trust: relay_netguard::TrustRoots,
+    queue: String,
+) -> anyhow::Result<()> {
     use futures::StreamExt;
     use relay_publisher::lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
     use relay_publisher::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-    let connection =
-        relay_publisher::broker::connect(&amqp_url, "relay-bench-drain", Duration::from_secs(5))
-            .await?;
+    let connection = relay_publisher::broker::connect(
+        &amqp_url,
+        "relay-bench-drain",
+        Duration::from_secs(5),
+        &trust,
+    )
+    .await?;
     let channel = connection.create_channel().await?;
     let mut arguments = FieldTable::default();
     arguments.insert(
@@ -688,11 +696,19 @@ async fn drain_queue(amqp_url: String, queue: String) -> anyhow::Result<()> {
 }
 
 /// Deletes the bench tenant's queue, whatever it still holds.
-async fn delete_queue(amqp_url: &str, queue: &str) -> anyhow::Result<()> {
+async fn delete_queue(
+    amqp_url: &str,
+    trust: &relay_netguard::TrustRoots,
+    queue: &str,
+) -> anyhow::Result<()> {
     use relay_publisher::lapin::options::QueueDeleteOptions;
-    let connection =
-        relay_publisher::broker::connect(amqp_url, "relay-bench-cleanup", Duration::from_secs(5))
-            .await?;
+    let connection = relay_publisher::broker::connect(
+        amqp_url,
+        "relay-bench-cleanup",
+        Duration::from_secs(5),
+        trust,
+    )
+    .await?;
     let channel = connection.create_channel().await?;
     channel
         .queue_delete(queue, QueueDeleteOptions::default())
@@ -847,7 +863,11 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     };
     let tenant = provision_in_sync(global, &pool, &loadgen).await?;
     let queue = relay_publisher::tenant_queue(tenant);
-    let drain = tokio::spawn(drain_queue(args.publisher.amqp_url.clone(), queue.clone()));
+    let drain = tokio::spawn(drain_queue(
+        args.publisher.amqp_url.clone(),
+        global.trust()?,
+        queue.clone(),
+    ));
 
     let registry = prometheus::Registry::new();
     let prefix = format!("relay-bench-{}:", Uuid::new_v4().simple());
@@ -961,7 +981,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     sequencer.stop().await;
     drain.abort();
     // The bench's queue is of no use after it: leave the broker as it was.
-    delete_queue(&args.publisher.amqp_url, &queue).await?;
+    delete_queue(&args.publisher.amqp_url, &global.trust()?, &queue).await?;
     let confirmed_at = std::mem::take(&mut *confirmed_at.lock().expect("not poisoned"));
     record_confirms(&pool, confirmed_at).await?;
 

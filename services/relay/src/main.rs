@@ -13,7 +13,8 @@ async fn main() -> anyhow::Result<()> {
         Command::Publisher(command) => relay::startup::run_publisher(&cli.global, &command).await,
         Command::Api(command) => relay::startup::run_api(&cli.global, &command).await,
         Command::Tail(args) => {
-            let stats = relay_publisher::tail(&args, &mut std::io::stdout()).await?;
+            let stats =
+                relay_publisher::tail(&args, &cli.global.trust()?, &mut std::io::stdout()).await?;
             eprintln!("{stats:?}");
             Ok(())
         }
