@@ -194,6 +194,23 @@ impl TestApp {
         Self::spawn_with(test_config(), Arc::new(SystemClock), None).await
     }
 
+    /// The front tier of a whole-relay test: the test settings, and a waker for the sequencers
+    /// listening under `key_prefix`.
+    pub async fn spawn_waking(key_prefix: &str) -> Self {
+        let waker = relay_sequencer::wake::Waker::connect(
+            &redis_url(),
+            &relay_netguard::TrustRoots::platform(),
+            key_prefix,
+        )
+        .await
+        .expect("the whole-relay tests need Redis on 127.0.0.1:6379");
+        let config = IngestConfig {
+            waker: Some(waker),
+            ..test_config()
+        };
+        Self::spawn_with(config, Arc::new(SystemClock), None).await
+    }
+
     /// Boots the front tier. With `via`, its pool connects through that address (a
     /// [`PgProxy`]) instead of straight to Postgres.
     pub async fn spawn_with(

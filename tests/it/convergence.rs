@@ -11,20 +11,18 @@
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use relay_ingest::SystemClock;
 use relay_netguard::OutboundPolicy;
-use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
+use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::cli::{prepare, SimulateArgs};
 use relay_simulator::{Faults, Simulation};
 use relay_store::copy::{self, Operation};
 use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::{tenants, PoolOptions};
-use relay_tests::{redis_url, test_config, TestApp};
+use relay_tests::{redis_url, TestApp};
 use relay_wire::SigningSecret;
 use serde_json::Value;
 use sqlx::PgPool;
@@ -426,22 +424,7 @@ async fn converge(run: Run) {
     let seed = run.seed;
     eprintln!("convergence: seed {seed} ({run:?})");
     let key_prefix = format!("relay-test-{}:", Uuid::new_v4().simple());
-    let waker = Waker::connect(
-        &redis_url(),
-        &relay_netguard::TrustRoots::platform(),
-        &key_prefix,
-    )
-    .await
-    .unwrap();
-    let app = TestApp::spawn_with(
-        relay_ingest::IngestConfig {
-            waker: Some(waker),
-            ..test_config()
-        },
-        Arc::new(SystemClock),
-        None,
-    )
-    .await;
+    let app = TestApp::spawn_waking(&key_prefix).await;
     let pool = app.db.pool.clone();
 
     let api_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -13,20 +13,15 @@
 
 use std::collections::BTreeMap;
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use relay_ingest::SystemClock;
 use relay_netguard::OutboundPolicy;
-use relay_sequencer::Waker;
 use relay_simulator::cli::{prepare, SimulateArgs};
 use relay_simulator::{Faults, Simulation};
 use relay_store::PoolOptions;
-use relay_tests::{
-    amqp_addr, redis_url, seed, test_config, PgProxy, ProxyMode, RedisPrefix, TestApp, Vhost,
-};
+use relay_tests::{amqp_addr, seed, PgProxy, ProxyMode, RedisPrefix, TestApp, Vhost};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -59,22 +54,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     // 1. A database, a vhost, a Redis key prefix; the front tier with its waker.
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
     let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
-    let waker = Waker::connect(
-        &redis_url(),
-        &relay_netguard::TrustRoots::platform(),
-        &prefix.0,
-    )
-    .await
-    .unwrap();
-    let app = TestApp::spawn_with(
-        relay_ingest::IngestConfig {
-            waker: Some(waker),
-            ..test_config()
-        },
-        Arc::new(SystemClock),
-        None,
-    )
-    .await;
+    let app = TestApp::spawn_waking(&prefix.0).await;
     let pool = app.db.pool.clone();
 
     // 2. The control plane, a sequencer and the publisher (its broker behind a proxy).

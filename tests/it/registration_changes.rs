@@ -9,19 +9,16 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use relay_ingest::SystemClock;
 use relay_netguard::{OutboundPolicy, RetryPolicy};
-use relay_sequencer::wake::Waker;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
-use relay_simulator::cli::{prepare, SimulateArgs};
-use relay_simulator::{EndpointInfo, Simulation};
-use relay_tests::{redis_url, seed, test_config, RedisPrefix, TestApp};
+use relay_simulator::{EndpointInfo, Faults, Simulation, Workload};
+use relay_tests::{seed, RedisPrefix, TestApp};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::stack::{
-    backlog, copy_items, counter, describe_difference, oracle, sequencer_config,
+    backlog, copy_items, counter, describe_difference, oracle, sequencer_config, simulation,
     start_sequencer_with, Api,
 };
 
@@ -46,24 +43,9 @@ struct Relay {
 impl Relay {
     /// The front tier, the control plane and a sequencer whose reloads pause a minute after a
     /// failed read; a simulator with one endpoint, not yet registered; a tenant.
-    async fn start(seed: u64) -> (Self, relay_simulator::Workload) {
+    async fn start(seed: u64) -> (Self, Workload) {
         let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-        let waker = Waker::connect(
-            &redis_url(),
-            &relay_netguard::TrustRoots::platform(),
-            &prefix.0,
-        )
-        .await
-        .unwrap();
-        let app = TestApp::spawn_with(
-            relay_ingest::IngestConfig {
-                waker: Some(waker),
-                ..test_config()
-            },
-            Arc::new(SystemClock),
-            None,
-        )
-        .await;
+        let app = TestApp::spawn_waking(&prefix.0).await;
         let api = Api::start(
             &app.db.url,
             "amqp://guest:guest@127.0.0.1:5672/%2f",
@@ -87,20 +69,7 @@ impl Relay {
 
         let sim_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
-        let args = SimulateArgs {
-            receiver_url: app.base_url.clone(),
-            endpoints: 1,
-            keys: 1,
-            seed,
-            rate: 20.0,
-            duration_s: 3,
-            faults: "none".into(),
-            time_compression: 3600.0,
-            listen: "127.0.0.1:0".into(),
-            print_endpoints: false,
-            quiet: true,
-        };
-        let (upstream, workload, infos) = prepare(&args).unwrap();
+        let (upstream, workload, infos) = simulation(seed, &app.base_url, 1, Faults::default());
         let sim = Simulation::new(upstream, Duration::from_secs(15));
         relay_simulator::api::serve(sim_listener, sim.clone())
             .await
@@ -179,7 +148,7 @@ impl Relay {
     }
 
     /// Runs the workload to its end, then waits until every message is applied.
-    async fn deliver(&self, workload: relay_simulator::Workload) {
+    async fn deliver(&self, workload: Workload) {
         self.sim
             .clone()
             .run_workload(workload, 20.0, Duration::from_secs(3))

@@ -19,17 +19,15 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use relay_api::auth::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
-use relay_ingest::SystemClock;
 use relay_rules::ApplyBackoff;
 use relay_sequencer::state;
-use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
-use relay_simulator::cli::{prepare, SimulateArgs};
+use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::model::ChangeKind;
 use relay_simulator::Simulation;
 use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::messages::{store_batch, IncomingMessage};
 use relay_store::{copy, tenants, PoolOptions};
-use relay_tests::{random_secret, redis_url, seed, test_config, RedisPrefix, TestApp, TestDb};
+use relay_tests::{random_secret, redis_url, seed, RedisPrefix, TestApp, TestDb};
 use relay_wire::{Sequence, SigningSecret};
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -234,41 +232,14 @@ async fn an_unparseable_stored_message_is_quarantined_and_the_copy_still_equals_
     let seed = seed();
     eprintln!("quarantine: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-    let waker = Waker::connect(
-        &redis_url(),
-        &relay_netguard::TrustRoots::platform(),
-        &prefix.0,
-    )
-    .await
-    .unwrap();
-    let app = TestApp::spawn_with(
-        relay_ingest::IngestConfig {
-            waker: Some(waker),
-            ..test_config()
-        },
-        Arc::new(SystemClock),
-        None,
-    )
-    .await;
+    let app = TestApp::spawn_waking(&prefix.0).await;
     let pool = app.db.pool.clone();
     let api_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let api = format!("http://{}", api_listener.local_addr().unwrap());
     let rate = 20.0;
     let duration = Duration::from_secs(3);
-    let args = SimulateArgs {
-        receiver_url: app.base_url.clone(),
-        endpoints: 2,
-        keys: 1,
-        seed,
-        rate,
-        duration_s: duration.as_secs(),
-        faults: "none".into(),
-        time_compression: 3600.0,
-        listen: "127.0.0.1:0".into(),
-        print_endpoints: false,
-        quiet: true,
-    };
-    let (upstream, workload, infos) = prepare(&args).unwrap();
+    let (upstream, workload, infos) =
+        crate::stack::simulation(seed, &app.base_url, 2, relay_simulator::Faults::default());
     let tenant = Uuid::new_v4();
     tenants::create(&pool, tenant, "simulated").await.unwrap();
     for info in &infos {

@@ -15,7 +15,11 @@ use relay_publisher::{
 };
 use relay_rules::destination::DestinationPolicy;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
-use relay_simulator::Simulation;
+use relay_simulator::cli::url_template;
+use relay_simulator::model::World;
+use relay_simulator::{
+    EndpointInfo, Faults, SenderConfig, Simulation, Upstream, Workload, WorkloadConfig,
+};
 use relay_store::copy;
 use relay_store::PoolOptions;
 use relay_tests::redis_url;
@@ -159,6 +163,36 @@ impl Api {
 
 /// What a copy holds of its items: subject → (sequence, item).
 pub(crate) type Items = BTreeMap<String, (String, Value)>;
+
+/// A simulated upstream with `endpoints` endpoints under one key, sending to `receiver_url`,
+/// its seeded workload, and the endpoints. Every endpoint selects everything (as `relay
+/// simulate` does, less its random filters, one of which can select none of a short run's
+/// items and leave a test comparing empty copies).
+pub(crate) fn simulation(
+    seed: u64,
+    receiver_url: &str,
+    endpoints: usize,
+    faults: Faults,
+) -> (Upstream, Workload, Vec<EndpointInfo>) {
+    let mut workload = Workload::new(
+        seed,
+        WorkloadConfig {
+            endpoints,
+            keys: 1,
+            refetch: faults.refetch,
+            random_filters: false,
+            ..WorkloadConfig::default()
+        },
+    );
+    let mut upstream = Upstream::new(
+        World::default(),
+        SenderConfig::from_wire_limits(3600.0),
+        faults,
+        seed,
+    );
+    let infos = workload.setup(&mut upstream, &url_template(receiver_url), 0);
+    (upstream, workload, infos)
+}
 
 pub(crate) fn oracle(sim: &Simulation, endpoint: Uuid) -> Items {
     sim.lock()

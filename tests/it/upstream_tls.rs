@@ -12,14 +12,12 @@ use std::time::{Duration, Instant};
 
 use relay_api::auth::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
-use relay_ingest::SystemClock;
 use relay_netguard::{OutboundPolicy, TrustRoots};
-use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
-use relay_simulator::cli::{prepare, SimulateArgs};
+use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::{EndpointInfo, Faults, Simulation, Workload};
 use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::{tenants, PoolOptions};
-use relay_tests::{redis_url, seed, test_config, RedisPrefix, TestApp};
+use relay_tests::{redis_url, seed, RedisPrefix, TestApp};
 use relay_wire::SigningSecret;
 use serde_json::Value;
 use sqlx::PgPool;
@@ -52,22 +50,7 @@ fn policy() -> OutboundPolicy {
 impl Relay {
     async fn start(trust: TrustRoots) -> Self {
         let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-        let waker = Waker::connect(
-            &redis_url(),
-            &relay_netguard::TrustRoots::platform(),
-            &prefix.0,
-        )
-        .await
-        .unwrap();
-        let app = TestApp::spawn_with(
-            relay_ingest::IngestConfig {
-                waker: Some(waker),
-                ..test_config()
-            },
-            Arc::new(SystemClock),
-            None,
-        )
-        .await;
+        let app = TestApp::spawn_waking(&prefix.0).await;
         let pool = relay_store::connect(
             &app.db.url,
             &PoolOptions {
@@ -188,20 +171,8 @@ async fn simulator(
     endpoints: usize,
     faults: &str,
 ) -> (Arc<Simulation>, Workload, Vec<EndpointInfo>, String) {
-    let args = SimulateArgs {
-        receiver_url: receiver.to_owned(),
-        endpoints,
-        keys: 1,
-        seed,
-        rate: 1.0,
-        duration_s: 1,
-        faults: faults.to_owned(),
-        time_compression: 3600.0,
-        listen: "127.0.0.1:0".into(),
-        print_endpoints: false,
-        quiet: true,
-    };
-    let (upstream, workload, infos) = prepare(&args).unwrap();
+    let (upstream, workload, infos) =
+        crate::stack::simulation(seed, receiver, endpoints, faults.parse().unwrap());
     let sim = Simulation::new(upstream, Duration::from_secs(2));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = relay_simulator::api::serve_tls(listener, sim.clone(), identity.server_config())
