@@ -17,7 +17,7 @@ use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::{EndpointInfo, Faults, Simulation, Workload};
 use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::{tenants, PoolOptions};
-use relay_tests::{redis_url, seed, RedisPrefix, TestApp};
+use relay_tests::{seed, RedisPrefix, TestApp};
 use relay_wire::SigningSecret;
 use serde_json::Value;
 use sqlx::PgPool;
@@ -25,7 +25,9 @@ use time::OffsetDateTime;
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
-use crate::stack::{copy_items, describe_difference, oracle, Api, Items};
+use crate::stack::{
+    copy_items, describe_difference, oracle, sequencer_config, start_sequencer_with, Api, Items,
+};
 use crate::tls_support::{ServerIdentity, TestCa};
 
 const KEY: &[u8] = b"test-signing-key-of-the-upstream-over-tls-tests";
@@ -51,36 +53,15 @@ impl Relay {
     async fn start(trust: TrustRoots) -> Self {
         let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
         let app = TestApp::spawn_waking(&prefix.0).await;
-        let pool = relay_store::connect(
+        let sequencer = start_sequencer_with(
             &app.db.url,
-            &PoolOptions {
-                max_connections: 8,
-                acquire_timeout: Duration::from_secs(30),
-                statement_timeout: Some(Duration::from_secs(60)),
-                generic_plans: false,
-                ..PoolOptions::default()
-            },
-        )
-        .unwrap();
-        let sequencer = Sequencer::start(
-            pool,
             SequencerConfig {
-                redis_url: redis_url(),
-                key_prefix: prefix.0.clone(),
-                lease: Duration::from_millis(1500),
-                max_concurrent_endpoints: 8,
-                sweep_interval: Duration::from_millis(200),
-                idle_linger: Duration::from_millis(100),
-                upstream_timeout: Duration::from_secs(5),
-                feed_page_limit: 8,
-                outbound: policy(),
                 trust: trust.clone(),
-                ..SequencerConfig::default()
+                ..sequencer_config(&prefix.0, 8, policy())
             },
             SequencerMetrics::unregistered(),
         )
-        .await
-        .expect("the sequencer needs Redis on 127.0.0.1:6379");
+        .await;
         let api_pool = relay_store::connect(&app.db.url, &PoolOptions::default()).unwrap();
         let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
         config.upstream_timeout = Duration::from_secs(5);
