@@ -21,7 +21,7 @@ use std::time::Duration;
 use base64::Engine as _;
 use rand::RngCore as _;
 use relay_publisher::tenant_queue;
-use relay_rules::destination::DestinationPolicy;
+use relay_rules::DestinationPolicy;
 use reqwest::{Method, Url};
 use serde_json::json;
 use sha2::{Digest as _, Sha256};

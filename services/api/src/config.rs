@@ -12,7 +12,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use relay_publisher::config::DEFAULT_AMQP_URL;
-use relay_rules::destination::DestinationPolicy;
+use relay_rules::DestinationPolicy;
 
 use crate::auth::{self, IssuedToken, JwtKeys, KeyError, Subject, TokenError};
 use crate::broker::{BrokerAccess, ManagementSettings};

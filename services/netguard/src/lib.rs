@@ -21,7 +21,7 @@ pub mod tls;
 
 pub use client::{refusal_in, GuardedClient, GuardedResolver, ResolveError};
 pub use policy::{OutboundPolicy, Refusal};
-pub use relay_rules::address::{classify, AddressKind};
+pub use relay_rules::{classify, AddressKind};
 pub use retry::{Pauses, RetryPolicy};
 pub use tls::{
     certificate_failure, error_chain, CertificateFailure, TlsArgs, TrustError, TrustRoots,

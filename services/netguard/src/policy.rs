@@ -7,7 +7,7 @@
 //! unicast addresses are taken, unless the operator says otherwise.
 
 use ipnet::IpNet;
-use relay_rules::address::{classify, AddressKind};
+use relay_rules::{classify, AddressKind};
 use std::net::IpAddr;
 
 use url::{Host, Url};

@@ -11,7 +11,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use relay_netguard::{CertificateFailure, TrustRoots};
-use relay_rules::destination::{DestinationPolicy, Refusal};
+use relay_rules::{DestinationPolicy, Refusal};
 use uuid::Uuid;
 
 use crate::message::CONTENT_TYPE;

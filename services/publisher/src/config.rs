@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use relay_netguard::{RetryPolicy, TrustRoots};
-use relay_rules::destination::DestinationPolicy;
+use relay_rules::DestinationPolicy;
 use uuid::Uuid;
 
 /// How the publisher runs. [`Default`] is what [`PublisherArgs`] defaults to.

@@ -105,29 +105,6 @@ pub fn feed_subject(event: &Event) -> Option<&str> {
     }
 }
 
-/// Rule "De-duplicate events by id, for each endpoint" (and "Keep the event ids you applied with
-/// the copy, in the same transactions"): true when `applied` says this event's id was applied
-/// before on the endpoint. The sequencer records the id of every event it decides on in the same
-/// transaction as the decision's write (a refetch's id included: it is an event of its own).
-pub fn is_duplicate(applied: impl Fn(&str) -> bool, event: &Event) -> bool {
-    applied(&event.id)
-}
-
-/// [`decide_event`] behind the event-id check: `Ignore(Duplicate)` when `applied` knows its id.
-/// (Repeating an event is harmless anyway, see the idempotence property; the ids are kept
-/// because the rule asks for them and they spare the reads a refetch would make again.)
-pub fn decide_event_dedup(
-    applied: impl Fn(&str) -> bool,
-    held: Option<&Held>,
-    generation: u64,
-    event: &Event,
-) -> Decision {
-    if is_duplicate(applied, event) {
-        return Decision::Ignore(IgnoreReason::Duplicate);
-    }
-    decide_event(held, generation, event)
-}
-
 /// Decides one event of a message of `generation`, given what the copy holds of its subject.
 ///
 /// Rules: "Route each event by its type" and "Ignore an event type ... version 1 does not name"

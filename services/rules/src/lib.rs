@@ -18,7 +18,8 @@
 //!   event-id de-duplication helper.
 //! - [`track`]: the per endpoint-and-track state machine over whole messages: generations,
 //!   access versions, resets and the reloads they begin, the kept `through`.
-//! - [`reload`]: merging a reload's read into the copy, and whether its pages agree.
+//! - [`reload`]: a reload's pass merged into the copy ([`decide_merge`] → [`MergePlan`]), and
+//!   whether its pages agree.
 //! - [`quarantine`]: a stored message that cannot be applied: retried with backoff, then kept
 //!   aside and the feed read again.
 //! - [`refetch`]: what to do with the answer of a refetch's item read.
@@ -27,38 +28,47 @@
 //!   classification behind every outbound check.
 //! - [`destination`]: where a tenant's own-exchange destination may point (not the relay's own
 //!   broker; public addresses unless the operator allows others).
-//! - [`model`]: a small in-memory reference copy ([`FeedCopy`]) that carries decisions out, and
-//!   [`Endpoint`], which runs whole messages through the rules as the sequencer does: for the
-//!   property tests here, and for comparing the SQL layer against the rules.
+//! - [`run`](mod@run): a whole run of stored messages decided at once ([`decide_run`] → [`RunPlan`]):
+//!   the one way the sequencer drives the rules for messages, documented there.
+//! - [`model`]: [`FeedCopy`], the rows a run is decided against, and [`Endpoint`], a thin
+//!   executor of [`RunPlan`] and [`MergePlan`] in memory, for the property tests.
+//!
+//! `RULES.md` beside this crate lists every reading rule of the wire file with its id, the
+//! function that decides it, the statement that carries it out, and its tests.
 
-pub mod address;
-pub mod destination;
-pub mod event;
-pub mod model;
-pub mod parts;
-pub mod precedence;
-pub mod quarantine;
-pub mod refetch;
-pub mod reload;
-pub mod rewind;
-pub mod track;
+mod address;
+mod destination;
+mod event;
+mod model;
+mod parts;
+mod precedence;
+mod quarantine;
+mod refetch;
+mod reload;
+mod rewind;
+mod run;
+mod track;
 
-pub use event::{
-    decide_event, decide_event_dedup, decide_removal, decide_update, feed_subject, is_duplicate,
-    Decision, IgnoreReason,
-};
-pub use model::{Endpoint, FeedCopy, Received};
+pub use address::{classify, AddressKind};
+pub use destination::{canonical, is_public, same_listener, DestinationPolicy, Refusal};
+pub use event::{decide_event, feed_subject, Decision, IgnoreReason};
+pub use model::{Endpoint, FeedCopy, ModelChange};
 pub use parts::{diff_parts, PartsDiff};
 pub use precedence::{precedence, Held, HeldContent, Precedence};
 pub use quarantine::{decide_failed_apply, quarantine, ApplyBackoff, FailedApply, Unapplicable};
 pub use refetch::{
-    decide_refetch, PendingRefetch, RefetchAnswer, RefetchOutcome, REFETCH_ATTEMPTS,
+    decide_refetch, PendingRefetch, RefetchAnswer, RefetchOutcome, RefetchRead, REFETCH_ATTEMPTS,
 };
 pub use reload::{
-    check_pages, drop_after_merge, merge_item, merge_read_item, pages_agree, MergeDecision,
-    PagesCheck, ReadItem,
+    check_pages, decide_merge, merge_item, merge_read_item, pages_agree, HeldRow, Merge,
+    MergeDecision, MergePlan, PagesCheck, Pass, ReadItem,
 };
 pub use rewind::{
-    decide_rewind, restore_plan, RestorePlan, RewindAnswer, RewindOutcome, RewindRefusal,
+    decide_rewind, reload_after_restore, restore_plan, RestorePlan, RewindAnswer, RewindOutcome,
+    RewindRefusal,
+};
+pub use run::{
+    decide_run, event_ids, refetches_wanted, subjects, EventOutcome, MessagePlan, Outcome,
+    PlannedChange, PlannedRow, Run, RunPlan, StoredMessage,
 };
 pub use track::{step, EndpointTrack, MessageDecision, Reload, ReloadCause, ReloadStart};

@@ -1,18 +1,19 @@
-//! A reference copy in memory: the rules' decisions carried out on a map of held rows.
+//! A reference copy in memory: the rules' plans carried out on maps.
 //!
-//! It is what the Postgres layer must be equal to: feed the same random inputs through
-//! [`FeedCopy`] and through the SQL writes, and compare the rows. The property tests of this crate
-//! (tests/properties.rs) run the rules through it. [`Endpoint`] adds the track row and the
-//! applied event ids, and runs whole messages the way the sequencer does.
+//! [`FeedCopy`] holds rows by subject; [`decide_run`] decides against one. [`Endpoint`] is a thin
+//! executor of the same plans production writes to Postgres ([`RunPlan`], [`MergePlan`]): the
+//! property tests run random runs through it and through the SQL statements, and compare.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use relay_wire::{Event, Message};
+use serde_json::Value;
 
-use crate::event::{decide_event, decide_event_dedup, feed_subject, Decision};
+use crate::event::Decision;
 use crate::precedence::{Held, HeldContent};
-use crate::reload::{check_pages, drop_after_merge, merge_item, PagesCheck, ReadItem};
-use crate::track::{step, EndpointTrack, MessageDecision, Reload};
+use crate::refetch::RefetchRead;
+use crate::reload::{decide_merge, HeldRow, MergePlan, Pass};
+use crate::run::{decide_run, event_ids, subjects, Outcome, Run, RunPlan, StoredMessage};
+use crate::track::{EndpointTrack, Reload};
 
 /// What the copy holds, by subject: items and tombstones alike.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -97,55 +98,26 @@ impl FeedCopy {
             Decision::Refetch { .. } | Decision::Ignore(_) => {}
         }
     }
-
-    /// Decides one event of a message of `generation` against this copy and carries it out.
-    pub fn apply_event(&mut self, generation: u64, event: &Event) -> Decision {
-        let held = crate::event::feed_subject(event).and_then(|s| self.held.get(s));
-        let decision = decide_event(held, generation, event);
-        self.apply(&decision);
-        decision
-    }
-
-    /// Merges a reload's read under `generation` (rule "Then merge the read into the copy under
-    /// the reset's generation"): each read item through [`merge_item`], then every row of an
-    /// older generation removed. Returns the decisions made for the read items and the subjects
-    /// of the items (not tombstones) the drop removed, which the outbox reports as removals.
-    pub fn merge(&mut self, generation: u64, read: &[ReadItem]) -> (Vec<Decision>, Vec<String>) {
-        let decisions = read
-            .iter()
-            .map(|r| {
-                let d = merge_item(self.held.get(&r.subject), generation, r);
-                self.apply(&d);
-                d
-            })
-            .collect();
-        let mut removed_items = Vec::new();
-        self.held.retain(|subject, held| {
-            let drop = drop_after_merge(held, generation);
-            if drop && !held.is_tombstone() {
-                removed_items.push(subject.clone());
-            }
-            !drop
-        });
-        (decisions, removed_items)
-    }
 }
 
-/// One endpoint's track as the sequencer keeps it: the track row, the copy, and the event ids
-/// applied, changed together as one transaction changes them.
+/// One change in an [`Endpoint`]'s outbox.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelChange {
+    Upsert { subject: String, item: Value },
+    Remove { subject: String },
+}
+
+/// One endpoint as the sequencer keeps it: the track row, the copy with each row's reload round,
+/// the event ids applied, the outbox and each message's outcome, changed only by executing
+/// plans.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Endpoint {
     pub track: EndpointTrack,
     pub copy: FeedCopy,
+    pub rounds: BTreeMap<String, u64>,
     pub applied: BTreeSet<String>,
-}
-
-/// What [`Endpoint::receive`] decided: for the message, and for each of its events (empty when
-/// the message's events are not applied).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Received {
-    pub message: MessageDecision,
-    pub events: Vec<Decision>,
+    pub changes: Vec<ModelChange>,
+    pub outcomes: Vec<Outcome>,
 }
 
 impl Endpoint {
@@ -153,51 +125,111 @@ impl Endpoint {
         Self::default()
     }
 
-    /// Takes one stored message, in the order received: [`step`] for the message, then, for a
-    /// message of events, each event through [`decide_event_dedup`] at the message's generation,
-    /// its id kept with the copy (rules "De-duplicate events by id" and "Keep the event ids you
-    /// applied with the copy, in the same transactions"). `Refetch` decisions are returned for
-    /// the caller to read; nothing else is left to do.
-    pub fn receive(&mut self, message: &Message) -> Received {
-        let (track, decision) = step(&self.track, message);
-        self.track = track;
-        let mut events = Vec::new();
-        if let MessageDecision::ApplyEvents { generation, .. } = &decision {
-            for event in &message.events {
-                let held = feed_subject(event).and_then(|s| self.copy.get(s));
-                let applied = &self.applied;
-                let d = decide_event_dedup(|id| applied.contains(id), held, *generation, event);
-                self.copy.apply(&d);
-                if feed_subject(event).is_some() {
-                    self.applied.insert(event.id.clone());
-                }
-                events.push(d);
-            }
-        }
-        Received {
-            message: decision,
-            events,
-        }
+    /// Decides a run of stored messages the way the sequencer drives [`decide_run`] (the rows
+    /// of its subjects, its ids seen before) and executes the plan.
+    pub fn run(
+        &mut self,
+        messages: &[StoredMessage],
+        refetches: &HashMap<String, RefetchRead>,
+    ) -> RunPlan {
+        let held = subjects(messages)
+            .into_iter()
+            .filter_map(|s| Some((s.to_owned(), self.copy.get(s)?.clone())))
+            .collect();
+        let seen: HashSet<String> = event_ids(messages)
+            .into_iter()
+            .filter(|id| self.applied.contains(*id))
+            .map(str::to_owned)
+            .collect();
+        let run = Run {
+            track: &self.track,
+            messages,
+            seen: &seen,
+            refetches,
+        };
+        let plan = decide_run(run, held);
+        self.execute_run(&plan);
+        plan
     }
 
-    /// Merges a reload's read when `reload` is still the running one and its pages pass
-    /// [`check_pages`]; then the track no longer holds it. `None`, and nothing changed, otherwise
-    /// (a superseded reload, or a pass to read again).
-    pub fn merge(
-        &mut self,
-        reload: &Reload,
-        pages: &[&str],
-        read: &[ReadItem],
-    ) -> Option<(Vec<Decision>, Vec<String>)> {
-        if self.track.reload.as_ref() != Some(reload) {
-            return None;
+    fn execute_run(&mut self, plan: &RunPlan) {
+        for row in &plan.rows {
+            self.copy.held.insert(row.subject.clone(), row.held.clone());
+            self.rounds.insert(row.subject.clone(), row.round);
         }
-        if check_pages(reload.access_version.as_deref(), pages.iter().copied()) != PagesCheck::Agree
-        {
-            return None;
+        for change in &plan.changes {
+            self.changes.push(match &change.decision {
+                Decision::Store { subject, item, .. } => ModelChange::Upsert {
+                    subject: subject.clone(),
+                    item: item.raw.clone(),
+                },
+                other => ModelChange::Remove {
+                    subject: other.subject().unwrap_or_default().to_owned(),
+                },
+            });
         }
-        let merged = self.copy.merge(reload.generation, read);
-        self.track = self.track.reload_merged(reload, pages[0]);
-        Some(merged)
+        if let Some(track) = &plan.track {
+            self.track = track.clone();
+        }
+        self.applied.extend(plan.keep.iter().cloned());
+        self.outcomes
+            .extend(plan.messages.iter().map(|m| m.outcome));
+    }
+
+    /// Decides a pass of `reload` against the whole copy, as the sequencer's merge does, and
+    /// executes the plan.
+    pub fn merge(&mut self, reload: &Reload, pass: &Pass) -> MergePlan {
+        let held: BTreeMap<String, HeldRow> = self
+            .copy
+            .rows()
+            .iter()
+            .map(|(subject, held)| {
+                let round = self.rounds.get(subject).copied().unwrap_or(0);
+                let row = HeldRow {
+                    held: held.clone(),
+                    round,
+                };
+                (subject.clone(), row)
+            })
+            .collect();
+        let plan = decide_merge(&self.track, reload, pass, &held);
+        if let MergePlan::Merge(merge) = &plan {
+            let merge = merge.as_ref();
+            for decision in &merge.writes {
+                self.copy.apply(decision);
+                if let Some(subject) = decision.subject() {
+                    self.rounds.insert(subject.to_owned(), merge.round);
+                }
+                if let Decision::Store { subject, item, .. } = decision {
+                    self.changes.push(ModelChange::Upsert {
+                        subject: subject.clone(),
+                        item: item.raw.clone(),
+                    });
+                }
+            }
+            for (subject, item) in &merge.dropped {
+                self.copy.held.remove(subject);
+                self.rounds.remove(subject);
+                if *item {
+                    self.changes.push(ModelChange::Remove {
+                        subject: subject.clone(),
+                    });
+                }
+            }
+            for (subject, sequence) in &merge.withdrawn {
+                let row = Held {
+                    generation: merge.generation,
+                    sequence: sequence.clone(),
+                    content: HeldContent::Tombstone,
+                };
+                self.copy.held.insert(subject.clone(), row);
+                self.rounds.insert(subject.clone(), merge.round);
+                self.changes.push(ModelChange::Remove {
+                    subject: subject.clone(),
+                });
+            }
+            self.track = merge.track.clone();
+        }
+        plan
     }
 }

@@ -4,8 +4,8 @@
 //! The signature proves a stored message came from the upstream, so it is kept whatever it
 //! holds; but a message that can never be applied (its body is not a v1 message, or applying it
 //! keeps failing) must not hold back every message after it. Quarantining it moves the apply
-//! cursor past it, and rule "read /v1/feed again" (a reload, [`EndpointTrack::read_feed_again`])
-//! brings the copy to what the upstream holds, whatever that message would have changed: the
+//! cursor past it, and rule "read /v1/feed again" (a reload, or another pass of the running one:
+//! [`EndpointTrack::read_feed_again`]) brings the copy to what the upstream holds, whatever that message would have changed: the
 //! copy still converges, and the message stays kept, with its reason, for the tenant to retry or
 //! discard.
 
@@ -29,8 +29,8 @@ pub enum Unapplicable {
 
 /// Quarantines a message that cannot be applied, and reads `/v1/feed` again: the message's
 /// changes (whatever they were) reach the copy by the reload, so the copy converges without it.
-/// A reload already running is begun again (see [`EndpointTrack::read_feed_again`]): its pages
-/// may predate the message.
+/// A reload already running is asked to read another pass after its current one (see
+/// [`EndpointTrack::read_feed_again`]): its pages may predate the message.
 pub fn quarantine(state: &EndpointTrack, why: Unapplicable) -> (EndpointTrack, MessageDecision) {
     let (next, reload) = state.read_feed_again();
     (next, MessageDecision::Quarantine { why, reload })
@@ -110,6 +110,7 @@ mod tests {
             access_version: None,
             cause: ReloadCause::ReadAgain,
             read_again: 0,
+            round: 1,
         };
         assert_eq!(
             decision,
@@ -125,12 +126,13 @@ mod tests {
     }
 
     #[test]
-    fn a_quarantine_during_a_reload_begins_that_reload_again() {
+    fn a_quarantine_during_a_reload_asks_that_reload_to_read_again() {
         let running = Reload {
             generation: 6,
             access_version: Some("av2".into()),
             cause: ReloadCause::AccessVersion,
             read_again: 0,
+            round: 1,
         };
         let held = EndpointTrack {
             generation: Some(6),
@@ -144,11 +146,9 @@ mod tests {
         };
         assert_eq!(
             reload_of(&decision),
-            Some(&ReloadStart::Supersede {
-                stopped: running,
-                begun: again.clone()
-            })
+            Some(&ReloadStart::ReadAgain(again.clone()))
         );
+        assert!(again.is(&running));
         assert_eq!(next.reload, Some(again));
     }
 
@@ -215,6 +215,7 @@ mod tests {
                     access_version: None,
                     cause: ReloadCause::ReadAgain,
                     read_again: n,
+                    round: 0,
                 }),
                 ..EndpointTrack::default()
             };
@@ -223,7 +224,7 @@ mod tests {
             prop_assert_eq!(next.generation, held.generation);
             let reload = reload_of(&decision).expect("a quarantine begins a reload");
             let begun = match reload {
-                ReloadStart::Begin(r) => r,
+                ReloadStart::Begin(r) | ReloadStart::ReadAgain(r) => r,
                 ReloadStart::Supersede { begun, .. } => begun,
             };
             prop_assert_eq!(Some(begun), next.reload.as_ref());

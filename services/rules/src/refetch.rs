@@ -5,8 +5,11 @@
 //! its access_version is the copy's; a 404 under the copy's access_version removes the item at
 //! that sequence; an answer under another access_version (a 404 among them) means read
 //! `/v1/feed` again; a 404 without one (a load balancer's) is a failed read: try again a few
-//! times, then read `/v1/feed` again; drop the answer when a reset of a newer generation arrived
-//! during the read, since that reset's reload reads the item.
+//! times, then read `/v1/feed` again.
+//!
+//! The relay reads each refetch before applying the message after it (the rule's first way), so
+//! no answer is ever kept across a reset: its second way, a read kept in the background and
+//! dropped when a newer reset arrives, is not needed.
 
 use relay_wire::{FeedItem, Sequence};
 
@@ -44,11 +47,20 @@ impl PendingRefetch {
             _ => None,
         }
     }
+}
 
-    /// True when a reset newer than the refetch's generation was taken since it was decided
-    /// (`last_reset_generation` from [`EndpointTrack`](crate::track::EndpointTrack)).
-    pub fn overtaken_by(&self, last_reset_generation: Option<u64>) -> bool {
-        last_reset_generation.is_some_and(|g| g > self.generation)
+/// A refetch's answer as read, and how many reads it took.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RefetchRead {
+    pub answer: RefetchAnswer,
+    pub attempts: u32,
+}
+
+impl RefetchAnswer {
+    /// A read that failed (no answer, or a load balancer's 404): try it again, up to
+    /// [`REFETCH_ATTEMPTS`] reads in all.
+    pub fn failed(&self) -> bool {
+        matches!(self, RefetchAnswer::LoadBalancer404 | RefetchAnswer::Failed)
     }
 }
 
@@ -79,8 +91,6 @@ pub enum RefetchOutcome {
     Retry { attempt: u32 },
     /// Read `/v1/feed` again (see [`EndpointTrack::read_feed_again`](crate::track::EndpointTrack::read_feed_again)).
     Reload,
-    /// A newer reset arrived during the read: drop the answer; its reload reads the item.
-    Drop,
 }
 
 /// Decides what the answer of read number `attempt` (from 1) of `pending` does, given the copy's
@@ -89,13 +99,9 @@ pub fn decide_refetch(
     copy_access_version: Option<&str>,
     held: Option<&Held>,
     pending: &PendingRefetch,
-    newer_reset_arrived: bool,
     attempt: u32,
     answer: &RefetchAnswer,
 ) -> RefetchOutcome {
-    if newer_reset_arrived {
-        return RefetchOutcome::Drop;
-    }
     let ours = |av: &str| copy_access_version == Some(av);
     match answer {
         RefetchAnswer::Found {

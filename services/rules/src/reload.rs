@@ -4,11 +4,14 @@
 //! copy is held under the access_version of the message that began its reload", and "Then merge
 //! the read into the copy under the reset's generation".
 
+use std::collections::BTreeMap;
+
 use relay_wire::{FeedItem, Sequence};
 
 use crate::event::{Decision, IgnoreReason};
 use crate::parts::diff_parts;
 use crate::precedence::{Held, HeldContent};
+use crate::track::{EndpointTrack, Reload};
 
 /// One item of a `/v1/feed` page: its subject, the sequence the page gives it, and the item.
 #[derive(Debug, Clone, PartialEq)]
@@ -78,13 +81,6 @@ pub fn merge_item(held: Option<&Held>, generation: u64, read: &ReadItem) -> Deci
     }
 }
 
-/// Rule "Then merge ...": after the items read are merged, remove everything held from an older
-/// generation than the reload's, items and tombstones alike (a tombstone lives "until a reload of
-/// a later generation drops it"). As SQL: `delete ... where generation < $g`.
-pub fn drop_after_merge(held: &Held, generation: u64) -> bool {
-    held.generation < generation
-}
-
 /// Whether one pass of `/v1/feed` can be merged.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PagesCheck {
@@ -129,6 +125,135 @@ pub fn check_pages<'a>(
             pages: pages[0].to_owned(),
         }
     }
+}
+
+/// A row of the copy as a merge needs it: what is held, and the reload round it was written in
+/// ([`EndpointTrack::reloads_begun`] then).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeldRow {
+    pub held: Held,
+    pub round: u64,
+}
+
+/// One pass of `/v1/feed` read for a reload.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Pass {
+    /// Each page's access_version, in the order read.
+    pub page_access_versions: Vec<String>,
+    /// Every item of every page, in the order read.
+    pub items: Vec<ReadItem>,
+    /// The track's generation in the endpoint read the pass began with
+    /// (`GET /v1/webhook-endpoints/{id}`: `tracks.feed.generation`), when it gave one.
+    pub upstream_generation: Option<u64>,
+    /// The reload's [`Reload::read_again`] when the pass began.
+    pub read_again_at_start: u32,
+}
+
+/// What to do with a pass a reload read: [`decide_merge`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum MergePlan {
+    /// The reload is no longer the track's running one (a newer reset replaced it, or a pass
+    /// was merged and nothing asked for another): write nothing, stop reading.
+    Superseded,
+    /// The pass cannot be merged: read another.
+    ReadAgain(PagesCheck),
+    /// Merge it: carry out [`Merge`] in one transaction, in its order.
+    Merge(Box<Merge>),
+}
+
+/// A pass merged into the copy, to carry out in this order under the endpoint's writer lock.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Merge {
+    /// The generation the pass merges under ([`Reload::merge_generation`]).
+    pub generation: u64,
+    /// The round every row the merge writes is kept with (the track's `reloads_begun`).
+    pub round: u64,
+    /// 1. Each subject read once (its latest read), decided by [`merge_item`]: `Store` (an
+    ///    upsert change, caused by the reload) or `Unchanged` (its position only); in subject
+    ///    order. Subjects the copy's row wins over are not listed.
+    pub writes: Vec<Decision>,
+    /// 2. Every row held from an older generation that the pass did not read, deleted (rule
+    ///    "Then remove everything held from an older generation"); `true` for an item (a removal change, in subject order),
+    ///    `false` for a tombstone (its removal was reported when it was made).
+    pub dropped: Vec<(String, bool)>,
+    /// 3. Items held at the merge's generation from before the reload began that the pass does
+    ///    not hold: the upstream no longer serves them. Each becomes a tombstone at its own
+    ///    position (a removal change, in subject order): a late update of that generation must
+    ///    not bring it back, and a newer one still wins (rule R-MERGE-SAME-GENERATION).
+    pub withdrawn: Vec<(String, Sequence)>,
+    /// 4. The track row after the merge ([`EndpointTrack::reload_merged`]).
+    pub track: EndpointTrack,
+}
+
+/// Rules "To reload: ... Read the pages again until they carry the same access_version" and
+/// "Then merge the read into the copy under the reset's generation ... Then remove everything
+/// held from an older generation", for one pass of `reload`, against the track row and every
+/// row of the copy (both read under the endpoint's writer lock).
+///
+/// A reload under the generation the copy already holds (one no message began, after a restore
+/// or a refetch that kept failing; or one begun by a message under another access_version at
+/// the held generation) removes nothing by generation; yet what the upstream withdrew before it
+/// began must not stay (rule R-MERGE-SAME-GENERATION): so an item held at the merge's
+/// generation, written before the reload began, that the pass does not hold is withdrawn.
+/// Items written while the pass was read are events newer than the reload's start and stay,
+/// as the rule keeps them.
+pub fn decide_merge(
+    track: &EndpointTrack,
+    reload: &Reload,
+    pass: &Pass,
+    held: &BTreeMap<String, HeldRow>,
+) -> MergePlan {
+    if !track.reload.as_ref().is_some_and(|r| r.is(reload)) {
+        return MergePlan::Superseded;
+    }
+    let pages = pass.page_access_versions.iter().map(String::as_str);
+    match check_pages(reload.access_version.as_deref(), pages) {
+        PagesCheck::Agree => {}
+        other => return MergePlan::ReadAgain(other),
+    }
+    let generation = reload.merge_generation(pass.upstream_generation);
+    // The latest read of each subject (later pages may carry newer ones).
+    let mut read: BTreeMap<&str, &ReadItem> = BTreeMap::new();
+    for item in &pass.items {
+        match read.get(item.subject.as_str()) {
+            Some(kept) if kept.sequence > item.sequence => {}
+            _ => {
+                read.insert(item.subject.as_str(), item);
+            }
+        }
+    }
+    let writes = read
+        .iter()
+        .map(|(subject, item)| merge_item(held.get(*subject).map(|r| &r.held), generation, item))
+        .filter(|d| matches!(d, Decision::Store { .. } | Decision::Unchanged { .. }))
+        .collect();
+    let mut dropped = Vec::new();
+    let mut withdrawn = Vec::new();
+    for (subject, row) in held {
+        // A subject the pass read is written at the merge's generation above, not dropped.
+        if row.held.generation < generation && !read.contains_key(subject.as_str()) {
+            dropped.push((subject.clone(), !row.held.is_tombstone()));
+        } else if row.held.generation == generation
+            && row.round < reload.round
+            && !row.held.is_tombstone()
+            && !read.contains_key(subject.as_str())
+        {
+            withdrawn.push((subject.clone(), row.held.sequence.clone()));
+        }
+    }
+    MergePlan::Merge(Box::new(Merge {
+        generation,
+        round: track.reloads_begun,
+        writes,
+        dropped,
+        withdrawn,
+        track: track.reload_merged(
+            reload,
+            pass.read_again_at_start,
+            generation,
+            &pass.page_access_versions[0],
+        ),
+    }))
 }
 
 #[cfg(test)]
@@ -194,12 +319,133 @@ mod tests {
         }
     }
 
+    fn row(generation: u64, n: u64, tombstone: bool, round: u64) -> HeldRow {
+        HeldRow {
+            held: held(generation, n, tombstone),
+            round,
+        }
+    }
+
+    fn read_item(subject: &str, n: u64) -> ReadItem {
+        let raw = serde_json::json!({"feed_item_id": subject, "item_kind": "announcement",
+            "seq": n, "type": "item", "parts": []});
+        ReadItem {
+            subject: subject.to_owned(),
+            sequence: Sequence::from_parts(1, n),
+            item: FeedItem::from_value(raw, "item").expect("an item"),
+        }
+    }
+
+    fn running(track: &EndpointTrack) -> (EndpointTrack, Reload) {
+        let (track, _) = track.read_feed_again();
+        let reload = track.reload.clone().expect("a reload runs");
+        (track, reload)
+    }
+
+    fn pass(items: Vec<ReadItem>, upstream_generation: Option<u64>) -> Pass {
+        Pass {
+            page_access_versions: vec!["av".into()],
+            items,
+            upstream_generation,
+            read_again_at_start: 0,
+        }
+    }
+
     #[test]
     fn merge_rule_then_removes_everything_of_an_older_generation() {
-        assert!(drop_after_merge(&held(3, 99, false), 4));
-        assert!(drop_after_merge(&held(3, 99, true), 4));
-        assert!(!drop_after_merge(&held(4, 1, true), 4));
-        assert!(!drop_after_merge(&held(5, 1, false), 4));
+        let track = EndpointTrack {
+            generation: Some(3),
+            ..Default::default()
+        };
+        let (track, reload) = running(&track);
+        let held = BTreeMap::from([
+            ("announcement:1".to_owned(), row(2, 99, false, 0)),
+            ("announcement:2".to_owned(), row(2, 99, true, 0)),
+            ("announcement:3".to_owned(), row(5, 1, false, 0)),
+        ]);
+        // The upstream's endpoint read says generation 4: the merge goes under it.
+        let MergePlan::Merge(merge) = decide_merge(&track, &reload, &pass(vec![], Some(4)), &held)
+        else {
+            panic!("the pass merges");
+        };
+        assert_eq!(merge.generation, 4);
+        assert_eq!(
+            merge.dropped,
+            vec![
+                ("announcement:1".to_owned(), true),
+                ("announcement:2".to_owned(), false)
+            ]
+        );
+        assert!(merge.withdrawn.is_empty());
+        assert_eq!(merge.track.reload, None);
+        assert_eq!(merge.track.generation, Some(4));
+    }
+
+    #[test]
+    fn merge_same_generation_withdraws_items_held_from_before_the_reload_that_the_read_lacks() {
+        let track = EndpointTrack {
+            generation: Some(3),
+            reloads_begun: 2,
+            ..Default::default()
+        };
+        let (track, reload) = running(&track);
+        assert_eq!(reload.round, 3);
+        let held = BTreeMap::from([
+            // Held from before the reload, not read: withdrawn at its own position.
+            ("announcement:1".to_owned(), row(3, 10, false, 2)),
+            // Held from before, read: stored from the read.
+            ("announcement:2".to_owned(), row(3, 10, false, 2)),
+            // Written while the pass was read: an event newer than the reload's start, kept.
+            ("announcement:3".to_owned(), row(3, 12, false, 3)),
+            // A tombstone from before: kept, a late update must not bring the item back.
+            ("announcement:4".to_owned(), row(3, 11, true, 1)),
+        ]);
+        let read = vec![read_item("announcement:2", 20)];
+        let MergePlan::Merge(merge) = decide_merge(&track, &reload, &pass(read, Some(3)), &held)
+        else {
+            panic!("the pass merges");
+        };
+        assert_eq!(merge.generation, 3);
+        assert!(merge.dropped.is_empty());
+        assert_eq!(
+            merge.withdrawn,
+            vec![("announcement:1".to_owned(), Sequence::from_parts(1, 10))]
+        );
+        assert_eq!(merge.writes.len(), 1);
+    }
+
+    #[test]
+    fn merge_of_a_pass_begun_before_a_read_again_keeps_the_reload_running() {
+        let track = EndpointTrack {
+            generation: Some(3),
+            ..Default::default()
+        };
+        let (track, reload) = running(&track);
+        // A refetch kept failing while the pass was read: read /v1/feed again.
+        let (track, again) = track.read_feed_again();
+        assert!(matches!(again, crate::track::ReloadStart::ReadAgain(_)));
+        let MergePlan::Merge(merge) =
+            decide_merge(&track, &reload, &pass(vec![], None), &BTreeMap::new())
+        else {
+            panic!("a pass begun before the ask still merges");
+        };
+        let still = merge.track.reload.clone().expect("another pass is read");
+        assert!(still.is(&reload));
+        // The next pass begins after the ask: its merge ends the reload.
+        let next = Pass {
+            read_again_at_start: still.read_again,
+            ..pass(vec![], None)
+        };
+        let MergePlan::Merge(merge) = decide_merge(&merge.track, &still, &next, &BTreeMap::new())
+        else {
+            panic!("merges");
+        };
+        assert_eq!(merge.track.reload, None);
+        // A reload no longer running merges nothing.
+        assert_eq!(
+            decide_merge(&merge.track, &still, &next, &BTreeMap::new()),
+            MergePlan::Superseded
+        );
     }
 
     #[test]

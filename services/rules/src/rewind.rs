@@ -85,6 +85,14 @@ pub fn decide_rewind(answer: &RewindAnswer) -> RewindOutcome {
     }
 }
 
+/// Rule "... means: read /v1/feed again", as the control plane carries it out after a restore:
+/// the track row with a reload begun under the held generation
+/// ([`EndpointTrack::read_feed_again`]), or `None` when a reload runs already (it reads
+/// everything again; a restore names no change that its pass could have missed).
+pub fn reload_after_restore(track: &EndpointTrack) -> Option<EndpointTrack> {
+    track.reload.is_none().then(|| track.read_feed_again().0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,6 +120,19 @@ mod tests {
         };
         assert_eq!(restore_plan(&track), RestorePlan::Reload);
         assert_eq!(restore_plan(&EndpointTrack::default()), RestorePlan::Reload);
+    }
+
+    #[test]
+    fn through_rule_restore_reload_is_begun_once() {
+        let held = EndpointTrack {
+            generation: Some(3),
+            reloads_begun: 4,
+            ..Default::default()
+        };
+        let begun = reload_after_restore(&held).expect("no reload ran: one begins");
+        let reload = begun.reload.clone().expect("a reload");
+        assert_eq!((reload.generation, reload.round), (3, 5));
+        assert_eq!(reload_after_restore(&begun), None);
     }
 
     #[test]

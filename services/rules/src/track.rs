@@ -24,8 +24,14 @@ pub struct EndpointTrack {
     pub through: Option<String>,
     /// True when the last message the copy took was a reset: restoring then means reloading.
     pub last_was_reset: bool,
-    /// The generation of the last reset taken: a refetch read begun before it is dropped.
+    /// The generation of the last reset taken.
     pub last_reset_generation: Option<u64>,
+    /// How many reloads were begun on this track: each reload is numbered by it ([`Reload::round`]),
+    /// and each row the copy writes keeps the number current when it was written, so that a
+    /// reload under the generation the copy already holds can tell the rows written before it
+    /// began from those written while it read (rule R-MERGE-SAME-GENERATION in RULES.md).
+    #[serde(default)]
+    pub reloads_begun: u64,
 }
 
 /// A reload: read every page of `/v1/feed`, then merge it under `generation`.
@@ -36,10 +42,43 @@ pub struct Reload {
     /// began it (a refetch's or a rewind's answer, a restore): the pages' agreed one is taken.
     pub access_version: Option<String>,
     pub cause: ReloadCause,
-    /// How many times "read /v1/feed again" was asked while this reload ran. Each time starts
-    /// its read over: pages read before the change that asked for it cannot hold that change.
+    /// How many times "read /v1/feed again" was asked while this reload ran. A pass that began
+    /// before the latest ask is still merged (its items are no worse than what is held), but
+    /// the reload then reads another pass: only a pass begun after the ask can hold the change
+    /// that asked for it. The pass being read is never thrown away for it, so a run of failing
+    /// refetches cannot keep a large reload from ever merging.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub read_again: u32,
+    /// The track's [`EndpointTrack::reloads_begun`] when this reload began.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub round: u64,
+}
+
+fn is_zero_u64(n: &u64) -> bool {
+    *n == 0
+}
+
+impl Reload {
+    /// Whether `other` is this reload, however often "read /v1/feed again" was asked of it since.
+    pub fn is(&self, other: &Reload) -> bool {
+        self.generation == other.generation
+            && self.access_version == other.access_version
+            && self.cause == other.cause
+            && self.round == other.round
+    }
+
+    /// The generation the read merges under (rule "Then merge the read into the copy under the
+    /// reset's generation"): the beginning message's. A reload no message began ("read /v1/feed
+    /// again") has no such message: it merges under the generation the upstream's endpoint read
+    /// gives for the track when that is newer than the held one (after a restore from backup,
+    /// the upstream may be generations ahead of the copy), so that everything held from before
+    /// it is dropped.
+    pub fn merge_generation(&self, upstream_generation: Option<u64>) -> u64 {
+        match self.cause {
+            ReloadCause::ReadAgain => self.generation.max(upstream_generation.unwrap_or(0)),
+            _ => self.generation,
+        }
+    }
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -58,11 +97,18 @@ pub enum ReloadCause {
     ReadAgain,
 }
 
-/// A reload begun, and the one it replaces if one was running.
+/// A reload begun, and the one it replaces if one was running; or the running one asked to read
+/// another pass.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReloadStart {
     Begin(Reload),
-    Supersede { stopped: Reload, begun: Reload },
+    Supersede {
+        stopped: Reload,
+        begun: Reload,
+    },
+    /// "Read /v1/feed again" while a reload no message superseded was running: it reads another
+    /// pass once its current one is merged (see [`Reload::read_again`]).
+    ReadAgain(Reload),
 }
 
 /// What the sequencer does with one stored message.
@@ -153,6 +199,7 @@ pub fn step(state: &EndpointTrack, message: &Message) -> (EndpointTrack, Message
                 access_version: Some(av.clone()),
                 cause: ReloadCause::AccessVersion,
                 read_again: 0,
+                round: 0,
             };
             Some(next.begin(begun))
         }
@@ -186,12 +233,14 @@ fn step_reset(state: &EndpointTrack, reset: &ResetData) -> (EndpointTrack, Messa
             reason: reset.reason.clone(),
         },
         read_again: 0,
+        round: 0,
     };
     let decision = match next.begin(begun) {
-        ReloadStart::Begin(r) => MessageDecision::BeginReload(r),
         ReloadStart::Supersede { stopped, begun } => {
             MessageDecision::SupersedeReload { stopped, begun }
         }
+        // `begin` never asks a running reload to read again.
+        ReloadStart::Begin(r) | ReloadStart::ReadAgain(r) => MessageDecision::BeginReload(r),
     };
     (next, decision)
 }
@@ -199,7 +248,9 @@ fn step_reset(state: &EndpointTrack, reset: &ResetData) -> (EndpointTrack, Messa
 impl EndpointTrack {
     /// Makes `begun` the running reload and holds the copy under its access_version (rule "The
     /// copy is held under the access_version of the message that began its reload").
-    fn begin(&mut self, begun: Reload) -> ReloadStart {
+    fn begin(&mut self, mut begun: Reload) -> ReloadStart {
+        self.reloads_begun += 1;
+        begun.round = self.reloads_begun;
         if begun.access_version.is_some() {
             self.access_version = begun.access_version.clone();
         }
@@ -213,39 +264,51 @@ impl EndpointTrack {
     /// rewind's refusal or a restore), under the held generation; the pages' access_version will
     /// be taken.
     ///
-    /// A running reload is begun again rather than left alone: its pages may have been read
+    /// A running reload is not begun again: it is asked to read another pass after the one it
+    /// is reading ([`Reload::read_again`]), since the pages it is reading may have been read
     /// before the change that asks for this (an item created after them, whose refetch failed),
-    /// and a merge of those pages would hold the copy without it for good, since the event's id
-    /// is applied. The restarted reload keeps its generation, access_version and cause, so
-    /// reading again never relaxes what its pages must agree on.
+    /// and the event's id is applied, so nothing else would bring that change. It keeps its
+    /// generation, access_version and cause, so reading again never relaxes what its pages must
+    /// agree on.
     pub fn read_feed_again(&self) -> (EndpointTrack, ReloadStart) {
-        let begun = match &self.reload {
-            Some(running) => Reload {
-                read_again: running.read_again + 1,
-                ..running.clone()
-            },
-            None => Reload {
-                generation: self.generation.unwrap_or(0),
-                access_version: None,
-                cause: ReloadCause::ReadAgain,
-                read_again: 0,
-            },
-        };
         let mut next = self.clone();
-        let start = next.begin(begun);
+        if let Some(running) = &mut next.reload {
+            running.read_again += 1;
+            let again = running.clone();
+            return (next, ReloadStart::ReadAgain(again));
+        }
+        let start = next.begin(Reload {
+            generation: self.generation.unwrap_or(0),
+            access_version: None,
+            cause: ReloadCause::ReadAgain,
+            read_again: 0,
+            round: 0,
+        });
         (next, start)
     }
 
-    /// The reload `merged` was merged into the copy, its pages under `pages_access_version`: it
-    /// is no longer running, and the copy is held under that access_version. A reload that was
-    /// superseded meanwhile changes nothing (its merge must not have been carried out).
-    pub fn reload_merged(&self, merged: &Reload, pages_access_version: &str) -> EndpointTrack {
-        if self.reload.as_ref() != Some(merged) {
+    /// A pass of the reload `merged` was merged into the copy under `generation`, its pages under
+    /// `pages_access_version`; the pass began when the reload's [`Reload::read_again`] was
+    /// `read_again_at_start`. The copy is held under that access_version and at least at that
+    /// generation; the reload is over unless "read /v1/feed again" was asked since the pass
+    /// began (then it reads another). A reload that was superseded meanwhile changes nothing
+    /// (its merge must not have been carried out).
+    pub fn reload_merged(
+        &self,
+        merged: &Reload,
+        read_again_at_start: u32,
+        generation: u64,
+        pages_access_version: &str,
+    ) -> EndpointTrack {
+        let Some(running) = self.reload.as_ref().filter(|r| r.is(merged)) else {
             return self.clone();
-        }
+        };
         let mut next = self.clone();
-        next.reload = None;
+        if running.read_again == read_again_at_start {
+            next.reload = None;
+        }
         next.access_version = Some(pages_access_version.to_owned());
+        next.generation = Some(self.generation.map_or(generation, |g| g.max(generation)));
         next
     }
 }

@@ -1,12 +1,17 @@
 //! One or more tests per reading rule of the wire file, named after the rule, on the wire file's
-//! own example messages and on small hand-built ones.
+//! own example messages and on small hand-built ones. `RULES.md` beside the crate maps each rule
+//! (by its id) to these tests.
 
 mod common;
+mod support;
+
+use std::collections::{HashMap, HashSet};
 
 use common::*;
 use relay_rules::*;
 use relay_wire::{EventBody, Sequence};
 use serde_json::json;
+use support::*;
 
 // ---- The wire file's examples ----
 
@@ -23,7 +28,7 @@ fn wire_example_events_on_an_empty_copy_store_the_item_then_the_hidden_event_tom
     assert_eq!(track.through.as_deref(), Some("1.1050"));
 
     let mut copy = FeedCopy::new();
-    let first = copy.apply_event(generation, &message.events[0]);
+    let first = apply_event(&mut copy, generation, &message.events[0]);
     let Decision::Store {
         subject,
         generation: g,
@@ -40,7 +45,7 @@ fn wire_example_events_on_an_empty_copy_store_the_item_then_the_hidden_event_tom
     assert_eq!(item.feed_item_id, "announcement:88001");
     assert_eq!(diff.added, vec!["flash:11", "flash:12", "story:7101"]);
 
-    let second = copy.apply_event(generation, &message.events[1]);
+    let second = apply_event(&mut copy, generation, &message.events[1]);
     assert_eq!(
         second,
         Decision::Tombstone {
@@ -68,16 +73,20 @@ fn wire_example_refetch_yields_refetch_at_generation_3_and_its_sequence() {
     // Also after the "events" example: 1052 is above the tombstone's 1048.
     let mut copy = FeedCopy::new();
     for e in &wire_example("events").events {
-        copy.apply_event(3, e);
+        apply_event(&mut copy, 3, e);
     }
-    assert_eq!(copy.apply_event(3, &message.events[0]), expected);
+    assert_eq!(apply_event(&mut copy, 3, &message.events[0]), expected);
 }
 
 #[test]
 fn wire_example_reset_begins_a_reload_at_generation_4_under_b4d934cf() {
     let (after_events, _) = step(&EndpointTrack::default(), &wire_example("events"));
-    let merged = after_events.reload_merged(after_events.reload.as_ref().unwrap(), "b4d934cf");
+    let first = after_events.reload.clone().unwrap();
+    assert_eq!((first.round, after_events.reloads_begun), (1, 1));
+    let merged = after_events.reload_merged(&first, 0, 3, "b4d934cf");
+    assert_eq!(merged.reload, None);
     let (track, decision) = step(&merged, &wire_example("reset"));
+    // The second reload begun on the track: round 2.
     let begun = Reload {
         generation: 4,
         access_version: Some("b4d934cf".into()),
@@ -85,8 +94,10 @@ fn wire_example_reset_begins_a_reload_at_generation_4_under_b4d934cf() {
             reason: "access_changed".into(),
         },
         read_again: 0,
+        round: 2,
     };
     assert_eq!(decision, MessageDecision::BeginReload(begun.clone()));
+    assert_eq!(track.reloads_begun, 2);
     assert_eq!(track.generation, Some(4));
     assert_eq!(track.access_version.as_deref(), Some("b4d934cf"));
     assert_eq!(track.reload, Some(begun));
@@ -109,7 +120,10 @@ fn tested_rule_the_wire_files_tests_are_answered_and_never_applied() {
         );
         let mut copy = FeedCopy::new();
         for e in &message.events {
-            assert_eq!(copy.apply_event(3, e), Decision::Ignore(IgnoreReason::Test));
+            assert_eq!(
+                apply_event(&mut copy, 3, e),
+                Decision::Ignore(IgnoreReason::Test)
+            );
         }
         assert_eq!(
             copy,
@@ -141,7 +155,7 @@ fn feed_item_event_rule_updated_stores_with_the_events_sequence_not_the_items_se
 fn feed_item_event_rule_a_removal_with_nothing_held_keeps_a_tombstone_an_older_update_cannot_undo()
 {
     let mut copy = FeedCopy::new();
-    let d = copy.apply_event(2, &event(removal_json("e1", "withdrawn", 7, 20)));
+    let d = apply_event(&mut copy, 2, &event(removal_json("e1", "withdrawn", 7, 20)));
     assert!(matches!(
         d,
         Decision::Tombstone {
@@ -152,20 +166,20 @@ fn feed_item_event_rule_a_removal_with_nothing_held_keeps_a_tombstone_an_older_u
     assert!(!d.is_change());
     let late = event(update_json("e0", 7, 19, item_json(7, 19, &[], "a")));
     assert_eq!(
-        copy.apply_event(2, &late),
+        apply_event(&mut copy, 2, &late),
         Decision::Ignore(IgnoreReason::Older)
     );
     // At the same sequence, the removal wins too.
     let same = event(update_json("e0b", 7, 20, item_json(7, 20, &[], "a")));
     assert_eq!(
-        copy.apply_event(2, &same),
+        apply_event(&mut copy, 2, &same),
         Decision::Ignore(IgnoreReason::Older)
     );
     assert!(copy.get(&subject(7)).unwrap().is_tombstone());
     // The same tombstone again is already carried out.
     let again = event(removal_json("e1b", "hidden", 7, 20));
     assert_eq!(
-        copy.apply_event(2, &again),
+        apply_event(&mut copy, 2, &again),
         Decision::Ignore(IgnoreReason::AlreadyRemoved)
     );
 }
@@ -173,11 +187,12 @@ fn feed_item_event_rule_a_removal_with_nothing_held_keeps_a_tombstone_an_older_u
 #[test]
 fn feed_item_event_rule_at_an_equal_sequence_a_removal_wins_over_the_item() {
     let mut copy = FeedCopy::new();
-    copy.apply_event(
+    apply_event(
+        &mut copy,
         2,
         &event(update_json("e1", 7, 20, item_json(7, 20, &[], "a"))),
     );
-    let d = copy.apply_event(2, &event(removal_json("e2", "hidden", 7, 20)));
+    let d = apply_event(&mut copy, 2, &event(removal_json("e2", "hidden", 7, 20)));
     assert!(matches!(
         d,
         Decision::Tombstone {
@@ -190,18 +205,19 @@ fn feed_item_event_rule_at_an_equal_sequence_a_removal_wins_over_the_item() {
 #[test]
 fn feed_item_event_rule_a_newer_generation_wins_an_older_one_is_ignored() {
     let mut copy = FeedCopy::new();
-    copy.apply_event(
+    apply_event(
+        &mut copy,
         3,
         &event(update_json("e1", 7, 900, item_json(7, 900, &[], "a"))),
     );
     let newer = event(update_json("e2", 7, 5, item_json(7, 5, &[], "b")));
     assert!(matches!(
-        copy.apply_event(4, &newer),
+        apply_event(&mut copy, 4, &newer),
         Decision::Store { generation: 4, .. }
     ));
     let older = event(removal_json("e3", "hidden", 7, 99_999));
     assert_eq!(
-        copy.apply_event(3, &older),
+        apply_event(&mut copy, 3, &older),
         Decision::Ignore(IgnoreReason::OlderGeneration)
     );
 }
@@ -210,8 +226,8 @@ fn feed_item_event_rule_a_newer_generation_wins_an_older_one_is_ignored() {
 fn feed_item_event_rule_compare_parts_an_identical_item_is_unchanged_and_writes_no_outbox_row() {
     let mut copy = FeedCopy::new();
     let body = item_json(7, 10, &[("flash:1", 1), ("story:2", 1)], "a");
-    copy.apply_event(2, &event(update_json("e1", 7, 10, body.clone())));
-    let d = copy.apply_event(2, &event(update_json("e2", 7, 12, body)));
+    apply_event(&mut copy, 2, &event(update_json("e1", 7, 10, body.clone())));
+    let d = apply_event(&mut copy, 2, &event(update_json("e2", 7, 12, body)));
     assert_eq!(
         d,
         Decision::Unchanged {
@@ -224,17 +240,17 @@ fn feed_item_event_rule_compare_parts_an_identical_item_is_unchanged_and_writes_
     // The position rose all the same: an update at 11 arriving now is older.
     let between = event(update_json("e3", 7, 11, item_json(7, 11, &[], "z")));
     assert_eq!(
-        copy.apply_event(2, &between),
+        apply_event(&mut copy, 2, &between),
         Decision::Ignore(IgnoreReason::Older)
     );
 
     // Same parts, other JSON: a real change with an empty parts diff.
     let other = item_json(7, 10, &[("flash:1", 1), ("story:2", 1)], "b");
-    let d = copy.apply_event(2, &event(update_json("e4", 7, 13, other)));
+    let d = apply_event(&mut copy, 2, &event(update_json("e4", 7, 13, other)));
     assert!(matches!(&d, Decision::Store { diff, .. } if diff.is_empty()));
     // A part version rises, one appears, one goes.
     let next = item_json(7, 10, &[("story:2", 2), ("flash:3", 1)], "b");
-    let d = copy.apply_event(2, &event(update_json("e5", 7, 14, next)));
+    let d = apply_event(&mut copy, 2, &event(update_json("e5", 7, 14, next)));
     let Decision::Store { diff, .. } = d else {
         panic!()
     };
@@ -251,18 +267,22 @@ fn feed_item_event_rule_compare_parts_an_identical_item_is_unchanged_and_writes_
 #[test]
 fn feed_item_event_rule_a_refetch_that_held_already_beats_is_not_read() {
     let mut copy = FeedCopy::new();
-    copy.apply_event(
+    apply_event(
+        &mut copy,
         3,
         &event(update_json("e1", 7, 60, item_json(7, 60, &[], "a"))),
     );
     let e = event(refetch_json("e2", 7, 52));
     assert_eq!(
-        copy.apply_event(3, &e),
+        apply_event(&mut copy, 3, &e),
         Decision::Ignore(IgnoreReason::Older)
     );
     // At an equal sequence the answer may be a 404 (a removal wins there): read it.
     let e = event(refetch_json("e3", 7, 60));
-    assert!(matches!(copy.apply_event(3, &e), Decision::Refetch { .. }));
+    assert!(matches!(
+        apply_event(&mut copy, 3, &e),
+        Decision::Refetch { .. }
+    ));
 }
 
 // ---- Routing, unknown types, de-duplication ----
@@ -299,17 +319,84 @@ fn route_by_type_rule_a_reset_event_is_the_messages_business_not_a_subjects() {
 
 #[test]
 fn dedup_by_id_rule_an_applied_event_id_is_ignored_as_duplicate() {
-    let e = event(update_json("evt_same", 7, 10, item_json(7, 10, &[], "a")));
-    let applied = |id: &str| id == "evt_same";
-    assert!(is_duplicate(applied, &e));
+    let e = update_json("evt_same", 7, 10, item_json(7, 10, &[], "a"));
+    let m = [Ok(message(2, "av", "1.10", vec![e.clone()]))];
+    let track = loaded(2, "av");
+    let no_reads = HashMap::new();
+    let decide = |seen: &HashSet<String>| {
+        decide_run(
+            Run {
+                track: &track,
+                messages: &m,
+                seen,
+                refetches: &no_reads,
+            },
+            Default::default(),
+        )
+    };
+    // Applied before (the id is kept with the copy): ignored, nothing written, nothing kept again.
+    let plan = decide(&HashSet::from(["evt_same".to_owned()]));
     assert_eq!(
-        decide_event_dedup(applied, None, 2, &e),
-        Decision::Ignore(IgnoreReason::Duplicate)
+        plan.events,
+        vec![EventOutcome::Ignored(IgnoreReason::Duplicate)]
     );
-    assert!(matches!(
-        decide_event_dedup(|_| false, None, 2, &e),
-        Decision::Store { .. }
-    ));
+    assert!(plan.rows.is_empty() && plan.changes.is_empty() && plan.keep.is_empty());
+    assert_eq!(
+        (
+            plan.messages[0].events_applied,
+            plan.messages[0].events_ignored
+        ),
+        (0, 1)
+    );
+    // Not applied before: stored, and its id kept in the same plan as the row.
+    let plan = decide(&HashSet::new());
+    assert_eq!(plan.events, vec![EventOutcome::Stored]);
+    assert_eq!(plan.keep, vec!["evt_same".to_owned()]);
+    assert_eq!(plan.rows.len(), 1);
+}
+
+#[test]
+fn dedup_by_id_rule_an_id_repeated_within_one_run_applies_once() {
+    // The same event id in two messages of one run (a retry the upstream rebuilt, say), and a
+    // removal with the same id as an update: the id decides, not the content.
+    let update = update_json("evt_1", 7, 10, item_json(7, 10, &[], "a"));
+    let removal = removal_json("evt_1", "hidden", 7, 11);
+    let mut endpoint = Endpoint {
+        track: loaded(2, "av"),
+        ..Default::default()
+    };
+    let plan = run(
+        &mut endpoint,
+        &[
+            message(2, "av", "1.10", vec![update.clone()]),
+            message(2, "av", "1.11", vec![update, removal]),
+        ],
+    );
+    assert_eq!(
+        plan.events,
+        vec![
+            EventOutcome::Stored,
+            EventOutcome::Ignored(IgnoreReason::Duplicate),
+            EventOutcome::Ignored(IgnoreReason::Duplicate),
+        ]
+    );
+    assert_eq!(plan.keep, vec!["evt_1".to_owned()]);
+    assert!(is_item(endpoint.copy.get(&subject(7))));
+    // The id is kept with the copy: a later run ignores it too.
+    let again = run(
+        &mut endpoint,
+        &[message(
+            2,
+            "av",
+            "1.12",
+            vec![removal_json("evt_1", "hidden", 7, 12)],
+        )],
+    );
+    assert_eq!(
+        again.events,
+        vec![EventOutcome::Ignored(IgnoreReason::Duplicate)]
+    );
+    assert!(is_item(endpoint.copy.get(&subject(7))));
 }
 
 // ---- Messages: generations, access versions, resets, order ----
@@ -391,12 +478,24 @@ fn merge_rule_a_newer_reset_during_the_read_supersedes_the_running_reload() {
         panic!("{d:?}")
     };
     assert_eq!((stopped.generation, begun.generation), (5, 6));
+    assert_eq!((stopped.round, begun.round), (1, 2));
     assert_eq!(next.reload.as_ref(), Some(&begun));
     // The stopped reload's merge changes nothing about the track.
-    assert_eq!(next.reload_merged(&stopped, "av"), next);
+    assert_eq!(next.reload_merged(&stopped, 0, 5, "av"), next);
+    // ... and its pass is not merged at all.
+    assert_eq!(
+        decide_merge(
+            &next,
+            &stopped,
+            &pass("av", vec![], None, 0),
+            &Default::default()
+        ),
+        MergePlan::Superseded
+    );
     // The running one's merge ends it.
-    let done = next.reload_merged(&begun, "av");
+    let done = next.reload_merged(&begun, 0, 6, "av");
     assert_eq!(done.reload, None);
+    assert_eq!(done.generation, Some(6));
 }
 
 #[test]
@@ -422,6 +521,7 @@ fn access_version_rule_a_message_under_another_access_version_begins_a_reload_at
         access_version: Some("new".into()),
         cause: ReloadCause::AccessVersion,
         read_again: 0,
+        round: 1,
     };
     assert_eq!(
         d,
@@ -522,85 +622,500 @@ fn read_again_rules_a_reload_no_message_began_takes_the_pages_access_version() {
         check_pages(r.access_version.as_deref(), ["x", "x"]),
         PagesCheck::Agree
     );
-    assert_eq!(
-        next.reload_merged(&r, "x").access_version.as_deref(),
-        Some("x")
-    );
+    let merged = next.reload_merged(&r, 0, 4, "x");
+    assert_eq!(merged.access_version.as_deref(), Some("x"));
+    assert_eq!(merged.reload, None);
 }
 
 #[test]
-fn read_again_rules_a_running_reload_reads_its_pages_again() {
-    // A reset's reload runs; its pages may have been read before an item was created whose
-    // refetch then failed. Reading again must not merge those pages: the running reload is
-    // begun again, the same in all but its count, so its pass starts over.
+fn read_again_rules_a_running_reload_reads_another_pass() {
+    // A reset's reload runs; its pass may have been read before an item was created whose
+    // refetch then failed. Reading again must not let that pass end the reload: the running
+    // reload is asked to read another pass (the same reload, its count raised), and only a pass
+    // begun after the ask ends it.
     let (running, _) = step(&loaded(4, "av"), &reset(5, "av2", "behind"));
     let first = running.reload.clone().unwrap();
     let (next, start) = running.read_feed_again();
-    let ReloadStart::Supersede { stopped, begun } = start else {
+    let ReloadStart::ReadAgain(again) = start else {
         panic!("{start:?}")
     };
-    assert_eq!(stopped, first);
-    assert_eq!(begun.read_again, 1);
+    assert_eq!(again.read_again, 1);
+    assert!(again.is(&first) && first.is(&again));
     assert_eq!(
-        (begun.generation, &begun.access_version, &begun.cause),
-        (first.generation, &first.access_version, &first.cause)
+        (
+            again.generation,
+            &again.access_version,
+            &again.cause,
+            again.round
+        ),
+        (
+            first.generation,
+            &first.access_version,
+            &first.cause,
+            first.round
+        )
     );
-    assert_eq!(next.reload.as_ref(), Some(&begun));
+    assert_eq!(next.reloads_begun, running.reloads_begun, "no reload begun");
+    assert_eq!(next.reload.as_ref(), Some(&again));
     assert_eq!(next.access_version.as_deref(), Some("av2"));
-    // The first read's merge changes nothing now; the restarted one's does.
-    assert_eq!(next.reload_merged(&first, "av2"), next);
-    let merged = next.reload_merged(&begun, "av2");
+    // The pass begun before the ask is merged, and the reload goes on.
+    let after_stale = next.reload_merged(&first, 0, 5, "av2");
+    assert_eq!(after_stale.reload.as_ref(), Some(&again));
+    // A pass begun after it ends the reload.
+    let merged = after_stale.reload_merged(&again, 1, 5, "av2");
     assert_eq!(merged.reload, None);
-    // Kept with the copy: it survives a restart as JSON, and one stored before the count
-    // existed reads as never begun again.
+    // Asked again while running, the count rises again.
+    let (twice, start) = next.read_feed_again();
+    assert!(matches!(start, ReloadStart::ReadAgain(ref r) if r.read_again == 2));
+    assert_eq!(twice.reloads_begun, next.reloads_begun);
+    // Kept with the copy: it survives a restart as JSON, and one stored before the count and
+    // the round existed reads as never begun again, round 0.
     let text = serde_json::to_string(&next).unwrap();
     assert_eq!(serde_json::from_str::<EndpointTrack>(&text).unwrap(), next);
     let old: Reload =
         serde_json::from_str(r#"{"generation":5,"access_version":"av2","cause":"AccessVersion"}"#)
             .unwrap();
-    assert_eq!(old.read_again, 0);
+    assert_eq!((old.read_again, old.round), (0, 0));
+}
+
+#[test]
+fn read_again_rules_a_pass_begun_before_the_ask_is_merged_then_another_is_read() {
+    // Through an endpoint: a reset's reload, a message that cannot be applied while it reads
+    // (quarantined: read /v1/feed again), the pass begun before it merged, the reload still on.
+    let mut endpoint = Endpoint {
+        track: loaded(4, "av"),
+        ..Default::default()
+    };
+    run(&mut endpoint, &[reset(5, "av", "behind")]);
+    let reload = endpoint.track.reload.clone().unwrap();
+    let plan = endpoint.run(&[Err("not json".into())], &HashMap::new());
+    assert_eq!(endpoint.outcomes.last(), Some(&Outcome::Quarantined));
+    assert!(matches!(plan.reloads[..], [ReloadStart::ReadAgain(ref r)] if r.read_again == 1));
+    let stale = pass("av", vec![read_item(1, 10)], None, 0);
+    let merge = merged(endpoint.merge(&reload, &stale));
+    assert_eq!(merge.generation, 5);
+    assert!(endpoint.track.reload.is_some(), "another pass is read");
+    assert!(is_item(endpoint.copy.get(&subject(1))));
+    // The next pass (begun after the ask) lacks the item: a newer pass at the same generation.
+    // The item was written by the reload's own earlier pass, in the same round: it is not an
+    // item "held from before the reload", so it stays (the upstream's removal comes as an
+    // event, or a later reload drops it).
+    let running = endpoint.track.reload.clone().unwrap();
+    let merge = merged(endpoint.merge(&running, &pass("av", vec![read_item(2, 11)], None, 1)));
+    assert!(merge.withdrawn.is_empty());
+    assert_eq!(endpoint.track.reload, None);
+    assert_eq!(
+        positions(&endpoint.copy),
+        vec![(subject(1), 5, 10, false), (subject(2), 5, 11, false)]
+    );
 }
 
 // ---- Merge ----
 
 #[test]
 fn merge_rule_keeps_events_that_arrived_while_reading_stores_the_rest_drops_older_generations() {
-    let mut copy = FeedCopy::new();
+    let mut endpoint = Endpoint {
+        track: loaded(4, "av"),
+        ..Default::default()
+    };
     // Before the reset of generation 5: 1 and 2 items, 3 a tombstone, all generation 4.
-    copy.apply_event(4, &feed_event(1, 4, 10, false));
-    copy.apply_event(4, &feed_event(2, 4, 10, false));
-    copy.apply_event(4, &feed_event(3, 4, 10, true));
+    run(
+        &mut endpoint,
+        &[message(
+            4,
+            "av",
+            "1.10",
+            vec![
+                feed_event_json(1, 4, 10, false),
+                feed_event_json(2, 4, 10, false),
+                feed_event_json(3, 4, 10, true),
+            ],
+        )],
+    );
+    run(&mut endpoint, &[reset(5, "av", "behind")]);
+    let reload = endpoint.track.reload.clone().unwrap();
     // While reading: 1 updated at generation 5 after the page read it; 4 removed at generation 5.
-    copy.apply_event(5, &feed_event(1, 5, 30, false));
-    copy.apply_event(5, &feed_event(4, 5, 30, true));
+    run(
+        &mut endpoint,
+        &[message(
+            5,
+            "av",
+            "1.30",
+            vec![
+                feed_event_json(1, 5, 30, false),
+                feed_event_json(4, 5, 30, true),
+            ],
+        )],
+    );
+    let changes_before = endpoint.changes.len();
     // The pages: 1 at 20 (older than the event), 4 at 25 (before its removal), 5 new.
-    let read = [read_item(1, 20), read_item(4, 25), read_item(5, 25)];
-    let (decisions, removed) = copy.merge(5, &read);
-    assert_eq!(decisions[0], Decision::Ignore(IgnoreReason::KeptByMerge));
-    assert_eq!(decisions[1], Decision::Ignore(IgnoreReason::KeptByMerge));
+    let read = vec![read_item(1, 20), read_item(4, 25), read_item(5, 25)];
+    let merge = merged(endpoint.merge(&reload, &pass("av", read, Some(5), 0)));
+    assert_eq!(merge.generation, 5);
+    // 1 and 4: the copy's rows win and are not listed; 5 is stored.
     assert!(matches!(
-        decisions[2],
-        Decision::Store { generation: 5, .. }
+        &merge.writes[..],
+        [Decision::Store { subject: s, generation: 5, .. }] if *s == subject(5)
     ));
-    assert_eq!(removed, vec![subject(2)]);
-    let rows: Vec<(String, u64, Sequence, bool)> = copy
-        .rows()
-        .iter()
-        .map(|(s, h)| {
-            (
-                s.clone(),
-                h.generation,
-                h.sequence.clone(),
-                h.is_tombstone(),
-            )
-        })
-        .collect();
+    // Everything of generation 4 goes: the item 2 (a removal change) and the tombstone 3.
+    assert_eq!(merge.dropped, vec![(subject(2), true), (subject(3), false)]);
+    assert!(merge.withdrawn.is_empty());
     assert_eq!(
-        rows,
+        positions(&endpoint.copy),
         vec![
-            (subject(1), 5, seq(30), false),
-            (subject(4), 5, seq(30), true),
-            (subject(5), 5, seq(25), false),
+            (subject(1), 5, 30, false),
+            (subject(4), 5, 30, true),
+            (subject(5), 5, 25, false),
+        ]
+    );
+    assert_eq!(
+        endpoint.changes[changes_before..],
+        [
+            ModelChange::Upsert {
+                subject: subject(5),
+                item: content(5, 25).raw
+            },
+            ModelChange::Remove {
+                subject: subject(2)
+            },
+        ]
+    );
+    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
+    assert_eq!(endpoint.track.reload, None);
+}
+
+#[test]
+#[ignore = "SRC BUG decide_merge: Merge::dropped lists the subjects its writes store (see RULES.md, Known bug)"]
+fn merge_rule_an_item_held_from_an_older_generation_and_read_again_is_kept_from_the_read() {
+    // The pages overlap what the copy held before the reset: the item read is stored (or only
+    // its position raised, when it is the same item) at the reset's generation, and the drop of
+    // the older generation must not then remove it.
+    let mut endpoint = Endpoint {
+        track: loaded(4, "av"),
+        ..Default::default()
+    };
+    run(
+        &mut endpoint,
+        &[message(
+            4,
+            "av",
+            "1.10",
+            vec![
+                feed_event_json(1, 4, 10, false),
+                feed_event_json(2, 4, 10, false),
+                feed_event_json(3, 4, 10, true),
+            ],
+        )],
+    );
+    run(&mut endpoint, &[reset(5, "av", "behind")]);
+    let reload = endpoint.track.reload.clone().unwrap();
+    // 1 read as it was held (same item), 2 read changed, 3 (a tombstone) read again.
+    let read = vec![read_item(1, 10), read_item(2, 12), read_item(3, 14)];
+    let merge = merged(endpoint.merge(&reload, &pass("av", read, Some(5), 0)));
+    assert_eq!(
+        positions(&endpoint.copy),
+        vec![
+            (subject(1), 5, 10, false),
+            (subject(2), 5, 12, false),
+            (subject(3), 5, 14, false),
+        ],
+        "{merge:?}"
+    );
+    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
+}
+
+#[test]
+fn merge_same_generation_rule_an_item_the_pass_lacks_held_from_before_the_reload_is_withdrawn() {
+    // The copy holds generation 3; a message that cannot be applied asks to read /v1/feed again
+    // (a reload no message began, under generation 3: nothing is dropped by generation).
+    let mut endpoint = Endpoint {
+        track: loaded(3, "av"),
+        ..Default::default()
+    };
+    run(
+        &mut endpoint,
+        &[message(
+            3,
+            "av",
+            "1.10",
+            vec![
+                feed_event_json(1, 3, 10, false),
+                feed_event_json(2, 3, 10, false),
+                feed_event_json(3, 3, 10, true),
+                feed_event_json(5, 3, 10, false),
+            ],
+        )],
+    );
+    endpoint.run(&[Err("not json".into())], &HashMap::new());
+    let reload = endpoint.track.reload.clone().unwrap();
+    assert_eq!(
+        (reload.generation, reload.cause.clone(), reload.round),
+        (3, ReloadCause::ReadAgain, 1)
+    );
+    // While the pass is read: 4 created, and 5 updated (a message wrote it during the read).
+    run(
+        &mut endpoint,
+        &[message(
+            3,
+            "av",
+            "1.20",
+            vec![
+                feed_event_json(4, 3, 20, false),
+                feed_event_json(5, 3, 20, false),
+            ],
+        )],
+    );
+    let changes_before = endpoint.changes.len();
+    // The pass holds 2 only: the upstream no longer serves 1 (and never served 4 and 5 when the
+    // pages were read).
+    let merge = merged(endpoint.merge(&reload, &pass("av", vec![read_item(2, 12)], Some(3), 0)));
+    assert_eq!(merge.generation, 3);
+    assert!(merge.dropped.is_empty());
+    // 1: held from before the reload, not read: withdrawn at its own position. 3, a tombstone,
+    // stays one; 4 and 5 were written while the pass was read: kept.
+    assert_eq!(merge.withdrawn, vec![(subject(1), seq(10))]);
+    assert_eq!(
+        positions(&endpoint.copy),
+        vec![
+            (subject(1), 3, 10, true),
+            (subject(2), 3, 12, false),
+            (subject(3), 3, 10, true),
+            (subject(4), 3, 20, false),
+            (subject(5), 3, 20, false),
+        ]
+    );
+    assert_eq!(
+        endpoint.changes[changes_before..],
+        [
+            ModelChange::Upsert {
+                subject: subject(2),
+                item: content(2, 12).raw
+            },
+            ModelChange::Remove {
+                subject: subject(1)
+            },
+        ]
+    );
+    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
+    assert_eq!(endpoint.track.access_version.as_deref(), Some("av"));
+    // A late update of generation 3 does not bring 1 back; a newer one (or a newer sequence)
+    // still wins.
+    let plan = run(
+        &mut endpoint,
+        &[message(
+            3,
+            "av",
+            "1.21",
+            vec![feed_event_json(1, 3, 9, false)],
+        )],
+    );
+    assert_eq!(
+        plan.events,
+        vec![EventOutcome::Ignored(IgnoreReason::Older)]
+    );
+    let plan = run(
+        &mut endpoint,
+        &[message(
+            3,
+            "av",
+            "1.22",
+            vec![feed_event_json(1, 3, 11, false)],
+        )],
+    );
+    assert_eq!(plan.events, vec![EventOutcome::Stored]);
+}
+
+#[test]
+fn merge_same_generation_rule_applies_to_a_reload_begun_under_another_access_version() {
+    // A message under another access_version at the held generation begins a reload under that
+    // same generation: items held from before it that its pass lacks go too.
+    let mut endpoint = Endpoint {
+        track: loaded(3, "av"),
+        ..Default::default()
+    };
+    run(
+        &mut endpoint,
+        &[message(
+            3,
+            "av",
+            "1.10",
+            vec![
+                feed_event_json(1, 3, 10, false),
+                feed_event_json(2, 3, 10, false),
+            ],
+        )],
+    );
+    // The beginning message's own event is applied after the reload began: kept.
+    let plan = run(
+        &mut endpoint,
+        &[message(
+            3,
+            "av2",
+            "1.11",
+            vec![feed_event_json(6, 3, 11, false)],
+        )],
+    );
+    let [ReloadStart::Begin(reload)] = &plan.reloads[..] else {
+        panic!("{:?}", plan.reloads)
+    };
+    assert_eq!(
+        (reload.generation, reload.cause.clone()),
+        (3, ReloadCause::AccessVersion)
+    );
+    // Pages under another access_version than the reload's: not merged.
+    assert_eq!(
+        endpoint.merge(reload, &pass("av", vec![], Some(3), 0)),
+        MergePlan::ReadAgain(PagesCheck::OtherAccessVersion { pages: "av".into() })
+    );
+    let merge = merged(endpoint.merge(reload, &pass("av2", vec![read_item(2, 10)], Some(3), 0)));
+    assert_eq!(merge.withdrawn, vec![(subject(1), seq(10))]);
+    assert_eq!(
+        positions(&endpoint.copy),
+        vec![
+            (subject(1), 3, 10, true),
+            (subject(2), 3, 10, false),
+            (subject(6), 3, 11, false),
+        ]
+    );
+    assert_eq!(endpoint.track.access_version.as_deref(), Some("av2"));
+    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
+}
+
+#[test]
+fn merge_rule_a_reload_no_message_began_merges_under_the_upstreams_newer_generation() {
+    // After a restore the upstream may be generations ahead: the endpoint read gives 5, so the
+    // pass merges under 5 and everything held from before goes.
+    let mut endpoint = Endpoint {
+        track: loaded(3, "av"),
+        ..Default::default()
+    };
+    run(
+        &mut endpoint,
+        &[message(
+            3,
+            "av",
+            "1.10",
+            vec![
+                feed_event_json(1, 3, 10, false),
+                feed_event_json(2, 3, 10, true),
+            ],
+        )],
+    );
+    endpoint.run(&[Err("not json".into())], &HashMap::new());
+    let reload = endpoint.track.reload.clone().unwrap();
+    assert_eq!(reload.merge_generation(Some(5)), 5);
+    assert_eq!(reload.merge_generation(Some(2)), 3);
+    assert_eq!(reload.merge_generation(None), 3);
+    let merge = merged(endpoint.merge(&reload, &pass("av", vec![read_item(7, 40)], Some(5), 0)));
+    assert_eq!(merge.generation, 5);
+    assert_eq!(merge.dropped, vec![(subject(1), true), (subject(2), false)]);
+    assert_eq!(positions(&endpoint.copy), vec![(subject(7), 5, 40, false)]);
+    assert_eq!(endpoint.track.generation, Some(5));
+    // A message of generation 4 is now older than held.
+    run(&mut endpoint, &[message(4, "av", "1.50", vec![])]);
+    assert_eq!(endpoint.outcomes.last(), Some(&Outcome::OlderGeneration));
+    // A reset's reload takes its own generation whatever the endpoint read says.
+    let reset_reload = Reload {
+        generation: 6,
+        access_version: Some("av".into()),
+        cause: ReloadCause::Reset {
+            reason: "behind".into(),
+        },
+        read_again: 0,
+        round: 1,
+    };
+    assert_eq!(reset_reload.merge_generation(Some(9)), 6);
+}
+
+#[test]
+fn merge_rule_pages_that_disagree_are_read_again_and_write_nothing() {
+    let mut endpoint = Endpoint {
+        track: loaded(3, "av"),
+        ..Default::default()
+    };
+    run(&mut endpoint, &[reset(4, "av", "behind")]);
+    let reload = endpoint.track.reload.clone().unwrap();
+    let before = endpoint.clone();
+    let two_pages = Pass {
+        page_access_versions: vec!["av".into(), "av9".into()],
+        ..pass("av", vec![read_item(1, 1)], Some(4), 0)
+    };
+    assert_eq!(
+        endpoint.merge(&reload, &two_pages),
+        MergePlan::ReadAgain(PagesCheck::ReadAgain)
+    );
+    assert_eq!(endpoint, before);
+}
+
+// ---- Runs: outcomes of whole messages ----
+
+#[test]
+fn route_by_type_rule_a_run_notes_each_messages_outcome() {
+    let other_track = parse(
+        json!({"v": 1, "webhook_endpoint_id": ENDPOINT, "track": "stories",
+                                   "generation": 9, "events": []}),
+    );
+    let mut endpoint = Endpoint {
+        track: loaded(4, "av"),
+        ..Default::default()
+    };
+    let messages: Vec<StoredMessage> = vec![
+        Ok(wire_example("test")),
+        Ok(other_track),
+        Ok(message(
+            3,
+            "av",
+            "1.5",
+            vec![feed_event_json(1, 3, 5, false)],
+        )),
+        Ok(message(
+            4,
+            "av",
+            "1.6",
+            vec![feed_event_json(1, 4, 6, false)],
+        )),
+        Ok(reset(5, "av", "behind")),
+        Ok(reset(6, "av", "behind")),
+        Err("not a v1 message".into()),
+    ];
+    let plan = endpoint.run(&messages, &HashMap::new());
+    assert_eq!(
+        endpoint.outcomes,
+        vec![
+            Outcome::Test,
+            Outcome::IgnoredTrack,
+            Outcome::OlderGeneration,
+            Outcome::Applied,
+            Outcome::ReloadBegun,
+            Outcome::ReloadSuperseded,
+            Outcome::Quarantined,
+        ]
+    );
+    assert_eq!(
+        plan.messages[6].quarantined,
+        Some(Unapplicable::NotV1("not a v1 message".into()))
+    );
+    // Only the message applied wrote; its event's id is kept, the skipped one's is not.
+    assert_eq!(plan.events, vec![EventOutcome::Stored]);
+    assert_eq!(plan.keep, vec!["evt_1_4_6_false".to_owned()]);
+    assert_eq!(positions(&endpoint.copy), vec![(subject(1), 4, 6, false)]);
+    // The quarantine asked the running reload (generation 6) for another pass.
+    assert!(matches!(plan.reloads.last(), Some(ReloadStart::ReadAgain(r)) if r.generation == 6));
+    assert_eq!(
+        endpoint.track.reload.as_ref().map(|r| r.read_again),
+        Some(1)
+    );
+    assert_eq!(subjects(&messages), vec!["announcement:1"]);
+    assert_eq!(
+        Outcome::ALL.map(Outcome::as_str),
+        [
+            "applied",
+            "test",
+            "ignored_track",
+            "older_generation",
+            "reload_begun",
+            "reload_superseded",
+            "quarantined"
         ]
     );
 }
@@ -628,7 +1143,7 @@ fn found(av: &str) -> RefetchAnswer {
 
 #[test]
 fn refetch_rule_an_answer_under_the_copys_access_version_applies_at_the_events_position() {
-    let out = decide_refetch(Some("av"), None, &pending(), false, 1, &found("av"));
+    let out = decide_refetch(Some("av"), None, &pending(), 1, &found("av"));
     let RefetchOutcome::Apply(decision) = out else {
         panic!("{out:?}")
     };
@@ -643,7 +1158,8 @@ fn refetch_rule_an_answer_under_the_copys_access_version_applies_at_the_events_p
     assert_eq!((generation, sequence), (3, seq(1052)));
     // ... by the feed item rule: a held row at a later sequence wins.
     let mut copy = FeedCopy::new();
-    copy.apply_event(
+    apply_event(
+        &mut copy,
         3,
         &event(update_json("e", 7, 1060, item_json(7, 1060, &[], "a"))),
     );
@@ -651,7 +1167,6 @@ fn refetch_rule_an_answer_under_the_copys_access_version_applies_at_the_events_p
         Some("av"),
         copy.get(&subject(7)),
         &pending(),
-        false,
         1,
         &found("av"),
     );
@@ -664,21 +1179,15 @@ fn refetch_rule_an_answer_under_the_copys_access_version_applies_at_the_events_p
 #[test]
 fn refetch_rule_a_404_under_the_copys_access_version_removes_the_item_at_that_sequence() {
     let mut copy = FeedCopy::new();
-    copy.apply_event(
+    apply_event(
+        &mut copy,
         3,
         &event(update_json("e", 7, 1045, item_json(7, 1045, &[], "a"))),
     );
     let answer = RefetchAnswer::NotFound {
         access_version: "av".into(),
     };
-    let out = decide_refetch(
-        Some("av"),
-        copy.get(&subject(7)),
-        &pending(),
-        false,
-        1,
-        &answer,
-    );
+    let out = decide_refetch(Some("av"), copy.get(&subject(7)), &pending(), 1, &answer);
     assert_eq!(
         out,
         RefetchOutcome::Apply(Box::new(Decision::Tombstone {
@@ -697,13 +1206,13 @@ fn refetch_rule_an_answer_under_another_access_version_404_included_means_read_t
     };
     for answer in [found("other"), not_found] {
         assert_eq!(
-            decide_refetch(Some("av"), None, &pending(), false, 1, &answer),
+            decide_refetch(Some("av"), None, &pending(), 1, &answer),
             RefetchOutcome::Reload
         );
     }
     // A copy under no access_version yet has no answer "under the copy's".
     assert_eq!(
-        decide_refetch(None, None, &pending(), false, 1, &found("av")),
+        decide_refetch(None, None, &pending(), 1, &found("av")),
         RefetchOutcome::Reload
     );
 }
@@ -712,7 +1221,7 @@ fn refetch_rule_an_answer_under_another_access_version_404_included_means_read_t
 fn refetch_rule_a_load_balancers_404_is_tried_again_a_few_times_then_the_feed_is_read_again() {
     for answer in [RefetchAnswer::LoadBalancer404, RefetchAnswer::Failed] {
         let outcomes: Vec<_> = (1..=REFETCH_ATTEMPTS)
-            .map(|attempt| decide_refetch(Some("av"), None, &pending(), false, attempt, &answer))
+            .map(|attempt| decide_refetch(Some("av"), None, &pending(), attempt, &answer))
             .collect();
         assert_eq!(
             outcomes,
@@ -726,112 +1235,249 @@ fn refetch_rule_a_load_balancers_404_is_tried_again_a_few_times_then_the_feed_is
 }
 
 #[test]
-fn refetch_rule_the_answer_is_dropped_when_a_newer_reset_arrived_during_the_read() {
-    let p = pending();
-    assert!(p.overtaken_by(Some(4)));
-    assert!(!p.overtaken_by(Some(3)));
-    assert!(!p.overtaken_by(None));
-    assert_eq!(
-        decide_refetch(Some("av"), None, &p, true, 1, &found("av")),
-        RefetchOutcome::Drop
-    );
+fn refetch_rule_read_before_the_next_message_a_newer_resets_reload_reads_the_item() {
+    // The relay reads each refetch before deciding the run (so before the message after it):
+    // its answer is applied at the refetch's position, and a newer reset after it in the same
+    // run begins the reload that reads the item again under the newer generation.
     let d = decide_event(None, 3, &event(refetch_json("e", 7, 1052)));
-    assert_eq!(PendingRefetch::from_decision(&d), Some(p));
+    assert_eq!(PendingRefetch::from_decision(&d), Some(pending()));
+    let mut endpoint = Endpoint {
+        track: loaded(3, "av"),
+        ..Default::default()
+    };
+    let messages = [
+        Ok(message(
+            3,
+            "av",
+            "1.1052",
+            vec![refetch_json("rf", 7, 1052)],
+        )),
+        Ok(reset(4, "av", "behind")),
+    ];
+    let reads = HashMap::from([(
+        "rf".to_owned(),
+        RefetchRead {
+            answer: found("av"),
+            attempts: 1,
+        },
+    )]);
+    assert_eq!(refetches_wanted(&messages), vec![("rf", "announcement:7")]);
+    let plan = endpoint.run(&messages, &reads);
+    assert_eq!(plan.events, vec![EventOutcome::Stored]);
+    assert_eq!(
+        endpoint.outcomes,
+        vec![Outcome::Applied, Outcome::ReloadBegun]
+    );
+    let held = endpoint.copy.get(&subject(7)).unwrap();
+    assert_eq!((held.generation, held.sequence.clone()), (3, seq(1052)));
+    // The reset's reload (generation 4) reads the item again: whatever its pass holds of it
+    // wins over the answer applied at generation 3 (`merge_rule_an_item_held_from_an_older_...`).
+    let reload = endpoint.track.reload.clone().unwrap();
+    assert_eq!(reload.generation, 4);
+    assert_eq!(
+        merge_read_item(Some(held), reload.generation, &seq(1)),
+        MergeDecision::Store
+    );
+}
+
+#[test]
+fn refetch_rule_in_a_run_answers_apply_or_read_the_feed_again() {
+    let answers = [
+        // Under the copy's access_version: applied at the event's position.
+        (found("av"), 1, EventOutcome::Stored, false),
+        // A 404 under it: the item removed at that sequence (nothing held: a tombstone).
+        (
+            RefetchAnswer::NotFound {
+                access_version: "av".into(),
+            },
+            1,
+            EventOutcome::Removed,
+            false,
+        ),
+        // Under another access_version: read /v1/feed again.
+        (
+            found("other"),
+            1,
+            EventOutcome::RefetchReload { answered: true },
+            true,
+        ),
+        // A load balancer's 404 every time: read /v1/feed again.
+        (
+            RefetchAnswer::LoadBalancer404,
+            REFETCH_ATTEMPTS,
+            EventOutcome::RefetchReload { answered: false },
+            true,
+        ),
+    ];
+    for (answer, attempts, outcome, reloads) in answers {
+        let mut endpoint = Endpoint {
+            track: loaded(3, "av"),
+            ..Default::default()
+        };
+        let m = message(3, "av", "1.1052", vec![refetch_json("rf", 7, 1052)]);
+        let plan = run_with(
+            &mut endpoint,
+            &m,
+            &[("rf", RefetchRead { answer, attempts })],
+        );
+        assert_eq!(plan.events, vec![outcome]);
+        assert_eq!(
+            plan.keep,
+            vec!["rf".to_owned()],
+            "a refetch is an event of its own"
+        );
+        let reload = endpoint.track.reload.clone();
+        assert_eq!(reload.is_some(), reloads, "{outcome:?}");
+        if let Some(r) = reload {
+            assert_eq!(r.cause, ReloadCause::ReadAgain);
+            assert_eq!((r.generation, r.access_version), (3, None));
+            assert!(endpoint.copy.rows().is_empty());
+        }
+        // Received again, the refetch's id is applied: no read, no change.
+        let again = run_with(&mut endpoint, &m, &[]);
+        assert_eq!(
+            again.events,
+            vec![EventOutcome::Ignored(IgnoreReason::Duplicate)]
+        );
+    }
+    // A refetch not read at all (the driver gave up) is taken as reads that kept failing.
+    let mut endpoint = Endpoint {
+        track: loaded(3, "av"),
+        ..Default::default()
+    };
+    let m = message(3, "av", "1.1052", vec![refetch_json("rf", 7, 1052)]);
+    let plan = run_with(&mut endpoint, &m, &[]);
+    assert_eq!(
+        plan.events,
+        vec![EventOutcome::RefetchReload { answered: false }]
+    );
 }
 
 // ---- The wire file's examples in order, as the sequencer runs them ----
 
-#[test]
-fn wire_examples_in_order_events_refetch_reset_and_merge_through_an_endpoint() {
+/// The wire file's examples "events", "events with a refetch" (twice) and "reset", in order,
+/// through an endpoint, the first reload merged empty: the endpoint, and the item the refetch
+/// answered.
+fn wire_examples_through_the_reset() -> (Endpoint, relay_wire::FeedItem) {
     let mut endpoint = Endpoint::new();
-    let r = endpoint.receive(&wire_example("events"));
-    assert!(matches!(
-        r.message,
-        MessageDecision::ApplyEvents { generation: 3, .. }
-    ));
-    assert!(matches!(
-        r.events[..],
-        [Decision::Store { .. }, Decision::Tombstone { .. }]
-    ));
+    let plan = run(&mut endpoint, &[wire_example("events")]);
+    assert_eq!(endpoint.outcomes, vec![Outcome::Applied]);
+    assert_eq!(
+        plan.events,
+        vec![EventOutcome::Stored, EventOutcome::Removed]
+    );
+    // One row for the subject, as the run left it: the tombstone.
+    assert_eq!(plan.rows.len(), 1);
+    assert!(plan.rows[0].held.is_tombstone());
+    assert_eq!(endpoint.track.generation, Some(3));
     // The empty copy's reload, read under b4d934cf with nothing in it.
     let reload = endpoint.track.reload.clone().unwrap();
-    assert!(endpoint.merge(&reload, &["b4d934cf"], &[]).is_some());
+    assert!(matches!(plan.reloads[..], [ReloadStart::Begin(ref r)] if *r == reload));
+    let merge = merged(endpoint.merge(&reload, &pass("b4d934cf", vec![], Some(3), 0)));
+    assert!(merge.writes.is_empty() && merge.dropped.is_empty() && merge.withdrawn.is_empty());
     assert_eq!(endpoint.track.access_version.as_deref(), Some("b4d934cf"));
+    assert_eq!(endpoint.track.reload, None);
 
-    let r = endpoint.receive(&wire_example("events with a refetch"));
-    assert_eq!(
-        r.message,
-        MessageDecision::ApplyEvents {
-            generation: 3,
-            reload: None
-        }
-    );
-    let pending = PendingRefetch::from_decision(&r.events[0]).unwrap();
     let item = relay_wire::FeedItem::from_value(
         item_json(88001, 1045, &[("flash:11", 1)], "read"),
         "item",
     )
     .unwrap();
-    let answer = RefetchAnswer::Found {
-        access_version: "b4d934cf".into(),
-        sequence: seq(1045),
-        item: item.clone(),
+    let answer = RefetchRead {
+        answer: RefetchAnswer::Found {
+            access_version: "b4d934cf".into(),
+            sequence: seq(1045),
+            item: item.clone(),
+        },
+        attempts: 1,
     };
-    let RefetchOutcome::Apply(decision) = decide_refetch(
-        endpoint.track.access_version.as_deref(),
-        endpoint.copy.get(&pending.subject),
-        &pending,
-        pending.overtaken_by(endpoint.track.last_reset_generation),
-        1,
-        &answer,
-    ) else {
-        panic!()
-    };
-    endpoint.copy.apply(&decision);
+    let refetch = wire_example("events with a refetch");
+    let plan = run_with(
+        &mut endpoint,
+        &refetch,
+        &[("evt_2xsn0jfd40kn2c51j0hmcpej9q", answer)],
+    );
+    assert_eq!(plan.track, Some(endpoint.track.clone()));
+    assert_eq!(endpoint.track.through.as_deref(), Some("1.1052"));
+    assert_eq!(plan.events, vec![EventOutcome::Stored]);
     let held = endpoint.copy.get("announcement:88001").unwrap();
     assert_eq!(
         (held.generation, held.sequence.as_str()),
         (3, "0000000001.0000000000000001052")
     );
 
-    // The refetch's id is kept: the same message again changes nothing.
-    let r = endpoint.receive(&wire_example("events with a refetch"));
-    assert_eq!(r.events, vec![Decision::Ignore(IgnoreReason::Duplicate)]);
+    // The refetch's id is kept: the same message again changes nothing and reads nothing.
+    let plan = run_with(&mut endpoint, &refetch, &[]);
+    assert_eq!(
+        plan.events,
+        vec![EventOutcome::Ignored(IgnoreReason::Duplicate)]
+    );
+    assert!(plan.rows.is_empty() && plan.changes.is_empty());
 
-    let r = endpoint.receive(&wire_example("reset"));
-    let MessageDecision::BeginReload(reload) = r.message else {
-        panic!("{:?}", r.message)
-    };
+    let plan = run(&mut endpoint, &[wire_example("reset")]);
+    assert_eq!(endpoint.outcomes.last(), Some(&Outcome::ReloadBegun));
+    assert!(matches!(plan.reloads[..], [ReloadStart::Begin(ref r)] if r.generation == 4));
+    assert_eq!(restore_plan(&endpoint.track), RestorePlan::Reload);
+    (endpoint, item)
+}
+
+#[test]
+fn wire_examples_in_order_events_refetch_and_reset_through_an_endpoint() {
+    let (endpoint, _) = wire_examples_through_the_reset();
+    assert_eq!(
+        endpoint.outcomes,
+        vec![
+            Outcome::Applied,
+            Outcome::Applied,
+            Outcome::Applied,
+            Outcome::ReloadBegun
+        ]
+    );
+    assert_eq!(endpoint.track.generation, Some(4));
+    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
+}
+
+#[test]
+#[ignore = "SRC BUG decide_merge: Merge::dropped lists the subjects its writes store (see RULES.md, Known bug)"]
+fn wire_examples_in_order_the_resets_merge_raises_the_held_item_to_generation_4() {
+    let (mut endpoint, item) = wire_examples_through_the_reset();
+    let reload = endpoint.track.reload.clone().unwrap();
     // The reset's pages hold the same item at the same sequence: only its generation rises.
-    let read = [ReadItem {
+    let read = vec![ReadItem {
         subject: "announcement:88001".into(),
         sequence: Sequence::new("0000000001.0000000000000001052"),
         item,
     }];
-    let (decisions, removed) = endpoint.merge(&reload, &["b4d934cf"], &read).unwrap();
+    let changes_before = endpoint.changes.len();
+    let merge = merged(endpoint.merge(&reload, &pass("b4d934cf", read, Some(4), 0)));
     assert!(matches!(
-        decisions[..],
+        merge.writes[..],
         [Decision::Unchanged { generation: 4, .. }]
     ));
-    assert!(removed.is_empty());
+    assert!(merge.dropped.is_empty(), "{merge:?}");
     let rows: Vec<_> = endpoint
         .copy
         .rows()
         .values()
-        .map(|h| h.generation)
+        .map(|h| (h.generation, h.is_tombstone()))
         .collect();
-    assert_eq!(rows, vec![4]);
-    assert_eq!(restore_plan(&endpoint.track), RestorePlan::Reload);
+    assert_eq!(rows, vec![(4, false)], "{merge:?}");
+    assert_eq!(
+        endpoint.changes.len(),
+        changes_before,
+        "an unchanged item is no change"
+    );
+    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
 }
 
 #[test]
 fn keep_event_ids_rule_after_a_restore_and_rewind_resent_events_apply_once() {
     let a = message(3, "av", "1.20", vec![feed_event_json(1, 3, 20, false)]);
     let mut endpoint = Endpoint::new();
-    endpoint.receive(&a);
+    run(&mut endpoint, std::slice::from_ref(&a));
     let backup = endpoint.clone(); // the ids are in the same backup as the rows
     let b = message(3, "av", "1.30", vec![feed_event_json(1, 3, 30, true)]);
-    endpoint.receive(&b);
+    run(&mut endpoint, &[b]);
 
     // Restored: rewind to the kept through; the track resends from there under generation 4.
     let mut restored = backup;
@@ -848,13 +1494,16 @@ fn keep_event_ids_rule_after_a_restore_and_rewind_resent_events_apply_once() {
     // An event the backup applied, resent under the newer generation, would otherwise win
     // whatever its sequence: its kept id stops it.
     let again_a = message(4, "av", "1.20", vec![feed_event_json(1, 3, 20, false)]);
-    let r = restored.receive(&again_a);
-    assert_eq!(r.events, vec![Decision::Ignore(IgnoreReason::Duplicate)]);
+    let plan = run(&mut restored, &[again_a]);
+    assert_eq!(
+        plan.events,
+        vec![EventOutcome::Ignored(IgnoreReason::Duplicate)]
+    );
     // What was applied after the backup is applied again.
     let again_b = message(4, "av", "1.30", vec![feed_event_json(1, 3, 30, true)]);
-    let r = restored.receive(&again_b);
-    assert!(matches!(
-        r.events[..],
-        [Decision::Tombstone { generation: 4, .. }]
-    ));
+    let plan = run(&mut restored, &[again_b]);
+    assert_eq!(plan.events, vec![EventOutcome::Removed]);
+    let held = restored.copy.get(&subject(1)).unwrap();
+    assert!(held.is_tombstone());
+    assert_eq!(held.generation, 4);
 }

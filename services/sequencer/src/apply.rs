@@ -1,37 +1,37 @@
-//! Applying runs of stored messages: the driver around relay-rules' [`step`] and
-//! [`decide_event`].
+//! Applying runs of stored messages: the driver of relay-rules' [`decide_run`], as its module
+//! doc says to drive it.
 //!
 //! One transaction applies one run of messages for each of several endpoints (a batch of one
-//! when applied alone), two statements inside it: the first checks each fence, takes each
-//! endpoint's writer lock, reads its track row locked, records the runs' event ids and reads
-//! (and locks) the rows of the subjects they touch; the second writes the rows the decisions
-//! left (each still checking its position), appends their changes, writes the track rows and
-//! the outcomes, forgets the ids of messages that did not apply and moves each apply cursor
-//! (only from where it was read). A
-//! refetch's item read happens before that transaction (so no lock is held across HTTP), and
-//! its answer is decided inside it against the row as it is then: "read it before applying the
+//! when applied alone), two statements inside it (relay-store's `runs`): the first checks each
+//! fence, takes each endpoint's writer lock, reads its track row locked, the run's event ids
+//! applied before and the rows of the subjects the run touches (locked); the rules decide each
+//! run whole; the second writes each [`RunPlan`] (rows still checking their position, changes,
+//! track, ids, outcomes, cursor moved only from where it was read). A refetch's item read
+//! happens before that transaction (so no lock is held across HTTP), and its answer is decided
+//! inside it against the row as the run's earlier events left it: "read it before applying the
 //! next message".
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use relay_netguard::RetryPolicy;
 use relay_rules::{
-    decide_event, decide_refetch, feed_subject, quarantine, step, Decision, EndpointTrack,
-    FeedCopy, IgnoreReason, MessageDecision, PendingRefetch, RefetchAnswer, RefetchOutcome,
-    ReloadStart, Unapplicable, REFETCH_ATTEMPTS,
+    decide_run, event_ids, quarantine, refetches_wanted, subjects, Outcome, RefetchAnswer,
+    RefetchRead, ReloadStart, Run, RunPlan, StoredMessage, Unapplicable, REFETCH_ATTEMPTS,
 };
-use relay_store::copy;
+use relay_store::cursors::PendingMessage;
+use relay_store::endpoints::EndpointRegistration;
+use relay_store::runs::{self, RunClaim, RunWrite};
+use relay_store::tracks::{self, TrackClaim};
 use relay_store::StoreError;
-use relay_wire::{EventBody, FeedData, Message};
+use relay_wire::Message;
 use sqlx::PgPool;
 use time::OffsetDateTime;
-use tokio::sync::{watch, Mutex};
+use tokio::sync::watch;
 use uuid::Uuid;
 
 use crate::metrics::SequencerMetrics;
-use crate::state::{self, EndpointRegistration, MessageOutcome, PendingMessage, StateError};
 use crate::upstream::{self, FeedSelection, UpstreamClient, UpstreamError};
 
 #[derive(Debug, thiserror::Error)]
@@ -42,10 +42,13 @@ pub enum ApplyError {
     /// The cursor was not where this worker read it: someone else applied these messages.
     #[error("the apply cursor moved under this worker")]
     CursorMoved,
+    /// A write of a plan made under the endpoint's lock was refused: another writer (a reload's
+    /// merge that committed while the run's statement waited for the lock) changed a row the
+    /// statement could not see. Nothing committed; the run is decided again at once.
+    #[error("a row changed under the run: decided again")]
+    Raced,
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error(transparent)]
-    State(#[from] StateError),
     #[error("postgres: {0}")]
     Database(#[from] sqlx::Error),
     #[error(transparent)]
@@ -65,11 +68,10 @@ impl ApplyError {
     /// nothing.
     pub fn may_be_the_message(&self) -> bool {
         match self {
-            ApplyError::Database(error)
-            | ApplyError::Store(StoreError::Database(error))
-            | ApplyError::State(StateError::Database(error)) => statement_refused(error),
-            ApplyError::Store(StoreError::Invalid(_))
-            | ApplyError::State(StateError::Invalid(_)) => true,
+            ApplyError::Database(error) | ApplyError::Store(StoreError::Database(error)) => {
+                statement_refused(error)
+            }
+            ApplyError::Store(StoreError::Invalid(_)) => true,
             _ => false,
         }
     }
@@ -92,12 +94,11 @@ fn statement_refused(error: &sqlx::Error) -> bool {
     }
 }
 
-/// One owned endpoint: its registration as last read, its upstream client, and the selection
-/// (language, filter) last read from the upstream.
+/// One owned endpoint: its registration as last read, and its upstream client.
 ///
 /// The registration can change while the endpoint is owned (a tenant rotates a leaked key or
-/// moves its upstream URL): [`EndpointContext::update`] swaps the client, forgets the selection
-/// (the language may have changed with it) and tells whoever waits on [`EndpointContext::changes`]
+/// moves its upstream URL): [`EndpointContext::update`] swaps the client and tells whoever waits
+/// on [`EndpointContext::changes`]
 /// (a reload pausing after a failed read tries again at once, with the new values).
 pub struct EndpointContext {
     id: Uuid,
@@ -107,7 +108,6 @@ pub struct EndpointContext {
     /// `None`: the registration names no upstream base URL or key; nothing is read until it does.
     upstream: std::sync::RwLock<Option<UpstreamClient>>,
     changed: watch::Sender<u64>,
-    selection: Mutex<Option<FeedSelection>>,
 }
 
 impl EndpointContext {
@@ -119,7 +119,6 @@ impl EndpointContext {
             feed_page_limit: crate::upstream::FEED_PAGE_LIMIT,
             upstream: std::sync::RwLock::new(None),
             changed: watch::channel(0).0,
-            selection: Mutex::new(None),
         };
         context.set_client(&registration);
         context
@@ -168,11 +167,10 @@ impl EndpointContext {
         self.upstream.read().expect("not poisoned").is_some()
     }
 
-    /// Takes the registration as it is now: the next upstream read uses its URL and key, the
-    /// selection is read again, and [`EndpointContext::changes`] fires.
-    pub async fn update(&self, registration: &EndpointRegistration) {
+    /// Takes the registration as it is now: the next upstream read uses its URL and key, and
+    /// [`EndpointContext::changes`] fires.
+    pub fn update(&self, registration: &EndpointRegistration) {
         self.set_client(registration);
-        *self.selection.lock().await = None;
         self.changed.send_modify(|version| *version += 1);
     }
 
@@ -181,34 +179,16 @@ impl EndpointContext {
         self.changed.subscribe()
     }
 
-    /// The endpoint's language and filter: read once, and again by every reload.
-    pub async fn selection(&self) -> Result<FeedSelection, UpstreamError> {
-        let mut held = self.selection.lock().await;
-        if let Some(selection) = held.as_ref() {
-            return Ok(selection.clone());
-        }
-        let upstream = self.upstream()?;
-        let selection = upstream.selection(self.id()).await?;
-        *held = Some(selection.clone());
-        Ok(selection)
-    }
-
-    /// A reload read the selection as it is now: later refetches use it.
-    pub async fn set_selection(&self, selection: FeedSelection) {
-        *self.selection.lock().await = Some(selection);
+    /// The endpoint's language, filter and track generation as they are now
+    /// (`GET /v1/webhook-endpoints/{id}`): read for each run that refetches and each reload
+    /// pass, never kept, so a language changed upstream is read in the next.
+    pub async fn read_selection(&self) -> Result<FeedSelection, UpstreamError> {
+        self.upstream()?.selection(self.id).await
     }
 }
 
-/// What applying one message did.
-#[derive(Debug, Clone)]
-pub struct MessageReport {
-    pub outcome: MessageOutcome,
-    /// True when the track has a reload to run after this message.
-    pub reload_pending: bool,
-}
-
-/// The answers of a message's refetch reads, by event id, with the number of the last read.
-type Prefetched = HashMap<String, (RefetchAnswer, u32)>;
+/// The answers of a run's refetch reads, by event id.
+type Prefetched = HashMap<String, RefetchRead>;
 
 /// Pauses between refetch reads that failed: short, since the next message waits on them.
 const REFETCH_RETRY: RetryPolicy = RetryPolicy {
@@ -216,61 +196,51 @@ const REFETCH_RETRY: RetryPolicy = RetryPolicy {
     max: Duration::from_millis(400),
 };
 
-/// Reads every refetch of the message whose event is not applied yet, trying a failed read
-/// (a load balancer's 404, no answer) up to [`REFETCH_ATTEMPTS`] times.
+/// Reads every refetch the run asks for whose event is not applied yet (step 1 of
+/// [`decide_run`]'s driving), trying a failed read (a load balancer's 404, no answer) up to
+/// [`REFETCH_ATTEMPTS`] times. The selection is read afresh for the run (the endpoint's language
+/// may have changed since the last reload), once, and only when a refetch is to be read.
 async fn prefetch(
     pool: &PgPool,
     ctx: &EndpointContext,
-    message: &Message,
+    messages: &[StoredMessage],
     metrics: &SequencerMetrics,
 ) -> Result<Prefetched, ApplyError> {
-    let refetches: Vec<(&str, &str)> = message
-        .events
-        .iter()
-        .filter_map(|e| match &e.body {
-            EventBody::Feed {
-                data: FeedData::Refetch { feed_item_id, .. },
-                ..
-            } => Some((e.id.as_str(), feed_item_id.as_str())),
-            _ => None,
-        })
-        .collect();
+    let wanted = refetches_wanted(messages);
     let mut answers = Prefetched::new();
-    if refetches.is_empty() {
+    if wanted.is_empty() {
         return Ok(answers);
     }
-    let ids: Vec<&str> = refetches.iter().map(|(id, _)| *id).collect();
-    let applied: HashSet<String> = sqlx::query_scalar(
-        "SELECT event_id FROM applied_events WHERE endpoint_id = $1 AND event_id = ANY($2)",
-    )
-    .bind(ctx.id())
-    .bind(&ids)
-    .fetch_all(pool)
-    .await?
-    .into_iter()
-    .collect();
-    for (event_id, feed_item_id) in refetches {
+    let ids: Vec<&str> = wanted.iter().map(|(id, _)| *id).collect();
+    let applied = relay_store::copy::applied_among(pool, ctx.id(), &ids).await?;
+    // Read once for the run, when the first refetch is to be read; `None` inside: it failed.
+    let mut selection: Option<Option<FeedSelection>> = None;
+    for (event_id, feed_item_id) in wanted {
         if applied.contains(event_id) || answers.contains_key(event_id) {
             continue;
         }
-        let selection = ctx.selection().await;
-        match &selection {
-            // Without settings nothing was tried: the state says so without a failure.
-            Err(UpstreamError::NotConfigured) | Ok(_) => {}
-            Err(error) => upstream::record_failure(pool, ctx.tenant(), ctx.id(), error).await?,
+        if selection.is_none() {
+            let read = ctx.read_selection().await;
+            match &read {
+                // Without settings nothing was tried: the state says so without a failure.
+                Err(UpstreamError::NotConfigured) | Ok(_) => {}
+                Err(error) => upstream::record_failure(pool, ctx.tenant(), ctx.id(), error).await?,
+            }
+            selection = Some(read.ok());
         }
-        let (Ok(upstream), Ok(selection)) = (ctx.upstream(), selection) else {
+        let (Ok(upstream), Some(Some(selection))) = (ctx.upstream(), &selection) else {
             metrics.refetches.with_label_values(&["failed"]).inc();
-            answers.insert(
-                event_id.to_owned(),
-                (RefetchAnswer::Failed, REFETCH_ATTEMPTS),
-            );
+            let read = RefetchRead {
+                answer: RefetchAnswer::Failed,
+                attempts: REFETCH_ATTEMPTS,
+            };
+            answers.insert(event_id.to_owned(), read);
             continue;
         };
-        let mut attempt = 1;
+        let mut attempts = 1;
         let mut pauses = REFETCH_RETRY.pauses();
         let answer = loop {
-            let answer = match upstream.read_item(&selection, feed_item_id).await {
+            let answer = match upstream.read_item(selection, feed_item_id).await {
                 Ok(RefetchAnswer::LoadBalancer404) => {
                     metrics
                         .upstream_failures
@@ -299,18 +269,14 @@ async fn prefetch(
                 RefetchAnswer::Failed => "failed",
             };
             metrics.refetches.with_label_values(&[label]).inc();
-            let failed = matches!(
-                answer,
-                RefetchAnswer::LoadBalancer404 | RefetchAnswer::Failed
-            );
-            if failed && attempt < REFETCH_ATTEMPTS {
-                attempt += 1;
+            if answer.failed() && attempts < REFETCH_ATTEMPTS {
+                attempts += 1;
                 tokio::time::sleep(pauses.next_pause()).await;
                 continue;
             }
             break answer;
         };
-        answers.insert(event_id.to_owned(), (answer, attempt));
+        answers.insert(event_id.to_owned(), RefetchRead { answer, attempts });
     }
     Ok(answers)
 }
@@ -325,32 +291,6 @@ pub struct BatchReport {
     pub reload_pending: bool,
 }
 
-/// Applies `pending`, the stored messages that follow `applied` in arrival order, under fencing
-/// token `token`, in one transaction of its own (see [`apply_runs`]).
-pub async fn apply_messages(
-    pool: &PgPool,
-    ctx: &Arc<EndpointContext>,
-    token: i64,
-    applied: i64,
-    pending: &[PendingMessage],
-    metrics: &SequencerMetrics,
-) -> Result<BatchReport, ApplyError> {
-    let through = pending.last().map_or(applied, |m| m.arrival_seq);
-    let run = prepare_run(
-        pool,
-        ctx,
-        token,
-        (applied, through),
-        pending.to_vec(),
-        metrics,
-    )
-    .await?;
-    apply_runs(pool, vec![run], metrics)
-        .await
-        .pop()
-        .expect("one answer per run")
-}
-
 /// A run of one endpoint's stored messages, parsed, with its refetch reads done: ready to apply
 /// in a transaction, alone or beside other endpoints' runs.
 pub struct PreparedRun {
@@ -363,7 +303,7 @@ pub struct PreparedRun {
     /// took and left unused are skipped in the same transaction).
     through: i64,
     pending: Vec<PendingMessage>,
-    parsed: Vec<Result<Message, relay_wire::MessageError>>,
+    parsed: Vec<StoredMessage>,
     prefetched: Prefetched,
     started: Instant,
 }
@@ -394,12 +334,11 @@ pub async fn prepare_run(
     metrics: &SequencerMetrics,
 ) -> Result<PreparedRun, ApplyError> {
     let started = Instant::now();
-    let parsed: Vec<Result<Message, relay_wire::MessageError>> =
-        pending.iter().map(|m| Message::parse(&m.body)).collect();
-    let mut prefetched = Prefetched::new();
-    for message in parsed.iter().flatten() {
-        prefetched.extend(prefetch(pool, ctx, message, metrics).await?);
-    }
+    let parsed: Vec<StoredMessage> = pending
+        .iter()
+        .map(|m| Message::parse(&m.body).map_err(|e| e.to_string()))
+        .collect();
+    let prefetched = prefetch(pool, ctx, &parsed, metrics).await?;
     let through = pending
         .last()
         .map_or(through, |m| through.max(m.arrival_seq));
@@ -418,8 +357,8 @@ pub async fn prepare_run(
 /// Sets aside the endpoint's next message (`arrival_seq`, the first after the cursor at
 /// `applied`), whose apply failed `attempts` times (the last with `error`), and reads the feed
 /// again (relay-rules' [`quarantine`]), in one transaction: under the endpoint's locks
-/// ([`state::open_track`]), the statement that moves the cursor past it (only from `applied`)
-/// records it and its outcome, and the track row takes the reload.
+/// ([`tracks::open`]), one statement moves the cursor past it (only from `applied`), records it
+/// and its outcome, and writes the track row with the reload.
 pub async fn quarantine_failing(
     pool: &PgPool,
     ctx: &EndpointContext,
@@ -430,37 +369,37 @@ pub async fn quarantine_failing(
 ) -> Result<(), ApplyError> {
     let (tenant, endpoint) = (ctx.tenant(), ctx.id());
     let mut tx = pool.begin().await?;
-    let Some(held) = state::open_track(&mut tx, tenant, endpoint, token, state::FEED_TRACK).await?
-    else {
+    let claim = TrackClaim {
+        endpoint,
+        tenant,
+        token,
+    };
+    let Some(held) = tracks::open(&mut tx, claim).await? else {
         return Err(ApplyError::Fenced);
     };
     let why = Unapplicable::KeepsFailing { attempts, error };
     let reason = why.to_string();
     let (track, decision) = quarantine(&held, why);
     let attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
-    if !state::quarantine_next(
+    let moved = runs::quarantine_next(
         &mut tx,
-        tenant,
-        endpoint,
+        (tenant, endpoint),
         (applied, arrival_seq),
-        &reason,
-        attempts,
+        (&reason, attempts),
+        &track,
     )
-    .await?
-    {
+    .await?;
+    if !moved {
         return Err(ApplyError::CursorMoved);
     }
-    state::save_track(&mut tx, tenant, endpoint, state::FEED_TRACK, &track).await?;
     tx.commit().await?;
     tracing::warn!(%endpoint, arrival_seq, %reason, "message quarantined; the feed is read again");
-    let mut tally = Tally::default();
-    if let MessageDecision::Quarantine { reload, .. } = &decision {
-        note_reload_start(&mut tally, endpoint, reload);
+    if let relay_rules::MessageDecision::Quarantine { reload, .. } = &decision {
+        note_reload(endpoint, reload, metrics);
     }
-    tally.count(metrics);
     metrics
         .messages
-        .with_label_values(&[MessageOutcome::Quarantined.as_str()])
+        .with_label_values(&[Outcome::Quarantined.as_str()])
         .inc();
     Ok(())
 }
@@ -469,9 +408,11 @@ pub async fn quarantine_failing(
 ///
 /// They are tried in one transaction of two statements whatever their number (see
 /// [`apply_together`]); a run whose fence moved on is answered [`ApplyError::Fenced`] and the
-/// others still commit. When that transaction fails as a whole (an error, or a write that
-/// disagreed with what was decided under its locks), nothing of it committed, and each run is
-/// tried again alone, so one endpoint's trouble is answered to that endpoint only.
+/// others still commit. When that transaction fails as a whole (an error, or a write refused
+/// because a row changed under it), nothing of it committed, and each run is tried again alone,
+/// so one endpoint's trouble is answered to that endpoint only; a run refused for a row that
+/// changed under it ([`ApplyError::Raced`]) is decided again once more at once, in a fresh
+/// statement that sees the row.
 pub async fn apply_runs(
     pool: &PgPool,
     runs: Vec<PreparedRun>,
@@ -480,12 +421,16 @@ pub async fn apply_runs(
     let all: Vec<&PreparedRun> = runs.iter().collect();
     match apply_together(pool, &all, metrics).await {
         Ok(answers) => answers,
-        Err(error) if runs.len() == 1 => vec![Err(error)],
+        Err(error) if runs.len() == 1 && !matches!(error, ApplyError::Raced) => vec![Err(error)],
         Err(error) => {
             tracing::debug!(%error, runs = runs.len(), "runs applied together failed; alone now");
             let mut answers = Vec::with_capacity(runs.len());
             for run in &runs {
-                answers.push(match apply_together(pool, &[run], metrics).await {
+                let mut answer = apply_together(pool, &[run], metrics).await;
+                if matches!(answer, Err(ApplyError::Raced)) {
+                    answer = apply_together(pool, &[run], metrics).await;
+                }
+                answers.push(match answer {
                     Ok(mut answer) => answer.pop().expect("one answer per run"),
                     Err(error) => Err(error),
                 });
@@ -520,19 +465,9 @@ impl<'a> StepClock<'a> {
     }
 }
 
-/// One transaction for every run in `runs`, two statements inside it: the first
-/// ([`state::open_runs`]) checks each fence, takes each endpoint's writer lock, reads its track
-/// row locked, records the event ids of every message of the run and reads (and locks) the rows
-/// of the subjects they touch; the second ([`state::write_runs`]) writes the rows the decisions
-/// left (each still checking its position), appends their changes, writes the track rows and
-/// the outcomes, forgets the ids of the messages the track says do not apply, and moves each
-/// cursor (only from where it was read).
-///
-/// Each run's messages are still taken one at a time, in order, by the rules: the track row goes
-/// through [`step`] message by message, and each event is decided against what the copy holds
-/// after every earlier event (relay-rules' reference copy, [`FeedCopy`], seeded with the rows
-/// read and locked here). Sharing the transaction changes only how many round trips and commits
-/// that takes: endpoints never share a row.
+/// One transaction for every run in `runs`: [`runs::open_runs`], then [`decide_run`] for each
+/// run still owned, then [`runs::write_runs`]. Sharing the transaction changes only how many
+/// round trips and commits the runs take: endpoints never share a row.
 async fn apply_together(
     pool: &PgPool,
     runs: &[&PreparedRun],
@@ -541,95 +476,63 @@ async fn apply_together(
     let mut steps = StepClock::new(metrics);
     let mut tx = pool.begin().await?;
     steps.done("begin");
-    // Every event of every message, and the subjects they touch: which messages apply their
-    // events depends on the track, which the same statement reads (and locks). The ids of
-    // those that do not apply are forgotten again by the write, in this transaction.
-    let every_key: Vec<(Vec<&str>, Vec<&str>)> = runs.iter().map(|run| all_keys(run)).collect();
-    let claims: Vec<state::RunClaim<'_>> = runs
+    let keys: Vec<(Vec<&str>, Vec<&str>)> = runs
         .iter()
-        .zip(&every_key)
-        .map(|(run, (ids, subjects))| state::RunClaim {
-            claim: state::TrackClaim {
+        .map(|run| (event_ids(&run.parsed), subjects(&run.parsed)))
+        .collect();
+    let claims: Vec<RunClaim<'_>> = runs
+        .iter()
+        .zip(&keys)
+        .map(|(run, (ids, subjects))| RunClaim {
+            claim: TrackClaim {
                 endpoint: run.ctx.id(),
                 tenant: run.ctx.tenant(),
                 token: run.token,
             },
-            keys: copy::RunKeys {
-                endpoint: run.ctx.id(),
-                tenant: run.ctx.tenant(),
-                event_ids: ids,
-                subjects,
-            },
+            event_ids: ids,
+            subjects,
         })
         .collect();
-    let opened = state::open_runs(&mut tx, &claims, state::FEED_TRACK).await?;
+    let opened = runs::open_runs(&mut tx, &claims).await?;
     steps.done("open");
 
-    // The runs whose fence is still theirs, each with its track as read, the ids to forget
-    // (recorded above, but of messages the track says do not apply), and its decisions.
-    let mut owned: Vec<(&PreparedRun, EndpointTrack, Vec<String>)> = Vec::new();
-    let mut decided: Vec<DecidedRun> = Vec::new();
+    // The runs whose fence is still theirs, each with its plan.
+    let mut owned: Vec<(&PreparedRun, RunPlan, Vec<i64>, bool)> = Vec::new();
     for (run, opened) in runs.iter().zip(opened) {
-        let Some(state::OpenedRun { track, held }) = opened else {
-            continue;
-        };
-        let applying = applying_event_ids(run, &track);
-        let forget = held
-            .first_seen
-            .iter()
-            .filter(|id| !applying.contains(id.as_str()))
-            .cloned()
-            .collect();
-        decided.push(decide_run(run, track.clone(), held));
-        owned.push((*run, track, forget));
+        let Some(opened) = opened else { continue };
+        let decided = decide_run(
+            Run {
+                track: &opened.track,
+                messages: &run.parsed,
+                seen: &opened.seen,
+                refetches: &run.prefetched,
+            },
+            opened.held,
+        );
+        let seqs = run.pending.iter().map(|m| m.arrival_seq).collect();
+        let reload_pending = decided.track_after(&opened.track).reload.is_some();
+        owned.push((*run, decided, seqs, reload_pending));
     }
-    let mut writes = copy::DecidedWrites::default();
-    let mut ends = Vec::with_capacity(decided.len());
-    for ((run, held_track, forget), run_decided) in owned.iter().zip(&decided) {
-        let rows: Vec<(&str, &copy::HeldEntry, Option<&str>)> = run_decided
-            .rows
-            .iter()
-            .map(|(subject, entry, text)| {
-                let text = text.and_then(|i| run_decided.texts[i].as_deref());
-                (subject.as_str(), entry, text)
-            })
-            .collect();
-        let changes: Vec<copy::DecidedChange<'_>> = run_decided
-            .decided
-            .iter()
-            .zip(&run_decided.texts)
-            .filter(|((d, _), _)| d.is_change())
-            .map(|((decision, event_id), text)| copy::DecidedChange {
-                decision,
-                event_id,
-                item_text: text.as_deref(),
-            })
-            .collect();
-        writes.push(run.ctx.id(), run.ctx.tenant(), &rows, &changes)?;
-        let last = run.pending.last();
-        ends.push(state::RunEnd {
+    let writes: Vec<RunWrite<'_>> = owned
+        .iter()
+        .map(|(run, plan, seqs, _)| RunWrite {
             endpoint: run.ctx.id(),
             tenant: run.ctx.tenant(),
-            track: (run_decided.track != *held_track).then_some(&run_decided.track),
-            outcomes: &run_decided.outcomes,
-            quarantined: &run_decided.quarantined,
-            forget: forget.iter().map(String::as_str).collect(),
+            plan,
             from: run.applied,
             to: run.through,
-            last_received_at: last.map(|m| m.received_at),
-        });
-    }
+            arrival_seqs: seqs,
+            last_received_at: run.pending.last().map(|m| m.received_at),
+        })
+        .collect();
     steps.done("decide");
-    let written = state::write_runs(&mut tx, writes, &ends).await?;
+    let written = runs::write_runs(&mut tx, &writes).await?;
     steps.done("write");
-    for (((run, _, _), run_decided), written) in owned.iter().zip(&decided).zip(&written) {
-        let endpoint = run.ctx.id();
-        if written.rows != run_decided.rows.len() as i64 {
-            // Every row was decided under its lock, so the statement can only agree; if it does
-            // not, something else writes this copy: stop rather than write a wrong change.
-            tracing::error!(%endpoint, written = written.rows, decided = run_decided.rows.len(),
-                "rows decided under lock were refused");
-            return Err(ApplyError::CursorMoved);
+    for ((_, plan, _, _), written) in owned.iter().zip(&written) {
+        if written.rows != plan.rows.len() as i64 {
+            // Decided under the rows' locks, yet refused: a row another writer inserted while
+            // the open statement waited for the writer lock, which its snapshot could not see.
+            return Err(ApplyError::Raced);
         }
         if !written.cursor_moved {
             return Err(ApplyError::CursorMoved);
@@ -641,16 +544,9 @@ async fn apply_together(
     let now = OffsetDateTime::now_utc();
     let mut reports = owned
         .iter()
-        .zip(&decided)
         .zip(&written)
-        .map(|(((run, _, _), run_decided), written)| {
-            run_decided.tally.count(metrics);
-            for (_, outcome, _, _) in &run_decided.outcomes {
-                metrics
-                    .messages
-                    .with_label_values(&[outcome.as_str()])
-                    .inc();
-            }
+        .map(|((run, plan, _, reload_pending), written)| {
+            count_plan(run, plan, metrics);
             let per_message = run.started.elapsed().as_secs_f64() / run.pending.len().max(1) as f64;
             for message in &run.pending {
                 metrics.message_apply_duration.observe(per_message);
@@ -658,14 +554,12 @@ async fn apply_together(
                     .apply_lag
                     .observe((now - message.received_at).as_seconds_f64().max(0.0));
             }
-            (
-                run.ctx.id(),
-                BatchReport {
-                    messages: run.pending.len(),
-                    changes: usize::try_from(written.changes).unwrap_or(0),
-                    reload_pending: run_decided.track.reload.is_some(),
-                },
-            )
+            let report = BatchReport {
+                messages: run.pending.len(),
+                changes: usize::try_from(written.changes).unwrap_or(0),
+                reload_pending: *reload_pending,
+            };
+            (run.ctx.id(), report)
         })
         .collect::<HashMap<Uuid, BatchReport>>();
     Ok(runs
@@ -674,338 +568,47 @@ async fn apply_together(
         .collect())
 }
 
-/// Every event id of a run's messages, and the subjects of its feed events (sorted, once each).
-fn all_keys(run: &PreparedRun) -> (Vec<&str>, Vec<&str>) {
-    let events = || run.parsed.iter().flatten().flat_map(|m| m.events.iter());
-    let ids: Vec<&str> = events().map(|e| e.id.as_str()).collect();
-    let mut subjects: Vec<&str> = events().filter_map(|e| feed_subject(e)).collect();
-    subjects.sort_unstable();
-    subjects.dedup();
-    (ids, subjects)
-}
-
-/// The event ids of the run's messages that apply their events, from the messages' track
-/// transitions alone (a refetch's "read /v1/feed again" begins a reload, which never changes
-/// whether a later message applies).
-fn applying_event_ids<'r>(run: &'r PreparedRun, held_track: &EndpointTrack) -> HashSet<&'r str> {
-    let mut probe = held_track.clone();
-    let mut applying = HashSet::new();
-    for message in run.parsed.iter().flatten() {
-        let (next, decision) = step(&probe, message);
-        if matches!(decision, MessageDecision::ApplyEvents { .. }) {
-            applying.extend(message.events.iter().map(|e| e.id.as_str()));
-        }
-        probe = next;
-    }
-    applying
-}
-
-/// What a run's decisions count in the metrics, kept until its transaction commits: a run
-/// decided again (its shared transaction failed as a whole and it is tried alone) counts once.
-#[derive(Debug, Default)]
-struct Tally {
-    /// One label of `relay_sequencer_events_total` per event.
-    events: Vec<&'static str>,
-    /// Labels of `relay_sequencer_refetches_total` decided under the lock.
-    refetches: Vec<&'static str>,
-    /// Reloads begun or superseded.
-    reloads_started: u64,
-}
-
-impl Tally {
-    fn count(&self, metrics: &SequencerMetrics) {
-        for label in &self.events {
-            metrics.events.with_label_values(&[label]).inc();
-        }
-        for label in &self.refetches {
+/// Counts and logs a committed run's plan.
+fn count_plan(run: &PreparedRun, plan: &RunPlan, metrics: &SequencerMetrics) {
+    let endpoint = run.ctx.id();
+    for event in &plan.events {
+        metrics.events.with_label_values(&[event.as_str()]).inc();
+        if let relay_rules::EventOutcome::RefetchReload { answered } = event {
+            let label = if *answered {
+                "other_access_version"
+            } else {
+                "reload"
+            };
             metrics.refetches.with_label_values(&[label]).inc();
         }
-        if self.reloads_started > 0 {
-            metrics
-                .reloads
-                .with_label_values(&["started"])
-                .inc_by(self.reloads_started);
+    }
+    for (message, stored) in plan.messages.iter().zip(&run.pending) {
+        metrics
+            .messages
+            .with_label_values(&[message.outcome.as_str()])
+            .inc();
+        if let Some(why) = &message.quarantined {
+            tracing::warn!(%endpoint, arrival_seq = stored.arrival_seq, %why,
+                "message quarantined; the feed is read again");
         }
     }
-}
-
-/// What one run's decisions leave to write.
-struct DecidedRun {
-    /// The track after the run.
-    track: EndpointTrack,
-    /// The decisions that write, in order, with the event that caused each.
-    decided: Vec<(Decision, String)>,
-    /// Each stored item serialised once (by index into `decided`): for its change, and for its
-    /// row when it is the row's last store (an `Unchanged` after it keeps the same item).
-    texts: Vec<Option<String>>,
-    /// The rows the decisions left, each subject once, with what reads keep beside them, and
-    /// which of `texts` is the row's item.
-    rows: Vec<(String, copy::HeldEntry, Option<usize>)>,
-    outcomes: Vec<(i64, MessageOutcome, i32, i32)>,
-    /// The messages set aside: (arrival_seq, reason).
-    quarantined: Vec<(i64, String)>,
-    tally: Tally,
-}
-
-/// Carries one run's messages out by the rules, against the rows read and locked for it.
-fn decide_run(run: &PreparedRun, held_track: EndpointTrack, found: copy::RunHeld) -> DecidedRun {
-    let mut tally = Tally::default();
-    let endpoint = run.ctx.id();
-    let copy::RunHeld {
-        first_seen,
-        held: held_entries,
-    } = found;
-    // The rows go into the reference copy whole (no copy of their items); what reads keep
-    // beside them (kind, company) waits here for the write.
-    let mut held_meta: HashMap<String, (Option<String>, Option<i64>)> = HashMap::new();
-    let mut held_rows = BTreeMap::new();
-    for (subject, entry) in held_entries {
-        held_meta.insert(subject.clone(), (entry.item_kind, entry.company_id));
-        held_rows.insert(subject, entry.held);
-    }
-    let mut reference = FeedCopy::from_rows(held_rows);
-
-    let mut track = held_track;
-    let mut seen_in_run: HashSet<&str> = HashSet::new();
-    let mut decided: Vec<(Decision, String)> = Vec::new();
-    let mut outcomes: Vec<(i64, MessageOutcome, i32, i32)> = Vec::with_capacity(run.pending.len());
-    let mut quarantined: Vec<(i64, String)> = Vec::new();
-    for (message, stored) in run.parsed.iter().zip(&run.pending) {
-        // A stored body that is not a v1 message (the front tier stores what the upstream
-        // signed, whatever it holds) can never apply: set aside, and the feed read again.
-        let (next, decision) = match message {
-            Ok(message) => step(&track, message),
-            Err(error) => quarantine(&track, Unapplicable::NotV1(error.to_string())),
-        };
-        // Only a message that parsed has events to apply.
-        let events = message.as_ref().map_or(&[][..], |m| m.events.as_slice());
-        track = next;
-        let mut events_applied = 0;
-        let mut events_ignored = 0;
-        let outcome = match decision {
-            MessageDecision::Test => MessageOutcome::Test,
-            MessageDecision::IgnoredTrack => MessageOutcome::IgnoredTrack,
-            MessageDecision::Quarantine { why, reload } => {
-                tracing::warn!(%endpoint, arrival_seq = stored.arrival_seq, %why,
-                    "message quarantined; the feed is read again");
-                note_reload_start(&mut tally, endpoint, &reload);
-                quarantined.push((stored.arrival_seq, why.to_string()));
-                MessageOutcome::Quarantined
-            }
-            MessageDecision::SkipOlderGeneration { generation, held } => {
-                tracing::debug!(%endpoint, generation, held, "message of an older generation");
-                MessageOutcome::OlderGeneration
-            }
-            MessageDecision::BeginReload(reload) => {
-                tracing::info!(%endpoint, generation = reload.generation, "reset: reload begins");
-                tally.reloads_started += 1;
-                MessageOutcome::ReloadBegun
-            }
-            MessageDecision::SupersedeReload { stopped, begun } => {
-                tracing::info!(%endpoint, stopped = stopped.generation,
-                    begun = begun.generation, "newer reset: reload replaced");
-                tally.reloads_started += 1;
-                MessageOutcome::ReloadSuperseded
-            }
-            MessageDecision::ApplyEvents { generation, reload } => {
-                if let Some(start) = &reload {
-                    note_reload_start(&mut tally, endpoint, start);
-                }
-                for event in events {
-                    // Rule "De-duplicate events by id, for each endpoint": recorded before this
-                    // run, or earlier in it.
-                    let label = if !first_seen.contains(&event.id)
-                        || !seen_in_run.insert(event.id.as_str())
-                    {
-                        "ignored_duplicate"
-                    } else {
-                        let decision = decide_one(
-                            &reference,
-                            &mut track,
-                            generation,
-                            event,
-                            &run.prefetched,
-                            &mut tally,
-                            endpoint,
-                        );
-                        match decision {
-                            Err(label) => label,
-                            Ok(decision) => {
-                                reference.apply(&decision);
-                                let label = decision_label(&decision);
-                                if matches!(
-                                    decision,
-                                    Decision::Store { .. }
-                                        | Decision::Unchanged { .. }
-                                        | Decision::Tombstone { .. }
-                                ) {
-                                    decided.push((decision, event.id.clone()));
-                                }
-                                label
-                            }
-                        }
-                    };
-                    tally.events.push(label);
-                    if label.starts_with("ignored") || label.starts_with("refetch_") {
-                        events_ignored += 1;
-                    } else {
-                        events_applied += 1;
-                    }
-                }
-                MessageOutcome::Applied
-            }
-        };
-        outcomes.push((stored.arrival_seq, outcome, events_applied, events_ignored));
-    }
-
-    // The rows the decisions left, each subject once, with what reads keep beside them (the
-    // kind and company of the last item stored, else what was held), and which text is the
-    // row's item (its last store; a removal after it leaves none).
-    let texts: Vec<Option<String>> = decided
-        .iter()
-        .map(|(d, _)| match d {
-            Decision::Store { item, .. } => Some(item.raw.to_string()),
-            _ => None,
-        })
-        .collect();
-    let mut meta: HashMap<&str, (Option<String>, Option<i64>)> = HashMap::new();
-    let mut row_text: HashMap<&str, Option<usize>> = HashMap::new();
-    for (i, (decision, _)) in decided.iter().enumerate() {
-        match decision {
-            Decision::Store { subject, item, .. } => {
-                meta.insert(
-                    subject,
-                    (Some(item.item_kind.as_str().to_owned()), item.company_id),
-                );
-                row_text.insert(subject, Some(i));
-            }
-            Decision::Tombstone { subject, .. } => {
-                meta.insert(subject, (None, None));
-                row_text.insert(subject, None);
-            }
-            _ => {}
-        }
-    }
-    let mut touched: Vec<&str> = decided.iter().filter_map(|(d, _)| d.subject()).collect();
-    touched.sort_unstable();
-    touched.dedup();
-    let mut final_rows = reference.into_rows();
-    let rows = touched
-        .iter()
-        .map(|subject| {
-            let row = final_rows
-                .remove(*subject)
-                .expect("a decided subject is held");
-            let (item_kind, company_id) = match meta.remove(subject) {
-                Some(m) => m,
-                None => held_meta.remove(*subject).unwrap_or_default(),
-            };
-            let entry = copy::HeldEntry {
-                held: row,
-                item_kind,
-                company_id,
-            };
-            (
-                (*subject).to_owned(),
-                entry,
-                row_text.get(subject).copied().flatten(),
-            )
-        })
-        .collect();
-    DecidedRun {
-        track,
-        decided,
-        texts,
-        rows,
-        outcomes,
-        quarantined,
-        tally,
+    for start in &plan.reloads {
+        note_reload(endpoint, start, metrics);
     }
 }
 
-/// One event not seen before, decided against the reference copy: the decision to carry out,
-/// or the label of why nothing is (a refetch dropped, or one that reads `/v1/feed` again).
-fn decide_one(
-    reference: &FeedCopy,
-    track: &mut relay_rules::EndpointTrack,
-    generation: u64,
-    event: &relay_wire::Event,
-    prefetched: &Prefetched,
-    tally: &mut Tally,
-    endpoint: Uuid,
-) -> Result<Decision, &'static str> {
-    let held = feed_subject(event).and_then(|s| reference.get(s));
-    let decision = decide_event(held, generation, event);
-    let Some(pending) = PendingRefetch::from_decision(&decision) else {
-        return Ok(decision);
-    };
-    let (answer, attempt) = prefetched
-        .get(&event.id)
-        .cloned()
-        // Not read beforehand (its id was applied then): take it as reads that failed.
-        .unwrap_or((RefetchAnswer::Failed, REFETCH_ATTEMPTS));
-    match decide_refetch(
-        track.access_version.as_deref(),
-        held,
-        &pending,
-        false,
-        attempt,
-        &answer,
-    ) {
-        RefetchOutcome::Apply(d) => Ok(*d),
-        RefetchOutcome::Drop => Err("refetch_dropped"),
-        RefetchOutcome::Reload | RefetchOutcome::Retry { .. } => {
-            // "An answer under another access_version ... means: read /v1/feed again", as does
-            // a read that kept failing.
-            let label = match answer {
-                RefetchAnswer::Found { .. } | RefetchAnswer::NotFound { .. } => {
-                    "other_access_version"
-                }
-                _ => "reload",
-            };
-            tally.refetches.push(label);
-            let (next, start) = track.read_feed_again();
-            *track = next;
-            note_reload_start(tally, endpoint, &start);
-            Err("refetch_reload")
-        }
-    }
-}
-
-fn decision_label(decision: &Decision) -> &'static str {
-    match decision {
-        Decision::Store { .. } => "stored",
-        Decision::Unchanged { .. } => "unchanged",
-        Decision::Tombstone { .. } => "removed",
-        other => ignore_label(other),
-    }
-}
-
-fn note_reload_start(tally: &mut Tally, endpoint: Uuid, start: &ReloadStart) {
-    tally.reloads_started += 1;
+fn note_reload(endpoint: Uuid, start: &ReloadStart, metrics: &SequencerMetrics) {
     match start {
-        ReloadStart::Begin(r) => {
-            tracing::info!(%endpoint, generation = r.generation, cause = ?r.cause, "reload begins")
-        }
+        ReloadStart::Begin(r) => tracing::info!(%endpoint, generation = r.generation,
+            cause = ?r.cause, "reload begins"),
         ReloadStart::Supersede { stopped, begun } => tracing::info!(%endpoint,
             stopped = stopped.generation, begun = begun.generation, cause = ?begun.cause,
             "reload replaced"),
+        ReloadStart::ReadAgain(r) => {
+            tracing::info!(%endpoint, generation = r.generation, asked = r.read_again,
+                "the running reload reads another pass after this one");
+            return;
+        }
     }
-}
-
-fn ignore_label(decision: &Decision) -> &'static str {
-    match decision {
-        Decision::Ignore(IgnoreReason::Duplicate) => "ignored_duplicate",
-        Decision::Ignore(IgnoreReason::Older) => "ignored_older",
-        Decision::Ignore(IgnoreReason::OlderGeneration) => "ignored_older_generation",
-        Decision::Ignore(IgnoreReason::AlreadyRemoved) => "ignored_already_removed",
-        Decision::Ignore(IgnoreReason::Test) => "ignored_test",
-        Decision::Ignore(IgnoreReason::Reset) => "ignored_reset",
-        Decision::Ignore(IgnoreReason::UnknownType)
-        | Decision::Ignore(IgnoreReason::KeptByMerge) => "ignored_unknown_type",
-        Decision::Store { .. } => "stored",
-        Decision::Unchanged { .. } => "unchanged",
-        Decision::Tombstone { .. } => "removed",
-        Decision::Refetch { .. } => "refetch_reload",
-    }
+    metrics.reloads.with_label_values(&["started"]).inc();
 }

@@ -20,8 +20,8 @@ use uuid::Uuid;
 
 use crate::apply::{apply_runs, ApplyError, BatchReport, PreparedRun};
 use crate::metrics::SequencerMetrics;
-use crate::state::{self, PendingMessage};
 use crate::wake::Waker;
+use relay_store::cursors::PendingMessage;
 
 struct Job {
     run: PreparedRun,
@@ -172,7 +172,7 @@ async fn gather<J>(
     Some(jobs)
 }
 
-/// Each endpoint's pending messages, as [`state::pending_messages`] reads them.
+/// Each endpoint's pending messages, as [`relay_store::cursors::pending_messages`] reads them.
 type PendingRead = Result<(i64, Vec<PendingMessage>), ApplyError>;
 
 struct ReadJob {
@@ -182,7 +182,7 @@ struct ReadJob {
 }
 
 /// Group reads of pending messages: the workers that look for messages at the same moment
-/// share one statement ([`state::pending_messages_many`]) instead of a round trip each.
+/// share one statement ([`relay_store::cursors::pending_messages_many`]) instead of a round trip each.
 #[derive(Clone)]
 pub struct PendingReader {
     queue: mpsc::Sender<ReadJob>,
@@ -219,7 +219,7 @@ impl PendingReader {
     }
 
     /// The endpoint's arrival counter and its messages after `applied` (see
-    /// [`state::pending_messages`]).
+    /// [`relay_store::cursors::pending_messages`]).
     pub async fn read(&self, endpoint: Uuid, applied: i64) -> PendingRead {
         let (reply, answer) = oneshot::channel();
         self.queue
@@ -261,7 +261,8 @@ async fn read_batches(
         let cursors: Vec<(Uuid, i64)> = batch.iter().map(|j| (j.endpoint, j.applied)).collect();
         let read = match connection.take().await {
             Ok(mut taken) => {
-                let read = state::pending_messages_many(&mut taken, &cursors, limit).await;
+                let read =
+                    relay_store::cursors::pending_messages_many(&mut taken, &cursors, limit).await;
                 if read.is_ok() {
                     connection.keep(taken);
                 }

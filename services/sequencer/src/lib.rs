@@ -4,13 +4,13 @@
 //! # Layout
 //! - [`ownership`]: one worker per endpoint at a time (a Redis lock with a lease) and the
 //!   Postgres fencing token every apply transaction checks.
-//! - [`state`]: what is kept with the copy besides its items: the track row, the apply cursor,
-//!   how each message was applied.
 //! - [`upstream`]: the upstream's REST API as reloads and refetches read it.
-//! - [`apply`]: runs of messages applied by the rules, several endpoints' runs in one
-//!   transaction (refetch reads before it).
+//! - [`apply`]: the driver of relay-rules' `decide_run`: runs of messages decided whole and
+//!   written by relay-store's `runs`, several endpoints' runs in one transaction (refetch reads
+//!   before it).
 //! - [`batch`]: group commit: workers' runs gathered into shared apply transactions.
-//! - [`reload`]: reading `/v1/feed` until its pages agree, and merging the read.
+//! - [`reload`]: reading `/v1/feed` pass after pass, each merged as relay-rules'
+//!   `decide_merge` says (relay-store's `copy::merge`).
 //! - [`worker`]: one owned endpoint: messages in order, its reload beside them, the lease.
 //! - [`service`]: the process: wake-ups, the sweep, a bounded set of workers.
 //! - [`slots`]: how many workers at once, and how many of them for one tenant.
@@ -29,7 +29,6 @@ pub mod redis_client;
 pub mod reload;
 pub mod service;
 pub mod slots;
-pub mod state;
 pub mod upstream;
 pub mod wake;
 pub mod worker;

@@ -4,7 +4,7 @@ use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
 };
 
-use crate::state::MessageOutcome;
+use relay_rules::Outcome;
 
 /// Event outcomes, all registered at 0 so dashboards see every series from the start.
 pub const EVENT_OUTCOMES: [&str; 13] = [
@@ -175,7 +175,7 @@ impl SequencerMetrics {
         registry.register(Box::new(upstream_failures.clone()))?;
         registry.register(Box::new(endpoints_owned.clone()))?;
         registry.register(Box::new(lock_losses.clone()))?;
-        for outcome in MessageOutcome::ALL {
+        for outcome in Outcome::ALL {
             messages.with_label_values(&[outcome.as_str()]);
         }
         for outcome in EVENT_OUTCOMES {

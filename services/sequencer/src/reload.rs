@@ -1,23 +1,26 @@
-//! Running a reload: read every page of `/v1/feed` for the endpoint's selection until one pass's
-//! pages agree on the reload's access_version, then merge the pass into the copy under the
-//! reload's generation, in one transaction that first checks the reload is still the track's
-//! (a newer reset replaces it: "stop: its reload replaces this one").
+//! Running a reload: read every page of `/v1/feed` for the endpoint's selection, pass after pass,
+//! and merge each pass relay-rules' [`decide_merge`](relay_rules::decide_merge) says to merge
+//! (relay-store's `copy::merge`: one transaction that holds the endpoint and decides under its
+//! lock), until the track no longer runs the reload.
 //!
 //! The worker keeps applying messages while this runs ("While you read, keep applying the
-//! messages that follow"); the merge's rule keeps what those wrote.
+//! messages that follow"); the merge's rule keeps what those wrote. A reload is stopped between
+//! statements, never inside its transaction: the worker asks it to stop ([`StopReload`]) and
+//! awaits it, so no pooled connection is left inside an aborted transaction.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use relay_netguard::RetryPolicy;
-use relay_rules::{check_pages, PagesCheck, Reload};
-use relay_store::copy;
+use relay_rules::{MergePlan, PagesCheck, Pass, Reload};
+use relay_store::copy::{self, Merged};
+use relay_store::tracks::{self, TrackClaim};
 use sqlx::PgPool;
+use tokio::sync::watch;
 
 use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::SequencerMetrics;
-use crate::state::{self, FEED_TRACK};
-use crate::upstream::{self, FeedPass, UpstreamError};
+use crate::upstream::{self, UpstreamError};
 
 /// How a reload ended in this process.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,11 +39,33 @@ pub const RELOAD_RETRY: RetryPolicy = RetryPolicy {
     max: Duration::from_secs(5),
 };
 
-/// Runs `reload` until it is merged or no longer the track's. Errors of the upstream are retried
-/// with `retry`'s pauses for as long as the reload is the track's: a reload is never given up,
-/// since the copy cannot be right without it. A change of the endpoint's registration ends the
-/// pause at once (a rotated key or a moved URL is tried without waiting out the backoff); while
-/// the registration names no upstream, nothing is read until one does.
+/// The worker's hold on a running reload: asks it to stop at its next await outside a
+/// transaction.
+#[derive(Debug)]
+pub struct StopReload(watch::Sender<bool>);
+
+impl StopReload {
+    pub fn new() -> (Self, watch::Receiver<bool>) {
+        let (sender, receiver) = watch::channel(false);
+        (Self(sender), receiver)
+    }
+
+    pub fn stop(&self) {
+        self.0.send_replace(true);
+    }
+}
+
+/// Waits until `stop` says stop (or its sender is gone).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|stop| *stop).await;
+}
+
+/// Runs `reload` until the track no longer runs it (merged, and no further pass asked for; or
+/// replaced), or until `stop`. Errors of the upstream are retried with `retry`'s pauses for as
+/// long as the reload is the track's: a reload is never given up, since the copy cannot be right
+/// without it. A change of the endpoint's registration ends the pause at once (a rotated key or
+/// a moved URL is tried without waiting out the backoff); while the registration names no
+/// upstream, nothing is read until one does.
 pub async fn run_reload(
     pool: &PgPool,
     ctx: &Arc<EndpointContext>,
@@ -48,49 +73,69 @@ pub async fn run_reload(
     reload: &Reload,
     retry: RetryPolicy,
     metrics: &SequencerMetrics,
+    mut stop: watch::Receiver<bool>,
 ) -> Result<ReloadEnd, ApplyError> {
     let endpoint = ctx.id();
+    let claim = TrackClaim {
+        endpoint,
+        tenant: ctx.tenant(),
+        token,
+    };
     let started = Instant::now();
     let mut changes = ctx.changes();
     let mut pauses = retry.pauses();
     let mut passes = 0u32;
+    // What the passes merged here: `None` until one is.
+    let mut merged: Option<(usize, usize)> = None;
     loop {
-        let track = state::peek_track(pool, endpoint, FEED_TRACK).await?;
-        if track.reload.as_ref() != Some(reload) {
-            return Ok(ReloadEnd::Superseded);
-        }
+        let track = tracks::peek(pool, endpoint).await?;
+        let Some(running) = track.reload.filter(|r| r.is(reload)) else {
+            return Ok(match merged {
+                Some((items, removed)) => ReloadEnd::Merged { items, removed },
+                None => ReloadEnd::Superseded,
+            });
+        };
         passes += 1;
-        match read_pass(ctx).await {
+        let read = tokio::select! {
+            read = read_pass(ctx, running.read_again) => read,
+            _ = stopped(&mut stop) => return Ok(ReloadEnd::Superseded),
+        };
+        match read {
             Ok(pass) => {
                 upstream::record_success(pool, ctx.tenant(), endpoint).await?;
-                let pages = pass.page_access_versions.iter().map(String::as_str);
-                match check_pages(reload.access_version.as_deref(), pages) {
-                    PagesCheck::Agree => {
-                        let read_s = started.elapsed().as_secs_f64();
+                let read_s = started.elapsed().as_secs_f64();
+                match copy::merge(pool, claim, reload, &pass).await? {
+                    Merged::Merged { written, removed } => {
                         metrics
                             .reload_duration
                             .with_label_values(&["read"])
                             .observe(read_s);
-                        let end = merge(pool, ctx, token, reload, &pass).await?;
                         metrics
                             .reload_duration
                             .with_label_values(&["total"])
                             .observe(started.elapsed().as_secs_f64());
-                        if let ReloadEnd::Merged { items, removed } = &end {
-                            tracing::info!(%endpoint, generation = reload.generation, items,
-                                removed, passes, read_s, "reload merged");
-                        }
-                        return Ok(end);
+                        tracing::info!(%endpoint, generation = reload.generation, written,
+                            removed, passes, read_s, "reload pass merged");
+                        let (items, gone) = merged.unwrap_or_default();
+                        merged = Some((items + written, gone + removed));
+                        // The track says whether another pass follows (asked while this one
+                        // was read): the loop's check reads it.
+                        pauses = retry.pauses();
+                        continue;
                     }
-                    PagesCheck::ReadAgain => {
-                        tracing::debug!(%endpoint, passes, "pages disagree: reading again");
-                    }
-                    PagesCheck::OtherAccessVersion { pages } => {
+                    Merged::Fenced => return Ok(ReloadEnd::Fenced),
+                    Merged::NotMerged(MergePlan::Superseded) => continue,
+                    Merged::NotMerged(MergePlan::ReadAgain(PagesCheck::OtherAccessVersion {
+                        pages,
+                    })) => {
                         // The access changed again after the message that began this reload: the
                         // upstream sends a message (or reset) under the new one, which replaces
                         // or re-aims this reload. Until then, keep reading.
                         tracing::info!(%endpoint, passes, pages,
                             wanted = ?reload.access_version, "pages under another access_version");
+                    }
+                    Merged::NotMerged(_) => {
+                        tracing::debug!(%endpoint, passes, "pages disagree: reading again");
                     }
                 }
             }
@@ -100,8 +145,11 @@ pub async fn run_reload(
             Err(UpstreamError::NotConfigured) => {
                 // Every read would fail the same way: wait for the registration to change.
                 tracing::info!(%endpoint, "the reload waits for the endpoint's upstream settings");
-                if changes.changed().await.is_err() {
-                    return Ok(ReloadEnd::Superseded);
+                tokio::select! {
+                    changed = changes.changed() => if changed.is_err() {
+                        return Ok(ReloadEnd::Superseded);
+                    },
+                    _ = stopped(&mut stop) => return Ok(ReloadEnd::Superseded),
                 }
                 pauses = retry.pauses();
                 continue;
@@ -117,6 +165,7 @@ pub async fn run_reload(
         }
         tokio::select! {
             _ = tokio::time::sleep(pauses.next_pause()) => {}
+            _ = stopped(&mut stop) => return Ok(ReloadEnd::Superseded),
             changed = changes.changed() => {
                 if changed.is_ok() {
                     tracing::info!(%endpoint, "the endpoint's registration changed: reading again now");
@@ -127,43 +176,17 @@ pub async fn run_reload(
     }
 }
 
-async fn read_pass(ctx: &EndpointContext) -> Result<FeedPass, UpstreamError> {
+/// One pass: the endpoint read as it is now ("read the endpoint's filter and language as they
+/// are now"), then every page of `/v1/feed` with its selection. `read_again` is the reload's
+/// count of asks when the pass began.
+async fn read_pass(ctx: &EndpointContext, read_again: u32) -> Result<Pass, UpstreamError> {
     let upstream = ctx.upstream()?;
-    // "read the endpoint's filter and language as they are now".
     let selection = upstream.selection(ctx.id()).await?;
-    ctx.set_selection(selection.clone()).await;
-    upstream.read_feed(&selection).await
-}
-
-/// Rule "Then merge the read into the copy under the reset's generation ... Then remove
-/// everything held from an older generation", in one transaction, only while `reload` is still
-/// the track's running reload.
-async fn merge(
-    pool: &PgPool,
-    ctx: &EndpointContext,
-    token: i64,
-    reload: &Reload,
-    pass: &FeedPass,
-) -> Result<ReloadEnd, ApplyError> {
-    let (tenant, endpoint) = (ctx.tenant(), ctx.id());
-    let mut tx = pool.begin().await?;
-    let Some(track) = state::open_track(&mut tx, tenant, endpoint, token, FEED_TRACK).await? else {
-        return Ok(ReloadEnd::Fenced);
-    };
-    if track.reload.as_ref() != Some(reload) {
-        return Ok(ReloadEnd::Superseded);
-    }
-    let written =
-        copy::merge_read_items(&mut tx, tenant, endpoint, reload.generation, &pass.items).await?;
-    let removed = copy::drop_older_generations(&mut tx, tenant, endpoint, reload.generation)
-        .await?
-        .len();
-    let access_version = &pass.page_access_versions[0];
-    let next = track.reload_merged(reload, access_version);
-    state::save_track(&mut tx, tenant, endpoint, FEED_TRACK, &next).await?;
-    tx.commit().await?;
-    Ok(ReloadEnd::Merged {
-        items: written,
-        removed,
+    let feed = upstream.read_feed(&selection).await?;
+    Ok(Pass {
+        page_access_versions: feed.page_access_versions,
+        items: feed.items,
+        upstream_generation: selection.generation,
+        read_again_at_start: read_again,
     })
 }

@@ -17,7 +17,6 @@ use crate::batch::{ApplyBatcher, PendingReader};
 use crate::metrics::SequencerMetrics;
 use crate::ownership::{Owners, OwnershipConfig, OwnershipError};
 use crate::slots::Slots;
-use crate::state;
 use crate::upstream::UpstreamClient;
 use crate::wake::{listen, wake_channel};
 use crate::worker::{run_worker, WorkerConfig, WorkerExit, WorkerSignal};
@@ -268,7 +267,9 @@ async fn schedule(
             if stopping.load(Ordering::SeqCst) {
                 return gone;
             }
-            let registration = match state::load_registration(&pool, endpoint).await {
+            let registration = match relay_store::endpoints::load_registration(&pool, endpoint)
+                .await
+            {
                 Ok(Some(registration)) => registration,
                 Ok(None) => {
                     tracing::warn!(%endpoint, "messages for an endpoint that is not registered");
@@ -316,7 +317,7 @@ async fn schedule(
                         let (pool, wakes) = (pool.clone(), wake_tx.clone());
                         tokio::spawn(async move {
                             if let Ok(found) =
-                                state::endpoints_with_work(&pool, Some(endpoint), 1).await
+                                relay_store::cursors::endpoints_with_work(&pool, Some(endpoint), 1).await
                             {
                                 for endpoint in found {
                                     let _ = wakes.send(endpoint);
@@ -450,7 +451,7 @@ async fn sweep(
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
-        match state::endpoints_with_work(&pool, None, 100_000).await {
+        match relay_store::cursors::endpoints_with_work(&pool, None, 100_000).await {
             Ok(endpoints) => {
                 for endpoint in endpoints {
                     if wakes.send(endpoint).is_err() {

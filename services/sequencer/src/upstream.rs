@@ -107,6 +107,9 @@ pub struct FeedSelection {
     pub teasers: Option<bool>,
     /// The item kinds the filter's event_types name (`None`: no restriction).
     pub item_kinds: Option<Vec<ItemKind>>,
+    /// The feed track's generation as the endpoint read gave it: where a reload no message
+    /// began merges (relay-rules' `Reload::merge_generation`).
+    pub generation: Option<u64>,
 }
 
 impl FeedSelection {
@@ -140,6 +143,18 @@ struct EndpointView {
     lang: String,
     #[serde(default)]
     filter: Option<Filter>,
+    #[serde(default)]
+    tracks: Option<TrackViews>,
+}
+
+#[derive(Deserialize, Default)]
+struct TrackViews {
+    feed: Option<TrackView>,
+}
+
+#[derive(Deserialize)]
+struct TrackView {
+    generation: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -285,6 +300,7 @@ impl UpstreamClient {
             part_kinds: filter.part_kinds,
             teasers: filter.teasers,
             item_kinds,
+            generation: view.tracks.and_then(|t| t.feed).and_then(|f| f.generation),
         })
     }
 

@@ -15,9 +15,10 @@ use uuid::Uuid;
 use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::SequencerMetrics;
 use crate::ownership::{Lease, Owners};
-use crate::reload::{run_reload, ReloadEnd};
+use crate::reload::{run_reload, ReloadEnd, StopReload};
 use crate::slots::{Slot, Slots};
-use crate::state::{self, EndpointRegistration, FEED_TRACK};
+use relay_store::endpoints::{self, EndpointRegistration};
+use relay_store::{cursors, tracks};
 
 /// What the scheduler and the endpoint's worker share.
 #[derive(Default)]
@@ -74,6 +75,7 @@ pub struct WorkerExit {
 
 struct RunningReload {
     reload: Reload,
+    stop: StopReload,
     task: JoinHandle<Result<ReloadEnd, ApplyError>>,
 }
 
@@ -128,9 +130,7 @@ pub async fn run_worker(
         metrics.clone(),
     ));
 
-    if let Err(error) =
-        state::ensure_track(&pool, registration.tenant_id, endpoint, FEED_TRACK).await
-    {
+    if let Err(error) = tracks::ensure(&pool, registration.tenant_id, endpoint).await {
         tracing::warn!(%endpoint, %error, "could not create the track row");
         return finish(renewer, &lease, None, &owners, &metrics, exit(wakes_seen)).await;
     }
@@ -153,11 +153,11 @@ pub async fn run_worker(
         }
         wakes_seen = signal.wakes.load(Ordering::SeqCst);
         if signal.registration_changed.swap(false, Ordering::SeqCst) {
-            match state::load_registration(&pool, endpoint).await {
+            match endpoints::load_registration(&pool, endpoint).await {
                 Ok(Some(registration)) => {
                     tracing::info!(%endpoint, upstream = registration.upstream_base_url.is_some(),
                         "the endpoint's registration changed");
-                    ctx.update(&registration).await;
+                    ctx.update(&registration);
                 }
                 // Removed: nothing more to do for it here.
                 Ok(None) => break,
@@ -270,7 +270,7 @@ pub async fn run_worker(
         // left a reload pending, one is running, or the worker was woken with no message to
         // apply (the sweep wakes endpoints whose track holds a reload). Otherwise none.
         let wanted = if reload_pending || reload.is_some() || !applied_any {
-            match state::peek_track(&pool, endpoint, FEED_TRACK).await {
+            match tracks::peek(&pool, endpoint).await {
                 Ok(track) => track.reload,
                 Err(error) => {
                     tracing::warn!(%endpoint, %error, "reading the track failed; retrying");
@@ -282,12 +282,12 @@ pub async fn run_worker(
             None
         };
         if let Some(running) = &reload {
-            if running.task.is_finished() || Some(&running.reload) != wanted.as_ref() {
+            let still_wanted = wanted.as_ref().is_some_and(|w| w.is(&running.reload));
+            if running.task.is_finished() || !still_wanted {
                 let running = reload.take().expect("checked above");
-                if !running.task.is_finished() {
-                    // Replaced by a newer reload: stop reading for the old one.
-                    running.task.abort();
-                }
+                // Replaced by a newer reload: it stops at its next read or pause, never inside
+                // its merge (which checks under the lock that it is still the track's).
+                running.stop.stop();
                 match running.task.await {
                     Ok(Ok(ReloadEnd::Merged { .. })) => {
                         metrics.reloads.with_label_values(&["merged"]).inc();
@@ -319,11 +319,13 @@ pub async fn run_worker(
                 let (pool, ctx, metrics) = (pool.clone(), ctx.clone(), metrics.clone());
                 let retry = config.reload_retry;
                 let task_reload = wanted.clone();
+                let (stop, stopping) = StopReload::new();
                 let task = tokio::spawn(async move {
-                    run_reload(&pool, &ctx, token, &task_reload, retry, &metrics).await
+                    run_reload(&pool, &ctx, token, &task_reload, retry, &metrics, stopping).await
                 });
                 reload = Some(RunningReload {
                     reload: wanted,
+                    stop,
                     task,
                 });
                 continue;
@@ -432,7 +434,7 @@ async fn apply_from_cursor(
     let endpoint = ctx.id();
     let mut applied = match *cursor {
         Some(applied) => applied,
-        None => state::applied_through(pool, endpoint).await?,
+        None => cursors::applied_through(pool, endpoint).await?,
     };
     *cursor = Some(applied);
     let mut done = Applied {
@@ -444,7 +446,7 @@ async fn apply_from_cursor(
         let (counter, mut pending) = match &config.reader {
             Some(reader) => reader.read(endpoint, applied).await?,
             None => {
-                state::pending_messages(pool, endpoint, applied, config.messages_per_read).await?
+                cursors::pending_messages(pool, endpoint, applied, config.messages_per_read).await?
             }
         };
         if pending.is_empty() {
@@ -454,7 +456,7 @@ async fn apply_from_cursor(
                 if !crate::ownership::check_fence(&mut tx, endpoint, token).await? {
                     return Err(ApplyError::Fenced);
                 }
-                if !state::advance_cursor(&mut tx, ctx.tenant(), endpoint, applied, counter, None)
+                if !cursors::advance_cursor(&mut tx, ctx.tenant(), endpoint, applied, counter, None)
                     .await?
                 {
                     return Err(ApplyError::CursorMoved);
@@ -557,7 +559,7 @@ async fn finish(
     exit: WorkerExit,
 ) -> WorkerExit {
     if let Some(running) = reload {
-        running.task.abort();
+        running.stop.stop();
         let _ = running.task.await;
         metrics.reloads.with_label_values(&["abandoned"]).inc();
         metrics.reloads_running.dec();

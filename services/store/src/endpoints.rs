@@ -273,3 +273,31 @@ pub async fn load_auth(pool: &PgPool, id: Uuid) -> Result<Option<EndpointAuth>, 
         secrets,
     }))
 }
+
+/// What the sequencer needs of an endpoint's registration.
+#[derive(Debug, Clone)]
+pub struct EndpointRegistration {
+    pub id: Uuid,
+    pub tenant_id: Uuid,
+    pub upstream_base_url: Option<String>,
+    pub upstream_api_key: Option<String>,
+}
+
+pub async fn load_registration(
+    pool: &PgPool,
+    endpoint: Uuid,
+) -> Result<Option<EndpointRegistration>, StoreError> {
+    let row: Option<(Uuid, Option<String>, Option<String>)> = sqlx::query_as(
+        "SELECT tenant_id, upstream_base_url, upstream_api_key FROM webhook_endpoints
+         WHERE id = $1",
+    )
+    .bind(endpoint)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.map(|(tenant_id, url, key)| EndpointRegistration {
+        id: endpoint,
+        tenant_id,
+        upstream_base_url: url,
+        upstream_api_key: key,
+    }))
+}

@@ -13,16 +13,26 @@
 //! - [`quarantine`]: stored messages the sequencer set aside, their retry and discard.
 //! - [`upstream_status`]: how each endpoint's calls to its upstream fare (the last failure,
 //!   since when, the last recovery).
+//! - [`tracks`]: each endpoint's track row (relay-rules' `EndpointTrack`), opened under the
+//!   endpoint's fence and writer lock, and the control plane's changes of it.
+//! - [`cursors`]: each endpoint's apply cursor, and the stored messages past it.
+//! - [`runs`]: the apply transaction's two statements: relay-rules' `RunPlan` carried out for
+//!   several endpoints at once.
 //! - [`copy`]: each endpoint's copy of the feed, the event ids applied to it, and its outbox of
-//!   changes: the rules crate's decisions carried out as conditional writes.
+//!   changes; a reload's merge carried out.
+//!
+//! Every table's SQL lives in its module here; no statement text leaves this crate.
 
 pub mod broker_users;
 pub mod copy;
+pub mod cursors;
 pub mod db;
 pub mod endpoints;
 pub mod messages;
 pub mod quarantine;
+pub mod runs;
 pub mod tenants;
+pub mod tracks;
 pub mod upstream_status;
 
 pub use db::{connect, KeptConnection, PoolOptions, MIGRATOR};
@@ -38,4 +48,8 @@ pub enum StoreError {
     NotFound { what: &'static str, id: String },
     #[error("{what} {id} already exists")]
     AlreadyExists { what: &'static str, id: String },
+    /// A write that decides in its statement refused part of a plan made under the endpoint's
+    /// lock: another writer changed a row since it was read. Roll back; open and decide again.
+    #[error("a planned write was refused: {0}")]
+    Refused(String),
 }

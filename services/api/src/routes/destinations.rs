@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::Json;
-use relay_rules::destination::Refusal;
+use relay_rules::Refusal;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use utoipa::ToSchema;

@@ -8,14 +8,16 @@
 //! and carries the decision out.
 //!
 //! "Read /v1/feed again" is the sequencer's work: this handler only sets the track's `reload`
-//! (as [`EndpointTrack::read_feed_again`] says), and the sequencer runs every reload it finds set.
+//! (as [`reload_after_restore`] says, through relay-store's `tracks::transition`), and the
+//! sequencer runs every reload it finds set.
 
 use axum::extract::{Path, State};
 use axum::Json;
 use relay_rules::{
-    decide_rewind, restore_plan, EndpointTrack, Reload, ReloadCause, RestorePlan, RewindAnswer,
+    decide_rewind, reload_after_restore, restore_plan, EndpointTrack, RestorePlan, RewindAnswer,
     RewindOutcome, RewindRefusal,
 };
+use relay_store::tracks::{self, FEED_TRACK};
 use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
@@ -53,17 +55,6 @@ pub struct RewindView {
     pub reload: Option<Value>,
 }
 
-type TrackRow = (
-    Option<String>,
-    Option<String>,
-    Option<i64>,
-    Option<String>,
-    Option<String>,
-    Option<bool>,
-    Option<i64>,
-    Option<String>,
-);
-
 /// A track name goes into the upstream's path: only plain names.
 fn valid_track(track: &str) -> Result<(), ApiError> {
     let plain = !track.is_empty()
@@ -78,10 +69,6 @@ fn valid_track(track: &str) -> Result<(), ApiError> {
         ));
     }
     Ok(())
-}
-
-fn unsigned(value: Option<i64>) -> Option<u64> {
-    value.and_then(|v| u64::try_from(v).ok())
 }
 
 #[utoipa::path(
@@ -107,46 +94,19 @@ pub async fn rewind_track(
 ) -> Result<Json<RewindView>, ApiError> {
     let id = parse_uuid("endpoint_id", &endpoint_id)?;
     valid_track(&track)?;
-    let row: Option<TrackRow> = sqlx::query_as(
-        "SELECT e.upstream_base_url, e.upstream_api_key, t.generation, t.access_version,
-                t.through, t.last_was_reset, t.last_reset_generation, t.reload::text
-         FROM webhook_endpoints e
-         LEFT JOIN endpoint_tracks t ON t.endpoint_id = e.id AND t.track = $3
-         WHERE e.id = $1 AND e.tenant_id = $2",
-    )
-    .bind(id)
-    .bind(tenant)
-    .bind(&track)
-    .fetch_optional(&state.pool)
-    .await?;
-    let (
-        base_url,
-        api_key,
-        generation,
-        access_version,
-        through,
-        last_was_reset,
-        last_reset,
-        reload,
-    ) = row.ok_or(ApiError::NotFound("webhook endpoint"))?;
-    let held = EndpointTrack {
-        generation: unsigned(generation),
-        access_version,
-        // Only whether a reload runs matters here (a running one is left alone), and the
-        // write below checks that again on the row itself; a stored reload this build cannot
-        // read still counts as running.
-        reload: reload.as_deref().map(|text| {
-            serde_json::from_str::<Reload>(text).unwrap_or(Reload {
-                generation: unsigned(generation).unwrap_or(0),
-                access_version: None,
-                cause: ReloadCause::ReadAgain,
-                read_again: 0,
-            })
-        }),
-        through,
-        last_was_reset: last_was_reset.unwrap_or(false),
-        last_reset_generation: unsigned(last_reset),
-    };
+    if track != FEED_TRACK {
+        // Version 1 names one track; no row of another is ever kept.
+        return Err(ApiError::NotFound("track"));
+    }
+    let registration = relay_store::endpoints::load_registration(&state.pool, id)
+        .await?
+        .filter(|r| r.tenant_id == tenant)
+        .ok_or(ApiError::NotFound("webhook endpoint"))?;
+    let (base_url, api_key) = (
+        registration.upstream_base_url,
+        registration.upstream_api_key,
+    );
+    let held = tracks::peek(&state.pool, id).await?;
 
     let plan = restore_plan(&held);
     let (since, answer) = match &plan {
@@ -187,7 +147,7 @@ pub async fn rewind_track(
 
     let (outcome_text, reload) = match outcome {
         RewindOutcome::Nothing => ("nothing", held_reload_json(&held)?),
-        RewindOutcome::Reload => begin_reload(&state, tenant, id, &track, &held).await?,
+        RewindOutcome::Reload => begin_reload(&state, tenant, id).await?,
     };
     state
         .metrics
@@ -240,71 +200,20 @@ fn held_reload_json(held: &EndpointTrack) -> Result<Option<Value>, ApiError> {
         .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
-/// Begins "read /v1/feed again" on the track as [`EndpointTrack::read_feed_again`] says: one
-/// conditional statement, so a reload that began meanwhile (a reset the sequencer applied since
-/// the row was read) is left alone rather than replaced.
+/// Begins "read /v1/feed again" on the track as relay-rules' [`reload_after_restore`] says,
+/// decided on the row locked as it is then: a reload that began meanwhile (a reset the sequencer
+/// applied since the row was peeked) is left alone rather than replaced.
 async fn begin_reload(
     state: &AppState,
     tenant: Uuid,
     endpoint: Uuid,
-    track: &str,
-    held: &EndpointTrack,
 ) -> Result<(&'static str, Option<Value>), ApiError> {
-    // A running reload is left alone (`reload_already_running`, the documented answer), where
-    // relay-rules' `read_feed_again` would begin it again: that is for a refetch whose change
-    // the running pass may have missed, and a rewind's refusal names no change.
-    if held.reload.is_some() {
-        return Ok(("reload_already_running", held_reload_json(held)?));
-    }
-    let (next, _) = held.read_feed_again();
-    let reload = next
-        .reload
-        .as_ref()
-        .map(serde_json::to_string)
-        .transpose()
-        .map_err(|e| ApiError::Internal(e.to_string()))?
-        .ok_or_else(|| ApiError::Internal("read_feed_again began no reload".into()))?;
-    // The rules begin the reload "under the held generation": the statement takes the
-    // generation the row holds when it writes, not the one read above, in case the sequencer
-    // applied a newer message in between. A missing row is the track of a copy that took no
-    // message yet: it is created holding only the reload.
-    let written: Option<String> = sqlx::query_scalar(
-        "INSERT INTO endpoint_tracks AS t (endpoint_id, track, tenant_id, reload, reload_begun_at)
-         VALUES ($1, $2, $3, $4::jsonb, now())
-         ON CONFLICT (endpoint_id, track) DO UPDATE
-         SET reload = jsonb_set(excluded.reload, '{generation}', to_jsonb(COALESCE(t.generation, 0))),
-             reload_begun_at = now(), updated_at = now()
-         WHERE t.reload IS NULL
-         RETURNING reload::text",
-    )
-    .bind(endpoint)
-    .bind(track)
-    .bind(tenant)
-    .bind(&reload)
-    .fetch_optional(&state.pool)
-    .await?;
-    match written {
-        Some(text) => Ok((
-            "reload_begun",
-            Some(serde_json::from_str(&text).map_err(|e| ApiError::Internal(e.to_string()))?),
-        )),
-        None => {
-            let running: Option<String> = sqlx::query_scalar(
-                "SELECT reload::text FROM endpoint_tracks
-                 WHERE endpoint_id = $1 AND track = $2 AND tenant_id = $3",
-            )
-            .bind(endpoint)
-            .bind(track)
-            .bind(tenant)
-            .fetch_optional(&state.pool)
-            .await?
-            .flatten();
-            let running = running
-                .as_deref()
-                .map(serde_json::from_str)
-                .transpose()
-                .map_err(|e| ApiError::Internal(e.to_string()))?;
-            Ok(("reload_already_running", running))
-        }
-    }
+    let (track, begun) =
+        tracks::transition(&state.pool, tenant, endpoint, reload_after_restore).await?;
+    let outcome = if begun {
+        "reload_begun"
+    } else {
+        "reload_already_running"
+    };
+    Ok((outcome, held_reload_json(&track)?))
 }
