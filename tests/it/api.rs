@@ -15,7 +15,7 @@ use relay_api::broker::{BrokerAccess, ManagementSettings};
 use relay_api::{ApiConfig, ApiServer};
 use relay_netguard::OutboundPolicy;
 use relay_rules::decide_event;
-use relay_rules::destination::DestinationPolicy;
+use relay_rules::DestinationPolicy;
 use relay_store::copy::{self, Cause};
 use relay_store::messages::{store_batch, IncomingMessage};
 use relay_tests::{random_secret, TestDb, Vhost};

@@ -28,7 +28,7 @@ use relay_publisher::{
     tenant_queue, BeforeMark, ChangeMessage, Publisher, PublisherConfig, PublisherHandle,
     ReferenceConsumer, TailArgs, TailOutput,
 };
-use relay_rules::destination::DestinationPolicy;
+use relay_rules::DestinationPolicy;
 use relay_rules::{decide_event, Decision, HeldContent, IgnoreReason, ReadItem};
 use relay_store::copy::{self, Cause};
 use relay_tests::{amqp_addr, redis_url, seed, PgProxy, ProxyMode, RedisPrefix, TestDb, Vhost};

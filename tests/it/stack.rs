@@ -13,7 +13,7 @@ use relay_publisher::lapin::Connection;
 use relay_publisher::{
     ChangeMessage, Publisher, PublisherConfig, PublisherHandle, ReferenceConsumer,
 };
-use relay_rules::destination::DestinationPolicy;
+use relay_rules::DestinationPolicy;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::cli::url_template;
 use relay_simulator::model::World;
@@ -554,4 +554,97 @@ pub(crate) async fn start_sequencer_with(
     Sequencer::start(pool, config, metrics)
         .await
         .expect("the whole-relay tests need Redis on 127.0.0.1:6379")
+}
+
+// ---- The copy written without a sequencer ----
+
+/// Writes one endpoint's copy through the statements the sequencer runs (relay-store's
+/// `runs::open_runs` and `runs::write_runs` around relay-rules' `decide_run`, and
+/// `copy::merge`), as relay-rules' `run` module says to drive them, with no worker, lease or
+/// stored message: for tests that need a copy, its outbox or its track in a given state, and for
+/// comparing the SQL with the in-memory model on the same runs.
+pub(crate) struct CopyWriter {
+    pub(crate) claim: relay_store::tracks::TrackClaim,
+    /// The arrival number the next run's messages are noted under.
+    next_seq: i64,
+}
+
+impl CopyWriter {
+    /// Registers `endpoint` for `tenant` (the fence names a registered endpoint) and claims its
+    /// fence.
+    pub(crate) async fn new(db: &relay_tests::TestDb, tenant: Uuid, endpoint: Uuid) -> Self {
+        db.endpoint(tenant, endpoint, &relay_tests::random_secret())
+            .await;
+        let token = relay_sequencer::claim_fence(&db.pool, endpoint)
+            .await
+            .unwrap();
+        let claim = relay_store::tracks::TrackClaim {
+            endpoint,
+            tenant,
+            token,
+        };
+        Self { claim, next_seq: 0 }
+    }
+
+    /// Decides `messages` as one run against the copy as it is, and writes the plan in one
+    /// transaction. Panics when a planned row is refused (nothing else writes this copy).
+    pub(crate) async fn run(
+        &mut self,
+        pool: &PgPool,
+        messages: &[relay_rules::StoredMessage],
+        refetches: &HashMap<String, relay_rules::RefetchRead>,
+    ) -> relay_rules::RunPlan {
+        use relay_store::runs::{self, RunClaim, RunWrite};
+        let ids = relay_rules::event_ids(messages);
+        let subjects = relay_rules::subjects(messages);
+        let mut tx = pool.begin().await.unwrap();
+        let claim = RunClaim {
+            claim: self.claim,
+            event_ids: &ids,
+            subjects: &subjects,
+        };
+        let opened = runs::open_runs(&mut tx, &[claim])
+            .await
+            .unwrap()
+            .pop()
+            .flatten()
+            .expect("the fence is this writer's");
+        let run = relay_rules::Run {
+            track: &opened.track,
+            messages,
+            seen: &opened.seen,
+            refetches,
+        };
+        let plan = relay_rules::decide_run(run, opened.held);
+        let from = self.next_seq;
+        let seqs: Vec<i64> = (1..=messages.len() as i64).map(|i| from + i).collect();
+        let to = seqs.last().copied().unwrap_or(from);
+        let write = RunWrite {
+            endpoint: self.claim.endpoint,
+            tenant: self.claim.tenant,
+            plan: &plan,
+            from,
+            to,
+            arrival_seqs: &seqs,
+            last_received_at: None,
+        };
+        let written = runs::write_runs(&mut tx, &[write]).await.unwrap();
+        assert_eq!(written[0].rows, plan.rows.len() as i64, "a planned row was refused");
+        assert!(written[0].cursor_moved);
+        tx.commit().await.unwrap();
+        self.next_seq = to;
+        plan
+    }
+
+    /// Merges a pass of `reload` as the sequencer's reload does.
+    pub(crate) async fn merge(
+        &self,
+        pool: &PgPool,
+        reload: &relay_rules::Reload,
+        pass: &relay_rules::Pass,
+    ) -> relay_store::copy::Merged {
+        relay_store::copy::merge(pool, self.claim, reload, pass)
+            .await
+            .unwrap()
+    }
 }

@@ -22,7 +22,7 @@ use relay_publisher::lapin::options::{
 use relay_publisher::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use relay_publisher::lapin::{BasicProperties, Connection};
 use relay_publisher::{tenant_queue, PublisherConfig};
-use relay_rules::destination::DestinationPolicy;
+use relay_rules::DestinationPolicy;
 use relay_tests::{amqp_addr, PgProxy, ProxyMode, TestDb};
 use serde_json::{json, Value};
 use sqlx::PgPool;
