@@ -46,7 +46,7 @@ pub struct BatchWriter {
 }
 
 struct Batching {
-    waker: Option<relay_sequencer::Waker>,
+    waker: Option<relay_coord::Waker>,
     max_messages: usize,
     max_bytes: usize,
     timeout: Duration,

@@ -13,6 +13,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
+use relay_coord::Waker;
 use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::JoinHandle;
@@ -21,7 +22,6 @@ use uuid::Uuid;
 use crate::apply::{apply_runs, ApplyError, BatchReport, PreparedRun};
 use crate::metrics::SequencerMetrics;
 use crate::state::{self, PendingMessage};
-use crate::wake::Waker;
 
 struct Job {
     run: PreparedRun,
@@ -122,7 +122,7 @@ async fn apply_batches(
         let mut announced: Vec<String> = Vec::new();
         for ((reply, answer), (tenant, endpoint)) in replies.into_iter().zip(answers).zip(keys) {
             if answer.as_ref().is_ok_and(|report| report.changes > 0) {
-                announced.push(crate::wake::change_payload(tenant, endpoint));
+                announced.push(relay_coord::change_payload(tenant, endpoint));
             }
             // A worker that stopped waiting has nothing to learn.
             let _ = reply.send(answer);
