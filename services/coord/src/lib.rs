@@ -1,5 +1,5 @@
 //! What the tiers share to work together through Redis and Postgres: one owner at a time, the
-//! wake-ups that tell a tier there is work, and opening Redis.
+//! wake-ups that tell a tier there is work, opening Redis, and group commit's batches.
 //!
 //! The front tier, the sequencer and the publisher each depend on this crate, never on one
 //! another.
@@ -13,11 +13,15 @@
 //!   ([`changes_channel`]). Hints that may be lost: each tier also polls Postgres.
 //! - `redis_client`: opening Redis ([`open_redis`]: `redis://`, or `rediss://` checked against
 //!   the operator's trust roots).
+//! - `gather`: group commit: tasks sharing a queue each take what gathered while they were busy
+//!   ([`Gather`], within [`GatherLimits`]), so many callers' jobs share one transaction.
 
+mod gather;
 mod ownership;
 mod redis_client;
 mod wake;
 
+pub use gather::{Gather, GatherLimits};
 pub use ownership::{check_fence, Lease, Owned, Owners, OwnershipConfig, OwnershipError};
 pub use redis_client::open_redis;
 pub use wake::{
