@@ -7,7 +7,8 @@
 //! # Layout
 //! - `ownership`: one owner at a time (an endpoint's worker in the sequencer, a tenant's task in
 //!   the publisher): a Redis lock with a lease ([`Owners`], [`Lease`]), and a fencing token in
-//!   Postgres that every write of the owner checks ([`check_fence`]), so a lost lock is harmless.
+//!   Postgres that the owner's writes check (an endpoint's with [`check_fence`]; the publisher's
+//!   mark checks its tenant's in its own statement), so a lost lock is harmless.
 //! - `wake`: the Redis wake-ups: the front tier tells the sequencer which endpoints have new
 //!   messages ([`wake_channel`]), the sequencer tells the publisher which have new changes
 //!   ([`changes_channel`]). Hints that may be lost: each tier also polls Postgres.
