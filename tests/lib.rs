@@ -92,6 +92,22 @@ impl TestDb {
         .await
         .unwrap();
     }
+
+    /// Takes the endpoint's next fencing token, as a new owner's claim does (one more than the
+    /// last), without its Redis lock: for tests that drive apply transactions themselves. How
+    /// owners claim, and wait for one another, is `sequencer_ownership`'s.
+    pub async fn claim_fence(&self, endpoint: Uuid) -> i64 {
+        sqlx::query_scalar(
+            "INSERT INTO endpoint_fences (endpoint_id, token) VALUES ($1, 1)
+             ON CONFLICT (endpoint_id)
+             DO UPDATE SET token = endpoint_fences.token + 1, claimed_at = now()
+             RETURNING token",
+        )
+        .bind(endpoint)
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
+    }
 }
 
 impl Drop for TestDb {
@@ -197,7 +213,7 @@ impl TestApp {
     /// The front tier of a whole-relay test: the test settings, and a waker for the sequencers
     /// listening under `key_prefix`.
     pub async fn spawn_waking(key_prefix: &str) -> Self {
-        let waker = relay_sequencer::wake::Waker::connect(
+        let waker = relay_coord::Waker::connect(
             &redis_url(),
             &relay_netguard::TrustRoots::platform(),
             key_prefix,

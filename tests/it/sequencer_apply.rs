@@ -7,14 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use relay_coord::Waker;
 use relay_netguard::OutboundPolicy;
 use relay_sequencer::apply::{
     apply_messages, apply_runs, prepare_run, ApplyError, EndpointContext, PreparedRun,
 };
-use relay_sequencer::ownership::claim_fence;
 use relay_sequencer::state::{self, EndpointRegistration, PendingMessage};
 use relay_sequencer::upstream::UpstreamClient;
-use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics, Waker};
+use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_store::copy;
 use relay_store::messages::{store_batch, IncomingMessage};
 use relay_tests::{random_secret, redis_url, TestDb};
@@ -134,9 +134,9 @@ async fn a_worker_whose_fence_moved_on_writes_nothing() {
         &[update(s.endpoint, 1, "evt_a", 1, 10)],
     )
     .await;
-    let stale = claim_fence(&s.db.pool, s.endpoint).await.unwrap();
+    let stale = s.db.claim_fence(s.endpoint).await;
     // Another worker takes the endpoint over (its lock expired under us, say).
-    let current = claim_fence(&s.db.pool, s.endpoint).await.unwrap();
+    let current = s.db.claim_fence(s.endpoint).await;
     assert!(current > stale);
 
     let (applied, messages) = pending(&s.db, s.endpoint).await;
@@ -177,7 +177,7 @@ async fn a_worker_whose_fence_moved_on_writes_nothing() {
 #[tokio::test]
 async fn a_run_of_messages_applies_in_order_with_duplicates_and_older_generations_ignored() {
     let s = setup().await;
-    let token = claim_fence(&s.db.pool, s.endpoint).await.unwrap();
+    let token = s.db.claim_fence(s.endpoint).await;
     store(
         &s.db,
         s.tenant,
@@ -254,7 +254,7 @@ async fn a_run_of_messages_applies_in_order_with_duplicates_and_older_generation
 #[tokio::test]
 async fn the_ids_of_messages_that_do_not_apply_are_not_kept() {
     let s = setup().await;
-    let token = claim_fence(&s.db.pool, s.endpoint).await.unwrap();
+    let token = s.db.claim_fence(s.endpoint).await;
     let tested = json!({
         "v": 1, "webhook_endpoint_id": s.endpoint.to_string(),
         "events": [{"id": "evt_test", "type": "webhook_endpoint.tested",
@@ -342,11 +342,11 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
     .await;
     store(&s.db, s.tenant, b, &[update(b, 1, "evt_1", 1, 10)]).await;
     store(&s.db, s.tenant, c, &[update(c, 1, "evt_9", 9, 10)]).await;
-    let a_token = claim_fence(&s.db.pool, a).await.unwrap();
-    let b_token = claim_fence(&s.db.pool, b).await.unwrap();
-    let c_stale = claim_fence(&s.db.pool, c).await.unwrap();
+    let a_token = s.db.claim_fence(a).await;
+    let b_token = s.db.claim_fence(b).await;
+    let c_stale = s.db.claim_fence(c).await;
     // C was taken over after its run was prepared: its fence moved on.
-    claim_fence(&s.db.pool, c).await.unwrap();
+    s.db.claim_fence(c).await;
 
     let runs = vec![
         prepared(&s.db, &a_ctx, a_token).await,

@@ -3,8 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use relay_sequencer::ownership::claim_fence;
-use relay_sequencer::{check_fence, Owners, OwnershipConfig};
+use relay_coord::{check_fence, Owners, OwnershipConfig};
 use relay_tests::{random_secret, redis_url, TestDb};
 use uuid::Uuid;
 
@@ -101,19 +100,28 @@ async fn a_worker_stalled_past_its_lease_is_fenced_out_of_the_copy() {
 #[tokio::test]
 async fn a_new_claim_waits_for_the_old_owners_transaction_in_flight() {
     let setup = setup().await;
-    let old_token = claim_fence(&setup.db.pool, setup.endpoint).await.unwrap();
+    let lease = Duration::from_secs(10);
+    let (a, b) = (owners(&setup, lease).await, owners(&setup, lease).await);
+    let old = a.try_acquire(setup.endpoint).await.unwrap().expect("free");
+    let old_token = old.token;
 
-    // The old owner is mid-transaction, past its fence check.
+    // The old owner is mid-transaction, past its fence check, when its lock goes (given back
+    // here; run out, in life).
     let mut tx = setup.db.pool.begin().await.unwrap();
     assert!(check_fence(&mut tx, setup.endpoint, old_token)
         .await
         .unwrap());
+    assert!(a.release(old).await.unwrap());
 
-    let pool = setup.db.pool.clone();
     let endpoint = setup.endpoint;
+    let claiming = b.clone();
     let claim = tokio::spawn(async move {
-        let token = claim_fence(&pool, endpoint).await.unwrap();
-        (token, Instant::now())
+        let lease = claiming
+            .try_acquire(endpoint)
+            .await
+            .unwrap()
+            .expect("released");
+        (lease, Instant::now())
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
@@ -123,9 +131,10 @@ async fn a_new_claim_waits_for_the_old_owners_transaction_in_flight() {
     let committed_at = Instant::now();
     tx.commit().await.unwrap();
 
-    let (new_token, claimed_at) = claim.await.unwrap();
-    assert_eq!(new_token, old_token + 1);
+    let (new, claimed_at) = claim.await.unwrap();
+    assert_eq!(new.token, old_token + 1);
     assert!(claimed_at >= committed_at);
+    assert!(b.release(new).await.unwrap());
 }
 
 #[tokio::test]

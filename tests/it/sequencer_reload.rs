@@ -12,7 +12,6 @@ use axum::routing::get;
 use axum::{Json, Router};
 use relay_netguard::RetryPolicy;
 use relay_sequencer::apply::{apply_messages, EndpointContext};
-use relay_sequencer::ownership::claim_fence;
 use relay_sequencer::reload::{run_reload, ReloadEnd};
 use relay_sequencer::state::{self, FEED_TRACK};
 use relay_sequencer::SequencerMetrics;
@@ -154,7 +153,7 @@ async fn a_refetch_that_reads_the_feed_again_restarts_a_reload_whose_pages_are_o
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
 
     let metrics = SequencerMetrics::unregistered();
-    let token = claim_fence(&db.pool, endpoint).await.unwrap();
+    let token = db.claim_fence(endpoint).await;
     let backoff = RetryPolicy {
         first: Duration::from_millis(10),
         max: Duration::from_millis(50),

@@ -575,9 +575,7 @@ impl CopyWriter {
     pub(crate) async fn new(db: &relay_tests::TestDb, tenant: Uuid, endpoint: Uuid) -> Self {
         db.endpoint(tenant, endpoint, &relay_tests::random_secret())
             .await;
-        let token = relay_sequencer::claim_fence(&db.pool, endpoint)
-            .await
-            .unwrap();
+        let token = db.claim_fence(endpoint).await;
         let claim = relay_store::tracks::TrackClaim {
             endpoint,
             tenant,

@@ -313,14 +313,14 @@ async fn a_wake_up_goes_over_rediss_and_is_heard_over_rediss() {
     let prefix = RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
     let (wakes, mut heard) = mpsc::unbounded_channel();
     let (stop, stopped) = watch::channel(false);
-    let listener = tokio::spawn(relay_sequencer::wake::listen(
+    let listener = tokio::spawn(relay_coord::listen(
         url.clone(),
         trust.clone(),
-        relay_sequencer::wake::wake_channel(&prefix.0),
+        relay_coord::wake_channel(&prefix.0),
         wakes,
         stopped,
     ));
-    let waker = relay_sequencer::Waker::connect(&url, &trust, &prefix.0)
+    let waker = relay_coord::Waker::connect(&url, &trust, &prefix.0)
         .await
         .expect("a waker over rediss://");
     let endpoint = Uuid::new_v4();
@@ -337,7 +337,7 @@ async fn a_wake_up_goes_over_rediss_and_is_heard_over_rediss() {
     listener.await.unwrap();
 
     // Without the operator's CA, the proxy's certificate is refused, and the error says so.
-    let refused = relay_sequencer::redis_client::open(&url, &TrustRoots::platform())
+    let refused = relay_coord::open_redis(&url, &TrustRoots::platform())
         .expect("a well-formed URL")
         .get_multiplexed_async_connection()
         .await

@@ -46,7 +46,7 @@ pub struct IngestConfig {
     pub endpoint_cache_max_entries: usize,
     /// Tells the sequencers which endpoints just got messages (a Redis publish after each
     /// commit). `None`: they find them by their periodic sweep alone.
-    pub waker: Option<relay_sequencer::Waker>,
+    pub waker: Option<relay_coord::Waker>,
     /// Header and body read timeouts and the bound on open connections of the webhook listener.
     /// The body's timeout counts within the answer deadline, so keep it shorter.
     pub listener: ListenerLimits,

@@ -15,6 +15,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use relay_coord::{Gather, GatherLimits};
 use relay_store::messages::{self, IncomingMessage, StoreOutcome};
 use relay_store::{KeptConnection, StoreError};
 use sqlx::PgPool;
@@ -46,9 +47,9 @@ pub struct BatchWriter {
 }
 
 struct Batching {
-    waker: Option<relay_sequencer::Waker>,
-    max_messages: usize,
-    max_bytes: usize,
+    waker: Option<relay_coord::Waker>,
+    /// Messages, weighing their bodies' bytes.
+    limits: GatherLimits,
     timeout: Duration,
 }
 
@@ -62,8 +63,10 @@ impl BatchWriter {
         let receiver = Arc::new(Mutex::new(receiver));
         let batching = Arc::new(Batching {
             waker: config.waker.clone(),
-            max_messages: config.batch_max_messages.max(1),
-            max_bytes: config.batch_max_bytes.max(1),
+            limits: GatherLimits {
+                jobs: config.batch_max_messages.max(1),
+                weight: config.batch_max_bytes.max(1),
+            },
             // A batch must end before the requests in it are answered 503 at their deadline.
             timeout: config.answer_deadline,
         });
@@ -109,8 +112,11 @@ async fn write_batches(
 ) {
     // Batches follow each other closely under load: keep the connection between them.
     let mut connection = KeptConnection::new(pool);
+    let mut batches = Gather::new(receiver, batching.limits, |job: &Job| {
+        job.message.body.len()
+    });
     loop {
-        let Some(jobs) = gather(&receiver, &batching).await else {
+        let Some(jobs) = batches.next().await else {
             return;
         };
         // A request whose deadline passed has already answered 503; storing its message anyway
@@ -201,23 +207,4 @@ fn refused_for_a_value(error: &StoreError) -> bool {
         StoreError::Invalid(_) => true,
         _ => false,
     }
-}
-
-/// Waits for the first job, then takes whatever else is already queued, up to the limits.
-/// `None` once every sender is gone and the queue is empty.
-async fn gather(receiver: &Mutex<mpsc::Receiver<Job>>, batching: &Batching) -> Option<Vec<Job>> {
-    let mut receiver = receiver.lock().await;
-    let first = receiver.recv().await?;
-    let mut bytes = first.message.body.len();
-    let mut jobs = vec![first];
-    while jobs.len() < batching.max_messages && bytes < batching.max_bytes {
-        match receiver.try_recv() {
-            Ok(job) => {
-                bytes += job.message.body.len();
-                jobs.push(job);
-            }
-            Err(_) => break,
-        }
-    }
-    Some(jobs)
 }

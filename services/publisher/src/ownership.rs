@@ -17,12 +17,10 @@
 
 use std::time::Duration;
 
-use relay_sequencer::ownership::{Owned, OwnershipConfig};
+use relay_coord::{Owned, OwnershipConfig};
 use sqlx::PgPool;
 
-pub use relay_sequencer::ownership::{
-    Lease as TenantLease, Owners as TenantOwners, OwnershipError,
-};
+pub use relay_coord::{Lease as TenantLease, Owners as TenantOwners, OwnershipError};
 
 /// The publisher's: one owner per tenant, fenced by `publisher_fences`.
 pub const TENANTS: Owned = Owned {
@@ -31,7 +29,8 @@ pub const TENANTS: Owned = Owned {
     key_column: "tenant_id",
 };
 
-/// The sequencer's ownership mechanism (Redis lease, Postgres fencing token), over tenants.
+/// The ownership mechanism the sequencer's endpoints use (Redis lease, Postgres fencing token),
+/// over tenants.
 pub async fn connect(
     redis_url: &str,
     trust: &relay_netguard::TrustRoots,

@@ -122,13 +122,13 @@ impl Drop for PublisherHandle {
 async fn coordinate(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
     let config = &shared.config;
     let (announced_tx, mut announced) = mpsc::unbounded_channel::<(Uuid, Uuid)>();
-    let listener = tokio::spawn(relay_sequencer::wake::listen_parsed(
+    let listener = tokio::spawn(relay_coord::listen_parsed(
         config.redis_url.clone(),
         config.trust.clone(),
-        relay_sequencer::wake::changes_channel(&config.key_prefix),
+        relay_coord::changes_channel(&config.key_prefix),
         announced_tx,
         stopped.clone(),
-        relay_sequencer::wake::parse_change_payload,
+        relay_coord::parse_change_payload,
     ));
     let mut coordinator = Coordinator {
         shared: shared.clone(),

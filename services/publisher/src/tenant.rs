@@ -14,7 +14,7 @@
 //!
 //! # Finding changes
 //! The sequencer announces each endpoint that got new changes (a Redis message, see
-//! `relay_sequencer::wake::changes_channel`); the coordinator hands it to the owning task, which
+//! `relay_coord::changes_channel`); the coordinator hands it to the owning task, which
 //! reads that endpoint's next changes. The coordinator's poll asks for a sweep now and then
 //! (every endpoint of the tenant with a backlog), which finds what an announcement lost. Changes
 //! read wait in memory, a bounded number per endpoint and per tenant; what has been read,

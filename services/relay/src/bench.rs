@@ -903,7 +903,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
         relay_publisher::Publisher::start(pool.clone(), publisher_config, &registry).await?;
     let mut ingest_config = relay_ingest::IngestConfig {
         waker: Some(
-            relay_sequencer::Waker::connect(&global.redis_url, &global.trust()?, &prefix).await?,
+            relay_coord::Waker::connect(&global.redis_url, &global.trust()?, &prefix).await?,
         ),
         ..relay_ingest::IngestConfig::default()
     };

@@ -202,7 +202,7 @@ pub async fn run(global: &GlobalArgs, args: IsolationBenchArgs) -> anyhow::Resul
     .await?;
     let ingest_config = relay_ingest::IngestConfig {
         waker: Some(
-            relay_sequencer::Waker::connect(&global.redis_url, &global.trust()?, &prefix).await?,
+            relay_coord::Waker::connect(&global.redis_url, &global.trust()?, &prefix).await?,
         ),
         ..relay_ingest::IngestConfig::default()
     };

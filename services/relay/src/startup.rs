@@ -139,10 +139,9 @@ impl IngestServer {
 
 /// The front tier's wake-up publisher, when Redis answers: the front tier never depends on
 /// Redis to answer (the sequencers' sweep finds what a missing wake-up would have announced).
-pub async fn ingest_waker(global: &GlobalArgs) -> anyhow::Result<Option<relay_sequencer::Waker>> {
+pub async fn ingest_waker(global: &GlobalArgs) -> anyhow::Result<Option<relay_coord::Waker>> {
     let trust = global.trust()?;
-    let connect =
-        relay_sequencer::Waker::connect(&global.redis_url, &trust, &global.redis_key_prefix);
+    let connect = relay_coord::Waker::connect(&global.redis_url, &trust, &global.redis_key_prefix);
     Ok(
         match tokio::time::timeout(Duration::from_secs(5), connect).await {
             Ok(Ok(waker)) => Some(waker),

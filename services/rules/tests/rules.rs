@@ -785,7 +785,6 @@ fn merge_rule_keeps_events_that_arrived_while_reading_stores_the_rest_drops_olde
 }
 
 #[test]
-#[ignore = "SRC BUG decide_merge: Merge::dropped lists the subjects its writes store (see RULES.md, Known bug)"]
 fn merge_rule_an_item_held_from_an_older_generation_and_read_again_is_kept_from_the_read() {
     // The pages overlap what the copy held before the reset: the item read is stored (or only
     // its position raised, when it is the same item) at the reset's generation, and the drop of
@@ -812,6 +811,9 @@ fn merge_rule_an_item_held_from_an_older_generation_and_read_again_is_kept_from_
     // 1 read as it was held (same item), 2 read changed, 3 (a tombstone) read again.
     let read = vec![read_item(1, 10), read_item(2, 12), read_item(3, 14)];
     let merge = merged(endpoint.merge(&reload, &pass("av", read, Some(5), 0)));
+    // Each is written at generation 5; none is among the rows dropped by generation.
+    assert_eq!(merge.writes.len(), 3, "{merge:?}");
+    assert!(merge.dropped.is_empty(), "{merge:?}");
     assert_eq!(
         positions(&endpoint.copy),
         vec![
@@ -1438,7 +1440,6 @@ fn wire_examples_in_order_events_refetch_and_reset_through_an_endpoint() {
 }
 
 #[test]
-#[ignore = "SRC BUG decide_merge: Merge::dropped lists the subjects its writes store (see RULES.md, Known bug)"]
 fn wire_examples_in_order_the_resets_merge_raises_the_held_item_to_generation_4() {
     let (mut endpoint, item) = wire_examples_through_the_reset();
     let reload = endpoint.track.reload.clone().unwrap();

@@ -10,9 +10,9 @@
 //! stays near one transaction. [`PendingReader`] does the same for the read that comes before:
 //! the workers looking for messages at one moment share one statement.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
+use relay_coord::{Gather, GatherLimits, Waker};
 use sqlx::PgPool;
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::JoinHandle;
@@ -20,7 +20,6 @@ use uuid::Uuid;
 
 use crate::apply::{apply_runs, ApplyError, BatchReport, PreparedRun};
 use crate::metrics::SequencerMetrics;
-use crate::wake::Waker;
 use relay_store::cursors::PendingMessage;
 
 struct Job {
@@ -66,7 +65,7 @@ impl ApplyBatcher {
                 tokio::spawn(apply_batches(
                     pool.clone(),
                     receiver.clone(),
-                    Limits {
+                    GatherLimits {
                         jobs: max_runs.max(1),
                         weight: max_messages.max(1),
                     },
@@ -94,23 +93,17 @@ impl ApplyBatcher {
 async fn apply_batches(
     pool: PgPool,
     receiver: Arc<Mutex<mpsc::Receiver<Job>>>,
-    limits: Limits,
+    limits: GatherLimits,
     changes_waker: Option<Waker>,
     metrics: SequencerMetrics,
 ) {
-    // Runs of an endpoint already in the batch wait for the next one: two runs of one endpoint
-    // in one statement would write its rows twice.
-    let mut held_back: Vec<Job> = Vec::new();
+    let mut batches = Gather::new(receiver, limits, |job: &Job| job.run.messages());
     loop {
-        let weight = |job: &Job| job.run.messages();
-        let Some(jobs) = gather(&receiver, limits, weight, &mut held_back).await else {
+        // Runs of an endpoint already in the batch wait for the next one: two runs of one
+        // endpoint in one statement would write its rows twice.
+        let Some(batch) = batches.next_distinct(|job| job.run.endpoint()).await else {
             return;
         };
-        let mut endpoints = HashSet::new();
-        let (batch, later): (Vec<Job>, Vec<Job>) = jobs
-            .into_iter()
-            .partition(|job| endpoints.insert(job.run.endpoint()));
-        held_back = later;
         metrics.apply_batch_runs.observe(batch.len() as f64);
         let keys: Vec<(uuid::Uuid, uuid::Uuid)> = batch
             .iter()
@@ -122,7 +115,7 @@ async fn apply_batches(
         let mut announced: Vec<String> = Vec::new();
         for ((reply, answer), (tenant, endpoint)) in replies.into_iter().zip(answers).zip(keys) {
             if answer.as_ref().is_ok_and(|report| report.changes > 0) {
-                announced.push(crate::wake::change_payload(tenant, endpoint));
+                announced.push(relay_coord::change_payload(tenant, endpoint));
             }
             // A worker that stopped waiting has nothing to learn.
             let _ = reply.send(answer);
@@ -134,42 +127,6 @@ async fn apply_batches(
             }
         }
     }
-}
-
-/// How much one batch takes: at most `jobs` jobs, and no more once their weights reach
-/// `weight`.
-#[derive(Debug, Clone, Copy)]
-struct Limits {
-    jobs: usize,
-    weight: usize,
-}
-
-/// Waits for the first job (unless some were held back from the last batch), then takes
-/// whatever else is already queued, within `limits`. `None` once every sender is gone.
-async fn gather<J>(
-    receiver: &Mutex<mpsc::Receiver<J>>,
-    limits: Limits,
-    weight: impl Fn(&J) -> usize,
-    held_back: &mut Vec<J>,
-) -> Option<Vec<J>> {
-    let mut jobs = std::mem::take(held_back);
-    if !jobs.is_empty() {
-        return Some(jobs);
-    }
-    let mut receiver = receiver.lock().await;
-    let first = receiver.recv().await?;
-    let mut taken = weight(&first);
-    jobs.push(first);
-    while jobs.len() < limits.jobs && taken < limits.weight {
-        match receiver.try_recv() {
-            Ok(job) => {
-                taken += weight(&job);
-                jobs.push(job);
-            }
-            Err(_) => break,
-        }
-    }
-    Some(jobs)
 }
 
 /// Each endpoint's pending messages, as [`relay_store::cursors::pending_messages`] reads them.
@@ -242,22 +199,17 @@ async fn read_batches(
     max_endpoints: usize,
     limit: i64,
 ) {
-    let mut held_back: Vec<ReadJob> = Vec::new();
     // Reads follow each other closely under load: keep the connection between them.
     let mut connection = relay_store::KeptConnection::new(pool);
+    let limits = GatherLimits {
+        jobs: max_endpoints,
+        weight: usize::MAX,
+    };
+    let mut batches = Gather::new(receiver, limits, |_| 1);
     loop {
-        let limits = Limits {
-            jobs: max_endpoints,
-            weight: usize::MAX,
-        };
-        let Some(jobs) = gather(&receiver, limits, |_| 1, &mut held_back).await else {
+        let Some(batch) = batches.next_distinct(|job| job.endpoint).await else {
             return;
         };
-        let mut endpoints = HashSet::new();
-        let (batch, later): (Vec<ReadJob>, Vec<ReadJob>) = jobs
-            .into_iter()
-            .partition(|job| endpoints.insert(job.endpoint));
-        held_back = later;
         let cursors: Vec<(Uuid, i64)> = batch.iter().map(|j| (j.endpoint, j.applied)).collect();
         let read = match connection.take().await {
             Ok(mut taken) => {

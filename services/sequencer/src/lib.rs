@@ -2,8 +2,6 @@
 //! endpoint's copy of the feed, by the reading rules of relay-rules.
 //!
 //! # Layout
-//! - [`ownership`]: one worker per endpoint at a time (a Redis lock with a lease) and the
-//!   Postgres fencing token every apply transaction checks.
 //! - [`upstream`]: the upstream's REST API as reloads and refetches read it.
 //! - [`apply`]: the driver of relay-rules' `decide_run`: runs of messages decided whole and
 //!   written by relay-store's `runs`, several endpoints' runs in one transaction (refetch reads
@@ -14,9 +12,10 @@
 //! - [`worker`]: one owned endpoint: messages in order, its reload beside them, the lease.
 //! - [`service`]: the process: wake-ups, the sweep, a bounded set of workers.
 //! - [`slots`]: how many workers at once, and how many of them for one tenant.
-//! - [`wake`]: the Redis wake-up the front tier publishes after each commit.
-//! - [`redis_client`]: opening Redis (`redis://`, or `rediss://` with the operator's CA).
 //! - [`metrics`]: what the sequencer exports.
+//!
+//! Owning an endpoint (the Redis lease, the fencing token) and the wake-ups are relay-coord's,
+//! shared with the front tier and the publisher.
 //!
 //! "Source kind" is a seam here: the feed track is the only source built; a second source (the
 //! stories API) would add its own `step` and apply module beside the feed's.
@@ -24,16 +23,11 @@
 pub mod apply;
 pub mod batch;
 pub mod metrics;
-pub mod ownership;
-pub mod redis_client;
 pub mod reload;
 pub mod service;
 pub mod slots;
 pub mod upstream;
-pub mod wake;
 pub mod worker;
 
 pub use metrics::SequencerMetrics;
-pub use ownership::{check_fence, claim_fence, Lease, Owners, OwnershipConfig, OwnershipError};
 pub use service::{Sequencer, SequencerConfig, SequencerError};
-pub use wake::Waker;

@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use relay_coord::{listen, wake_channel, Owners, OwnershipConfig, OwnershipError};
 use relay_rules::ApplyBackoff;
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
@@ -15,10 +16,8 @@ use uuid::Uuid;
 
 use crate::batch::{ApplyBatcher, PendingReader};
 use crate::metrics::SequencerMetrics;
-use crate::ownership::{Owners, OwnershipConfig, OwnershipError};
 use crate::slots::Slots;
 use crate::upstream::UpstreamClient;
-use crate::wake::{listen, wake_channel};
 use crate::worker::{run_worker, WorkerConfig, WorkerExit, WorkerSignal};
 
 /// The most of a process's workers one tenant may hold: half, so one tenant's endpoints (many,
@@ -143,13 +142,13 @@ impl Sequencer {
         )
         .await?;
         // Fail at start, not in the background, when Redis is not there.
-        crate::redis_client::open(&config.redis_url, &config.trust)?
+        relay_coord::open_redis(&config.redis_url, &config.trust)?
             .get_multiplexed_async_connection()
             .await?;
-        let changes_waker = crate::wake::Waker::connect_channel(
+        let changes_waker = relay_coord::Waker::connect_channel(
             &config.redis_url,
             &config.trust,
-            crate::wake::changes_channel(&config.key_prefix),
+            relay_coord::changes_channel(&config.key_prefix),
         )
         .await?;
         let (stop, stop_rx) = watch::channel(false);
@@ -181,7 +180,7 @@ async fn schedule(
     owners: Owners,
     config: SequencerConfig,
     metrics: SequencerMetrics,
-    changes_waker: crate::wake::Waker,
+    changes_waker: relay_coord::Waker,
     mut stop: watch::Receiver<bool>,
 ) {
     let (wake_tx, mut wake_rx) = mpsc::unbounded_channel::<Uuid>();

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use relay_coord::{Lease, Owners};
 use relay_netguard::RetryPolicy;
 use relay_rules::{decide_failed_apply, ApplyBackoff, FailedApply, Reload};
 use sqlx::PgPool;
@@ -14,7 +15,6 @@ use uuid::Uuid;
 
 use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::SequencerMetrics;
-use crate::ownership::{Lease, Owners};
 use crate::reload::{run_reload, ReloadEnd, StopReload};
 use crate::slots::{Slot, Slots};
 use relay_store::endpoints::{self, EndpointRegistration};
@@ -48,8 +48,8 @@ impl WorkerSignal {
 /// How a worker behaves (see `SequencerConfig` for the defaults).
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
-    /// Announces new changes to the publisher (see [`crate::wake::changes_channel`]).
-    pub changes_waker: Option<crate::wake::Waker>,
+    /// Announces new changes to the publisher (see [`relay_coord::changes_channel`]).
+    pub changes_waker: Option<relay_coord::Waker>,
     /// The shared apply transactions (`None`: each run applies in a transaction of its own).
     pub batcher: Option<crate::batch::ApplyBatcher>,
     /// The shared reads of pending messages (`None`: each worker reads its own). Reads at most
@@ -453,7 +453,7 @@ async fn apply_from_cursor(
             if counter > applied {
                 // Only gaps left (numbers a duplicate took and did not use): skip them.
                 let mut tx = pool.begin().await?;
-                if !crate::ownership::check_fence(&mut tx, endpoint, token).await? {
+                if !relay_coord::check_fence(&mut tx, endpoint, token).await? {
                     return Err(ApplyError::Fenced);
                 }
                 if !cursors::advance_cursor(&mut tx, ctx.tenant(), endpoint, applied, counter, None)
@@ -506,7 +506,7 @@ async fn apply_from_cursor(
 /// announcement only means the publisher's poll finds them instead.
 async fn announce_changes(config: &WorkerConfig, ctx: &EndpointContext) {
     if let Some(waker) = &config.changes_waker {
-        let payload = crate::wake::change_payload(ctx.tenant(), ctx.id());
+        let payload = relay_coord::change_payload(ctx.tenant(), ctx.id());
         if let Err(error) = waker.publish(&[payload]).await {
             tracing::debug!(endpoint = %ctx.id(), %error, "could not announce new changes");
         }

@@ -11,7 +11,7 @@ use redis::{ConnectionAddr, IntoConnectionInfo as _, TlsCertificates};
 use relay_netguard::TrustRoots;
 
 /// A Redis client for `url`, trusting `trust` when the URL asks for TLS.
-pub fn open(url: &str, trust: &TrustRoots) -> redis::RedisResult<redis::Client> {
+pub fn open_redis(url: &str, trust: &TrustRoots) -> redis::RedisResult<redis::Client> {
     let info = url.into_connection_info()?;
     match (&info.addr, trust.bundle_pem()) {
         (ConnectionAddr::TcpTls { .. }, Some(bundle)) => redis::Client::build_with_tls(

@@ -72,7 +72,7 @@ impl Waker {
         trust: &TrustRoots,
         channel: String,
     ) -> Result<Self, redis::RedisError> {
-        let client = crate::redis_client::open(redis_url, trust)?;
+        let client = crate::redis_client::open_redis(redis_url, trust)?;
         let redis = ConnectionManager::new(client).await?;
         Ok(Self { redis, channel })
     }
@@ -84,8 +84,8 @@ impl Waker {
     }
 
     /// Publishes `payloads` (none may contain a space) in one round trip: joined by spaces into
-    /// as few messages as [`PAYLOADS_PER_MESSAGE`] allows. A listener reads each message back
-    /// with [`split_payloads`].
+    /// as few messages as `PAYLOADS_PER_MESSAGE` allows. [`listen_parsed`] reads each message
+    /// back.
     pub async fn publish(&self, payloads: &[String]) -> Result<(), redis::RedisError> {
         if payloads.is_empty() {
             return Ok(());
@@ -103,11 +103,11 @@ impl Waker {
 
 /// The most payloads one published message joins: a front-tier batch's endpoints (256 at
 /// most by default) fit in one message of about 9 kB.
-pub const PAYLOADS_PER_MESSAGE: usize = 512;
+const PAYLOADS_PER_MESSAGE: usize = 512;
 
 /// The payloads one published message carries. A message of one payload (what earlier versions
 /// sent) reads the same way.
-pub fn split_payloads(message: &str) -> impl Iterator<Item = &str> {
+fn split_payloads(message: &str) -> impl Iterator<Item = &str> {
     message.split(' ').filter(|payload| !payload.is_empty())
 }
 
@@ -133,7 +133,7 @@ const RESUBSCRIBE: RetryPolicy = RetryPolicy {
 };
 
 /// Listens on `channel` until `stop`, reconnecting after errors, and forwards every payload (of
-/// every message, [`split_payloads`]) that `parse` reads (the others are dropped).
+/// every message, see [`Waker::publish`]) that `parse` reads (the others are dropped).
 pub async fn listen_parsed<T, F>(
     redis_url: String,
     trust: TrustRoots,
@@ -171,7 +171,7 @@ async fn subscribe<T, F>(
 where
     F: Fn(&str) -> Option<T>,
 {
-    let client = crate::redis_client::open(redis_url, trust)?;
+    let client = crate::redis_client::open_redis(redis_url, trust)?;
     let mut pubsub = client.get_async_pubsub().await?;
     pubsub.subscribe(channel).await?;
     let mut messages = pubsub.on_message();

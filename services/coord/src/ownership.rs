@@ -43,7 +43,7 @@ pub struct Owned {
 }
 
 /// The sequencer's: one owner per endpoint.
-pub const ENDPOINTS: Owned = Owned {
+const ENDPOINTS: Owned = Owned {
     lock_name: "lock",
     fence_table: "endpoint_fences",
     key_column: "endpoint_id",
@@ -120,7 +120,7 @@ impl Owners {
         pool: PgPool,
         config: OwnershipConfig,
     ) -> Result<Self, OwnershipError> {
-        let client = crate::redis_client::open(redis_url, &config.trust)?;
+        let client = crate::redis_client::open_redis(redis_url, &config.trust)?;
         // Bounded waits: a Redis that stopped answering must not hold a worker longer than its
         // lease would last anyway.
         let timeout = (config.lease / 3).max(Duration::from_millis(100));
@@ -140,11 +140,6 @@ impl Owners {
             "{}{}:{key}",
             self.config.key_prefix, self.config.owned.lock_name
         )
-    }
-
-    /// How long a lease lasts unless renewed.
-    pub fn lease(&self) -> Duration {
-        self.config.lease
     }
 
     /// Takes the endpoint (tenant) if nobody holds it: `None` when another worker does.
@@ -168,7 +163,7 @@ impl Owners {
             value,
             valid_until: started + self.config.lease,
         };
-        match claim_fence_of(&self.pool, self.config.owned, key).await {
+        match claim_fence(&self.pool, self.config.owned, key).await {
             Ok(token) => {
                 lease.token = token;
                 Ok(Some(lease))
@@ -211,14 +206,10 @@ impl Owners {
     }
 }
 
-/// Claims the next fencing token for an endpoint: one more than the last, whoever held it.
-/// Waits while another owner's apply transaction holds the token's row (see [`check_fence`]).
-pub async fn claim_fence(pool: &PgPool, endpoint_id: Uuid) -> Result<i64, sqlx::Error> {
-    claim_fence_of(pool, ENDPOINTS, endpoint_id).await
-}
-
-/// Claims the next fencing token of `key` in `owned`'s fence table.
-pub async fn claim_fence_of(pool: &PgPool, owned: Owned, key: Uuid) -> Result<i64, sqlx::Error> {
+/// Claims the next fencing token of `key` in `owned`'s fence table: one more than the last,
+/// whoever held it. Waits while another owner's apply transaction holds the token's row (see
+/// [`check_fence`]).
+async fn claim_fence(pool: &PgPool, owned: Owned, key: Uuid) -> Result<i64, sqlx::Error> {
     // The table and column names are constants of this program, never input.
     let (table, column) = (owned.fence_table, owned.key_column);
     sqlx::query_scalar(&format!(
