@@ -5,7 +5,7 @@
 //! [`TestDb`] is dropped, so tests run at once and leave nothing behind.
 
 use std::net::SocketAddr;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,6 +49,16 @@ pub struct TestDb {
 
 impl TestDb {
     pub async fn new() -> Self {
+        let db = Self::empty().await;
+        relay_store::MIGRATOR
+            .run(&db.pool)
+            .await
+            .expect("migrating the test database");
+        db
+    }
+
+    /// A database of the test's own with nothing in it (dropped with the value).
+    async fn empty() -> Self {
         init_logging();
         let name = format!("relay_test_{}", Uuid::new_v4().simple());
         let admin = sqlx::PgPool::connect(&server_url())
@@ -61,11 +71,53 @@ impl TestDb {
         admin.close().await;
         let url = with_database(&server_url(), &name);
         let pool = relay_store::connect(&url, &PoolOptions::default()).unwrap();
-        relay_store::MIGRATOR
-            .run(&pool)
-            .await
-            .expect("migrating the test database");
         Self { name, url, pool }
+    }
+
+    /// An operator's backup of the database as it is now: `pg_dump -Fc` (PostgreSQL's client
+    /// tools on the PATH), the archive's bytes.
+    pub async fn dump(&self) -> Vec<u8> {
+        let output = tokio::process::Command::new("pg_dump")
+            .args(["--format=custom", "--dbname", &self.url])
+            .output()
+            .await
+            .expect("the restore tests need pg_dump (PostgreSQL's client tools)");
+        assert!(
+            output.status.success(),
+            "pg_dump of {}: {}",
+            self.name,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        output.stdout
+    }
+
+    /// A fresh database (dropped with the value, like every test's) holding `archive`, a
+    /// [`TestDb::dump`], restored by `pg_restore`: the schema and its migrations' record come
+    /// from the archive, as in an operator's restore.
+    pub async fn restored(archive: &[u8]) -> Self {
+        let db = Self::empty().await;
+        let mut child = tokio::process::Command::new("pg_restore")
+            .args(["--exit-on-error", "--no-owner", "--dbname", &db.url])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the restore tests need pg_restore (PostgreSQL's client tools)");
+        // Written while pg_restore runs; a pg_restore that stops early says why in its output.
+        let mut stdin = child.stdin.take().expect("piped");
+        let archive = archive.to_vec();
+        let writer = tokio::spawn(async move {
+            let _ = stdin.write_all(&archive).await;
+        });
+        let output = child.wait_with_output().await.unwrap();
+        let _ = writer.await;
+        assert!(
+            output.status.success(),
+            "pg_restore into {}: {}",
+            db.name,
+            String::from_utf8_lossy(&output.stderr)
+        );
+        db
     }
 
     /// A tenant with a random id.
@@ -213,6 +265,12 @@ impl TestApp {
     /// The front tier of a whole-relay test: the test settings, and a waker for the sequencers
     /// listening under `key_prefix`.
     pub async fn spawn_waking(key_prefix: &str) -> Self {
+        Self::spawn_waking_on(TestDb::new().await, key_prefix).await
+    }
+
+    /// The front tier of a whole-relay test (as [`TestApp::spawn_waking`]) on a database the
+    /// test made: one restored from a backup, say.
+    pub async fn spawn_waking_on(db: TestDb, key_prefix: &str) -> Self {
         let waker = relay_coord::Waker::connect(
             &redis_url(),
             &relay_netguard::TrustRoots::platform(),
@@ -224,7 +282,7 @@ impl TestApp {
             waker: Some(waker),
             ..test_config()
         };
-        Self::spawn_with(config, Arc::new(SystemClock), None).await
+        Self::start_on(db, config, Arc::new(SystemClock), None).await
     }
 
     /// Boots the front tier. With `via`, its pool connects through that address (a
@@ -234,7 +292,15 @@ impl TestApp {
         clock: Arc<dyn Clock>,
         via: Option<SocketAddr>,
     ) -> Self {
-        let db = TestDb::new().await;
+        Self::start_on(TestDb::new().await, config, clock, via).await
+    }
+
+    async fn start_on(
+        db: TestDb,
+        config: IngestConfig,
+        clock: Arc<dyn Clock>,
+        via: Option<SocketAddr>,
+    ) -> Self {
         let url = match via {
             Some(proxy) => format!("postgres://postgres@{proxy}/{}", db.name),
             None => db.url.clone(),

@@ -13,6 +13,7 @@ mod ingest_vector;
 mod pipeline;
 mod publisher;
 mod registration_changes;
+mod restore;
 mod sequencer_apply;
 mod sequencer_ownership;
 mod sequencer_quarantine;

@@ -390,17 +390,24 @@ pub(crate) async fn drain(broker: &Connection, queue: &str, ack: bool) -> Vec<De
         .await
         .unwrap()
         .message_count() as usize;
-    // Without acks, a prefetch limit would stop deliveries: take them all.
-    let prefetch = if ack { 500 } else { 0 };
+    // No prefetch limit: without acks it would stop deliveries. Taking them off the queue is
+    // the broker's own acknowledgement on delivery, not one ack each: a quorum queue settles
+    // acks apart from the channel, so the acks of a consumer closed just after it acked may not
+    // have been taken yet, and the queue puts those messages back (a second drain of the queue
+    // would see them again). The count is final (nothing publishes), so nothing more comes that
+    // would be taken off unread.
     channel
-        .basic_qos(prefetch, BasicQosOptions::default())
+        .basic_qos(0, BasicQosOptions::default())
         .await
         .unwrap();
     let mut consumer = channel
         .basic_consume(
             queue,
             "drain",
-            BasicConsumeOptions::default(),
+            BasicConsumeOptions {
+                no_ack: ack,
+                ..BasicConsumeOptions::default()
+            },
             FieldTable::default(),
         )
         .await
@@ -413,9 +420,6 @@ pub(crate) async fn drain(broker: &Connection, queue: &str, ack: bool) -> Vec<De
             .expect("the consumer is open")
             .unwrap();
         out.push(Delivered::of(&delivery));
-        if ack {
-            delivery.ack(BasicAckOptions::default()).await.unwrap();
-        }
     }
     let _ = channel.close(200, "drained").await;
     out

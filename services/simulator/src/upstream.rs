@@ -155,7 +155,9 @@ pub enum RewindRefusal {
     /// `since` is of another epoch than the feed's (older than a restore of the feed).
     #[error("cursor_not_in_epoch")]
     CursorNotInEpoch,
-    /// `since` is past the feed's head.
+    /// `since` is past the feed's head, or past the position the track sends from next (it
+    /// was rewound on the upstream's side, or a message the receiver kept was never answered
+    /// 2xx): the messages that follow overlap the copy.
     #[error("cursor_ahead")]
     CursorAhead,
     /// A reset is queued or being sent: it will read everything again.
@@ -978,6 +980,11 @@ impl Upstream {
         }
         if track.pending_reset.is_some() {
             return Err(RewindRefusal::ResetPending);
+        }
+        // The track already sends from before `since`: what follows overlaps the receiver's
+        // copy, so there is nothing to rewind.
+        if since > track.cursor {
+            return Err(RewindRefusal::CursorAhead);
         }
         if track.last_reset_resume.is_some_and(|r| since <= r) {
             return Err(RewindRefusal::BeforeReset);

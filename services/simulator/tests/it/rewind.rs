@@ -101,6 +101,51 @@ fn each_refusal_happens_in_its_situation() {
     );
 }
 
+/// cursor_ahead also when `since` is past the position the track sends from next: after the
+/// upstream rewound the track on its side, a copy kept through a later position (a backup taken
+/// before) is ahead, and the messages that follow overlap it.
+#[test]
+fn a_rewind_past_where_the_track_sends_from_is_cursor_ahead() {
+    let mut up = common::upstream(SenderConfig::default());
+    let id = common::endpoint(&mut up, "http://x/{id}", true);
+    drain(&mut up, id, 0, ok);
+    for n in 0..4 {
+        up.create_item(
+            ItemKind::Announcement,
+            28,
+            &format!("item {n}"),
+            1_791_439_200_000 + n,
+        )
+        .unwrap();
+        drain(&mut up, id, 0, ok);
+    }
+    assert_eq!(up.delivered_through(id), Some(cursor(1, 1004)));
+    let generation = up.generation(id).unwrap();
+
+    // The upstream rewinds the track on its side; nothing is resent yet.
+    assert_eq!(up.rewind(id, cursor(1, 1002), 0), Ok(generation + 1));
+    assert_eq!(
+        up.rewind(id, cursor(1, 1004), 0),
+        Err(RewindRefusal::CursorAhead)
+    );
+    assert_eq!(
+        up.rewind(id, cursor(1, 1003), 0),
+        Err(RewindRefusal::CursorAhead)
+    );
+    assert_eq!(up.generation(id), Some(generation + 1), "nothing changed");
+
+    // What follows resends from 1.1002: it overlaps a copy kept through 1.1004.
+    let resent = drain(&mut up, id, 0, ok);
+    assert_eq!(resent.len(), 1);
+    let message = Message::parse(&resent[0].body).unwrap();
+    assert_eq!(message.since.as_deref(), Some("1.1002"));
+    assert_eq!(message.through.as_deref(), Some("1.1004"));
+    assert_eq!(message.generation, Some(generation + 1));
+
+    // Sent through 1.1004 again: a rewind to it is taken.
+    assert_eq!(up.rewind(id, cursor(1, 1004), 0), Ok(generation + 2));
+}
+
 async fn call(
     client: &reqwest::Client,
     method: reqwest::Method,
