@@ -93,7 +93,9 @@ async fn held_rows(
     conn: &mut PgConnection,
     endpoint: Uuid,
 ) -> Result<BTreeMap<String, HeldRow>, StoreError> {
-    let rows: Vec<(String, i64, String, bool, String, Option<String>, i64)> = sqlx::query_as(
+    // A row's columns as `held_from_row` takes them, and its round.
+    type Columns = (String, i64, String, bool, String, Option<String>, i64);
+    let rows: Vec<Columns> = sqlx::query_as(
         "SELECT subject, generation, sequence, tombstone, parts::text, item::text, round
          FROM copy_items WHERE endpoint_id = $1",
     )
@@ -204,9 +206,10 @@ async fn write_merge(
             }
         }
         let expected = rows.len();
-        let query = sqlx::query_scalar::<_, i64>(&WRITE_ROWS);
-        let n = changes
-            .bind_scalar(rows.bind_scalar(query))
+        let mut args = PgArguments::default();
+        rows.add_to(&mut args)?;
+        changes.add_to(&mut args)?;
+        let n: i64 = sqlx::query_scalar_with(&WRITE_ROWS, args)
             .fetch_one(&mut *conn)
             .await?;
         if n as usize != expected {
@@ -425,40 +428,19 @@ impl RowArrays {
         self.round.push(round);
     }
 
-    pub(crate) fn bind<'q, O>(
-        self,
-        query: sqlx::query::QueryAs<'q, Postgres, O, PgArguments>,
-    ) -> sqlx::query::QueryAs<'q, Postgres, O, PgArguments> {
-        query
-            .bind(self.endpoint)
-            .bind(self.tenant)
-            .bind(self.subject)
-            .bind(self.generation)
-            .bind(self.sequence)
-            .bind(self.tombstone)
-            .bind(self.item_kind)
-            .bind(self.company_id)
-            .bind(self.parts)
-            .bind(self.item)
-            .bind(self.round)
-    }
-
-    fn bind_scalar<'q, O>(
-        self,
-        query: sqlx::query::QueryScalar<'q, Postgres, O, PgArguments>,
-    ) -> sqlx::query::QueryScalar<'q, Postgres, O, PgArguments> {
-        query
-            .bind(self.endpoint)
-            .bind(self.tenant)
-            .bind(self.subject)
-            .bind(self.generation)
-            .bind(self.sequence)
-            .bind(self.tombstone)
-            .bind(self.item_kind)
-            .bind(self.company_id)
-            .bind(self.parts)
-            .bind(self.item)
-            .bind(self.round)
+    /// Adds the arrays to `args`, in [`write_rows_cte`]'s order.
+    pub(crate) fn add_to(self, args: &mut PgArguments) -> Result<(), StoreError> {
+        add(args, self.endpoint)?;
+        add(args, self.tenant)?;
+        add(args, self.subject)?;
+        add(args, self.generation)?;
+        add(args, self.sequence)?;
+        add(args, self.tombstone)?;
+        add(args, self.item_kind)?;
+        add(args, self.company_id)?;
+        add(args, self.parts)?;
+        add(args, self.item)?;
+        add(args, self.round)
     }
 }
 
@@ -596,41 +578,29 @@ impl ChangeArrays {
         Ok(())
     }
 
-    pub(crate) fn bind<'q, O>(
-        self,
-        query: sqlx::query::QueryAs<'q, Postgres, O, PgArguments>,
-    ) -> sqlx::query::QueryAs<'q, Postgres, O, PgArguments> {
-        query
-            .bind(self.endpoint)
-            .bind(self.tenant)
-            .bind(self.operation)
-            .bind(self.subject)
-            .bind(self.item_kind)
-            .bind(self.generation)
-            .bind(self.sequence)
-            .bind(self.event_id)
-            .bind(self.reload_generation)
-            .bind(self.item)
-            .bind(self.diff)
+    /// Adds the arrays to `args`, in [`append_changes_ctes`]' order.
+    pub(crate) fn add_to(self, args: &mut PgArguments) -> Result<(), StoreError> {
+        add(args, self.endpoint)?;
+        add(args, self.tenant)?;
+        add(args, self.operation)?;
+        add(args, self.subject)?;
+        add(args, self.item_kind)?;
+        add(args, self.generation)?;
+        add(args, self.sequence)?;
+        add(args, self.event_id)?;
+        add(args, self.reload_generation)?;
+        add(args, self.item)?;
+        add(args, self.diff)
     }
+}
 
-    fn bind_scalar<'q, O>(
-        self,
-        query: sqlx::query::QueryScalar<'q, Postgres, O, PgArguments>,
-    ) -> sqlx::query::QueryScalar<'q, Postgres, O, PgArguments> {
-        query
-            .bind(self.endpoint)
-            .bind(self.tenant)
-            .bind(self.operation)
-            .bind(self.subject)
-            .bind(self.item_kind)
-            .bind(self.generation)
-            .bind(self.sequence)
-            .bind(self.event_id)
-            .bind(self.reload_generation)
-            .bind(self.item)
-            .bind(self.diff)
-    }
+/// Adds one bound value to a statement's arguments.
+pub(crate) fn add<'q, T>(args: &mut PgArguments, value: T) -> Result<(), StoreError>
+where
+    T: sqlx::Encode<'q, Postgres> + sqlx::Type<Postgres> + Send + 'q,
+{
+    sqlx::Arguments::add(args, value)
+        .map_err(|e| StoreError::Invalid(format!("a bound value: {e}")))
 }
 
 /// The CTEs `pending`, `numbered`, `counter` and `change`: appends the changes of

@@ -9,11 +9,12 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::LazyLock;
 
 use relay_rules::{Decision, EndpointTrack, Held, Outcome, RunPlan};
+use sqlx::postgres::PgArguments;
 use sqlx::PgConnection;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::copy::{self, RowArrays};
+use crate::copy::{self, add, RowArrays};
 use crate::tracks::{self, TrackClaim, FEED_TRACK, TRACK_COLUMNS};
 use crate::{quarantine, StoreError};
 
@@ -293,30 +294,36 @@ pub async fn write_runs(
     }
     // A body that does not parse is set aside at its first look.
     let q_attempts = vec![1i32; q_seq.len()];
-    let query = sqlx::query_as(&WRITE_RUNS);
-    let query = rows.bind(query);
-    let query = changes.bind(query);
-    let query = t.bind(query);
-    let found: Vec<(Uuid, i64, i64, i64)> = query
-        .bind(k_endpoint)
-        .bind(k_tenant)
-        .bind(k_event)
-        .bind(o_endpoint)
-        .bind(o_tenant)
-        .bind(o_seq)
-        .bind(o_outcome)
-        .bind(o_applied)
-        .bind(o_ignored)
-        .bind(runs.iter().map(|r| r.endpoint).collect::<Vec<_>>())
-        .bind(runs.iter().map(|r| r.tenant).collect::<Vec<_>>())
-        .bind(runs.iter().map(|r| r.from).collect::<Vec<_>>())
-        .bind(runs.iter().map(|r| r.to).collect::<Vec<_>>())
-        .bind(runs.iter().map(|r| r.last_received_at).collect::<Vec<_>>())
-        .bind(q_endpoint)
-        .bind(q_tenant)
-        .bind(q_seq)
-        .bind(q_reason)
-        .bind(q_attempts)
+    let mut args = PgArguments::default();
+    rows.add_to(&mut args)?;
+    changes.add_to(&mut args)?;
+    t.add_to(&mut args)?;
+    add(&mut args, k_endpoint)?;
+    add(&mut args, k_tenant)?;
+    add(&mut args, k_event)?;
+    add(&mut args, o_endpoint)?;
+    add(&mut args, o_tenant)?;
+    add(&mut args, o_seq)?;
+    add(&mut args, o_outcome)?;
+    add(&mut args, o_applied)?;
+    add(&mut args, o_ignored)?;
+    add(
+        &mut args,
+        runs.iter().map(|r| r.endpoint).collect::<Vec<_>>(),
+    )?;
+    add(&mut args, runs.iter().map(|r| r.tenant).collect::<Vec<_>>())?;
+    add(&mut args, runs.iter().map(|r| r.from).collect::<Vec<_>>())?;
+    add(&mut args, runs.iter().map(|r| r.to).collect::<Vec<_>>())?;
+    add(
+        &mut args,
+        runs.iter().map(|r| r.last_received_at).collect::<Vec<_>>(),
+    )?;
+    add(&mut args, q_endpoint)?;
+    add(&mut args, q_tenant)?;
+    add(&mut args, q_seq)?;
+    add(&mut args, q_reason)?;
+    add(&mut args, q_attempts)?;
+    let found: Vec<(Uuid, i64, i64, i64)> = sqlx::query_as_with(&WRITE_RUNS, args)
         .fetch_all(conn)
         .await?;
     let mut written: HashMap<Uuid, RunWritten> = found
@@ -440,18 +447,21 @@ pub async fn quarantine_next(
 ) -> Result<bool, StoreError> {
     let mut t = tracks::TrackArrays::default();
     t.push(endpoint, tenant, track)?;
-    let query = sqlx::query_scalar(&QUARANTINE_NEXT)
-        .bind(endpoint)
-        .bind(tenant)
-        .bind(from)
-        .bind(arrival_seq)
-        .bind(Outcome::Quarantined.as_str())
-        .bind(vec![endpoint])
-        .bind(vec![tenant])
-        .bind(vec![arrival_seq])
-        .bind(vec![quarantine::reason_text(reason)])
-        .bind(vec![attempts]);
-    let moved: i64 = t.bind_scalar(query).fetch_one(conn).await?;
+    let mut args = PgArguments::default();
+    add(&mut args, endpoint)?;
+    add(&mut args, tenant)?;
+    add(&mut args, from)?;
+    add(&mut args, arrival_seq)?;
+    add(&mut args, Outcome::Quarantined.as_str())?;
+    add(&mut args, vec![endpoint])?;
+    add(&mut args, vec![tenant])?;
+    add(&mut args, vec![arrival_seq])?;
+    add(&mut args, vec![quarantine::reason_text(reason)])?;
+    add(&mut args, vec![attempts])?;
+    t.add_to(&mut args)?;
+    let moved: i64 = sqlx::query_scalar_with(&QUARANTINE_NEXT, args)
+        .fetch_one(conn)
+        .await?;
     Ok(moved == 1)
 }
 

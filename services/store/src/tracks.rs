@@ -7,7 +7,9 @@ use std::sync::LazyLock;
 
 use relay_rules::{EndpointTrack, Reload};
 use sqlx::postgres::PgArguments;
-use sqlx::{PgConnection, PgPool, Postgres};
+use sqlx::{PgConnection, PgPool};
+
+use crate::copy::add;
 use uuid::Uuid;
 
 use crate::StoreError;
@@ -158,10 +160,9 @@ pub async fn save(
 ) -> Result<(), StoreError> {
     let mut arrays = TrackArrays::default();
     arrays.push(endpoint, tenant, track)?;
-    arrays
-        .bind_scalar(sqlx::query_scalar::<_, i64>(&SAVE))
-        .fetch_one(conn)
-        .await?;
+    let mut args = PgArguments::default();
+    arrays.add_to(&mut args)?;
+    sqlx::query_with(&SAVE, args).execute(conn).await?;
     Ok(())
 }
 
@@ -241,38 +242,18 @@ impl TrackArrays {
         Ok(())
     }
 
-    pub(crate) fn bind<'q, O>(
-        self,
-        query: sqlx::query::QueryAs<'q, Postgres, O, PgArguments>,
-    ) -> sqlx::query::QueryAs<'q, Postgres, O, PgArguments> {
-        query
-            .bind(FEED_TRACK)
-            .bind(self.endpoint)
-            .bind(self.tenant)
-            .bind(self.generation)
-            .bind(self.access_version)
-            .bind(self.through)
-            .bind(self.last_was_reset)
-            .bind(self.last_reset_generation)
-            .bind(self.reload)
-            .bind(self.reloads_begun)
-    }
-
-    pub(crate) fn bind_scalar<'q, O>(
-        self,
-        query: sqlx::query::QueryScalar<'q, Postgres, O, PgArguments>,
-    ) -> sqlx::query::QueryScalar<'q, Postgres, O, PgArguments> {
-        query
-            .bind(FEED_TRACK)
-            .bind(self.endpoint)
-            .bind(self.tenant)
-            .bind(self.generation)
-            .bind(self.access_version)
-            .bind(self.through)
-            .bind(self.last_was_reset)
-            .bind(self.last_reset_generation)
-            .bind(self.reload)
-            .bind(self.reloads_begun)
+    /// Adds the track's name and the arrays to `args`, in [`save_cte`]'s order.
+    pub(crate) fn add_to(self, args: &mut PgArguments) -> Result<(), StoreError> {
+        add(args, FEED_TRACK)?;
+        add(args, self.endpoint)?;
+        add(args, self.tenant)?;
+        add(args, self.generation)?;
+        add(args, self.access_version)?;
+        add(args, self.through)?;
+        add(args, self.last_was_reset)?;
+        add(args, self.last_reset_generation)?;
+        add(args, self.reload)?;
+        add(args, self.reloads_begun)
     }
 }
 
