@@ -657,7 +657,11 @@ impl CopyWriter {
             last_received_at: None,
         };
         let written = runs::write_runs(&mut tx, &[write]).await.unwrap();
-        assert_eq!(written[0].rows, plan.rows.len() as i64, "a planned row was refused");
+        assert_eq!(
+            written[0].rows,
+            plan.rows.len() as i64,
+            "a planned row was refused"
+        );
         assert!(written[0].cursor_moved);
         tx.commit().await.unwrap();
         self.next_seq = to;
