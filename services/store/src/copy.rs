@@ -175,6 +175,7 @@ async fn write_merge(
     for chunk in merge.writes.chunks(MERGE_CHUNK) {
         let mut rows = RowArrays::default();
         let mut changes = ChangeArrays::default();
+        let mut raised: (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
         for decision in chunk {
             match decision {
                 Decision::Store {
@@ -188,20 +189,18 @@ async fn write_merge(
                         (endpoint, tenant, subject),
                         (g, sequence, round),
                         Some((item.item_kind, item.company_id)),
-                        (Some(parts_json(&item.parts)), Some(text.clone())),
-                    )?;
+                        (parts_json(&item.parts), text.clone()),
+                    );
                     let cause = Cause::Reload(merge.generation);
                     changes.push(endpoint, tenant, decision, cause, Some(&text))?;
                 }
                 // The held item, at the read's position: nothing of it is sent again.
                 Decision::Unchanged {
                     subject, sequence, ..
-                } => rows.push_item(
-                    (endpoint, tenant, subject),
-                    (g, sequence, round),
-                    None,
-                    (None, None),
-                )?,
+                } => {
+                    raised.0.push(subject);
+                    raised.1.push(sequence.as_str());
+                }
                 _ => continue,
             }
         }
@@ -215,7 +214,20 @@ async fn write_merge(
         if n as usize != expected {
             return Err(refused(endpoint, n, expected));
         }
-        written += expected;
+        let expected_raised = raised.0.len();
+        let n = sqlx::query(RAISE)
+            .bind(endpoint)
+            .bind(g)
+            .bind(round)
+            .bind(raised.0)
+            .bind(raised.1)
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+        if n as usize != expected_raised {
+            return Err(refused(endpoint, n as i64, expected_raised));
+        }
+        written += expected + expected_raised;
     }
     let dropped = merge.dropped.len();
     let n: i64 = sqlx::query_scalar(DROP_OLDER)
@@ -262,6 +274,17 @@ static WRITE_ROWS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
         changes = append_changes_ctes(1 + RowArrays::WIDTH, "written"),
     )
 });
+
+/// A merge's `Unchanged` items: the item held is the one read, so only its position rises (to
+/// the merge's generation and the read's sequence, under the same condition as a store), and
+/// its round. An update, not an upsert: it names no item, and the rules decide `Unchanged`
+/// only over a held item.
+const RAISE: &str = "UPDATE copy_items AS held
+     SET generation = $2, sequence = u.sequence, round = $3, updated_at = now()
+     FROM unnest($4::text[], $5::text[]) AS u(subject, sequence)
+     WHERE held.endpoint_id = $1 AND held.subject = u.subject AND NOT held.tombstone
+       AND ($2 > held.generation
+            OR ($2 = held.generation AND u.sequence COLLATE \"C\" > held.sequence))";
 
 /// Rule "Then remove everything held from an older generation": items and tombstones alike, a
 /// `remove` change appended for each item deleted (a tombstone's removal was reported when it
@@ -375,15 +398,18 @@ impl RowArrays {
         let round = to_i64(row.round)?;
         let key = (endpoint, tenant, row.subject.as_str());
         match &row.held.content {
-            HeldContent::Item { parts, item } => self.push_item(
-                key,
-                (g, &row.held.sequence, round),
-                row.facts,
-                (
-                    Some(parts_json(parts)),
-                    Some(text.map_or_else(|| item.to_string(), str::to_owned)),
-                ),
-            ),
+            HeldContent::Item { parts, item } => {
+                self.push_item(
+                    key,
+                    (g, &row.held.sequence, round),
+                    row.facts,
+                    (
+                        parts_json(parts),
+                        text.map_or_else(|| item.to_string(), str::to_owned),
+                    ),
+                );
+                Ok(())
+            }
             HeldContent::Tombstone => {
                 self.push_key(key, (g, &row.held.sequence, round));
                 self.tombstone.push(true);
@@ -397,22 +423,22 @@ impl RowArrays {
         }
     }
 
-    /// An item row; `facts` and `content` (parts, item) `None` keep what the row holds.
+    /// An item row, with its parts and item JSON; `facts` `None` keeps the kind and company
+    /// the row holds (the item is the one held: a raised position).
     fn push_item(
         &mut self,
         key: (Uuid, Uuid, &str),
         position: (i64, &Sequence, i64),
         facts: Option<(ItemKind, Option<i64>)>,
-        (parts, item): (Option<String>, Option<String>),
-    ) -> Result<(), StoreError> {
+        (parts, item): (String, String),
+    ) {
         self.push_key(key, position);
         self.tombstone.push(false);
         self.item_kind
             .push(facts.map(|(kind, _)| kind.as_str().to_owned()));
         self.company_id.push(facts.and_then(|(_, company)| company));
-        self.parts.push(parts);
-        self.item.push(item);
-        Ok(())
+        self.parts.push(Some(parts));
+        self.item.push(Some(item));
     }
 
     fn push_key(
@@ -447,8 +473,8 @@ impl RowArrays {
 /// The CTEs `rows` and `written`: writes [`RowArrays`] bound from `$first`, each row only where
 /// its position wins over the row as it is now (the precedence of the last decision that wrote
 /// it: newer generation, higher sequence, or a removal at the same sequence over an item).
-/// `written` returns (endpoint_id, subject) of each row written. A row whose kind, parts or
-/// item is null keeps the held one (a position raised, not an item stored).
+/// `written` returns (endpoint_id, subject) of each row written. A row whose kind is null keeps
+/// the held kind and company (its item is the one held: a position raised).
 pub(crate) fn write_rows_cte(first: u32) -> String {
     let [e, t, s, g, q, tb, k, c, p, i, r] = std::array::from_fn(|n| first + n as u32);
     format!(
@@ -473,10 +499,7 @@ pub(crate) fn write_rows_cte(first: u32) -> String {
                  company_id = CASE WHEN excluded.tombstone THEN NULL
                                    WHEN excluded.item_kind IS NULL THEN held.company_id
                                    ELSE excluded.company_id END,
-                 parts = CASE WHEN excluded.tombstone OR excluded.item IS NOT NULL
-                              THEN excluded.parts ELSE held.parts END,
-                 item = CASE WHEN excluded.tombstone OR excluded.item IS NOT NULL
-                             THEN excluded.item ELSE held.item END,
+                 parts = excluded.parts, item = excluded.item,
                  round = excluded.round, updated_at = now()
              WHERE excluded.generation > held.generation
                 OR (excluded.generation = held.generation
