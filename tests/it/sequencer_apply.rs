@@ -10,13 +10,14 @@ use bytes::Bytes;
 use relay_coord::Waker;
 use relay_netguard::OutboundPolicy;
 use relay_sequencer::apply::{
-    apply_messages, apply_runs, prepare_run, ApplyError, EndpointContext, PreparedRun,
+    apply_runs, prepare_run, ApplyError, BatchReport, EndpointContext, PreparedRun,
 };
-use relay_sequencer::state::{self, EndpointRegistration, PendingMessage};
 use relay_sequencer::upstream::UpstreamClient;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
-use relay_store::copy;
+use relay_store::cursors::{self, PendingMessage};
+use relay_store::endpoints::EndpointRegistration;
 use relay_store::messages::{store_batch, IncomingMessage};
+use relay_store::{copy, tracks};
 use relay_tests::{random_secret, redis_url, TestDb};
 use serde_json::{json, Value};
 use time::OffsetDateTime;
@@ -58,11 +59,38 @@ pub(crate) async fn store(db: &TestDb, tenant: Uuid, endpoint: Uuid, bodies: &[V
 }
 
 pub(crate) async fn pending(db: &TestDb, endpoint: Uuid) -> (i64, Vec<PendingMessage>) {
-    let applied = state::applied_through(&db.pool, endpoint).await.unwrap();
-    let (_, messages) = state::pending_messages(&db.pool, endpoint, applied, 100)
+    let applied = cursors::applied_through(&db.pool, endpoint).await.unwrap();
+    let (_, messages) = cursors::pending_messages(&db.pool, endpoint, applied, 100)
         .await
         .unwrap();
     (applied, messages)
+}
+
+/// Applies `pending`, the stored messages that follow `applied`, under fencing token `token`,
+/// as a worker without a batcher does: one run prepared (its refetches read) and applied in a
+/// transaction of its own.
+pub(crate) async fn apply_messages(
+    pool: &sqlx::PgPool,
+    ctx: &Arc<EndpointContext>,
+    token: i64,
+    applied: i64,
+    pending: &[PendingMessage],
+    metrics: &SequencerMetrics,
+) -> Result<BatchReport, ApplyError> {
+    let through = pending.last().map_or(applied, |m| m.arrival_seq);
+    let run = prepare_run(
+        pool,
+        ctx,
+        token,
+        (applied, through),
+        pending.to_vec(),
+        metrics,
+    )
+    .await?;
+    apply_runs(pool, vec![run], metrics)
+        .await
+        .pop()
+        .expect("one answer per run")
 }
 
 pub(crate) struct Setup {
@@ -148,7 +176,7 @@ async fn a_worker_whose_fence_moved_on_writes_nothing() {
         .unwrap()
         .is_empty());
     assert_eq!(
-        state::applied_through(&s.db.pool, s.endpoint)
+        cursors::applied_through(&s.db.pool, s.endpoint)
             .await
             .unwrap(),
         0
@@ -237,9 +265,7 @@ async fn a_run_of_messages_applies_in_order_with_duplicates_and_older_generation
         .with_label_values(&["ignored_duplicate"])
         .get();
     assert_eq!(duplicates, 1);
-    let track = state::peek_track(&s.db.pool, s.endpoint, state::FEED_TRACK)
-        .await
-        .unwrap();
+    let track = tracks::peek(&s.db.pool, s.endpoint).await.unwrap();
     assert_eq!(track.generation, Some(2));
     assert_eq!(
         track.through.as_deref(),
@@ -370,9 +396,9 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
     );
     assert_eq!(seqs(&copy::list_changes(&s.db.pool, b).await.unwrap()), [1]);
     assert!(copy::list_changes(&s.db.pool, c).await.unwrap().is_empty());
-    assert_eq!(state::applied_through(&s.db.pool, a).await.unwrap(), 2);
-    assert_eq!(state::applied_through(&s.db.pool, b).await.unwrap(), 1);
-    assert_eq!(state::applied_through(&s.db.pool, c).await.unwrap(), 0);
+    assert_eq!(cursors::applied_through(&s.db.pool, a).await.unwrap(), 2);
+    assert_eq!(cursors::applied_through(&s.db.pool, b).await.unwrap(), 1);
+    assert_eq!(cursors::applied_through(&s.db.pool, c).await.unwrap(), 0);
     let events = |label: &str| metrics.events.with_label_values(&[label]).get();
     assert_eq!(
         events("stored"),
@@ -404,7 +430,7 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
         [1, 2]
     );
     assert_eq!(copy::copy_rows(&s.db.pool, b).await.unwrap().len(), 2);
-    assert_eq!(state::applied_through(&s.db.pool, b).await.unwrap(), 2);
+    assert_eq!(cursors::applied_through(&s.db.pool, b).await.unwrap(), 2);
     // Counted as committed: B's new event once (it was decided twice), A's stale run not at all.
     assert_eq!(events("stored"), 4);
     assert_eq!(events("ignored_duplicate"), 0);
@@ -449,7 +475,7 @@ async fn a_wake_up_reaches_a_running_sequencer() {
     .unwrap();
     let mut applied = 0;
     for _ in 0..200 {
-        applied = state::applied_through(&s.db.pool, s.endpoint)
+        applied = cursors::applied_through(&s.db.pool, s.endpoint)
             .await
             .unwrap();
         if applied == 1 {

@@ -20,13 +20,12 @@ use bytes::Bytes;
 use relay_api::auth::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
 use relay_rules::ApplyBackoff;
-use relay_sequencer::state;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::model::ChangeKind;
 use relay_simulator::Simulation;
 use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::messages::{store_batch, IncomingMessage};
-use relay_store::{copy, tenants, PoolOptions};
+use relay_store::{copy, cursors, tenants, tracks, PoolOptions};
 use relay_tests::{random_secret, redis_url, seed, RedisPrefix, TestApp, TestDb};
 use relay_wire::{Sequence, SigningSecret};
 use serde_json::{json, Value};
@@ -212,7 +211,7 @@ async fn in_sync_endpoint(pool: &PgPool, tenant: Uuid, upstream: Option<&str>) -
 }
 
 async fn applied_through(pool: &PgPool, endpoint: Uuid) -> i64 {
-    state::applied_through(pool, endpoint).await.unwrap()
+    cursors::applied_through(pool, endpoint).await.unwrap()
 }
 
 /// (status, reason, attempts) of each quarantine row of the endpoint, by arrival number.
@@ -570,9 +569,7 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
     assert!(!copy.contains_key("announcement:2"));
     // The quarantine began a reload ("read /v1/feed again"); with no upstream it cannot merge,
     // and it does not hold the endpoint's messages back.
-    let track = state::peek_track(&db.pool, a_endpoint, state::FEED_TRACK)
-        .await
-        .unwrap();
+    let track = tracks::peek(&db.pool, a_endpoint).await.unwrap();
     assert!(track.reload.is_some(), "{track:?}");
 
     // A body that is not a v1 message, to discard.
