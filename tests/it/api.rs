@@ -6,7 +6,7 @@
 //! through relay_store), `api_lifecycle.rs` (secrets, pause, destination, and the front tier
 //! answering as the API's writes say) and `api_rewind.rs` (rewinds against the simulator).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,10 +14,11 @@ use relay_api::auth::{mint, JwtKeys, Subject};
 use relay_api::broker::{BrokerAccess, ManagementSettings};
 use relay_api::{ApiConfig, ApiServer};
 use relay_netguard::OutboundPolicy;
-use relay_rules::decide_event;
-use relay_rules::DestinationPolicy;
-use relay_store::copy::{self, Cause};
+use relay_rules::{decide_run, event_ids, subjects, DestinationPolicy, EndpointTrack, Run};
+use relay_store::cursors;
 use relay_store::messages::{store_batch, IncomingMessage};
+use relay_store::runs::{self, RunClaim, RunWrite};
+use relay_store::tracks::{self, TrackClaim};
 use relay_tests::{random_secret, TestDb, Vhost};
 use relay_wire::{Message, Sequence};
 use serde_json::{json, Value};
@@ -250,32 +251,63 @@ fn message_body(endpoint: Uuid, events: &[Value], through: u64) -> Vec<u8> {
     .unwrap()
 }
 
-/// Applies `events` (generation 1) to the endpoint's copy through relay_store, as the sequencer
-/// does: one transaction, the endpoint locked, each decision made under the row's lock.
+/// Applies `events` to the endpoint's copy as the sequencer does: one message of generation 1
+/// under av1, decided whole by relay-rules' `decide_run` against what relay-store's
+/// `runs::open_runs` read under the endpoint's locks, and written by `runs::write_runs`, in one
+/// transaction. The track is held under av1 at generation 1 first, so no reload begins. No
+/// message is stored, so none is noted, the apply cursor stays where it is, and the message
+/// names no `through` (the track keeps none: a rewind reads the feed again without a call).
 pub async fn apply_events(db: &TestDb, tenant: Uuid, endpoint: Uuid, events: &[Value]) {
-    let message = Message::parse(&message_body(endpoint, events, 1)).unwrap();
+    let body = json!({"v": 1, "webhook_endpoint_id": endpoint, "track": "feed", "generation": 1,
+                      "access_version": "av1", "events": events});
+    let messages = [Ok(Message::parse(body.to_string().as_bytes()).unwrap())];
+    tracks::transition(&db.pool, tenant, endpoint, |track| {
+        (track.generation.is_none()).then(|| EndpointTrack {
+            generation: Some(1),
+            access_version: Some("av1".to_owned()),
+            ..track.clone()
+        })
+    })
+    .await
+    .unwrap();
+    let token = db.claim_fence(endpoint).await;
+    let (ids, subjects) = (event_ids(&messages), subjects(&messages));
     let mut tx = db.pool.begin().await.unwrap();
-    copy::lock_endpoint(&mut tx, tenant, endpoint)
-        .await
-        .unwrap();
-    for event in &message.events {
-        assert!(copy::record_event_id(&mut tx, tenant, endpoint, &event.id)
-            .await
-            .unwrap());
-        let subject = relay_rules::feed_subject(event).unwrap();
-        let held = copy::load_held(&mut tx, endpoint, subject).await.unwrap();
-        let decision = decide_event(held.as_ref(), 1, event);
-        let applied = copy::apply(
-            &mut tx,
-            tenant,
+    let claim = RunClaim {
+        claim: TrackClaim {
             endpoint,
-            &decision,
-            Cause::Event(&event.id),
-        )
+            tenant,
+            token,
+        },
+        event_ids: &ids,
+        subjects: &subjects,
+    };
+    let opened = runs::open_runs(&mut tx, &[claim])
         .await
-        .unwrap();
-        assert!(applied.written(), "{decision:?}");
-    }
+        .unwrap()
+        .pop()
+        .flatten()
+        .expect("the fence was just claimed");
+    let run = Run {
+        track: &opened.track,
+        messages: &messages,
+        seen: &opened.seen,
+        refetches: &HashMap::new(),
+    };
+    let plan = decide_run(run, opened.held);
+    assert!(plan.events.iter().all(|e| e.applied()), "{plan:?}");
+    let cursor = cursors::applied_through(&mut *tx, endpoint).await.unwrap();
+    let write = RunWrite {
+        endpoint,
+        tenant,
+        plan: &plan,
+        from: cursor,
+        to: cursor,
+        arrival_seqs: &[],
+        last_received_at: None,
+    };
+    let written = runs::write_runs(&mut tx, &[write]).await.unwrap();
+    assert_eq!(written[0].rows, plan.rows.len() as i64, "{plan:?}");
     tx.commit().await.unwrap();
 }
 

@@ -134,10 +134,16 @@ async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
     // Messages: three stored, two applied (one with its outcome recorded), one waiting.
     let seqs = store_messages(&app.db, tenant, endpoint, 3).await;
     assert_eq!(seqs, [1, 2, 3]);
+    // The events above were written as the sequencer writes them, which keeps a cursor and a
+    // track row: set both as the messages would have left them.
     sqlx::query(
         "INSERT INTO endpoint_apply_cursors
              (endpoint_id, tenant_id, applied_arrival_seq, last_received_at, last_applied_at)
-         VALUES ($1, $2, 2, now() - interval '59 s', now())",
+         VALUES ($1, $2, 2, now() - interval '59 s', now())
+         ON CONFLICT (endpoint_id) DO UPDATE
+         SET applied_arrival_seq = excluded.applied_arrival_seq,
+             last_received_at = excluded.last_received_at,
+             last_applied_at = excluded.last_applied_at",
     )
     .bind(endpoint)
     .bind(tenant)
@@ -157,7 +163,10 @@ async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
     sqlx::query(
         "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version,
                                       through, last_was_reset)
-         VALUES ($1, 'feed', $2, 1, 'av1', '1.16', false)",
+         VALUES ($1, 'feed', $2, 1, 'av1', '1.16', false)
+         ON CONFLICT (endpoint_id, track) DO UPDATE
+         SET generation = excluded.generation, access_version = excluded.access_version,
+             through = excluded.through, last_was_reset = excluded.last_was_reset",
     )
     .bind(endpoint)
     .bind(tenant)

@@ -158,9 +158,10 @@ async fn rewind(app: &ApiApp, token: &str, endpoint: Uuid) -> Value {
     .await
 }
 
-/// What relay-rules' `read_feed_again` begins on a track held at generation 3.
+/// What relay-rules' `read_feed_again` begins on a track held at `generation` that never began a
+/// reload before: the track's first (`round` 1).
 fn read_again_at(generation: u64) -> Value {
-    json!({"generation": generation, "access_version": null, "cause": "ReadAgain"})
+    json!({"generation": generation, "access_version": null, "cause": "ReadAgain", "round": 1})
 }
 
 #[tokio::test]
