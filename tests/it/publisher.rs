@@ -1,5 +1,6 @@
 //! The publisher against real Postgres, Redis and RabbitMQ: changes written into the outbox by
-//! the copy's own SQL (`relay_store::copy`, as the sequencer writes them) reach each tenant's
+//! the sequencer's own statements (relay-store's `runs` and `copy::merge`, through the stack's
+//! `CopyWriter`) reach each tenant's
 //! destination once confirmed and in order, and the copy rebuilt from each tenant's queue by the
 //! reference consumer equals the copy in Postgres, through broker outages, deleted queues,
 //! unreachable tenant brokers, several publishers and a publisher killed between confirm and
@@ -28,14 +29,15 @@ use relay_publisher::{
     tenant_queue, BeforeMark, ChangeMessage, Publisher, PublisherConfig, PublisherHandle,
     ReferenceConsumer, TailArgs, TailOutput,
 };
-use relay_rules::DestinationPolicy;
-use relay_rules::{decide_event, Decision, HeldContent, IgnoreReason, ReadItem};
-use relay_store::copy::{self, Cause};
+use relay_rules::{DestinationPolicy, HeldContent, Pass, ReadItem, StoredMessage};
+use relay_store::copy::{self, Merged};
 use relay_tests::{amqp_addr, redis_url, seed, PgProxy, ProxyMode, RedisPrefix, TestDb, Vhost};
-use relay_wire::{Event, FeedItem, Message, Sequence};
+use relay_wire::{FeedItem, Message, Sequence};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use uuid::Uuid;
+
+use crate::stack::CopyWriter;
 
 // ---- Environment: Redis, RabbitMQ, a vhost per test ----
 
@@ -173,7 +175,7 @@ pub(crate) async fn wait_published(pool: &PgPool, tenants: &[Uuid], seed: u64) {
     .await;
 }
 
-// ---- Realistic outbox rows: feed events and reloads through relay_store::copy ----
+// ---- Realistic outbox rows: feed messages and reloads through the sequencer's statements ----
 
 fn subject(s: u32) -> String {
     format!("announcement:{s}")
@@ -195,114 +197,140 @@ fn item_json(s: u32, n: u64) -> Value {
            "head": {"title": format!("item {s} at {n}")}})
 }
 
-/// A feed event of generation `g` at sequence `n`, parsed by relay_wire from a v1 message.
-fn feed_event(id: &str, s: u32, g: u64, n: u64, removal: bool) -> Event {
+/// The access_version every feed's messages and pages carry.
+const AV: &str = "b4d934cf";
+
+/// A feed item's event at sequence `n`: an update of subject `s`, or its removal.
+fn feed_event(id: &str, s: u32, n: u64, removal: bool) -> Value {
     let sequence = Sequence::from_parts(1, n);
-    let event = if removal {
+    if removal {
         json!({"id": id, "type": "announcement.hidden", "subject": subject(s),
                "sequence": sequence.as_str(), "specversion": "1.0",
                "data": {"type": "hidden", "feed_item_id": subject(s), "seq": n}})
     } else {
         json!({"id": id, "type": "announcement.updated", "subject": subject(s),
                "sequence": sequence.as_str(), "specversion": "1.0", "data": item_json(s, n)})
-    };
-    let body = json!({"v": 1, "webhook_endpoint_id": "8d2f0c39-2b63-4c55-9a8a-3f5b1d7c1e20",
-                      "track": "feed", "generation": g, "access_version": "b4d934cf",
-                      "since": "1.0", "through": sequence.as_str(), "complete": true,
-                      "events": [event]});
-    Message::parse(body.to_string().as_bytes())
-        .unwrap()
-        .events
-        .remove(0)
+    }
 }
 
-/// One endpoint's upstream, as the sequencer would apply it.
+/// A v1 message of generation `g` holding `event`, parsed by relay_wire as the sequencer parses
+/// what it stored.
+fn feed_message(endpoint: Uuid, g: u64, event: &Value) -> StoredMessage {
+    let through = event["sequence"].clone();
+    let body = json!({"v": 1, "webhook_endpoint_id": endpoint, "track": "feed",
+                      "generation": g, "access_version": AV, "since": "1.0",
+                      "through": through, "complete": true, "events": [event]});
+    Ok(Message::parse(body.to_string().as_bytes()).unwrap())
+}
+
+/// A reset to generation `g` (it begins a reload under `g`).
+fn reset_message(endpoint: Uuid, g: u64) -> StoredMessage {
+    let body = json!({"v": 1, "webhook_endpoint_id": endpoint, "track": "feed",
+                      "generation": g, "access_version": AV,
+                      "events": [{"id": format!("evt_{}_reset_{g}", endpoint.simple()),
+                                  "type": "webhook_endpoint.reset", "specversion": "1.0",
+                                  "data": {"access_version": AV, "generation": g,
+                                           "reason": "behind", "track": "feed"}}]});
+    Ok(Message::parse(body.to_string().as_bytes()).unwrap())
+}
+
+/// One endpoint's upstream, its messages and reloads written into the copy by the sequencer's
+/// own statements ([`CopyWriter`]).
 pub(crate) struct Feed {
     tenant: Uuid,
     endpoint: Uuid,
+    writer: CopyWriter,
     generation: u64,
     n: u64,
-    sent: Vec<(u64, Event)>,
+    /// Every feed event sent, with its message's generation.
+    sent: Vec<(u64, Value)>,
+}
+
+/// A feed for each of `tenants`, in order.
+pub(crate) async fn feeds_of(db: &TestDb, tenants: impl IntoIterator<Item = Uuid>) -> Vec<Feed> {
+    let mut feeds = Vec::new();
+    for tenant in tenants {
+        feeds.push(Feed::new(db, tenant).await);
+    }
+    feeds
 }
 
 impl Feed {
-    pub(crate) fn new(tenant: Uuid) -> Self {
-        Self {
+    /// A registered endpoint of `tenant` whose copy was read (empty) under generation 1: a reset
+    /// and its reload's merge, so its messages apply without beginning another.
+    pub(crate) async fn new(db: &TestDb, tenant: Uuid) -> Self {
+        let endpoint = Uuid::new_v4();
+        let mut feed = Self {
             tenant,
-            endpoint: Uuid::new_v4(),
+            endpoint,
+            writer: CopyWriter::new(db, tenant, endpoint).await,
             generation: 1,
             n: 0,
             sent: Vec::new(),
-        }
+        };
+        feed.reload(&db.pool, BTreeSet::new()).await;
+        feed
     }
 
-    /// One random step in its own transaction: mostly updates, some removals, a duplicate or
-    /// a late event of an older generation now and then, and an occasional reload (a merge of
-    /// what it read and a drop of everything older).
+    /// One random step, each write a transaction of its own: mostly updates, some removals, a
+    /// duplicate or a late event of an older generation now and then, and an occasional reload
+    /// of the next generation (a reset, then a merge of what it read and a drop of everything
+    /// older).
     async fn step(&mut self, pool: &PgPool, rng: &mut StdRng) {
-        let mut tx = pool.begin().await.unwrap();
-        copy::lock_endpoint(&mut tx, self.tenant, self.endpoint)
-            .await
-            .unwrap();
         let roll = rng.gen_range(0..100);
-        if roll < 6 && self.generation > 0 {
+        if roll < 6 {
             // A reload of the next generation reads a few items.
             self.generation += 1;
-            let g = self.generation;
             let mut read = BTreeSet::new();
             for _ in 0..rng.gen_range(0..5) {
                 read.insert(rng.gen_range(1..=6u32));
             }
-            for s in read {
-                self.n += 1;
-                let item = ReadItem {
-                    subject: subject(s),
-                    sequence: Sequence::from_parts(1, self.n),
-                    item: FeedItem::from_value(item_json(s, self.n), "items[0]").unwrap(),
-                };
-                copy::merge_read_item(&mut tx, self.tenant, self.endpoint, g, &item)
-                    .await
-                    .unwrap();
-            }
-            copy::drop_older_generations(&mut tx, self.tenant, self.endpoint, g)
-                .await
-                .unwrap();
+            self.reload(pool, read).await;
         } else if roll < 12 && !self.sent.is_empty() {
             // The upstream sends an event again (or an old generation's event arrives late).
             let (g, event) = self.sent[rng.gen_range(0..self.sent.len())].clone();
-            self.apply(&mut tx, g, &event).await;
+            let message = feed_message(self.endpoint, g, &event);
+            self.writer.run(pool, &[message], &HashMap::new()).await;
         } else {
             self.n += 1;
             let removal = roll >= 85;
             let s = rng.gen_range(1..=6u32);
             let id = format!("evt_{}_{}", self.endpoint.simple(), self.n);
-            let event = feed_event(&id, s, self.generation, self.n, removal);
-            self.apply(&mut tx, self.generation, &event).await;
+            let event = feed_event(&id, s, self.n, removal);
+            let message = feed_message(self.endpoint, self.generation, &event);
+            self.writer.run(pool, &[message], &HashMap::new()).await;
             self.sent.push((self.generation, event));
         }
-        tx.commit().await.unwrap();
     }
 
-    async fn apply(&self, tx: &mut sqlx::PgConnection, g: u64, event: &Event) {
-        let first = copy::record_event_id(tx, self.tenant, self.endpoint, &event.id)
-            .await
-            .unwrap();
-        let decision = if first {
-            let subject = relay_rules::feed_subject(event).unwrap();
-            let held = copy::load_held(tx, self.endpoint, subject).await.unwrap();
-            decide_event(held.as_ref(), g, event)
-        } else {
-            Decision::Ignore(IgnoreReason::Duplicate)
+    /// A reset to the feed's generation, and its reload's one pass, reading `read`.
+    async fn reload(&mut self, pool: &PgPool, read: BTreeSet<u32>) {
+        let g = self.generation;
+        let plan = self
+            .writer
+            .run(pool, &[reset_message(self.endpoint, g)], &HashMap::new())
+            .await;
+        let reload = plan
+            .track
+            .and_then(|track| track.reload)
+            .expect("a newer reset begins a reload");
+        let mut items = Vec::new();
+        for s in read {
+            self.n += 1;
+            items.push(ReadItem {
+                subject: subject(s),
+                sequence: Sequence::from_parts(1, self.n),
+                item: FeedItem::from_value(item_json(s, self.n), "data[0].item").unwrap(),
+            });
+        }
+        let pass = Pass {
+            page_access_versions: vec![AV.to_owned()],
+            items,
+            upstream_generation: Some(g),
+            read_again_at_start: 0,
         };
-        copy::apply(
-            tx,
-            self.tenant,
-            self.endpoint,
-            &decision,
-            Cause::Event(&event.id),
-        )
-        .await
-        .unwrap();
+        let merged = self.writer.merge(pool, &reload, &pass).await;
+        assert!(matches!(merged, Merged::Merged { .. }), "{merged:?}");
     }
 }
 
@@ -579,7 +607,7 @@ async fn each_tenants_queue_rebuilds_its_copies_once_and_in_order() {
     let mut rng = StdRng::seed_from_u64(seed);
     let pool = &env.db.pool;
     let tenants = [env.db.tenant().await, env.db.tenant().await];
-    let mut feeds: Vec<Feed> = (0..6).map(|i| Feed::new(tenants[i % 2])).collect();
+    let mut feeds = feeds_of(&env.db, (0..6).map(|i| tenants[i % 2])).await;
     write(pool, &mut feeds, &mut rng, 120).await;
 
     let (publisher, registry) = env.start(env.config(env.vhost.url())).await;
@@ -684,7 +712,7 @@ async fn a_broker_outage_mid_run_loses_nothing_and_keeps_order() {
     let mut rng = StdRng::seed_from_u64(seed);
     let pool = &env.db.pool;
     let tenants = [env.db.tenant().await, env.db.tenant().await];
-    let mut feeds: Vec<Feed> = (0..4).map(|i| Feed::new(tenants[i % 2])).collect();
+    let mut feeds = feeds_of(&env.db, (0..4).map(|i| tenants[i % 2])).await;
     let proxy = PgProxy::start(amqp_addr()).await;
     let config = PublisherConfig {
         // A silent broker is given up on sooner.
@@ -731,7 +759,7 @@ async fn more_tenants_than_connections_share_the_pool_without_timeouts() {
     for _ in 0..12 {
         tenants.push(env.db.tenant().await);
     }
-    let mut feeds: Vec<Feed> = (0..24).map(|i| Feed::new(tenants[i % 12])).collect();
+    let mut feeds = feeds_of(&env.db, (0..24).map(|i| tenants[i % 12])).await;
     write(pool, &mut feeds, &mut rng, 480).await;
     let publisher_pool = relay_store::connect(
         &env.db.url,
@@ -768,7 +796,7 @@ async fn a_queue_deleted_under_the_publisher_is_declared_again() {
     let mut rng = StdRng::seed_from_u64(seed);
     let pool = &env.db.pool;
     let tenant = env.db.tenant().await;
-    let mut feeds: Vec<Feed> = (0..3).map(|_| Feed::new(tenant)).collect();
+    let mut feeds = feeds_of(&env.db, [tenant; 3]).await;
     let config = PublisherConfig {
         // Keep the tenant (and its connection) between the two phases.
         idle_release: Duration::from_secs(600),
@@ -872,8 +900,8 @@ async fn a_tenant_whose_broker_is_unreachable_does_not_stall_another() {
     .await
     .unwrap();
 
-    let mut feeds_a: Vec<Feed> = (0..2).map(|_| Feed::new(a)).collect();
-    let mut feeds_b: Vec<Feed> = (0..2).map(|_| Feed::new(b)).collect();
+    let mut feeds_a = feeds_of(&env.db, [a; 2]).await;
+    let mut feeds_b = feeds_of(&env.db, [b; 2]).await;
     let (publisher, registry) = env.start(env.config(env.vhost.url())).await;
     for _ in 0..3 {
         write(pool, &mut feeds_a, &mut rng, 30).await;
@@ -962,7 +990,7 @@ async fn several_publishers_at_once_keep_each_endpoints_order() {
         env.db.tenant().await,
         env.db.tenant().await,
     ];
-    let mut feeds: Vec<Feed> = (0..6).map(|i| Feed::new(tenants[i % 3])).collect();
+    let mut feeds = feeds_of(&env.db, (0..6).map(|i| tenants[i % 3])).await;
     let config = || PublisherConfig {
         // Rounds of one endpoint each, so the publishers trade tenants mid-backlog.
         max_in_flight: 1,
@@ -1001,7 +1029,7 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
     let mut rng = StdRng::seed_from_u64(seed);
     let pool = &env.db.pool;
     let tenant = env.db.tenant().await;
-    let mut feeds: Vec<Feed> = (0..3).map(|_| Feed::new(tenant)).collect();
+    let mut feeds = feeds_of(&env.db, [tenant; 3]).await;
     write(pool, &mut feeds, &mut rng, 90).await;
 
     // The third round's confirms are the last thing the first publisher sees.
@@ -1139,7 +1167,7 @@ async fn a_publisher_stalled_past_its_lease_is_fenced_out() {
     let mut rng = StdRng::seed_from_u64(seed);
     let pool = &env.db.pool;
     let tenant = env.db.tenant().await;
-    let mut feeds: Vec<Feed> = (0..2).map(|_| Feed::new(tenant)).collect();
+    let mut feeds = feeds_of(&env.db, [tenant; 2]).await;
     write(pool, &mut feeds, &mut rng, 60).await;
 
     // The first publisher's task freezes at its second mark (the hook blocks its thread, as a
@@ -1277,7 +1305,7 @@ async fn nacked_changes_are_sent_again_in_order() {
     .await
     .unwrap();
 
-    let mut feeds: Vec<Feed> = (0..3).map(|_| Feed::new(tenant)).collect();
+    let mut feeds = feeds_of(&env.db, [tenant; 3]).await;
     write(pool, &mut feeds, &mut rng, 60).await;
     let (publisher, registry) = env.start(env.config(env.vhost.url())).await;
     wait_until(
@@ -1346,7 +1374,7 @@ async fn a_missing_exchange_or_binding_holds_the_backlog_until_fixed() {
     .execute(pool)
     .await
     .unwrap();
-    let mut feeds: Vec<Feed> = (0..2).map(|_| Feed::new(tenant)).collect();
+    let mut feeds = feeds_of(&env.db, [tenant; 2]).await;
     write(pool, &mut feeds, &mut rng, 40).await;
     let (publisher, registry) = env.start(env.config(env.vhost.url())).await;
 
@@ -1422,7 +1450,7 @@ async fn publishers_killed_at_random_moments_lose_and_reorder_nothing() {
     let mut rng = StdRng::seed_from_u64(seed);
     let pool = &env.db.pool;
     let tenants = [env.db.tenant().await, env.db.tenant().await];
-    let mut feeds: Vec<Feed> = (0..4).map(|i| Feed::new(tenants[i % 2])).collect();
+    let mut feeds = feeds_of(&env.db, (0..4).map(|i| tenants[i % 2])).await;
     let kills = 6;
     for _ in 0..kills {
         let (publisher, _) = env.start(env.config(env.vhost.url())).await;
@@ -1460,7 +1488,7 @@ async fn a_mark_moves_each_endpoints_cursor_forward_only_and_only_under_the_fenc
     let mut rng = StdRng::seed_from_u64(seed);
     let pool = &env.db.pool;
     let (a, b) = (env.db.tenant().await, env.db.tenant().await);
-    let mut feeds = vec![Feed::new(a), Feed::new(a), Feed::new(b)];
+    let mut feeds = feeds_of(&env.db, [a, a, b]).await;
     for feed in &mut feeds {
         while change_count(pool, feed.endpoint).await < 6 {
             feed.step(pool, &mut rng).await;
@@ -1654,7 +1682,7 @@ async fn a_postgres_outage_mid_run_sends_nothing_twice() {
     let mut rng = StdRng::seed_from_u64(seed);
     let pool = &env.db.pool;
     let tenants = [env.db.tenant().await, env.db.tenant().await];
-    let mut feeds: Vec<Feed> = (0..4).map(|i| Feed::new(tenants[i % 2])).collect();
+    let mut feeds = feeds_of(&env.db, (0..4).map(|i| tenants[i % 2])).await;
     let postgres: SocketAddr = std::env::var("RELAY_TEST_POSTGRES_ADDR")
         .unwrap_or_else(|_| "127.0.0.1:5432".to_owned())
         .parse()

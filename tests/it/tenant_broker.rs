@@ -30,7 +30,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::publisher::{
-    change_count_of, drain, metric, unpublished, wait_published, wait_until, write, Env, Feed,
+    change_count_of, drain, feeds_of, metric, unpublished, wait_published, wait_until, write, Env,
 };
 
 const KEY: &[u8] = b"test-signing-key-of-the-control-plane";
@@ -267,7 +267,7 @@ async fn the_publisher_refuses_a_destination_at_the_relays_broker_that_bypassed_
         .await
         .unwrap();
     }
-    let mut feeds: Vec<Feed> = [a1, a2, b, b].into_iter().map(Feed::new).collect();
+    let mut feeds = feeds_of(&env.db, [a1, a2, b, b]).await;
     let config = PublisherConfig {
         destination_policy: DestinationPolicy::default(),
         ..env.config(env.vhost.url())
@@ -668,12 +668,7 @@ async fn a_hanging_tenant_broker_does_not_stop_another_tenants_changes() {
         .await
         .unwrap();
     }
-    let mut feeds: Vec<Feed> = hanging_tenants
-        .iter()
-        .copied()
-        .chain([b, b])
-        .map(Feed::new)
-        .collect();
+    let mut feeds = feeds_of(&env.db, hanging_tenants.iter().copied().chain([b, b])).await;
     write(pool, &mut feeds, &mut rng, 60).await;
     let small_pool = relay_store::connect(
         &env.db.url,

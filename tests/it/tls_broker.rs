@@ -33,8 +33,8 @@ use tokio::sync::{mpsc, watch};
 use uuid::Uuid;
 
 use crate::publisher::{
-    change_count_of, drain, metric, unpublished, wait_published, wait_until, write, Delivered, Env,
-    Feed,
+    change_count_of, drain, feeds_of, metric, unpublished, wait_published, wait_until, write,
+    Delivered, Env,
 };
 use crate::tls_support::{TestCa, TlsProxy};
 
@@ -101,7 +101,7 @@ async fn the_relays_broker_over_tls_gets_every_change_confirmed_and_a_tls_consum
     let url = amqps_url(&env, &proxy);
 
     let tenant = env.db.tenant().await;
-    let mut feeds: Vec<Feed> = (0..3).map(|_| Feed::new(tenant)).collect();
+    let mut feeds = feeds_of(&env.db, [tenant; 3]).await;
     write(pool, &mut feeds, &mut rng, 60).await;
     let mut config = env.config(url.clone());
     config.trust = ca.trust();
@@ -177,7 +177,7 @@ async fn a_tenants_own_exchange_over_amqps_gets_every_change_confirmed() {
     .await
     .unwrap();
 
-    let mut feeds: Vec<Feed> = (0..3).map(|_| Feed::new(tenant)).collect();
+    let mut feeds = feeds_of(&env.db, [tenant; 3]).await;
     write(pool, &mut feeds, &mut rng, 60).await;
     // The relay's own broker stays plain; the operator's CA file reaches the tenant's.
     let mut config = env.config(env.vhost.url());
@@ -231,7 +231,7 @@ async fn a_broker_certificate_from_another_ca_is_refused_and_the_refusal_says_wh
     .execute(pool)
     .await
     .unwrap();
-    let mut feeds: Vec<Feed> = (0..2).map(|_| Feed::new(tenant)).collect();
+    let mut feeds = feeds_of(&env.db, [tenant; 2]).await;
     write(pool, &mut feeds, &mut rng, 30).await;
     let mut config = env.config(env.vhost.url());
     config.trust = trusted.trust();
