@@ -1,28 +1,31 @@
 //! A reload against an upstream whose timing the test holds: what the sequencer's reload and
 //! refetch code does when a change is made after a reload read its pages and before it merged.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use relay_netguard::RetryPolicy;
-use relay_sequencer::apply::{apply_messages, EndpointContext};
-use relay_sequencer::reload::{run_reload, ReloadEnd};
-use relay_sequencer::state::{self, FEED_TRACK};
+use relay_sequencer::apply::{ApplyError, EndpointContext};
+use relay_sequencer::reload::{run_reload, ReloadEnd, StopReload};
 use relay_sequencer::SequencerMetrics;
 use relay_store::copy;
+use relay_store::tracks;
 use relay_tests::TestDb;
 use relay_wire::Sequence;
 use serde_json::{json, Value};
+use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-use crate::sequencer_apply::{pending, setup_with_upstream, store, Setup};
+use crate::sequencer_apply::{apply_messages, pending, setup_with_upstream, store, Setup};
 
 /// The access_version the upstream serves, and the one `setup_with_upstream` holds the track
 /// under.
@@ -34,40 +37,100 @@ fn item(n: u64, seq: u64) -> Value {
            "changes": [], "parts": [{"part_id": format!("story:{n}"), "part_version": seq}]})
 }
 
-/// An upstream of one endpoint: its feed is `items`; an item read always fails as a load
-/// balancer's 404 would; a feed read can be held after it took its snapshot.
+/// An upstream of one endpoint: its feed is `items`, paged as the reader asks (`limit`, and an
+/// offset as the cursor); an item read always fails as a load balancer's 404 would; the next
+/// `hold_pages` page reads are held after they took their snapshot, until the test releases
+/// each.
 #[derive(Clone)]
 struct HeldUpstream {
     endpoint: Uuid,
+    /// The track's generation the endpoint read gives.
+    generation: u64,
+    /// (n, seq) of each item, in feed order.
     items: Arc<Mutex<Vec<(u64, u64)>>>,
-    hold_next_page: Arc<AtomicBool>,
+    hold_pages: Arc<AtomicUsize>,
     page_read: Arc<Notify>,
     release: Arc<Semaphore>,
+    pages_served: Arc<AtomicUsize>,
+}
+
+impl HeldUpstream {
+    fn new(endpoint: Uuid, generation: u64, items: Vec<(u64, u64)>) -> Self {
+        Self {
+            endpoint,
+            generation,
+            items: Arc::new(Mutex::new(items)),
+            hold_pages: Arc::new(AtomicUsize::new(0)),
+            page_read: Arc::new(Notify::new()),
+            release: Arc::new(Semaphore::new(0)),
+            pages_served: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    fn serve(&self, listener: TcpListener) -> JoinHandle<std::io::Result<()>> {
+        let app = Router::new()
+            .route("/v1/webhook-endpoints/{id}", get(endpoint_view))
+            .route("/v1/feed", get(feed_page))
+            .route("/v1/feed/items/{id}", get(item_read))
+            .with_state(self.clone());
+        tokio::spawn(async move { axum::serve(listener, app).await })
+    }
+
+    /// Holds the next `pages` page reads.
+    fn hold(&self, pages: usize) {
+        self.hold_pages.store(pages, Ordering::SeqCst);
+    }
+
+    /// Lets one held page read answer.
+    fn release_one(&self) {
+        self.release.add_permits(1);
+    }
+
+    /// Waits until a page read is held; panics with `what` when the reload ends first.
+    async fn held_page(&self, reading: &mut JoinHandle<Result<ReloadEnd, ApplyError>>, what: &str) {
+        tokio::select! {
+            _ = self.page_read.notified() => {}
+            end = reading => panic!("the reload ended ({end:?}) before {what}"),
+            _ = tokio::time::sleep(Duration::from_secs(30)) => panic!("no page read: {what}"),
+        }
+    }
 }
 
 async fn endpoint_view(State(up): State<HeldUpstream>) -> Json<Value> {
     Json(
         json!({"id": up.endpoint, "lang": "en", "status": "active", "filter": null,
-                "tracks": {"feed": {"generation": 2}}}),
+                "tracks": {"feed": {"generation": up.generation}}}),
     )
 }
 
-async fn feed_page(State(up): State<HeldUpstream>) -> Json<Value> {
-    let data: Vec<Value> = up
-        .items
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|&(n, seq)| {
-            json!({"subject": format!("announcement:{n}"),
-                   "sequence": Sequence::from_parts(1, seq).as_str(), "item": item(n, seq)})
-        })
-        .collect();
-    if up.hold_next_page.swap(false, Ordering::SeqCst) {
+async fn feed_page(
+    State(up): State<HeldUpstream>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Json<Value> {
+    let offset: usize = query.get("cursor").map_or(0, |c| c.parse().unwrap());
+    let limit: usize = query.get("limit").map_or(500, |l| l.parse().unwrap());
+    let (data, more) = {
+        let items = up.items.lock().unwrap();
+        let page = items.iter().skip(offset).take(limit);
+        let data: Vec<Value> = page
+            .map(|&(n, seq)| {
+                json!({"subject": format!("announcement:{n}"),
+                       "sequence": Sequence::from_parts(1, seq).as_str(), "item": item(n, seq)})
+            })
+            .collect();
+        (data, offset + limit < items.len())
+    };
+    up.pages_served.fetch_add(1, Ordering::SeqCst);
+    let held = up
+        .hold_pages
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok();
+    if held {
         up.page_read.notify_one();
         up.release.acquire().await.unwrap().forget();
     }
-    Json(json!({"access_version": AV, "data": data, "next_cursor": null, "has_more": false}))
+    let next_cursor = more.then(|| (offset + limit).to_string());
+    Json(json!({"access_version": AV, "data": data, "next_cursor": next_cursor, "has_more": more}))
 }
 
 async fn item_read() -> Response {
@@ -125,53 +188,90 @@ async fn store_and_apply(
         .unwrap();
 }
 
+/// A retry policy for reloads that keeps tests quick.
+const BACKOFF: RetryPolicy = RetryPolicy {
+    first: Duration::from_millis(10),
+    max: Duration::from_millis(50),
+};
+
+/// The subjects the copy holds items of (tombstones left out), with their sequences.
+async fn held_items(db: &TestDb, endpoint: Uuid) -> Vec<(String, String)> {
+    copy::copy_rows(&db.pool, endpoint)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|(_, row)| !row.is_tombstone())
+        .map(|(subject, row)| (subject, row.sequence.as_str().to_owned()))
+        .collect()
+}
+
+/// What the upstream's feed holds now, as [`held_items`] gives a copy.
+fn served(up: &HeldUpstream) -> Vec<(String, String)> {
+    let mut items: Vec<(String, String)> = up
+        .items
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|&(n, seq)| {
+            let sequence = Sequence::from_parts(1, seq);
+            (format!("announcement:{n}"), sequence.as_str().to_owned())
+        })
+        .collect();
+    items.sort();
+    items
+}
+
+/// Runs `reload` in a task of its own (`stop` kept by the caller: dropping it stops the reload).
+fn spawn_reload(
+    db: &TestDb,
+    ctx: &Arc<EndpointContext>,
+    token: i64,
+    reload: &relay_rules::Reload,
+    metrics: &SequencerMetrics,
+) -> (StopReload, JoinHandle<Result<ReloadEnd, ApplyError>>) {
+    let (stop, stopping) = StopReload::new();
+    let (pool, ctx, metrics, reload) = (
+        db.pool.clone(),
+        ctx.clone(),
+        metrics.clone(),
+        reload.clone(),
+    );
+    let task = tokio::spawn(async move {
+        run_reload(&pool, &ctx, token, &reload, BACKOFF, &metrics, stopping).await
+    });
+    (stop, task)
+}
+
 /// Rule "a 404 that carries none (a load balancer's) is a read that failed: try it again a few
 /// times, then read /v1/feed again": when a reload is already running, its pages may have been
-/// read before the item the refetch names was created. Merging them would leave that item out
-/// for good (the refetch's event id is applied, so nothing brings it back); the reload must
-/// read again.
+/// read before the item the refetch names was created. Merging only them would leave that item
+/// out for good (the refetch's event id is applied, so nothing brings it back): the pass being
+/// read still merges (its items are no worse than what is held), and the reload then reads
+/// another, which holds the item.
 #[tokio::test]
-async fn a_refetch_that_reads_the_feed_again_restarts_a_reload_whose_pages_are_older() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+async fn a_refetch_that_reads_the_feed_again_has_the_running_reload_read_another_pass() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base_url = format!("http://{}", listener.local_addr().unwrap());
     let Setup {
         db, endpoint, ctx, ..
     } = setup_with_upstream(Some(base_url)).await;
-
-    let upstream = HeldUpstream {
-        endpoint,
-        items: Arc::new(Mutex::new(vec![(1, 10)])),
-        hold_next_page: Arc::new(AtomicBool::new(true)),
-        page_read: Arc::new(Notify::new()),
-        release: Arc::new(Semaphore::new(0)),
-    };
-    let app = Router::new()
-        .route("/v1/webhook-endpoints/{id}", get(endpoint_view))
-        .route("/v1/feed", get(feed_page))
-        .route("/v1/feed/items/{id}", get(item_read))
-        .with_state(upstream.clone());
-    let server = tokio::spawn(async move { axum::serve(listener, app).await });
-
+    let upstream = HeldUpstream::new(endpoint, 2, vec![(1, 10)]);
+    let server = upstream.serve(listener);
     let metrics = SequencerMetrics::unregistered();
     let token = db.claim_fence(endpoint).await;
-    let backoff = RetryPolicy {
-        first: Duration::from_millis(10),
-        max: Duration::from_millis(50),
-    };
 
     // A reset begins a reload; it reads its one page (item 1 only) and is held there.
     store_and_apply(&db, &ctx, token, &reset(endpoint, 2, 10), &metrics).await;
-    let first = state::peek_track(&db.pool, endpoint, FEED_TRACK)
+    let first = tracks::peek(&db.pool, endpoint)
         .await
         .unwrap()
         .reload
         .expect("the reset began a reload");
-    let reading = {
-        let (pool, ctx, metrics, first) =
-            (db.pool.clone(), ctx.clone(), metrics.clone(), first.clone());
-        tokio::spawn(async move { run_reload(&pool, &ctx, token, &first, backoff, &metrics).await })
-    };
-    upstream.page_read.notified().await;
+    upstream.hold(1);
+    let (_stop, mut reading) = spawn_reload(&db, &ctx, token, &first, &metrics);
+    upstream
+        .held_page(&mut reading, "the first pass read its page")
+        .await;
 
     // Item 2 is created after that read; its event comes as a refetch whose reads all fail.
     upstream.items.lock().unwrap().push((2, 12));
@@ -183,32 +283,36 @@ async fn a_refetch_that_reads_the_feed_again_restarts_a_reload_whose_pages_are_o
         &metrics,
     )
     .await;
-
-    // The held pass may not merge: the reload it belongs to was begun again.
-    upstream.release.add_permits(1);
-    let end = reading.await.unwrap().unwrap();
-    assert_eq!(end, ReloadEnd::Superseded);
-    let again = state::peek_track(&db.pool, endpoint, FEED_TRACK)
+    let asked = tracks::peek(&db.pool, endpoint)
         .await
         .unwrap()
         .reload
-        .expect("a reload reads the feed again");
+        .expect("a reload runs");
+    assert!(asked.is(&first), "the running reload goes on: {asked:?}");
+    assert_eq!(asked.read_again, 1, "and is asked for another pass");
+
+    // The held pass merges; the next one is held in its turn.
+    upstream.hold(1);
+    upstream.release_one();
+    upstream
+        .held_page(&mut reading, "a second pass was read")
+        .await;
     assert_eq!(
-        (again.generation, &again.access_version, again.read_again),
-        (first.generation, &first.access_version, 1)
+        held_items(&db, endpoint).await,
+        [(
+            "announcement:1".to_owned(),
+            Sequence::from_parts(1, 10).as_str().to_owned()
+        )],
+        "the first pass merged"
     );
 
-    // Its read sees item 2, and the merge keeps it.
-    let end = run_reload(&db.pool, &ctx, token, &again, backoff, &metrics)
-        .await
-        .unwrap();
+    // The second pass sees item 2, and the reload ends with it merged.
+    upstream.release_one();
+    let end = reading.await.unwrap().unwrap();
     assert!(matches!(end, ReloadEnd::Merged { .. }), "{end:?}");
-    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
-    let held: Vec<&String> = rows
-        .iter()
-        .filter(|(_, row)| !row.is_tombstone())
-        .map(|(subject, _)| subject)
-        .collect();
-    assert_eq!(held, ["announcement:1", "announcement:2"], "{rows:?}");
+    let track = tracks::peek(&db.pool, endpoint).await.unwrap();
+    assert_eq!(track.reload, None, "{track:?}");
+    assert_eq!(held_items(&db, endpoint).await, served(&upstream));
+    assert_eq!(upstream.pages_served.load(Ordering::SeqCst), 2);
     server.abort();
 }
