@@ -1,5 +1,6 @@
 //! A reload against an upstream whose timing the test holds: what the sequencer's reload and
-//! refetch code does when a change is made after a reload read its pages and before it merged.
+//! refetch code does when a change is made after a reload read its pages and before it merged,
+//! and when refetches keep failing while a reload of several pages reads.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,11 +12,13 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use relay_netguard::RetryPolicy;
+use relay_netguard::{OutboundPolicy, RetryPolicy};
 use relay_sequencer::apply::{ApplyError, EndpointContext};
 use relay_sequencer::reload::{run_reload, ReloadEnd, StopReload};
+use relay_sequencer::upstream::UpstreamClient;
 use relay_sequencer::SequencerMetrics;
 use relay_store::copy;
+use relay_store::endpoints::EndpointRegistration;
 use relay_store::tracks;
 use relay_tests::TestDb;
 use relay_wire::Sequence;
@@ -314,5 +317,108 @@ async fn a_refetch_that_reads_the_feed_again_has_the_running_reload_read_another
     assert_eq!(track.reload, None, "{track:?}");
     assert_eq!(held_items(&db, endpoint).await, served(&upstream));
     assert_eq!(upstream.pages_served.load(Ordering::SeqCst), 2);
+    server.abort();
+}
+
+/// The endpoint's context again, reading `/v1/feed` `limit` items per page.
+fn paged(ctx: &EndpointContext, base_url: &str, limit: usize) -> Arc<EndpointContext> {
+    let registration = EndpointRegistration {
+        id: ctx.id(),
+        tenant_id: ctx.tenant(),
+        upstream_base_url: Some(base_url.to_owned()),
+        upstream_api_key: Some("key".to_owned()),
+    };
+    let http = UpstreamClient::http_client(
+        Duration::from_secs(5),
+        OutboundPolicy::ANY,
+        &relay_netguard::TrustRoots::platform(),
+    );
+    Arc::new(EndpointContext::new(registration, http).with_feed_page_limit(limit))
+}
+
+/// Rule "a 404 that carries none (a load balancer's) is a read that failed: try it again a few
+/// times, then read /v1/feed again", while a reload of several pages runs and every item read
+/// fails so: a refetch event comes during each page of two passes. Each pass the reload reads
+/// still merges (the copy holds the reload's items while the 404s last), and once the refetches
+/// stop the reload reads a last pass and ends. A refetch that keeps failing asks the running
+/// reload for another pass; it never begins the reload again, which threw the pass being read
+/// away and read from page 1, so a steady stream of failing refetches kept a large reload from
+/// ever merging.
+#[tokio::test]
+async fn failing_refetches_during_a_reload_of_several_pages_do_not_keep_its_passes_from_merging() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base_url = format!("http://{}", listener.local_addr().unwrap());
+    let Setup {
+        db, endpoint, ctx, ..
+    } = setup_with_upstream(Some(base_url.clone())).await;
+    // Five items, two to a page: three pages a pass.
+    let upstream = HeldUpstream::new(endpoint, 2, (1..=5).map(|n| (n, 9 + n)).collect());
+    let server = upstream.serve(listener);
+    let ctx = paged(&ctx, &base_url, 2);
+    let metrics = SequencerMetrics::unregistered();
+    let token = db.claim_fence(endpoint).await;
+
+    store_and_apply(&db, &ctx, token, &reset(endpoint, 2, 10), &metrics).await;
+    let reload = tracks::peek(&db.pool, endpoint)
+        .await
+        .unwrap()
+        .reload
+        .expect("the reset began a reload");
+    // Every page of the first two passes is held while a refetch comes.
+    upstream.hold(6);
+    let (_stop, mut reading) = spawn_reload(&db, &ctx, token, &reload, &metrics);
+    for k in 0..6u64 {
+        upstream
+            .held_page(
+                &mut reading,
+                &format!("page {} of pass {}", k % 3 + 1, k / 3 + 1),
+            )
+            .await;
+        if k == 3 {
+            // The second pass began: the first merged, though refetches kept failing.
+            assert_eq!(
+                held_items(&db, endpoint).await.len(),
+                5,
+                "the first pass merged"
+            );
+            let running = tracks::peek(&db.pool, endpoint).await.unwrap().reload;
+            let running = running.expect("the reload reads another pass");
+            assert!(running.is(&reload), "{running:?}");
+            assert_eq!(running.read_again, 3, "one ask per failed refetch");
+        }
+        // An item changes upstream; its event comes as a refetch whose reads all fail.
+        let (n, seq) = (k % 5 + 1, 100 + k);
+        upstream.items.lock().unwrap()[n as usize - 1] = (n, seq);
+        let id = format!("evt_refetch_{k}");
+        store_and_apply(
+            &db,
+            &ctx,
+            token,
+            &refetch(endpoint, 2, &id, n, seq),
+            &metrics,
+        )
+        .await;
+        upstream.release_one();
+    }
+
+    // No more refetches: the pass read after the last of them merges, and the reload ends.
+    let end = reading.await.unwrap().unwrap();
+    assert!(matches!(end, ReloadEnd::Merged { .. }), "{end:?}");
+    assert_eq!(
+        upstream.pages_served.load(Ordering::SeqCst),
+        9,
+        "three passes: two read while refetches failed, one after"
+    );
+    let track = tracks::peek(&db.pool, endpoint).await.unwrap();
+    assert_eq!(track.reload, None, "{track:?}");
+    assert_eq!(held_items(&db, endpoint).await, served(&upstream));
+    let failed = metrics
+        .upstream_failures
+        .with_label_values(&["refetch", "load_balancer_404"])
+        .get();
+    assert_eq!(
+        failed, 18,
+        "every item read of six refetches, three tries each"
+    );
     server.abort();
 }
