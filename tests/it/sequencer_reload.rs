@@ -1,6 +1,7 @@
 //! A reload against an upstream whose timing the test holds: what the sequencer's reload and
 //! refetch code does when a change is made after a reload read its pages and before it merged,
-//! and when refetches keep failing while a reload of several pages reads.
+//! when refetches keep failing while a reload reads, and what a reload under the generation the
+//! copy already holds leaves of the items the upstream no longer serves.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,7 +18,7 @@ use relay_sequencer::apply::{ApplyError, EndpointContext};
 use relay_sequencer::reload::{run_reload, ReloadEnd, StopReload};
 use relay_sequencer::upstream::UpstreamClient;
 use relay_sequencer::SequencerMetrics;
-use relay_store::copy;
+use relay_store::copy::{self, Operation};
 use relay_store::endpoints::EndpointRegistration;
 use relay_store::tracks;
 use relay_tests::TestDb;
@@ -420,5 +421,80 @@ async fn failing_refetches_during_a_reload_of_several_pages_do_not_keep_its_pass
         failed, 18,
         "every item read of six refetches, three tries each"
     );
+    server.abort();
+}
+
+/// Rule R-MERGE-SAME-GENERATION (services/rules/RULES.md): a reload under the generation the
+/// copy already holds (here the one a restore begins, "read /v1/feed again") leaves no item the
+/// upstream no longer serves. Item B, held from before the reload and not in its pass, becomes a
+/// tombstone at its own position and the outbox gets its removal. Merging removed only rows of
+/// an older generation before, so B stayed in the copy for good.
+#[tokio::test]
+async fn a_reload_under_the_held_generation_withdraws_what_the_upstream_no_longer_serves() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base_url = format!("http://{}", listener.local_addr().unwrap());
+    let Setup {
+        db,
+        tenant,
+        endpoint,
+        ctx,
+    } = setup_with_upstream(Some(base_url)).await;
+    // The upstream serves A only, and its track is at generation 1, as the copy's.
+    let upstream = HeldUpstream::new(endpoint, 1, vec![(1, 10)]);
+    let server = upstream.serve(listener);
+    let metrics = SequencerMetrics::unregistered();
+    let token = db.claim_fence(endpoint).await;
+
+    // The copy holds A and B at generation 1.
+    let update = |n: u64, seq: u64| {
+        json!({"id": format!("evt_{n}_{seq}"), "type": "announcement.updated",
+               "subject": format!("announcement:{n}"),
+               "sequence": Sequence::from_parts(1, seq).as_str(), "specversion": "1.0",
+               "data": item(n, seq)})
+    };
+    let message = body(endpoint, 1, json!([update(1, 10), update(2, 11)]), Some(11));
+    store_and_apply(&db, &ctx, token, &message, &metrics).await;
+    assert_eq!(held_items(&db, endpoint).await.len(), 2);
+
+    // The copy is restored: the feed is read again, under the generation it holds.
+    let (track, begun) = tracks::transition(&db.pool, tenant, endpoint, |track| {
+        relay_rules::reload_after_restore(track)
+    })
+    .await
+    .unwrap();
+    assert!(begun);
+    let reload = track.reload.expect("a reload begins");
+    assert_eq!(reload.generation, 1);
+    let (_stop, stopping) = StopReload::new();
+    let end = run_reload(&db.pool, &ctx, token, &reload, BACKOFF, &metrics, stopping)
+        .await
+        .unwrap();
+    assert!(matches!(end, ReloadEnd::Merged { .. }), "{end:?}");
+
+    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let b = &rows["announcement:2"];
+    assert!(b.is_tombstone(), "B is withdrawn: {rows:?}");
+    assert_eq!(
+        (b.generation, b.sequence.as_str()),
+        (1, Sequence::from_parts(1, 11).as_str()),
+        "at its own position"
+    );
+    assert_eq!(held_items(&db, endpoint).await, served(&upstream));
+    let changes = copy::list_changes(&db.pool, endpoint).await.unwrap();
+    let last = changes.last().expect("changes");
+    assert_eq!(
+        (last.operation, last.subject.as_str()),
+        (Operation::Remove, "announcement:2"),
+        "{changes:?}"
+    );
+    assert_eq!(
+        changes
+            .iter()
+            .filter(|c| c.operation == Operation::Remove)
+            .count(),
+        1
+    );
+    let track = tracks::peek(&db.pool, endpoint).await.unwrap();
+    assert_eq!(track.reload, None, "{track:?}");
     server.abort();
 }
