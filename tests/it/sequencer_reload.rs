@@ -164,6 +164,14 @@ fn reset(endpoint: Uuid, generation: u64, resume_from: u64) -> Value {
     )
 }
 
+/// An update of item `n` at `seq`.
+fn updated(n: u64, seq: u64) -> Value {
+    json!({"id": format!("evt_{n}_{seq}"), "type": "announcement.updated",
+           "subject": format!("announcement:{n}"),
+           "sequence": Sequence::from_parts(1, seq).as_str(), "specversion": "1.0",
+           "data": item(n, seq)})
+}
+
 fn refetch(endpoint: Uuid, generation: u64, id: &str, n: u64, seq: u64) -> Value {
     body(
         endpoint,
@@ -446,13 +454,12 @@ async fn a_reload_under_the_held_generation_withdraws_what_the_upstream_no_longe
     let token = db.claim_fence(endpoint).await;
 
     // The copy holds A and B at generation 1.
-    let update = |n: u64, seq: u64| {
-        json!({"id": format!("evt_{n}_{seq}"), "type": "announcement.updated",
-               "subject": format!("announcement:{n}"),
-               "sequence": Sequence::from_parts(1, seq).as_str(), "specversion": "1.0",
-               "data": item(n, seq)})
-    };
-    let message = body(endpoint, 1, json!([update(1, 10), update(2, 11)]), Some(11));
+    let message = body(
+        endpoint,
+        1,
+        json!([updated(1, 10), updated(2, 11)]),
+        Some(11),
+    );
     store_and_apply(&db, &ctx, token, &message, &metrics).await;
     assert_eq!(held_items(&db, endpoint).await.len(), 2);
 
@@ -497,4 +504,209 @@ async fn a_reload_under_the_held_generation_withdraws_what_the_upstream_no_longe
     let track = tracks::peek(&db.pool, endpoint).await.unwrap();
     assert_eq!(track.reload, None, "{track:?}");
     server.abort();
+}
+
+/// Every log line of the test's thread (the runtime is this one thread: the sequencer's tasks
+/// log here too).
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// The statements of the test's database waiting for a lock.
+async fn waiting_on_locks(db: &TestDb) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT query FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+}
+
+/// Polls `check` every 20 ms; panics with `what` after 20 s.
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !check().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A message that lands while a reload's merge holds the endpoint: the apply's first statement
+/// waits for the writer lock with a snapshot taken before the merge committed, so the row the
+/// merge inserts is not among the rows it reads, and the write of its plan is refused. That is
+/// no lost lock: the run is decided again at once, in a statement that sees the row, and
+/// applied, with no ERROR logged and no lock loss counted. Before, the refusal was logged as an
+/// ERROR and answered as a moved cursor: the worker counted a lock loss and let the endpoint go.
+///
+/// Made deterministic with a test transaction holding the track row: the merge takes the
+/// endpoint's fence and writer lock and waits on that row; the sequencer's apply of the message
+/// waits on the writer lock; then the test lets the merge go.
+#[tokio::test(flavor = "current_thread")]
+async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_without_a_lock_loss() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    // No upstream: the worker's own reload waits for settings, and this test merges it.
+    let Setup {
+        db,
+        tenant,
+        endpoint,
+        ..
+    } = setup_with_upstream(None).await;
+    let metrics = SequencerMetrics::unregistered();
+    let prefix = relay_tests::RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
+    let pool = relay_store::connect(
+        &db.url,
+        &relay_store::PoolOptions {
+            max_connections: 8,
+            ..relay_store::PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let config = relay_sequencer::SequencerConfig {
+        redis_url: relay_tests::redis_url(),
+        key_prefix: prefix.0.clone(),
+        sweep_interval: Duration::from_millis(100),
+        // The worker keeps the endpoint (and its fence) from the reset to the end.
+        idle_linger: Duration::from_secs(120),
+        outbound: OutboundPolicy::ANY,
+        ..relay_sequencer::SequencerConfig::default()
+    };
+    let sequencer = relay_sequencer::Sequencer::start(pool, config, metrics.clone())
+        .await
+        .unwrap();
+
+    // A reset begins a reload; the sequencer applies it and owns the endpoint.
+    store(&db, tenant, endpoint, &[reset(endpoint, 2, 10)]).await;
+    eventually("the reset applied", || async {
+        relay_store::cursors::applied_through(&db.pool, endpoint)
+            .await
+            .unwrap()
+            == 1
+    })
+    .await;
+    let reload = tracks::peek(&db.pool, endpoint)
+        .await
+        .unwrap()
+        .reload
+        .expect("the reset began a reload");
+    let token: i64 = sqlx::query_scalar("SELECT token FROM endpoint_fences WHERE endpoint_id = $1")
+        .bind(endpoint)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+
+    // The reload's merge takes the endpoint and waits on the track row the test holds.
+    let mut held = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM endpoint_tracks WHERE endpoint_id = $1 FOR UPDATE")
+        .bind(endpoint)
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let pass = relay_rules::Pass {
+        page_access_versions: vec![AV.to_owned()],
+        items: vec![relay_rules::ReadItem {
+            subject: "announcement:1".to_owned(),
+            sequence: Sequence::from_parts(1, 10),
+            item: relay_wire::FeedItem::from_value(item(1, 10), "data[0].item").unwrap(),
+        }],
+        upstream_generation: Some(2),
+        read_again_at_start: 0,
+    };
+    let claim = tracks::TrackClaim {
+        endpoint,
+        tenant,
+        token,
+    };
+    let merging = {
+        let pool = db.pool.clone();
+        tokio::spawn(async move { copy::merge(&pool, claim, &reload, &pass).await })
+    };
+    eventually("the merge waits, holding the endpoint", || async {
+        waiting_on_locks(&db).await.len() == 1
+    })
+    .await;
+
+    // A message of the reload's generation lands; the sequencer's apply waits for the merge.
+    // It updates the item the merge stores, at a sequence before the one the merge reads.
+    let message = body(endpoint, 2, json!([updated(1, 5)]), Some(5));
+    store(&db, tenant, endpoint, &[message]).await;
+    eventually("the apply waits for the merge", || async {
+        let waiting = waiting_on_locks(&db).await;
+        // The apply's open statement (`runs::open_runs`) takes its claims from `$5`.
+        waiting.len() == 2 && waiting.iter().any(|q| q.contains("unnest($5::uuid[]"))
+    })
+    .await;
+
+    held.commit().await.unwrap();
+    let merged = merging.await.unwrap().unwrap();
+    assert!(matches!(merged, copy::Merged::Merged { .. }), "{merged:?}");
+    eventually("the message applied", || async {
+        relay_store::cursors::applied_through(&db.pool, endpoint)
+            .await
+            .unwrap()
+            == 2
+    })
+    .await;
+    sequencer.stop().await;
+
+    // Applied against the merged row: the merge's item is kept, the update is older.
+    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let one = &rows["announcement:1"];
+    assert_eq!(
+        (one.generation, one.sequence.as_str(), one.is_tombstone()),
+        (2, Sequence::from_parts(1, 10).as_str(), false)
+    );
+    let outcome: (String, i32) = sqlx::query_as(
+        "SELECT outcome, events_ignored FROM message_applications
+         WHERE endpoint_id = $1 AND arrival_seq = 2",
+    )
+    .bind(endpoint)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(outcome, ("applied".to_owned(), 1));
+    assert_eq!(
+        metrics.events.with_label_values(&["ignored_older"]).get(),
+        1
+    );
+    // The run was decided twice: its first write refused, its second committed.
+    let steps = |step: &str| {
+        metrics
+            .apply_step_duration
+            .with_label_values(&[step])
+            .get_sample_count()
+    };
+    assert_eq!(steps("open"), steps("commit") + 1, "one run decided again");
+    assert_eq!(metrics.lock_losses.get(), 0, "no lock was lost");
+    let logs = logs.text();
+    assert!(!logs.contains("ERROR"), "{logs}");
+    assert!(!logs.contains("lost the endpoint"), "{logs}");
 }
