@@ -42,9 +42,10 @@ pub enum ApplyError {
     /// The cursor was not where this worker read it: someone else applied these messages.
     #[error("the apply cursor moved under this worker")]
     CursorMoved,
-    /// A write of a plan made under the endpoint's lock was refused: another writer (a reload's
-    /// merge that committed while the run's statement waited for the lock) changed a row the
-    /// statement could not see. Nothing committed; the run is decided again at once.
+    /// Another writer (a reload's merge that committed while the run's first statement waited
+    /// for the endpoint's lock) wrote rows that statement could not see: its rows were stale
+    /// (relay-store's `OpenedRun::stale`), or a write of the plan made from them was refused.
+    /// Nothing committed; the run is decided again at once.
     #[error("a row changed under the run: decided again")]
     Raced,
     #[error(transparent)]
@@ -500,6 +501,11 @@ async fn apply_together(
     let mut owned: Vec<(&PreparedRun, RunPlan, Vec<i64>, bool)> = Vec::new();
     for (run, opened) in runs.iter().zip(opened) {
         let Some(opened) = opened else { continue };
+        if opened.stale {
+            // Decided from these rows, a removal could tombstone an item it never saw (and
+            // append no removal), an update diff its parts against nothing.
+            return Err(ApplyError::Raced);
+        }
         let decided = decide_run(
             Run {
                 track: &opened.track,
@@ -530,8 +536,8 @@ async fn apply_together(
     steps.done("write");
     for ((_, plan, _, _), written) in owned.iter().zip(&written) {
         if written.rows != plan.rows.len() as i64 {
-            // Decided under the rows' locks, yet refused: a row another writer inserted while
-            // the open statement waited for the writer lock, which its snapshot could not see.
+            // Decided under the rows' locks, yet refused: another writer's row that the open
+            // statement could not see, and did not find stale.
             return Err(ApplyError::Raced);
         }
         if !written.cursor_moved {

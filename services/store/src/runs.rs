@@ -35,6 +35,11 @@ pub struct OpenedRun {
     pub track: EndpointTrack,
     pub seen: HashSet<String>,
     pub held: BTreeMap<String, Held>,
+    /// Another writer of the endpoint (a reload's merge) appended changes that committed after
+    /// the statement's snapshot was taken, while it waited for the writer lock: rows that writer
+    /// inserted are missing from `held`, so nothing may be decided from it. Roll back and open
+    /// again (a new statement sees them).
+    pub stale: bool,
 }
 
 /// Opens several endpoints' runs in one statement (one round trip): for each claim in the order
@@ -44,8 +49,10 @@ pub struct OpenedRun {
 /// endpoints in id order, so two such statements never wait on each other in a cycle.
 ///
 /// The statement's snapshot is taken before it waits for a writer lock: rows another writer
-/// inserted while it waited (a reload's merge) are not seen here, and the write that follows
-/// refuses to go over them ([`RunWritten::rows`] short): the caller rolls back and opens again.
+/// inserted while it waited (a reload's merge) are not seen here. Every such row comes with a
+/// change that writer appended, so the endpoint's change counter as locked is past the one the
+/// snapshot shows: the run is marked [`OpenedRun::stale`], and the caller rolls back and opens
+/// again. (Rows it updated or deleted are read as they are now: the rows are read locked.)
 pub async fn open_runs(
     conn: &mut PgConnection,
     runs: &[RunClaim<'_>],
@@ -99,6 +106,7 @@ pub async fn open_runs(
         };
         let run = OpenedRun {
             track,
+            stale: row.stale.unwrap_or(false),
             ..OpenedRun::default()
         };
         opened.insert(row.endpoint_id, run);
@@ -135,13 +143,15 @@ const OPENED_TRACK: i16 = 0;
 const OPENED_EVENT_ID: i16 = 1;
 const OPENED_COPY_ROW: i16 = 2;
 
-/// One row of [`OPEN_RUNS`]: an endpoint's track (`owned` false: its fence moved on), one of its
-/// ids applied before (`key` the event id), or one of its copy's rows (`key` the subject).
+/// One row of [`OPEN_RUNS`]: an endpoint's track (`owned` false: its fence moved on; `stale`:
+/// see [`OpenedRun::stale`]), one of its ids applied before (`key` the event id), or one of its
+/// copy's rows (`key` the subject).
 #[derive(sqlx::FromRow)]
 struct OpenRow {
     kind: i16,
     endpoint_id: Uuid,
     owned: bool,
+    stale: Option<bool>,
     key: Option<String>,
     generation: Option<i64>,
     access_version: Option<String>,
@@ -163,7 +173,7 @@ static OPEN_RUNS: LazyLock<String> = LazyLock::new(|| {
     format!(
         "WITH {claims},
          opened AS MATERIALIZED (
-             SELECT w.endpoint_id, t.*
+             SELECT w.endpoint_id, w.last AS locked_last, t.*
              FROM writer w
              LEFT JOIN LATERAL (
                  SELECT {TRACK_COLUMNS} FROM endpoint_tracks
@@ -179,18 +189,23 @@ static OPEN_RUNS: LazyLock<String> = LazyLock::new(|| {
                  ON a.endpoint_id = o.endpoint_id AND a.event_id = ids.event_id
          ),
          {held}
+         -- The counter as the snapshot shows it (this statement's own write of it is not
+         -- seen): behind the one locked when a writer committed changes after the snapshot.
          SELECT {OPENED_TRACK}::int2 AS kind, i.endpoint_id, o.endpoint_id IS NOT NULL AS owned,
+                o.endpoint_id IS NOT NULL AND o.locked_last IS DISTINCT FROM coalesce(
+                    (SELECT k.last FROM endpoint_change_counters k
+                     WHERE k.endpoint_id = o.endpoint_id), 0) AS stale,
                 NULL::text AS key, o.generation, o.access_version, o.through, o.last_was_reset,
                 o.last_reset_generation, o.reload, o.reloads_begun, NULL::text AS sequence,
                 NULL::bool AS tombstone, NULL::text AS parts, NULL::text AS item
          FROM input i LEFT JOIN opened o ON o.endpoint_id = i.endpoint_id
          UNION ALL
-         SELECT {OPENED_EVENT_ID}::int2, endpoint_id, true, event_id, NULL, NULL, NULL, NULL,
-                NULL, NULL, NULL, NULL, NULL, NULL, NULL
+         SELECT {OPENED_EVENT_ID}::int2, endpoint_id, true, NULL, event_id, NULL, NULL, NULL,
+                NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
          FROM seen
          UNION ALL
-         SELECT {OPENED_COPY_ROW}::int2, endpoint_id, true, subject, generation, NULL, NULL,
-                NULL, NULL, NULL, NULL, sequence, tombstone, parts, item
+         SELECT {OPENED_COPY_ROW}::int2, endpoint_id, true, NULL, subject, generation, NULL,
+                NULL, NULL, NULL, NULL, NULL, sequence, tombstone, parts, item
          FROM held",
         claims = tracks::claim_ctes(5),
         held = copy::HELD_CTE,

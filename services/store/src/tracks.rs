@@ -313,7 +313,8 @@ fn track_values(state: &EndpointTrack) -> Result<TrackValues, StoreError> {
 /// way: `input` (the claims: endpoints, tenants and tokens from `$first`, `$first + 1` and
 /// `$first + 2`, in endpoint order), `fence` (the fence rows share-locked, in id order) and
 /// `writer` (the writer lock, the change counter row, taken only where the token still matches;
-/// its rows are the endpoints still owned).
+/// its rows are the endpoints still owned, each with its counter's `last` as locked: the latest
+/// committed, which may be past the one the statement's snapshot shows).
 pub(crate) fn claim_ctes(first: u32) -> String {
     let (endpoints, tenants, tokens) = (first, first + 1, first + 2);
     format!(
@@ -333,7 +334,7 @@ pub(crate) fn claim_ctes(first: u32) -> String {
              FROM input i JOIN fence f ON f.endpoint_id = i.endpoint_id AND f.token = i.token
              ORDER BY i.endpoint_id
              ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last
-             RETURNING endpoint_id
+             RETURNING endpoint_id, last
          )"
     )
 }
