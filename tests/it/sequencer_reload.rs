@@ -552,18 +552,22 @@ where
     }
 }
 
-/// A message that lands while a reload's merge holds the endpoint: the apply's first statement
-/// waits for the writer lock with a snapshot taken before the merge committed, so the row the
-/// merge inserts is not among the rows it reads, and the write of its plan is refused. That is
-/// no lost lock: the run is decided again at once, in a statement that sees the row, and
-/// applied, with no ERROR logged and no lock loss counted. Before, the refusal was logged as an
-/// ERROR and answered as a moved cursor: the worker counted a lock loss and let the endpoint go.
-///
-/// Made deterministic with a test transaction holding the track row: the merge takes the
-/// endpoint's fence and writer lock and waits on that row; the sequencer's apply of the message
-/// waits on the writer lock; then the test lets the merge go.
-#[tokio::test(flavor = "current_thread")]
-async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_without_a_lock_loss() {
+/// What [`apply_while_a_merge_holds_the_endpoint`] leaves to check.
+struct MergeRace {
+    db: TestDb,
+    endpoint: Uuid,
+    metrics: SequencerMetrics,
+    /// Every log line from the sequencer's start to its stop.
+    logs: String,
+}
+
+/// A running sequencer owns an endpoint whose reset began a reload (generation 2); the reload's
+/// merge (of item 1 at sequence 10) takes the endpoint's fence and writer lock and waits on the
+/// track row, which a test transaction holds; `message` lands, and the sequencer's apply of it
+/// waits on the writer lock; then the test lets the merge go and waits for the message to be
+/// applied. The apply's first statement took its snapshot before the merge committed, so the
+/// row the merge inserted is not among the rows it read.
+async fn apply_while_a_merge_holds_the_endpoint(message: impl FnOnce(Uuid) -> Value) -> MergeRace {
     let logs = Captured::default();
     let writer = logs.clone();
     let subscriber = tracing_subscriber::fmt()
@@ -571,7 +575,7 @@ async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_withou
         .with_ansi(false)
         .with_writer(move || writer.clone())
         .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let guard = tracing::subscriber::set_default(subscriber);
 
     // No upstream: the worker's own reload waits for settings, and this test merges it.
     let Setup {
@@ -654,10 +658,8 @@ async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_withou
     })
     .await;
 
-    // A message of the reload's generation lands; the sequencer's apply waits for the merge.
-    // It updates the item the merge stores, at a sequence before the one the merge reads.
-    let message = body(endpoint, 2, json!([updated(1, 5)]), Some(5));
-    store(&db, tenant, endpoint, &[message]).await;
+    // The message lands; the sequencer's apply waits for the merge.
+    store(&db, tenant, endpoint, &[message(endpoint)]).await;
     eventually("the apply waits for the merge", || async {
         let waiting = waiting_on_locks(&db).await;
         // The apply's open statement (`runs::open_runs`) takes its claims from `$5`.
@@ -676,6 +678,38 @@ async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_withou
     })
     .await;
     sequencer.stop().await;
+    drop(guard);
+    MergeRace {
+        db,
+        endpoint,
+        metrics,
+        logs: logs.text(),
+    }
+}
+
+/// A message that lands while a reload's merge holds the endpoint: the apply's first statement
+/// waits for the writer lock with a snapshot taken before the merge committed, so the row the
+/// merge inserts is not among the rows it reads (the run is found stale; a write of a plan made
+/// from those rows would be refused). That is no lost lock: the run is decided again at once,
+/// in a statement that sees the row, and applied, with no ERROR logged and no lock loss counted.
+/// Before, the refusal was logged as an ERROR and answered as a moved cursor: the worker counted
+/// a lock loss and let the endpoint go.
+///
+/// Made deterministic with a test transaction holding the track row: the merge takes the
+/// endpoint's fence and writer lock and waits on that row; the sequencer's apply of the message
+/// waits on the writer lock; then the test lets the merge go.
+#[tokio::test(flavor = "current_thread")]
+async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_without_a_lock_loss() {
+    // An update of the item the merge stores, at a sequence before the one the merge reads.
+    let MergeRace {
+        db,
+        endpoint,
+        metrics,
+        logs,
+    } = apply_while_a_merge_holds_the_endpoint(|endpoint| {
+        body(endpoint, 2, json!([updated(1, 5)]), Some(5))
+    })
+    .await;
 
     // Applied against the merged row: the merge's item is kept, the update is older.
     let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
@@ -697,7 +731,8 @@ async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_withou
         metrics.events.with_label_values(&["ignored_older"]).get(),
         1
     );
-    // The run was decided twice: its first write refused, its second committed.
+    // The run was opened twice: first from stale rows (nothing decided or written), then it
+    // committed.
     let steps = |step: &str| {
         metrics
             .apply_step_duration
@@ -706,7 +741,53 @@ async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_withou
     };
     assert_eq!(steps("open"), steps("commit") + 1, "one run decided again");
     assert_eq!(metrics.lock_losses.get(), 0, "no lock was lost");
-    let logs = logs.text();
     assert!(!logs.contains("ERROR"), "{logs}");
     assert!(!logs.contains("lost the endpoint"), "{logs}");
+}
+
+/// A removal that lands while a reload's merge holds the endpoint, at a position that wins over
+/// the item the merge stores: the copy keeps a tombstone, and the outbox gets the removal of the
+/// item the merge stored, so the outbox replayed from nothing ends as the copy does. Decided
+/// against the rows the apply's first statement read, the removal finds nothing held (the
+/// merge's row came after that statement's snapshot): its tombstone still wins over the merge's
+/// item in the write, but no removal is appended, and the outbox holds the item for good.
+#[tokio::test(flavor = "current_thread")]
+async fn a_removal_that_lands_while_a_merge_holds_the_endpoint_removes_the_merged_item() {
+    let MergeRace {
+        db,
+        endpoint,
+        metrics,
+        logs,
+    } = apply_while_a_merge_holds_the_endpoint(|endpoint| {
+        let hidden = json!({"id": "evt_1_12_hidden", "type": "announcement.hidden",
+                            "subject": "announcement:1",
+                            "sequence": Sequence::from_parts(1, 12).as_str(),
+                            "specversion": "1.0",
+                            "data": {"type": "hidden", "feed_item_id": "announcement:1",
+                                     "seq": 12}});
+        body(endpoint, 2, json!([hidden]), Some(12))
+    })
+    .await;
+
+    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let one = &rows["announcement:1"];
+    assert_eq!(
+        (one.generation, one.sequence.as_str(), one.is_tombstone()),
+        (2, Sequence::from_parts(1, 12).as_str(), true)
+    );
+    let changes = copy::list_changes(&db.pool, endpoint).await.unwrap();
+    let operations: Vec<(Operation, &str, Option<&str>)> = changes
+        .iter()
+        .map(|c| (c.operation, c.subject.as_str(), c.event_id.as_deref()))
+        .collect();
+    assert_eq!(
+        operations,
+        [
+            (Operation::Upsert, "announcement:1", None),
+            (Operation::Remove, "announcement:1", Some("evt_1_12_hidden")),
+        ],
+        "the merge's item, then its removal"
+    );
+    assert_eq!(metrics.lock_losses.get(), 0, "no lock was lost");
+    assert!(!logs.contains("ERROR"), "{logs}");
 }
