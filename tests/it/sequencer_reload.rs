@@ -791,3 +791,58 @@ async fn a_removal_that_lands_while_a_merge_holds_the_endpoint_removes_the_merge
     assert_eq!(metrics.lock_losses.get(), 0, "no lock was lost");
     assert!(!logs.contains("ERROR"), "{logs}");
 }
+
+/// Rule R-MERGE ("keep what the copy holds of its subject at that generation at the same
+/// sequence or a later one, or at a newer generation ... Otherwise store the item read. Then
+/// remove everything held from an older generation"): an item a newer reset's reload reads just
+/// as the copy holds it is kept with its position raised to the reload's generation (an
+/// `Unchanged` write: nothing is sent again), so the drop of the older generation leaves it.
+#[tokio::test]
+async fn a_reload_that_reads_an_item_as_held_raises_it_to_the_reloads_generation() {
+    let db = TestDb::new().await;
+    let tenant = db.tenant().await;
+    let endpoint = Uuid::new_v4();
+    let mut writer = crate::stack::CopyWriter::new(&db, tenant, endpoint).await;
+    let parse = |body: Value| Ok(relay_wire::Message::parse(body.to_string().as_bytes()).unwrap());
+    let none = HashMap::new();
+    writer
+        .run(
+            &db.pool,
+            &[parse(body(endpoint, 1, json!([updated(1, 10)]), Some(10)))],
+            &none,
+        )
+        .await;
+    let plan = writer
+        .run(&db.pool, &[parse(reset(endpoint, 2, 10))], &none)
+        .await;
+    let reload = plan
+        .track
+        .and_then(|t| t.reload)
+        .expect("the reset began a reload");
+    // The pass reads item 1 as the copy holds it.
+    let pass = relay_rules::Pass {
+        page_access_versions: vec![AV.to_owned()],
+        items: vec![relay_rules::ReadItem {
+            subject: "announcement:1".to_owned(),
+            sequence: Sequence::from_parts(1, 10),
+            item: relay_wire::FeedItem::from_value(item(1, 10), "data[0].item").unwrap(),
+        }],
+        upstream_generation: Some(2),
+        read_again_at_start: 0,
+    };
+    let merged = copy::merge(&db.pool, writer.claim, &reload, &pass).await;
+    assert!(
+        matches!(merged, Ok(copy::Merged::Merged { .. })),
+        "{merged:?}"
+    );
+    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let one = &rows["announcement:1"];
+    assert_eq!(
+        (one.generation, one.sequence.as_str(), one.is_tombstone()),
+        (2, Sequence::from_parts(1, 10).as_str(), false)
+    );
+    assert_eq!(
+        copy::list_changes(&db.pool, endpoint).await.unwrap().len(),
+        1
+    );
+}
