@@ -28,6 +28,7 @@ pub mod copy;
 pub mod cursors;
 pub mod db;
 pub mod endpoints;
+mod ids;
 pub mod messages;
 pub mod quarantine;
 pub mod runs;
@@ -36,6 +37,7 @@ pub mod tracks;
 pub mod upstream_status;
 
 pub use db::{connect, KeptConnection, PoolOptions, MIGRATOR};
+pub use ids::{EndpointId, TenantId};
 
 /// A store call failed. Callers at the edges add context; this keeps the cause.
 #[derive(Debug, thiserror::Error)]
