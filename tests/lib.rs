@@ -40,6 +40,21 @@ pub fn init_logging() {
         .try_init();
 }
 
+/// A stored message, as a test reads it back to check what the front tier kept.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct StoredRow {
+    pub endpoint_id: Uuid,
+    pub arrival_seq: i64,
+    pub tenant_id: Uuid,
+    pub webhook_id: String,
+    pub signed_at: time::OffsetDateTime,
+    pub attempt: Option<i32>,
+    pub received_at: time::OffsetDateTime,
+    pub track: Option<String>,
+    pub generation: Option<i64>,
+    pub body: Vec<u8>,
+}
+
 /// A migrated database that exists for one test.
 pub struct TestDb {
     pub name: String,
@@ -48,6 +63,19 @@ pub struct TestDb {
 }
 
 impl TestDb {
+    /// The endpoint's stored messages in arrival order.
+    pub async fn stored_messages(&self, endpoint: Uuid) -> Vec<StoredRow> {
+        sqlx::query_as(
+            "SELECT endpoint_id, arrival_seq, tenant_id, webhook_id, signed_at, attempt,
+                    received_at, track, generation, body
+             FROM messages WHERE endpoint_id = $1 ORDER BY arrival_seq",
+        )
+        .bind(endpoint)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+    }
+
     pub async fn new() -> Self {
         let db = Self::empty().await;
         relay_store::MIGRATOR
@@ -418,9 +446,9 @@ impl TestApp {
     }
 
     pub async fn stored_webhook_ids(&self, endpoint: Uuid) -> Vec<String> {
-        relay_store::messages::list_for_endpoint(&self.db.pool, endpoint)
+        self.db
+            .stored_messages(endpoint)
             .await
-            .unwrap()
             .into_iter()
             .map(|m| m.webhook_id)
             .collect()

@@ -21,9 +21,7 @@ async fn a_verified_message_is_stored_exactly_as_received_then_answered_202() {
     let response = app.post(endpoint, &message).await;
     assert_eq!(response.status(), StatusCode::ACCEPTED);
 
-    let stored = relay_store::messages::list_for_endpoint(&app.db.pool, endpoint)
-        .await
-        .unwrap();
+    let stored = app.db.stored_messages(endpoint).await;
     assert_eq!(stored.len(), 1);
     let row = &stored[0];
     assert_eq!(row.body, body);
@@ -113,9 +111,7 @@ async fn arrival_order_follows_the_order_messages_were_answered() {
         assert_eq!(b.status(), StatusCode::ACCEPTED);
         sent.push(message.webhook_id);
     }
-    let stored = relay_store::messages::list_for_endpoint(&app.db.pool, endpoint)
-        .await
-        .unwrap();
+    let stored = app.db.stored_messages(endpoint).await;
     let ids: Vec<String> = stored.iter().map(|m| m.webhook_id.clone()).collect();
     assert_eq!(ids, sent);
     assert!(stored

@@ -11,7 +11,7 @@ use std::time::Duration;
 use rand::seq::SliceRandom as _;
 use rand::{Rng as _, SeedableRng as _};
 use rand_chacha::ChaCha8Rng;
-use relay_ingest::writer::{BatchWriter, WriteError};
+use relay_ingest::{BatchWriter, WriteError};
 use relay_ingest::{IngestConfig, IngestMetrics, SystemClock};
 use relay_listener::ListenerLimits;
 use relay_store::messages::{IncomingMessage, StoreOutcome};
@@ -105,9 +105,7 @@ async fn one_tenants_control_characters_fail_none_of_another_tenants_messages() 
     b_stored.sort();
     b_sent.sort();
     assert_eq!(b_stored, b_sent, "seed {seed}");
-    let a_stored = relay_store::messages::list_for_endpoint(&app.db.pool, a)
-        .await
-        .unwrap();
+    let a_stored = app.db.stored_messages(a).await;
     assert_eq!(a_stored.len(), a_sent.len(), "seed {seed}");
     assert!(
         a_stored
@@ -178,9 +176,7 @@ async fn a_batch_postgres_refuses_is_stored_again_without_the_message_that_broke
             );
         }
     }
-    let stored = relay_store::messages::list_for_endpoint(&db.pool, endpoint)
-        .await
-        .unwrap();
+    let stored = db.stored_messages(endpoint).await;
     let unpoisoned = (0..60).filter(|n| !poisoned.contains(n)).count();
     assert_eq!(stored.len(), unpoisoned, "seed {seed}");
     // Arrival numbers still follow the order the messages were taken, with no gap a failed
@@ -284,9 +280,7 @@ async fn a_verified_body_that_is_not_a_v1_message_is_stored_as_received_and_answ
         );
         sent.push((message.webhook_id, body.clone()));
     }
-    let stored = relay_store::messages::list_for_endpoint(&app.db.pool, endpoint)
-        .await
-        .unwrap();
+    let stored = app.db.stored_messages(endpoint).await;
     let stored: Vec<_> = stored
         .into_iter()
         .map(|m| {

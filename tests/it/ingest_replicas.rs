@@ -86,10 +86,7 @@ async fn replicas_share_a_database_without_deadlocks_and_keep_each_senders_order
 
     let mut arrival: HashMap<String, i64> = HashMap::new();
     for (endpoint, _) in endpoints.iter() {
-        for m in relay_store::messages::list_for_endpoint(&app.db.pool, *endpoint)
-            .await
-            .unwrap()
-        {
+        for m in app.db.stored_messages(*endpoint).await {
             assert!(arrival.insert(m.webhook_id, m.arrival_seq).is_none());
         }
     }

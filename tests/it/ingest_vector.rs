@@ -48,9 +48,7 @@ async fn the_five_examples_are_taken_and_stored_byte_for_byte() {
         let response = send_example(&app, example).await;
         assert_eq!(response.status(), StatusCode::ACCEPTED, "{name}");
     }
-    let stored = relay_store::messages::list_for_endpoint(&app.db.pool, endpoint)
-        .await
-        .unwrap();
+    let stored = app.db.stored_messages(endpoint).await;
     assert_eq!(stored.len(), 5);
     for (row, (name, example)) in stored.iter().zip(examples) {
         assert_eq!(

@@ -9,7 +9,6 @@ use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use bytes::Bytes;
-use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
@@ -189,34 +188,4 @@ fn column<'a, T>(
     field: impl Fn(&'a IncomingMessage) -> T,
 ) -> Vec<T> {
     messages.iter().map(|m| field(m)).collect()
-}
-
-/// A stored message as support and tests read it back.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
-pub struct StoredMessage {
-    pub endpoint_id: Uuid,
-    pub arrival_seq: i64,
-    pub tenant_id: Uuid,
-    pub webhook_id: String,
-    pub signed_at: OffsetDateTime,
-    pub attempt: Option<i32>,
-    pub received_at: OffsetDateTime,
-    pub track: Option<String>,
-    pub generation: Option<i64>,
-    pub body: Vec<u8>,
-}
-
-/// An endpoint's stored messages in arrival order.
-pub async fn list_for_endpoint(
-    pool: &PgPool,
-    endpoint_id: Uuid,
-) -> Result<Vec<StoredMessage>, StoreError> {
-    Ok(sqlx::query_as(
-        "SELECT endpoint_id, arrival_seq, tenant_id, webhook_id, signed_at, attempt,
-                received_at, track, generation, body
-         FROM messages WHERE endpoint_id = $1 ORDER BY arrival_seq",
-    )
-    .bind(endpoint_id)
-    .fetch_all(pool)
-    .await?)
 }
