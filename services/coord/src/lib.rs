@@ -24,7 +24,7 @@ mod wake;
 
 pub use gather::{Gather, GatherLimits};
 pub use ownership::{check_fence, Lease, Owned, Owners, OwnershipConfig, OwnershipError};
-pub use redis_client::open_redis;
+pub use redis_client::{open_redis, DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL};
 pub use wake::{
     change_payload, changes_channel, listen, listen_parsed, parse_change_payload, wake_channel,
     Waker,

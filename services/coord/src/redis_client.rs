@@ -10,6 +10,13 @@
 use redis::{ConnectionAddr, IntoConnectionInfo as _, TlsCertificates};
 use relay_netguard::TrustRoots;
 
+/// Where Redis is unless the operator says otherwise: the local default port.
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
+/// Prefix of every Redis key and channel a deployment uses unless the operator sets another
+/// (several deployments, or tests, can then share one Redis).
+pub const DEFAULT_KEY_PREFIX: &str = "relay:";
+
 /// A Redis client for `url`, trusting `trust` when the URL asks for TLS.
 pub fn open_redis(url: &str, trust: &TrustRoots) -> redis::RedisResult<redis::Client> {
     let info = url.into_connection_info()?;

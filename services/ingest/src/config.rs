@@ -19,6 +19,17 @@ pub const LISTENER_LIMITS: ListenerLimits = ListenerLimits {
     max_headless_per_address: 256,
 };
 
+/// Each setting's default, written once: [`IngestConfig::default`] and relay's command line both
+/// take them from here.
+pub mod defaults {
+    pub const ANSWER_DEADLINE_MS: u64 = 10_000;
+    pub const RETRY_AFTER_S: u64 = 5;
+    pub const WRITERS: usize = 2;
+    pub const BATCH_MAX_MESSAGES: usize = 256;
+    pub const ENDPOINT_CACHE_TTL_S: u64 = 60;
+    pub const ENDPOINT_CACHE_MAX_ENTRIES: usize = 100_000;
+}
+
 #[derive(Debug, Clone)]
 pub struct IngestConfig {
     /// Bodies larger than this are refused with 413 without being read further. The wire file
@@ -56,14 +67,14 @@ impl Default for IngestConfig {
     fn default() -> Self {
         Self {
             max_body_bytes: relay_wire::limits::MAX_BODY_BYTES,
-            answer_deadline: Duration::from_secs(10),
-            retry_after: Duration::from_secs(5),
-            writers: 2,
-            batch_max_messages: 256,
+            answer_deadline: Duration::from_millis(defaults::ANSWER_DEADLINE_MS),
+            retry_after: Duration::from_secs(defaults::RETRY_AFTER_S),
+            writers: defaults::WRITERS,
+            batch_max_messages: defaults::BATCH_MAX_MESSAGES,
             batch_max_bytes: 8 * 1024 * 1024,
             queue_capacity: 4096,
-            endpoint_cache_ttl: Duration::from_secs(60),
-            endpoint_cache_max_entries: 100_000,
+            endpoint_cache_ttl: Duration::from_secs(defaults::ENDPOINT_CACHE_TTL_S),
+            endpoint_cache_max_entries: defaults::ENDPOINT_CACHE_MAX_ENTRIES,
             waker: None,
             listener: LISTENER_LIMITS,
         }

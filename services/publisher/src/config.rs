@@ -134,7 +134,19 @@ pub fn redact(url: &str) -> String {
 }
 
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
+/// Each setting's default, written once: [`PublisherConfig::default`] and [`PublisherArgs`]
+/// both take them from here.
+mod defaults {
+    pub const POLL_MS: u64 = 500;
+    pub const LEASE_MS: u64 = 15_000;
+    pub const MAX_IN_FLIGHT: usize = 256;
+    pub const MAX_TENANTS: usize = 1024;
+    pub const CONNECT_TIMEOUT_MS: u64 = 5_000;
+    pub const CONFIRM_TIMEOUT_MS: u64 = 5_000;
+    pub const RETRY_MAX_MS: u64 = 5_000;
+    pub const IDLE_RELEASE_MS: u64 = 30_000;
+}
 
 /// The same values as [`PublisherArgs`]' defaults (without reading the environment).
 impl Default for PublisherConfig {
@@ -144,17 +156,17 @@ impl Default for PublisherConfig {
             amqp_url: DEFAULT_AMQP_URL.to_owned(),
             destination_policy: DestinationPolicy::default(),
             trust: TrustRoots::platform(),
-            redis_url: DEFAULT_REDIS_URL.to_owned(),
-            key_prefix: "relay:".to_owned(),
-            poll_interval: ms(500),
-            lease: ms(15_000),
-            max_in_flight: 256,
-            max_tenants: 1024,
-            connect_timeout: ms(5_000),
-            confirm_timeout: ms(5_000),
+            redis_url: relay_coord::DEFAULT_REDIS_URL.to_owned(),
+            key_prefix: relay_coord::DEFAULT_KEY_PREFIX.to_owned(),
+            poll_interval: ms(defaults::POLL_MS),
+            lease: ms(defaults::LEASE_MS),
+            max_in_flight: defaults::MAX_IN_FLIGHT,
+            max_tenants: defaults::MAX_TENANTS,
+            connect_timeout: ms(defaults::CONNECT_TIMEOUT_MS),
+            confirm_timeout: ms(defaults::CONFIRM_TIMEOUT_MS),
             retry_min: ms(100),
-            retry_max: ms(5_000),
-            idle_release: ms(30_000),
+            retry_max: ms(defaults::RETRY_MAX_MS),
+            idle_release: ms(defaults::IDLE_RELEASE_MS),
             metrics_interval: Duration::from_secs(1),
             destination_refresh: Duration::from_secs(10),
             before_mark: None,
@@ -177,42 +189,42 @@ pub struct PublisherArgs {
 
     /// Redis, for the per-tenant ownership leases. Not a flag of its own: the `relay` binary
     /// sets it from its global `--redis-url` (RELAY_REDIS_URL), which every tier shares.
-    #[arg(skip = DEFAULT_REDIS_URL.to_owned())]
+    #[arg(skip = relay_coord::DEFAULT_REDIS_URL.to_owned())]
     pub redis_url: String,
 
     /// Prefix of every Redis key and channel the publisher uses. Not a flag of its own: the
     /// `relay` binary sets it from its global `--redis-key-prefix` (RELAY_REDIS_KEY_PREFIX), so
     /// the publisher hears the sequencer's announcements of new changes on the same prefix.
-    #[arg(skip = "relay:".to_owned())]
+    #[arg(skip = relay_coord::DEFAULT_KEY_PREFIX.to_owned())]
     pub publisher_key_prefix: String,
 
     /// How often Postgres is asked which tenants have unpublished changes, in milliseconds
     /// (one cheap query per process). The sequencer announces new changes through Redis, so
     /// this is the safety net: the longest a change waits when an announcement was lost.
-    #[arg(long, env = "RELAY_PUBLISHER_POLL_MS", default_value_t = 500)]
+    #[arg(long, env = "RELAY_PUBLISHER_POLL_MS", default_value_t = defaults::POLL_MS)]
     pub publisher_poll_ms: u64,
 
     /// A tenant's ownership lease, in milliseconds: another publisher takes the tenant over
     /// this long after its owner stopped renewing. Keep it above the connect timeout plus the
     /// confirm timeout.
-    #[arg(long, env = "RELAY_PUBLISHER_LEASE_MS", default_value_t = 15_000,
+    #[arg(long, env = "RELAY_PUBLISHER_LEASE_MS", default_value_t = defaults::LEASE_MS,
           value_parser = clap::value_parser!(u64).range(300..))]
     pub publisher_lease_ms: u64,
 
     /// Most of one tenant's endpoints with a change in flight at once.
-    #[arg(long, env = "RELAY_PUBLISHER_MAX_IN_FLIGHT", default_value_t = 256,
+    #[arg(long, env = "RELAY_PUBLISHER_MAX_IN_FLIGHT", default_value_t = defaults::MAX_IN_FLIGHT as u64,
           value_parser = clap::value_parser!(u64).range(1..=65_535))]
     pub publisher_max_in_flight: u64,
 
     /// Most tenants one publisher process owns at once.
-    #[arg(long, env = "RELAY_PUBLISHER_MAX_TENANTS", default_value_t = 1024)]
+    #[arg(long, env = "RELAY_PUBLISHER_MAX_TENANTS", default_value_t = defaults::MAX_TENANTS)]
     pub publisher_max_tenants: usize,
 
     /// Timeout for connecting to a broker and declaring the queue, in milliseconds.
     #[arg(
         long,
         env = "RELAY_PUBLISHER_CONNECT_TIMEOUT_MS",
-        default_value_t = 5_000
+        default_value_t = defaults::CONNECT_TIMEOUT_MS
     )]
     pub publisher_connect_timeout_ms: u64,
 
@@ -220,20 +232,20 @@ pub struct PublisherArgs {
     #[arg(
         long,
         env = "RELAY_PUBLISHER_CONFIRM_TIMEOUT_MS",
-        default_value_t = 5_000
+        default_value_t = defaults::CONFIRM_TIMEOUT_MS
     )]
     pub publisher_confirm_timeout_ms: u64,
 
     /// Longest pause between retries after broker trouble, in milliseconds (the first is 100),
     /// before jitter, which adds up to as much again.
-    #[arg(long, env = "RELAY_PUBLISHER_RETRY_MAX_MS", default_value_t = 5_000)]
+    #[arg(long, env = "RELAY_PUBLISHER_RETRY_MAX_MS", default_value_t = defaults::RETRY_MAX_MS)]
     pub publisher_retry_max_ms: u64,
 
     /// A tenant with nothing to publish for this many milliseconds is released.
     #[arg(
         long,
         env = "RELAY_PUBLISHER_IDLE_RELEASE_MS",
-        default_value_t = 30_000
+        default_value_t = defaults::IDLE_RELEASE_MS
     )]
     pub publisher_idle_release_ms: u64,
 }

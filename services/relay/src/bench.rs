@@ -62,7 +62,7 @@ pub struct PipelineBenchArgs {
     #[arg(long, default_value_t = 3)]
     pub warmup_s: u64,
     /// The front tier's concurrent batch writers, as `relay ingest --writers`.
-    #[arg(long, env = "RELAY_INGEST_WRITERS", default_value_t = 2)]
+    #[arg(long, env = "RELAY_INGEST_WRITERS", default_value_t = relay_ingest::defaults::WRITERS)]
     pub ingest_writers: usize,
     #[command(flatten)]
     pub sequencer: SequencerArgs,
@@ -807,7 +807,7 @@ async fn machine_probe_ms() -> anyhow::Result<f64> {
         for n in 0..PROBE_MESSAGES as u64 {
             let (_, _, signature, body) =
                 crate::loadgen::build_message(Uuid::nil(), &secret, n, &padding);
-            let parsed = relay_wire::message::Message::parse(&body)
+            let parsed = relay_wire::Message::parse(&body)
                 .map_err(|error| anyhow::anyhow!("the probe's message does not parse: {error}"))?;
             std::hint::black_box((signature, parsed));
         }

@@ -6,6 +6,8 @@ use std::net::SocketAddr;
 
 use clap::builder::TypedValueParser as _;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use relay_ingest::defaults as ingest;
+use relay_sequencer::defaults as sequencer;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -48,7 +50,7 @@ pub struct GlobalArgs {
     #[arg(
         long,
         env = "RELAY_REDIS_URL",
-        default_value = "redis://127.0.0.1:6379",
+        default_value = relay_coord::DEFAULT_REDIS_URL,
         global = true
     )]
     pub redis_url: String,
@@ -58,7 +60,7 @@ pub struct GlobalArgs {
     #[arg(
         long,
         env = "RELAY_REDIS_KEY_PREFIX",
-        default_value = "relay:",
+        default_value = relay_coord::DEFAULT_KEY_PREFIX,
         global = true
     )]
     pub redis_key_prefix: String,
@@ -189,25 +191,25 @@ pub struct IngestArgs {
 
     /// Every message is answered within this many milliseconds; one not committed by then
     /// gets 503. Must stay under the upstream's 15 s send timeout.
-    #[arg(long, env = "RELAY_INGEST_ANSWER_DEADLINE_MS", default_value_t = 10_000,
+    #[arg(long, env = "RELAY_INGEST_ANSWER_DEADLINE_MS", default_value_t = ingest::ANSWER_DEADLINE_MS,
           value_parser = clap::value_parser!(u64).range(100..=14_000))]
     pub answer_deadline_ms: u64,
 
     /// Retry-After, in seconds, sent with a 503.
-    #[arg(long, env = "RELAY_INGEST_RETRY_AFTER_S", default_value_t = 5)]
+    #[arg(long, env = "RELAY_INGEST_RETRY_AFTER_S", default_value_t = ingest::RETRY_AFTER_S)]
     pub retry_after_s: u64,
 
     /// Concurrent batch writers (each uses one Postgres connection while writing).
-    #[arg(long, env = "RELAY_INGEST_WRITERS", default_value_t = 2)]
+    #[arg(long, env = "RELAY_INGEST_WRITERS", default_value_t = ingest::WRITERS)]
     pub writers: usize,
 
     /// Most messages stored per transaction.
-    #[arg(long, env = "RELAY_INGEST_BATCH_MAX_MESSAGES", default_value_t = 256)]
+    #[arg(long, env = "RELAY_INGEST_BATCH_MAX_MESSAGES", default_value_t = ingest::BATCH_MAX_MESSAGES)]
     pub batch_max_messages: usize,
 
     /// Seconds an endpoint's secrets and status stay cached while change notifications flow
     /// (0 disables the cache).
-    #[arg(long, env = "RELAY_INGEST_ENDPOINT_CACHE_TTL_S", default_value_t = 60)]
+    #[arg(long, env = "RELAY_INGEST_ENDPOINT_CACHE_TTL_S", default_value_t = ingest::ENDPOINT_CACHE_TTL_S)]
     pub endpoint_cache_ttl_s: u64,
 
     /// Most endpoints held in the cache; unknown ids count too, so a scan of random ids cannot
@@ -215,28 +217,28 @@ pub struct IngestArgs {
     #[arg(
         long,
         env = "RELAY_INGEST_ENDPOINT_CACHE_MAX_ENTRIES",
-        default_value_t = 100_000
+        default_value_t = ingest::ENDPOINT_CACHE_MAX_ENTRIES
     )]
     pub endpoint_cache_max_entries: usize,
 
     /// Milliseconds a request's head may take to arrive (from the connection's opening or its
     /// previous answer); a slower connection is closed.
     #[arg(long, env = "RELAY_INGEST_HEADER_READ_TIMEOUT_MS",
-          default_value_t = relay_ingest::config::LISTENER_LIMITS.header_read_timeout.as_millis() as u64,
+          default_value_t = relay_ingest::LISTENER_LIMITS.header_read_timeout.as_millis() as u64,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub header_read_timeout_ms: u64,
 
     /// Milliseconds a request's body may take to arrive after its head; a slower one is
     /// answered 408 and its connection closed. Keep it under the answer deadline.
     #[arg(long, env = "RELAY_INGEST_BODY_READ_TIMEOUT_MS",
-          default_value_t = relay_ingest::config::LISTENER_LIMITS.body_read_timeout.as_millis() as u64,
+          default_value_t = relay_ingest::LISTENER_LIMITS.body_read_timeout.as_millis() as u64,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub body_read_timeout_ms: u64,
 
     /// Webhook connections served at once; one more is answered 503 with Retry-After and
     /// closed. Keep the process's open-file limit (LimitNOFILE) well above it.
     #[arg(long, env = "RELAY_INGEST_MAX_CONNECTIONS",
-          default_value_t = relay_ingest::config::LISTENER_LIMITS.max_connections,
+          default_value_t = relay_ingest::LISTENER_LIMITS.max_connections,
           value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
     pub max_connections: usize,
 
@@ -244,7 +246,7 @@ pub struct IngestArgs {
     /// one more from that address is answered 503 with Retry-After and closed. The upstream
     /// sends its head at once, so this bounds only slow clients.
     #[arg(long, env = "RELAY_INGEST_MAX_HEADLESS_PER_ADDRESS",
-          default_value_t = relay_ingest::config::LISTENER_LIMITS.max_headless_per_address,
+          default_value_t = relay_ingest::LISTENER_LIMITS.max_headless_per_address,
           value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
     pub max_headless_per_address: usize,
 }
@@ -253,7 +255,7 @@ pub struct IngestArgs {
 pub struct SequencerArgs {
     /// Milliseconds an endpoint's lock lasts unless renewed (renewed every third of it). A
     /// worker that stalls longer loses the endpoint; its fencing token stops its writes.
-    #[arg(long, env = "RELAY_SEQUENCER_LEASE_MS", default_value_t = 10_000,
+    #[arg(long, env = "RELAY_SEQUENCER_LEASE_MS", default_value_t = sequencer::LEASE_MS,
           value_parser = clap::value_parser!(u64).range(300..))]
     pub lease_ms: u64,
 
@@ -262,7 +264,7 @@ pub struct SequencerArgs {
     #[arg(
         long,
         env = "RELAY_SEQUENCER_MAX_CONCURRENT_ENDPOINTS",
-        default_value_t = 128
+        default_value_t = sequencer::MAX_CONCURRENT_ENDPOINTS
     )]
     pub max_concurrent_endpoints: usize,
 
@@ -271,7 +273,7 @@ pub struct SequencerArgs {
     #[arg(
         long,
         env = "RELAY_SEQUENCER_MAX_TENANT_SHARE",
-        default_value_t = relay_sequencer::service::DEFAULT_MAX_TENANT_SHARE
+        default_value_t = sequencer::MAX_TENANT_SHARE
     )]
     pub max_tenant_share: f64,
 
@@ -280,21 +282,21 @@ pub struct SequencerArgs {
     #[arg(
         long,
         env = "RELAY_SEQUENCER_APPLY_ATTEMPTS",
-        default_value_t = relay_sequencer::service::DEFAULT_APPLY_ATTEMPTS,
+        default_value_t = sequencer::APPLY_ATTEMPTS,
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub apply_attempts: u32,
 
     /// Apply transactions open at once; each applies the endpoints' runs that gathered while
     /// the others committed.
-    #[arg(long, env = "RELAY_SEQUENCER_APPLIERS", default_value_t = 2)]
+    #[arg(long, env = "RELAY_SEQUENCER_APPLIERS", default_value_t = sequencer::APPLIERS)]
     pub appliers: usize,
 
     /// Endpoints' runs applied in one transaction at most.
     #[arg(
         long,
         env = "RELAY_SEQUENCER_RUNS_PER_TRANSACTION",
-        default_value_t = 64
+        default_value_t = sequencer::RUNS_PER_TRANSACTION
     )]
     pub runs_per_transaction: usize,
 
@@ -302,12 +304,12 @@ pub struct SequencerArgs {
     #[arg(
         long,
         env = "RELAY_SEQUENCER_MESSAGES_PER_TRANSACTION",
-        default_value_t = 256
+        default_value_t = sequencer::MESSAGES_PER_TRANSACTION
     )]
     pub messages_per_transaction: usize,
 
     /// Stored messages read at a time per endpoint.
-    #[arg(long, env = "RELAY_SEQUENCER_MESSAGES_PER_READ", default_value_t = 100)]
+    #[arg(long, env = "RELAY_SEQUENCER_MESSAGES_PER_READ", default_value_t = sequencer::MESSAGES_PER_READ)]
     pub messages_per_read: i64,
 
     /// Milliseconds between sweeps of Postgres for endpoints with work (the safety net under
@@ -315,7 +317,7 @@ pub struct SequencerArgs {
     #[arg(
         long,
         env = "RELAY_SEQUENCER_SWEEP_INTERVAL_MS",
-        default_value_t = 1_000
+        default_value_t = sequencer::SWEEP_INTERVAL_MS
     )]
     pub sweep_interval_ms: u64,
 
@@ -323,7 +325,7 @@ pub struct SequencerArgs {
     /// costs a lock, a fencing-token commit and a few reads; an endpoint that gets a message
     /// every few seconds should not pay that per message. A lingering worker holds no
     /// database connection and no concurrency slot, only its lock (renewed every third of it).
-    #[arg(long, env = "RELAY_SEQUENCER_IDLE_LINGER_MS", default_value_t = 10_000)]
+    #[arg(long, env = "RELAY_SEQUENCER_IDLE_LINGER_MS", default_value_t = sequencer::IDLE_LINGER_MS)]
     pub idle_linger_ms: u64,
 
     /// Days applied event ids are kept for de-duplication (0: for ever). Keep them as long as
@@ -332,7 +334,7 @@ pub struct SequencerArgs {
     #[arg(
         long,
         env = "RELAY_SEQUENCER_APPLIED_EVENTS_RETENTION_DAYS",
-        default_value_t = 31
+        default_value_t = sequencer::APPLIED_EVENTS_RETENTION_DAYS
     )]
     pub applied_events_retention_days: u64,
 
@@ -340,7 +342,7 @@ pub struct SequencerArgs {
     #[arg(
         long,
         env = "RELAY_SEQUENCER_UPSTREAM_TIMEOUT_MS",
-        default_value_t = 10_000
+        default_value_t = sequencer::UPSTREAM_TIMEOUT_MS
     )]
     pub upstream_timeout_ms: u64,
 }

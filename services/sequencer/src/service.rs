@@ -20,13 +20,30 @@ use crate::slots::Slots;
 use crate::upstream::UpstreamClient;
 use crate::worker::{run_worker, WorkerConfig, WorkerExit, WorkerSignal};
 
-/// The most of a process's workers one tenant may hold: half, so one tenant's endpoints (many,
-/// or stuck on a hanging upstream) always leave the other half to the others.
-pub const DEFAULT_MAX_TENANT_SHARE: f64 = 0.5;
-
-/// Tries of a message whose apply fails before it is quarantined: with the default backoff,
-/// about 7 s of trying, enough to outlast a brief fault without holding the endpoint long.
-pub const DEFAULT_APPLY_ATTEMPTS: u32 = 5;
+/// Each setting's default, written once: [`SequencerConfig::default`] and relay's command line
+/// both take them from here.
+pub mod defaults {
+    /// An endpoint's lock lasts this long unless renewed.
+    pub const LEASE_MS: u64 = 10_000;
+    pub const MAX_CONCURRENT_ENDPOINTS: usize = 128;
+    /// The most of a process's workers one tenant may hold: half, so one tenant's endpoints
+    /// (many, or stuck on a hanging upstream) always leave the other half to the others.
+    pub const MAX_TENANT_SHARE: f64 = 0.5;
+    /// Tries of a message whose apply fails before it is quarantined: with the default
+    /// backoff, about 7 s of trying, enough to outlast a brief fault without holding the
+    /// endpoint long.
+    pub const APPLY_ATTEMPTS: u32 = 5;
+    pub const APPLIERS: usize = 2;
+    pub const RUNS_PER_TRANSACTION: usize = 64;
+    pub const MESSAGES_PER_TRANSACTION: usize = 256;
+    pub const MESSAGES_PER_READ: i64 = 100;
+    pub const SWEEP_INTERVAL_MS: u64 = 1_000;
+    pub const IDLE_LINGER_MS: u64 = 10_000;
+    /// Applied event ids are kept a month: as long as the oldest backup likely to be restored,
+    /// plus a day (see [`super::SequencerConfig::applied_events_retention`]).
+    pub const APPLIED_EVENTS_RETENTION_DAYS: u64 = 31;
+    pub const UPSTREAM_TIMEOUT_MS: u64 = 10_000;
+}
 
 /// How the sequencer behaves. The defaults suit one machine with the front tier beside it.
 #[derive(Debug, Clone)]
@@ -81,26 +98,29 @@ pub struct SequencerConfig {
 
 impl Default for SequencerConfig {
     fn default() -> Self {
+        let ms = Duration::from_millis;
         Self {
-            redis_url: "redis://127.0.0.1:6379".to_owned(),
-            key_prefix: "relay:".to_owned(),
-            lease: Duration::from_secs(10),
-            max_concurrent_endpoints: 128,
-            max_tenant_share: DEFAULT_MAX_TENANT_SHARE,
-            apply_attempts: DEFAULT_APPLY_ATTEMPTS,
+            redis_url: relay_coord::DEFAULT_REDIS_URL.to_owned(),
+            key_prefix: relay_coord::DEFAULT_KEY_PREFIX.to_owned(),
+            lease: ms(defaults::LEASE_MS),
+            max_concurrent_endpoints: defaults::MAX_CONCURRENT_ENDPOINTS,
+            max_tenant_share: defaults::MAX_TENANT_SHARE,
+            apply_attempts: defaults::APPLY_ATTEMPTS,
             apply_backoff: ApplyBackoff {
                 first: Duration::from_millis(500),
                 max: Duration::from_secs(30),
             },
-            messages_per_read: 100,
-            appliers: 2,
-            runs_per_transaction: 64,
-            messages_per_transaction: 256,
-            sweep_interval: Duration::from_secs(1),
-            idle_linger: Duration::from_secs(10),
-            applied_events_retention: Some(Duration::from_secs(31 * 24 * 3600)),
+            messages_per_read: defaults::MESSAGES_PER_READ,
+            appliers: defaults::APPLIERS,
+            runs_per_transaction: defaults::RUNS_PER_TRANSACTION,
+            messages_per_transaction: defaults::MESSAGES_PER_TRANSACTION,
+            sweep_interval: ms(defaults::SWEEP_INTERVAL_MS),
+            idle_linger: ms(defaults::IDLE_LINGER_MS),
+            applied_events_retention: Some(Duration::from_secs(
+                defaults::APPLIED_EVENTS_RETENTION_DAYS * 24 * 3600,
+            )),
             retention_interval: Duration::from_secs(600),
-            upstream_timeout: Duration::from_secs(10),
+            upstream_timeout: ms(defaults::UPSTREAM_TIMEOUT_MS),
             outbound: relay_netguard::OutboundPolicy::default(),
             trust: relay_netguard::TrustRoots::platform(),
             feed_page_limit: crate::upstream::FEED_PAGE_LIMIT,
