@@ -11,7 +11,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::Router;
 use relay_netguard::OutboundPolicy;
-use relay_sequencer::upstream::{UpstreamClient, UpstreamError};
+use relay_sequencer::{UpstreamClient, UpstreamError};
 use relay_tests::random_secret;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;

@@ -154,7 +154,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
             listener: relay_listener::ListenerLimits {
                 header_read_timeout: Duration::from_secs(2),
                 max_headless_per_address: HEADLESS_PER_ADDRESS,
-                ..relay_ingest::config::LISTENER_LIMITS
+                ..relay_ingest::LISTENER_LIMITS
             },
             ..test_config()
         },

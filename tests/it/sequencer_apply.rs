@@ -9,10 +9,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use relay_coord::Waker;
 use relay_netguard::OutboundPolicy;
-use relay_sequencer::apply::{
+use relay_sequencer::UpstreamClient;
+use relay_sequencer::{
     apply_runs, prepare_run, ApplyError, BatchReport, EndpointContext, PreparedRun,
 };
-use relay_sequencer::upstream::UpstreamClient;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_store::cursors::{self, PendingMessage};
 use relay_store::endpoints::EndpointRegistration;
@@ -406,7 +406,7 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
         "A's two and B's one; C's run was never decided"
     );
     // One transaction took the three runs: each of its steps was timed once.
-    for step in relay_sequencer::metrics::APPLY_STEPS {
+    for step in relay_sequencer::APPLY_STEPS {
         let timed = metrics.apply_step_duration.with_label_values(&[step]);
         assert_eq!(timed.get_sample_count(), 1, "step {step}");
     }

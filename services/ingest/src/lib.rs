@@ -10,12 +10,12 @@
 //! - [`handler`]: the HTTP route and the order of its checks.
 //! - [`metrics`]: the tier's Prometheus metrics.
 
-pub mod clock;
-pub mod config;
-pub mod endpoint_cache;
-pub mod handler;
-pub mod metrics;
-pub mod writer;
+mod clock;
+mod config;
+mod endpoint_cache;
+mod handler;
+mod metrics;
+mod writer;
 
 use std::sync::Arc;
 
@@ -25,8 +25,9 @@ use sqlx::PgPool;
 use tokio::task::JoinHandle;
 
 pub use clock::{Clock, FixedClock, SystemClock};
-pub use config::IngestConfig;
+pub use config::{defaults, IngestConfig, LISTENER_LIMITS};
 pub use metrics::IngestMetrics;
+pub use writer::{BatchWriter, WriteError};
 
 /// A running front tier: its router and the background tasks it needs.
 pub struct Ingest {

@@ -14,10 +14,10 @@
 //! - [`retry`]: the one retry policy for upstream and broker calls ([`RetryPolicy`]).
 //! - [`OutboundArgs`], [`TlsArgs`]: the operator's settings, as flags and environment variables.
 
-pub mod client;
-pub mod policy;
-pub mod retry;
-pub mod tls;
+mod client;
+mod policy;
+mod retry;
+mod tls;
 
 pub use client::{refusal_in, GuardedClient, GuardedResolver, ResolveError};
 pub use policy::{OutboundPolicy, Refusal};

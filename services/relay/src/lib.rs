@@ -16,7 +16,7 @@ pub mod bench;
 mod bench_isolation;
 pub mod cli;
 pub mod commands;
-pub mod cpu;
+mod cpu;
 pub mod loadgen;
 pub mod startup;
 pub mod telemetry;

@@ -20,14 +20,17 @@
 //! "Source kind" is a seam here: the feed track is the only source built; a second source (the
 //! stories API) would add its own `step` and apply module beside the feed's.
 
-pub mod apply;
-pub mod batch;
-pub mod metrics;
-pub mod reload;
-pub mod service;
-pub mod slots;
-pub mod upstream;
-pub mod worker;
+mod apply;
+mod batch;
+mod metrics;
+mod reload;
+mod service;
+mod slots;
+mod upstream;
+mod worker;
 
-pub use metrics::SequencerMetrics;
-pub use service::{Sequencer, SequencerConfig, SequencerError};
+pub use apply::{apply_runs, prepare_run, ApplyError, BatchReport, EndpointContext, PreparedRun};
+pub use metrics::{SequencerMetrics, APPLY_STEPS};
+pub use reload::{run_reload, ReloadEnd, StopReload};
+pub use service::{defaults, Sequencer, SequencerConfig, SequencerError};
+pub use upstream::{UpstreamClient, UpstreamError};

@@ -13,9 +13,9 @@
 //! - [`sequence`]: the feed's `epoch.seq` sequences, long and short forms.
 
 pub mod limits;
-pub mod message;
-pub mod sequence;
-pub mod signature;
+mod message;
+mod sequence;
+mod signature;
 
 pub use message::{
     Event, EventBody, FeedAction, FeedData, FeedItem, ItemKind, Message, MessageError, PartRef,
