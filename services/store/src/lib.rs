@@ -23,6 +23,8 @@
 //! - [`changes`]: publishing the outbox: the backlog, an endpoint's next changes, and the publish
 //!   cursors the publisher's mark moves under its tenant's fence.
 //! - [`destinations`]: where each tenant's changes go, and why the publisher refuses it.
+//! - [`fences`]: the fencing tokens of relay-coord's ownership (an endpoint's, a tenant's):
+//!   claimed by each new owner, checked by its writes.
 //!
 //! Every table's SQL lives in its module here; no statement text leaves this crate.
 
@@ -33,6 +35,7 @@ pub mod cursors;
 pub mod db;
 pub mod destinations;
 pub mod endpoints;
+pub mod fences;
 mod ids;
 pub mod messages;
 pub mod quarantine;
