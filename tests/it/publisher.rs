@@ -1482,7 +1482,8 @@ async fn publishers_killed_at_random_moments_lose_and_reorder_nothing() {
 /// tenant is never touched; the backlog and the sweep read what the cursors say.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mark_moves_each_endpoints_cursor_forward_only_and_only_under_the_fence() {
-    use relay_publisher::outbox::{self, Marked};
+    use relay_store::changes::{self, Marked};
+    use relay_store::{EndpointId, TenantId};
     let env = Env::new().await;
     let seed = env.seed;
     let mut rng = StdRng::seed_from_u64(seed);
@@ -1514,36 +1515,38 @@ async fn a_mark_moves_each_endpoints_cursor_forward_only_and_only_under_the_fenc
         .unwrap()
     };
     let (e0, e1, e2) = (feeds[0].endpoint, feeds[1].endpoint, feeds[2].endpoint);
-    let mut sweep = outbox::endpoints_with_backlog(pool, a, 10).await.unwrap();
+    let (k0, k1, k2) = (EndpointId(e0), EndpointId(e1), EndpointId(e2));
+    let (ta, tb) = (TenantId(a), TenantId(b));
+    let mut sweep = changes::endpoints_with_backlog(pool, ta, 10).await.unwrap();
     sweep.sort();
-    let mut expected = vec![e0, e1];
+    let mut expected = vec![k0, k1];
     expected.sort();
     assert_eq!(sweep, expected, "seed {seed}");
-    let mut tenants = outbox::tenants_with_backlog(pool, 10).await.unwrap();
+    let mut tenants = changes::tenants_with_backlog(pool, 10).await.unwrap();
     tenants.sort();
-    let mut both = vec![a, b];
+    let mut both = vec![ta, tb];
     both.sort();
     assert_eq!(tenants, both, "seed {seed}");
 
     // Keys in any order, several per endpoint: the highest of each counts.
-    let marked = outbox::mark_published(pool, a, 7, &[(e0, 2), (e1, 1), (e0, 1), (e0, 3)])
+    let marked = changes::mark_published(pool, ta, 7, &[(k0, 2), (k1, 1), (k0, 1), (k0, 3)])
         .await
         .unwrap();
     assert_eq!(marked, Marked::Marked(4), "seed {seed}");
     assert_eq!((cursor(e0).await, cursor(e1).await), (Some(3), Some(1)));
-    let (backlog, oldest) = outbox::backlog(pool, a).await.unwrap();
+    let (backlog, oldest) = changes::backlog(pool, ta).await.unwrap();
     assert_eq!(backlog, counts[0] - 3 + counts[1] - 1, "seed {seed}");
     assert!(oldest.is_some());
 
     // A late or repeated mark moves nothing back.
-    let marked = outbox::mark_published(pool, a, 7, &[(e0, 2), (e1, 1)])
+    let marked = changes::mark_published(pool, ta, 7, &[(k0, 2), (k1, 1)])
         .await
         .unwrap();
     assert_eq!(marked, Marked::Marked(0), "seed {seed}");
     assert_eq!((cursor(e0).await, cursor(e1).await), (Some(3), Some(1)));
 
     // A stale token: nothing.
-    let marked = outbox::mark_published(pool, a, 6, &[(e0, 5)])
+    let marked = changes::mark_published(pool, ta, 6, &[(k0, 5)])
         .await
         .unwrap();
     assert_eq!(marked, Marked::FencedOut, "seed {seed}");
@@ -1551,30 +1554,30 @@ async fn a_mark_moves_each_endpoints_cursor_forward_only_and_only_under_the_fenc
 
     // Tenant A's owner naming tenant B's endpoint, before and after B's own mark: B's cursor
     // is neither made nor moved by it.
-    let marked = outbox::mark_published(pool, a, 7, &[(e2, 4)])
+    let marked = changes::mark_published(pool, ta, 7, &[(k2, 4)])
         .await
         .unwrap();
     assert_eq!(marked, Marked::Marked(0), "seed {seed}");
     assert_eq!(cursor(e2).await, None, "seed {seed}");
-    let marked = outbox::mark_published(pool, b, 3, &[(e2, 1)])
+    let marked = changes::mark_published(pool, tb, 3, &[(k2, 1)])
         .await
         .unwrap();
     assert_eq!(marked, Marked::Marked(1), "seed {seed}");
-    let marked = outbox::mark_published(pool, a, 7, &[(e2, 4)])
+    let marked = changes::mark_published(pool, ta, 7, &[(k2, 4)])
         .await
         .unwrap();
     assert_eq!(marked, Marked::Marked(0), "seed {seed}");
     assert_eq!(cursor(e2).await, Some(1), "seed {seed}");
 
     // Never past the endpoint's last change.
-    let marked = outbox::mark_published(pool, a, 7, &[(e1, counts[1] + 1)])
+    let marked = changes::mark_published(pool, ta, 7, &[(k1, counts[1] + 1)])
         .await
         .unwrap();
     assert_eq!(marked, Marked::Marked(0), "seed {seed}");
     assert_eq!(cursor(e1).await, Some(1), "seed {seed}");
 
     // Every change marked: no backlog, no sweep, and the next read starts past the cursor.
-    let marked = outbox::mark_published(pool, a, 7, &[(e0, counts[0]), (e1, counts[1])])
+    let marked = changes::mark_published(pool, ta, 7, &[(k0, counts[0]), (k1, counts[1])])
         .await
         .unwrap();
     assert_eq!(
@@ -1582,22 +1585,24 @@ async fn a_mark_moves_each_endpoints_cursor_forward_only_and_only_under_the_fenc
         Marked::Marked((counts[0] - 3 + counts[1] - 1) as u64),
         "seed {seed}"
     );
-    assert_eq!(outbox::backlog(pool, a).await.unwrap(), (0, None));
-    assert!(outbox::endpoints_with_backlog(pool, a, 10)
+    assert_eq!(changes::backlog(pool, ta).await.unwrap(), (0, None));
+    assert!(changes::endpoints_with_backlog(pool, ta, 10)
         .await
         .unwrap()
         .is_empty());
     assert_eq!(
-        outbox::tenants_with_backlog(pool, 10).await.unwrap(),
-        vec![b]
+        changes::tenants_with_backlog(pool, 10).await.unwrap(),
+        vec![tb]
     );
-    let next = outbox::next_changes(pool, a, &[(e0, 0, 10), (e1, 0, 10)])
+    let next = changes::next_changes(pool, ta, &[(k0, 0, 10), (k1, 0, 10)])
         .await
         .unwrap();
     assert!(next.is_empty(), "seed {seed}: {} read", next.len());
     feeds[0].step(pool, &mut rng).await;
-    let next = outbox::next_changes(pool, a, &[(e0, 0, 10)]).await.unwrap();
-    let seqs: Vec<i64> = next.iter().map(|c| c.key().1).collect();
+    let next = changes::next_changes(pool, ta, &[(k0, 0, 10)])
+        .await
+        .unwrap();
+    let seqs: Vec<i64> = next.iter().map(|c| c.change_seq).collect();
     let now = change_count(pool, e0).await;
     assert_eq!(
         seqs,

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
+use relay_store::{fences, EndpointId, StoreError, TenantId};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
@@ -28,25 +29,31 @@ pub enum OwnershipError {
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
     #[error("postgres: {0}")]
-    Database(#[from] sqlx::Error),
+    Store(#[from] StoreError),
 }
 
-/// What is owned: the Redis key under which its locks live, and the Postgres table whose row
-/// per owned thing holds its fencing token (`<key_column> uuid primary key, token bigint,
-/// claimed_at timestamptz`). The sequencer owns endpoints; the publisher owns tenants with the
-/// same mechanism.
+/// Whose fencing tokens an owner claims (relay-store's [`fences`]): what the owned keys are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fence {
+    /// Endpoints (`endpoint_fences`): the sequencer's workers.
+    Endpoint,
+    /// Tenants (`publisher_fences`): the publisher's tasks.
+    Tenant,
+}
+
+/// What is owned: the Redis key under which its locks live, and whose fencing tokens its owners
+/// claim in Postgres. The sequencer owns endpoints; the publisher owns tenants with the same
+/// mechanism.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Owned {
     pub lock_name: &'static str,
-    pub fence_table: &'static str,
-    pub key_column: &'static str,
+    pub fence: Fence,
 }
 
 /// The sequencer's: one owner per endpoint.
 const ENDPOINTS: Owned = Owned {
     lock_name: "lock",
-    fence_table: "endpoint_fences",
-    key_column: "endpoint_id",
+    fence: Fence::Endpoint,
 };
 
 /// How ownership behaves.
@@ -163,7 +170,7 @@ impl Owners {
             value,
             valid_until: started + self.config.lease,
         };
-        match claim_fence(&self.pool, self.config.owned, key).await {
+        match claim_fence(&self.pool, self.config.owned.fence, key).await {
             Ok(token) => {
                 lease.token = token;
                 Ok(Some(lease))
@@ -206,21 +213,14 @@ impl Owners {
     }
 }
 
-/// Claims the next fencing token of `key` in `owned`'s fence table: one more than the last,
-/// whoever held it. Waits while another owner's apply transaction holds the token's row (see
-/// [`check_fence`]).
-async fn claim_fence(pool: &PgPool, owned: Owned, key: Uuid) -> Result<i64, sqlx::Error> {
-    // The table and column names are constants of this program, never input.
-    let (table, column) = (owned.fence_table, owned.key_column);
-    sqlx::query_scalar(&format!(
-        "INSERT INTO {table} ({column}, token) VALUES ($1, 1)
-         ON CONFLICT ({column})
-         DO UPDATE SET token = {table}.token + 1, claimed_at = now()
-         RETURNING token"
-    ))
-    .bind(key)
-    .fetch_one(pool)
-    .await
+/// Claims the next fencing token of `key` (an endpoint's or a tenant's id, as `fence` says):
+/// one more than the last, whoever held it. Waits while another owner's write holds the token's
+/// row (see [`check_fence`]).
+async fn claim_fence(pool: &PgPool, fence: Fence, key: Uuid) -> Result<i64, StoreError> {
+    match fence {
+        Fence::Endpoint => fences::claim_endpoint(pool, EndpointId(key)).await,
+        Fence::Tenant => fences::claim_tenant(pool, TenantId(key)).await,
+    }
 }
 
 /// In an apply transaction, before any write: whether `token` is still the endpoint's current
@@ -230,11 +230,6 @@ pub async fn check_fence(
     conn: &mut PgConnection,
     endpoint_id: Uuid,
     token: i64,
-) -> Result<bool, sqlx::Error> {
-    let current: Option<i64> =
-        sqlx::query_scalar("SELECT token FROM endpoint_fences WHERE endpoint_id = $1 FOR SHARE")
-            .bind(endpoint_id)
-            .fetch_optional(conn)
-            .await?;
-    Ok(current == Some(token))
+) -> Result<bool, StoreError> {
+    fences::check_endpoint(conn, EndpointId(endpoint_id), token).await
 }

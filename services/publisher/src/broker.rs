@@ -12,10 +12,11 @@ use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use relay_netguard::{CertificateFailure, TrustRoots};
 use relay_rules::{DestinationPolicy, Refusal};
+use relay_store::destinations::Destination;
 use uuid::Uuid;
 
 use crate::message::CONTENT_TYPE;
-use crate::outbox::{Destination, OutboxChange};
+use crate::outbox::OutboxChange;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {

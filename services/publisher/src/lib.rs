@@ -23,7 +23,7 @@
 //!   and polls for tenants with a backlog.
 //! - [`tenant`]: one owned tenant's stream: read, publish, confirm, mark; broker trouble.
 //! - [`ownership`]: the per-tenant Redis lease and its Postgres fencing token.
-//! - [`outbox`]: the Postgres queries (backlog, next changes, mark, destination).
+//! - [`outbox`]: the outbox's rows (read through relay-store) checked and made messages.
 //! - [`broker`]: AMQP via lapin on tokio: connections, the tenant queue, confirmed publishes.
 //! - [`message`]: the change message v1 (`docs/change-message.v1.schema.json`).
 //! - [`consumer`]: [`ReferenceConsumer`], the pure rebuild of a copy from the messages.
@@ -46,7 +46,6 @@ pub use config::{BeforeMark, DestinationArgs, OnConfirm, PublisherArgs, Publishe
 pub use consumer::{ConsumerStats, Received, ReferenceConsumer};
 pub use message::{ChangeMessage, SCHEMA};
 pub use metrics::PublisherMetrics;
-pub use outbox::Destination;
 pub use publisher::{Publisher, PublisherError, PublisherHandle};
 pub use tail::{tail, tail_until, TailArgs, TailOutput};
 

@@ -17,7 +17,7 @@
 
 use std::time::Duration;
 
-use relay_coord::{Owned, OwnershipConfig};
+use relay_coord::{Fence, Owned, OwnershipConfig};
 use sqlx::PgPool;
 
 pub use relay_coord::{Lease as TenantLease, Owners as TenantOwners, OwnershipError};
@@ -25,8 +25,7 @@ pub use relay_coord::{Lease as TenantLease, Owners as TenantOwners, OwnershipErr
 /// The publisher's: one owner per tenant, fenced by `publisher_fences`.
 pub const TENANTS: Owned = Owned {
     lock_name: "publisher:tenant",
-    fence_table: "publisher_fences",
-    key_column: "tenant_id",
+    fence: Fence::Tenant,
 };
 
 /// The ownership mechanism the sequencer's endpoints use (Redis lease, Postgres fencing token),

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus::Registry;
+use relay_store::{changes, TenantId};
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
@@ -15,7 +16,6 @@ use uuid::Uuid;
 use crate::broker::RelayBroker;
 use crate::config::{redact, PublisherConfig};
 use crate::metrics::PublisherMetrics;
-use crate::outbox;
 use crate::ownership::{OwnershipError, TenantOwners};
 use crate::tenant::TenantSignal;
 
@@ -174,7 +174,7 @@ async fn coordinate(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
             break;
         }
         next_poll = tokio::time::Instant::now() + config.poll_interval;
-        let tenants = match outbox::tenants_with_backlog(&shared.pool, 100_000).await {
+        let tenants = match changes::tenants_with_backlog(&shared.pool, 100_000).await {
             Ok(tenants) => tenants,
             Err(error) => {
                 shared
@@ -187,7 +187,7 @@ async fn coordinate(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
             }
         };
         shared.metrics.backlog_tenants.set(tenants.len() as i64);
-        for tenant in tenants {
+        for tenant in tenants.iter().map(TenantId::as_uuid) {
             match coordinator.owned.get(&tenant) {
                 Some(signal) => signal.sweep(),
                 None => coordinator.take(tenant).await,

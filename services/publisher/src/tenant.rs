@@ -57,9 +57,11 @@ use tokio::sync::{watch, Notify};
 use uuid::Uuid;
 
 use relay_netguard::Pauses;
+use relay_store::changes::{self, Marked};
+use relay_store::{destinations, EndpointId, TenantId};
 
 use crate::broker::{classify, publish, BrokerError, Link, Outcome, Target};
-use crate::outbox::{self, Marked, OutboxChange, OutboxError};
+use crate::outbox::{OutboxChange, OutboxError};
 use crate::ownership::TenantLease;
 use crate::publisher::Shared;
 
@@ -659,13 +661,17 @@ impl Worker {
             // while the loop awaits a connection for a read would hold one per tenant; with
             // more tenants than connections, every tenant's read then waits for a connection
             // that only a parked mark holds (until the pool's acquire timeout).
-            let marking = keys.clone();
+            let marking: Vec<(EndpointId, i64)> = keys
+                .iter()
+                .map(|&(endpoint, seq)| (EndpointId(endpoint), seq))
+                .collect();
             let mark = tokio::spawn(async move {
-                outbox::mark_published(&pool, tenant, token, &marking).await
+                changes::mark_published(&pool, TenantId(tenant), token, &marking).await
             });
-            let result = mark
-                .await
-                .unwrap_or_else(|error| Err(OutboxError::Interrupted(error.to_string())));
+            let result = match mark.await {
+                Ok(marked) => marked.map_err(OutboxError::from),
+                Err(error) => Err(OutboxError::Interrupted(error.to_string())),
+            };
             (keys, result)
         }));
     }
@@ -732,7 +738,9 @@ impl Worker {
         if std::mem::take(&mut self.stream.sweep) {
             // In a task of its own for the reason a mark is (see `start_mark`).
             let task = tokio::spawn(async move {
-                outbox::endpoints_with_backlog(&pool, tenant, 1_000_000).await
+                let endpoints =
+                    changes::endpoints_with_backlog(&pool, TenantId(tenant), 1_000_000).await?;
+                Ok::<_, OutboxError>(endpoints.iter().map(EndpointId::as_uuid).collect())
             });
             self.reading = Some(Box::pin(async move {
                 ReadDone::Swept(
@@ -760,24 +768,26 @@ impl Worker {
         if asked.is_empty() {
             return;
         }
-        let plans: Vec<Vec<(Uuid, i64, i64)>> = asked
+        let plans: Vec<Vec<(EndpointId, i64, i64)>> = asked
             .chunks(ENDPOINTS_PER_READ)
             .map(|chunk| {
                 chunk
                     .iter()
                     .map(|(endpoint, room)| {
                         let through = self.stream.held_through.get(endpoint).copied();
-                        (*endpoint, through.unwrap_or(0), *room as i64)
+                        (EndpointId(*endpoint), through.unwrap_or(0), *room as i64)
                     })
                     .collect()
             })
             .collect();
         let task = tokio::spawn(async move {
-            let mut changes = Vec::new();
+            let mut read = Vec::new();
             for plan in plans {
-                changes.extend(outbox::next_changes(&pool, tenant, &plan).await?);
+                for row in changes::next_changes(&pool, TenantId(tenant), &plan).await? {
+                    read.push(OutboxChange::from_row(tenant, row)?);
+                }
             }
-            Ok(changes)
+            Ok::<_, OutboxError>(read)
         });
         self.reading = Some(Box::pin(async move {
             let read = task
@@ -825,8 +835,9 @@ impl Worker {
         self.lease.is_valid(Instant::now())
     }
 
-    async fn refresh_target(&mut self) -> Result<(), outbox::OutboxError> {
-        let destination = outbox::destination(&self.shared.pool, self.tenant).await?;
+    async fn refresh_target(&mut self) -> Result<(), relay_store::StoreError> {
+        let destination =
+            destinations::for_publishing(&self.shared.pool, TenantId(self.tenant)).await?;
         let target = Target::resolve(self.tenant, &destination, &self.shared.config.amqp_url);
         if self.target.as_ref() != Some(&target) {
             if self.target.is_some() {
@@ -855,7 +866,7 @@ impl Worker {
         let (pool, tenant, label) = (self.shared.pool.clone(), self.tenant, self.label.clone());
         let metrics = self.shared.metrics.clone();
         self.refreshing = Some(tokio::spawn(async move {
-            match outbox::backlog(&pool, tenant).await {
+            match changes::backlog(&pool, TenantId(tenant)).await {
                 Ok((count, oldest)) => {
                     metrics.backlog.with_label_values(&[&label]).set(count);
                     let age = oldest.map_or(0.0, |t| {
@@ -880,7 +891,8 @@ impl Worker {
         if self.refusal_recorded.as_ref() == Some(&reason) {
             return;
         }
-        match outbox::record_refusal(&self.shared.pool, self.tenant, reason.as_deref()).await {
+        let tenant = TenantId(self.tenant);
+        match destinations::record_refusal(&self.shared.pool, tenant, reason.as_deref()).await {
             Ok(()) => self.refusal_recorded = Some(reason),
             Err(error) => {
                 self.postgres_trouble("destination");

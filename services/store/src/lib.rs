@@ -20,14 +20,22 @@
 //!   several endpoints at once.
 //! - [`copy`]: each endpoint's copy of the feed, the event ids applied to it, and its outbox of
 //!   changes; a reload's merge carried out.
+//! - [`changes`]: publishing the outbox: the backlog, an endpoint's next changes, and the publish
+//!   cursors the publisher's mark moves under its tenant's fence.
+//! - [`destinations`]: where each tenant's changes go, and why the publisher refuses it.
+//! - [`fences`]: the fencing tokens of relay-coord's ownership (an endpoint's, a tenant's):
+//!   claimed by each new owner, checked by its writes.
 //!
 //! Every table's SQL lives in its module here; no statement text leaves this crate.
 
 pub mod broker_users;
+pub mod changes;
 pub mod copy;
 pub mod cursors;
 pub mod db;
+pub mod destinations;
 pub mod endpoints;
+pub mod fences;
 mod ids;
 pub mod messages;
 pub mod quarantine;

@@ -7,6 +7,8 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::Json;
 use relay_rules::Refusal;
+use relay_store::destinations::{self, Destination, StoredDestination};
+use relay_store::StoreError;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use utoipa::ToSchema;
@@ -60,22 +62,9 @@ pub enum DestinationKind {
     OwnExchange,
 }
 
-type Row = (
-    String,
-    Option<String>,
-    Option<String>,
-    bool,
-    OffsetDateTime,
-    Option<String>,
-    Option<OffsetDateTime>,
-);
-
-const COLUMNS: &str =
-    "kind, exchange, routing_key, amqp_url IS NOT NULL, updated_at, refused_reason, refused_at";
-
-fn view(row: Option<Row>) -> DestinationView {
+fn view(row: Option<StoredDestination>) -> DestinationView {
     match row {
-        Some((
+        Some(StoredDestination {
             kind,
             exchange,
             routing_key,
@@ -83,7 +72,7 @@ fn view(row: Option<Row>) -> DestinationView {
             updated_at,
             refused_reason,
             refused_at,
-        )) => DestinationView {
+        }) => DestinationView {
             kind,
             default: false,
             exchange,
@@ -172,12 +161,7 @@ pub async fn get_destination(
     State(state): State<AppState>,
     TenantId(tenant): TenantId,
 ) -> Result<Json<DestinationView>, ApiError> {
-    let row: Option<Row> = sqlx::query_as(&format!(
-        "SELECT {COLUMNS} FROM tenant_destinations WHERE tenant_id = $1"
-    ))
-    .bind(tenant)
-    .fetch_optional(&state.pool)
-    .await?;
+    let row = destinations::get(&state.pool, tenant.into()).await?;
     Ok(Json(view(row)))
 }
 
@@ -200,7 +184,7 @@ pub async fn put_destination(
     TenantId(tenant): TenantId,
     JsonBody(body): JsonBody<DestinationUpdate>,
 ) -> Result<Json<DestinationView>, ApiError> {
-    let (url, exchange, routing_key) = match body.kind {
+    let destination = match body.kind {
         DestinationKind::RelayQueue => {
             for (field, given) in [
                 ("amqp_url", body.amqp_url.is_some()),
@@ -211,37 +195,21 @@ pub async fn put_destination(
                     return Err(ApiError::invalid(field, "only for own_exchange"));
                 }
             }
-            (None, None, None)
+            Destination::RelayQueue
         }
-        DestinationKind::OwnExchange => (
-            Some(amqp_url(body.amqp_url.as_deref(), &state.broker).await?),
+        DestinationKind::OwnExchange => Destination::OwnExchange {
+            amqp_url: amqp_url(body.amqp_url.as_deref(), &state.broker).await?,
             // The default exchange is named "": allowed, with the routing key a queue's name.
-            Some(amqp_name("exchange", body.exchange.as_deref(), true)?),
-            Some(amqp_name("routing_key", body.routing_key.as_deref(), true)?),
-        ),
+            exchange: amqp_name("exchange", body.exchange.as_deref(), true)?,
+            routing_key: amqp_name("routing_key", body.routing_key.as_deref(), true)?,
+        },
     };
-    let kind = match body.kind {
-        DestinationKind::RelayQueue => "relay_queue",
-        DestinationKind::OwnExchange => "own_exchange",
+    let row = match destinations::set(&state.pool, tenant.into(), &destination).await {
+        Ok(row) => row,
+        Err(StoreError::NotFound { .. }) => return Err(ApiError::NotFound("tenant")),
+        Err(error) => return Err(error.into()),
     };
-    let row: Option<Row> = sqlx::query_as(&format!(
-        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
-         SELECT t.id, $2, $3, $4, $5 FROM tenants t WHERE t.id = $1
-         ON CONFLICT (tenant_id) DO UPDATE
-         SET kind = excluded.kind, amqp_url = excluded.amqp_url, exchange = excluded.exchange,
-             routing_key = excluded.routing_key, updated_at = now(),
-             refused_reason = NULL, refused_at = NULL
-         RETURNING {COLUMNS}"
-    ))
-    .bind(tenant)
-    .bind(kind)
-    .bind(&url)
-    .bind(&exchange)
-    .bind(&routing_key)
-    .fetch_optional(&state.pool)
-    .await?;
-    let row = row.ok_or(ApiError::NotFound("tenant"))?;
-    tracing::info!(%tenant, kind, "destination set");
+    tracing::info!(%tenant, kind = %row.kind, "destination set");
     Ok(Json(view(Some(row))))
 }
 
@@ -256,10 +224,7 @@ pub async fn delete_destination(
     State(state): State<AppState>,
     TenantId(tenant): TenantId,
 ) -> Result<Json<DestinationView>, ApiError> {
-    sqlx::query("DELETE FROM tenant_destinations WHERE tenant_id = $1")
-        .bind(tenant)
-        .execute(&state.pool)
-        .await?;
+    destinations::delete(&state.pool, tenant.into()).await?;
     tracing::info!(%tenant, "destination reset to the relay's queue");
     Ok(Json(view(None)))
 }

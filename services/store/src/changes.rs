@@ -1,0 +1,283 @@
+//! Publishing the outbox (`changes`, appended by [`copy`](crate::copy)): which tenants and
+//! endpoints have unpublished changes, an endpoint's next ones, marking confirmed ones published
+//! (under the tenant's fence, `publisher_fences`), and the backlog's size.
+//!
+//! What is published is one number per endpoint, its publish cursor (`endpoint_publish_cursors`):
+//! the publisher sends an endpoint's changes in order, one at a time, so what the broker
+//! confirmed is always a prefix. An endpoint's backlog is its change counter
+//! (`endpoint_change_counters`) minus its cursor; its changes are read by their primary key from
+//! the cursor on.
+
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+use crate::{EndpointId, StoreError, TenantId};
+
+/// The tenants that have at least one unpublished change, at most `limit`: every endpoint's
+/// change counter against its publish cursor (one row each per endpoint).
+pub async fn tenants_with_backlog(pool: &PgPool, limit: i64) -> Result<Vec<TenantId>, StoreError> {
+    let tenants = sqlx::query_scalar(
+        "SELECT DISTINCT k.tenant_id
+         FROM endpoint_change_counters k
+         LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id
+         WHERE k.last > COALESCE(p.published_through, 0)
+         LIMIT $1",
+    )
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    Ok(tenants)
+}
+
+/// The tenant's endpoints that have at least one unpublished change, in id order, at most
+/// `limit`.
+pub async fn endpoints_with_backlog(
+    pool: &PgPool,
+    tenant: TenantId,
+    limit: i64,
+) -> Result<Vec<EndpointId>, StoreError> {
+    let endpoints = sqlx::query_scalar(
+        "SELECT k.endpoint_id
+         FROM endpoint_change_counters k
+         LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id
+         WHERE k.tenant_id = $1 AND k.last > COALESCE(p.published_through, 0)
+         ORDER BY k.endpoint_id
+         LIMIT $2",
+    )
+    .bind(tenant)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    Ok(endpoints)
+}
+
+/// One unpublished change as the outbox holds it, its columns unparsed: the item and the parts
+/// diff are the JSON texts Postgres returns, to be checked and sent by the publisher.
+#[derive(Debug, Clone)]
+pub struct Unpublished {
+    pub endpoint: EndpointId,
+    pub change_seq: i64,
+    /// `upsert` or `remove`.
+    pub operation: String,
+    pub subject: String,
+    pub item_kind: Option<String>,
+    pub generation: i64,
+    /// Null for the removals of a reload's drop.
+    pub sequence: Option<String>,
+    pub event_id: Option<String>,
+    pub reload_generation: Option<i64>,
+    /// The item stored, on upsert: JSON text.
+    pub item: Option<String>,
+    /// JSON text.
+    pub parts_diff: String,
+    pub created_at: OffsetDateTime,
+}
+
+type Row = (
+    EndpointId,
+    i64,
+    String,
+    String,
+    Option<String>,
+    i64,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<String>,
+    String,
+    OffsetDateTime,
+);
+
+/// For each `(endpoint, through, room)`: the endpoint's unpublished changes after change_seq
+/// `through` (and after its publish cursor), in change_seq order, at most `room` of them; one
+/// range read of the primary key per endpoint. Ordered by endpoint, then change_seq.
+pub async fn next_changes(
+    pool: &PgPool,
+    tenant: TenantId,
+    plan: &[(EndpointId, i64, i64)],
+) -> Result<Vec<Unpublished>, StoreError> {
+    let mut endpoints = Vec::with_capacity(plan.len());
+    let mut throughs = Vec::with_capacity(plan.len());
+    let mut rooms = Vec::with_capacity(plan.len());
+    for (endpoint, through, room) in plan {
+        endpoints.push(endpoint.as_uuid());
+        throughs.push(*through);
+        rooms.push(*room);
+    }
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT c.endpoint_id, c.change_seq, c.operation, c.subject, c.item_kind, c.generation,
+                c.sequence, c.event_id, c.reload_generation, c.item::text, c.parts_diff::text,
+                c.created_at
+         FROM unnest($2::uuid[], $3::int8[], $4::int8[]) AS w (endpoint_id, through, room)
+         CROSS JOIN LATERAL (
+             SELECT * FROM changes c
+             WHERE c.tenant_id = $1 AND c.endpoint_id = w.endpoint_id
+               AND c.change_seq > GREATEST(w.through, COALESCE(
+                   (SELECT p.published_through FROM endpoint_publish_cursors p
+                    WHERE p.endpoint_id = w.endpoint_id), 0))
+             ORDER BY c.change_seq
+             LIMIT w.room
+         ) c
+         ORDER BY c.endpoint_id, c.change_seq",
+    )
+    .bind(tenant)
+    .bind(&endpoints)
+    .bind(&throughs)
+    .bind(&rooms)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(
+                endpoint,
+                change_seq,
+                operation,
+                subject,
+                item_kind,
+                generation,
+                sequence,
+                event_id,
+                reload_generation,
+                item,
+                parts_diff,
+                created_at,
+            )| Unpublished {
+                endpoint,
+                change_seq,
+                operation,
+                subject,
+                item_kind,
+                generation,
+                sequence,
+                event_id,
+                reload_generation,
+                item,
+                parts_diff,
+                created_at,
+            },
+        )
+        .collect())
+}
+
+/// What [`mark_published`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Marked {
+    /// The fence is ours; the publish cursors moved forward over this many changes (fewer than
+    /// asked when some were marked already, by an earlier owner that had them confirmed too).
+    Marked(u64),
+    /// Another publisher claimed the tenant since we did: nothing marked. Stop publishing.
+    FencedOut,
+}
+
+/// Marks the given changes of the tenant published: each endpoint's publish cursor moves to the
+/// highest change_seq given for it, in one statement that first checks, under a share lock on
+/// the fence row, that `token` is still the tenant's: so no new owner can claim the tenant while
+/// the mark runs, and a stale owner marks nothing. A cursor only moves forward (the statement's
+/// own `where`), so a late or repeated mark changes nothing.
+///
+/// Call it only with changes the broker confirmed, and only once every earlier change of the
+/// same endpoint was confirmed too (the publisher sends an endpoint's changes one at a time, in
+/// order): the cursor says "everything up to here". Marking is what keeps a change from being
+/// sent again; a confirmed change left unmarked (a crash before this) is sent again, under the
+/// same message id.
+pub async fn mark_published(
+    pool: &PgPool,
+    tenant: TenantId,
+    token: i64,
+    keys: &[(EndpointId, i64)],
+) -> Result<Marked, StoreError> {
+    let mut through: Vec<(EndpointId, i64)> = keys.to_vec();
+    through.sort_unstable();
+    // The highest change_seq of each endpoint: sorted, so the last of each run of one endpoint.
+    through.reverse();
+    through.dedup_by_key(|(endpoint, _)| *endpoint);
+    // Endpoint id order, the same for every mark: two marks never wait on each other crosswise.
+    through.reverse();
+    let (endpoints, seqs): (Vec<_>, Vec<i64>) = through
+        .into_iter()
+        .map(|(endpoint, seq)| (endpoint.as_uuid(), seq))
+        .unzip();
+    // One statement, so one transaction of its own and one round trip (an explicit
+    // transaction took four: begin, the setting, the statement, commit).
+    //
+    // Not waiting for the WAL flush (`synchronous_commit` off for this transaction alone,
+    // set by the statement itself): a mark lost to a Postgres crash is a change sent again
+    // under the same message_id, which the contract allows (it is what a publisher crash
+    // between confirm and mark does too), and the flush would otherwise be most of a round.
+    //
+    // A cursor is only made or moved for an endpoint of this tenant, and never past the
+    // endpoint's last change (its change counter, read by key: joined as a whole, the plan read
+    // every counter of the tenant on each mark). `before` reads the cursors as
+    // the statement began (every part of one statement sees the same snapshot), so the count
+    // is what this mark moved.
+    let (ours, marked): (Option<bool>, i64) = sqlx::query_as(
+        "WITH no_flush AS MATERIALIZED (
+             SELECT set_config('synchronous_commit', 'off', true)
+         ),
+         fence AS (
+             SELECT token = $2 AS ours FROM publisher_fences, no_flush
+             WHERE tenant_id = $1 FOR SHARE OF publisher_fences
+         ),
+         moved AS (
+             INSERT INTO endpoint_publish_cursors AS p
+                 (endpoint_id, tenant_id, published_through, published_at)
+             SELECT k.endpoint_id, $1, k.through, now()
+             FROM unnest($3::uuid[], $4::int8[]) AS k (endpoint_id, through)
+             CROSS JOIN LATERAL (
+                 SELECT n.last FROM endpoint_change_counters n
+                 WHERE n.endpoint_id = k.endpoint_id AND n.tenant_id = $1
+                 OFFSET 0
+             ) n
+             WHERE (SELECT ours FROM fence) AND k.through <= n.last
+             ON CONFLICT (endpoint_id) DO UPDATE
+                 SET published_through = excluded.published_through,
+                     published_at = excluded.published_at
+                 WHERE p.tenant_id = excluded.tenant_id
+                   AND p.published_through < excluded.published_through
+             RETURNING p.endpoint_id, p.published_through
+         ),
+         before AS (
+             SELECT endpoint_id, published_through FROM endpoint_publish_cursors
+             WHERE endpoint_id = ANY($3)
+         )
+         SELECT (SELECT ours FROM fence),
+                (SELECT COALESCE(sum(m.published_through - COALESCE(b.published_through, 0)), 0)
+                 FROM moved m LEFT JOIN before b ON b.endpoint_id = m.endpoint_id)::int8",
+    )
+    .bind(tenant)
+    .bind(token)
+    .bind(&endpoints)
+    .bind(&seqs)
+    .fetch_one(pool)
+    .await?;
+    Ok(if ours == Some(true) {
+        Marked::Marked(marked as u64)
+    } else {
+        Marked::FencedOut
+    })
+}
+
+/// How many of the tenant's changes are unpublished, and when the oldest of them was made (the
+/// first unpublished change of each endpoint with a backlog, read by its key).
+pub async fn backlog(
+    pool: &PgPool,
+    tenant: TenantId,
+) -> Result<(i64, Option<OffsetDateTime>), StoreError> {
+    let row = sqlx::query_as(
+        "WITH behind AS (
+             SELECT k.endpoint_id, k.last, COALESCE(p.published_through, 0) AS through
+             FROM endpoint_change_counters k
+             LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id
+             WHERE k.tenant_id = $1 AND k.last > COALESCE(p.published_through, 0)
+         )
+         SELECT COALESCE(sum(b.last - b.through), 0)::int8,
+                min((SELECT c.created_at FROM changes c
+                     WHERE c.endpoint_id = b.endpoint_id AND c.change_seq = b.through + 1))
+         FROM behind b",
+    )
+    .bind(tenant)
+    .fetch_one(pool)
+    .await?;
+    Ok(row)
+}

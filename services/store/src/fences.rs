@@ -1,0 +1,58 @@
+//! The fencing tokens of relay-coord's ownership: one row per owned thing whose token rises by
+//! one each time an owner takes it: an endpoint's (`endpoint_fences`, the sequencer's workers)
+//! and a tenant's (`publisher_fences`, the publisher's tasks).
+//!
+//! An owner's writes check, under a share lock on the row, that the token is still its own: an
+//! endpoint's apply transaction with [`check_endpoint`], the publisher's mark in its own
+//! statement ([`changes::mark_published`](crate::changes::mark_published)). A claim therefore
+//! waits for the previous owner's write in flight, and a stale owner writes nothing.
+
+use sqlx::{PgConnection, PgPool};
+
+use crate::{EndpointId, StoreError, TenantId};
+
+/// Claims the endpoint's next fencing token: one more than the last, whoever held it. Waits
+/// while another owner's apply transaction holds the token's row (see [`check_endpoint`]).
+pub async fn claim_endpoint(pool: &PgPool, endpoint: EndpointId) -> Result<i64, StoreError> {
+    let token = sqlx::query_scalar(
+        "INSERT INTO endpoint_fences (endpoint_id, token) VALUES ($1, 1)
+         ON CONFLICT (endpoint_id)
+         DO UPDATE SET token = endpoint_fences.token + 1, claimed_at = now()
+         RETURNING token",
+    )
+    .bind(endpoint)
+    .fetch_one(pool)
+    .await?;
+    Ok(token)
+}
+
+/// Claims the tenant's next publishing token: one more than the last, whoever held it. Waits
+/// while another owner's mark holds the token's row.
+pub async fn claim_tenant(pool: &PgPool, tenant: TenantId) -> Result<i64, StoreError> {
+    let token = sqlx::query_scalar(
+        "INSERT INTO publisher_fences (tenant_id, token) VALUES ($1, 1)
+         ON CONFLICT (tenant_id)
+         DO UPDATE SET token = publisher_fences.token + 1, claimed_at = now()
+         RETURNING token",
+    )
+    .bind(tenant)
+    .fetch_one(pool)
+    .await?;
+    Ok(token)
+}
+
+/// In an apply transaction, before any write: whether `token` is still the endpoint's current
+/// fencing token. Holds a share lock on the token's row until the transaction ends, so no new
+/// owner can claim the endpoint in between. Roll back when it answers `false`.
+pub async fn check_endpoint(
+    conn: &mut PgConnection,
+    endpoint: EndpointId,
+    token: i64,
+) -> Result<bool, StoreError> {
+    let current: Option<i64> =
+        sqlx::query_scalar("SELECT token FROM endpoint_fences WHERE endpoint_id = $1 FOR SHARE")
+            .bind(endpoint)
+            .fetch_optional(conn)
+            .await?;
+    Ok(current == Some(token))
+}
