@@ -9,6 +9,7 @@ use std::collections::HashMap;
 
 use axum::extract::{Path, Query, State};
 use axum::Json;
+use relay_store::EndpointId;
 use relay_wire::ItemKind;
 use serde::Serialize;
 use serde_json::Value;
@@ -130,7 +131,7 @@ pub async fn list_copy(
     let company_id = query.parsed::<i64>("company_id", "a company id (a whole number)")?;
     let tombstones = query.flag("include_tombstones")?;
     let after = query.text("after");
-    owned_endpoint(&state.pool, tenant, id).await?;
+    owned_endpoint(&state.pool, relay_store::TenantId(tenant), EndpointId(id)).await?;
     // The primary key (endpoint_id, subject) serves the order and the cursor: both compare
     // subjects under the column's own collation, so a page ends where the next one begins.
     let rows: Vec<CopyRow> = sqlx::query_as(&format!(
@@ -178,7 +179,7 @@ pub async fn get_copy_item(
 ) -> Result<Json<CopyItemView>, ApiError> {
     let id = parse_uuid("endpoint_id", &endpoint_id)?;
     check_text("subject", &subject, MAX_SUBJECT_BYTES)?;
-    owned_endpoint(&state.pool, tenant, id).await?;
+    owned_endpoint(&state.pool, relay_store::TenantId(tenant), EndpointId(id)).await?;
     let row: Option<CopyRow> = sqlx::query_as(&format!(
         "SELECT {COPY_COLUMNS} FROM copy_items
          WHERE endpoint_id = $1 AND tenant_id = $2 AND subject = $3"
@@ -526,7 +527,7 @@ pub async fn list_messages(
     let cursor = query.parsed::<i64>("cursor", "a cursor from a previous page")?;
     let limit = query.limit(50, 200)?;
     let include_body = query.flag("include_body")?;
-    owned_endpoint(&state.pool, tenant, id).await?;
+    owned_endpoint(&state.pool, relay_store::TenantId(tenant), EndpointId(id)).await?;
     // A message is applied when the cursor passed it; its row in message_applications says how
     // (a cursor past a message with no row: applied before outcomes were kept).
     let (condition, order) = if newest_first {
