@@ -655,3 +655,21 @@ pub async fn expire_secret(
     .fetch_optional(pool)
     .await?)
 }
+
+/// The endpoint's status and whether both upstream settings are set, or `None` when it is not
+/// the tenant's: for the endpoint's state, read in its snapshot.
+pub async fn status_and_settings<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<Option<(String, bool)>, StoreError> {
+    Ok(sqlx::query_as(
+        "SELECT status,
+                COALESCE(upstream_base_url, '') <> '' AND COALESCE(upstream_api_key, '') <> ''
+         FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_optional(db)
+    .await?)
+}
