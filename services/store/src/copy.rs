@@ -21,7 +21,7 @@ use sqlx::{PgConnection, Postgres};
 use uuid::Uuid;
 
 use crate::tracks::{self, TrackClaim};
-use crate::StoreError;
+use crate::{EndpointId, StoreError, TenantId};
 
 /// One row of the outbox, as the publisher and tests read it.
 #[derive(Debug, Clone, PartialEq)]
@@ -844,4 +844,78 @@ pub async fn applied_among(
     .await?
     .into_iter()
     .collect())
+}
+
+/// One row of an endpoint's copy as its tenant reads it; `parts` and `item` as JSON text.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct CopyItem {
+    pub subject: String,
+    pub item_kind: Option<String>,
+    pub company_id: Option<i64>,
+    pub generation: i64,
+    pub sequence: String,
+    pub tombstone: bool,
+    pub parts: String,
+    pub item: Option<String>,
+    pub updated_at: time::OffsetDateTime,
+}
+
+const COPY_ITEM_COLUMNS: &str = "subject, item_kind, company_id, generation, sequence, tombstone,
+     parts::text, item::text, updated_at";
+
+/// Which of a copy's rows a page lists.
+pub struct ItemFilter<'a> {
+    /// The last subject of the previous page.
+    pub after: Option<&'a str>,
+    pub item_kind: Option<ItemKind>,
+    pub company_id: Option<i64>,
+    pub tombstones: bool,
+}
+
+/// A page of the tenant's endpoint's copy by subject (empty when it is not the tenant's). The
+/// primary key (endpoint_id, subject) serves the order and the cursor: both compare subjects
+/// under the column's own collation, so a page ends where the next one begins.
+pub async fn list_items(
+    pool: &sqlx::PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    filter: &ItemFilter<'_>,
+    limit: i64,
+) -> Result<Vec<CopyItem>, StoreError> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {COPY_ITEM_COLUMNS} FROM copy_items
+         WHERE endpoint_id = $1 AND tenant_id = $2
+           AND ($3::text IS NULL OR subject > $3)
+           AND ($4::text IS NULL OR item_kind = $4)
+           AND ($5::bigint IS NULL OR company_id = $5)
+           AND ($6 OR NOT tombstone)
+         ORDER BY subject LIMIT $7"
+    ))
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(filter.after)
+    .bind(filter.item_kind.map(ItemKind::as_str))
+    .bind(filter.company_id)
+    .bind(filter.tombstones)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// One row of the tenant's endpoint's copy, item or tombstone.
+pub async fn find_item(
+    pool: &sqlx::PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    subject: &str,
+) -> Result<Option<CopyItem>, StoreError> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {COPY_ITEM_COLUMNS} FROM copy_items
+         WHERE endpoint_id = $1 AND tenant_id = $2 AND subject = $3"
+    ))
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(subject)
+    .fetch_optional(pool)
+    .await?)
 }

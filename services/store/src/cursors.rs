@@ -1,11 +1,12 @@
-//! Each endpoint's apply cursor over its stored messages (`endpoint_apply_cursors`), and the
-//! reads of what lies past it.
+//! Each endpoint's apply cursor over its stored messages (`endpoint_apply_cursors`), the reads
+//! of what lies past it, and the backlog of its outbox (its change counter against its publish
+//! cursor).
 
 use sqlx::{PgConnection, PgPool};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::StoreError;
+use crate::{EndpointId, StoreError, TenantId};
 
 /// How far the endpoint's messages are applied (0: none yet).
 pub async fn applied_through<'e>(
@@ -186,5 +187,97 @@ pub async fn endpoints_with_work(
     .bind(limit)
     .bind(only)
     .fetch_all(pool)
+    .await?)
+}
+
+/// How far the endpoint's stored messages are applied, as its state shows it.
+#[derive(Debug, Clone)]
+pub struct ApplyProgress {
+    /// The arrival number of the last message stored.
+    pub last_arrival_seq: i64,
+    pub applied_arrival_seq: i64,
+    /// Stored messages above the cursor.
+    pub waiting: i64,
+    pub oldest_waiting_received_at: Option<OffsetDateTime>,
+    pub last_received_at: Option<OffsetDateTime>,
+    pub last_applied_at: Option<OffsetDateTime>,
+    /// Seconds the oldest waiting message has waited, by the database's clock; 0 when none.
+    pub lag_s: f64,
+}
+
+/// The tenant's endpoint's apply progress. The messages above the cursor are counted, not the
+/// numbers subtracted: a number taken by a batch whose message turned out a duplicate leaves a
+/// gap in arrival_seq.
+pub async fn progress<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<ApplyProgress, StoreError> {
+    type Row = (
+        i64,
+        i64,
+        i64,
+        Option<OffsetDateTime>,
+        Option<OffsetDateTime>,
+        Option<OffsetDateTime>,
+        f64,
+    );
+    let (last_arrival_seq, applied, waiting, oldest, last_received, last_applied, lag): Row =
+        sqlx::query_as(
+            "WITH cursor AS (
+                 SELECT COALESCE((SELECT applied_arrival_seq FROM endpoint_apply_cursors
+                                  WHERE endpoint_id = $1 AND tenant_id = $2), 0) AS applied
+             ),
+             waiting AS (
+                 SELECT count(*) AS n, min(received_at) AS oldest FROM messages, cursor
+                 WHERE endpoint_id = $1 AND tenant_id = $2 AND arrival_seq > cursor.applied
+             )
+             SELECT COALESCE((SELECT last_arrival_seq FROM endpoint_arrival_counters
+                              WHERE endpoint_id = $1), 0),
+                    cursor.applied, waiting.n, waiting.oldest,
+                    (SELECT last_received_at FROM endpoint_apply_cursors
+                     WHERE endpoint_id = $1 AND tenant_id = $2),
+                    (SELECT last_applied_at FROM endpoint_apply_cursors
+                     WHERE endpoint_id = $1 AND tenant_id = $2),
+                    COALESCE(EXTRACT(EPOCH FROM now() - waiting.oldest)::float8, 0)
+             FROM cursor, waiting",
+        )
+        .bind(endpoint)
+        .bind(tenant)
+        .fetch_one(db)
+        .await?;
+    Ok(ApplyProgress {
+        last_arrival_seq,
+        applied_arrival_seq: applied,
+        waiting,
+        oldest_waiting_received_at: oldest,
+        last_received_at: last_received,
+        last_applied_at: last_applied,
+        lag_s: lag,
+    })
+}
+
+/// The tenant's endpoint's outbox: how many changes are not yet published, and the number of
+/// the last change appended.
+pub async fn outbox_backlog<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<(i64, i64), StoreError> {
+    Ok(sqlx::query_as(
+        "WITH counter AS (
+             SELECT COALESCE((SELECT last FROM endpoint_change_counters
+                              WHERE endpoint_id = $1 AND tenant_id = $2), 0) AS last
+         )
+         SELECT GREATEST(counter.last - COALESCE((SELECT published_through
+                                                  FROM endpoint_publish_cursors
+                                                  WHERE endpoint_id = $1 AND tenant_id = $2), 0),
+                         0),
+                counter.last
+         FROM counter",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_one(db)
     .await?)
 }

@@ -1,4 +1,4 @@
-//! Connecting to Postgres.
+//! Connecting to Postgres, and the read-only snapshot that several reads share.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 use sqlx::migrate::Migrator;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, Connection, PgPool, Postgres};
+use sqlx::{ConnectOptions, Connection, PgPool, Postgres, Transaction};
+
+use crate::StoreError;
 
 /// The workspace's `migrations/`, compiled in so the binary can migrate with no files beside it.
 pub static MIGRATOR: Migrator = sqlx::migrate!("../../migrations");
@@ -93,6 +95,16 @@ pub fn connect(database_url: &str, options: &PoolOptions) -> Result<PgPool, sqlx
             })
         })
         .connect_lazy_with(connect))
+}
+
+/// A read-only transaction on one snapshot (repeatable read), so that several reads agree with
+/// each other.
+pub async fn read_snapshot(pool: &PgPool) -> Result<Transaction<'static, Postgres>, StoreError> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    Ok(tx)
 }
 
 /// The connection a loop keeps between statements that follow each other closely.

@@ -7,7 +7,7 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::StoreError;
+use crate::{EndpointId, StoreError, TenantId};
 
 /// The Postgres channel on which every change to an endpoint's row or its secrets is announced
 /// (by the triggers of the first migration), its id as the payload: the front tier drops its
@@ -300,4 +300,376 @@ pub async fn load_registration(
         upstream_base_url: url,
         upstream_api_key: key,
     }))
+}
+
+// The control plane's reads and writes: each names the tenant as well as the endpoint, so
+// another tenant's endpoint is not found, never read or written.
+
+/// An endpoint as its tenant reads it: whether an upstream API key is set, never the key.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct EndpointInfo {
+    pub id: EndpointId,
+    pub lang: Option<String>,
+    pub status: String,
+    pub upstream_base_url: Option<String>,
+    pub upstream_api_key_set: bool,
+    pub created_at: OffsetDateTime,
+    pub updated_at: OffsetDateTime,
+}
+
+const INFO_COLUMNS: &str = "id, lang, status, upstream_base_url,
+     upstream_api_key IS NOT NULL AS upstream_api_key_set, created_at, updated_at";
+
+/// A signing secret as its tenant reads it: its id and expiry, never its value.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct SecretInfo {
+    pub id: i64,
+    pub created_at: OffsetDateTime,
+    pub expires_at: Option<OffsetDateTime>,
+    /// Verifies now, by the database's clock.
+    pub active: bool,
+}
+
+const SECRET_COLUMNS: &str =
+    "id, created_at, expires_at, (expires_at IS NULL OR expires_at > now()) AS active";
+
+/// Whether the endpoint is the tenant's (an unknown endpoint is not).
+pub async fn owned(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<bool, StoreError> {
+    let found: Option<i32> =
+        sqlx::query_scalar("SELECT 1 FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2")
+            .bind(endpoint)
+            .bind(tenant)
+            .fetch_optional(pool)
+            .await?;
+    Ok(found.is_some())
+}
+
+/// What a tenant registers.
+pub struct Registration {
+    pub id: EndpointId,
+    pub lang: String,
+    pub upstream_base_url: Option<String>,
+    pub upstream_api_key: Option<String>,
+    pub secrets: Vec<SigningSecret>,
+}
+
+/// Registers the tenant's endpoint with its arrival counter and its secrets, all or nothing: an
+/// endpoint without them would take no message. The statements decide: `AlreadyExists` for
+/// the endpoint when its id is taken (by any tenant: the id is the upstream's), `NotFound` for
+/// an unknown tenant, and `AlreadyExists` for a `"secret"` whose `id` is its index in
+/// `secrets` when it repeats an earlier one (the table's unique key).
+pub async fn register(
+    pool: &PgPool,
+    tenant: TenantId,
+    new: &Registration,
+) -> Result<(), StoreError> {
+    let mut tx = pool.begin().await?;
+    let inserted: Option<EndpointId> = sqlx::query_scalar(
+        "INSERT INTO webhook_endpoints (id, tenant_id, lang, upstream_base_url, upstream_api_key)
+         SELECT $1, t.id, $3, $4, $5 FROM tenants t WHERE t.id = $2
+         ON CONFLICT (id) DO NOTHING
+         RETURNING id",
+    )
+    .bind(new.id)
+    .bind(tenant)
+    .bind(&new.lang)
+    .bind(&new.upstream_base_url)
+    .bind(&new.upstream_api_key)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if inserted.is_none() {
+        let tenant_exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM tenants WHERE id = $1)")
+                .bind(tenant)
+                .fetch_one(&mut *tx)
+                .await?;
+        return Err(if tenant_exists {
+            StoreError::AlreadyExists {
+                what: "webhook endpoint",
+                id: new.id.to_string(),
+            }
+        } else {
+            StoreError::NotFound {
+                what: "tenant",
+                id: tenant.to_string(),
+            }
+        });
+    }
+    sqlx::query("INSERT INTO endpoint_arrival_counters (endpoint_id) VALUES ($1)")
+        .bind(new.id)
+        .execute(&mut *tx)
+        .await?;
+    for (i, secret) in new.secrets.iter().enumerate() {
+        let written = sqlx::query(
+            "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret) VALUES ($1, $2, $3)",
+        )
+        .bind(tenant)
+        .bind(new.id)
+        .bind(secret.to_whsec())
+        .execute(&mut *tx)
+        .await;
+        match written {
+            Ok(_) => {}
+            // Returning drops the transaction, which rolls back the endpoint and the secrets
+            // written before.
+            Err(sqlx::Error::Database(db))
+                if db.constraint() == Some("endpoint_secrets_endpoint_id_secret_key") =>
+            {
+                return Err(StoreError::AlreadyExists {
+                    what: "secret",
+                    id: i.to_string(),
+                });
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The tenant's endpoint, or `None` when it is not the tenant's.
+pub async fn find(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<Option<EndpointInfo>, StoreError> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {INFO_COLUMNS} FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2"
+    ))
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_optional(pool)
+    .await?)
+}
+
+/// A page of the tenant's endpoints by id, after `after`.
+pub async fn list(
+    pool: &PgPool,
+    tenant: TenantId,
+    after: Option<EndpointId>,
+    limit: i64,
+) -> Result<Vec<EndpointInfo>, StoreError> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {INFO_COLUMNS} FROM webhook_endpoints
+         WHERE tenant_id = $1 AND ($2::uuid IS NULL OR id > $2)
+         ORDER BY id LIMIT $3"
+    ))
+    .bind(tenant)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// A change of an endpoint's settings; `None` keeps the value stored.
+pub struct SettingsChange {
+    pub lang: Option<String>,
+    pub upstream_base_url: Option<String>,
+    pub upstream_api_key: Option<String>,
+}
+
+/// Changes the tenant's endpoint's settings. `false`: it is not the tenant's.
+pub async fn change_settings(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    change: &SettingsChange,
+) -> Result<bool, StoreError> {
+    let updated: Option<EndpointId> = sqlx::query_scalar(
+        "UPDATE webhook_endpoints
+         SET lang = COALESCE($3, lang),
+             upstream_base_url = COALESCE($4, upstream_base_url),
+             upstream_api_key = COALESCE($5, upstream_api_key),
+             updated_at = now()
+         WHERE id = $1 AND tenant_id = $2
+         RETURNING id",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(&change.lang)
+    .bind(&change.upstream_base_url)
+    .bind(&change.upstream_api_key)
+    .fetch_optional(pool)
+    .await?;
+    Ok(updated.is_some())
+}
+
+/// Pauses or resumes the tenant's endpoint. `false`: it is not the tenant's. The front tier
+/// hears of it through the table's NOTIFY trigger ([`CHANGED_CHANNEL`]).
+pub async fn change_status(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    status: EndpointStatus,
+) -> Result<bool, StoreError> {
+    let updated: Option<EndpointId> = sqlx::query_scalar(
+        "UPDATE webhook_endpoints SET status = $3, updated_at = now()
+         WHERE id = $1 AND tenant_id = $2
+         RETURNING id",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(status.as_str())
+    .fetch_optional(pool)
+    .await?;
+    Ok(updated.is_some())
+}
+
+/// The endpoint's secrets by id (none when it is not the tenant's).
+pub async fn secrets(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<Vec<SecretInfo>, StoreError> {
+    Ok(sqlx::query_as(&format!(
+        "SELECT {SECRET_COLUMNS}
+         FROM endpoint_secrets WHERE endpoint_id = $1 AND tenant_id = $2 ORDER BY id"
+    ))
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// Inserts a secret for the tenant's endpoint, expiring `expires_in_s` from now (never, when
+/// `None`); `None` when nothing was written (not the tenant's endpoint, or it holds the secret).
+async fn insert_secret<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    secret: &SigningSecret,
+    expires_in_s: Option<f64>,
+) -> Result<Option<SecretInfo>, StoreError> {
+    Ok(sqlx::query_as(&format!(
+        "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret, expires_at)
+         SELECT e.tenant_id, e.id, $3, now() + make_interval(secs => $4)
+         FROM webhook_endpoints e WHERE e.id = $1 AND e.tenant_id = $2
+         ON CONFLICT (endpoint_id, secret) DO NOTHING
+         RETURNING {SECRET_COLUMNS}"
+    ))
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(secret.to_whsec())
+    .bind(expires_in_s)
+    .fetch_optional(db)
+    .await?)
+}
+
+/// Why [`insert_secret`] wrote nothing: `NotFound` when the endpoint is not the tenant's,
+/// `AlreadyExists` when it holds the secret already.
+async fn secret_not_added(pool: &PgPool, tenant: TenantId, endpoint: EndpointId) -> StoreError {
+    match owned(pool, tenant, endpoint).await {
+        Ok(true) => StoreError::AlreadyExists {
+            what: "secret on webhook endpoint",
+            id: endpoint.to_string(),
+        },
+        Ok(false) => StoreError::NotFound {
+            what: "webhook endpoint",
+            id: endpoint.to_string(),
+        },
+        Err(e) => e,
+    }
+}
+
+/// Adds a secret to the tenant's endpoint, expiring `expires_in_s` from now (never, when
+/// `None`). The insert decides: `NotFound` when the endpoint is not the tenant's,
+/// `AlreadyExists` when it holds the secret already.
+pub async fn add_secret(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    secret: &SigningSecret,
+    expires_in_s: Option<f64>,
+) -> Result<SecretInfo, StoreError> {
+    match insert_secret(pool, tenant, endpoint, secret, expires_in_s).await? {
+        Some(added) => Ok(added),
+        None => Err(secret_not_added(pool, tenant, endpoint).await),
+    }
+}
+
+/// Rotates as the upstream does: adds `secret` to the tenant's endpoint and lets every secret
+/// it held expire `overlap_s` from now, by the database's clock (or sooner, if one was due
+/// sooner). One transaction, so no moment has the old ones expiring without the new one.
+/// Errors as [`add_secret`]'s.
+pub async fn rotate_secrets(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    secret: &SigningSecret,
+    overlap_s: f64,
+) -> Result<(SecretInfo, Rotation), StoreError> {
+    let mut tx = pool.begin().await?;
+    let Some(added) = insert_secret(&mut *tx, tenant, endpoint, secret, None).await? else {
+        drop(tx);
+        return Err(secret_not_added(pool, tenant, endpoint).await);
+    };
+    let (old_secrets, expire_at): (i64, OffsetDateTime) = sqlx::query_as(
+        "WITH expiring AS (
+             UPDATE endpoint_secrets
+             SET expires_at = LEAST(COALESCE(expires_at, 'infinity'), now() + make_interval(secs => $4))
+             WHERE endpoint_id = $1 AND tenant_id = $2 AND id <> $3
+               AND (expires_at IS NULL OR expires_at > now())
+             RETURNING 1
+         )
+         SELECT (SELECT count(*) FROM expiring), now() + make_interval(secs => $4)",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(added.id)
+    .bind(overlap_s)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok((
+        added,
+        Rotation {
+            old_secrets_expire_at: expire_at,
+            old_secrets: old_secrets.max(0) as u64,
+        },
+    ))
+}
+
+/// Lets one of the tenant's endpoint's secrets expire `after_s` from now, or keeps its expiry
+/// if that is sooner. `None`: no such secret on the tenant's endpoint.
+pub async fn expire_secret(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    secret_id: i64,
+    after_s: f64,
+) -> Result<Option<SecretInfo>, StoreError> {
+    Ok(sqlx::query_as(&format!(
+        "UPDATE endpoint_secrets
+         SET expires_at = LEAST(COALESCE(expires_at, 'infinity'), now() + make_interval(secs => $4))
+         WHERE id = $3 AND endpoint_id = $1 AND tenant_id = $2
+         RETURNING {SECRET_COLUMNS}"
+    ))
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(secret_id)
+    .bind(after_s)
+    .fetch_optional(pool)
+    .await?)
+}
+
+/// The endpoint's status and whether both upstream settings are set, or `None` when it is not
+/// the tenant's: for the endpoint's state, read in its snapshot.
+pub async fn status_and_settings<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<Option<(String, bool)>, StoreError> {
+    Ok(sqlx::query_as(
+        "SELECT status,
+                COALESCE(upstream_base_url, '') <> '' AND COALESCE(upstream_api_key, '') <> ''
+         FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_optional(db)
+    .await?)
 }

@@ -5,7 +5,8 @@
 //! `WHERE` on the row being written), never by reading first and writing second.
 //!
 //! # Layout
-//! - [`db`]: connecting, and the embedded migrations.
+//! - [`db`]: connecting, the embedded migrations, and a read-only snapshot for reads that must
+//!   agree.
 //! - [`tenants`]: tenant rows.
 //! - [`broker_users`]: each tenant's user on the relay's broker (the user lives in RabbitMQ).
 //! - [`endpoints`]: webhook endpoints, their status and their signing secrets.
@@ -15,7 +16,8 @@
 //!   since when, the last recovery).
 //! - [`tracks`]: each endpoint's track row (relay-rules' `EndpointTrack`), opened under the
 //!   endpoint's fence and writer lock, and the control plane's changes of it.
-//! - [`cursors`]: each endpoint's apply cursor, and the stored messages past it.
+//! - [`cursors`]: each endpoint's apply cursor, the stored messages past it, and the backlog of
+//!   its outbox.
 //! - [`runs`]: the apply transaction's two statements: relay-rules' `RunPlan` carried out for
 //!   several endpoints at once.
 //! - [`copy`]: each endpoint's copy of the feed, the event ids applied to it, and its outbox of

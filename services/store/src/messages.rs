@@ -9,10 +9,11 @@ use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 use bytes::Bytes;
+use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::StoreError;
+use crate::{EndpointId, StoreError, TenantId};
 
 /// A verified message, ready to store.
 #[derive(Debug, Clone)]
@@ -188,4 +189,77 @@ fn column<'a, T>(
     field: impl Fn(&'a IncomingMessage) -> T,
 ) -> Vec<T> {
     messages.iter().map(|m| field(m)).collect()
+}
+
+/// A stored message with how it was applied, as its tenant reads it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct MessageRecord {
+    pub arrival_seq: i64,
+    pub webhook_id: String,
+    pub signed_at: OffsetDateTime,
+    pub attempt: Option<i32>,
+    pub received_at: OffsetDateTime,
+    pub track: Option<String>,
+    pub generation: Option<i64>,
+    pub body_bytes: i32,
+    /// Only when asked for.
+    pub body: Option<Vec<u8>>,
+    /// Its row in message_applications, when it has one.
+    pub outcome: Option<String>,
+    pub events_applied: Option<i32>,
+    pub events_ignored: Option<i32>,
+    pub applied_at: Option<OffsetDateTime>,
+    /// The apply cursor passed it (with no outcome row: applied before outcomes were kept).
+    pub passed: bool,
+    /// Why it is quarantined, when it is.
+    pub reason: Option<String>,
+}
+
+/// Which of an endpoint's messages a page lists.
+pub struct MessageQuery {
+    /// Newest first, or in arrival order.
+    pub newest_first: bool,
+    /// The last arrival_seq of the previous page.
+    pub cursor: Option<i64>,
+    pub limit: i64,
+    pub include_body: bool,
+}
+
+/// A page of the tenant's endpoint's stored messages with their outcomes (empty when it is not
+/// the tenant's).
+pub async fn list_with_outcomes(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    query: &MessageQuery,
+) -> Result<Vec<MessageRecord>, StoreError> {
+    let (condition, order) = if query.newest_first {
+        ("($3::bigint IS NULL OR m.arrival_seq < $3)", "DESC")
+    } else {
+        ("($3::bigint IS NULL OR m.arrival_seq > $3)", "ASC")
+    };
+    Ok(sqlx::query_as(&format!(
+        "SELECT m.arrival_seq, m.webhook_id, m.signed_at, m.attempt, m.received_at, m.track,
+                m.generation, octet_length(m.body) AS body_bytes,
+                CASE WHEN $5 THEN m.body END AS body,
+                a.outcome, a.events_applied, a.events_ignored, a.applied_at,
+                (a.outcome IS NOT NULL OR m.arrival_seq <= COALESCE(c.applied_arrival_seq, 0))
+                    AS passed,
+                q.reason
+         FROM messages m
+         LEFT JOIN message_applications a
+           ON a.endpoint_id = m.endpoint_id AND a.arrival_seq = m.arrival_seq
+         LEFT JOIN quarantined_messages q
+           ON q.endpoint_id = m.endpoint_id AND q.arrival_seq = m.arrival_seq
+         LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = m.endpoint_id
+         WHERE m.endpoint_id = $1 AND m.tenant_id = $2 AND {condition}
+         ORDER BY m.arrival_seq {order} LIMIT $4"
+    ))
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(query.cursor)
+    .bind(query.limit)
+    .bind(query.include_body)
+    .fetch_all(pool)
+    .await?)
 }

@@ -4,7 +4,7 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::StoreError;
+use crate::{StoreError, TenantId};
 
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct Tenant {
@@ -42,4 +42,21 @@ pub async fn get(pool: &PgPool, id: Uuid) -> Result<Option<Tenant>, StoreError> 
             .fetch_optional(pool)
             .await?,
     )
+}
+
+/// A page of tenants by id, after `after`.
+pub async fn list(
+    pool: &PgPool,
+    after: Option<TenantId>,
+    limit: i64,
+) -> Result<Vec<Tenant>, StoreError> {
+    Ok(sqlx::query_as::<_, Tenant>(
+        "SELECT id, name, created_at FROM tenants
+         WHERE $1::uuid IS NULL OR id > $1
+         ORDER BY id LIMIT $2",
+    )
+    .bind(after)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
 }

@@ -12,7 +12,7 @@ use sqlx::{PgConnection, PgPool};
 use crate::copy::add;
 use uuid::Uuid;
 
-use crate::StoreError;
+use crate::{EndpointId, StoreError, TenantId};
 
 /// The one track version 1 names.
 pub const FEED_TRACK: &str = "feed";
@@ -337,4 +337,33 @@ pub(crate) fn claim_ctes(first: u32) -> String {
              RETURNING endpoint_id, last
          )"
     )
+}
+
+/// A track row as the endpoint's state shows it; `reload` as JSON text.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct TrackState {
+    pub track: String,
+    pub generation: Option<i64>,
+    pub access_version: Option<String>,
+    pub through: Option<String>,
+    pub last_was_reset: bool,
+    pub reload: Option<String>,
+    pub reload_begun_at: Option<time::OffsetDateTime>,
+}
+
+/// The tenant's endpoint's track rows by track.
+pub async fn states<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<Vec<TrackState>, StoreError> {
+    Ok(sqlx::query_as(
+        "SELECT track, generation, access_version, through, last_was_reset, reload::text,
+                reload_begun_at
+         FROM endpoint_tracks WHERE endpoint_id = $1 AND tenant_id = $2 ORDER BY track",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_all(db)
+    .await?)
 }

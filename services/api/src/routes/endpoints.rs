@@ -11,6 +11,8 @@ use std::time::Duration;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
+use relay_store::endpoints::{self as store, EndpointStatus};
+use relay_store::{EndpointId, StoreError};
 use relay_wire::limits::{ROTATION_OVERLAP_MAX_S, ROTATION_OVERLAP_S};
 use relay_wire::SigningSecret;
 use serde::{Deserialize, Serialize};
@@ -30,7 +32,7 @@ const MAX_SECRETS: usize = 10;
 /// The longest expiry an added secret may be given (ten years): bounds the interval arithmetic.
 const MAX_EXPIRY_S: u64 = 10 * 365 * 86_400;
 
-#[derive(Debug, Serialize, ToSchema, sqlx::FromRow)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct EndpointView {
     /// The upstream's webhook_endpoint_id.
     pub id: Uuid,
@@ -48,12 +50,11 @@ pub struct EndpointView {
     #[schema(value_type = String, format = DateTime)]
     pub updated_at: OffsetDateTime,
     /// The signing secrets, by id (never their value). Absent in lists.
-    #[sqlx(skip)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secrets: Option<Vec<SecretView>>,
 }
 
-#[derive(Debug, Serialize, ToSchema, sqlx::FromRow)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct SecretView {
     pub id: i64,
     #[serde(with = "time::serde::rfc3339")]
@@ -65,6 +66,32 @@ pub struct SecretView {
     pub expires_at: Option<OffsetDateTime>,
     /// Verifies now.
     pub active: bool,
+}
+
+impl From<store::EndpointInfo> for EndpointView {
+    fn from(endpoint: store::EndpointInfo) -> Self {
+        Self {
+            id: endpoint.id.0,
+            lang: endpoint.lang,
+            status: endpoint.status,
+            upstream_base_url: endpoint.upstream_base_url,
+            upstream_api_key_set: endpoint.upstream_api_key_set,
+            created_at: endpoint.created_at,
+            updated_at: endpoint.updated_at,
+            secrets: None,
+        }
+    }
+}
+
+impl From<store::SecretInfo> for SecretView {
+    fn from(secret: store::SecretInfo) -> Self {
+        Self {
+            id: secret.id,
+            created_at: secret.created_at,
+            expires_at: secret.expires_at,
+            active: secret.active,
+        }
+    }
 }
 
 /// Registers an endpoint.
@@ -234,17 +261,15 @@ fn valid_api_key(text: &str) -> Result<String, ApiError> {
 /// HMAC-SHA256 hashes a key over 64 bytes down to 32 anyway.
 const MAX_SECRET_CHARS: usize = 200;
 
-/// The secret's stored (`whsec_`) form. The error names the field, never the value.
-fn valid_secret(field: &str, text: &str) -> Result<String, ApiError> {
+/// The secret, parsed. The error names the field, never the value.
+fn valid_secret(field: &str, text: &str) -> Result<SigningSecret, ApiError> {
     if text.len() > MAX_SECRET_CHARS {
         return Err(ApiError::invalid(
             field,
             format!("at most {MAX_SECRET_CHARS} characters"),
         ));
     }
-    SigningSecret::parse(text)
-        .map(|s| s.to_whsec())
-        .map_err(|e| ApiError::invalid(field, e.to_string()))
+    SigningSecret::parse(text).map_err(|e| ApiError::invalid(field, e.to_string()))
 }
 
 fn seconds(field: &str, value: Option<u64>, default: u64, max: u64) -> Result<f64, ApiError> {
@@ -255,46 +280,29 @@ fn seconds(field: &str, value: Option<u64>, default: u64, max: u64) -> Result<f6
     Ok(value as f64)
 }
 
-fn is_unique_violation(error: &sqlx::Error, constraint: &str) -> bool {
-    matches!(error, sqlx::Error::Database(db) if db.constraint() == Some(constraint))
-}
-
 // ---- reads shared by the handlers -------------------------------------------------------------
-
-const ENDPOINT_COLUMNS: &str = "id, lang, status, upstream_base_url,
-     upstream_api_key IS NOT NULL AS upstream_api_key_set, created_at, updated_at";
-
-async fn secrets_of(
-    pool: &PgPool,
-    tenant: Uuid,
-    endpoint: Uuid,
-) -> Result<Vec<SecretView>, ApiError> {
-    Ok(sqlx::query_as(
-        "SELECT id, created_at, expires_at, (expires_at IS NULL OR expires_at > now()) AS active
-         FROM endpoint_secrets WHERE endpoint_id = $1 AND tenant_id = $2 ORDER BY id",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .fetch_all(pool)
-    .await?)
-}
 
 /// The endpoint with its secrets' metadata, or 404 when it is not the tenant's.
 pub async fn load_endpoint(
     pool: &PgPool,
-    tenant: Uuid,
-    id: Uuid,
+    tenant: relay_store::TenantId,
+    id: EndpointId,
 ) -> Result<EndpointView, ApiError> {
-    let mut view: EndpointView = sqlx::query_as(&format!(
-        "SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2"
-    ))
-    .bind(id)
-    .bind(tenant)
-    .fetch_optional(pool)
-    .await?
-    .ok_or(ApiError::NotFound("webhook endpoint"))?;
+    let mut view: EndpointView = store::find(pool, tenant, id)
+        .await?
+        .ok_or(ApiError::NotFound("webhook endpoint"))?
+        .into();
     view.secrets = Some(secrets_of(pool, tenant, id).await?);
     Ok(view)
+}
+
+async fn secrets_of(
+    pool: &PgPool,
+    tenant: relay_store::TenantId,
+    id: EndpointId,
+) -> Result<Vec<SecretView>, ApiError> {
+    let secrets = store::secrets(pool, tenant, id).await?;
+    Ok(secrets.into_iter().map(SecretView::from).collect())
 }
 
 // ---- handlers ---------------------------------------------------------------------------------
@@ -341,66 +349,36 @@ pub async fn create_endpoint(
         .map(|(i, s)| valid_secret(&format!("secrets[{i}]"), s))
         .collect::<Result<Vec<_>, _>>()?;
 
-    // All or nothing: an endpoint without its counter or its secrets would take no message.
-    let mut tx = state.pool.begin().await?;
-    let inserted: Option<Uuid> = sqlx::query_scalar(
-        "INSERT INTO webhook_endpoints (id, tenant_id, lang, upstream_base_url, upstream_api_key)
-         SELECT $1, t.id, $3, $4, $5 FROM tenants t WHERE t.id = $2
-         ON CONFLICT (id) DO NOTHING
-         RETURNING id",
-    )
-    .bind(body.id)
-    .bind(tenant)
-    .bind(&lang)
-    .bind(&base_url)
-    .bind(&api_key)
-    .fetch_optional(&mut *tx)
-    .await?;
-    if inserted.is_none() {
-        let tenant_exists: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM tenants WHERE id = $1)")
-                .bind(tenant)
-                .fetch_one(&mut *tx)
-                .await?;
-        // The id is the upstream's and unique across tenants: say it is taken, and nothing
-        // else about whose it is.
-        return Err(if tenant_exists {
-            ApiError::conflict(Some("id"), "this webhook endpoint is registered already")
-        } else {
-            ApiError::NotFound("tenant")
-        });
-    }
-    sqlx::query("INSERT INTO endpoint_arrival_counters (endpoint_id) VALUES ($1)")
-        .bind(body.id)
-        .execute(&mut *tx)
-        .await?;
-    for (i, secret) in secrets.iter().enumerate() {
-        let written = sqlx::query(
-            "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret) VALUES ($1, $2, $3)",
-        )
-        .bind(tenant)
-        .bind(body.id)
-        .bind(secret)
-        .execute(&mut *tx)
-        .await;
-        match written {
-            Ok(_) => {}
-            // The table's unique key decides; returning drops the transaction, which rolls
-            // back the endpoint and the secrets written before.
-            Err(e) if is_unique_violation(&e, "endpoint_secrets_endpoint_id_secret_key") => {
-                return Err(ApiError::invalid(
-                    format!("secrets[{i}]"),
-                    "the same secret as an earlier one",
-                ));
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-    tx.commit().await?;
-    tracing::info!(%tenant, endpoint = %body.id, secrets = secrets.len(), "endpoint registered");
+    let tenant = relay_store::TenantId(tenant);
+    let id = EndpointId(body.id);
+    let registration = store::Registration {
+        id,
+        lang,
+        upstream_base_url: base_url,
+        upstream_api_key: api_key,
+        secrets,
+    };
+    store::register(&state.pool, tenant, &registration)
+        .await
+        .map_err(|error| match error {
+            // The id is the upstream's and unique across tenants: say it is taken, and nothing
+            // else about whose it is.
+            StoreError::AlreadyExists {
+                what: "webhook endpoint",
+                ..
+            } => ApiError::conflict(Some("id"), "this webhook endpoint is registered already"),
+            StoreError::AlreadyExists { what: "secret", id } => ApiError::invalid(
+                format!("secrets[{id}]"),
+                "the same secret as an earlier one",
+            ),
+            StoreError::NotFound { what: "tenant", .. } => ApiError::NotFound("tenant"),
+            other => other.into(),
+        })?;
+    tracing::info!(%tenant, endpoint = %id, secrets = registration.secrets.len(),
+                   "endpoint registered");
     Ok((
         StatusCode::CREATED,
-        Json(load_endpoint(&state.pool, tenant, body.id).await?),
+        Json(load_endpoint(&state.pool, tenant, id).await?),
     ))
 }
 
@@ -424,19 +402,15 @@ pub async fn list_endpoints(
     let query = QueryArgs::new(query, &["after", "limit"])?;
     let after = query
         .text("after")
-        .map(|t| parse_uuid("after", t))
+        .map(|t| parse_uuid("after", t).map(EndpointId))
         .transpose()?;
     let limit = query.limit(100, 500)?;
-    let data: Vec<EndpointView> = sqlx::query_as(&format!(
-        "SELECT {ENDPOINT_COLUMNS} FROM webhook_endpoints
-         WHERE tenant_id = $1 AND ($2::uuid IS NULL OR id > $2)
-         ORDER BY id LIMIT $3"
-    ))
-    .bind(tenant)
-    .bind(after)
-    .bind(limit)
-    .fetch_all(&state.pool)
-    .await?;
+    let data: Vec<EndpointView> =
+        store::list(&state.pool, relay_store::TenantId(tenant), after, limit)
+            .await?
+            .into_iter()
+            .map(EndpointView::from)
+            .collect();
     let next_cursor = (data.len() as i64 == limit)
         .then(|| data.last().map(|e| e.id.to_string()))
         .flatten();
@@ -457,8 +431,10 @@ pub async fn get_endpoint(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<EndpointView>, ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
-    Ok(Json(load_endpoint(&state.pool, tenant, id).await?))
+    let id = EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
+    Ok(Json(
+        load_endpoint(&state.pool, relay_store::TenantId(tenant), id).await?,
+    ))
 }
 
 #[utoipa::path(
@@ -479,7 +455,10 @@ pub async fn update_endpoint(
     Path(endpoint_id): Path<String>,
     JsonBody(body): JsonBody<EndpointUpdate>,
 ) -> Result<Json<EndpointView>, ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let (tenant, id) = (
+        relay_store::TenantId(tenant),
+        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
+    );
     let lang = body
         .lang
         .as_deref()
@@ -500,25 +479,17 @@ pub async fn update_endpoint(
             "name at least one of lang, upstream_base_url, upstream_api_key",
         ));
     }
-    let updated: Option<Uuid> = sqlx::query_scalar(
-        "UPDATE webhook_endpoints
-         SET lang = COALESCE($3, lang),
-             upstream_base_url = COALESCE($4, upstream_base_url),
-             upstream_api_key = COALESCE($5, upstream_api_key),
-             updated_at = now()
-         WHERE id = $1 AND tenant_id = $2
-         RETURNING id",
-    )
-    .bind(id)
-    .bind(tenant)
-    .bind(&lang)
-    .bind(&base_url)
-    .bind(&api_key)
-    .fetch_optional(&state.pool)
-    .await?;
-    updated.ok_or(ApiError::NotFound("webhook endpoint"))?;
-    tracing::info!(%tenant, endpoint = %id, lang = ?lang, base_url_changed = base_url.is_some(),
-                   api_key_changed = api_key.is_some(), "endpoint updated");
+    let change = store::SettingsChange {
+        lang,
+        upstream_base_url: base_url,
+        upstream_api_key: api_key,
+    };
+    if !store::change_settings(&state.pool, tenant, id, &change).await? {
+        return Err(ApiError::NotFound("webhook endpoint"));
+    }
+    tracing::info!(%tenant, endpoint = %id, lang = ?change.lang,
+                   base_url_changed = change.upstream_base_url.is_some(),
+                   api_key_changed = change.upstream_api_key.is_some(), "endpoint updated");
     Ok(Json(load_endpoint(&state.pool, tenant, id).await?))
 }
 
@@ -526,23 +497,18 @@ async fn set_status(
     state: &AppState,
     tenant: Uuid,
     endpoint_id: &str,
-    status: &str,
+    status: EndpointStatus,
 ) -> Result<Json<EndpointView>, ApiError> {
-    let id = parse_uuid("endpoint_id", endpoint_id)?;
+    let (tenant, id) = (
+        relay_store::TenantId(tenant),
+        EndpointId(parse_uuid("endpoint_id", endpoint_id)?),
+    );
     // The front tier hears of the change through the table's NOTIFY trigger and answers 410
     // (or takes messages again) at once, not when its cache entry expires.
-    let updated: Option<Uuid> = sqlx::query_scalar(
-        "UPDATE webhook_endpoints SET status = $3, updated_at = now()
-         WHERE id = $1 AND tenant_id = $2
-         RETURNING id",
-    )
-    .bind(id)
-    .bind(tenant)
-    .bind(status)
-    .fetch_optional(&state.pool)
-    .await?;
-    updated.ok_or(ApiError::NotFound("webhook endpoint"))?;
-    tracing::info!(%tenant, endpoint = %id, status, "endpoint status set");
+    if !store::change_status(&state.pool, tenant, id, status).await? {
+        return Err(ApiError::NotFound("webhook endpoint"));
+    }
+    tracing::info!(%tenant, endpoint = %id, status = status.as_str(), "endpoint status set");
     Ok(Json(load_endpoint(&state.pool, tenant, id).await?))
 }
 
@@ -561,7 +527,7 @@ pub async fn pause_endpoint(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<EndpointView>, ApiError> {
-    set_status(&state, tenant, &endpoint_id, "paused").await
+    set_status(&state, tenant, &endpoint_id, EndpointStatus::Paused).await
 }
 
 #[utoipa::path(
@@ -579,7 +545,7 @@ pub async fn resume_endpoint(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<EndpointView>, ApiError> {
-    set_status(&state, tenant, &endpoint_id, "active").await
+    set_status(&state, tenant, &endpoint_id, EndpointStatus::Active).await
 }
 
 #[utoipa::path(
@@ -597,25 +563,24 @@ pub async fn list_secrets(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<Vec<SecretView>>, ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let (tenant, id) = (
+        relay_store::TenantId(tenant),
+        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
+    );
     owned_endpoint(&state.pool, tenant, id).await?;
     Ok(Json(secrets_of(&state.pool, tenant, id).await?))
 }
 
-/// Why inserting a secret wrote nothing: the endpoint is not the tenant's, or holds it already.
-async fn secret_not_added(pool: &PgPool, tenant: Uuid, id: Uuid) -> ApiError {
-    match owned_endpoint(pool, tenant, id).await {
-        Ok(()) => ApiError::conflict(Some("secret"), "the endpoint holds this secret already"),
-        Err(e) => e,
+/// Why a secret was not added: the endpoint is not the tenant's, or holds it already.
+fn secret_not_added(error: StoreError) -> ApiError {
+    match error {
+        StoreError::NotFound { .. } => ApiError::NotFound("webhook endpoint"),
+        StoreError::AlreadyExists { .. } => {
+            ApiError::conflict(Some("secret"), "the endpoint holds this secret already")
+        }
+        other => other.into(),
     }
 }
-
-const INSERT_SECRET: &str =
-    "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret, expires_at)
-     SELECT e.tenant_id, e.id, $3, now() + make_interval(secs => $4)
-     FROM webhook_endpoints e WHERE e.id = $1 AND e.tenant_id = $2
-     ON CONFLICT (endpoint_id, secret) DO NOTHING
-     RETURNING id, created_at, expires_at, (expires_at IS NULL OR expires_at > now()) AS active";
 
 #[utoipa::path(
     post, path = "/v1/endpoints/{endpoint_id}/secrets", tag = "secrets", security(("bearer" = [])),
@@ -634,24 +599,20 @@ pub async fn add_secret(
     Path(endpoint_id): Path<String>,
     JsonBody(body): JsonBody<NewSecret>,
 ) -> Result<(StatusCode, Json<SecretView>), ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let (tenant, id) = (
+        relay_store::TenantId(tenant),
+        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
+    );
     let secret = valid_secret("secret", &body.secret)?;
     let expires_in = body
         .expires_in_s
         .map(|s| seconds("expires_in_s", Some(s), 0, MAX_EXPIRY_S))
         .transpose()?;
-    let added: Option<SecretView> = sqlx::query_as(INSERT_SECRET)
-        .bind(id)
-        .bind(tenant)
-        .bind(&secret)
-        .bind(expires_in)
-        .fetch_optional(&state.pool)
-        .await?;
-    let Some(added) = added else {
-        return Err(secret_not_added(&state.pool, tenant, id).await);
-    };
+    let added = store::add_secret(&state.pool, tenant, id, &secret, expires_in)
+        .await
+        .map_err(secret_not_added)?;
     tracing::info!(%tenant, endpoint = %id, secret_id = added.id, "secret added");
-    Ok((StatusCode::CREATED, Json(added)))
+    Ok((StatusCode::CREATED, Json(added.into())))
 }
 
 #[utoipa::path(
@@ -673,7 +634,10 @@ pub async fn rotate_secret(
     Path(endpoint_id): Path<String>,
     JsonBody(body): JsonBody<SecretRotation>,
 ) -> Result<Json<RotationView>, ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let (tenant, id) = (
+        relay_store::TenantId(tenant),
+        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
+    );
     let secret = valid_secret("secret", &body.secret)?;
     let overlap = seconds(
         "overlap_s",
@@ -682,42 +646,16 @@ pub async fn rotate_secret(
         ROTATION_OVERLAP_MAX_S,
     )?;
     // As the upstream rotates: the new secret and every one held before verify during the
-    // overlap. One transaction, so no moment has the old ones expiring without the new one.
-    let mut tx = state.pool.begin().await?;
-    let added: Option<SecretView> = sqlx::query_as(INSERT_SECRET)
-        .bind(id)
-        .bind(tenant)
-        .bind(&secret)
-        .bind(None::<f64>)
-        .fetch_optional(&mut *tx)
-        .await?;
-    let Some(added) = added else {
-        drop(tx);
-        return Err(secret_not_added(&state.pool, tenant, id).await);
-    };
-    let (old_secrets, expire_at): (i64, OffsetDateTime) = sqlx::query_as(
-        "WITH expiring AS (
-             UPDATE endpoint_secrets
-             SET expires_at = LEAST(COALESCE(expires_at, 'infinity'), now() + make_interval(secs => $4))
-             WHERE endpoint_id = $1 AND tenant_id = $2 AND id <> $3
-               AND (expires_at IS NULL OR expires_at > now())
-             RETURNING 1
-         )
-         SELECT (SELECT count(*) FROM expiring), now() + make_interval(secs => $4)",
-    )
-    .bind(id)
-    .bind(tenant)
-    .bind(added.id)
-    .bind(overlap)
-    .fetch_one(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    tracing::info!(%tenant, endpoint = %id, secret_id = added.id, old_secrets, overlap_s = overlap,
-                   "secret rotated");
+    // overlap.
+    let (added, rotation) = store::rotate_secrets(&state.pool, tenant, id, &secret, overlap)
+        .await
+        .map_err(secret_not_added)?;
+    tracing::info!(%tenant, endpoint = %id, secret_id = added.id,
+                   old_secrets = rotation.old_secrets, overlap_s = overlap, "secret rotated");
     Ok(Json(RotationView {
-        secret: added,
-        old_secrets_expire_at: expire_at,
-        old_secrets: old_secrets.max(0) as u64,
+        secret: added.into(),
+        old_secrets_expire_at: rotation.old_secrets_expire_at,
+        old_secrets: rotation.old_secrets,
     }))
 }
 
@@ -738,24 +676,17 @@ pub async fn expire_secret(
     Path((endpoint_id, secret_id)): Path<(String, String)>,
     JsonBody(body): JsonBody<SecretExpiry>,
 ) -> Result<Json<SecretView>, ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let (tenant, id) = (
+        relay_store::TenantId(tenant),
+        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
+    );
     let secret_id: i64 = secret_id
         .parse()
         .map_err(|_| ApiError::invalid("secret_id", "not a secret's id"))?;
     let after = seconds("after_s", body.after_s, 0, ROTATION_OVERLAP_MAX_S)?;
-    let expired: Option<SecretView> = sqlx::query_as(
-        "UPDATE endpoint_secrets
-         SET expires_at = LEAST(COALESCE(expires_at, 'infinity'), now() + make_interval(secs => $4))
-         WHERE id = $3 AND endpoint_id = $1 AND tenant_id = $2
-         RETURNING id, created_at, expires_at, (expires_at IS NULL OR expires_at > now()) AS active",
-    )
-    .bind(id)
-    .bind(tenant)
-    .bind(secret_id)
-    .bind(after)
-    .fetch_optional(&state.pool)
-    .await?;
-    let expired = expired.ok_or(ApiError::NotFound("secret"))?;
+    let expired = store::expire_secret(&state.pool, tenant, id, secret_id, after)
+        .await?
+        .ok_or(ApiError::NotFound("secret"))?;
     tracing::info!(%tenant, endpoint = %id, secret_id, after_s = after, "secret expiry set");
-    Ok(Json(expired))
+    Ok(Json(expired.into()))
 }

@@ -208,16 +208,16 @@ impl QueryArgs {
 
 /// Checks the endpoint is the tenant's: another tenant's endpoint and an unknown one are the
 /// same 404.
-pub async fn owned_endpoint(pool: &PgPool, tenant: Uuid, endpoint: Uuid) -> Result<(), ApiError> {
-    let found: Option<i32> =
-        sqlx::query_scalar("SELECT 1 FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2")
-            .bind(endpoint)
-            .bind(tenant)
-            .fetch_optional(pool)
-            .await?;
-    found
-        .map(|_| ())
-        .ok_or(ApiError::NotFound("webhook endpoint"))
+pub async fn owned_endpoint(
+    pool: &PgPool,
+    tenant: relay_store::TenantId,
+    endpoint: relay_store::EndpointId,
+) -> Result<(), ApiError> {
+    if relay_store::endpoints::owned(pool, tenant, endpoint).await? {
+        Ok(())
+    } else {
+        Err(ApiError::NotFound("webhook endpoint"))
+    }
 }
 
 #[cfg(test)]

@@ -105,7 +105,12 @@ pub async fn list_quarantine(
     };
     let after = query.parsed::<i64>("after", "a cursor from a previous page")?;
     let limit = query.limit(50, 200)?;
-    owned_endpoint(&state.pool, tenant, id).await?;
+    owned_endpoint(
+        &state.pool,
+        relay_store::TenantId(tenant),
+        relay_store::EndpointId(id),
+    )
+    .await?;
     let rows = quarantine::list(&state.pool, tenant, id, status, after, limit).await?;
     let next_cursor = (rows.len() as i64 == limit)
         .then(|| rows.last().map(|q| q.arrival_seq.to_string()))

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 
 use axum::extract::{Path, Query, State};
 use axum::Json;
+use relay_store::{copy, cursors, endpoints, messages, tracks, EndpointId};
 use relay_wire::ItemKind;
 use serde::Serialize;
 use serde_json::Value;
@@ -48,42 +49,25 @@ pub struct CopyPage {
     pub next_cursor: Option<String>,
 }
 
-type CopyRow = (
-    String,
-    Option<String>,
-    Option<i64>,
-    i64,
-    String,
-    bool,
-    String,
-    Option<String>,
-    OffsetDateTime,
-);
-
-fn copy_view(row: CopyRow) -> Result<CopyItemView, ApiError> {
-    let (subject, item_kind, company_id, generation, sequence, tombstone, parts, item, updated_at) =
-        row;
+fn copy_view(row: copy::CopyItem) -> Result<CopyItemView, ApiError> {
     let json = |text: &str| {
         serde_json::from_str(text).map_err(|e| ApiError::Internal(format!("stored JSON: {e}")))
     };
     Ok(CopyItemView {
-        subject,
-        item_kind,
-        company_id,
-        generation,
-        sequence,
-        tombstone,
-        parts: json(&parts)?,
-        item: item.as_deref().map(json).transpose()?,
-        updated_at,
+        parts: json(&row.parts)?,
+        item: row.item.as_deref().map(json).transpose()?,
+        subject: row.subject,
+        item_kind: row.item_kind,
+        company_id: row.company_id,
+        generation: row.generation,
+        sequence: row.sequence,
+        tombstone: row.tombstone,
+        updated_at: row.updated_at,
     })
 }
 
 /// The longest subject a copy item path takes, in bytes (subjects are `kind:id`).
 const MAX_SUBJECT_BYTES: usize = 1000;
-
-const COPY_COLUMNS: &str = "subject, item_kind, company_id, generation, sequence, tombstone,
-     parts::text, item::text, updated_at";
 
 #[utoipa::path(
     get, path = "/v1/endpoints/{endpoint_id}/copy", tag = "reads", security(("bearer" = [])),
@@ -107,7 +91,10 @@ pub async fn list_copy(
     Path(endpoint_id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<CopyPage>, ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let (tenant, id) = (
+        relay_store::TenantId(tenant),
+        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
+    );
     let query = QueryArgs::new(
         query,
         &[
@@ -122,35 +109,21 @@ pub async fn list_copy(
     let item_kind = query
         .text("item_kind")
         .map(|k| {
-            ItemKind::parse(k).map(ItemKind::as_str).ok_or_else(|| {
+            ItemKind::parse(k).ok_or_else(|| {
                 ApiError::invalid("item_kind", "announcement or pre_earnings_analysis")
             })
         })
         .transpose()?;
     let company_id = query.parsed::<i64>("company_id", "a company id (a whole number)")?;
     let tombstones = query.flag("include_tombstones")?;
-    let after = query.text("after");
+    let filter = copy::ItemFilter {
+        after: query.text("after"),
+        item_kind,
+        company_id,
+        tombstones,
+    };
     owned_endpoint(&state.pool, tenant, id).await?;
-    // The primary key (endpoint_id, subject) serves the order and the cursor: both compare
-    // subjects under the column's own collation, so a page ends where the next one begins.
-    let rows: Vec<CopyRow> = sqlx::query_as(&format!(
-        "SELECT {COPY_COLUMNS} FROM copy_items
-         WHERE endpoint_id = $1 AND tenant_id = $2
-           AND ($3::text IS NULL OR subject > $3)
-           AND ($4::text IS NULL OR item_kind = $4)
-           AND ($5::bigint IS NULL OR company_id = $5)
-           AND ($6 OR NOT tombstone)
-         ORDER BY subject LIMIT $7"
-    ))
-    .bind(id)
-    .bind(tenant)
-    .bind(after)
-    .bind(item_kind)
-    .bind(company_id)
-    .bind(tombstones)
-    .bind(limit)
-    .fetch_all(&state.pool)
-    .await?;
+    let rows = copy::list_items(&state.pool, tenant, id, &filter, limit).await?;
     let data = rows
         .into_iter()
         .map(copy_view)
@@ -176,18 +149,13 @@ pub async fn get_copy_item(
     TenantId(tenant): TenantId,
     Path((endpoint_id, subject)): Path<(String, String)>,
 ) -> Result<Json<CopyItemView>, ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let (tenant, id) = (
+        relay_store::TenantId(tenant),
+        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
+    );
     check_text("subject", &subject, MAX_SUBJECT_BYTES)?;
     owned_endpoint(&state.pool, tenant, id).await?;
-    let row: Option<CopyRow> = sqlx::query_as(&format!(
-        "SELECT {COPY_COLUMNS} FROM copy_items
-         WHERE endpoint_id = $1 AND tenant_id = $2 AND subject = $3"
-    ))
-    .bind(id)
-    .bind(tenant)
-    .bind(&subject)
-    .fetch_optional(&state.pool)
-    .await?;
+    let row = copy::find_item(&state.pool, tenant, id, &subject).await?;
     Ok(Json(copy_view(row.ok_or(ApiError::NotFound("item"))?)?))
 }
 
@@ -271,16 +239,6 @@ pub struct StateView {
     pub upstream: UpstreamStateView,
 }
 
-type TrackRow = (
-    String,
-    Option<i64>,
-    Option<String>,
-    Option<String>,
-    bool,
-    Option<String>,
-    Option<OffsetDateTime>,
-);
-
 #[utoipa::path(
     get, path = "/v1/endpoints/{endpoint_id}/state", tag = "reads", security(("bearer" = [])),
     params(("endpoint_id" = Uuid, Path)),
@@ -295,107 +253,42 @@ pub async fn endpoint_state(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<StateView>, ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
-    // One snapshot for every figure, so they agree with each other.
-    let mut tx = state.pool.begin().await?;
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        .execute(&mut *tx)
-        .await?;
-    let endpoint: Option<(String, bool)> = sqlx::query_as(
-        "SELECT status,
-                COALESCE(upstream_base_url, '') <> '' AND COALESCE(upstream_api_key, '') <> ''
-         FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2",
-    )
-    .bind(id)
-    .bind(tenant)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let (status, upstream_configured) = endpoint.ok_or(ApiError::NotFound("webhook endpoint"))?;
-    let tracks: Vec<TrackRow> = sqlx::query_as(
-        "SELECT track, generation, access_version, through, last_was_reset, reload::text,
-                reload_begun_at
-         FROM endpoint_tracks WHERE endpoint_id = $1 AND tenant_id = $2 ORDER BY track",
-    )
-    .bind(id)
-    .bind(tenant)
-    .fetch_all(&mut *tx)
-    .await?;
-    let tracks = tracks
-        .into_iter()
-        .map(
-            |(track, generation, access_version, through, last_was_reset, reload, begun)| {
-                let reload = reload
-                    .as_deref()
-                    .map(serde_json::from_str::<Value>)
-                    .transpose()
-                    .map_err(|e| ApiError::Internal(format!("stored reload: {e}")))?;
-                Ok(TrackView {
-                    track,
-                    generation,
-                    access_version,
-                    through,
-                    last_was_reset,
-                    reload_running: reload.is_some(),
-                    reload,
-                    reload_begun_at: begun,
-                })
-            },
-        )
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    // Counting the messages above the cursor (not subtracting numbers): a number taken by a
-    // batch whose message turned out a duplicate leaves a gap in arrival_seq.
-    type Progress = (
-        i64,
-        i64,
-        i64,
-        Option<OffsetDateTime>,
-        Option<OffsetDateTime>,
-        Option<OffsetDateTime>,
-        f64,
+    let (tenant, id) = (
+        relay_store::TenantId(tenant),
+        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
     );
-    let (last_arrival_seq, applied, waiting, oldest, last_received, last_applied, lag): Progress =
-        sqlx::query_as(
-            "WITH cursor AS (
-                 SELECT COALESCE((SELECT applied_arrival_seq FROM endpoint_apply_cursors
-                                  WHERE endpoint_id = $1 AND tenant_id = $2), 0) AS applied
-             ),
-             waiting AS (
-                 SELECT count(*) AS n, min(received_at) AS oldest FROM messages, cursor
-                 WHERE endpoint_id = $1 AND tenant_id = $2 AND arrival_seq > cursor.applied
-             )
-             SELECT COALESCE((SELECT last_arrival_seq FROM endpoint_arrival_counters
-                              WHERE endpoint_id = $1), 0),
-                    cursor.applied, waiting.n, waiting.oldest,
-                    (SELECT last_received_at FROM endpoint_apply_cursors
-                     WHERE endpoint_id = $1 AND tenant_id = $2),
-                    (SELECT last_applied_at FROM endpoint_apply_cursors
-                     WHERE endpoint_id = $1 AND tenant_id = $2),
-                    COALESCE(EXTRACT(EPOCH FROM now() - waiting.oldest)::float8, 0)
-             FROM cursor, waiting",
-        )
-        .bind(id)
-        .bind(tenant)
-        .fetch_one(&mut *tx)
-        .await?;
-    let (backlog, last_change_seq): (i64, i64) = sqlx::query_as(
-        "WITH counter AS (
-             SELECT COALESCE((SELECT last FROM endpoint_change_counters
-                              WHERE endpoint_id = $1 AND tenant_id = $2), 0) AS last
-         )
-         SELECT GREATEST(counter.last - COALESCE((SELECT published_through
-                                                  FROM endpoint_publish_cursors
-                                                  WHERE endpoint_id = $1 AND tenant_id = $2), 0),
-                         0),
-                counter.last
-         FROM counter",
-    )
-    .bind(id)
-    .bind(tenant)
-    .fetch_one(&mut *tx)
-    .await?;
+    // One snapshot for every figure, so they agree with each other.
+    let mut tx = relay_store::db::read_snapshot(&state.pool).await?;
+    let (status, upstream_configured) = endpoints::status_and_settings(&mut *tx, tenant, id)
+        .await?
+        .ok_or(ApiError::NotFound("webhook endpoint"))?;
+    let tracks = tracks::states(&mut *tx, tenant, id)
+        .await?
+        .into_iter()
+        .map(|row| {
+            let reload = row
+                .reload
+                .as_deref()
+                .map(serde_json::from_str::<Value>)
+                .transpose()
+                .map_err(|e| ApiError::Internal(format!("stored reload: {e}")))?;
+            Ok(TrackView {
+                track: row.track,
+                generation: row.generation,
+                access_version: row.access_version,
+                through: row.through,
+                last_was_reset: row.last_was_reset,
+                reload_running: reload.is_some(),
+                reload,
+                reload_begun_at: row.reload_begun_at,
+            })
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let progress = cursors::progress(&mut *tx, tenant, id).await?;
+    let (backlog, last_change_seq) = cursors::outbox_backlog(&mut *tx, tenant, id).await?;
     let (quarantined, quarantine_reason) =
-        relay_store::quarantine::summary(&mut *tx, tenant, id).await?;
-    let upstream = relay_store::upstream_status::read(&mut *tx, tenant, id).await?;
+        relay_store::quarantine::summary(&mut *tx, tenant.0, id.0).await?;
+    let upstream = relay_store::upstream_status::read(&mut *tx, tenant.0, id.0).await?;
     tx.commit().await?;
     let upstream = UpstreamStateView {
         status: match &upstream {
@@ -411,17 +304,17 @@ pub async fn endpoint_state(
         last_success_at: upstream.as_ref().and_then(|u| u.last_success_at),
     };
     Ok(Json(StateView {
-        endpoint_id: id,
+        endpoint_id: id.0,
         status,
         reload_running: tracks.iter().any(|t| t.reload_running),
         tracks,
-        last_arrival_seq,
-        applied_arrival_seq: applied,
-        messages_waiting: waiting,
-        apply_lag_s: lag.max(0.0),
-        oldest_waiting_received_at: oldest,
-        last_applied_received_at: last_received,
-        last_applied_at: last_applied,
+        last_arrival_seq: progress.last_arrival_seq,
+        applied_arrival_seq: progress.applied_arrival_seq,
+        messages_waiting: progress.waiting,
+        apply_lag_s: progress.lag_s.max(0.0),
+        oldest_waiting_received_at: progress.oldest_waiting_received_at,
+        last_applied_received_at: progress.last_received_at,
+        last_applied_at: progress.last_applied_at,
         outbox_backlog: backlog,
         last_change_seq,
         messages_quarantined: quarantined,
@@ -476,25 +369,6 @@ pub struct MessagePage {
     pub next_cursor: Option<String>,
 }
 
-#[derive(sqlx::FromRow)]
-struct MessageRow {
-    arrival_seq: i64,
-    webhook_id: String,
-    signed_at: OffsetDateTime,
-    attempt: Option<i32>,
-    received_at: OffsetDateTime,
-    track: Option<String>,
-    generation: Option<i64>,
-    body_bytes: i32,
-    body: Option<Vec<u8>>,
-    outcome: Option<String>,
-    events_applied: Option<i32>,
-    events_ignored: Option<i32>,
-    applied_at: Option<OffsetDateTime>,
-    passed: bool,
-    reason: Option<String>,
-}
-
 #[utoipa::path(
     get, path = "/v1/endpoints/{endpoint_id}/messages", tag = "reads", security(("bearer" = [])),
     params(
@@ -516,7 +390,10 @@ pub async fn list_messages(
     Path(endpoint_id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<MessagePage>, ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let (tenant, id) = (
+        relay_store::TenantId(tenant),
+        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
+    );
     let query = QueryArgs::new(query, &["order", "cursor", "limit", "include_body"])?;
     let newest_first = match query.text("order") {
         None | Some("newest") => true,
@@ -529,35 +406,13 @@ pub async fn list_messages(
     owned_endpoint(&state.pool, tenant, id).await?;
     // A message is applied when the cursor passed it; its row in message_applications says how
     // (a cursor past a message with no row: applied before outcomes were kept).
-    let (condition, order) = if newest_first {
-        ("($3::bigint IS NULL OR m.arrival_seq < $3)", "DESC")
-    } else {
-        ("($3::bigint IS NULL OR m.arrival_seq > $3)", "ASC")
+    let page = messages::MessageQuery {
+        newest_first,
+        cursor,
+        limit,
+        include_body,
     };
-    let rows: Vec<MessageRow> = sqlx::query_as(&format!(
-        "SELECT m.arrival_seq, m.webhook_id, m.signed_at, m.attempt, m.received_at, m.track,
-                m.generation, octet_length(m.body) AS body_bytes,
-                CASE WHEN $5 THEN m.body END AS body,
-                a.outcome, a.events_applied, a.events_ignored, a.applied_at,
-                (a.outcome IS NOT NULL OR m.arrival_seq <= COALESCE(c.applied_arrival_seq, 0))
-                    AS passed,
-                q.reason
-         FROM messages m
-         LEFT JOIN message_applications a
-           ON a.endpoint_id = m.endpoint_id AND a.arrival_seq = m.arrival_seq
-         LEFT JOIN quarantined_messages q
-           ON q.endpoint_id = m.endpoint_id AND q.arrival_seq = m.arrival_seq
-         LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = m.endpoint_id
-         WHERE m.endpoint_id = $1 AND m.tenant_id = $2 AND {condition}
-         ORDER BY m.arrival_seq {order} LIMIT $4"
-    ))
-    .bind(id)
-    .bind(tenant)
-    .bind(cursor)
-    .bind(limit)
-    .bind(include_body)
-    .fetch_all(&state.pool)
-    .await?;
+    let rows = messages::list_with_outcomes(&state.pool, tenant, id, &page).await?;
     let next_cursor = (rows.len() as i64 == limit)
         .then(|| rows.last().map(|m| m.arrival_seq.to_string()))
         .flatten();

@@ -7,6 +7,7 @@ use std::time::Duration;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
+use relay_store::{tenants, StoreError};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use utoipa::ToSchema;
@@ -16,13 +17,23 @@ use super::{parse_uuid, AppState, QueryArgs};
 use crate::auth::{self, IssuedToken, Operator, Subject, TenantId};
 use crate::error::{ApiError, ErrorBody, JsonBody};
 
-#[derive(Debug, Serialize, ToSchema, sqlx::FromRow)]
+#[derive(Debug, Serialize, ToSchema)]
 pub struct TenantView {
     pub id: Uuid,
     pub name: String,
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
+}
+
+impl From<tenants::Tenant> for TenantView {
+    fn from(tenant: tenants::Tenant) -> Self {
+        Self {
+            id: tenant.id,
+            name: tenant.name,
+            created_at: tenant.created_at,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -69,19 +80,16 @@ pub async fn create_tenant(
         return Err(ApiError::invalid("name", "1 to 200 characters"));
     }
     let id = body.id.unwrap_or_else(Uuid::new_v4);
-    let created: Option<TenantView> = sqlx::query_as(
-        "INSERT INTO tenants (id, name) VALUES ($1, $2)
-         ON CONFLICT (id) DO NOTHING
-         RETURNING id, name, created_at",
-    )
-    .bind(id)
-    .bind(name)
-    .fetch_optional(&state.pool)
-    .await?;
-    let tenant =
-        created.ok_or_else(|| ApiError::conflict(Some("id"), "a tenant with this id exists"))?;
+    let tenant = tenants::create(&state.pool, id, name)
+        .await
+        .map_err(|error| match error {
+            StoreError::AlreadyExists { .. } => {
+                ApiError::conflict(Some("id"), "a tenant with this id exists")
+            }
+            other => other.into(),
+        })?;
     tracing::info!(tenant = %tenant.id, by = %operator.subject, "tenant created");
-    Ok((StatusCode::CREATED, Json(tenant)))
+    Ok((StatusCode::CREATED, Json(tenant.into())))
 }
 
 #[utoipa::path(
@@ -104,18 +112,14 @@ pub async fn list_tenants(
     let query = QueryArgs::new(query, &["after", "limit"])?;
     let after = query
         .text("after")
-        .map(|t| parse_uuid("after", t))
+        .map(|t| parse_uuid("after", t).map(relay_store::TenantId))
         .transpose()?;
     let limit = query.limit(100, 500)?;
-    let data: Vec<TenantView> = sqlx::query_as(
-        "SELECT id, name, created_at FROM tenants
-         WHERE $1::uuid IS NULL OR id > $1
-         ORDER BY id LIMIT $2",
-    )
-    .bind(after)
-    .bind(limit)
-    .fetch_all(&state.pool)
-    .await?;
+    let data: Vec<TenantView> = tenants::list(&state.pool, after, limit)
+        .await?
+        .into_iter()
+        .map(TenantView::from)
+        .collect();
     let next_cursor = (data.len() as i64 == limit)
         .then(|| data.last().map(|t| t.id.to_string()))
         .flatten();
@@ -123,10 +127,9 @@ pub async fn list_tenants(
 }
 
 async fn load_tenant(state: &AppState, id: Uuid) -> Result<TenantView, ApiError> {
-    sqlx::query_as("SELECT id, name, created_at FROM tenants WHERE id = $1")
-        .bind(id)
-        .fetch_optional(&state.pool)
+    tenants::get(&state.pool, id)
         .await?
+        .map(TenantView::from)
         .ok_or(ApiError::NotFound("tenant"))
 }
 
