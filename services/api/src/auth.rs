@@ -250,7 +250,7 @@ fn claims_of<S: HasVerifier>(parts: &Parts, state: &S) -> Result<Claims, ApiErro
 /// The tenant a tenant token names. Operator tokens are refused (403): an operator manages
 /// tenants, not their endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TenantId(pub Uuid);
+pub struct TenantId(pub relay_store::TenantId);
 
 impl<S: HasVerifier + Send + Sync> FromRequestParts<S> for TenantId {
     type Rejection = ApiError;
@@ -258,7 +258,7 @@ impl<S: HasVerifier + Send + Sync> FromRequestParts<S> for TenantId {
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
         let claims = claims_of(parts, state)?;
         match (claims.role, claims.tenant) {
-            (Role::Tenant, Some(tenant)) => Ok(TenantId(tenant)),
+            (Role::Tenant, Some(tenant)) => Ok(TenantId(relay_store::TenantId(tenant))),
             (Role::Tenant, None) => Err(ApiError::Unauthorized("the token names no tenant")),
             (Role::Operator, _) => Err(ApiError::Forbidden(
                 "this route takes a tenant's token, not an operator's",

@@ -22,10 +22,10 @@ use base64::Engine as _;
 use rand::RngCore as _;
 use relay_publisher::tenant_queue;
 use relay_rules::DestinationPolicy;
+use relay_store::TenantId;
 use reqwest::{Method, Url};
 use serde_json::json;
 use sha2::{Digest as _, Sha256};
-use uuid::Uuid;
 
 use crate::config::ConfigError;
 use crate::error::ApiError;
@@ -159,7 +159,7 @@ impl BrokerAccess {
     }
 
     /// The tenant's user's name.
-    pub fn username(tenant: Uuid) -> String {
+    pub fn username(tenant: TenantId) -> String {
         format!("relay-tenant-{tenant}")
     }
 
@@ -218,7 +218,11 @@ impl BrokerAccess {
     /// Makes the tenant's user (or sets its password anew) with its permissions, and declares
     /// its queue; returns the new password. Ends every connection the user had open, so a
     /// rotated password is no longer in use anywhere.
-    pub async fn issue(&self, http: &reqwest::Client, tenant: Uuid) -> Result<String, ApiError> {
+    pub async fn issue(
+        &self,
+        http: &reqwest::Client,
+        tenant: TenantId,
+    ) -> Result<String, ApiError> {
         let username = Self::username(tenant);
         let mut secret = [0u8; 32];
         rand::thread_rng().fill_bytes(&mut secret);
@@ -230,7 +234,7 @@ impl BrokerAccess {
         });
         self.call(http, Method::PUT, &["users", &username], Some(user), false)
             .await?;
-        let queue = tenant_queue(tenant);
+        let queue = tenant_queue(tenant.0);
         let permissions = json!({
             "configure": "^$",
             "write": "^$",
@@ -264,7 +268,7 @@ impl BrokerAccess {
     }
 
     /// Deletes the tenant's user (and with it its permissions), and ends its connections.
-    pub async fn revoke(&self, http: &reqwest::Client, tenant: Uuid) -> Result<(), ApiError> {
+    pub async fn revoke(&self, http: &reqwest::Client, tenant: TenantId) -> Result<(), ApiError> {
         let username = Self::username(tenant);
         self.call(http, Method::DELETE, &["users", &username], None, true)
             .await?;

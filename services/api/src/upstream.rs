@@ -9,7 +9,6 @@ use relay_netguard::GuardedClient;
 use relay_rules::{RewindAnswer, RewindRefusal};
 use reqwest::Method;
 use serde::Deserialize;
-use uuid::Uuid;
 
 /// The rewind call failed: no answer version 1 describes.
 #[derive(Debug, thiserror::Error)]
@@ -70,7 +69,7 @@ pub async fn rewind(
     client: &GuardedClient,
     base_url: &str,
     api_key: &str,
-    endpoint: Uuid,
+    endpoint: relay_store::EndpointId,
     track: &str,
     since: &str,
 ) -> Result<RewindAnswer, UpstreamError> {

@@ -71,7 +71,7 @@ pub struct OwnershipConfig {
 impl Default for OwnershipConfig {
     fn default() -> Self {
         Self {
-            key_prefix: "relay:".to_owned(),
+            key_prefix: crate::DEFAULT_KEY_PREFIX.to_owned(),
             lease: Duration::from_secs(10),
             owned: ENDPOINTS,
             trust: relay_netguard::TrustRoots::platform(),
@@ -228,8 +228,8 @@ async fn claim_fence(pool: &PgPool, fence: Fence, key: Uuid) -> Result<i64, Stor
 /// owner can claim the endpoint in between. Roll back when it answers `false`.
 pub async fn check_fence(
     conn: &mut PgConnection,
-    endpoint_id: Uuid,
+    endpoint: EndpointId,
     token: i64,
 ) -> Result<bool, StoreError> {
-    fences::check_endpoint(conn, EndpointId(endpoint_id), token).await
+    fences::check_endpoint(conn, endpoint, token).await
 }

@@ -14,6 +14,7 @@
 use futures::StreamExt;
 use redis::aio::ConnectionManager;
 use relay_netguard::{RetryPolicy, TrustRoots};
+use relay_store::{EndpointId, TenantId};
 use tokio::sync::{mpsc, watch};
 use uuid::Uuid;
 
@@ -28,17 +29,14 @@ pub fn changes_channel(key_prefix: &str) -> String {
 }
 
 /// The payload of a change announcement.
-pub fn change_payload(tenant: Uuid, endpoint: Uuid) -> String {
+pub fn change_payload(tenant: TenantId, endpoint: EndpointId) -> String {
     format!("{tenant}:{endpoint}")
 }
 
 /// Reads a change announcement back: `(tenant, endpoint)`.
-pub fn parse_change_payload(payload: &str) -> Option<(Uuid, Uuid)> {
+pub fn parse_change_payload(payload: &str) -> Option<(TenantId, EndpointId)> {
     let (tenant, endpoint) = payload.split_once(':')?;
-    Some((
-        Uuid::parse_str(tenant).ok()?,
-        Uuid::parse_str(endpoint).ok()?,
-    ))
+    Some((tenant.parse().ok()?, endpoint.parse().ok()?))
 }
 
 /// Publishes wake-ups: the front tier's to the sequencer, the sequencer's to the publisher.
@@ -203,11 +201,18 @@ mod tests {
     #[test]
     fn a_message_carries_many_payloads_and_one_alone_reads_as_before() {
         let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
-        let joined = [change_payload(a, b), change_payload(b, a)].join(" ");
+        let joined = [
+            change_payload(TenantId(a), EndpointId(b)),
+            change_payload(TenantId(b), EndpointId(a)),
+        ]
+        .join(" ");
         let read: Vec<_> = split_payloads(&joined)
             .filter_map(parse_change_payload)
             .collect();
-        assert_eq!(read, vec![(a, b), (b, a)]);
+        assert_eq!(
+            read,
+            vec![(TenantId(a), EndpointId(b)), (TenantId(b), EndpointId(a))]
+        );
         let alone: Vec<_> = split_payloads(&a.to_string())
             .filter_map(|p| Uuid::parse_str(p).ok())
             .collect();

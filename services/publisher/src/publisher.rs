@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus::Registry;
-use relay_store::{changes, TenantId};
+use relay_store::{changes, EndpointId, TenantId};
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
@@ -121,7 +121,7 @@ impl Drop for PublisherHandle {
 /// announcement lost (Redis pub/sub keeps nothing for a listener that was away).
 async fn coordinate(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
     let config = &shared.config;
-    let (announced_tx, mut announced) = mpsc::unbounded_channel::<(Uuid, Uuid)>();
+    let (announced_tx, mut announced) = mpsc::unbounded_channel::<(TenantId, EndpointId)>();
     let listener = tokio::spawn(relay_coord::listen_parsed(
         config.redis_url.clone(),
         config.trust.clone(),
@@ -160,7 +160,7 @@ async fn coordinate(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
                 shared.metrics.tenants_owned.set(coordinator.owned.len() as i64);
                 continue;
             }
-            Some((tenant, endpoint)) = announced.recv() => {
+            Some((TenantId(tenant), EndpointId(endpoint))) = announced.recv() => {
                 match coordinator.owned.get(&tenant) {
                     Some(signal) => signal.endpoint(endpoint),
                     // A new task sweeps the whole tenant first.

@@ -24,12 +24,11 @@ use relay_store::cursors::PendingMessage;
 use relay_store::endpoints::EndpointRegistration;
 use relay_store::runs::{self, RunClaim, RunWrite};
 use relay_store::tracks::{self, TrackClaim};
-use relay_store::StoreError;
+use relay_store::{EndpointId, StoreError, TenantId};
 use relay_wire::Message;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 use tokio::sync::watch;
-use uuid::Uuid;
 
 use crate::metrics::SequencerMetrics;
 use crate::upstream::{self, FeedSelection, UpstreamClient, UpstreamError};
@@ -102,8 +101,8 @@ fn statement_refused(error: &sqlx::Error) -> bool {
 /// on [`EndpointContext::changes`]
 /// (a reload pausing after a failed read tries again at once, with the new values).
 pub struct EndpointContext {
-    id: Uuid,
-    tenant: Uuid,
+    id: EndpointId,
+    tenant: TenantId,
     http: relay_netguard::GuardedClient,
     feed_page_limit: usize,
     /// `None`: the registration names no upstream base URL or key; nothing is read until it does.
@@ -125,11 +124,11 @@ impl EndpointContext {
         context
     }
 
-    pub fn id(&self) -> Uuid {
+    pub fn id(&self) -> EndpointId {
         self.id
     }
 
-    pub fn tenant(&self) -> Uuid {
+    pub fn tenant(&self) -> TenantId {
         self.tenant
     }
 
@@ -310,11 +309,11 @@ pub struct PreparedRun {
 }
 
 impl PreparedRun {
-    pub fn endpoint(&self) -> Uuid {
+    pub fn endpoint(&self) -> EndpointId {
         self.ctx.id()
     }
 
-    pub fn tenant(&self) -> Uuid {
+    pub fn tenant(&self) -> TenantId {
         self.ctx.tenant()
     }
 
@@ -567,7 +566,7 @@ async fn apply_together(
             };
             (run.ctx.id(), report)
         })
-        .collect::<HashMap<Uuid, BatchReport>>();
+        .collect::<HashMap<EndpointId, BatchReport>>();
     Ok(runs
         .iter()
         .map(|run| reports.remove(&run.ctx.id()).ok_or(ApplyError::Fenced))
@@ -603,7 +602,7 @@ fn count_plan(run: &PreparedRun, plan: &RunPlan, metrics: &SequencerMetrics) {
     }
 }
 
-fn note_reload(endpoint: Uuid, start: &ReloadStart, metrics: &SequencerMetrics) {
+fn note_reload(endpoint: EndpointId, start: &ReloadStart, metrics: &SequencerMetrics) {
     match start {
         ReloadStart::Begin(r) => tracing::info!(%endpoint, generation = r.generation,
             cause = ?r.cause, "reload begins"),

@@ -21,6 +21,7 @@ use uuid::Uuid;
 use crate::apply::{apply_runs, ApplyError, BatchReport, PreparedRun};
 use crate::metrics::SequencerMetrics;
 use relay_store::cursors::PendingMessage;
+use relay_store::{EndpointId, TenantId};
 
 struct Job {
     run: PreparedRun,
@@ -105,7 +106,7 @@ async fn apply_batches(
             return;
         };
         metrics.apply_batch_runs.observe(batch.len() as f64);
-        let keys: Vec<(uuid::Uuid, uuid::Uuid)> = batch
+        let keys: Vec<(TenantId, EndpointId)> = batch
             .iter()
             .map(|job| (job.run.tenant(), job.run.endpoint()))
             .collect();
@@ -133,7 +134,7 @@ async fn apply_batches(
 type PendingRead = Result<(i64, Vec<PendingMessage>), ApplyError>;
 
 struct ReadJob {
-    endpoint: Uuid,
+    endpoint: EndpointId,
     applied: i64,
     reply: oneshot::Sender<PendingRead>,
 }
@@ -177,7 +178,7 @@ impl PendingReader {
 
     /// The endpoint's arrival counter and its messages after `applied` (see
     /// [`relay_store::cursors::pending_messages`]).
-    pub async fn read(&self, endpoint: Uuid, applied: i64) -> PendingRead {
+    pub async fn read(&self, endpoint: EndpointId, applied: i64) -> PendingRead {
         let (reply, answer) = oneshot::channel();
         self.queue
             .send(ReadJob {
@@ -210,7 +211,7 @@ async fn read_batches(
         let Some(batch) = batches.next_distinct(|job| job.endpoint).await else {
             return;
         };
-        let cursors: Vec<(Uuid, i64)> = batch.iter().map(|j| (j.endpoint, j.applied)).collect();
+        let cursors: Vec<(Uuid, i64)> = batch.iter().map(|j| (j.endpoint.0, j.applied)).collect();
         let read = match connection.take().await {
             Ok(mut taken) => {
                 let read =
@@ -225,7 +226,7 @@ async fn read_batches(
         match read {
             Ok(mut found) => {
                 for job in batch {
-                    let read = found.remove(&job.endpoint).unwrap_or((0, Vec::new()));
+                    let read = found.remove(&job.endpoint.0).unwrap_or((0, Vec::new()));
                     let _ = job.reply.send(Ok(read));
                 }
             }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use relay_coord::{listen, wake_channel, Owners, OwnershipConfig, OwnershipError};
 use relay_rules::ApplyBackoff;
+use relay_store::EndpointId;
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
@@ -286,8 +287,11 @@ async fn schedule(
             if stopping.load(Ordering::SeqCst) {
                 return gone;
             }
-            let registration = match relay_store::endpoints::load_registration(&pool, endpoint)
-                .await
+            let registration = match relay_store::endpoints::load_registration(
+                &pool,
+                EndpointId(endpoint),
+            )
+            .await
             {
                 Ok(Some(registration)) => registration,
                 Ok(None) => {

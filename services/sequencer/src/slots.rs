@@ -9,8 +9,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use relay_store::TenantId;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use uuid::Uuid;
 
 /// The most workers one tenant may hold: `share` of `max` (a fraction in (0, 1]), rounded up,
 /// at least one.
@@ -27,7 +27,7 @@ pub fn tenant_cap(max: usize, share: f64) -> usize {
 pub struct Slots {
     all: Arc<Semaphore>,
     per_tenant: usize,
-    tenants: Mutex<HashMap<Uuid, Arc<Semaphore>>>,
+    tenants: Mutex<HashMap<TenantId, Arc<Semaphore>>>,
 }
 
 /// One worker's hold: a slot of its tenant's and one of the process's. Dropping it gives both
@@ -57,7 +57,7 @@ impl Slots {
     }
 
     /// A slot for a worker of `tenant`: its tenant's first, then the process's.
-    pub async fn take(&self, tenant: Uuid) -> Slot {
+    pub async fn take(&self, tenant: TenantId) -> Slot {
         let tenant = self
             .of(tenant)
             .acquire_owned()
@@ -71,7 +71,7 @@ impl Slots {
 
     /// [`Slots::take`] for a worker already holding one of the process's slots (`held`): kept
     /// when its tenant has a slot free; otherwise given back while it waits for its tenant's.
-    pub async fn take_holding(&self, tenant: Uuid, held: OwnedSemaphorePermit) -> Slot {
+    pub async fn take_holding(&self, tenant: TenantId, held: OwnedSemaphorePermit) -> Slot {
         match self.of(tenant).try_acquire_owned() {
             Ok(tenant) => Slot {
                 _tenant: tenant,
@@ -93,7 +93,7 @@ impl Slots {
             .retain(|_, semaphore| Arc::strong_count(semaphore) > 1);
     }
 
-    fn of(&self, tenant: Uuid) -> Arc<Semaphore> {
+    fn of(&self, tenant: TenantId) -> Arc<Semaphore> {
         self.tenants
             .lock()
             .expect("the slots' map is never poisoned")
@@ -121,7 +121,7 @@ mod tests {
     #[tokio::test]
     async fn a_tenant_at_its_share_waits_without_holding_a_slot_of_the_process() {
         let slots = Slots::new(4, 0.5);
-        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let (a, b) = (TenantId(Uuid::new_v4()), TenantId(Uuid::new_v4()));
         let held = [slots.take(a).await, slots.take(a).await];
         // A third of A's waits; B still gets the two slots left.
         let waiting = {

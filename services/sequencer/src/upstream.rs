@@ -8,13 +8,12 @@ use relay_netguard::{
     TrustRoots,
 };
 use relay_rules::{ReadItem, RefetchAnswer};
-use relay_store::{upstream_status, StoreError};
+use relay_store::{upstream_status, EndpointId, StoreError, TenantId};
 use relay_wire::{FeedItem, ItemKind, Sequence};
 use reqwest::{Method, StatusCode};
 use serde::Deserialize;
 use serde_json::Value;
 use sqlx::PgPool;
-use uuid::Uuid;
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
@@ -66,15 +65,19 @@ impl UpstreamError {
 /// Records `error` as the endpoint's last upstream failure (its state shows it).
 pub async fn record_failure(
     pool: &PgPool,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
     error: &UpstreamError,
 ) -> Result<(), StoreError> {
     upstream_status::record_failure(pool, tenant, endpoint, error.kind(), &error.to_string()).await
 }
 
 /// Records that the endpoint's upstream answered well: ends a failing stretch, if one runs.
-pub async fn record_success(pool: &PgPool, tenant: Uuid, endpoint: Uuid) -> Result<(), StoreError> {
+pub async fn record_success(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<(), StoreError> {
     upstream_status::record_success(pool, tenant, endpoint).await
 }
 
@@ -267,7 +270,7 @@ impl UpstreamClient {
 
     /// `GET /v1/webhook-endpoints/{id}`: the filter and language as they are now, as the
     /// selection `/v1/feed` takes.
-    pub async fn selection(&self, endpoint: Uuid) -> Result<FeedSelection, UpstreamError> {
+    pub async fn selection(&self, endpoint: EndpointId) -> Result<FeedSelection, UpstreamError> {
         let (status, url, body) = self
             .get(&format!("/v1/webhook-endpoints/{endpoint}"), &[])
             .await?;

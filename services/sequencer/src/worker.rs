@@ -107,10 +107,10 @@ pub async fn run_worker(
     let mut permit = Some(slot);
     let mut wakes_seen = signal.wakes.load(Ordering::SeqCst);
     let exit = |wakes_seen| WorkerExit {
-        endpoint,
+        endpoint: endpoint.0,
         wakes_seen,
     };
-    let lease = match owners.try_acquire(endpoint).await {
+    let lease = match owners.try_acquire(endpoint.0).await {
         Ok(Some(lease)) => lease,
         Ok(None) => return exit(wakes_seen),
         Err(error) => {

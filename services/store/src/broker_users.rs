@@ -5,7 +5,7 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::StoreError;
+use crate::{StoreError, TenantId};
 
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct BrokerUser {
@@ -17,7 +17,7 @@ pub struct BrokerUser {
 
 const COLUMNS: &str = "tenant_id, username, created_at, rotated_at";
 
-pub async fn get(pool: &PgPool, tenant: Uuid) -> Result<Option<BrokerUser>, StoreError> {
+pub async fn get(pool: &PgPool, tenant: TenantId) -> Result<Option<BrokerUser>, StoreError> {
     Ok(sqlx::query_as::<_, BrokerUser>(&format!(
         "SELECT {COLUMNS} FROM tenant_broker_users WHERE tenant_id = $1"
     ))
@@ -30,7 +30,7 @@ pub async fn get(pool: &PgPool, tenant: Uuid) -> Result<Option<BrokerUser>, Stor
 /// `None` when the tenant does not exist.
 pub async fn record(
     pool: &PgPool,
-    tenant: Uuid,
+    tenant: TenantId,
     username: &str,
 ) -> Result<Option<BrokerUser>, StoreError> {
     Ok(sqlx::query_as::<_, BrokerUser>(&format!(
@@ -46,7 +46,7 @@ pub async fn record(
 }
 
 /// Forgets the tenant's user; whether there was one.
-pub async fn delete(pool: &PgPool, tenant: Uuid) -> Result<bool, StoreError> {
+pub async fn delete(pool: &PgPool, tenant: TenantId) -> Result<bool, StoreError> {
     let done = sqlx::query("DELETE FROM tenant_broker_users WHERE tenant_id = $1")
         .bind(tenant)
         .execute(pool)

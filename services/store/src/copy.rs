@@ -145,12 +145,12 @@ pub async fn merge(
     let Some(track) = tracks::open(&mut tx, claim).await? else {
         return Ok(Merged::Fenced);
     };
-    let held = held_rows(&mut tx, endpoint).await?;
+    let held = held_rows(&mut tx, endpoint.0).await?;
     let merge = match relay_rules::decide_merge(&track, reload, pass, &held) {
         relay_rules::MergePlan::Merge(merge) => *merge,
         other => return Ok(Merged::NotMerged(other)),
     };
-    let written = write_merge(&mut tx, (tenant, endpoint), &merge, reload.round).await?;
+    let written = write_merge(&mut tx, (tenant.0, endpoint.0), &merge, reload.round).await?;
     tracks::save(&mut tx, tenant, endpoint, &merge.track).await?;
     tx.commit().await?;
     Ok(Merged::Merged {
@@ -832,7 +832,7 @@ fn invalid(what: String) -> StoreError {
 /// id"): the refetches a run need not read again.
 pub async fn applied_among(
     pool: &sqlx::PgPool,
-    endpoint: Uuid,
+    endpoint: EndpointId,
     event_ids: &[&str],
 ) -> Result<std::collections::HashSet<String>, StoreError> {
     Ok(sqlx::query_scalar(

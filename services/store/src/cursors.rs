@@ -11,7 +11,7 @@ use crate::{EndpointId, StoreError, TenantId};
 /// How far the endpoint's messages are applied (0: none yet).
 pub async fn applied_through<'e>(
     db: impl sqlx::PgExecutor<'e>,
-    endpoint: Uuid,
+    endpoint: EndpointId,
 ) -> Result<i64, StoreError> {
     let applied: Option<i64> = sqlx::query_scalar(
         "SELECT applied_arrival_seq FROM endpoint_apply_cursors WHERE endpoint_id = $1",
@@ -28,8 +28,8 @@ pub async fn applied_through<'e>(
 /// [`applied_through`] reads for it, so the first insert needs no condition.
 pub async fn advance_cursor(
     conn: &mut PgConnection,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
     from: i64,
     to: i64,
     last_received_at: Option<OffsetDateTime>,
@@ -69,7 +69,7 @@ pub struct PendingMessage {
 /// moving the cursor to the counter when nothing is left below it.
 pub async fn pending_messages(
     pool: &PgPool,
-    endpoint: Uuid,
+    endpoint: EndpointId,
     applied: i64,
     limit: i64,
 ) -> Result<(i64, Vec<PendingMessage>), StoreError> {

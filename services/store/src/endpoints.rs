@@ -277,17 +277,17 @@ pub async fn load_auth(pool: &PgPool, id: Uuid) -> Result<Option<EndpointAuth>, 
 /// What the sequencer needs of an endpoint's registration.
 #[derive(Debug, Clone)]
 pub struct EndpointRegistration {
-    pub id: Uuid,
-    pub tenant_id: Uuid,
+    pub id: EndpointId,
+    pub tenant_id: TenantId,
     pub upstream_base_url: Option<String>,
     pub upstream_api_key: Option<String>,
 }
 
 pub async fn load_registration(
     pool: &PgPool,
-    endpoint: Uuid,
+    endpoint: EndpointId,
 ) -> Result<Option<EndpointRegistration>, StoreError> {
-    let row: Option<(Uuid, Option<String>, Option<String>)> = sqlx::query_as(
+    let row: Option<(TenantId, Option<String>, Option<String>)> = sqlx::query_as(
         "SELECT tenant_id, upstream_base_url, upstream_api_key FROM webhook_endpoints
          WHERE id = $1",
     )

@@ -10,7 +10,7 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::StoreError;
+use crate::{EndpointId, StoreError, TenantId};
 
 /// The most characters of a reason kept (a parse error can quote a long value).
 pub const REASON_MAX_CHARS: usize = 1000;
@@ -69,8 +69,8 @@ const FROM: &str = "quarantined_messages q
 /// `limit`; only those of `status` when given.
 pub async fn list(
     pool: &PgPool,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
     status: Option<&str>,
     after: Option<i64>,
     limit: i64,
@@ -93,8 +93,8 @@ pub async fn list(
 
 async fn get<'e>(
     db: impl sqlx::PgExecutor<'e>,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
     arrival_seq: i64,
 ) -> Result<Option<Quarantined>, StoreError> {
     Ok(sqlx::query_as(&format!(
@@ -111,8 +111,8 @@ async fn get<'e>(
 /// How many of the endpoint's messages wait in quarantine, and the reason of the latest.
 pub async fn summary<'e>(
     db: impl sqlx::PgExecutor<'e>,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
 ) -> Result<(i64, Option<String>), StoreError> {
     Ok(sqlx::query_as(
         "SELECT count(*),
@@ -150,8 +150,8 @@ pub enum Resolution {
 /// the copy should have had. It can never move the copy back.
 pub async fn retry(
     pool: &PgPool,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
     arrival_seq: i64,
 ) -> Result<Resolution, StoreError> {
     let mut tx = pool.begin().await?;
@@ -215,8 +215,8 @@ pub async fn retry(
 /// quarantine row stay for audit (the relay answered 2xx for it).
 pub async fn discard(
     pool: &PgPool,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
     arrival_seq: i64,
 ) -> Result<Resolution, StoreError> {
     let resolved = sqlx::query(

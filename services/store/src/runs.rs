@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use crate::copy::{self, add, RowArrays};
 use crate::tracks::{self, TrackClaim, FEED_TRACK, TRACK_COLUMNS};
-use crate::{quarantine, StoreError};
+use crate::{quarantine, EndpointId, StoreError, TenantId};
 
 /// One endpoint's claim in [`open_runs`], and the keys of its run: its event ids and the
 /// subjects its events touch (relay-rules' `event_ids` and `subjects`).
@@ -67,7 +67,7 @@ pub async fn open_runs(
             e_endpoint.push(run.claim.endpoint);
             e_id.push(*id);
         }
-        keys.extend(run.subjects.iter().map(|s| (run.claim.endpoint, *s)));
+        keys.extend(run.subjects.iter().map(|s| (run.claim.endpoint.0, *s)));
     }
     // Rows are locked in the order given: endpoint, then subject in byte order.
     keys.sort_unstable();
@@ -134,7 +134,7 @@ pub async fn open_runs(
     }
     Ok(runs
         .iter()
-        .map(|r| opened.remove(&r.claim.endpoint))
+        .map(|r| opened.remove(&r.claim.endpoint.0))
         .collect())
 }
 
@@ -215,8 +215,8 @@ static OPEN_RUNS: LazyLock<String> = LazyLock::new(|| {
 /// One endpoint's run to write: its plan, and where its apply cursor moves (from `from`, where
 /// the run read it, to `to`).
 pub struct RunWrite<'a> {
-    pub endpoint: Uuid,
-    pub tenant: Uuid,
+    pub endpoint: EndpointId,
+    pub tenant: TenantId,
     pub plan: &'a RunPlan,
     pub from: i64,
     pub to: i64,
@@ -272,13 +272,13 @@ pub async fn write_runs(
             .collect();
         for row in &plan.rows {
             let text = row.change.and_then(|i| texts[i].as_deref());
-            rows.push(run.endpoint, run.tenant, row, text)?;
+            rows.push(run.endpoint.0, run.tenant.0, row, text)?;
         }
         for (change, text) in plan.changes.iter().zip(&texts) {
             let cause = copy::Cause::Event(&change.event_id);
             changes.push(
-                run.endpoint,
-                run.tenant,
+                run.endpoint.0,
+                run.tenant.0,
                 &change.decision,
                 cause,
                 text.as_deref(),
@@ -288,13 +288,13 @@ pub async fn write_runs(
             t.push(run.endpoint, run.tenant, track)?;
         }
         for id in &plan.keep {
-            k_endpoint.push(run.endpoint);
-            k_tenant.push(run.tenant);
+            k_endpoint.push(run.endpoint.0);
+            k_tenant.push(run.tenant.0);
             k_event.push(id.as_str());
         }
         for (message, seq) in plan.messages.iter().zip(run.arrival_seqs) {
-            o_endpoint.push(run.endpoint);
-            o_tenant.push(run.tenant);
+            o_endpoint.push(run.endpoint.0);
+            o_tenant.push(run.tenant.0);
             o_seq.push(*seq);
             o_outcome.push(message.outcome.as_str());
             o_applied.push(i32::try_from(message.events_applied).unwrap_or(i32::MAX));
@@ -354,7 +354,7 @@ pub async fn write_runs(
         .collect();
     Ok(runs
         .iter()
-        .map(|r| written.remove(&r.endpoint).unwrap_or_default())
+        .map(|r| written.remove(&r.endpoint.0).unwrap_or_default())
         .collect())
 }
 
@@ -455,7 +455,7 @@ static WRITE_RUNS: LazyLock<String> = LazyLock::new(|| {
 /// ([`tracks::open`]).
 pub async fn quarantine_next(
     conn: &mut PgConnection,
-    (tenant, endpoint): (Uuid, Uuid),
+    (tenant, endpoint): (TenantId, EndpointId),
     (from, arrival_seq): (i64, i64),
     (reason, attempts): (&str, i32),
     track: &EndpointTrack,

@@ -35,7 +35,7 @@ pub async fn create(pool: &PgPool, id: Uuid, name: &str) -> Result<Tenant, Store
     })
 }
 
-pub async fn get(pool: &PgPool, id: Uuid) -> Result<Option<Tenant>, StoreError> {
+pub async fn get(pool: &PgPool, id: TenantId) -> Result<Option<Tenant>, StoreError> {
     Ok(
         sqlx::query_as::<_, Tenant>("SELECT id, name, created_at FROM tenants WHERE id = $1")
             .bind(id)

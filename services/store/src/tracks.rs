@@ -53,8 +53,8 @@ pub(crate) const TRACK_COLUMNS: &str = "generation, access_version, through, las
 /// One endpoint's claim on its track: the fencing token its worker holds.
 #[derive(Debug, Clone, Copy)]
 pub struct TrackClaim {
-    pub endpoint: Uuid,
-    pub tenant: Uuid,
+    pub endpoint: EndpointId,
+    pub tenant: TenantId,
     pub token: i64,
 }
 
@@ -121,7 +121,11 @@ static OPEN: LazyLock<String> = LazyLock::new(|| {
 /// Creates the track row if it is missing, so that [`open`] always has a row to lock: a writer
 /// outside the sequencer (the control plane beginning a reload) and an apply transaction then
 /// queue on it rather than both believing the row absent.
-pub async fn ensure(pool: &PgPool, tenant: Uuid, endpoint: Uuid) -> Result<(), StoreError> {
+pub async fn ensure(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<(), StoreError> {
     sqlx::query(
         "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id) VALUES ($1, $2, $3)
          ON CONFLICT (endpoint_id, track) DO NOTHING",
@@ -137,7 +141,7 @@ pub async fn ensure(pool: &PgPool, tenant: Uuid, endpoint: Uuid) -> Result<(), S
 /// The track row without a lock: for a reload deciding whether it is still the running one.
 pub async fn peek<'e>(
     db: impl sqlx::PgExecutor<'e>,
-    endpoint: Uuid,
+    endpoint: EndpointId,
 ) -> Result<EndpointTrack, StoreError> {
     let row: Option<TrackRow> = sqlx::query_as(&format!(
         "SELECT {TRACK_COLUMNS} FROM endpoint_tracks WHERE endpoint_id = $1 AND track = $2"
@@ -154,8 +158,8 @@ pub async fn peek<'e>(
 /// Writes the track row decided from [`open`]'s (the caller holds its lock).
 pub async fn save(
     conn: &mut PgConnection,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
     track: &EndpointTrack,
 ) -> Result<(), StoreError> {
     let mut arrays = TrackArrays::default();
@@ -175,8 +179,8 @@ static SAVE: LazyLock<String> = LazyLock::new(|| format!("WITH {} SELECT 1::int8
 /// fence and writer lock, so it never waits on them in a cycle.
 pub async fn transition(
     pool: &PgPool,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
     decide: impl FnOnce(&EndpointTrack) -> Option<EndpointTrack>,
 ) -> Result<(EndpointTrack, bool), StoreError> {
     ensure(pool, tenant, endpoint).await?;
@@ -225,13 +229,13 @@ impl TrackArrays {
 
     pub(crate) fn push(
         &mut self,
-        endpoint: Uuid,
-        tenant: Uuid,
+        endpoint: EndpointId,
+        tenant: TenantId,
         track: &EndpointTrack,
     ) -> Result<(), StoreError> {
         let (generation, last_reset_generation, reload) = track_values(track)?;
-        self.endpoint.push(endpoint);
-        self.tenant.push(tenant);
+        self.endpoint.push(endpoint.0);
+        self.tenant.push(tenant.0);
         self.generation.push(generation);
         self.access_version.push(track.access_version.clone());
         self.through.push(track.through.clone());

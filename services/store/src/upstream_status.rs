@@ -6,10 +6,9 @@
 //! costs one statement that changes nothing.
 
 use time::OffsetDateTime;
-use uuid::Uuid;
 
 use crate::quarantine::reason_text;
-use crate::StoreError;
+use crate::{EndpointId, StoreError, TenantId};
 
 /// An endpoint's upstream calls as last recorded.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -33,8 +32,8 @@ impl UpstreamStatus {
 /// it began.
 pub async fn record_failure<'e>(
     db: impl sqlx::PgExecutor<'e>,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
     kind: &str,
     detail: &str,
 ) -> Result<(), StoreError> {
@@ -60,8 +59,8 @@ pub async fn record_failure<'e>(
 /// writes nothing otherwise).
 pub async fn record_success<'e>(
     db: impl sqlx::PgExecutor<'e>,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
 ) -> Result<(), StoreError> {
     sqlx::query(
         "UPDATE endpoint_upstream_status SET failing_since = NULL, last_success_at = now()
@@ -77,8 +76,8 @@ pub async fn record_success<'e>(
 /// `endpoint`'s status, if a call of its ever failed.
 pub async fn read<'e>(
     db: impl sqlx::PgExecutor<'e>,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: TenantId,
+    endpoint: EndpointId,
 ) -> Result<Option<UpstreamStatus>, StoreError> {
     Ok(sqlx::query_as(
         "SELECT last_error_kind, last_error, failing_since, last_failure_at, last_success_at

@@ -288,12 +288,7 @@ impl Message {
 
 impl Event {
     fn parse(value: Value, path: &str) -> Result<Self, MessageError> {
-        let Value::Object(mut fields) = value else {
-            return Err(MessageError::WrongShape {
-                field: path.to_owned(),
-                expected: "an object",
-            });
-        };
+        let mut fields = object(value, path)?;
         let mut at = Fields::new(&mut fields, path);
         let id = at.required_id("id")?;
         let event_type = at.required_id("type")?;
@@ -332,12 +327,7 @@ impl Event {
 
 impl FeedData {
     fn parse(value: Value, action: FeedAction, path: &str) -> Result<Self, MessageError> {
-        let Value::Object(mut fields) = value else {
-            return Err(MessageError::WrongShape {
-                field: path.to_owned(),
-                expected: "an object",
-            });
-        };
+        let mut fields = object(value, path)?;
         let data_type = Fields::new(&mut fields, path).required_str("type")?;
         if data_type == "refetch" {
             let mut at = Fields::new(&mut fields, path);
@@ -450,12 +440,7 @@ impl PartRef {
 
 impl ResetData {
     fn parse(value: Value, path: &str) -> Result<Self, MessageError> {
-        let Value::Object(mut fields) = value else {
-            return Err(MessageError::WrongShape {
-                field: path.to_owned(),
-                expected: "an object",
-            });
-        };
+        let mut fields = object(value, path)?;
         let mut at = Fields::new(&mut fields, path);
         Ok(ResetData {
             access_version: at.required_id("access_version")?,
@@ -471,12 +456,7 @@ impl ResetData {
 
 impl TestedData {
     fn parse(value: Value, path: &str) -> Result<Self, MessageError> {
-        let Value::Object(mut fields) = value else {
-            return Err(MessageError::WrongShape {
-                field: path.to_owned(),
-                expected: "an object",
-            });
-        };
+        let mut fields = object(value, path)?;
         let mut at = Fields::new(&mut fields, path);
         Ok(TestedData {
             test_send_id: at.required_id("test_send_id")?,
@@ -542,6 +522,17 @@ impl<'a> FieldsRef<'a> {
 struct Fields<'a> {
     fields: &'a mut Map<String, Value>,
     prefix: &'a str,
+}
+
+/// The fields of the object at `path`, or what the value is not.
+fn object(value: Value, path: &str) -> Result<Map<String, Value>, MessageError> {
+    match value {
+        Value::Object(fields) => Ok(fields),
+        _ => Err(MessageError::WrongShape {
+            field: path.to_owned(),
+            expected: "an object",
+        }),
+    }
 }
 
 impl<'a> Fields<'a> {

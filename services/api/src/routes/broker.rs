@@ -11,7 +11,6 @@ use relay_store::broker_users::{self, BrokerUser};
 use serde::Serialize;
 use time::OffsetDateTime;
 use utoipa::ToSchema;
-use uuid::Uuid;
 
 use super::AppState;
 use crate::auth::TenantId;
@@ -56,7 +55,7 @@ fn segment(text: &str) -> String {
 
 fn view(
     broker: &BrokerAccess,
-    tenant: Uuid,
+    tenant: relay_store::TenantId,
     user: BrokerUser,
     password: Option<String>,
 ) -> BrokerCredentialsView {
@@ -76,7 +75,7 @@ fn view(
         host,
         port,
         vhost: broker.vhost.clone(),
-        queue: tenant_queue(tenant),
+        queue: tenant_queue(tenant.0),
         password,
         created_at: user.created_at,
         rotated_at: user.rotated_at,

@@ -349,7 +349,6 @@ pub async fn create_endpoint(
         .map(|(i, s)| valid_secret(&format!("secrets[{i}]"), s))
         .collect::<Result<Vec<_>, _>>()?;
 
-    let tenant = relay_store::TenantId(tenant);
     let id = EndpointId(body.id);
     let registration = store::Registration {
         id,
@@ -405,12 +404,11 @@ pub async fn list_endpoints(
         .map(|t| parse_uuid("after", t).map(EndpointId))
         .transpose()?;
     let limit = query.limit(100, 500)?;
-    let data: Vec<EndpointView> =
-        store::list(&state.pool, relay_store::TenantId(tenant), after, limit)
-            .await?
-            .into_iter()
-            .map(EndpointView::from)
-            .collect();
+    let data: Vec<EndpointView> = store::list(&state.pool, tenant, after, limit)
+        .await?
+        .into_iter()
+        .map(EndpointView::from)
+        .collect();
     let next_cursor = (data.len() as i64 == limit)
         .then(|| data.last().map(|e| e.id.to_string()))
         .flatten();
@@ -432,9 +430,7 @@ pub async fn get_endpoint(
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<EndpointView>, ApiError> {
     let id = EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
-    Ok(Json(
-        load_endpoint(&state.pool, relay_store::TenantId(tenant), id).await?,
-    ))
+    Ok(Json(load_endpoint(&state.pool, tenant, id).await?))
 }
 
 #[utoipa::path(
@@ -455,10 +451,7 @@ pub async fn update_endpoint(
     Path(endpoint_id): Path<String>,
     JsonBody(body): JsonBody<EndpointUpdate>,
 ) -> Result<Json<EndpointView>, ApiError> {
-    let (tenant, id) = (
-        relay_store::TenantId(tenant),
-        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
-    );
+    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
     let lang = body
         .lang
         .as_deref()
@@ -495,14 +488,11 @@ pub async fn update_endpoint(
 
 async fn set_status(
     state: &AppState,
-    tenant: Uuid,
+    tenant: relay_store::TenantId,
     endpoint_id: &str,
     status: EndpointStatus,
 ) -> Result<Json<EndpointView>, ApiError> {
-    let (tenant, id) = (
-        relay_store::TenantId(tenant),
-        EndpointId(parse_uuid("endpoint_id", endpoint_id)?),
-    );
+    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", endpoint_id)?));
     // The front tier hears of the change through the table's NOTIFY trigger and answers 410
     // (or takes messages again) at once, not when its cache entry expires.
     if !store::change_status(&state.pool, tenant, id, status).await? {
@@ -563,10 +553,7 @@ pub async fn list_secrets(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<Vec<SecretView>>, ApiError> {
-    let (tenant, id) = (
-        relay_store::TenantId(tenant),
-        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
-    );
+    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
     owned_endpoint(&state.pool, tenant, id).await?;
     Ok(Json(secrets_of(&state.pool, tenant, id).await?))
 }
@@ -599,10 +586,7 @@ pub async fn add_secret(
     Path(endpoint_id): Path<String>,
     JsonBody(body): JsonBody<NewSecret>,
 ) -> Result<(StatusCode, Json<SecretView>), ApiError> {
-    let (tenant, id) = (
-        relay_store::TenantId(tenant),
-        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
-    );
+    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
     let secret = valid_secret("secret", &body.secret)?;
     let expires_in = body
         .expires_in_s
@@ -634,10 +618,7 @@ pub async fn rotate_secret(
     Path(endpoint_id): Path<String>,
     JsonBody(body): JsonBody<SecretRotation>,
 ) -> Result<Json<RotationView>, ApiError> {
-    let (tenant, id) = (
-        relay_store::TenantId(tenant),
-        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
-    );
+    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
     let secret = valid_secret("secret", &body.secret)?;
     let overlap = seconds(
         "overlap_s",
@@ -676,10 +657,7 @@ pub async fn expire_secret(
     Path((endpoint_id, secret_id)): Path<(String, String)>,
     JsonBody(body): JsonBody<SecretExpiry>,
 ) -> Result<Json<SecretView>, ApiError> {
-    let (tenant, id) = (
-        relay_store::TenantId(tenant),
-        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
-    );
+    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
     let secret_id: i64 = secret_id
         .parse()
         .map_err(|_| ApiError::invalid("secret_id", "not a secret's id"))?;

@@ -19,7 +19,6 @@ use relay_store::quarantine::{self, Quarantined, Resolution};
 use serde::Serialize;
 use time::OffsetDateTime;
 use utoipa::ToSchema;
-use uuid::Uuid;
 
 use super::{owned_endpoint, parse_uuid, AppState, QueryArgs};
 use crate::auth::TenantId;
@@ -90,7 +89,7 @@ pub async fn list_quarantine(
     Path(endpoint_id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<QuarantinePage>, ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let id = relay_store::EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
     let query = QueryArgs::new(query, &["status", "after", "limit"])?;
     let status = match query.text("status") {
         None | Some("quarantined") => Some("quarantined"),
@@ -105,12 +104,7 @@ pub async fn list_quarantine(
     };
     let after = query.parsed::<i64>("after", "a cursor from a previous page")?;
     let limit = query.limit(50, 200)?;
-    owned_endpoint(
-        &state.pool,
-        relay_store::TenantId(tenant),
-        relay_store::EndpointId(id),
-    )
-    .await?;
+    owned_endpoint(&state.pool, tenant, id).await?;
     let rows = quarantine::list(&state.pool, tenant, id, status, after, limit).await?;
     let next_cursor = (rows.len() as i64 == limit)
         .then(|| rows.last().map(|q| q.arrival_seq.to_string()))
@@ -165,8 +159,11 @@ pub async fn discard_quarantined(
     resolved(quarantine::discard(&state.pool, tenant, id, seq).await?)
 }
 
-fn message_key(endpoint_id: &str, arrival_seq: &str) -> Result<(Uuid, i64), ApiError> {
-    let id = parse_uuid("endpoint_id", endpoint_id)?;
+fn message_key(
+    endpoint_id: &str,
+    arrival_seq: &str,
+) -> Result<(relay_store::EndpointId, i64), ApiError> {
+    let id = relay_store::EndpointId(parse_uuid("endpoint_id", endpoint_id)?);
     let seq = arrival_seq
         .parse::<i64>()
         .map_err(|_| ApiError::invalid("arrival_seq", "not a whole number"))?;

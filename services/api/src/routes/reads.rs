@@ -91,10 +91,7 @@ pub async fn list_copy(
     Path(endpoint_id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<CopyPage>, ApiError> {
-    let (tenant, id) = (
-        relay_store::TenantId(tenant),
-        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
-    );
+    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
     let query = QueryArgs::new(
         query,
         &[
@@ -149,10 +146,7 @@ pub async fn get_copy_item(
     TenantId(tenant): TenantId,
     Path((endpoint_id, subject)): Path<(String, String)>,
 ) -> Result<Json<CopyItemView>, ApiError> {
-    let (tenant, id) = (
-        relay_store::TenantId(tenant),
-        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
-    );
+    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
     check_text("subject", &subject, MAX_SUBJECT_BYTES)?;
     owned_endpoint(&state.pool, tenant, id).await?;
     let row = copy::find_item(&state.pool, tenant, id, &subject).await?;
@@ -253,10 +247,7 @@ pub async fn endpoint_state(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<StateView>, ApiError> {
-    let (tenant, id) = (
-        relay_store::TenantId(tenant),
-        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
-    );
+    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
     // One snapshot for every figure, so they agree with each other.
     let mut tx = relay_store::db::read_snapshot(&state.pool).await?;
     let (status, upstream_configured) = endpoints::status_and_settings(&mut *tx, tenant, id)
@@ -287,8 +278,8 @@ pub async fn endpoint_state(
     let progress = cursors::progress(&mut *tx, tenant, id).await?;
     let (backlog, last_change_seq) = cursors::outbox_backlog(&mut *tx, tenant, id).await?;
     let (quarantined, quarantine_reason) =
-        relay_store::quarantine::summary(&mut *tx, tenant.0, id.0).await?;
-    let upstream = relay_store::upstream_status::read(&mut *tx, tenant.0, id.0).await?;
+        relay_store::quarantine::summary(&mut *tx, tenant, id).await?;
+    let upstream = relay_store::upstream_status::read(&mut *tx, tenant, id).await?;
     tx.commit().await?;
     let upstream = UpstreamStateView {
         status: match &upstream {
@@ -390,10 +381,7 @@ pub async fn list_messages(
     Path(endpoint_id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<MessagePage>, ApiError> {
-    let (tenant, id) = (
-        relay_store::TenantId(tenant),
-        EndpointId(parse_uuid("endpoint_id", &endpoint_id)?),
-    );
+    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
     let query = QueryArgs::new(query, &["order", "cursor", "limit", "include_body"])?;
     let newest_first = match query.text("order") {
         None | Some("newest") => true,

@@ -21,7 +21,6 @@ use relay_store::tracks::{self, FEED_TRACK};
 use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
-use uuid::Uuid;
 
 use super::{parse_uuid, AppState};
 use crate::auth::TenantId;
@@ -92,7 +91,7 @@ pub async fn rewind_track(
     TenantId(tenant): TenantId,
     Path((endpoint_id, track)): Path<(String, String)>,
 ) -> Result<Json<RewindView>, ApiError> {
-    let id = parse_uuid("endpoint_id", &endpoint_id)?;
+    let id = relay_store::EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
     valid_track(&track)?;
     if track != FEED_TRACK {
         // Version 1 names one track; no row of another is ever kept.
@@ -205,8 +204,8 @@ fn held_reload_json(held: &EndpointTrack) -> Result<Option<Value>, ApiError> {
 /// applied since the row was peeked) is left alone rather than replaced.
 async fn begin_reload(
     state: &AppState,
-    tenant: Uuid,
-    endpoint: Uuid,
+    tenant: relay_store::TenantId,
+    endpoint: relay_store::EndpointId,
 ) -> Result<(&'static str, Option<Value>), ApiError> {
     let (track, begun) =
         tracks::transition(&state.pool, tenant, endpoint, reload_after_restore).await?;

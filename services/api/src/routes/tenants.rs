@@ -126,7 +126,7 @@ pub async fn list_tenants(
     Ok(Json(TenantPage { data, next_cursor }))
 }
 
-async fn load_tenant(state: &AppState, id: Uuid) -> Result<TenantView, ApiError> {
+async fn load_tenant(state: &AppState, id: relay_store::TenantId) -> Result<TenantView, ApiError> {
     tenants::get(&state.pool, id)
         .await?
         .map(TenantView::from)
@@ -147,7 +147,7 @@ pub async fn get_tenant(
     _operator: Operator,
     Path(tenant_id): Path<String>,
 ) -> Result<Json<TenantView>, ApiError> {
-    let id = parse_uuid("tenant_id", &tenant_id)?;
+    let id = relay_store::TenantId(parse_uuid("tenant_id", &tenant_id)?);
     Ok(Json(load_tenant(&state, id).await?))
 }
 
@@ -167,7 +167,7 @@ pub async fn mint_tenant_token(
     Path(tenant_id): Path<String>,
     JsonBody(body): JsonBody<NewToken>,
 ) -> Result<(StatusCode, Json<IssuedToken>), ApiError> {
-    let id = parse_uuid("tenant_id", &tenant_id)?;
+    let id = relay_store::TenantId(parse_uuid("tenant_id", &tenant_id)?);
     let ttl = Duration::from_secs(body.ttl_s.unwrap_or(86_400));
     if ttl.is_zero() || ttl > auth::MAX_TTL {
         return Err(ApiError::invalid(
@@ -179,7 +179,7 @@ pub async fn mint_tenant_token(
     let issued = auth::mint(
         state.verifier.keys(),
         state.verifier.audience(),
-        &Subject::Tenant(id),
+        &Subject::Tenant(id.0),
         ttl,
         OffsetDateTime::now_utc(),
     )
