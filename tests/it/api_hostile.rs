@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
-use crate::api::ApiApp;
+use crate::api::{Answer, ApiApp};
 
 /// A name other than `localhost` that this machine's hosts file maps to a loopback address (its
 /// own name, usually): a name only resolution can tell is loopback.
@@ -94,6 +94,12 @@ fn assert_refused_field(answer: &crate::api::Answer, field: &str, what: &str) {
         answer.text
     );
     assert_eq!(answer.json["field"], field, "{what}: {}", answer.text);
+}
+
+/// The rewind asked of the relay for `endpoint`, whatever it answers.
+async fn call_rewind(app: &ApiApp, token: &str, endpoint: Uuid) -> Answer {
+    let path = format!("/v1/endpoints/{endpoint}/tracks/feed/rewind");
+    app.call("POST", &path, Some(token), None).await
 }
 
 #[tokio::test]
@@ -256,14 +262,7 @@ async fn the_apis_rewind_follows_no_redirect() {
         )
         .await;
     keep_track(&app, tenant, endpoint).await;
-    let answer = app
-        .call(
-            "POST",
-            &format!("/v1/endpoints/{endpoint}/tracks/feed/rewind"),
-            Some(&token),
-            None,
-        )
-        .await;
+    let answer = call_rewind(&app, &token, endpoint).await;
     assert_eq!(answer.status, 502, "{}", answer.text);
     assert_eq!(answer.json["error"], "upstream_failed", "{}", answer.text);
     assert!(
@@ -305,14 +304,7 @@ async fn a_stored_url_the_policy_refuses_is_refused_again_when_calling() {
             .execute(&app.db.pool)
             .await
             .unwrap();
-        let answer = app
-            .call(
-                "POST",
-                &format!("/v1/endpoints/{endpoint}/tracks/feed/rewind"),
-                Some(&token),
-                None,
-            )
-            .await;
+        let answer = call_rewind(&app, &token, endpoint).await;
         assert_eq!(answer.status, 409, "{url}: {}", answer.text);
         assert_eq!(
             answer.json["field"], "upstream_base_url",

@@ -254,6 +254,20 @@ fn spawn_reload(
     (stop, task)
 }
 
+/// The endpoint's fence claimed, and a reset of generation 2 applied under it: the fencing token
+/// and the reload the reset began.
+async fn begin_reset_reload(
+    db: &TestDb,
+    ctx: &Arc<EndpointContext>,
+    endpoint: Uuid,
+    metrics: &SequencerMetrics,
+) -> (i64, relay_rules::Reload) {
+    let token = db.claim_fence(endpoint).await;
+    store_and_apply(db, ctx, token, &reset(endpoint, 2, 10), metrics).await;
+    let reload = running_reload(&db.pool, endpoint, "the reset began a reload").await;
+    (token, reload)
+}
+
 /// A pass of one page under [`AV`] that reads item 1 at 1.10, the upstream at generation 2.
 fn item_1_pass() -> relay_rules::Pass {
     relay_rules::Pass {
@@ -299,11 +313,9 @@ async fn a_refetch_that_reads_the_feed_again_has_the_running_reload_read_another
     let upstream = HeldUpstream::new(endpoint, 2, vec![(1, 10)]);
     let server = upstream.serve(listener);
     let metrics = SequencerMetrics::unregistered();
-    let token = db.claim_fence(endpoint).await;
 
     // A reset begins a reload; it reads its one page (item 1 only) and is held there.
-    store_and_apply(&db, &ctx, token, &reset(endpoint, 2, 10), &metrics).await;
-    let first = running_reload(&db.pool, endpoint, "the reset began a reload").await;
+    let (token, first) = begin_reset_reload(&db, &ctx, endpoint, &metrics).await;
     upstream.hold(1);
     let (_stop, mut reading) = spawn_reload(&db, &ctx, token, &first, &metrics);
     upstream
@@ -385,10 +397,7 @@ async fn failing_refetches_during_a_reload_of_several_pages_do_not_keep_its_pass
     let server = upstream.serve(listener);
     let ctx = paged(&ctx, &base_url, 2);
     let metrics = SequencerMetrics::unregistered();
-    let token = db.claim_fence(endpoint).await;
-
-    store_and_apply(&db, &ctx, token, &reset(endpoint, 2, 10), &metrics).await;
-    let reload = running_reload(&db.pool, endpoint, "the reset began a reload").await;
+    let (token, reload) = begin_reset_reload(&db, &ctx, endpoint, &metrics).await;
     // Every page of the first two passes is held while a refetch comes.
     upstream.hold(6);
     let (_stop, mut reading) = spawn_reload(&db, &ctx, token, &reload, &metrics);
