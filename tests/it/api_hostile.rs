@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
-use crate::api::ApiApp;
+use crate::api::{Answer, ApiApp};
 
 /// A name other than `localhost` that this machine's hosts file maps to a loopback address (its
 /// own name, usually): a name only resolution can tell is loopback.
@@ -94,6 +94,12 @@ fn assert_refused_field(answer: &crate::api::Answer, field: &str, what: &str) {
         answer.text
     );
     assert_eq!(answer.json["field"], field, "{what}: {}", answer.text);
+}
+
+/// The rewind asked of the relay for `endpoint`, whatever it answers.
+async fn call_rewind(app: &ApiApp, token: &str, endpoint: Uuid) -> Answer {
+    let path = format!("/v1/endpoints/{endpoint}/tracks/feed/rewind");
+    app.call("POST", &path, Some(token), None).await
 }
 
 #[tokio::test]
@@ -256,14 +262,7 @@ async fn the_apis_rewind_follows_no_redirect() {
         )
         .await;
     keep_track(&app, tenant, endpoint).await;
-    let answer = app
-        .call(
-            "POST",
-            &format!("/v1/endpoints/{endpoint}/tracks/feed/rewind"),
-            Some(&token),
-            None,
-        )
-        .await;
+    let answer = call_rewind(&app, &token, endpoint).await;
     assert_eq!(answer.status, 502, "{}", answer.text);
     assert_eq!(answer.json["error"], "upstream_failed", "{}", answer.text);
     assert!(
@@ -305,14 +304,7 @@ async fn a_stored_url_the_policy_refuses_is_refused_again_when_calling() {
             .execute(&app.db.pool)
             .await
             .unwrap();
-        let answer = app
-            .call(
-                "POST",
-                &format!("/v1/endpoints/{endpoint}/tracks/feed/rewind"),
-                Some(&token),
-                None,
-            )
-            .await;
+        let answer = call_rewind(&app, &token, endpoint).await;
         assert_eq!(answer.status, 409, "{url}: {}", answer.text);
         assert_eq!(
             answer.json["field"], "upstream_base_url",
@@ -388,180 +380,70 @@ async fn nul_control_characters_and_oversized_text_are_400s_naming_the_field() {
         body
     };
     type Case = (&'static str, String, bool, Option<Value>, &'static str);
+    // One builder a kind of call: (method, path, as the operator, body, the field named).
+    let tenant_name = |name: String| -> Case {
+        let body = json!({"name": name});
+        ("POST", "/v1/tenants".into(), true, Some(body), "name")
+    };
+    let register = |field: &str, value: Value, named: &'static str| -> Case {
+        let body = new_endpoint(field, value);
+        ("POST", "/v1/endpoints".into(), false, Some(body), named)
+    };
+    let patch = |field: &'static str, value: &str| -> Case {
+        let mut body = json!({});
+        body[field] = json!(value);
+        ("PATCH", e(""), false, Some(body), field)
+    };
+    let add_secret = |suffix: &str, secret: String| -> Case {
+        let body = json!({"secret": secret});
+        ("POST", e(suffix), false, Some(body), "secret")
+    };
+    let destination = |body: Value, field: &'static str| -> Case {
+        ("PUT", "/v1/destination".into(), false, Some(body), field)
+    };
+    let own_exchange = |amqp_url: &str, exchange: &str, routing_key: &str| {
+        json!({"kind": "own_exchange", "amqp_url": amqp_url, "exchange": exchange,
+               "routing_key": routing_key})
+    };
+    let get = |path: String, field: &'static str| -> Case { ("GET", path, false, None, field) };
+    let broker = "amqp://u:p@broker.example/";
     let mut cases: Vec<Case> = vec![
-        (
-            "POST",
-            "/v1/tenants".into(),
-            true,
-            Some(json!({"name": "a\u{0}b"})),
-            "name",
-        ),
-        (
-            "POST",
-            "/v1/tenants".into(),
-            true,
-            Some(json!({"name": "a\nINFO forged"})),
-            "name",
-        ),
-        (
-            "POST",
-            "/v1/tenants".into(),
-            true,
-            Some(json!({"name": "\u{1b}[31mred"})),
-            "name",
-        ),
-        (
-            "POST",
-            "/v1/tenants".into(),
-            true,
-            Some(json!({"name": "n".repeat(1 << 20)})),
-            "name",
-        ),
-        (
-            "POST",
-            "/v1/endpoints".into(),
-            false,
-            Some(new_endpoint("lang", json!("e\u{0}n"))),
-            "lang",
-        ),
-        (
-            "POST",
-            "/v1/endpoints".into(),
-            false,
-            Some(new_endpoint(
-                "upstream_base_url",
-                json!("http://127.0.0.1:9/\u{0}"),
-            )),
+        tenant_name("a\u{0}b".into()),
+        tenant_name("a\nINFO forged".into()),
+        tenant_name("\u{1b}[31mred".into()),
+        tenant_name("n".repeat(1 << 20)),
+        register("lang", json!("e\u{0}n"), "lang"),
+        register(
+            "upstream_base_url",
+            json!("http://127.0.0.1:9/\u{0}"),
             "upstream_base_url",
         ),
-        (
-            "POST",
-            "/v1/endpoints".into(),
-            false,
-            Some(new_endpoint("upstream_api_key", json!("k\u{0}"))),
-            "upstream_api_key",
-        ),
-        (
-            "POST",
-            "/v1/endpoints".into(),
-            false,
-            Some(new_endpoint("secrets", json!([secret(), "whsec_\u{0}"]))),
-            "secrets[1]",
-        ),
-        (
-            "POST",
-            "/v1/endpoints".into(),
-            false,
-            Some(new_endpoint("secrets", json!([megabyte.clone()]))),
-            "secrets[0]",
-        ),
-        (
-            "PATCH",
-            e(""),
-            false,
-            Some(json!({"lang": "e\u{0}n"})),
-            "lang",
-        ),
-        (
-            "PATCH",
-            e(""),
-            false,
-            Some(json!({"upstream_base_url": "http://127.0.0.1:9\u{0}"})),
-            "upstream_base_url",
-        ),
-        (
-            "PATCH",
-            e(""),
-            false,
-            Some(json!({"upstream_api_key": "a\u{0}"})),
-            "upstream_api_key",
-        ),
-        (
-            "POST",
-            e("/secrets"),
-            false,
-            Some(json!({"secret": "whsec_\u{0}AAAA"})),
-            "secret",
-        ),
-        (
-            "POST",
-            e("/secrets"),
-            false,
-            Some(json!({"secret": megabyte.clone()})),
-            "secret",
-        ),
+        register("upstream_api_key", json!("k\u{0}"), "upstream_api_key"),
+        register("secrets", json!([secret(), "whsec_\u{0}"]), "secrets[1]"),
+        register("secrets", json!([megabyte.clone()]), "secrets[0]"),
+        patch("lang", "e\u{0}n"),
+        patch("upstream_base_url", "http://127.0.0.1:9\u{0}"),
+        patch("upstream_api_key", "a\u{0}"),
+        add_secret("/secrets", "whsec_\u{0}AAAA".into()),
+        add_secret("/secrets", megabyte.clone()),
         // Under the generic bound, over the secret's own.
-        (
-            "POST",
-            e("/secrets"),
-            false,
-            Some(json!({"secret": format!("whsec_{}", "A".repeat(400))})),
-            "secret",
-        ),
-        (
-            "POST",
-            e("/secrets/rotate"),
-            false,
-            Some(json!({"secret": "whsec_\u{0}"})),
-            "secret",
-        ),
-        (
-            "PUT",
-            "/v1/destination".into(),
-            false,
-            Some(
-                json!({"kind": "own_exchange", "amqp_url": "amqp://u:p@broker.example/\u{0}",
-                        "exchange": "x", "routing_key": "r"}),
-            ),
+        add_secret("/secrets", format!("whsec_{}", "A".repeat(400))),
+        add_secret("/secrets/rotate", "whsec_\u{0}".into()),
+        destination(
+            own_exchange("amqp://u:p@broker.example/\u{0}", "x", "r"),
             "amqp_url",
         ),
-        (
-            "PUT",
-            "/v1/destination".into(),
-            false,
-            Some(
-                json!({"kind": "own_exchange", "amqp_url": "amqp://u:p@broker.example/",
-                        "exchange": "x\u{0}", "routing_key": "r"}),
-            ),
-            "exchange",
-        ),
-        (
-            "PUT",
-            "/v1/destination".into(),
-            false,
-            Some(
-                json!({"kind": "own_exchange", "amqp_url": "amqp://u:p@broker.example/",
-                        "exchange": "x", "routing_key": "r\u{0}"}),
-            ),
-            "routing_key",
-        ),
-        (
-            "PUT",
-            "/v1/destination".into(),
-            false,
-            Some(json!({"kind": "relay_queue\u{0}"})),
-            "kind",
-        ),
-        (
-            "GET",
-            e("/copy/announcement%3A1%00x"),
-            false,
-            None,
-            "subject",
-        ),
-        ("GET", e("/copy/announcement%0A1"), false, None, "subject"),
-        ("GET", e("/copy?after=a%00b"), false, None, "after"),
-        ("GET", e("/messages?order=%1B%5B2K"), false, None, "order"),
-        (
-            "GET",
-            "/v1/endpoints?after=%00".into(),
-            false,
-            None,
-            "after",
-        ),
+        destination(own_exchange(broker, "x\u{0}", "r"), "exchange"),
+        destination(own_exchange(broker, "x", "r\u{0}"), "routing_key"),
+        destination(json!({"kind": "relay_queue\u{0}"}), "kind"),
+        get(e("/copy/announcement%3A1%00x"), "subject"),
+        get(e("/copy/announcement%0A1"), "subject"),
+        get(e("/copy?after=a%00b"), "after"),
+        get(e("/messages?order=%1B%5B2K"), "order"),
+        get("/v1/endpoints?after=%00".into(), "after"),
     ];
     let long_subject = format!("/copy/{}", "s".repeat(2000));
-    cases.push(("GET", e(&long_subject), false, None, "subject"));
+    cases.push(get(e(&long_subject), "subject"));
     let tables = [
         "tenants",
         "webhook_endpoints",

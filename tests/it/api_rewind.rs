@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
-use super::ApiApp;
+use super::{Answer, ApiApp};
 
 /// The simulator's API on 127.0.0.1, port 0, with one API key for every endpoint it holds. Its
 /// feed's head is 1.1000 (the simulator's default world), and it sends no messages: no sender
@@ -97,21 +97,22 @@ impl SimUpstream {
 /// A tenant, and `ids` registered with the relay pointing at `upstream` with its key.
 async fn register(app: &ApiApp, upstream: &SimUpstream, ids: &[Uuid]) -> (Uuid, String) {
     let (tenant, token) = app.tenant("rewinding").await;
-    for id in ids {
-        app.ok(
-            201,
-            "POST",
-            "/v1/endpoints",
-            &token,
-            Some(
-                &json!({"id": id, "lang": "en", "secrets": [random_secret().to_whsec()],
-                         "upstream_base_url": upstream.base_url,
-                         "upstream_api_key": upstream.key}),
-            ),
-        )
-        .await;
+    for &id in ids {
+        add_endpoint(app, &token, id, Some((&upstream.base_url, &upstream.key))).await;
     }
     (tenant, token)
+}
+
+/// `id` registered for the tenant of `token`, with a new secret, and with `upstream`'s (base URL,
+/// key) where given.
+async fn add_endpoint(app: &ApiApp, token: &str, id: Uuid, upstream: Option<(&str, &str)>) {
+    let mut body = json!({"id": id, "lang": "en", "secrets": [random_secret().to_whsec()]});
+    if let Some((base_url, key)) = upstream {
+        body["upstream_base_url"] = json!(base_url);
+        body["upstream_api_key"] = json!(key);
+    }
+    app.ok(201, "POST", "/v1/endpoints", token, Some(&body))
+        .await;
 }
 
 /// The track's row as the sequencer keeps it with the copy (restored with it from the backup).
@@ -145,6 +146,12 @@ async fn stored_reload(app: &ApiApp, endpoint: Uuid) -> Option<Value> {
     .await
     .unwrap();
     text.flatten().map(|t| serde_json::from_str(&t).unwrap())
+}
+
+/// The rewind asked of the relay for `endpoint`, whatever it answers.
+async fn call_rewind(app: &ApiApp, token: &str, endpoint: Uuid) -> Answer {
+    let path = format!("/v1/endpoints/{endpoint}/tracks/feed/rewind");
+    app.call("POST", &path, Some(token), None).await
 }
 
 async fn rewind(app: &ApiApp, token: &str, endpoint: Uuid) -> Value {
@@ -199,15 +206,11 @@ async fn each_refusal_is_handled_as_the_wire_file_says() {
     // A restore of the feed starts a new epoch for every endpoint of that upstream: its own.
     let restored = SimUpstream::start(&[not_in_epoch]).await;
     let (tenant, token) = register(&app, &upstream, &[ahead, pending, before_reset]).await;
-    app.ok(
-        201,
-        "POST",
-        "/v1/endpoints",
+    add_endpoint(
+        &app,
         &token,
-        Some(&json!({"id": not_in_epoch, "lang": "en",
-                     "secrets": [random_secret().to_whsec()],
-                     "upstream_base_url": restored.base_url,
-                     "upstream_api_key": restored.key})),
+        not_in_epoch,
+        Some((&restored.base_url, &restored.key)),
     )
     .await;
 
@@ -341,37 +344,16 @@ async fn a_failed_rewind_call_changes_nothing() {
     )
     .await;
     keep_track(&app, tenant, wrong_key, "1.990", false).await;
-    let answer = app
-        .call(
-            "POST",
-            &format!("/v1/endpoints/{wrong_key}/tracks/feed/rewind"),
-            Some(&token),
-            None,
-        )
-        .await;
+    let answer = call_rewind(&app, &token, wrong_key).await;
     assert_eq!(answer.status, 502, "{}", answer.text);
     assert_eq!(answer.json["error"], "upstream_failed");
     assert!(answer.text.contains("401"), "{}", answer.text);
     assert_eq!(stored_reload(&app, wrong_key).await, None);
 
     // No upstream settings: the rewind cannot be asked for.
-    app.ok(
-        201,
-        "POST",
-        "/v1/endpoints",
-        &token,
-        Some(&json!({"id": no_upstream, "lang": "en", "secrets": [random_secret().to_whsec()]})),
-    )
-    .await;
+    add_endpoint(&app, &token, no_upstream, None).await;
     keep_track(&app, tenant, no_upstream, "1.990", false).await;
-    let answer = app
-        .call(
-            "POST",
-            &format!("/v1/endpoints/{no_upstream}/tracks/feed/rewind"),
-            Some(&token),
-            None,
-        )
-        .await;
+    let answer = call_rewind(&app, &token, no_upstream).await;
     assert_eq!(answer.status, 409, "{}", answer.text);
     assert_eq!(answer.json["field"], "upstream_base_url");
 
@@ -379,26 +361,9 @@ async fn a_failed_rewind_call_changes_nothing() {
     let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let closed_url = format!("http://{}", closed.local_addr().unwrap());
     drop(closed);
-    app.ok(
-        201,
-        "POST",
-        "/v1/endpoints",
-        &token,
-        Some(
-            &json!({"id": gone, "lang": "en", "secrets": [random_secret().to_whsec()],
-                     "upstream_base_url": closed_url, "upstream_api_key": "qk_x"}),
-        ),
-    )
-    .await;
+    add_endpoint(&app, &token, gone, Some((&closed_url, "qk_x"))).await;
     keep_track(&app, tenant, gone, "1.990", false).await;
-    let answer = app
-        .call(
-            "POST",
-            &format!("/v1/endpoints/{gone}/tracks/feed/rewind"),
-            Some(&token),
-            None,
-        )
-        .await;
+    let answer = call_rewind(&app, &token, gone).await;
     assert_eq!(answer.status, 502, "{}", answer.text);
     assert_eq!(stored_reload(&app, gone).await, None);
     app.stop().await;

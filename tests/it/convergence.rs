@@ -17,17 +17,19 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_netguard::OutboundPolicy;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
-use relay_simulator::cli::{prepare, SimulateArgs};
+use relay_simulator::cli::prepare;
 use relay_simulator::{Faults, Simulation};
 use relay_store::copy::{self, Operation};
-use relay_store::endpoints::{self, NewEndpoint};
-use relay_store::{tenants, PoolOptions};
 use relay_tests::{redis_url, TestApp};
-use relay_wire::SigningSecret;
 use serde_json::Value;
 use sqlx::PgPool;
 use tokio::process::{Child, Command};
 use uuid::Uuid;
+
+use crate::stack::{
+    copy_items, create_endpoint, describe_difference, oracle, relay_backlog, sequencer_pool,
+    simulate_args, stop_simulation, tenant_of_key, Items,
+};
 
 /// Set in a child process's environment: what its sequencer runs against.
 const CHILD_ENV: &str = "RELAY_TEST_SEQUENCER_CHILD";
@@ -42,17 +44,7 @@ async fn sequencer_child_process() {
     };
     relay_tests::init_logging();
     let spec: Value = serde_json::from_str(&spec).unwrap();
-    let pool = relay_store::connect(
-        spec["database_url"].as_str().unwrap(),
-        &PoolOptions {
-            max_connections: 8,
-            acquire_timeout: Duration::from_secs(30),
-            statement_timeout: Some(Duration::from_secs(60)),
-            generic_plans: false,
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap();
+    let pool = sequencer_pool(spec["database_url"].as_str().unwrap());
     let config = child_config(&spec);
     let _sequencer = Sequencer::start(pool, config, SequencerMetrics::unregistered())
         .await
@@ -148,68 +140,6 @@ impl Run {
             feed_page_limit: 8,
         }
     }
-}
-
-/// What a copy holds of its items: subject → (sequence, item).
-type Items = BTreeMap<String, (String, Value)>;
-
-async fn copy_items(pool: &PgPool, endpoint: Uuid) -> Items {
-    copy::copy_rows(pool, endpoint)
-        .await
-        .unwrap()
-        .into_iter()
-        .filter_map(|(subject, held)| match held.content {
-            relay_rules::HeldContent::Item { item, .. } => {
-                Some((subject, (held.sequence.as_str().to_owned(), item)))
-            }
-            relay_rules::HeldContent::Tombstone => None,
-        })
-        .collect()
-}
-
-fn oracle(sim: &Simulation, endpoint: Uuid) -> Items {
-    sim.lock()
-        .expected_copy(endpoint)
-        .into_iter()
-        .map(|(subject, (sequence, item))| (subject, (sequence.as_str().to_owned(), item)))
-        .collect()
-}
-
-/// Messages stored and not applied, and reloads not merged, over all endpoints.
-async fn relay_backlog(pool: &PgPool) -> (i64, i64) {
-    let waiting: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM messages m
-         LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = m.endpoint_id
-         WHERE m.arrival_seq > coalesce(c.applied_arrival_seq, 0)",
-    )
-    .fetch_one(pool)
-    .await
-    .unwrap();
-    let reloading: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM endpoint_tracks WHERE reload IS NOT NULL")
-            .fetch_one(pool)
-            .await
-            .unwrap();
-    (waiting, reloading)
-}
-
-fn describe_difference(copy: &Items, oracle: &Items) -> String {
-    let mut lines = Vec::new();
-    for (subject, (sequence, item)) in oracle {
-        match copy.get(subject) {
-            None => lines.push(format!("missing {subject} at {sequence}")),
-            Some((s, i)) if s != sequence => {
-                lines.push(format!("{subject}: copy at {s}, oracle at {sequence}"))
-            }
-            Some((_, i)) if i != item => lines.push(format!("{subject}: item differs")),
-            _ => {}
-        }
-    }
-    for subject in copy.keys().filter(|s| !oracle.contains_key(*s)) {
-        lines.push(format!("extra {subject}"));
-    }
-    lines.truncate(10);
-    lines.join("; ")
 }
 
 /// The track's generation, access_version, through and running reload.
@@ -381,23 +311,8 @@ async fn replay_outbox(pool: &PgPool, endpoint: Uuid, seed: u64) -> Items {
 
 async fn register(pool: &PgPool, infos: &[relay_simulator::EndpointInfo], api: &str) {
     for info in infos {
-        let tenant = Uuid::new_v5(&Uuid::NAMESPACE_URL, info.key_token.as_bytes());
-        match tenants::create(pool, tenant, "simulated").await {
-            Ok(_) | Err(relay_store::StoreError::AlreadyExists { .. }) => {}
-            Err(error) => panic!("creating a tenant: {error}"),
-        }
-        endpoints::create(
-            pool,
-            &NewEndpoint {
-                id: info.id,
-                tenant_id: tenant,
-                secret: SigningSecret::parse(&info.secrets[0]).unwrap(),
-                upstream_base_url: Some(api.to_owned()),
-                upstream_api_key: Some(info.key_token.clone()),
-            },
-        )
-        .await
-        .unwrap();
+        let tenant = tenant_of_key(pool, &info.key_token, "simulated").await;
+        create_endpoint(pool, tenant, info, api).await;
     }
 }
 
@@ -429,19 +344,14 @@ async fn converge(run: Run) {
 
     let api_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let api = format!("http://{}", api_listener.local_addr().unwrap());
-    let args = SimulateArgs {
-        receiver_url: app.base_url.clone(),
-        endpoints: run.endpoints,
-        keys: run.keys,
+    let args = simulate_args(
+        &app.base_url,
+        run.endpoints,
+        run.keys,
         seed,
-        rate: run.rate,
-        duration_s: run.duration.as_secs(),
-        faults: "none".into(),
-        time_compression: 3600.0,
-        listen: "127.0.0.1:0".into(),
-        print_endpoints: false,
-        quiet: true,
-    };
+        run.rate,
+        run.duration.as_secs(),
+    );
     let (mut upstream, workload, infos) = prepare(&args).unwrap();
     upstream.set_faults(run.faults.clone());
     register(&pool, &infos, &api).await;
@@ -572,10 +482,7 @@ async fn converge(run: Run) {
     for process in sequencers.into_iter().flatten() {
         process.kill().await;
     }
-    sim.shutdown();
-    for sender in senders {
-        let _ = sender.await;
-    }
+    stop_simulation(&sim, senders).await;
     delete_redis_keys(&key_prefix).await;
     app.stop().await;
 }

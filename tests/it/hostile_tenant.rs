@@ -27,7 +27,7 @@ use relay_api::broker::BrokerAccess;
 use relay_coord::Waker;
 use relay_ingest::SystemClock;
 use relay_netguard::OutboundPolicy;
-use relay_simulator::cli::{prepare, SimulateArgs};
+use relay_simulator::cli::prepare;
 use relay_simulator::upstream::{Answer as SimAnswer, LogEntry};
 use relay_simulator::{Faults, Simulation};
 use relay_store::PoolOptions;
@@ -38,8 +38,8 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::stack::{
-    check_tenant_queue, copy_items, oracle, publisher_config, quiesce, start_publisher,
-    start_sequencer, Api,
+    check_tenant_queue, connect_broker, copy_items, oracle, publisher_config, quiesce,
+    simulate_args, start_publisher, start_sequencer, stop_simulation, Api,
 };
 use crate::tenant_broker::{assert_refused_but_own_queue, connect, tenant_url, UsersGuard};
 
@@ -181,62 +181,13 @@ async fn a_hostile_tenant_cannot_hurt_another() {
         .await
         .unwrap();
     let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
-    let args = SimulateArgs {
-        receiver_url: app.base_url.clone(),
-        endpoints: 3,
-        keys: 1,
-        seed,
-        rate: 20.0,
-        duration_s: 6,
-        faults: "none".into(),
-        time_compression: 3600.0,
-        listen: "127.0.0.1:0".into(),
-        print_endpoints: false,
-        quiet: true,
-    };
+    let args = simulate_args(&app.base_url, 3, 1, seed, 20.0, 6);
     let (mut upstream, workload, infos) = prepare(&args).unwrap();
     upstream.set_faults(Faults::all());
-    let operator = Api::operator_token();
-    let tenant = |name: &'static str| {
-        let api = &api;
-        let operator = operator.clone();
-        async move {
-            let created = api
-                .ok(
-                    201,
-                    "POST",
-                    "/v1/tenants",
-                    &operator,
-                    Some(&json!({"name": name})),
-                )
-                .await;
-            let id: Uuid = created["id"].as_str().unwrap().parse().unwrap();
-            let minted = api
-                .ok(
-                    201,
-                    "POST",
-                    &format!("/v1/tenants/{id}/tokens"),
-                    &operator,
-                    Some(&json!({"ttl_s": 3600})),
-                )
-                .await;
-            (id, minted["token"].as_str().unwrap().to_owned())
-        }
-    };
-    let (b, b_token) = tenant("tenant B").await;
-    let (a, a_token) = tenant("tenant A").await;
+    let (b, b_token) = api.tenant("tenant B").await;
+    let (a, a_token) = api.tenant("tenant A").await;
     for info in &infos {
-        api.ok(
-            201,
-            "POST",
-            "/v1/endpoints",
-            &b_token,
-            Some(&json!({
-                "id": info.id, "lang": info.lang, "upstream_base_url": upstream_api,
-                "upstream_api_key": info.key_token, "secrets": info.secrets,
-            })),
-        )
-        .await;
+        api.register(&b_token, info, &upstream_api).await;
     }
     let b_ids: Vec<Uuid> = infos.iter().map(|i| i.id).collect();
     let mut a_endpoints = Vec::new();
@@ -374,14 +325,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
             "seed {seed}: B's endpoint {id}'s copy is not the oracle's"
         );
     }
-    let broker = relay_publisher::broker::connect(
-        &vhost.url(),
-        "test",
-        Duration::from_secs(10),
-        &relay_netguard::TrustRoots::platform(),
-    )
-    .await
-    .unwrap();
+    let broker = connect_broker(&vhost.url(), "hostile tenant").await;
     let (b_messages, _) = check_tenant_queue(&broker, &pool, &sim, b, &b_ids, seed).await;
 
     // A's poison: stored, quarantined and listed; its good messages applied all the same.
@@ -485,10 +429,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
         quiesced_in.as_secs_f64()
     );
     let _ = broker.close(200, "done").await;
-    sim.shutdown();
-    for sender in senders {
-        let _ = sender.await;
-    }
+    stop_simulation(&sim, senders).await;
     sequencer.stop().await;
     api.server.stop().await.unwrap();
     app.stop().await;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_netguard::OutboundPolicy;
-use relay_simulator::cli::{prepare, SimulateArgs};
+use relay_simulator::cli::prepare;
 use relay_simulator::{Faults, Simulation};
 use relay_store::PoolOptions;
 use relay_tests::{amqp_addr, seed, PgProxy, ProxyMode, RedisPrefix, TestApp, Vhost};
@@ -26,8 +26,9 @@ use serde_json::json;
 use uuid::Uuid;
 
 use crate::stack::{
-    change_count, check_tenant_queue, counter, describe_difference, oracle, publisher_config,
-    quiesce, start_publisher, start_sequencer, Api,
+    change_count, check_tenant_queue, connect_broker, counter, describe_difference, oracle,
+    publisher_config, quiesce, simulate_args, start_publisher, start_sequencer, stop_simulation,
+    Api,
 };
 
 // ---- The run ----
@@ -72,19 +73,14 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     // 3. Onboarding, through the API only.
     let sim_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
-    let args = SimulateArgs {
-        receiver_url: app.base_url.clone(),
-        endpoints: endpoint_count,
-        keys: 2,
+    let args = simulate_args(
+        &app.base_url,
+        endpoint_count,
+        2,
         seed,
         rate,
-        duration_s: duration.as_secs(),
-        faults: "none".into(),
-        time_compression: 3600.0,
-        listen: "127.0.0.1:0".into(),
-        print_endpoints: false,
-        quiet: true,
-    };
+        duration.as_secs(),
+    );
     let (mut upstream, workload, infos) = prepare(&args).unwrap();
     upstream.set_faults(Faults::all());
     let keys: BTreeSet<&str> = infos.iter().map(|i| i.key_token.as_str()).collect();
@@ -94,30 +90,10 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
         "seed {seed}: the endpoints are over two keys"
     );
 
-    let operator = Api::operator_token();
     // Simulator key → (tenant, the tenant's token).
     let mut tenant_of_key: BTreeMap<&str, (Uuid, String)> = BTreeMap::new();
     for (i, key) in keys.iter().enumerate() {
-        let created = api
-            .ok(
-                201,
-                "POST",
-                "/v1/tenants",
-                &operator,
-                Some(&json!({"name": format!("pipeline tenant {i}")})),
-            )
-            .await;
-        let tenant: Uuid = created["id"].as_str().unwrap().parse().unwrap();
-        let minted = api
-            .ok(
-                201,
-                "POST",
-                &format!("/v1/tenants/{tenant}/tokens"),
-                &operator,
-                Some(&json!({"ttl_s": 3600})),
-            )
-            .await;
-        let token = minted["token"].as_str().unwrap().to_owned();
+        let (tenant, token) = api.tenant(&format!("pipeline tenant {i}")).await;
         let own = api.ok(200, "GET", "/v1/tenant", &token, None).await;
         assert_eq!(own["id"], tenant.to_string());
         let destination = api
@@ -137,21 +113,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     let mut owner: BTreeMap<Uuid, (Uuid, String)> = BTreeMap::new();
     for info in &infos {
         let (tenant, token) = tenant_of_key[info.key_token.as_str()].clone();
-        let created = api
-            .ok(
-                201,
-                "POST",
-                "/v1/endpoints",
-                &token,
-                Some(&json!({
-                    "id": info.id,
-                    "lang": info.lang,
-                    "upstream_base_url": upstream_api,
-                    "upstream_api_key": info.key_token,
-                    "secrets": info.secrets,
-                })),
-            )
-            .await;
+        let created = api.register(&token, info, &upstream_api).await;
         assert_eq!(created["id"], info.id.to_string());
         assert_eq!(created["upstream_api_key_set"], true);
         owner.insert(info.id, (tenant, token));
@@ -253,14 +215,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
 
     // 6b. Each tenant's queue rebuilds each of its endpoints' copies: the oracle's items, every
     // change sequence once, none of another tenant, repeats only of the same message.
-    let broker = relay_publisher::broker::connect(
-        &vhost.url_via(amqp_addr()),
-        "test",
-        Duration::from_secs(10),
-        &relay_netguard::TrustRoots::platform(),
-    )
-    .await
-    .expect("the pipeline test needs RabbitMQ on 127.0.0.1:5672");
+    let broker = connect_broker(&vhost.url_via(amqp_addr()), "pipeline").await;
     let mut messages_total = 0;
     let mut repeats_total = 0;
     for (tenant, _) in &tenants {
@@ -315,10 +270,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     // 7. Clean up: the servers stop; the vhost, the Redis keys and the database go when their
     // guards drop.
     let _ = broker.close(200, "done").await;
-    sim.shutdown();
-    for sender in senders {
-        let _ = sender.await;
-    }
+    stop_simulation(&sim, senders).await;
     sequencer.stop().await;
     api.server.stop().await.unwrap();
     app.stop().await;

@@ -64,8 +64,9 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::stack::{
-    backlog, check_tenant_queue_from, copy_items, describe_difference, oracle, publisher_config,
-    quiesce, simulation, start_publisher, start_sequencer, Api, Backlog, Items,
+    check_tenant_queue_from, connect_broker, copy_items, describe_difference, look, oracle,
+    publisher_config, quiesce, simulation, start_publisher, start_sequencer, stop_simulation, Api,
+    Backlog, Items, Steady,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -225,14 +226,7 @@ async fn run(case: Case) {
     // 5. The relay goes; what its publisher sent rebuilds its copy. The backup comes back on a
     // fresh database, and the tiers start on it.
     let old_db = relay.stop().await;
-    let broker = relay_publisher::broker::connect(
-        &vhost.url_via(amqp_addr()),
-        "test",
-        Duration::from_secs(10),
-        &relay_netguard::TrustRoots::platform(),
-    )
-    .await
-    .expect("the restore test needs RabbitMQ on 127.0.0.1:5672");
+    let broker = connect_broker(&vhost.url_via(amqp_addr()), "restore").await;
     let (published_before, _) = check_tenant_queue_from(
         &broker,
         &old_db.pool,
@@ -358,10 +352,7 @@ async fn run(case: Case) {
     // 9. Clean up: the servers stop; the vhost, the Redis keys and the databases go when their
     // guards drop.
     let _ = broker.close(200, "done").await;
-    sim.shutdown();
-    for sender in senders {
-        let _ = sender.await;
-    }
+    stop_simulation(&sim, senders).await;
     drop(relay.stop().await);
     drop(vhost);
     drop(prefix);
@@ -417,42 +408,9 @@ impl Relay {
 /// A tenant made through the API, a token for it, and `infos` registered for it with the
 /// upstream's URL and key (the sequencer's reads and the API's rewind use them).
 async fn onboard(api: &Api, infos: &[EndpointInfo], upstream_api: &str) -> (Uuid, String) {
-    let operator = Api::operator_token();
-    let created = api
-        .ok(
-            201,
-            "POST",
-            "/v1/tenants",
-            &operator,
-            Some(&json!({"name": "restoring tenant"})),
-        )
-        .await;
-    let tenant: Uuid = created["id"].as_str().unwrap().parse().unwrap();
-    let minted = api
-        .ok(
-            201,
-            "POST",
-            &format!("/v1/tenants/{tenant}/tokens"),
-            &operator,
-            Some(&json!({"ttl_s": 3600})),
-        )
-        .await;
-    let token = minted["token"].as_str().unwrap().to_owned();
+    let (tenant, token) = api.tenant("restoring tenant").await;
     for info in infos {
-        api.ok(
-            201,
-            "POST",
-            "/v1/endpoints",
-            &token,
-            Some(&json!({
-                "id": info.id,
-                "lang": info.lang,
-                "upstream_base_url": upstream_api,
-                "upstream_api_key": info.key_token,
-                "secrets": info.secrets,
-            })),
-        )
-        .await;
+        api.register(&token, info, upstream_api).await;
     }
     (tenant, token)
 }
@@ -645,22 +603,11 @@ async fn settle(
     case: Case,
 ) {
     let started = Instant::now();
-    let done = Backlog {
-        waiting: 0,
-        reloading: 0,
-        unpublished: 0,
-    };
-    let mut stable_rounds = 0;
+    let mut steady = Steady::default();
     loop {
-        let idle = sim.wait_idle(Duration::from_millis(10)).await;
-        let left = backlog(pool, endpoints).await;
-        if idle && left == done {
-            stable_rounds += 1;
-            if stable_rounds >= 3 {
-                return;
-            }
-        } else {
-            stable_rounds = 0;
+        let (idle, left) = look(pool, sim, endpoints).await;
+        if steady.look(idle && left == Backlog::NONE) {
+            return;
         }
         assert!(
             started.elapsed() < limit,

@@ -43,19 +43,40 @@ fn update(endpoint: Uuid, generation: u64, id: &str, n: u64, seq: u64) -> Value 
 pub(crate) async fn store(db: &TestDb, tenant: Uuid, endpoint: Uuid, bodies: &[Value]) {
     let batch: Vec<IncomingMessage> = bodies
         .iter()
-        .map(|body| IncomingMessage {
-            endpoint_id: endpoint,
-            tenant_id: tenant,
-            webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
-            signed_at: OffsetDateTime::now_utc(),
-            attempt: Some(1),
-            received_at: OffsetDateTime::now_utc(),
-            track: Some("feed".into()),
-            generation: body["generation"].as_i64(),
-            body: Bytes::from(body.to_string()),
+        .map(|body| {
+            let generation = body["generation"].as_i64();
+            incoming(
+                tenant,
+                endpoint,
+                Some("feed".into()),
+                generation,
+                body.to_string(),
+            )
         })
         .collect();
     store_batch(&db.pool, &batch).await.unwrap();
+}
+
+/// `body` as the front tier hands it to the store for the endpoint: a new webhook id, signed
+/// and received now, a first attempt, of `track` and `generation`.
+pub(crate) fn incoming(
+    tenant: Uuid,
+    endpoint: Uuid,
+    track: Option<String>,
+    generation: Option<i64>,
+    body: impl Into<Bytes>,
+) -> IncomingMessage {
+    IncomingMessage {
+        endpoint_id: endpoint,
+        tenant_id: tenant,
+        webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
+        signed_at: OffsetDateTime::now_utc(),
+        attempt: Some(1),
+        received_at: OffsetDateTime::now_utc(),
+        track,
+        generation,
+        body: body.into(),
+    }
 }
 
 pub(crate) async fn pending(db: &TestDb, endpoint: Uuid) -> (i64, Vec<PendingMessage>) {

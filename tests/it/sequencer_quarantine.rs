@@ -11,13 +11,11 @@
 //!
 //! Seeded where random: the seed is printed; `RELAY_TEST_SEED=<seed>` replays it.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use relay_api::auth::{mint, JwtKeys, Subject};
+use relay_api::auth::{JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
 use relay_rules::ApplyBackoff;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
@@ -25,51 +23,16 @@ use relay_simulator::model::ChangeKind;
 use relay_simulator::Simulation;
 use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::messages::{store_batch, IncomingMessage};
-use relay_store::{copy, cursors, tenants, tracks, PoolOptions};
+use relay_store::{cursors, tenants, tracks, PoolOptions};
 use relay_tests::{random_secret, redis_url, seed, RedisPrefix, TestApp, TestDb};
-use relay_wire::{Sequence, SigningSecret};
+use relay_wire::Sequence;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-/// What a copy holds of its items: subject → (sequence, item).
-type Items = BTreeMap<String, (String, Value)>;
-
-async fn copy_items(pool: &PgPool, endpoint: Uuid) -> Items {
-    copy::copy_rows(pool, endpoint)
-        .await
-        .unwrap()
-        .into_iter()
-        .filter_map(|(subject, held)| match held.content {
-            relay_rules::HeldContent::Item { item, .. } => {
-                Some((subject, (held.sequence.as_str().to_owned(), item)))
-            }
-            relay_rules::HeldContent::Tombstone => None,
-        })
-        .collect()
-}
-
-fn oracle(sim: &Simulation, endpoint: Uuid) -> Items {
-    sim.lock()
-        .expected_copy(endpoint)
-        .into_iter()
-        .map(|(subject, (sequence, item))| (subject, (sequence.as_str().to_owned(), item)))
-        .collect()
-}
-
-/// Messages stored and not applied, and reloads not merged, over every endpoint.
-async fn backlog(pool: &PgPool) -> (i64, i64) {
-    sqlx::query_as(
-        "SELECT (SELECT count(*) FROM messages m
-                 LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = m.endpoint_id
-                 WHERE m.arrival_seq > COALESCE(c.applied_arrival_seq, 0)),
-                (SELECT count(*) FROM endpoint_tracks WHERE reload IS NOT NULL)",
-    )
-    .fetch_one(pool)
-    .await
-    .unwrap()
-}
+use crate::sequencer_apply::incoming;
+use crate::stack::{copy_items, create_endpoint, oracle, relay_backlog, token_for};
 
 /// Polls `done` every 100 ms until it holds; past `limit`, fails with `what` (and the seed).
 async fn wait_until<F, Fut>(limit: Duration, what: impl Fn() -> String, mut done: F)
@@ -82,6 +45,34 @@ where
         assert!(started.elapsed() < limit, "{}", what());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Waits up to `limit` until `endpoint` has applied through the message `want`; fails with
+/// `what`.
+async fn wait_applied_through(
+    pool: &PgPool,
+    endpoint: Uuid,
+    want: i64,
+    limit: Duration,
+    what: &str,
+) {
+    wait_until(
+        limit,
+        || what.to_owned(),
+        || async move { applied_through(pool, endpoint).await == want },
+    )
+    .await;
+}
+
+/// A sequencer with its own pool on the database at `db_url`.
+async fn start_sequencer(
+    db_url: &str,
+    config: SequencerConfig,
+    metrics: SequencerMetrics,
+) -> Sequencer {
+    Sequencer::start(sequencer_pool(db_url).await, config, metrics)
+        .await
+        .unwrap()
 }
 
 fn sequencer_config(prefix: &str) -> SequencerConfig {
@@ -119,19 +110,11 @@ async fn store_raw(pool: &PgPool, tenant: Uuid, endpoint: Uuid, bodies: &[Vec<u8
         .iter()
         .map(|body| {
             let parsed: Option<Value> = serde_json::from_slice(body).ok();
-            IncomingMessage {
-                endpoint_id: endpoint,
-                tenant_id: tenant,
-                webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
-                signed_at: OffsetDateTime::now_utc(),
-                attempt: Some(1),
-                received_at: OffsetDateTime::now_utc(),
-                track: parsed
-                    .as_ref()
-                    .and_then(|b| b["track"].as_str().map(str::to_owned)),
-                generation: parsed.as_ref().and_then(|b| b["generation"].as_i64()),
-                body: Bytes::from(body.clone()),
-            }
+            let track = parsed
+                .as_ref()
+                .and_then(|b| b["track"].as_str().map(str::to_owned));
+            let generation = parsed.as_ref().and_then(|b| b["generation"].as_i64());
+            incoming(tenant, endpoint, track, generation, body.clone())
         })
         .collect();
     store_batch(pool, &batch)
@@ -146,6 +129,20 @@ async fn store_raw(pool: &PgPool, tenant: Uuid, endpoint: Uuid, bodies: &[Vec<u8
 }
 
 /// A v1 message of one update of `announcement:n` at sequence `seq`, with event id `id`.
+/// [`store_raw`] of one [`update`] of `endpoint` per (event id, item number, sequence).
+async fn store_updates(
+    pool: &PgPool,
+    tenant: Uuid,
+    endpoint: Uuid,
+    updates: &[(&str, u64, u64)],
+) -> Vec<i64> {
+    let bodies: Vec<Vec<u8>> = updates
+        .iter()
+        .map(|&(id, n, seq)| update(endpoint, id, n, seq))
+        .collect();
+    store_raw(pool, tenant, endpoint, &bodies).await
+}
+
 fn update(endpoint: Uuid, id: &str, n: u64, seq: u64) -> Vec<u8> {
     serde_json::to_vec(&json!({
         "v": 1, "webhook_endpoint_id": endpoint.to_string(), "track": "feed",
@@ -242,18 +239,7 @@ async fn an_unparseable_stored_message_is_quarantined_and_the_copy_still_equals_
     let tenant = Uuid::new_v4();
     tenants::create(&pool, tenant, "simulated").await.unwrap();
     for info in &infos {
-        endpoints::create(
-            &pool,
-            &NewEndpoint {
-                id: info.id,
-                tenant_id: tenant,
-                secret: SigningSecret::parse(&info.secrets[0]).unwrap(),
-                upstream_base_url: Some(api.clone()),
-                upstream_api_key: Some(info.key_token.clone()),
-            },
-        )
-        .await
-        .unwrap();
+        create_endpoint(&pool, tenant, info, &api).await;
     }
     let sim = Simulation::new(upstream, Duration::from_secs(2));
     relay_simulator::api::serve(api_listener, sim.clone())
@@ -274,19 +260,18 @@ async fn an_unparseable_stored_message_is_quarantined_and_the_copy_still_equals_
                         return false;
                     }
                 }
-                backlog(&pool).await == (0, 0)
+                relay_backlog(&pool).await == (0, 0)
             }
         }
     };
 
     // 1. The workload, applied as it comes.
-    let sequencer = Sequencer::start(
-        sequencer_pool(&app.db.url).await,
+    let sequencer = start_sequencer(
+        &app.db.url,
         sequencer_config(&prefix.0),
         SequencerMetrics::unregistered(),
     )
-    .await
-    .unwrap();
+    .await;
     let _senders = sim.spawn_senders();
     sim.clone().run_workload(workload, rate, duration).await;
     wait_until(
@@ -355,13 +340,8 @@ async fn an_unparseable_stored_message_is_quarantined_and_the_copy_still_equals_
     // 3. The sequencer again: the message is quarantined, the reload brings the change, and the
     // endpoint's later messages apply.
     let metrics = SequencerMetrics::unregistered();
-    let sequencer = Sequencer::start(
-        sequencer_pool(&app.db.url).await,
-        sequencer_config(&prefix.0),
-        metrics.clone(),
-    )
-    .await
-    .unwrap();
+    let sequencer =
+        start_sequencer(&app.db.url, sequencer_config(&prefix.0), metrics.clone()).await;
     wait_until(
         Duration::from_secs(60),
         || format!("seed {seed}: the copies never equalled the oracle after the quarantine"),
@@ -428,15 +408,7 @@ impl Api {
     }
 
     fn token(tenant: Uuid) -> String {
-        mint(
-            &JwtKeys::new(KEY).unwrap(),
-            "relay",
-            &Subject::Tenant(tenant),
-            Duration::from_secs(3600),
-            OffsetDateTime::now_utc(),
-        )
-        .unwrap()
-        .token
+        token_for(KEY, &Subject::Tenant(tenant))
     }
 
     /// The answer's status and JSON.
@@ -480,8 +452,8 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
 
     let metrics = SequencerMetrics::unregistered();
     let attempts = 2;
-    let sequencer = Sequencer::start(
-        sequencer_pool(&db.url).await,
+    let sequencer = start_sequencer(
+        &db.url,
         SequencerConfig {
             apply_attempts: attempts,
             // The one wait lasts at least 5 s: long enough that B's messages, stored with A's,
@@ -494,48 +466,38 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
         },
         metrics.clone(),
     )
-    .await
-    .unwrap();
-    let a_seqs = store_raw(
+    .await;
+    let a_seqs = store_updates(
         &db.pool,
         a,
         a_endpoint,
-        &[
-            update(a_endpoint, "evt_1", 1, 10),
-            update(a_endpoint, "poison_2", 2, 11),
-            update(a_endpoint, "evt_3", 3, 12),
-        ],
+        &[("evt_1", 1, 10), ("poison_2", 2, 11), ("evt_3", 3, 12)],
     )
     .await;
-    let b_seqs = store_raw(
+    let b_seqs = store_updates(
         &db.pool,
         b,
         b_endpoint,
-        &[
-            update(b_endpoint, "evt_1", 1, 10),
-            update(b_endpoint, "evt_2", 2, 11),
-        ],
+        &[("evt_1", 1, 10), ("evt_2", 2, 11)],
     )
     .await;
 
     // B's messages apply while A's failing message waits (its first try failed, the message
     // before it applied alone).
-    wait_until(
+    wait_applied_through(
+        &db.pool,
+        b_endpoint,
+        b_seqs[1],
         Duration::from_secs(30),
-        || "B's messages never applied".to_owned(),
-        {
-            let (pool, endpoint, want) = (&db.pool, b_endpoint, b_seqs[1]);
-            move || async move { applied_through(pool, endpoint).await == want }
-        },
+        "B's messages never applied",
     )
     .await;
-    wait_until(
+    wait_applied_through(
+        &db.pool,
+        a_endpoint,
+        a_seqs[0],
         Duration::from_secs(30),
-        || "A's first message never applied".to_owned(),
-        {
-            let (pool, endpoint, want) = (&db.pool, a_endpoint, a_seqs[0]);
-            move || async move { applied_through(pool, endpoint).await == want }
-        },
+        "A's first message never applied",
     )
     .await;
     assert!(
@@ -544,13 +506,12 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
     );
 
     // Then, after its last try, quarantined; the endpoint goes on.
-    wait_until(
+    wait_applied_through(
+        &db.pool,
+        a_endpoint,
+        a_seqs[2],
         Duration::from_secs(60),
-        || "A's later message never applied".to_owned(),
-        {
-            let (pool, endpoint, want) = (&db.pool, a_endpoint, a_seqs[2]);
-            move || async move { applied_through(pool, endpoint).await == want }
-        },
+        "A's later message never applied",
     )
     .await;
     let rows = quarantine_rows(&db.pool, a_endpoint).await;
@@ -720,8 +681,8 @@ async fn a_nul_in_an_event_id_quarantines_its_message_and_the_endpoint_goes_on()
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
     let tenant = db.tenant().await;
     let endpoint = in_sync_endpoint(&db.pool, tenant, None).await;
-    let sequencer = Sequencer::start(
-        sequencer_pool(&db.url).await,
+    let sequencer = start_sequencer(
+        &db.url,
         SequencerConfig {
             apply_backoff: ApplyBackoff {
                 first: Duration::from_millis(20),
@@ -731,25 +692,20 @@ async fn a_nul_in_an_event_id_quarantines_its_message_and_the_endpoint_goes_on()
         },
         SequencerMetrics::unregistered(),
     )
-    .await
-    .unwrap();
-    let seqs = store_raw(
+    .await;
+    let seqs = store_updates(
         &db.pool,
         tenant,
         endpoint,
-        &[
-            update(endpoint, "evt\u{0}x", 1, 10),
-            update(endpoint, "evt_2", 2, 11),
-        ],
+        &[("evt\u{0}x", 1, 10), ("evt_2", 2, 11)],
     )
     .await;
-    wait_until(
+    wait_applied_through(
+        &db.pool,
+        endpoint,
+        seqs[1],
         Duration::from_secs(60),
-        || "the message after the NUL never applied".to_owned(),
-        {
-            let (pool, endpoint, want) = (&db.pool, endpoint, seqs[1]);
-            move || async move { applied_through(pool, endpoint).await == want }
-        },
+        "the message after the NUL never applied",
     )
     .await;
     sequencer.stop().await;
@@ -827,8 +783,8 @@ async fn a_tenant_whose_upstream_hangs_holds_at_most_its_share_of_the_workers() 
         .await;
     }
     let max_concurrent = 4;
-    let sequencer = Sequencer::start(
-        sequencer_pool(&db.url).await,
+    let sequencer = start_sequencer(
+        &db.url,
         SequencerConfig {
             max_concurrent_endpoints: max_concurrent,
             max_tenant_share: 0.5,
@@ -837,8 +793,7 @@ async fn a_tenant_whose_upstream_hangs_holds_at_most_its_share_of_the_workers() 
         },
         SequencerMetrics::unregistered(),
     )
-    .await
-    .unwrap();
+    .await;
     // A's workers are waiting on its upstream before B's messages arrive.
     wait_until(
         Duration::from_secs(30),
@@ -852,16 +807,7 @@ async fn a_tenant_whose_upstream_hangs_holds_at_most_its_share_of_the_workers() 
     let mut last = Vec::new();
     for &endpoint in &b_endpoints {
         last.push(
-            store_raw(
-                &db.pool,
-                b,
-                endpoint,
-                &[
-                    update(endpoint, "evt_1", 1, 10),
-                    update(endpoint, "evt_2", 2, 11),
-                ],
-            )
-            .await[1],
+            store_updates(&db.pool, b, endpoint, &[("evt_1", 1, 10), ("evt_2", 2, 11)]).await[1],
         );
     }
     // Far within A's upstream timeout: B's messages cannot be waiting for A's workers to give

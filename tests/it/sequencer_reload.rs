@@ -254,6 +254,50 @@ fn spawn_reload(
     (stop, task)
 }
 
+/// The endpoint's fence claimed, and a reset of generation 2 applied under it: the fencing token
+/// and the reload the reset began.
+async fn begin_reset_reload(
+    db: &TestDb,
+    ctx: &Arc<EndpointContext>,
+    endpoint: Uuid,
+    metrics: &SequencerMetrics,
+) -> (i64, relay_rules::Reload) {
+    let token = db.claim_fence(endpoint).await;
+    store_and_apply(db, ctx, token, &reset(endpoint, 2, 10), metrics).await;
+    let reload = running_reload(&db.pool, endpoint, "the reset began a reload").await;
+    (token, reload)
+}
+
+/// A pass of one page under [`AV`] that reads item 1 at 1.10, the upstream at generation 2.
+fn item_1_pass() -> relay_rules::Pass {
+    relay_rules::Pass {
+        page_access_versions: vec![AV.to_owned()],
+        items: vec![relay_rules::ReadItem {
+            subject: "announcement:1".to_owned(),
+            sequence: Sequence::from_parts(1, 10),
+            item: relay_wire::FeedItem::from_value(item(1, 10), "data[0].item").unwrap(),
+        }],
+        upstream_generation: Some(2),
+        read_again_at_start: 0,
+    }
+}
+
+/// A listener on a free local port for a test's upstream, and the upstream's base URL.
+async fn upstream_listener() -> (TcpListener, String) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base_url = format!("http://{}", listener.local_addr().unwrap());
+    (listener, base_url)
+}
+
+/// The reload the endpoint's track holds; fails with `what` when none runs.
+async fn running_reload(pool: &sqlx::PgPool, endpoint: Uuid, what: &str) -> relay_rules::Reload {
+    tracks::peek(pool, endpoint)
+        .await
+        .unwrap()
+        .reload
+        .expect(what)
+}
+
 /// Rule "a 404 that carries none (a load balancer's) is a read that failed: try it again a few
 /// times, then read /v1/feed again": when a reload is already running, its pages may have been
 /// read before the item the refetch names was created. Merging only them would leave that item
@@ -262,23 +306,16 @@ fn spawn_reload(
 /// another, which holds the item.
 #[tokio::test]
 async fn a_refetch_that_reads_the_feed_again_has_the_running_reload_read_another_pass() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base_url = format!("http://{}", listener.local_addr().unwrap());
+    let (listener, base_url) = upstream_listener().await;
     let Setup {
         db, endpoint, ctx, ..
     } = setup_with_upstream(Some(base_url)).await;
     let upstream = HeldUpstream::new(endpoint, 2, vec![(1, 10)]);
     let server = upstream.serve(listener);
     let metrics = SequencerMetrics::unregistered();
-    let token = db.claim_fence(endpoint).await;
 
     // A reset begins a reload; it reads its one page (item 1 only) and is held there.
-    store_and_apply(&db, &ctx, token, &reset(endpoint, 2, 10), &metrics).await;
-    let first = tracks::peek(&db.pool, endpoint)
-        .await
-        .unwrap()
-        .reload
-        .expect("the reset began a reload");
+    let (token, first) = begin_reset_reload(&db, &ctx, endpoint, &metrics).await;
     upstream.hold(1);
     let (_stop, mut reading) = spawn_reload(&db, &ctx, token, &first, &metrics);
     upstream
@@ -295,11 +332,7 @@ async fn a_refetch_that_reads_the_feed_again_has_the_running_reload_read_another
         &metrics,
     )
     .await;
-    let asked = tracks::peek(&db.pool, endpoint)
-        .await
-        .unwrap()
-        .reload
-        .expect("a reload runs");
+    let asked = running_reload(&db.pool, endpoint, "a reload runs").await;
     assert!(asked.is(&first), "the running reload goes on: {asked:?}");
     assert_eq!(asked.read_again, 1, "and is asked for another pass");
 
@@ -355,8 +388,7 @@ fn paged(ctx: &EndpointContext, base_url: &str, limit: usize) -> Arc<EndpointCon
 /// ever merging.
 #[tokio::test]
 async fn failing_refetches_during_a_reload_of_several_pages_do_not_keep_its_passes_from_merging() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base_url = format!("http://{}", listener.local_addr().unwrap());
+    let (listener, base_url) = upstream_listener().await;
     let Setup {
         db, endpoint, ctx, ..
     } = setup_with_upstream(Some(base_url.clone())).await;
@@ -365,14 +397,7 @@ async fn failing_refetches_during_a_reload_of_several_pages_do_not_keep_its_pass
     let server = upstream.serve(listener);
     let ctx = paged(&ctx, &base_url, 2);
     let metrics = SequencerMetrics::unregistered();
-    let token = db.claim_fence(endpoint).await;
-
-    store_and_apply(&db, &ctx, token, &reset(endpoint, 2, 10), &metrics).await;
-    let reload = tracks::peek(&db.pool, endpoint)
-        .await
-        .unwrap()
-        .reload
-        .expect("the reset began a reload");
+    let (token, reload) = begin_reset_reload(&db, &ctx, endpoint, &metrics).await;
     // Every page of the first two passes is held while a refetch comes.
     upstream.hold(6);
     let (_stop, mut reading) = spawn_reload(&db, &ctx, token, &reload, &metrics);
@@ -439,8 +464,7 @@ async fn failing_refetches_during_a_reload_of_several_pages_do_not_keep_its_pass
 /// an older generation before, so B stayed in the copy for good.
 #[tokio::test]
 async fn a_reload_under_the_held_generation_withdraws_what_the_upstream_no_longer_serves() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base_url = format!("http://{}", listener.local_addr().unwrap());
+    let (listener, base_url) = upstream_listener().await;
     let Setup {
         db,
         tenant,
@@ -616,11 +640,7 @@ async fn apply_while_a_merge_holds_the_endpoint(message: impl FnOnce(Uuid) -> Va
             == 1
     })
     .await;
-    let reload = tracks::peek(&db.pool, endpoint)
-        .await
-        .unwrap()
-        .reload
-        .expect("the reset began a reload");
+    let reload = running_reload(&db.pool, endpoint, "the reset began a reload").await;
     let token: i64 = sqlx::query_scalar("SELECT token FROM endpoint_fences WHERE endpoint_id = $1")
         .bind(endpoint)
         .fetch_one(&db.pool)
@@ -634,16 +654,7 @@ async fn apply_while_a_merge_holds_the_endpoint(message: impl FnOnce(Uuid) -> Va
         .execute(&mut *held)
         .await
         .unwrap();
-    let pass = relay_rules::Pass {
-        page_access_versions: vec![AV.to_owned()],
-        items: vec![relay_rules::ReadItem {
-            subject: "announcement:1".to_owned(),
-            sequence: Sequence::from_parts(1, 10),
-            item: relay_wire::FeedItem::from_value(item(1, 10), "data[0].item").unwrap(),
-        }],
-        upstream_generation: Some(2),
-        read_again_at_start: 0,
-    };
+    let pass = item_1_pass();
     let claim = tracks::TrackClaim {
         endpoint,
         tenant,
@@ -820,16 +831,7 @@ async fn a_reload_that_reads_an_item_as_held_raises_it_to_the_reloads_generation
         .and_then(|t| t.reload)
         .expect("the reset began a reload");
     // The pass reads item 1 as the copy holds it.
-    let pass = relay_rules::Pass {
-        page_access_versions: vec![AV.to_owned()],
-        items: vec![relay_rules::ReadItem {
-            subject: "announcement:1".to_owned(),
-            sequence: Sequence::from_parts(1, 10),
-            item: relay_wire::FeedItem::from_value(item(1, 10), "data[0].item").unwrap(),
-        }],
-        upstream_generation: Some(2),
-        read_again_at_start: 0,
-    };
+    let pass = item_1_pass();
     let merged = copy::merge(&db.pool, writer.claim, &reload, &pass).await;
     assert!(
         matches!(merged, Ok(copy::Merged::Merged { .. })),

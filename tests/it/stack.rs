@@ -5,6 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
+use tokio::task::JoinHandle;
+
 use relay_api::auth::{mint, JwtKeys, Subject};
 use relay_api::broker::{BrokerAccess, ManagementSettings};
 use relay_api::{ApiConfig, ApiServer};
@@ -15,15 +17,17 @@ use relay_publisher::{
 };
 use relay_rules::DestinationPolicy;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
-use relay_simulator::cli::url_template;
+use relay_simulator::cli::{url_template, SimulateArgs};
 use relay_simulator::model::World;
 use relay_simulator::{
     EndpointInfo, Faults, SenderConfig, Simulation, Upstream, Workload, WorkloadConfig,
 };
-use relay_store::copy;
+use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::PoolOptions;
+use relay_store::{copy, tenants};
 use relay_tests::redis_url;
-use serde_json::Value;
+use relay_wire::SigningSecret;
+use serde_json::{json, Value};
 use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -37,6 +41,19 @@ const UNPUBLISHED: &str = "SELECT count(*) FROM changes c
 // ---- The control plane ----
 
 const KEY: &[u8] = b"test-signing-key-of-the-whole-relay-in-one-process";
+
+/// A token for `subject` signed with `key` (as `relay token issue` mints it), valid an hour.
+pub(crate) fn token_for(key: &[u8], subject: &Subject) -> String {
+    mint(
+        &JwtKeys::new(key).unwrap(),
+        "relay",
+        subject,
+        Duration::from_secs(3600),
+        OffsetDateTime::now_utc(),
+    )
+    .unwrap()
+    .token
+}
 
 /// The control plane in-process on port 0, and a client for it.
 pub(crate) struct Api {
@@ -85,17 +102,10 @@ impl Api {
 
     /// An operator's token, minted with the API's signing key (as `relay token issue` does).
     pub(crate) fn operator_token() -> String {
-        mint(
-            &JwtKeys::new(KEY).unwrap(),
-            "relay",
-            &Subject::Operator {
-                name: "stack-test".into(),
-            },
-            Duration::from_secs(3600),
-            OffsetDateTime::now_utc(),
-        )
-        .unwrap()
-        .token
+        let operator = Subject::Operator {
+            name: "stack-test".into(),
+        };
+        token_for(KEY, &operator)
     }
 
     pub(crate) async fn call(
@@ -134,6 +144,55 @@ impl Api {
         answer.json
     }
 
+    /// A tenant named `name`, made by the operator, and a token for it (valid an hour).
+    pub(crate) async fn tenant(&self, name: &str) -> (Uuid, String) {
+        let operator = Self::operator_token();
+        let created = self
+            .ok(
+                201,
+                "POST",
+                "/v1/tenants",
+                &operator,
+                Some(&json!({"name": name})),
+            )
+            .await;
+        let tenant: Uuid = created["id"].as_str().unwrap().parse().unwrap();
+        let minted = self
+            .ok(
+                201,
+                "POST",
+                &format!("/v1/tenants/{tenant}/tokens"),
+                &operator,
+                Some(&json!({"ttl_s": 3600})),
+            )
+            .await;
+        (tenant, minted["token"].as_str().unwrap().to_owned())
+    }
+
+    /// The simulated endpoint `info` registered for the tenant of `token`, read from
+    /// `upstream_api` with its key and its secrets: the API's answer.
+    pub(crate) async fn register(
+        &self,
+        token: &str,
+        info: &EndpointInfo,
+        upstream_api: &str,
+    ) -> Value {
+        self.ok(
+            201,
+            "POST",
+            "/v1/endpoints",
+            token,
+            Some(&json!({
+                "id": info.id,
+                "lang": info.lang,
+                "upstream_base_url": upstream_api,
+                "upstream_api_key": info.key_token,
+                "secrets": info.secrets,
+            })),
+        )
+        .await
+    }
+
     /// The endpoint's copy read through the API, page by page (tombstones left out).
     pub(crate) async fn copy(&self, token: &str, endpoint: Uuid) -> Items {
         let mut items = Items::new();
@@ -163,6 +222,65 @@ impl Api {
 
 /// What a copy holds of its items: subject → (sequence, item).
 pub(crate) type Items = BTreeMap<String, (String, Value)>;
+
+/// The tenant of a simulated key (one per key, its id derived from the key), made unless it is
+/// there already.
+pub(crate) async fn tenant_of_key(pool: &PgPool, key_token: &str, name: &str) -> Uuid {
+    let tenant = Uuid::new_v5(&Uuid::NAMESPACE_URL, key_token.as_bytes());
+    match tenants::create(pool, tenant, name).await {
+        Ok(_) | Err(relay_store::StoreError::AlreadyExists { .. }) => {}
+        Err(error) => panic!("creating a tenant: {error}"),
+    }
+    tenant
+}
+
+/// The simulated endpoint `info` written to the store for `tenant` (not through the API), with
+/// its first secret, read from `upstream_api` with its key.
+pub(crate) async fn create_endpoint(
+    pool: &PgPool,
+    tenant: Uuid,
+    info: &EndpointInfo,
+    upstream_api: &str,
+) {
+    endpoints::create(
+        pool,
+        &NewEndpoint {
+            id: info.id,
+            tenant_id: tenant,
+            secret: SigningSecret::parse(&info.secrets[0]).unwrap(),
+            upstream_base_url: Some(upstream_api.to_owned()),
+            upstream_api_key: Some(info.key_token.clone()),
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// `relay simulate`'s arguments for a quiet run of `endpoints` endpoints over `keys` keys,
+/// sending to `receiver_url`, `rate` changes a second for `duration_s` seconds, an upstream hour
+/// a second, without faults (a test sets its own on the upstream) and its API on a free port.
+pub(crate) fn simulate_args(
+    receiver_url: &str,
+    endpoints: usize,
+    keys: usize,
+    seed: u64,
+    rate: f64,
+    duration_s: u64,
+) -> SimulateArgs {
+    SimulateArgs {
+        receiver_url: receiver_url.to_owned(),
+        endpoints,
+        keys,
+        seed,
+        rate,
+        duration_s,
+        faults: "none".into(),
+        time_compression: 3600.0,
+        listen: "127.0.0.1:0".into(),
+        print_endpoints: false,
+        quiet: true,
+    }
+}
 
 /// A simulated upstream with `endpoints` endpoints under one key, sending to `receiver_url`,
 /// its seeded workload, and the endpoints. Every endpoint selects everything (as `relay
@@ -235,6 +353,28 @@ pub(crate) struct Backlog {
     pub(crate) unpublished: i64,
 }
 
+/// Messages stored and not applied, and reloads not merged, over every endpoint.
+pub(crate) async fn relay_backlog(pool: &PgPool) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT (SELECT count(*) FROM messages m
+                 LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = m.endpoint_id
+                 WHERE m.arrival_seq > COALESCE(c.applied_arrival_seq, 0)),
+                (SELECT count(*) FROM endpoint_tracks WHERE reload IS NOT NULL)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+impl Backlog {
+    /// Nothing left to do.
+    pub(crate) const NONE: Self = Self {
+        waiting: 0,
+        reloading: 0,
+        unpublished: 0,
+    };
+}
+
 /// What is left to do for `endpoints`.
 pub(crate) async fn backlog(pool: &PgPool, endpoints: &[Uuid]) -> Backlog {
     let waiting: i64 = sqlx::query_scalar(
@@ -266,6 +406,24 @@ pub(crate) async fn backlog(pool: &PgPool, endpoints: &[Uuid]) -> Backlog {
     }
 }
 
+/// Whether the upstream is idle (after a short wait), and what is left to do for `endpoints`.
+pub(crate) async fn look(pool: &PgPool, sim: &Simulation, endpoints: &[Uuid]) -> (bool, Backlog) {
+    let idle = sim.wait_idle(Duration::from_millis(10)).await;
+    (idle, backlog(pool, endpoints).await)
+}
+
+/// Looks in a row that found everything done: three make a relay settled.
+#[derive(Default)]
+pub(crate) struct Steady(u32);
+
+impl Steady {
+    /// Counts this look (`done` or not); whether it is the third done in a row.
+    pub(crate) fn look(&mut self, done: bool) -> bool {
+        self.0 = if done { self.0 + 1 } else { 0 };
+        self.0 >= 3
+    }
+}
+
 /// Waits until the upstream is idle and `endpoints` have nothing left to apply, merge or
 /// publish, with every copy equal to the oracle, three looks in a row; panics with what differs
 /// after `limit`. Returns how long it took.
@@ -277,15 +435,9 @@ pub(crate) async fn quiesce(
     seed: u64,
 ) -> Duration {
     let started = Instant::now();
-    let done = Backlog {
-        waiting: 0,
-        reloading: 0,
-        unpublished: 0,
-    };
-    let mut stable_rounds = 0;
+    let mut steady = Steady::default();
     loop {
-        let idle = sim.wait_idle(Duration::from_millis(10)).await;
-        let left = backlog(pool, endpoints).await;
+        let (idle, left) = look(pool, sim, endpoints).await;
         let mut equal = true;
         for &id in endpoints {
             if copy_items(pool, id).await != oracle(sim, id) {
@@ -293,13 +445,8 @@ pub(crate) async fn quiesce(
                 break;
             }
         }
-        if idle && left == done && equal {
-            stable_rounds += 1;
-            if stable_rounds >= 3 {
-                return started.elapsed();
-            }
-        } else {
-            stable_rounds = 0;
+        if steady.look(idle && left == Backlog::NONE && equal) {
+            return started.elapsed();
         }
         if started.elapsed() > limit {
             let mut report = Vec::new();
@@ -348,6 +495,27 @@ pub(crate) fn describe_difference(copy: &Items, oracle: &Items) -> String {
     }
     lines.truncate(10);
     lines.join("; ")
+}
+
+/// A connection to the broker at `url` for a test's consumer; `test` names the test that needs
+/// RabbitMQ when it is not there.
+pub(crate) async fn connect_broker(url: &str, test: &str) -> Connection {
+    relay_publisher::broker::connect(
+        url,
+        "test",
+        Duration::from_secs(10),
+        &relay_netguard::TrustRoots::platform(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("the {test} test needs RabbitMQ on 127.0.0.1:5672: {e}"))
+}
+
+/// Stops the simulation and waits for its senders to end.
+pub(crate) async fn stop_simulation(sim: &Simulation, senders: Vec<JoinHandle<()>>) {
+    sim.shutdown();
+    for sender in senders {
+        let _ = sender.await;
+    }
 }
 
 // ---- The publisher and the queues ----
@@ -564,13 +732,9 @@ pub(crate) fn sequencer_config(
     }
 }
 
-/// The sequencer with `config` and `metrics`, on a pool of its own.
-pub(crate) async fn start_sequencer_with(
-    database_url: &str,
-    config: SequencerConfig,
-    metrics: SequencerMetrics,
-) -> Sequencer {
-    let pool = relay_store::connect(
+/// A pool for a sequencer of its own, sized and timed as the whole-relay tests run it.
+pub(crate) fn sequencer_pool(database_url: &str) -> PgPool {
+    relay_store::connect(
         database_url,
         &PoolOptions {
             max_connections: 8,
@@ -580,8 +744,16 @@ pub(crate) async fn start_sequencer_with(
             ..PoolOptions::default()
         },
     )
-    .unwrap();
-    Sequencer::start(pool, config, metrics)
+    .unwrap()
+}
+
+/// The sequencer with `config` and `metrics`, on a pool of its own.
+pub(crate) async fn start_sequencer_with(
+    database_url: &str,
+    config: SequencerConfig,
+    metrics: SequencerMetrics,
+) -> Sequencer {
+    Sequencer::start(sequencer_pool(database_url), config, metrics)
         .await
         .expect("the whole-relay tests need Redis on 127.0.0.1:6379")
 }

@@ -10,23 +10,21 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use relay_api::auth::{mint, JwtKeys, Subject};
+use relay_api::auth::{JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
 use relay_netguard::{OutboundPolicy, TrustRoots};
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::{EndpointInfo, Faults, Simulation, Workload};
-use relay_store::endpoints::{self, NewEndpoint};
-use relay_store::{tenants, PoolOptions};
+use relay_store::PoolOptions;
 use relay_tests::{seed, RedisPrefix, TestApp};
-use relay_wire::SigningSecret;
 use serde_json::Value;
 use sqlx::PgPool;
-use time::OffsetDateTime;
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
 use crate::stack::{
-    copy_items, describe_difference, oracle, sequencer_config, start_sequencer_with, Api, Items,
+    copy_items, create_endpoint, describe_difference, oracle, sequencer_config,
+    start_sequencer_with, stop_simulation, tenant_of_key, token_for, Api, Items,
 };
 use crate::tls_support::{ServerIdentity, TestCa};
 
@@ -93,33 +91,9 @@ impl Relay {
     async fn register(&self, infos: &[EndpointInfo], upstream: &str) -> Vec<String> {
         let mut tokens = Vec::new();
         for info in infos {
-            let tenant = Uuid::new_v5(&Uuid::NAMESPACE_URL, info.key_token.as_bytes());
-            match tenants::create(self.pool(), tenant, "over tls").await {
-                Ok(_) | Err(relay_store::StoreError::AlreadyExists { .. }) => {}
-                Err(error) => panic!("creating a tenant: {error}"),
-            }
-            endpoints::create(
-                self.pool(),
-                &NewEndpoint {
-                    id: info.id,
-                    tenant_id: tenant,
-                    secret: SigningSecret::parse(&info.secrets[0]).unwrap(),
-                    upstream_base_url: Some(upstream.to_owned()),
-                    upstream_api_key: Some(info.key_token.clone()),
-                },
-            )
-            .await
-            .unwrap();
-            let token = mint(
-                &JwtKeys::new(KEY).unwrap(),
-                "relay",
-                &Subject::Tenant(tenant),
-                Duration::from_secs(3600),
-                OffsetDateTime::now_utc(),
-            )
-            .unwrap()
-            .token;
-            tokens.push(token);
+            let tenant = tenant_of_key(self.pool(), &info.key_token, "over tls").await;
+            create_endpoint(self.pool(), tenant, info, upstream).await;
+            tokens.push(token_for(KEY, &Subject::Tenant(tenant)));
         }
         tokens
     }
@@ -306,10 +280,7 @@ async fn reloads_refetches_and_a_rewind_over_tls_leave_the_copy_equal_to_the_ora
         );
     }
 
-    sim.shutdown();
-    for sender in senders {
-        let _ = sender.await;
-    }
+    stop_simulation(&sim, senders).await;
     relay.stop().await;
 }
 
@@ -377,10 +348,7 @@ async fn an_upstream_certificate_the_relay_refuses_shows_in_the_endpoints_state(
     }
 
     for (sim, senders) in running {
-        sim.shutdown();
-        for sender in senders {
-            let _ = sender.await;
-        }
+        stop_simulation(&sim, senders).await;
     }
     relay.stop().await;
 }

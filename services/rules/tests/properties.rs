@@ -249,8 +249,8 @@ proptest! {
 /// subject end as whichever came first (an update at an equal sequence is ignored).
 #[test]
 fn an_order_condition_two_different_items_at_one_position_make_order_matter() {
-    let a = event(update_json("a", 1, 10, item_json(1, 10, &[], "a")));
-    let b = event(update_json("b", 1, 10, item_json(1, 10, &[], "b")));
+    let a = event(plain_update_json("a", 1, 10, "a"));
+    let b = event(plain_update_json("b", 1, 10, "b"));
     let mut ab = FeedCopy::new();
     apply_event(&mut ab, 1, &a);
     apply_event(&mut ab, 1, &b);

@@ -164,13 +164,13 @@ fn feed_item_event_rule_a_removal_with_nothing_held_keeps_a_tombstone_an_older_u
         }
     ));
     assert!(!d.is_change());
-    let late = event(update_json("e0", 7, 19, item_json(7, 19, &[], "a")));
+    let late = event(plain_update_json("e0", 7, 19, "a"));
     assert_eq!(
         apply_event(&mut copy, 2, &late),
         Decision::Ignore(IgnoreReason::Older)
     );
     // At the same sequence, the removal wins too.
-    let same = event(update_json("e0b", 7, 20, item_json(7, 20, &[], "a")));
+    let same = event(plain_update_json("e0b", 7, 20, "a"));
     assert_eq!(
         apply_event(&mut copy, 2, &same),
         Decision::Ignore(IgnoreReason::Older)
@@ -187,11 +187,7 @@ fn feed_item_event_rule_a_removal_with_nothing_held_keeps_a_tombstone_an_older_u
 #[test]
 fn feed_item_event_rule_at_an_equal_sequence_a_removal_wins_over_the_item() {
     let mut copy = FeedCopy::new();
-    apply_event(
-        &mut copy,
-        2,
-        &event(update_json("e1", 7, 20, item_json(7, 20, &[], "a"))),
-    );
+    apply_event(&mut copy, 2, &event(plain_update_json("e1", 7, 20, "a")));
     let d = apply_event(&mut copy, 2, &event(removal_json("e2", "hidden", 7, 20)));
     assert!(matches!(
         d,
@@ -205,12 +201,8 @@ fn feed_item_event_rule_at_an_equal_sequence_a_removal_wins_over_the_item() {
 #[test]
 fn feed_item_event_rule_a_newer_generation_wins_an_older_one_is_ignored() {
     let mut copy = FeedCopy::new();
-    apply_event(
-        &mut copy,
-        3,
-        &event(update_json("e1", 7, 900, item_json(7, 900, &[], "a"))),
-    );
-    let newer = event(update_json("e2", 7, 5, item_json(7, 5, &[], "b")));
+    apply_event(&mut copy, 3, &event(plain_update_json("e1", 7, 900, "a")));
+    let newer = event(plain_update_json("e2", 7, 5, "b"));
     assert!(matches!(
         apply_event(&mut copy, 4, &newer),
         Decision::Store { generation: 4, .. }
@@ -238,7 +230,7 @@ fn feed_item_event_rule_compare_parts_an_identical_item_is_unchanged_and_writes_
     );
     assert!(!d.is_change());
     // The position rose all the same: an update at 11 arriving now is older.
-    let between = event(update_json("e3", 7, 11, item_json(7, 11, &[], "z")));
+    let between = event(plain_update_json("e3", 7, 11, "z"));
     assert_eq!(
         apply_event(&mut copy, 2, &between),
         Decision::Ignore(IgnoreReason::Older)
@@ -267,11 +259,7 @@ fn feed_item_event_rule_compare_parts_an_identical_item_is_unchanged_and_writes_
 #[test]
 fn feed_item_event_rule_a_refetch_that_held_already_beats_is_not_read() {
     let mut copy = FeedCopy::new();
-    apply_event(
-        &mut copy,
-        3,
-        &event(update_json("e1", 7, 60, item_json(7, 60, &[], "a"))),
-    );
+    apply_event(&mut copy, 3, &event(plain_update_json("e1", 7, 60, "a")));
     let e = event(refetch_json("e2", 7, 52));
     assert_eq!(
         apply_event(&mut copy, 3, &e),
@@ -319,7 +307,7 @@ fn route_by_type_rule_a_reset_event_is_the_messages_business_not_a_subjects() {
 
 #[test]
 fn dedup_by_id_rule_an_applied_event_id_is_ignored_as_duplicate() {
-    let e = update_json("evt_same", 7, 10, item_json(7, 10, &[], "a"));
+    let e = plain_update_json("evt_same", 7, 10, "a");
     let m = [Ok(message(2, "av", "1.10", vec![e.clone()]))];
     let track = loaded(2, "av");
     let no_reads = HashMap::new();
@@ -359,12 +347,9 @@ fn dedup_by_id_rule_an_applied_event_id_is_ignored_as_duplicate() {
 fn dedup_by_id_rule_an_id_repeated_within_one_run_applies_once() {
     // The same event id in two messages of one run (a retry the upstream rebuilt, say), and a
     // removal with the same id as an update: the id decides, not the content.
-    let update = update_json("evt_1", 7, 10, item_json(7, 10, &[], "a"));
+    let update = plain_update_json("evt_1", 7, 10, "a");
     let removal = removal_json("evt_1", "hidden", 7, 11);
-    let mut endpoint = Endpoint {
-        track: loaded(2, "av"),
-        ..Default::default()
-    };
+    let mut endpoint = loaded_endpoint(2);
     let plan = run(
         &mut endpoint,
         &[
@@ -406,6 +391,14 @@ fn loaded(generation: u64, av: &str) -> EndpointTrack {
         generation: Some(generation),
         access_version: Some(av.into()),
         through: Some("1.10".into()),
+        ..Default::default()
+    }
+}
+
+/// An endpoint whose track is [`loaded`] at `generation` under "av", its copy empty.
+fn loaded_endpoint(generation: u64) -> Endpoint {
+    Endpoint {
+        track: loaded(generation, "av"),
         ..Default::default()
     }
 }
@@ -682,10 +675,7 @@ fn read_again_rules_a_running_reload_reads_another_pass() {
 fn read_again_rules_a_pass_begun_before_the_ask_is_merged_then_another_is_read() {
     // Through an endpoint: a reset's reload, a message that cannot be applied while it reads
     // (quarantined: read /v1/feed again), the pass begun before it merged, the reload still on.
-    let mut endpoint = Endpoint {
-        track: loaded(4, "av"),
-        ..Default::default()
-    };
+    let mut endpoint = loaded_endpoint(4);
     run(&mut endpoint, &[reset(5, "av", "behind")]);
     let reload = endpoint.track.reload.clone().unwrap();
     let plan = endpoint.run(&[Err("not json".into())], &HashMap::new());
@@ -706,46 +696,39 @@ fn read_again_rules_a_pass_begun_before_the_ask_is_merged_then_another_is_read()
     assert_eq!(endpoint.track.reload, None);
     assert_eq!(
         positions(&endpoint.copy),
-        vec![(subject(1), 5, 10, false), (subject(2), 5, 11, false)]
+        positions_of(&[(1, 5, 10, false), (2, 5, 11, false)])
     );
 }
 
 // ---- Merge ----
 
-#[test]
-fn merge_rule_keeps_events_that_arrived_while_reading_stores_the_rest_drops_older_generations() {
-    let mut endpoint = Endpoint {
-        track: loaded(4, "av"),
-        ..Default::default()
-    };
-    // Before the reset of generation 5: 1 and 2 items, 3 a tombstone, all generation 4.
-    run(
+/// An endpoint at generation 4 holding the items 1 and 2 and the tombstone 3 (all at seq 10),
+/// then a reset of generation 5 taken: the endpoint, and the reload the reset began.
+fn reset_over_generation_4() -> (Endpoint, Reload) {
+    let mut endpoint = loaded_endpoint(4);
+    run_feed(
         &mut endpoint,
-        &[message(
-            4,
-            "av",
-            "1.10",
-            vec![
-                feed_event_json(1, 4, 10, false),
-                feed_event_json(2, 4, 10, false),
-                feed_event_json(3, 4, 10, true),
-            ],
-        )],
+        4,
+        "av",
+        "1.10",
+        &[(1, 4, 10, false), (2, 4, 10, false), (3, 4, 10, true)],
     );
     run(&mut endpoint, &[reset(5, "av", "behind")]);
     let reload = endpoint.track.reload.clone().unwrap();
+    (endpoint, reload)
+}
+
+#[test]
+fn merge_rule_keeps_events_that_arrived_while_reading_stores_the_rest_drops_older_generations() {
+    // Before the reset of generation 5: 1 and 2 items, 3 a tombstone, all generation 4.
+    let (mut endpoint, reload) = reset_over_generation_4();
     // While reading: 1 updated at generation 5 after the page read it; 4 removed at generation 5.
-    run(
+    run_feed(
         &mut endpoint,
-        &[message(
-            5,
-            "av",
-            "1.30",
-            vec![
-                feed_event_json(1, 5, 30, false),
-                feed_event_json(4, 5, 30, true),
-            ],
-        )],
+        5,
+        "av",
+        "1.30",
+        &[(1, 5, 30, false), (4, 5, 30, true)],
     );
     let changes_before = endpoint.changes.len();
     // The pages: 1 at 20 (older than the event), 4 at 25 (before its removal), 5 new.
@@ -762,25 +745,13 @@ fn merge_rule_keeps_events_that_arrived_while_reading_stores_the_rest_drops_olde
     assert!(merge.withdrawn.is_empty());
     assert_eq!(
         positions(&endpoint.copy),
-        vec![
-            (subject(1), 5, 30, false),
-            (subject(4), 5, 30, true),
-            (subject(5), 5, 25, false),
-        ]
+        positions_of(&[(1, 5, 30, false), (4, 5, 30, true), (5, 5, 25, false)])
     );
     assert_eq!(
         endpoint.changes[changes_before..],
-        [
-            ModelChange::Upsert {
-                subject: subject(5),
-                item: content(5, 25).raw
-            },
-            ModelChange::Remove {
-                subject: subject(2)
-            },
-        ]
+        [upsert(5, 25), remove(2)]
     );
-    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
+    assert_replays(&endpoint);
     assert_eq!(endpoint.track.reload, None);
 }
 
@@ -789,25 +760,7 @@ fn merge_rule_an_item_held_from_an_older_generation_and_read_again_is_kept_from_
     // The pages overlap what the copy held before the reset: the item read is stored (or only
     // its position raised, when it is the same item) at the reset's generation, and the drop of
     // the older generation must not then remove it.
-    let mut endpoint = Endpoint {
-        track: loaded(4, "av"),
-        ..Default::default()
-    };
-    run(
-        &mut endpoint,
-        &[message(
-            4,
-            "av",
-            "1.10",
-            vec![
-                feed_event_json(1, 4, 10, false),
-                feed_event_json(2, 4, 10, false),
-                feed_event_json(3, 4, 10, true),
-            ],
-        )],
-    );
-    run(&mut endpoint, &[reset(5, "av", "behind")]);
-    let reload = endpoint.track.reload.clone().unwrap();
+    let (mut endpoint, reload) = reset_over_generation_4();
     // 1 read as it was held (same item), 2 read changed, 3 (a tombstone) read again.
     let read = vec![read_item(1, 10), read_item(2, 12), read_item(3, 14)];
     let merge = merged(endpoint.merge(&reload, &pass("av", read, Some(5), 0)));
@@ -816,37 +769,28 @@ fn merge_rule_an_item_held_from_an_older_generation_and_read_again_is_kept_from_
     assert!(merge.dropped.is_empty(), "{merge:?}");
     assert_eq!(
         positions(&endpoint.copy),
-        vec![
-            (subject(1), 5, 10, false),
-            (subject(2), 5, 12, false),
-            (subject(3), 5, 14, false),
-        ],
+        positions_of(&[(1, 5, 10, false), (2, 5, 12, false), (3, 5, 14, false)]),
         "{merge:?}"
     );
-    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
+    assert_replays(&endpoint);
 }
 
 #[test]
 fn merge_same_generation_rule_an_item_the_pass_lacks_held_from_before_the_reload_is_withdrawn() {
     // The copy holds generation 3; a message that cannot be applied asks to read /v1/feed again
     // (a reload no message began, under generation 3: nothing is dropped by generation).
-    let mut endpoint = Endpoint {
-        track: loaded(3, "av"),
-        ..Default::default()
-    };
-    run(
+    let mut endpoint = loaded_endpoint(3);
+    run_feed(
         &mut endpoint,
-        &[message(
-            3,
-            "av",
-            "1.10",
-            vec![
-                feed_event_json(1, 3, 10, false),
-                feed_event_json(2, 3, 10, false),
-                feed_event_json(3, 3, 10, true),
-                feed_event_json(5, 3, 10, false),
-            ],
-        )],
+        3,
+        "av",
+        "1.10",
+        &[
+            (1, 3, 10, false),
+            (2, 3, 10, false),
+            (3, 3, 10, true),
+            (5, 3, 10, false),
+        ],
     );
     endpoint.run(&[Err("not json".into())], &HashMap::new());
     let reload = endpoint.track.reload.clone().unwrap();
@@ -855,17 +799,12 @@ fn merge_same_generation_rule_an_item_the_pass_lacks_held_from_before_the_reload
         (3, ReloadCause::ReadAgain, 1)
     );
     // While the pass is read: 4 created, and 5 updated (a message wrote it during the read).
-    run(
+    run_feed(
         &mut endpoint,
-        &[message(
-            3,
-            "av",
-            "1.20",
-            vec![
-                feed_event_json(4, 3, 20, false),
-                feed_event_json(5, 3, 20, false),
-            ],
-        )],
+        3,
+        "av",
+        "1.20",
+        &[(4, 3, 20, false), (5, 3, 20, false)],
     );
     let changes_before = endpoint.changes.len();
     // The pass holds 2 only: the upstream no longer serves 1 (and never served 4 and 5 when the
@@ -878,52 +817,28 @@ fn merge_same_generation_rule_an_item_the_pass_lacks_held_from_before_the_reload
     assert_eq!(merge.withdrawn, vec![(subject(1), seq(10))]);
     assert_eq!(
         positions(&endpoint.copy),
-        vec![
-            (subject(1), 3, 10, true),
-            (subject(2), 3, 12, false),
-            (subject(3), 3, 10, true),
-            (subject(4), 3, 20, false),
-            (subject(5), 3, 20, false),
-        ]
+        positions_of(&[
+            (1, 3, 10, true),
+            (2, 3, 12, false),
+            (3, 3, 10, true),
+            (4, 3, 20, false),
+            (5, 3, 20, false)
+        ])
     );
     assert_eq!(
         endpoint.changes[changes_before..],
-        [
-            ModelChange::Upsert {
-                subject: subject(2),
-                item: content(2, 12).raw
-            },
-            ModelChange::Remove {
-                subject: subject(1)
-            },
-        ]
+        [upsert(2, 12), remove(1)]
     );
-    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
+    assert_replays(&endpoint);
     assert_eq!(endpoint.track.access_version.as_deref(), Some("av"));
     // A late update of generation 3 does not bring 1 back; a newer one (or a newer sequence)
     // still wins.
-    let plan = run(
-        &mut endpoint,
-        &[message(
-            3,
-            "av",
-            "1.21",
-            vec![feed_event_json(1, 3, 9, false)],
-        )],
-    );
+    let plan = run_feed(&mut endpoint, 3, "av", "1.21", &[(1, 3, 9, false)]);
     assert_eq!(
         plan.events,
         vec![EventOutcome::Ignored(IgnoreReason::Older)]
     );
-    let plan = run(
-        &mut endpoint,
-        &[message(
-            3,
-            "av",
-            "1.22",
-            vec![feed_event_json(1, 3, 11, false)],
-        )],
-    );
+    let plan = run_feed(&mut endpoint, 3, "av", "1.22", &[(1, 3, 11, false)]);
     assert_eq!(plan.events, vec![EventOutcome::Stored]);
 }
 
@@ -931,32 +846,16 @@ fn merge_same_generation_rule_an_item_the_pass_lacks_held_from_before_the_reload
 fn merge_same_generation_rule_applies_to_a_reload_begun_under_another_access_version() {
     // A message under another access_version at the held generation begins a reload under that
     // same generation: items held from before it that its pass lacks go too.
-    let mut endpoint = Endpoint {
-        track: loaded(3, "av"),
-        ..Default::default()
-    };
-    run(
+    let mut endpoint = loaded_endpoint(3);
+    run_feed(
         &mut endpoint,
-        &[message(
-            3,
-            "av",
-            "1.10",
-            vec![
-                feed_event_json(1, 3, 10, false),
-                feed_event_json(2, 3, 10, false),
-            ],
-        )],
+        3,
+        "av",
+        "1.10",
+        &[(1, 3, 10, false), (2, 3, 10, false)],
     );
     // The beginning message's own event is applied after the reload began: kept.
-    let plan = run(
-        &mut endpoint,
-        &[message(
-            3,
-            "av2",
-            "1.11",
-            vec![feed_event_json(6, 3, 11, false)],
-        )],
-    );
+    let plan = run_feed(&mut endpoint, 3, "av2", "1.11", &[(6, 3, 11, false)]);
     let [ReloadStart::Begin(reload)] = &plan.reloads[..] else {
         panic!("{:?}", plan.reloads)
     };
@@ -973,35 +872,23 @@ fn merge_same_generation_rule_applies_to_a_reload_begun_under_another_access_ver
     assert_eq!(merge.withdrawn, vec![(subject(1), seq(10))]);
     assert_eq!(
         positions(&endpoint.copy),
-        vec![
-            (subject(1), 3, 10, true),
-            (subject(2), 3, 10, false),
-            (subject(6), 3, 11, false),
-        ]
+        positions_of(&[(1, 3, 10, true), (2, 3, 10, false), (6, 3, 11, false)])
     );
     assert_eq!(endpoint.track.access_version.as_deref(), Some("av2"));
-    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
+    assert_replays(&endpoint);
 }
 
 #[test]
 fn merge_rule_a_reload_no_message_began_merges_under_the_upstreams_newer_generation() {
     // After a restore the upstream may be generations ahead: the endpoint read gives 5, so the
     // pass merges under 5 and everything held from before goes.
-    let mut endpoint = Endpoint {
-        track: loaded(3, "av"),
-        ..Default::default()
-    };
-    run(
+    let mut endpoint = loaded_endpoint(3);
+    run_feed(
         &mut endpoint,
-        &[message(
-            3,
-            "av",
-            "1.10",
-            vec![
-                feed_event_json(1, 3, 10, false),
-                feed_event_json(2, 3, 10, true),
-            ],
-        )],
+        3,
+        "av",
+        "1.10",
+        &[(1, 3, 10, false), (2, 3, 10, true)],
     );
     endpoint.run(&[Err("not json".into())], &HashMap::new());
     let reload = endpoint.track.reload.clone().unwrap();
@@ -1011,7 +898,10 @@ fn merge_rule_a_reload_no_message_began_merges_under_the_upstreams_newer_generat
     let merge = merged(endpoint.merge(&reload, &pass("av", vec![read_item(7, 40)], Some(5), 0)));
     assert_eq!(merge.generation, 5);
     assert_eq!(merge.dropped, vec![(subject(1), true), (subject(2), false)]);
-    assert_eq!(positions(&endpoint.copy), vec![(subject(7), 5, 40, false)]);
+    assert_eq!(
+        positions(&endpoint.copy),
+        positions_of(&[(7, 5, 40, false)])
+    );
     assert_eq!(endpoint.track.generation, Some(5));
     // A message of generation 4 is now older than held.
     run(&mut endpoint, &[message(4, "av", "1.50", vec![])]);
@@ -1031,10 +921,7 @@ fn merge_rule_a_reload_no_message_began_merges_under_the_upstreams_newer_generat
 
 #[test]
 fn merge_rule_pages_that_disagree_are_read_again_and_write_nothing() {
-    let mut endpoint = Endpoint {
-        track: loaded(3, "av"),
-        ..Default::default()
-    };
+    let mut endpoint = loaded_endpoint(3);
     run(&mut endpoint, &[reset(4, "av", "behind")]);
     let reload = endpoint.track.reload.clone().unwrap();
     let before = endpoint.clone();
@@ -1057,25 +944,12 @@ fn route_by_type_rule_a_run_notes_each_messages_outcome() {
         json!({"v": 1, "webhook_endpoint_id": ENDPOINT, "track": "stories",
                                    "generation": 9, "events": []}),
     );
-    let mut endpoint = Endpoint {
-        track: loaded(4, "av"),
-        ..Default::default()
-    };
+    let mut endpoint = loaded_endpoint(4);
     let messages: Vec<StoredMessage> = vec![
         Ok(wire_example("test")),
         Ok(other_track),
-        Ok(message(
-            3,
-            "av",
-            "1.5",
-            vec![feed_event_json(1, 3, 5, false)],
-        )),
-        Ok(message(
-            4,
-            "av",
-            "1.6",
-            vec![feed_event_json(1, 4, 6, false)],
-        )),
+        Ok(feed_message(3, "av", "1.5", &[(1, 3, 5, false)])),
+        Ok(feed_message(4, "av", "1.6", &[(1, 4, 6, false)])),
         Ok(reset(5, "av", "behind")),
         Ok(reset(6, "av", "behind")),
         Err("not a v1 message".into()),
@@ -1100,7 +974,7 @@ fn route_by_type_rule_a_run_notes_each_messages_outcome() {
     // Only the message applied wrote; its event's id is kept, the skipped one's is not.
     assert_eq!(plan.events, vec![EventOutcome::Stored]);
     assert_eq!(plan.keep, vec!["evt_1_4_6_false".to_owned()]);
-    assert_eq!(positions(&endpoint.copy), vec![(subject(1), 4, 6, false)]);
+    assert_eq!(positions(&endpoint.copy), positions_of(&[(1, 4, 6, false)]));
     // The quarantine asked the running reload (generation 6) for another pass.
     assert!(matches!(plan.reloads.last(), Some(ReloadStart::ReadAgain(r)) if r.generation == 6));
     assert_eq!(
@@ -1160,11 +1034,7 @@ fn refetch_rule_an_answer_under_the_copys_access_version_applies_at_the_events_p
     assert_eq!((generation, sequence), (3, seq(1052)));
     // ... by the feed item rule: a held row at a later sequence wins.
     let mut copy = FeedCopy::new();
-    apply_event(
-        &mut copy,
-        3,
-        &event(update_json("e", 7, 1060, item_json(7, 1060, &[], "a"))),
-    );
+    apply_event(&mut copy, 3, &event(plain_update_json("e", 7, 1060, "a")));
     let out = decide_refetch(
         Some("av"),
         copy.get(&subject(7)),
@@ -1181,11 +1051,7 @@ fn refetch_rule_an_answer_under_the_copys_access_version_applies_at_the_events_p
 #[test]
 fn refetch_rule_a_404_under_the_copys_access_version_removes_the_item_at_that_sequence() {
     let mut copy = FeedCopy::new();
-    apply_event(
-        &mut copy,
-        3,
-        &event(update_json("e", 7, 1045, item_json(7, 1045, &[], "a"))),
-    );
+    apply_event(&mut copy, 3, &event(plain_update_json("e", 7, 1045, "a")));
     let answer = RefetchAnswer::NotFound {
         access_version: "av".into(),
     };
@@ -1243,10 +1109,7 @@ fn refetch_rule_read_before_the_next_message_a_newer_resets_reload_reads_the_ite
     // run begins the reload that reads the item again under the newer generation.
     let d = decide_event(None, 3, &event(refetch_json("e", 7, 1052)));
     assert_eq!(PendingRefetch::from_decision(&d), Some(pending()));
-    let mut endpoint = Endpoint {
-        track: loaded(3, "av"),
-        ..Default::default()
-    };
+    let mut endpoint = loaded_endpoint(3);
     let messages = [
         Ok(message(
             3,
@@ -1312,10 +1175,7 @@ fn refetch_rule_in_a_run_answers_apply_or_read_the_feed_again() {
         ),
     ];
     for (answer, attempts, outcome, reloads) in answers {
-        let mut endpoint = Endpoint {
-            track: loaded(3, "av"),
-            ..Default::default()
-        };
+        let mut endpoint = loaded_endpoint(3);
         let m = message(3, "av", "1.1052", vec![refetch_json("rf", 7, 1052)]);
         let plan = run_with(
             &mut endpoint,
@@ -1343,10 +1203,7 @@ fn refetch_rule_in_a_run_answers_apply_or_read_the_feed_again() {
         );
     }
     // A refetch not read at all (the driver gave up) is taken as reads that kept failing.
-    let mut endpoint = Endpoint {
-        track: loaded(3, "av"),
-        ..Default::default()
-    };
+    let mut endpoint = loaded_endpoint(3);
     let m = message(3, "av", "1.1052", vec![refetch_json("rf", 7, 1052)]);
     let plan = run_with(&mut endpoint, &m, &[]);
     assert_eq!(
@@ -1436,7 +1293,7 @@ fn wire_examples_in_order_events_refetch_and_reset_through_an_endpoint() {
         ]
     );
     assert_eq!(endpoint.track.generation, Some(4));
-    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
+    assert_replays(&endpoint);
 }
 
 #[test]
@@ -1468,16 +1325,16 @@ fn wire_examples_in_order_the_resets_merge_raises_the_held_item_to_generation_4(
         changes_before,
         "an unchanged item is no change"
     );
-    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
+    assert_replays(&endpoint);
 }
 
 #[test]
 fn keep_event_ids_rule_after_a_restore_and_rewind_resent_events_apply_once() {
-    let a = message(3, "av", "1.20", vec![feed_event_json(1, 3, 20, false)]);
+    let a = feed_message(3, "av", "1.20", &[(1, 3, 20, false)]);
     let mut endpoint = Endpoint::new();
     run(&mut endpoint, std::slice::from_ref(&a));
     let backup = endpoint.clone(); // the ids are in the same backup as the rows
-    let b = message(3, "av", "1.30", vec![feed_event_json(1, 3, 30, true)]);
+    let b = feed_message(3, "av", "1.30", &[(1, 3, 30, true)]);
     run(&mut endpoint, &[b]);
 
     // Restored: rewind to the kept through; the track resends from there under generation 4.
@@ -1494,14 +1351,14 @@ fn keep_event_ids_rule_after_a_restore_and_rewind_resent_events_apply_once() {
     );
     // An event the backup applied, resent under the newer generation, would otherwise win
     // whatever its sequence: its kept id stops it.
-    let again_a = message(4, "av", "1.20", vec![feed_event_json(1, 3, 20, false)]);
+    let again_a = feed_message(4, "av", "1.20", &[(1, 3, 20, false)]);
     let plan = run(&mut restored, &[again_a]);
     assert_eq!(
         plan.events,
         vec![EventOutcome::Ignored(IgnoreReason::Duplicate)]
     );
     // What was applied after the backup is applied again.
-    let again_b = message(4, "av", "1.30", vec![feed_event_json(1, 3, 30, true)]);
+    let again_b = feed_message(4, "av", "1.30", &[(1, 3, 30, true)]);
     let plan = run(&mut restored, &[again_b]);
     assert_eq!(plan.events, vec![EventOutcome::Removed]);
     let held = restored.copy.get(&subject(1)).unwrap();

@@ -242,6 +242,25 @@ fn limit_from(query: &HashMap<String, String>) -> Result<usize, ApiError> {
     }
 }
 
+/// What a paged read asks: the caller's key, the selection, the page size and the cursor.
+struct PageRead<'q> {
+    token: String,
+    selection: Selection,
+    limit: usize,
+    cursor: Option<&'q str>,
+}
+
+impl<'q> PageRead<'q> {
+    fn of(headers: &HeaderMap, query: &'q HashMap<String, String>) -> Result<Self, ApiError> {
+        Ok(Self {
+            token: bearer(headers)?,
+            selection: selection_from(query)?,
+            limit: limit_from(query)?,
+            cursor: query.get("cursor").map(String::as_str),
+        })
+    }
+}
+
 async fn endpoint_view(
     State(sim): State<Arc<Simulation>>,
     headers: HeaderMap,
@@ -259,16 +278,14 @@ async fn feed(
     headers: HeaderMap,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
-    let token = bearer(&headers)?;
-    let selection = selection_from(&query)?;
-    let limit = limit_from(&query)?;
+    let read = PageRead::of(&headers, &query)?;
     maybe_slow(&sim).await;
     let now_ms = sim.clock.now_ms();
     let page = sim.lock().feed_page(
-        &token,
-        &selection,
-        query.get("cursor").map(String::as_str),
-        limit,
+        &read.token,
+        &read.selection,
+        read.cursor,
+        read.limit,
         now_ms,
     )?;
     sim.wake.notify_waiters();
@@ -280,21 +297,19 @@ async fn feed_since(
     headers: HeaderMap,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<Value>, ApiError> {
-    let token = bearer(&headers)?;
-    let selection = selection_from(&query)?;
-    let limit = limit_from(&query)?;
+    let read = PageRead::of(&headers, &query)?;
     let since = query
         .get("since")
         .ok_or_else(|| ApiError::BadRequest("since is required".into()))?;
     let include_event_ids = query.get("include_event_ids").map(String::as_str) == Some("true");
     maybe_slow(&sim).await;
     let answer = sim.lock().feed_since(
-        &token,
-        &selection,
+        &read.token,
+        &read.selection,
         since,
         include_event_ids,
-        query.get("cursor").map(String::as_str),
-        limit,
+        read.cursor,
+        read.limit,
     )?;
     Ok(Json(answer))
 }

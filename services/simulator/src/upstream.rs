@@ -549,6 +549,12 @@ impl Upstream {
     ) -> Result<String, ModelError> {
         self.keep_snapshot();
         let version = self.world.set_access(token, company_id, access)?;
+        self.reset_endpoints_of_key(token, "access_changed", now_ms);
+        Ok(version)
+    }
+
+    /// Queues a reset (for `reason`) on every endpoint of the key `token`.
+    fn reset_endpoints_of_key(&mut self, token: &str, reason: &str, now_ms: u64) {
         let ids: Vec<Uuid> = self
             .endpoints
             .values()
@@ -556,9 +562,8 @@ impl Upstream {
             .map(|e| e.id)
             .collect();
         for id in ids {
-            self.queue_reset(id, "access_changed", now_ms);
+            self.queue_reset(id, reason, now_ms);
         }
-        Ok(version)
     }
 
     // ---- the sender --------------------------------------------------------------------------
@@ -1187,15 +1192,7 @@ impl Upstream {
         }
         let p_reset = self.faults.reset_mid_reload.clamp(0.0, 1.0);
         if self.api_rng.gen_bool(p_reset) {
-            let ids: Vec<Uuid> = self
-                .endpoints
-                .values()
-                .filter(|e| e.key_token == token)
-                .map(|e| e.id)
-                .collect();
-            for id in ids {
-                self.queue_reset(id, "behind", now_ms);
-            }
+            self.reset_endpoints_of_key(token, "behind", now_ms);
             tracing::info!(token, "fault: newer reset mid-reload");
         }
     }

@@ -44,6 +44,16 @@ pub fn update_json(id: &str, subject_n: u32, sequence: u64, item: Value) -> Valu
            "sequence": seq(sequence).as_str(), "specversion": "1.0", "data": item})
 }
 
+/// [`update_json`] carrying an item of no parts whose `seq` is the event's sequence.
+pub fn plain_update_json(id: &str, subject_n: u32, sequence: u64, note: &str) -> Value {
+    update_json(
+        id,
+        subject_n,
+        sequence,
+        item_json(subject_n, sequence, &[], note),
+    )
+}
+
 /// An `announcement.<action>` removal event's JSON at `sequence`.
 pub fn removal_json(id: &str, action: &str, subject_n: u32, sequence: u64) -> Value {
     json!({"id": id, "type": format!("announcement.{action}"), "subject": subject(subject_n),
@@ -154,4 +164,19 @@ pub fn feed_event_json(subject_n: u32, generation: u64, sequence: u64, removal: 
     } else {
         update_json(&id, subject_n, sequence, content(subject_n, sequence).raw)
     }
+}
+
+/// A feed message of `generation` under `access_version` holding one [`feed_event_json`] per
+/// (subject, generation, sequence, removal).
+pub fn feed_message(
+    generation: u64,
+    access_version: &str,
+    through: &str,
+    events: &[(u32, u64, u64, bool)],
+) -> Message {
+    let events = events
+        .iter()
+        .map(|&(s, g, n, r)| feed_event_json(s, g, n, r))
+        .collect();
+    message(generation, access_version, through, events)
 }

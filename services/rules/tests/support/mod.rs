@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::common::{content, feed_message, subject};
 use proptest::prelude::ProptestConfig;
 use relay_rules::{
     decide_event, feed_subject, Decision, Endpoint, FeedCopy, Held, HeldContent, MergePlan,
@@ -30,6 +31,20 @@ pub fn stored(messages: &[Message]) -> Vec<StoredMessage> {
 /// One run of `messages` with no refetch read.
 pub fn run(endpoint: &mut Endpoint, messages: &[Message]) -> RunPlan {
     endpoint.run(&stored(messages), &HashMap::new())
+}
+
+/// One run of one [`feed_message`].
+pub fn run_feed(
+    endpoint: &mut Endpoint,
+    generation: u64,
+    access_version: &str,
+    through: &str,
+    events: &[(u32, u64, u64, bool)],
+) -> RunPlan {
+    run(
+        endpoint,
+        &[feed_message(generation, access_version, through, events)],
+    )
 }
 
 /// One run of one message, with these refetch reads.
@@ -80,6 +95,13 @@ pub fn positions(copy: &FeedCopy) -> Vec<(String, u64, u64, bool)> {
         .collect()
 }
 
+/// [`positions`] as the tests write them: (subject number, generation, seq number, tombstone).
+pub fn positions_of(rows: &[(u32, u64, u64, bool)]) -> Vec<(String, u64, u64, bool)> {
+    rows.iter()
+        .map(|&(n, generation, seq, tombstone)| (subject(n), generation, seq, tombstone))
+        .collect()
+}
+
 /// The copy's items (tombstones left out), by subject.
 pub fn items(copy: &FeedCopy) -> BTreeMap<String, Value> {
     copy.rows()
@@ -105,6 +127,26 @@ pub fn replay(changes: &[ModelChange]) -> BTreeMap<String, Value> {
         }
     }
     held
+}
+
+/// The outbox row that stores [`content`]`(subject_n, sequence)` under `subject_n`.
+pub fn upsert(subject_n: u32, sequence: u64) -> ModelChange {
+    ModelChange::Upsert {
+        subject: subject(subject_n),
+        item: content(subject_n, sequence).raw,
+    }
+}
+
+/// The outbox row that removes `subject_n`.
+pub fn remove(subject_n: u32) -> ModelChange {
+    ModelChange::Remove {
+        subject: subject(subject_n),
+    }
+}
+
+/// The endpoint's outbox, replayed, holds what its copy holds.
+pub fn assert_replays(endpoint: &Endpoint) {
+    assert_eq!(replay(&endpoint.changes), items(&endpoint.copy));
 }
 
 /// Whether `held` is an item (not a tombstone).

@@ -1,12 +1,17 @@
 //! Helpers: a small upstream with one company set, keys and endpoints, and a virtual receiver.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
-use relay_simulator::model::{Access, Filter, World};
+use relay_simulator::driver::Simulation;
+use relay_simulator::model::{Access, ChangeKind, Filter, World};
 use relay_simulator::upstream::{Answer, EndpointSpec, Outgoing, SenderConfig, Upstream};
 use relay_simulator::workload::companies;
 use relay_simulator::Faults;
-use relay_wire::SigningSecret;
+use relay_wire::{ItemKind, SigningSecret};
+use serde_json::Value;
 use uuid::Uuid;
 
 pub const KEY: &str = "qk_test";
@@ -65,4 +70,61 @@ pub fn drain(
 
 pub fn ok(_: &Outgoing) -> Answer {
     Answer::status(200)
+}
+
+/// Creates the announcement "item {n}" of company 28 at `1_791_439_200_000 + n` ms.
+pub fn create_item(upstream: &mut Upstream, n: i64) {
+    upstream
+        .create_item(
+            ItemKind::Announcement,
+            28,
+            &format!("item {n}"),
+            1_791_439_200_000 + n,
+        )
+        .unwrap();
+}
+
+/// `upstream` driven by a [`Simulation`] whose API listens on a free local port.
+pub async fn serve(upstream: Upstream) -> (Arc<Simulation>, SocketAddr) {
+    let sim = Simulation::new(upstream, Duration::from_secs(2));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = relay_simulator::api::serve(listener, sim.clone())
+        .await
+        .unwrap();
+    (sim, addr)
+}
+
+/// One request, bearing `token` and carrying `body` as JSON where given: the status and text.
+pub async fn call(
+    client: &reqwest::Client,
+    method: reqwest::Method,
+    url: String,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> (u16, String) {
+    let mut request = client.request(method, url);
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.text().await.unwrap())
+}
+
+/// Changes the item announcement:88001 by `kind` (of `text`) at `1_791_439_300_000` ms.
+pub fn change_item_88001(upstream: &mut Upstream, kind: ChangeKind, text: &str) {
+    upstream
+        .change_item("announcement:88001", kind, text, 1_791_439_300_000, false)
+        .unwrap();
+}
+
+/// [`upstream`] with one [`endpoint`] at a URL nothing serves: its messages are taken by
+/// [`drain`] (or `poll_send`).
+pub fn upstream_with_endpoint(initial_reset: bool) -> (Upstream, Uuid) {
+    let mut upstream = upstream(SenderConfig::default());
+    let id = endpoint(&mut upstream, "http://x/{id}", initial_reset);
+    (upstream, id)
 }

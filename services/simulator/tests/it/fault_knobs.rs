@@ -7,25 +7,14 @@ use relay_wire::ItemKind;
 
 use crate::common::{self, drain, ok, KEY, WALL};
 
-fn create(up: &mut relay_simulator::Upstream, n: i64) {
-    up.create_item(
-        ItemKind::Announcement,
-        28,
-        &format!("item {n}"),
-        1_791_439_200_000 + n,
-    )
-    .unwrap();
-}
-
 #[test]
 fn duplicate_delivers_the_same_message_again() {
-    let mut up = common::upstream(SenderConfig::default());
-    let id = common::endpoint(&mut up, "http://x/{id}", false);
+    let (mut up, id) = common::upstream_with_endpoint(false);
     up.set_faults(Faults {
         duplicate: 1.0,
         ..Faults::default()
     });
-    create(&mut up, 1);
+    common::create_item(&mut up, 1);
     let sent = drain(&mut up, id, 0, ok);
     assert_eq!(sent.len(), 2);
     assert_eq!(sent[1].kind, MessageKind::Duplicate);
@@ -35,15 +24,14 @@ fn duplicate_delivers_the_same_message_again() {
 
 #[test]
 fn redeliver_old_sends_an_older_message_after_newer_ones() {
-    let mut up = common::upstream(SenderConfig::default());
-    let id = common::endpoint(&mut up, "http://x/{id}", false);
+    let (mut up, id) = common::upstream_with_endpoint(false);
     up.set_faults(Faults {
         redeliver_old: 1.0,
         ..Faults::default()
     });
     let mut sent = Vec::new();
     for n in 0..4 {
-        create(&mut up, n);
+        common::create_item(&mut up, n);
         sent.extend(drain(&mut up, id, 0, ok));
     }
     let redelivery = sent
@@ -59,10 +47,9 @@ fn redeliver_old_sends_an_older_message_after_newer_ones() {
 
 #[test]
 fn rewind_fault_resends_under_a_new_generation_without_a_reset() {
-    let mut up = common::upstream(SenderConfig::default());
-    let id = common::endpoint(&mut up, "http://x/{id}", false);
+    let (mut up, id) = common::upstream_with_endpoint(false);
     for n in 0..3 {
-        create(&mut up, n);
+        common::create_item(&mut up, n);
         drain(&mut up, id, 0, ok);
     }
     let generation = up.generation(id).unwrap();
@@ -70,7 +57,7 @@ fn rewind_fault_resends_under_a_new_generation_without_a_reset() {
         rewind: 1.0,
         ..Faults::default()
     });
-    create(&mut up, 9);
+    common::create_item(&mut up, 9);
     let out = up.poll_send(id, 0, WALL).unwrap();
     up.on_answer(
         id,
@@ -89,8 +76,8 @@ fn rewind_fault_resends_under_a_new_generation_without_a_reset() {
 #[test]
 fn stale_reads_serve_a_snapshot_from_before_recent_changes() {
     let mut up = common::upstream(SenderConfig::default());
-    create(&mut up, 1);
-    create(&mut up, 2);
+    common::create_item(&mut up, 1);
+    common::create_item(&mut up, 2);
     up.set_faults(Faults {
         stale_reads: 1.0,
         ..Faults::default()
@@ -107,14 +94,13 @@ fn stale_reads_serve_a_snapshot_from_before_recent_changes() {
 
 #[test]
 fn stale_reads_never_predate_what_the_keys_endpoints_were_sent() {
-    let mut up = common::upstream(SenderConfig::default());
-    let id = common::endpoint(&mut up, "http://x/{id}", false);
+    let (mut up, id) = common::upstream_with_endpoint(false);
     let first = up
         .create_item(ItemKind::Announcement, 28, "gone soon", 1_791_439_200_000)
         .unwrap()
         .feed_item_id;
     for n in 1..4 {
-        create(&mut up, n);
+        common::create_item(&mut up, n);
     }
     drain(&mut up, id, 0, ok);
     up.change_item(&first, ChangeKind::Withdrawn, "", 1_791_439_200_100, false)
@@ -150,10 +136,9 @@ fn stale_reads_never_predate_what_the_keys_endpoints_were_sent() {
 
 #[test]
 fn reset_mid_reload_resets_the_keys_endpoints_between_pages() {
-    let mut up = common::upstream(SenderConfig::default());
-    let id = common::endpoint(&mut up, "http://x/{id}", false);
+    let (mut up, id) = common::upstream_with_endpoint(false);
     for n in 0..4 {
-        create(&mut up, n);
+        common::create_item(&mut up, n);
     }
     drain(&mut up, id, 0, ok);
     up.set_faults(Faults {

@@ -3,11 +3,9 @@
 //! exactly the oracle. Item reads: 200, 404 with access_version, and the load balancer's 404.
 
 use std::collections::BTreeSet;
-use std::time::Duration;
 
-use relay_simulator::driver::Simulation;
 use relay_simulator::model::{Access, ChangeKind, Selection};
-use relay_simulator::upstream::{ItemRead, SenderConfig, Upstream};
+use relay_simulator::upstream::{ItemRead, Upstream};
 use relay_simulator::Faults;
 use relay_wire::{ItemKind, Sequence};
 use serde_json::Value;
@@ -16,8 +14,7 @@ use uuid::Uuid;
 use crate::common::{self, KEY};
 
 fn with_items(count: usize) -> (Upstream, Uuid) {
-    let mut up = common::upstream(SenderConfig::default());
-    let id = common::endpoint(&mut up, "http://x/{id}", false);
+    let (mut up, id) = common::upstream_with_endpoint(false);
     let companies: Vec<i64> = up.world.companies.keys().copied().collect();
     for n in 0..count {
         let company = companies[n % companies.len()];
@@ -125,14 +122,7 @@ fn a_content_change_between_pages_keeps_the_access_version() {
     // Not an access change: items change, pages agree, and the reader relies on events.
     let (mut up, _) = with_items(6);
     let (versions, _) = read_pass(&mut up, 2, &mut |up, _| {
-        up.change_item(
-            "announcement:88001",
-            ChangeKind::StoryAdded,
-            "s",
-            1_791_439_300_000,
-            false,
-        )
-        .unwrap_or_else(|_| panic!());
+        common::change_item_88001(up, ChangeKind::StoryAdded, "s");
     });
     assert!(versions.iter().all(|v| *v == versions[0]));
 }
@@ -146,14 +136,7 @@ fn item_reads_answer_found_gone_and_load_balancer_404() {
     };
     assert_eq!(found["item"]["lang"], "sv");
     assert_eq!(found["sequence"], Sequence::from_parts(1, 1001).as_str());
-    up.change_item(
-        "announcement:88001",
-        ChangeKind::Withdrawn,
-        "",
-        1_791_439_300_000,
-        false,
-    )
-    .unwrap();
+    common::change_item_88001(&mut up, ChangeKind::Withdrawn, "");
     let ItemRead::Gone(gone) = up.item_read(KEY, "announcement:88001", "en", None).unwrap() else {
         panic!()
     };
@@ -177,23 +160,11 @@ async fn over_http_pages_carry_access_versions_and_errors_have_their_shapes() {
         lb_404: 0.0,
         ..Faults::default()
     });
-    let sim = Simulation::new(up, Duration::from_secs(2));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = relay_simulator::api::serve(listener, sim.clone())
-        .await
-        .unwrap();
+    let (sim, addr) = common::serve(up).await;
     let client = reqwest::Client::new();
     let get = |path: String, token: Option<&'static str>| {
-        let mut request = client.get(format!("http://{addr}{path}"));
-        if let Some(token) = token {
-            request = request.bearer_auth(token);
-        }
-        async move {
-            let response = request.send().await.unwrap();
-            let status = response.status().as_u16();
-            let text = response.text().await.unwrap();
-            (status, text)
-        }
+        let url = format!("http://{addr}{path}");
+        common::call(&client, reqwest::Method::GET, url, token, None)
     };
     assert_eq!(get("/v1/feed".into(), None).await.0, 401);
     let (status, first) = get("/v1/feed?lang=en&limit=4".into(), Some(KEY)).await;
@@ -255,20 +226,13 @@ async fn an_expired_cursor_answers_410_and_the_first_page_is_served_again() {
         cursor_expired: 1.0,
         ..Faults::default()
     });
-    let sim = Simulation::new(up, Duration::from_secs(2));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = relay_simulator::api::serve(listener, sim.clone())
-        .await
-        .unwrap();
+    let (_sim, addr) = common::serve(up).await;
     let client = reqwest::Client::new();
     let get = |url: String| {
-        let request = client.get(url).bearer_auth(KEY);
+        let answer = common::call(&client, reqwest::Method::GET, url, Some(KEY), None);
         async move {
-            let response = request.send().await.unwrap();
-            (
-                response.status().as_u16(),
-                response.json::<Value>().await.unwrap(),
-            )
+            let (status, text) = answer.await;
+            (status, serde_json::from_str::<Value>(&text).unwrap())
         }
     };
     let (status, first) = get(format!("http://{addr}/v1/feed?lang=en&limit=4")).await;

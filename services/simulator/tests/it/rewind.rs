@@ -1,25 +1,29 @@
 //! Each rewind refusal in the situation the wire file's reading rules name, and an accepted
 //! rewind: a new generation, a resend from `since`, no reset. Pure core first, then over HTTP.
 
-use std::time::Duration;
-
-use relay_simulator::driver::Simulation;
 use relay_simulator::model::{Access, ChangeKind};
-use relay_simulator::upstream::{MessageKind, RewindRefusal, SenderConfig};
-use relay_wire::{Cursor, ItemKind, Message};
+use relay_simulator::upstream::{MessageKind, RewindRefusal, Upstream};
+use relay_wire::{Cursor, Message};
 use serde_json::{json, Value};
+use uuid::Uuid;
 
-use crate::common::{self, drain, ok, KEY};
+use crate::common::{self, call, drain, ok, KEY};
 
 fn cursor(epoch: u64, seq: u64) -> Cursor {
     Cursor { epoch, seq }
 }
 
+/// Each rewind to the cursor is refused for its reason, in order.
+fn assert_refused(up: &mut Upstream, id: Uuid, cases: &[(Cursor, RewindRefusal)]) {
+    for (since, refusal) in cases {
+        assert_eq!(up.rewind(id, *since, 0), Err(*refusal), "{since:?}");
+    }
+}
+
 #[test]
 fn each_refusal_happens_in_its_situation() {
-    let mut up = common::upstream(SenderConfig::default());
     // The endpoint starts with a reset (reason created), resume_from 1.1000.
-    let id = common::endpoint(&mut up, "http://x/{id}", true);
+    let (mut up, id) = common::upstream_with_endpoint(true);
 
     // reset_pending: a reset is queued and not yet delivered.
     assert_eq!(
@@ -30,39 +34,24 @@ fn each_refusal_happens_in_its_situation() {
     assert_eq!(sent[0].kind, MessageKind::Reset);
 
     for n in 0..4 {
-        up.create_item(
-            ItemKind::Announcement,
-            28,
-            &format!("item {n}"),
-            1_791_439_200_000 + n,
-        )
-        .unwrap();
+        common::create_item(&mut up, n);
     }
     drain(&mut up, id, 0, ok);
     assert_eq!(up.delivered_through(id), Some(cursor(1, 1004)));
 
-    // before_reset: the backup is no newer than the last reset (resume_from 1.1000).
-    assert_eq!(
-        up.rewind(id, cursor(1, 1000), 0),
-        Err(RewindRefusal::BeforeReset)
-    );
-    assert_eq!(
-        up.rewind(id, cursor(1, 999), 0),
-        Err(RewindRefusal::BeforeReset)
-    );
-    // cursor_ahead: past the feed's head.
-    assert_eq!(
-        up.rewind(id, cursor(1, 1005), 0),
-        Err(RewindRefusal::CursorAhead)
-    );
-    // cursor_not_in_epoch: another epoch than the feed's.
-    assert_eq!(
-        up.rewind(id, cursor(2, 1002), 0),
-        Err(RewindRefusal::CursorNotInEpoch)
-    );
-    assert_eq!(
-        up.rewind(id, cursor(0, 1002), 0),
-        Err(RewindRefusal::CursorNotInEpoch)
+    assert_refused(
+        &mut up,
+        id,
+        &[
+            // before_reset: the backup is no newer than the last reset (resume_from 1.1000).
+            (cursor(1, 1000), RewindRefusal::BeforeReset),
+            (cursor(1, 999), RewindRefusal::BeforeReset),
+            // cursor_ahead: past the feed's head.
+            (cursor(1, 1005), RewindRefusal::CursorAhead),
+            // cursor_not_in_epoch: another epoch than the feed's.
+            (cursor(2, 1002), RewindRefusal::CursorNotInEpoch),
+            (cursor(0, 1002), RewindRefusal::CursorNotInEpoch),
+        ],
     );
 
     // Accepted: generation + 1, resend from since, no reset.
@@ -86,14 +75,7 @@ fn each_refusal_happens_in_its_situation() {
     );
 
     // An access change queues a reset: reset_pending until it is delivered.
-    up.change_item(
-        "announcement:88001",
-        ChangeKind::StoryAdded,
-        "s",
-        1_791_439_300_000,
-        false,
-    )
-    .unwrap();
+    common::change_item_88001(&mut up, ChangeKind::StoryAdded, "s");
     up.set_access(KEY, 31, Some(Access::Teaser), 0).unwrap();
     assert_eq!(
         up.rewind(id, up.world.head(), 0),
@@ -106,17 +88,10 @@ fn each_refusal_happens_in_its_situation() {
 /// before) is ahead, and the messages that follow overlap it.
 #[test]
 fn a_rewind_past_where_the_track_sends_from_is_cursor_ahead() {
-    let mut up = common::upstream(SenderConfig::default());
-    let id = common::endpoint(&mut up, "http://x/{id}", true);
+    let (mut up, id) = common::upstream_with_endpoint(true);
     drain(&mut up, id, 0, ok);
     for n in 0..4 {
-        up.create_item(
-            ItemKind::Announcement,
-            28,
-            &format!("item {n}"),
-            1_791_439_200_000 + n,
-        )
-        .unwrap();
+        common::create_item(&mut up, n);
         drain(&mut up, id, 0, ok);
     }
     assert_eq!(up.delivered_through(id), Some(cursor(1, 1004)));
@@ -124,13 +99,13 @@ fn a_rewind_past_where_the_track_sends_from_is_cursor_ahead() {
 
     // The upstream rewinds the track on its side; nothing is resent yet.
     assert_eq!(up.rewind(id, cursor(1, 1002), 0), Ok(generation + 1));
-    assert_eq!(
-        up.rewind(id, cursor(1, 1004), 0),
-        Err(RewindRefusal::CursorAhead)
-    );
-    assert_eq!(
-        up.rewind(id, cursor(1, 1003), 0),
-        Err(RewindRefusal::CursorAhead)
+    assert_refused(
+        &mut up,
+        id,
+        &[
+            (cursor(1, 1004), RewindRefusal::CursorAhead),
+            (cursor(1, 1003), RewindRefusal::CursorAhead),
+        ],
     );
     assert_eq!(up.generation(id), Some(generation + 1), "nothing changed");
 
@@ -146,66 +121,30 @@ fn a_rewind_past_where_the_track_sends_from_is_cursor_ahead() {
     assert_eq!(up.rewind(id, cursor(1, 1004), 0), Ok(generation + 2));
 }
 
-async fn call(
-    client: &reqwest::Client,
-    method: reqwest::Method,
-    url: String,
-    token: Option<&str>,
-    body: Option<Value>,
-) -> (u16, String) {
-    let mut request = client.request(method, url);
-    if let Some(token) = token {
-        request = request.bearer_auth(token);
-    }
-    if let Some(body) = body {
-        request = request.json(&body);
-    }
-    let response = request.send().await.unwrap();
-    let status = response.status().as_u16();
-    (status, response.text().await.unwrap())
-}
-
 #[tokio::test]
 async fn the_api_answers_202_409_and_401() {
-    let mut up = common::upstream(SenderConfig::default());
-    let id = common::endpoint(&mut up, "http://x/{id}", true);
+    let (mut up, id) = common::upstream_with_endpoint(true);
     drain(&mut up, id, 0, ok);
     for n in 0..3 {
-        up.create_item(
-            ItemKind::Announcement,
-            28,
-            &format!("item {n}"),
-            1_791_439_200_000 + n,
-        )
-        .unwrap();
+        common::create_item(&mut up, n);
     }
     drain(&mut up, id, 0, ok);
-    let sim = Simulation::new(up, Duration::from_secs(2));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = relay_simulator::api::serve(listener, sim.clone())
-        .await
-        .unwrap();
+    let (sim, addr) = common::serve(up).await;
     let client = reqwest::Client::new();
     let rewind_url = format!("http://{addr}/v1/webhook-endpoints/{id}/tracks/feed/rewind");
-    let post = reqwest::Method::POST;
+    let rewind = |token: Option<&'static str>, since: &str| {
+        call(
+            &client,
+            reqwest::Method::POST,
+            rewind_url.clone(),
+            token,
+            Some(json!({"since": since})),
+        )
+    };
 
-    let (status, _) = call(
-        &client,
-        post.clone(),
-        rewind_url.clone(),
-        None,
-        Some(json!({"since": "1.1002"})),
-    )
-    .await;
+    let (status, _) = rewind(None, "1.1002").await;
     assert_eq!(status, 401);
-    let (status, _) = call(
-        &client,
-        post.clone(),
-        rewind_url.clone(),
-        Some("wrong"),
-        Some(json!({"since": "1.1002"})),
-    )
-    .await;
+    let (status, _) = rewind(Some("wrong"), "1.1002").await;
     assert_eq!(status, 401);
 
     for (since, error) in [
@@ -213,14 +152,7 @@ async fn the_api_answers_202_409_and_401() {
         ("1.2000", "cursor_ahead"),
         ("7.1002", "cursor_not_in_epoch"),
     ] {
-        let (status, text) = call(
-            &client,
-            post.clone(),
-            rewind_url.clone(),
-            Some(KEY),
-            Some(json!({"since": since})),
-        )
-        .await;
+        let (status, text) = rewind(Some(KEY), since).await;
         assert_eq!(status, 409, "{since}");
         assert_eq!(
             serde_json::from_str::<Value>(&text).unwrap(),
@@ -228,14 +160,7 @@ async fn the_api_answers_202_409_and_401() {
         );
     }
     let generation = sim.lock().generation(id).unwrap();
-    let (status, text) = call(
-        &client,
-        post.clone(),
-        rewind_url.clone(),
-        Some(KEY),
-        Some(json!({"since": "1.1002"})),
-    )
-    .await;
+    let (status, text) = rewind(Some(KEY), "1.1002").await;
     assert_eq!(status, 202);
     assert_eq!(
         serde_json::from_str::<Value>(&text).unwrap(),
@@ -268,14 +193,7 @@ async fn the_api_answers_202_409_and_401() {
 
     sim.change(|up, now| up.set_access(KEY, 31, None, now))
         .unwrap();
-    let (status, text) = call(
-        &client,
-        post,
-        rewind_url,
-        Some(KEY),
-        Some(json!({"since": "1.1003"})),
-    )
-    .await;
+    let (status, text) = rewind(Some(KEY), "1.1003").await;
     assert_eq!(
         (status, text.as_str()),
         (409, r#"{"error":"reset_pending"}"#)

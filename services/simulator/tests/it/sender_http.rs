@@ -170,8 +170,7 @@ async fn retries_halves_and_pauses_as_the_wire_file_says() {
 
 #[test]
 fn a_single_items_413_is_sent_again_as_its_refetch() {
-    let mut up = common::upstream(SenderConfig::default());
-    let id = common::endpoint(&mut up, "http://x/{id}", false);
+    let (mut up, id) = common::upstream_with_endpoint(false);
     up.create_item(ItemKind::Announcement, 28, "big", 1_791_439_200_000)
         .unwrap();
     let first = up.poll_send(id, 0, common::WALL).unwrap();

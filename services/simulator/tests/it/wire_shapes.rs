@@ -311,8 +311,7 @@ fn every_message_has_its_wire_example_shape() {
 
 #[test]
 fn event_ids_name_a_change_under_one_access_and_language() {
-    let mut up = common::upstream(SenderConfig::default());
-    let id = common::endpoint(&mut up, "http://x/{id}", false);
+    let (mut up, id) = common::upstream_with_endpoint(false);
     up.create_item(ItemKind::Announcement, 28, "A", 1_791_439_200_000)
         .unwrap();
     let first = drain(&mut up, id, 0, ok);
