@@ -261,13 +261,18 @@ pub async fn apply_events(db: &TestDb, tenant: Uuid, endpoint: Uuid, events: &[V
     let body = json!({"v": 1, "webhook_endpoint_id": endpoint, "track": "feed", "generation": 1,
                       "access_version": "av1", "events": events});
     let messages = [Ok(Message::parse(body.to_string().as_bytes()).unwrap())];
-    tracks::transition(&db.pool, tenant, endpoint, |track| {
-        (track.generation.is_none()).then(|| EndpointTrack {
-            generation: Some(1),
-            access_version: Some("av1".to_owned()),
-            ..track.clone()
-        })
-    })
+    tracks::transition(
+        &db.pool,
+        relay_store::TenantId(tenant),
+        relay_store::EndpointId(endpoint),
+        |track| {
+            (track.generation.is_none()).then(|| EndpointTrack {
+                generation: Some(1),
+                access_version: Some("av1".to_owned()),
+                ..track.clone()
+            })
+        },
+    )
     .await
     .unwrap();
     let token = db.claim_fence(endpoint).await;
@@ -275,8 +280,8 @@ pub async fn apply_events(db: &TestDb, tenant: Uuid, endpoint: Uuid, events: &[V
     let mut tx = db.pool.begin().await.unwrap();
     let claim = RunClaim {
         claim: TrackClaim {
-            endpoint,
-            tenant,
+            endpoint: relay_store::EndpointId(endpoint),
+            tenant: relay_store::TenantId(tenant),
             token,
         },
         event_ids: &ids,
@@ -296,10 +301,12 @@ pub async fn apply_events(db: &TestDb, tenant: Uuid, endpoint: Uuid, events: &[V
     };
     let plan = decide_run(run, opened.held);
     assert!(plan.events.iter().all(|e| e.applied()), "{plan:?}");
-    let cursor = cursors::applied_through(&mut *tx, endpoint).await.unwrap();
+    let cursor = cursors::applied_through(&mut *tx, relay_store::EndpointId(endpoint))
+        .await
+        .unwrap();
     let write = RunWrite {
-        endpoint,
-        tenant,
+        endpoint: relay_store::EndpointId(endpoint),
+        tenant: relay_store::TenantId(tenant),
         plan: &plan,
         from: cursor,
         to: cursor,

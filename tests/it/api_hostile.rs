@@ -327,7 +327,7 @@ async fn the_sequencers_reads_follow_no_redirect_and_reach_no_refused_address() 
         &relay_netguard::TrustRoots::platform(),
     );
     let client = UpstreamClient::new(open, Some(&redirecting), Some("qk_secret_key")).unwrap();
-    match client.selection(endpoint).await {
+    match client.selection(relay_store::EndpointId(endpoint)).await {
         Err(UpstreamError::Status { status, .. }) => assert_eq!(status.as_u16(), 302),
         other => panic!("{other:?}"),
     }
@@ -354,7 +354,7 @@ async fn the_sequencers_reads_follow_no_redirect_and_reach_no_refused_address() 
             &relay_netguard::TrustRoots::platform(),
         );
         let client = UpstreamClient::new(strict, Some(&url), Some("qk_secret_key")).unwrap();
-        match client.selection(endpoint).await {
+        match client.selection(relay_store::EndpointId(endpoint)).await {
             Err(UpstreamError::Refused { refusal, .. }) => {
                 assert!(refusal.to_string().contains("loopback"), "{url}: {refusal}")
             }

@@ -622,7 +622,7 @@ struct Case<'a> {
 
 impl Case<'_> {
     fn endpoint(&self) -> Uuid {
-        self.writer.claim.endpoint
+        self.writer.claim.endpoint.0
     }
 
     fn generation(&self, g: Gen) -> u64 {
@@ -939,7 +939,9 @@ impl Case<'_> {
             at
         );
 
-        let track = tracks::peek(pool, endpoint).await.unwrap();
+        let track = tracks::peek(pool, relay_store::EndpointId(endpoint))
+            .await
+            .unwrap();
         prop_assert_eq!(&track, &self.model.track, "the track after op {}", at);
         let applied = applied(pool, endpoint).await;
         prop_assert_eq!(
@@ -1292,7 +1294,7 @@ async fn an_older_update_after_a_removal_does_not_bring_the_item_back() {
     let (db, mut writer) = fresh().await;
     let endpoint = writer.claim.endpoint;
     let first = messages(
-        endpoint,
+        endpoint.0,
         1,
         vec![update_json("u5", 0, 5), removal_json("r6", "hidden", 0, 6)],
     );
@@ -1301,7 +1303,7 @@ async fn an_older_update_after_a_removal_does_not_bring_the_item_back() {
 
     // Late: an update older than the removal, and one at the removal's own sequence.
     let late = messages(
-        endpoint,
+        endpoint.0,
         1,
         vec![update_json("u4", 0, 4), update_json("u6", 0, 6)],
     );
@@ -1312,7 +1314,7 @@ async fn an_older_update_after_a_removal_does_not_bring_the_item_back() {
 
     // And the same decided by a writer that saw nothing held: the statement itself refuses it.
     let again = messages(
-        endpoint,
+        endpoint.0,
         1,
         vec![update_json("u4b", 0, 4), update_json("u6b", 0, 6)],
     );
@@ -1322,11 +1324,11 @@ async fn an_older_update_after_a_removal_does_not_bring_the_item_back() {
     assert_eq!(written.rows, 0, "the row was refused");
     assert_eq!(written.changes, 0, "no change for a refused row");
 
-    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let rows = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
     let held = &rows[&subject(0)];
     assert!(held.is_tombstone());
     assert_eq!((held.generation, &held.sequence), (1, &seq(6)));
-    let changes = copy::list_changes(&db.pool, endpoint).await.unwrap();
+    let changes = copy::list_changes(&db.pool, endpoint.0).await.unwrap();
     assert_eq!(
         operations(&changes),
         [
@@ -1347,23 +1349,23 @@ async fn a_stale_caller_cannot_overwrite_a_newer_row() {
     writer
         .run(
             &db.pool,
-            &messages(endpoint, 2, vec![update_json("u5", 0, 5)]),
+            &messages(endpoint.0, 2, vec![update_json("u5", 0, 5)]),
             &no_reads(),
         )
         .await;
-    let seen_before = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let seen_before = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
 
     // Meanwhile another writer stores the item at 8.
     writer
         .run(
             &db.pool,
-            &messages(endpoint, 2, vec![update_json("u8", 0, 8)]),
+            &messages(endpoint.0, 2, vec![update_json("u8", 0, 8)]),
             &no_reads(),
         )
         .await;
-    let newer = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let newer = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
     assert_eq!(newer[&s].sequence, seq(8));
-    let changes_before = copy::list_changes(&db.pool, endpoint).await.unwrap();
+    let changes_before = copy::list_changes(&db.pool, endpoint.0).await.unwrap();
 
     // Plans decided from the rows as they were before that write (the item at 5), or from
     // nothing held, each a position the row at 8 wins over.
@@ -1421,7 +1423,7 @@ async fn a_stale_caller_cannot_overwrite_a_newer_row() {
         ..Default::default()
     };
     for (what, generation, event, held, outcome) in stale {
-        let run = messages(endpoint, generation, vec![event]);
+        let run = messages(endpoint.0, generation, vec![event]);
         let track = (generation == 1).then(|| generation_1.clone());
         let (plan, written) = write_stale(&db.pool, writer.claim, &run, track, held).await;
         assert_eq!(plan.events, [outcome], "{what}: the stale decision");
@@ -1430,8 +1432,8 @@ async fn a_stale_caller_cannot_overwrite_a_newer_row() {
         assert_eq!(written.changes, 0, "{what}: no change appended");
     }
 
-    assert_eq!(copy::copy_rows(&db.pool, endpoint).await.unwrap(), newer);
-    let changes = copy::list_changes(&db.pool, endpoint).await.unwrap();
+    assert_eq!(copy::copy_rows(&db.pool, endpoint.0).await.unwrap(), newer);
+    let changes = copy::list_changes(&db.pool, endpoint.0).await.unwrap();
     assert_eq!(
         changes, changes_before,
         "the refused writes appended no change"
@@ -1446,7 +1448,7 @@ async fn a_run_that_waited_for_another_writer_cannot_overwrite_the_row_it_insert
     let (db, writer) = fresh().await;
     let endpoint = writer.claim.endpoint;
     let claim = writer.claim;
-    let update = |id: &str, n| messages(endpoint, 1, vec![update_json(id, 0, n)]);
+    let update = |id: &str, n| messages(endpoint.0, 1, vec![update_json(id, 0, n)]);
 
     // The other writer: holds the endpoint, inserts the item at 8, not yet committed.
     let theirs = update("u8", 8);
@@ -1478,9 +1480,9 @@ async fn a_run_that_waited_for_another_writer_cannot_overwrite_the_row_it_insert
     assert_eq!(written.rows, 0, "and its write was refused: {written:?}");
     assert_eq!(written.changes, 0);
 
-    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let rows = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
     assert_eq!(rows[&subject(0)].sequence, seq(8));
-    let changes = copy::list_changes(&db.pool, endpoint).await.unwrap();
+    let changes = copy::list_changes(&db.pool, endpoint.0).await.unwrap();
     assert_eq!(changes.len(), 1);
 }
 
@@ -1501,7 +1503,7 @@ async fn the_outbox_replayed_in_order_rebuilds_the_copys_items() {
 
     // Generation 1 under av0 (the first message begins the copy's reload), merged.
     let first = messages(
-        endpoint,
+        endpoint.0,
         1,
         vec![
             update_json("a", 0, 2),
@@ -1521,7 +1523,7 @@ async fn the_outbox_replayed_in_order_rebuilds_the_copys_items() {
 
     // Removals and updates.
     let more = messages(
-        endpoint,
+        endpoint.0,
         1,
         vec![
             removal_json("d", "hidden", 1, 3),
@@ -1534,7 +1536,7 @@ async fn the_outbox_replayed_in_order_rebuilds_the_copys_items() {
 
     // A message under another access_version at the held generation: a reload under it, whose
     // pass lacks subject 0 (withdrawn) and reads subject 2 again.
-    let other = vec![feed_message(endpoint, Some(1), "av1", 2, vec![])];
+    let other = vec![feed_message(endpoint.0, Some(1), "av1", 2, vec![])];
     writer.run(&db.pool, &other, &no_reads()).await;
     model.run(&other, &no_reads());
     let reload = model.track.reload.clone().unwrap();
@@ -1546,7 +1548,7 @@ async fn the_outbox_replayed_in_order_rebuilds_the_copys_items() {
     assert_eq!(merge.withdrawn, [(subject(0), seq(2))]);
 
     // A reset to generation 2: everything of generation 1 not read again is dropped.
-    let reset = vec![reset_message(endpoint, 2, "av1")];
+    let reset = vec![reset_message(endpoint.0, 2, "av1")];
     writer.run(&db.pool, &reset, &no_reads()).await;
     model.run(&reset, &no_reads());
     let reload = model.track.reload.clone().unwrap();
@@ -1554,9 +1556,9 @@ async fn the_outbox_replayed_in_order_rebuilds_the_copys_items() {
     writer.merge(&db.pool, &reload, &read).await;
     model.merge(&reload, &read);
 
-    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let rows = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
     assert_eq!(&rows, model.copy.rows());
-    let changes = copy::list_changes(&db.pool, endpoint).await.unwrap();
+    let changes = copy::list_changes(&db.pool, endpoint.0).await.unwrap();
     let numbers: Vec<i64> = changes.iter().map(|c| c.change_seq).collect();
     assert_eq!(numbers, (1..=changes.len() as i64).collect::<Vec<_>>());
     let outbox: Vec<ModelChange> = changes.iter().map(model_change).collect();
@@ -1595,7 +1597,7 @@ async fn a_merge_that_reads_the_held_item_again_raises_its_position_only() {
         let endpoint = writer.claim.endpoint;
         let mut model = Endpoint::new();
         // The item at 4 (the message begins the copy's first reload, under generation 1).
-        let first = messages(endpoint, 1, vec![update_json("u4", 0, 4)]);
+        let first = messages(endpoint.0, 1, vec![update_json("u4", 0, 4)]);
         writer.run(&db.pool, &first, &no_reads()).await;
         model.run(&first, &no_reads());
         if reset {
@@ -1608,7 +1610,7 @@ async fn a_merge_that_reads_the_held_item_again_raises_its_position_only() {
             let reload = model.track.reload.clone().unwrap();
             writer.merge(&db.pool, &reload, &first_pass).await;
             model.merge(&reload, &first_pass);
-            let reset = vec![reset_message(endpoint, 2, "av0")];
+            let reset = vec![reset_message(endpoint.0, 2, "av0")];
             writer.run(&db.pool, &reset, &no_reads()).await;
             model.run(&reset, &no_reads());
         }
@@ -1629,7 +1631,7 @@ async fn a_merge_that_reads_the_held_item_again_raises_its_position_only() {
             plan.writes
         );
         let merged = relay_store::copy::merge(&db.pool, writer.claim, &reload, &pass).await;
-        let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+        let rows = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
         outcomes.push((
             reset,
             merged.map_err(|e| e.to_string()),
@@ -1654,7 +1656,7 @@ async fn a_duplicate_event_id_is_recorded_once() {
     let (db, mut writer) = fresh().await;
     let endpoint = writer.claim.endpoint;
     let message = messages(
-        endpoint,
+        endpoint.0,
         1,
         vec![update_json("evt_2qyd41b3mqbv451ksq45hkm6tf", 0, 3)],
     );
@@ -1667,11 +1669,11 @@ async fn a_duplicate_event_id_is_recorded_once() {
     assert!(again.keep.is_empty() && again.changes.is_empty());
 
     let tenant = writer.claim.tenant;
-    let mut elsewhere = CopyWriter::new(&db, tenant, Uuid::new_v4()).await;
+    let mut elsewhere = CopyWriter::new(&db, tenant.0, Uuid::new_v4()).await;
     let there = elsewhere.run(&db.pool, &message, &no_reads()).await;
     assert_eq!(there.events, [EventOutcome::Stored]);
 
-    let rows: Vec<(Uuid, String)> =
+    let rows: Vec<(relay_store::EndpointId, String)> =
         sqlx::query_as("SELECT endpoint_id, event_id FROM applied_events ORDER BY endpoint_id")
             .fetch_all(&db.pool)
             .await
@@ -1725,7 +1727,7 @@ async fn applied_event_ids_past_their_retention_are_forgotten_in_batches() {
     }
     assert_eq!(batches, vec![2, 1]);
     assert_eq!(
-        applied(&db.pool, endpoint).await,
+        applied(&db.pool, endpoint.0).await,
         BTreeSet::from(["new-1".to_owned(), "new-2".to_owned()])
     );
     // What is still remembered is still a duplicate.

@@ -363,7 +363,10 @@ async fn a_hostile_tenant_cannot_hurt_another() {
     }
 
     // B's broker credentials: the broker itself refuses them on A's queue.
-    let _users = UsersGuard(vec![BrokerAccess::username(a), BrokerAccess::username(b)]);
+    let _users = UsersGuard(vec![
+        BrokerAccess::username(relay_store::TenantId(a)),
+        BrokerAccess::username(relay_store::TenantId(b)),
+    ]);
     api.ok(201, "POST", "/v1/broker/credentials", &a_token, None)
         .await;
     let made = api

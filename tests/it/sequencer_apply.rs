@@ -80,10 +80,13 @@ pub(crate) fn incoming(
 }
 
 pub(crate) async fn pending(db: &TestDb, endpoint: Uuid) -> (i64, Vec<PendingMessage>) {
-    let applied = cursors::applied_through(&db.pool, endpoint).await.unwrap();
-    let (_, messages) = cursors::pending_messages(&db.pool, endpoint, applied, 100)
+    let applied = cursors::applied_through(&db.pool, relay_store::EndpointId(endpoint))
         .await
         .unwrap();
+    let (_, messages) =
+        cursors::pending_messages(&db.pool, relay_store::EndpointId(endpoint), applied, 100)
+            .await
+            .unwrap();
     (applied, messages)
 }
 
@@ -159,8 +162,8 @@ async fn add_endpoint(
     .unwrap();
     let ctx = Arc::new(EndpointContext::new(
         EndpointRegistration {
-            id: endpoint,
-            tenant_id: tenant,
+            id: relay_store::EndpointId(endpoint),
+            tenant_id: relay_store::TenantId(tenant),
             upstream_api_key: upstream_base_url.as_ref().map(|_| "key".to_owned()),
             upstream_base_url,
         },
@@ -197,7 +200,7 @@ async fn a_worker_whose_fence_moved_on_writes_nothing() {
         .unwrap()
         .is_empty());
     assert_eq!(
-        cursors::applied_through(&s.db.pool, s.endpoint)
+        cursors::applied_through(&s.db.pool, relay_store::EndpointId(s.endpoint))
             .await
             .unwrap(),
         0
@@ -286,7 +289,9 @@ async fn a_run_of_messages_applies_in_order_with_duplicates_and_older_generation
         .with_label_values(&["ignored_duplicate"])
         .get();
     assert_eq!(duplicates, 1);
-    let track = tracks::peek(&s.db.pool, s.endpoint).await.unwrap();
+    let track = tracks::peek(&s.db.pool, relay_store::EndpointId(s.endpoint))
+        .await
+        .unwrap();
     assert_eq!(track.generation, Some(2));
     assert_eq!(
         track.through.as_deref(),
@@ -361,7 +366,7 @@ async fn the_ids_of_messages_that_do_not_apply_are_not_kept() {
 
 /// A run prepared from what is stored past the endpoint's cursor.
 async fn prepared(db: &TestDb, ctx: &Arc<EndpointContext>, token: i64) -> PreparedRun {
-    let (applied, messages) = pending(db, ctx.id()).await;
+    let (applied, messages) = pending(db, ctx.id().0).await;
     let through = messages.last().map_or(applied, |m| m.arrival_seq);
     let metrics = SequencerMetrics::unregistered();
     prepare_run(&db.pool, ctx, token, (applied, through), messages, &metrics)
@@ -417,9 +422,24 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
     );
     assert_eq!(seqs(&copy::list_changes(&s.db.pool, b).await.unwrap()), [1]);
     assert!(copy::list_changes(&s.db.pool, c).await.unwrap().is_empty());
-    assert_eq!(cursors::applied_through(&s.db.pool, a).await.unwrap(), 2);
-    assert_eq!(cursors::applied_through(&s.db.pool, b).await.unwrap(), 1);
-    assert_eq!(cursors::applied_through(&s.db.pool, c).await.unwrap(), 0);
+    assert_eq!(
+        cursors::applied_through(&s.db.pool, relay_store::EndpointId(a))
+            .await
+            .unwrap(),
+        2
+    );
+    assert_eq!(
+        cursors::applied_through(&s.db.pool, relay_store::EndpointId(b))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        cursors::applied_through(&s.db.pool, relay_store::EndpointId(c))
+            .await
+            .unwrap(),
+        0
+    );
     let events = |label: &str| metrics.events.with_label_values(&[label]).get();
     assert_eq!(
         events("stored"),
@@ -451,7 +471,12 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
         [1, 2]
     );
     assert_eq!(copy::copy_rows(&s.db.pool, b).await.unwrap().len(), 2);
-    assert_eq!(cursors::applied_through(&s.db.pool, b).await.unwrap(), 2);
+    assert_eq!(
+        cursors::applied_through(&s.db.pool, relay_store::EndpointId(b))
+            .await
+            .unwrap(),
+        2
+    );
     // Counted as committed: B's new event once (it was decided twice), A's stale run not at all.
     assert_eq!(events("stored"), 4);
     assert_eq!(events("ignored_duplicate"), 0);
@@ -496,7 +521,7 @@ async fn a_wake_up_reaches_a_running_sequencer() {
     .unwrap();
     let mut applied = 0;
     for _ in 0..200 {
-        applied = cursors::applied_through(&s.db.pool, s.endpoint)
+        applied = cursors::applied_through(&s.db.pool, relay_store::EndpointId(s.endpoint))
             .await
             .unwrap();
         if applied == 1 {

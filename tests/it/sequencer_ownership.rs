@@ -79,15 +79,23 @@ async fn a_worker_stalled_past_its_lease_is_fenced_out_of_the_copy() {
     // A wakes up: renewing tells it the lock is gone, and its apply transaction is refused.
     assert!(!a.renew(&mut stalled).await.unwrap());
     let mut tx = setup.db.pool.begin().await.unwrap();
-    assert!(!check_fence(&mut tx, setup.endpoint, stalled.token)
-        .await
-        .unwrap());
+    assert!(!check_fence(
+        &mut tx,
+        relay_store::EndpointId(setup.endpoint),
+        stalled.token
+    )
+    .await
+    .unwrap());
     tx.rollback().await.unwrap();
 
     let mut tx = setup.db.pool.begin().await.unwrap();
-    assert!(check_fence(&mut tx, setup.endpoint, current.token)
-        .await
-        .unwrap());
+    assert!(check_fence(
+        &mut tx,
+        relay_store::EndpointId(setup.endpoint),
+        current.token
+    )
+    .await
+    .unwrap());
     tx.commit().await.unwrap();
     assert!(b.renew(&mut current).await.unwrap());
 
@@ -108,9 +116,11 @@ async fn a_new_claim_waits_for_the_old_owners_transaction_in_flight() {
     // The old owner is mid-transaction, past its fence check, when its lock goes (given back
     // here; run out, in life).
     let mut tx = setup.db.pool.begin().await.unwrap();
-    assert!(check_fence(&mut tx, setup.endpoint, old_token)
-        .await
-        .unwrap());
+    assert!(
+        check_fence(&mut tx, relay_store::EndpointId(setup.endpoint), old_token)
+            .await
+            .unwrap()
+    );
     assert!(a.release(old).await.unwrap());
 
     let endpoint = setup.endpoint;
@@ -171,9 +181,13 @@ async fn tokens_keep_rising_when_redis_forgets_every_lock() {
         first.token
     );
     let mut tx = setup.db.pool.begin().await.unwrap();
-    assert!(!check_fence(&mut tx, setup.endpoint, first.token)
-        .await
-        .unwrap());
+    assert!(!check_fence(
+        &mut tx,
+        relay_store::EndpointId(setup.endpoint),
+        first.token
+    )
+    .await
+    .unwrap());
     tx.rollback().await.unwrap();
     assert!(b.release(second).await.unwrap());
 }

@@ -208,7 +208,9 @@ async fn in_sync_endpoint(pool: &PgPool, tenant: Uuid, upstream: Option<&str>) -
 }
 
 async fn applied_through(pool: &PgPool, endpoint: Uuid) -> i64 {
-    cursors::applied_through(pool, endpoint).await.unwrap()
+    cursors::applied_through(pool, relay_store::EndpointId(endpoint))
+        .await
+        .unwrap()
 }
 
 /// (status, reason, attempts) of each quarantine row of the endpoint, by arrival number.
@@ -530,7 +532,9 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
     assert!(!copy.contains_key("announcement:2"));
     // The quarantine began a reload ("read /v1/feed again"); with no upstream it cannot merge,
     // and it does not hold the endpoint's messages back.
-    let track = tracks::peek(&db.pool, a_endpoint).await.unwrap();
+    let track = tracks::peek(&db.pool, relay_store::EndpointId(a_endpoint))
+        .await
+        .unwrap();
     assert!(track.reload.is_some(), "{track:?}");
 
     // A body that is not a v1 message, to discard.

@@ -193,8 +193,14 @@ async fn store_and_apply(
     message: &Value,
     metrics: &SequencerMetrics,
 ) {
-    store(db, ctx.tenant(), ctx.id(), std::slice::from_ref(message)).await;
-    let (applied, messages) = pending(db, ctx.id()).await;
+    store(
+        db,
+        ctx.tenant().0,
+        ctx.id().0,
+        std::slice::from_ref(message),
+    )
+    .await;
+    let (applied, messages) = pending(db, ctx.id().0).await;
     apply_messages(&db.pool, ctx, token, applied, &messages, metrics)
         .await
         .unwrap();
@@ -291,7 +297,7 @@ async fn upstream_listener() -> (TcpListener, String) {
 
 /// The reload the endpoint's track holds; fails with `what` when none runs.
 async fn running_reload(pool: &sqlx::PgPool, endpoint: Uuid, what: &str) -> relay_rules::Reload {
-    tracks::peek(pool, endpoint)
+    tracks::peek(pool, relay_store::EndpointId(endpoint))
         .await
         .unwrap()
         .reload
@@ -355,7 +361,9 @@ async fn a_refetch_that_reads_the_feed_again_has_the_running_reload_read_another
     upstream.release_one();
     let end = reading.await.unwrap().unwrap();
     assert!(matches!(end, ReloadEnd::Merged { .. }), "{end:?}");
-    let track = tracks::peek(&db.pool, endpoint).await.unwrap();
+    let track = tracks::peek(&db.pool, relay_store::EndpointId(endpoint))
+        .await
+        .unwrap();
     assert_eq!(track.reload, None, "{track:?}");
     assert_eq!(held_items(&db, endpoint).await, served(&upstream));
     assert_eq!(upstream.pages_served.load(Ordering::SeqCst), 2);
@@ -415,7 +423,10 @@ async fn failing_refetches_during_a_reload_of_several_pages_do_not_keep_its_pass
                 5,
                 "the first pass merged"
             );
-            let running = tracks::peek(&db.pool, endpoint).await.unwrap().reload;
+            let running = tracks::peek(&db.pool, relay_store::EndpointId(endpoint))
+                .await
+                .unwrap()
+                .reload;
             let running = running.expect("the reload reads another pass");
             assert!(running.is(&reload), "{running:?}");
             assert_eq!(running.read_again, 3, "one ask per failed refetch");
@@ -443,7 +454,9 @@ async fn failing_refetches_during_a_reload_of_several_pages_do_not_keep_its_pass
         9,
         "three passes: two read while refetches failed, one after"
     );
-    let track = tracks::peek(&db.pool, endpoint).await.unwrap();
+    let track = tracks::peek(&db.pool, relay_store::EndpointId(endpoint))
+        .await
+        .unwrap();
     assert_eq!(track.reload, None, "{track:?}");
     assert_eq!(held_items(&db, endpoint).await, served(&upstream));
     let failed = metrics
@@ -488,9 +501,12 @@ async fn a_reload_under_the_held_generation_withdraws_what_the_upstream_no_longe
     assert_eq!(held_items(&db, endpoint).await.len(), 2);
 
     // The copy is restored: the feed is read again, under the generation it holds.
-    let (track, begun) = tracks::transition(&db.pool, tenant, endpoint, |track| {
-        relay_rules::reload_after_restore(track)
-    })
+    let (track, begun) = tracks::transition(
+        &db.pool,
+        relay_store::TenantId(tenant),
+        relay_store::EndpointId(endpoint),
+        |track| relay_rules::reload_after_restore(track),
+    )
     .await
     .unwrap();
     assert!(begun);
@@ -525,7 +541,9 @@ async fn a_reload_under_the_held_generation_withdraws_what_the_upstream_no_longe
             .count(),
         1
     );
-    let track = tracks::peek(&db.pool, endpoint).await.unwrap();
+    let track = tracks::peek(&db.pool, relay_store::EndpointId(endpoint))
+        .await
+        .unwrap();
     assert_eq!(track.reload, None, "{track:?}");
     server.abort();
 }
@@ -634,7 +652,7 @@ async fn apply_while_a_merge_holds_the_endpoint(message: impl FnOnce(Uuid) -> Va
     // A reset begins a reload; the sequencer applies it and owns the endpoint.
     store(&db, tenant, endpoint, &[reset(endpoint, 2, 10)]).await;
     eventually("the reset applied", || async {
-        relay_store::cursors::applied_through(&db.pool, endpoint)
+        relay_store::cursors::applied_through(&db.pool, relay_store::EndpointId(endpoint))
             .await
             .unwrap()
             == 1
@@ -656,8 +674,8 @@ async fn apply_while_a_merge_holds_the_endpoint(message: impl FnOnce(Uuid) -> Va
         .unwrap();
     let pass = item_1_pass();
     let claim = tracks::TrackClaim {
-        endpoint,
-        tenant,
+        endpoint: relay_store::EndpointId(endpoint),
+        tenant: relay_store::TenantId(tenant),
         token,
     };
     let merging = {
@@ -682,7 +700,7 @@ async fn apply_while_a_merge_holds_the_endpoint(message: impl FnOnce(Uuid) -> Va
     let merged = merging.await.unwrap().unwrap();
     assert!(matches!(merged, copy::Merged::Merged { .. }), "{merged:?}");
     eventually("the message applied", || async {
-        relay_store::cursors::applied_through(&db.pool, endpoint)
+        relay_store::cursors::applied_through(&db.pool, relay_store::EndpointId(endpoint))
             .await
             .unwrap()
             == 2

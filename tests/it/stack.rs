@@ -779,8 +779,8 @@ impl CopyWriter {
             .await;
         let token = db.claim_fence(endpoint).await;
         let claim = relay_store::tracks::TrackClaim {
-            endpoint,
-            tenant,
+            endpoint: relay_store::EndpointId(endpoint),
+            tenant: relay_store::TenantId(tenant),
             token,
         };
         Self { claim, next_seq: 0 }

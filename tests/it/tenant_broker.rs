@@ -511,7 +511,10 @@ pub(crate) async fn assert_refused_but_own_queue(as_b: &Connection, a_queue: &st
 async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
     let env = Env::new().await;
     let (a, b) = (env.db.tenant().await, env.db.tenant().await);
-    let _guard = UsersGuard(vec![BrokerAccess::username(a), BrokerAccess::username(b)]);
+    let _guard = UsersGuard(vec![
+        BrokerAccess::username(relay_store::TenantId(a)),
+        BrokerAccess::username(relay_store::TenantId(b)),
+    ]);
     let api = Api::start(env.db.pool.clone(), &env.vhost.url(), loopback_allowed()).await;
     let (a_queue, b_queue) = (tenant_queue(a), tenant_queue(b));
 
@@ -524,7 +527,10 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
     let password = made["password"].as_str().unwrap().to_owned();
     assert_eq!(made["queue"], json!(b_queue));
     assert_eq!(made["vhost"], json!(env.vhost.name));
-    assert_eq!(made["username"], json!(BrokerAccess::username(b)));
+    assert_eq!(
+        made["username"],
+        json!(BrokerAccess::username(relay_store::TenantId(b)))
+    );
     let (status, again) = api.call("POST", "/v1/broker/credentials", b, None).await;
     assert_eq!(status, 409, "{again}");
     let (status, shown) = api.call("GET", "/v1/broker/credentials", b, None).await;
@@ -635,7 +641,10 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
         .unwrap();
     let users = String::from_utf8_lossy(&users.stdout);
     for tenant in [a, b] {
-        assert!(!users.contains(&BrokerAccess::username(tenant)), "{users}");
+        assert!(
+            !users.contains(&BrokerAccess::username(relay_store::TenantId(tenant))),
+            "{users}"
+        );
     }
     api.stop().await;
 }

@@ -121,7 +121,10 @@ mod tests {
     #[tokio::test]
     async fn a_tenant_at_its_share_waits_without_holding_a_slot_of_the_process() {
         let slots = Slots::new(4, 0.5);
-        let (a, b) = (TenantId(Uuid::new_v4()), TenantId(Uuid::new_v4()));
+        let (a, b) = (
+            TenantId(uuid::Uuid::new_v4()),
+            TenantId(uuid::Uuid::new_v4()),
+        );
         let held = [slots.take(a).await, slots.take(a).await];
         // A third of A's waits; B still gets the two slots left.
         let waiting = {
