@@ -505,7 +505,7 @@ async fn a_reload_under_the_held_generation_withdraws_what_the_upstream_no_longe
         &db.pool,
         relay_store::TenantId(tenant),
         relay_store::EndpointId(endpoint),
-        |track| relay_rules::reload_after_restore(track),
+        relay_rules::reload_after_restore,
     )
     .await
     .unwrap();

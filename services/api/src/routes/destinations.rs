@@ -161,7 +161,7 @@ pub async fn get_destination(
     State(state): State<AppState>,
     TenantId(tenant): TenantId,
 ) -> Result<Json<DestinationView>, ApiError> {
-    let row = destinations::get(&state.pool, tenant.into()).await?;
+    let row = destinations::get(&state.pool, tenant).await?;
     Ok(Json(view(row)))
 }
 
@@ -204,7 +204,7 @@ pub async fn put_destination(
             routing_key: amqp_name("routing_key", body.routing_key.as_deref(), true)?,
         },
     };
-    let row = match destinations::set(&state.pool, tenant.into(), &destination).await {
+    let row = match destinations::set(&state.pool, tenant, &destination).await {
         Ok(row) => row,
         Err(StoreError::NotFound { .. }) => return Err(ApiError::NotFound("tenant")),
         Err(error) => return Err(error.into()),
@@ -224,7 +224,7 @@ pub async fn delete_destination(
     State(state): State<AppState>,
     TenantId(tenant): TenantId,
 ) -> Result<Json<DestinationView>, ApiError> {
-    destinations::delete(&state.pool, tenant.into()).await?;
+    destinations::delete(&state.pool, tenant).await?;
     tracing::info!(%tenant, "destination reset to the relay's queue");
     Ok(Json(view(None)))
 }
