@@ -10,9 +10,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use relay_api::auth::{mint, JwtKeys, Subject};
-use relay_api::broker::{BrokerAccess, ManagementSettings};
+use relay_api::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
+use relay_api::{BrokerAccess, ManagementSettings};
 use relay_netguard::OutboundPolicy;
 use relay_rules::{decide_run, event_ids, subjects, DestinationPolicy, EndpointTrack, Run};
 use relay_store::cursors;

@@ -23,7 +23,7 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay::bench::{slow_connection, SlowEnd};
-use relay_api::broker::BrokerAccess;
+use relay_api::BrokerAccess;
 use relay_coord::Waker;
 use relay_ingest::SystemClock;
 use relay_netguard::OutboundPolicy;

@@ -617,7 +617,7 @@ async fn the_metrics_listener_has_a_connection_bound_too() {
 
 #[tokio::test]
 async fn the_control_plane_refuses_past_its_bound_and_cuts_slow_bodies() {
-    use relay_api::auth::{mint, JwtKeys, Subject};
+    use relay_api::{mint, JwtKeys, Subject};
     let db = TestDb::new().await;
     let key = b"test-signing-key-of-the-control-plane";
     let mut config = relay_api::ApiConfig::new(JwtKeys::new(key).unwrap());

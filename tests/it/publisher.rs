@@ -98,7 +98,7 @@ impl Env {
     }
 
     pub(crate) async fn broker(&self) -> Connection {
-        relay_publisher::broker::connect(
+        relay_publisher::connect(
             &self.vhost.url(),
             "test",
             Duration::from_secs(10),
@@ -1078,7 +1078,7 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
     .await
     .unwrap()
     .into_iter()
-    .map(|(endpoint, seq)| relay_publisher::message::message_id(endpoint, seq))
+    .map(|(endpoint, seq)| relay_publisher::message_id(endpoint, seq))
     .collect();
 
     let (second, _) = env.start(env.config(env.vhost.url())).await;

@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use relay_api::auth::{JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
+use relay_api::{JwtKeys, Subject};
 use relay_rules::ApplyBackoff;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::model::ChangeKind;

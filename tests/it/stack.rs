@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
 
-use relay_api::auth::{mint, JwtKeys, Subject};
-use relay_api::broker::{BrokerAccess, ManagementSettings};
+use relay_api::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
+use relay_api::{BrokerAccess, ManagementSettings};
 use relay_netguard::OutboundPolicy;
 use relay_publisher::lapin::Connection;
 use relay_publisher::{
@@ -500,7 +500,7 @@ pub(crate) fn describe_difference(copy: &Items, oracle: &Items) -> String {
 /// A connection to the broker at `url` for a test's consumer; `test` names the test that needs
 /// RabbitMQ when it is not there.
 pub(crate) async fn connect_broker(url: &str, test: &str) -> Connection {
-    relay_publisher::broker::connect(
+    relay_publisher::connect(
         url,
         "test",
         Duration::from_secs(10),

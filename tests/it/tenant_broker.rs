@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::SeedableRng as _;
-use relay_api::auth::{mint, JwtKeys, Subject};
-use relay_api::broker::{BrokerAccess, ManagementSettings};
+use relay_api::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
+use relay_api::{BrokerAccess, ManagementSettings};
 use relay_publisher::lapin::options::{
     BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
     QueueDeclareOptions,
@@ -340,8 +340,8 @@ pub(crate) fn tenant_url(credentials: &Value, password: &str) -> String {
     format!("{scheme}://{user}:{password}@{rest}")
 }
 
-pub(crate) async fn connect(url: &str) -> Result<Connection, relay_publisher::broker::BrokerError> {
-    relay_publisher::broker::connect(
+pub(crate) async fn connect(url: &str) -> Result<Connection, relay_publisher::BrokerError> {
+    relay_publisher::connect(
         url,
         "tenant test",
         Duration::from_secs(10),
@@ -398,8 +398,8 @@ async fn publish(connection: &Connection, exchange: &str, routing_key: &str) -> 
         )
         .await
         .map_err(|e| e.to_string())?;
-    match confirm.await.map(relay_publisher::broker::classify) {
-        Ok(relay_publisher::broker::Outcome::Confirmed) => Ok(()),
+    match confirm.await.map(relay_publisher::classify) {
+        Ok(relay_publisher::Outcome::Confirmed) => Ok(()),
         Ok(other) => Err(format!("not confirmed: {other:?}")),
         Err(error) => Err(error.to_string()),
     }

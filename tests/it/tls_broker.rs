@@ -49,7 +49,7 @@ fn amqps_url(env: &Env, proxy: &TlsProxy) -> String {
 
 /// A connection to the vhost over TLS, trusting `trust`, as a consumer of the tenant's would.
 async fn consumer_over_tls(url: &str, trust: &TrustRoots) -> Connection {
-    relay_publisher::broker::connect(url, "tls test consumer", Duration::from_secs(10), trust)
+    relay_publisher::connect(url, "tls test consumer", Duration::from_secs(10), trust)
         .await
         .expect("a TLS connection to the broker through the proxy")
 }
@@ -279,14 +279,10 @@ async fn a_broker_certificate_from_another_ca_is_refused_and_the_refusal_says_wh
         (amqps_url(&env, &misnamed), CertificateFailure::NameMismatch),
         (amqps_url(&env, &expired), CertificateFailure::Expired),
     ] {
-        let refused = relay_publisher::broker::connect(
-            &url,
-            "tls test",
-            Duration::from_secs(10),
-            &trusted.trust(),
-        )
-        .await
-        .expect_err(failure.as_str());
+        let refused =
+            relay_publisher::connect(&url, "tls test", Duration::from_secs(10), &trusted.trust())
+                .await
+                .expect_err(failure.as_str());
         let said = refused.describe();
         assert_eq!(refused.certificate_failure(), Some(failure), "{said}");
         assert!(said.contains(failure.as_str()), "{said}");

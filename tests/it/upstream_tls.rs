@@ -10,8 +10,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use relay_api::auth::{JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
+use relay_api::{JwtKeys, Subject};
 use relay_netguard::{OutboundPolicy, TrustRoots};
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::{EndpointInfo, Faults, Simulation, Workload};

@@ -11,7 +11,7 @@ use relay_listener::ListenerLimits;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use relay_publisher::config::DEFAULT_AMQP_URL;
+use relay_publisher::DEFAULT_AMQP_URL;
 use relay_rules::DestinationPolicy;
 
 use crate::auth::{self, IssuedToken, JwtKeys, KeyError, Subject, TokenError};

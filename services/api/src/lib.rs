@@ -21,15 +21,17 @@
 //! Secrets, upstream API keys and broker URLs are write-only: no answer and no log line holds
 //! them.
 
-pub mod auth;
-pub mod broker;
-pub mod config;
-pub mod error;
-pub mod metrics;
-pub mod routes;
-pub mod server;
-pub mod upstream;
+mod auth;
+mod broker;
+mod config;
+mod error;
+mod metrics;
+mod routes;
+mod server;
+mod upstream;
 
+pub use auth::{mint, JwtKeys, Subject};
+pub use broker::{BrokerAccess, ManagementSettings};
 pub use config::{issue_token, ApiArgs, ApiConfig, ConfigError, JwtKeyArgs, TokenArgs};
 pub use error::ApiError;
 pub use routes::openapi;

@@ -30,21 +30,24 @@
 //! - [`tail`](mod@tail): `relay tail`, the reference consumer over a queue.
 //! - [`metrics`]: the Prometheus metrics.
 
-pub mod broker;
-pub mod config;
-pub mod consumer;
-pub mod message;
-pub mod metrics;
-pub mod outbox;
-pub mod ownership;
-pub mod publisher;
-pub mod tail;
-pub mod tenant;
+mod broker;
+mod config;
+mod consumer;
+mod message;
+mod metrics;
+mod outbox;
+mod ownership;
+mod publisher;
+mod tail;
+mod tenant;
 
-pub use broker::tenant_queue;
-pub use config::{BeforeMark, DestinationArgs, OnConfirm, PublisherArgs, PublisherConfig};
+pub use broker::{classify, connect, tenant_queue, BrokerError, Outcome};
+pub use config::{
+    redact, BeforeMark, DestinationArgs, OnConfirm, PublisherArgs, PublisherConfig,
+    DEFAULT_AMQP_URL,
+};
 pub use consumer::{ConsumerStats, Received, ReferenceConsumer};
-pub use message::{ChangeMessage, SCHEMA};
+pub use message::{message_id, ChangeMessage, SCHEMA};
 pub use metrics::PublisherMetrics;
 pub use publisher::{Publisher, PublisherError, PublisherHandle};
 pub use tail::{tail, tail_until, TailArgs, TailOutput};

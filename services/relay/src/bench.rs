@@ -655,7 +655,7 @@ async fn drain_queue(
     use futures::StreamExt;
     use relay_publisher::lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
     use relay_publisher::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-    let connection = relay_publisher::broker::connect(
+    let connection = relay_publisher::connect(
         &amqp_url,
         "relay-bench-drain",
         Duration::from_secs(5),
@@ -702,7 +702,7 @@ async fn delete_queue(
     queue: &str,
 ) -> anyhow::Result<()> {
     use relay_publisher::lapin::options::QueueDeleteOptions;
-    let connection = relay_publisher::broker::connect(
+    let connection = relay_publisher::connect(
         amqp_url,
         "relay-bench-cleanup",
         Duration::from_secs(5),

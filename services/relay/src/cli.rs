@@ -89,7 +89,7 @@ impl GlobalArgs {
 // By hand: the URLs may hold passwords.
 impl std::fmt::Debug for GlobalArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        use relay_publisher::config::redact;
+        use relay_publisher::redact;
         f.debug_struct("GlobalArgs")
             .field("database_url", &redact(&self.database_url))
             .field("database_max_connections", &self.database_max_connections)
@@ -379,7 +379,7 @@ pub struct ApiCommand {
     pub args: relay_api::ApiArgs,
     /// The relay's own RabbitMQ (as the publisher's RELAY_AMQP_URL): tenants' destinations
     /// there are refused, and tenants' users are made there.
-    #[arg(long, env = "RELAY_AMQP_URL", default_value = relay_publisher::config::DEFAULT_AMQP_URL,
+    #[arg(long, env = "RELAY_AMQP_URL", default_value = relay_publisher::DEFAULT_AMQP_URL,
           hide_env_values = true)]
     pub amqp_url: String,
     #[command(flatten)]

@@ -31,9 +31,9 @@
 pub mod api;
 pub mod cli;
 pub mod driver;
-pub mod faults;
+mod faults;
 pub mod model;
-pub mod render;
+mod render;
 pub mod upstream;
 pub mod workload;
 

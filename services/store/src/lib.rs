@@ -34,7 +34,7 @@ pub mod broker_users;
 pub mod changes;
 pub mod copy;
 pub mod cursors;
-pub mod db;
+mod db;
 pub mod destinations;
 pub mod endpoints;
 pub mod fences;
@@ -46,7 +46,7 @@ pub mod tenants;
 pub mod tracks;
 pub mod upstream_status;
 
-pub use db::{connect, KeptConnection, PoolOptions, MIGRATOR};
+pub use db::{connect, read_snapshot, KeptConnection, PoolOptions, MIGRATOR};
 pub use ids::{EndpointId, TenantId};
 
 /// A store call failed. Callers at the edges add context; this keeps the cause.

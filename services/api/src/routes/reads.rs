@@ -249,7 +249,7 @@ pub async fn endpoint_state(
 ) -> Result<Json<StateView>, ApiError> {
     let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
     // One snapshot for every figure, so they agree with each other.
-    let mut tx = relay_store::db::read_snapshot(&state.pool).await?;
+    let mut tx = relay_store::read_snapshot(&state.pool).await?;
     let (status, upstream_configured) = endpoints::status_and_settings(&mut *tx, tenant, id)
         .await?
         .ok_or(ApiError::NotFound("webhook endpoint"))?;
