@@ -5,8 +5,10 @@
 //! `WHERE` on the row being written), never by reading first and writing second.
 //!
 //! # Layout
-//! - [`db`]: connecting, the embedded migrations, and a read-only snapshot for reads that must
-//!   agree.
+//! - `db` (its items at the root): connecting, the embedded migrations, and a read-only
+//!   snapshot for reads that must agree.
+//! - [`TenantId`], [`EndpointId`]: the ids every call that names a tenant or an endpoint takes,
+//!   typed so that the two cannot be swapped.
 //! - [`tenants`]: tenant rows.
 //! - [`broker_users`]: each tenant's user on the relay's broker (the user lives in RabbitMQ).
 //! - [`endpoints`]: webhook endpoints, their status and their signing secrets.
