@@ -53,8 +53,9 @@ pub async fn endpoints_with_backlog(
 
 /// One unpublished change as the outbox holds it, its columns unparsed: the item and the parts
 /// diff are the JSON texts Postgres returns, to be checked and sent by the publisher.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Unpublished {
+    #[sqlx(rename = "endpoint_id")]
     pub endpoint: EndpointId,
     pub change_seq: i64,
     /// `upsert` or `remove`.
@@ -73,21 +74,6 @@ pub struct Unpublished {
     pub created_at: OffsetDateTime,
 }
 
-type Row = (
-    EndpointId,
-    i64,
-    String,
-    String,
-    Option<String>,
-    i64,
-    Option<String>,
-    Option<String>,
-    Option<i64>,
-    Option<String>,
-    String,
-    OffsetDateTime,
-);
-
 /// For each `(endpoint, through, room)`: the endpoint's unpublished changes after change_seq
 /// `through` (and after its publish cursor), in change_seq order, at most `room` of them; one
 /// range read of the primary key per endpoint. Ordered by endpoint, then change_seq.
@@ -104,10 +90,10 @@ pub async fn next_changes(
         throughs.push(*through);
         rooms.push(*room);
     }
-    let rows: Vec<Row> = sqlx::query_as(
+    Ok(sqlx::query_as(
         "SELECT c.endpoint_id, c.change_seq, c.operation, c.subject, c.item_kind, c.generation,
-                c.sequence, c.event_id, c.reload_generation, c.item::text, c.parts_diff::text,
-                c.created_at
+                c.sequence, c.event_id, c.reload_generation, c.item::text AS item,
+                c.parts_diff::text AS parts_diff, c.created_at
          FROM unnest($2::uuid[], $3::int8[], $4::int8[]) AS w (endpoint_id, through, room)
          CROSS JOIN LATERAL (
              SELECT * FROM changes c
@@ -125,39 +111,7 @@ pub async fn next_changes(
     .bind(&throughs)
     .bind(&rooms)
     .fetch_all(pool)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(
-            |(
-                endpoint,
-                change_seq,
-                operation,
-                subject,
-                item_kind,
-                generation,
-                sequence,
-                event_id,
-                reload_generation,
-                item,
-                parts_diff,
-                created_at,
-            )| Unpublished {
-                endpoint,
-                change_seq,
-                operation,
-                subject,
-                item_kind,
-                generation,
-                sequence,
-                event_id,
-                reload_generation,
-                item,
-                parts_diff,
-                created_at,
-            },
-        )
-        .collect())
+    .await?)
 }
 
 /// What [`mark_published`] found.
