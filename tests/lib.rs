@@ -4,6 +4,8 @@
 //! Each test gets a fresh database (`relay_test_<random>`), migrated, dropped when the test's
 //! [`TestDb`] is dropped, so tests run at once and leave nothing behind.
 
+pub mod readback;
+
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -63,6 +65,15 @@ pub struct TestDb {
 }
 
 impl TestDb {
+    /// The tenant the endpoint was registered for.
+    pub async fn tenant_of(&self, endpoint: Uuid) -> relay_store::TenantId {
+        sqlx::query_scalar("SELECT tenant_id FROM webhook_endpoints WHERE id = $1")
+            .bind(endpoint)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
     /// The endpoint's stored messages in arrival order.
     pub async fn stored_messages(&self, endpoint: Uuid) -> Vec<StoredRow> {
         sqlx::query_as(

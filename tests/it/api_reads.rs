@@ -1,7 +1,6 @@
 //! Reads of a copy, its state and its stored messages, written through relay_store as the
 //! sequencer and the front tier write them.
 
-use relay_store::copy;
 use relay_wire::Sequence;
 use serde_json::{json, Value};
 
@@ -183,7 +182,9 @@ async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
     .execute(&app.db.pool)
     .await
     .unwrap();
-    let changes = copy::list_changes(&app.db.pool, endpoint).await.unwrap();
+    let changes = relay_tests::readback::list_changes(&app.db.pool, endpoint)
+        .await
+        .unwrap();
     assert_eq!(changes.len(), 7, "six upserts and a removal");
 
     let newest = app.ok(200, "GET", &e("/messages"), &token, None).await;

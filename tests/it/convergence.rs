@@ -19,7 +19,7 @@ use relay_netguard::OutboundPolicy;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::cli::prepare;
 use relay_simulator::{Faults, Simulation};
-use relay_store::copy::{self, Operation};
+use relay_tests::readback::Operation;
 use relay_tests::{redis_url, TestApp};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -285,7 +285,9 @@ async fn explain_difference(pool: &PgPool, endpoint: Uuid, copy: &Items, oracle:
 
 /// Replays the endpoint's outbox in change order onto nothing: the items it rebuilds.
 async fn replay_outbox(pool: &PgPool, endpoint: Uuid, seed: u64) -> Items {
-    let changes = copy::list_changes(pool, endpoint).await.unwrap();
+    let changes = relay_tests::readback::list_changes(pool, endpoint)
+        .await
+        .unwrap();
     let mut items = Items::new();
     for (i, change) in changes.iter().enumerate() {
         assert_eq!(

@@ -29,9 +29,10 @@ use relay_rules::{
     MergePlan, MessagePlan, ModelChange, Outcome, PartsDiff, Pass, ReadItem, RefetchAnswer,
     RefetchRead, Reload, ReloadStart, Run, RunPlan, StoredMessage, REFETCH_ATTEMPTS,
 };
-use relay_store::copy::{self, Merged, Operation};
+use relay_store::copy::{self, Merged};
 use relay_store::runs::{self, OpenedRun, RunClaim, RunWrite, RunWritten};
 use relay_store::tracks::{self, TrackClaim};
+use relay_tests::readback::Operation;
 use relay_tests::TestDb;
 use relay_wire::{FeedItem, Message, Sequence};
 use serde_json::{json, Value};
@@ -446,8 +447,8 @@ struct ChangeRow {
     parts_diff: PartsDiff,
 }
 
-impl From<&copy::Change> for ChangeRow {
-    fn from(c: &copy::Change) -> Self {
+impl From<&relay_tests::readback::Change> for ChangeRow {
+    fn from(c: &relay_tests::readback::Change) -> Self {
         Self {
             operation: c.operation,
             subject: c.subject.clone(),
@@ -889,7 +890,9 @@ impl Case<'_> {
     /// Everything Postgres holds of the endpoint, against the model and the plans.
     async fn compare(&self, at: usize) -> Result<(), TestCaseError> {
         let (pool, endpoint) = (self.pool, self.endpoint());
-        let rows = copy::copy_rows(pool, endpoint).await.unwrap();
+        let rows = relay_tests::readback::copy_rows(pool, endpoint)
+            .await
+            .unwrap();
         prop_assert_eq!(
             &rows,
             self.model.copy.rows(),
@@ -918,7 +921,9 @@ impl Case<'_> {
             at
         );
 
-        let changes = copy::list_changes(pool, endpoint).await.unwrap();
+        let changes = relay_tests::readback::list_changes(pool, endpoint)
+            .await
+            .unwrap();
         let numbers: Vec<i64> = changes.iter().map(|c| c.change_seq).collect();
         let gapless: Vec<i64> = (1..=changes.len() as i64).collect();
         prop_assert_eq!(numbers, gapless, "the outbox's numbers after op {}", at);
@@ -1041,7 +1046,7 @@ async fn applied(pool: &PgPool, endpoint: Uuid) -> BTreeSet<String> {
         .collect()
 }
 
-fn model_change(change: &copy::Change) -> ModelChange {
+fn model_change(change: &relay_tests::readback::Change) -> ModelChange {
     match change.operation {
         Operation::Upsert => ModelChange::Upsert {
             subject: change.subject.clone(),
@@ -1065,7 +1070,9 @@ fn items(rows: &BTreeMap<String, Held>) -> BTreeMap<String, Value> {
 
 /// The outbox replayed in order onto an empty map, as a consumer holds it; every removal must
 /// remove an item the replay holds.
-fn replay(changes: &[copy::Change]) -> Result<BTreeMap<String, Value>, TestCaseError> {
+fn replay(
+    changes: &[relay_tests::readback::Change],
+) -> Result<BTreeMap<String, Value>, TestCaseError> {
     let mut held = BTreeMap::new();
     for change in changes {
         match change.operation {
@@ -1280,7 +1287,7 @@ async fn fresh() -> (TestDb, CopyWriter) {
     (db, writer)
 }
 
-fn operations(changes: &[copy::Change]) -> Vec<(Operation, String)> {
+fn operations(changes: &[relay_tests::readback::Change]) -> Vec<(Operation, String)> {
     changes
         .iter()
         .map(|c| (c.operation, c.subject.clone()))
@@ -1324,11 +1331,15 @@ async fn an_older_update_after_a_removal_does_not_bring_the_item_back() {
     assert_eq!(written.rows, 0, "the row was refused");
     assert_eq!(written.changes, 0, "no change for a refused row");
 
-    let rows = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
+    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint.0)
+        .await
+        .unwrap();
     let held = &rows[&subject(0)];
     assert!(held.is_tombstone());
     assert_eq!((held.generation, &held.sequence), (1, &seq(6)));
-    let changes = copy::list_changes(&db.pool, endpoint.0).await.unwrap();
+    let changes = relay_tests::readback::list_changes(&db.pool, endpoint.0)
+        .await
+        .unwrap();
     assert_eq!(
         operations(&changes),
         [
@@ -1353,7 +1364,9 @@ async fn a_stale_caller_cannot_overwrite_a_newer_row() {
             &no_reads(),
         )
         .await;
-    let seen_before = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
+    let seen_before = relay_tests::readback::copy_rows(&db.pool, endpoint.0)
+        .await
+        .unwrap();
 
     // Meanwhile another writer stores the item at 8.
     writer
@@ -1363,9 +1376,13 @@ async fn a_stale_caller_cannot_overwrite_a_newer_row() {
             &no_reads(),
         )
         .await;
-    let newer = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
+    let newer = relay_tests::readback::copy_rows(&db.pool, endpoint.0)
+        .await
+        .unwrap();
     assert_eq!(newer[&s].sequence, seq(8));
-    let changes_before = copy::list_changes(&db.pool, endpoint.0).await.unwrap();
+    let changes_before = relay_tests::readback::list_changes(&db.pool, endpoint.0)
+        .await
+        .unwrap();
 
     // Plans decided from the rows as they were before that write (the item at 5), or from
     // nothing held, each a position the row at 8 wins over.
@@ -1432,8 +1449,15 @@ async fn a_stale_caller_cannot_overwrite_a_newer_row() {
         assert_eq!(written.changes, 0, "{what}: no change appended");
     }
 
-    assert_eq!(copy::copy_rows(&db.pool, endpoint.0).await.unwrap(), newer);
-    let changes = copy::list_changes(&db.pool, endpoint.0).await.unwrap();
+    assert_eq!(
+        relay_tests::readback::copy_rows(&db.pool, endpoint.0)
+            .await
+            .unwrap(),
+        newer
+    );
+    let changes = relay_tests::readback::list_changes(&db.pool, endpoint.0)
+        .await
+        .unwrap();
     assert_eq!(
         changes, changes_before,
         "the refused writes appended no change"
@@ -1480,9 +1504,13 @@ async fn a_run_that_waited_for_another_writer_cannot_overwrite_the_row_it_insert
     assert_eq!(written.rows, 0, "and its write was refused: {written:?}");
     assert_eq!(written.changes, 0);
 
-    let rows = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
+    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint.0)
+        .await
+        .unwrap();
     assert_eq!(rows[&subject(0)].sequence, seq(8));
-    let changes = copy::list_changes(&db.pool, endpoint.0).await.unwrap();
+    let changes = relay_tests::readback::list_changes(&db.pool, endpoint.0)
+        .await
+        .unwrap();
     assert_eq!(changes.len(), 1);
 }
 
@@ -1556,9 +1584,13 @@ async fn the_outbox_replayed_in_order_rebuilds_the_copys_items() {
     writer.merge(&db.pool, &reload, &read).await;
     model.merge(&reload, &read);
 
-    let rows = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
+    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint.0)
+        .await
+        .unwrap();
     assert_eq!(&rows, model.copy.rows());
-    let changes = copy::list_changes(&db.pool, endpoint.0).await.unwrap();
+    let changes = relay_tests::readback::list_changes(&db.pool, endpoint.0)
+        .await
+        .unwrap();
     let numbers: Vec<i64> = changes.iter().map(|c| c.change_seq).collect();
     assert_eq!(numbers, (1..=changes.len() as i64).collect::<Vec<_>>());
     let outbox: Vec<ModelChange> = changes.iter().map(model_change).collect();
@@ -1631,7 +1663,9 @@ async fn a_merge_that_reads_the_held_item_again_raises_its_position_only() {
             plan.writes
         );
         let merged = relay_store::copy::merge(&db.pool, writer.claim, &reload, &pass).await;
-        let rows = copy::copy_rows(&db.pool, endpoint.0).await.unwrap();
+        let rows = relay_tests::readback::copy_rows(&db.pool, endpoint.0)
+            .await
+            .unwrap();
         outcomes.push((
             reset,
             merged.map_err(|e| e.to_string()),

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use relay_store::endpoints::{self, EndpointStatus};
+use relay_store::EndpointId;
 use relay_tests::{feed_body, random_secret, test_config, Signed, TestApp};
 use reqwest::StatusCode;
 use time::OffsetDateTime;
@@ -218,17 +219,28 @@ async fn a_paused_endpoint_is_410_until_resumed() {
         StatusCode::ACCEPTED
     );
 
-    endpoints::set_status(&app.db.pool, endpoint, EndpointStatus::Paused)
-        .await
-        .unwrap();
+    let tenant = app.db.tenant_of(endpoint).await;
+    endpoints::change_status(
+        &app.db.pool,
+        tenant,
+        EndpointId(endpoint),
+        EndpointStatus::Paused,
+    )
+    .await
+    .unwrap();
     let during = Signed::new(std::slice::from_ref(&secret), feed_body(endpoint, 2));
     // The cache hears of the pause through LISTEN/NOTIFY; allow it a moment to arrive.
     let status = eventually(|| app.post(endpoint, &during), StatusCode::GONE).await;
     assert_eq!(status, StatusCode::GONE);
 
-    endpoints::set_status(&app.db.pool, endpoint, EndpointStatus::Active)
-        .await
-        .unwrap();
+    endpoints::change_status(
+        &app.db.pool,
+        tenant,
+        EndpointId(endpoint),
+        EndpointStatus::Active,
+    )
+    .await
+    .unwrap();
     let status = eventually(|| app.post(endpoint, &during), StatusCode::ACCEPTED).await;
     assert_eq!(status, StatusCode::ACCEPTED);
     assert_eq!(
@@ -339,15 +351,10 @@ async fn both_secrets_verify_during_a_rotation_and_the_old_one_stops_after_it() 
     let app = TestApp::spawn().await;
     let (endpoint, old) = app.endpoint().await;
     let new = random_secret();
-    endpoints::rotate_secret(
-        &app.db.pool,
-        endpoint,
-        &new,
-        Duration::from_secs(86_400),
-        OffsetDateTime::now_utc(),
-    )
-    .await
-    .unwrap();
+    let tenant = app.db.tenant_of(endpoint).await;
+    endpoints::rotate_secrets(&app.db.pool, tenant, EndpointId(endpoint), &new, 86_400.0)
+        .await
+        .unwrap();
 
     // During the overlap the upstream signs with both; either alone also verifies.
     for (case, secrets) in [
@@ -362,15 +369,9 @@ async fn both_secrets_verify_during_a_rotation_and_the_old_one_stops_after_it() 
 
     // A second rotation with no overlap: everything held before it stops verifying at once.
     let newest = random_secret();
-    endpoints::rotate_secret(
-        &app.db.pool,
-        endpoint,
-        &newest,
-        Duration::ZERO,
-        OffsetDateTime::now_utc(),
-    )
-    .await
-    .unwrap();
+    endpoints::rotate_secrets(&app.db.pool, tenant, EndpointId(endpoint), &newest, 0.0)
+        .await
+        .unwrap();
     let by_old = Signed::new(&[old], feed_body(endpoint, 2));
     assert_eq!(
         eventually(|| app.post(endpoint, &by_old), StatusCode::UNAUTHORIZED).await,

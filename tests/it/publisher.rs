@@ -30,7 +30,7 @@ use relay_publisher::{
     ReferenceConsumer, TailArgs, TailOutput,
 };
 use relay_rules::{DestinationPolicy, HeldContent, Pass, ReadItem, StoredMessage};
-use relay_store::copy::{self, Merged};
+use relay_store::copy::Merged;
 use relay_tests::{amqp_addr, redis_url, seed, PgProxy, ProxyMode, RedisPrefix, TestDb, Vhost};
 use relay_wire::{FeedItem, Message, Sequence};
 use serde_json::{json, Value};
@@ -360,7 +360,7 @@ async fn change_count(pool: &PgPool, endpoint: Uuid) -> i64 {
 
 /// The items of the endpoint's copy in Postgres (tombstones left out: no message carries them).
 async fn postgres_items(pool: &PgPool, endpoint: Uuid) -> BTreeMap<String, Value> {
-    copy::copy_rows(pool, endpoint)
+    relay_tests::readback::copy_rows(pool, endpoint)
         .await
         .unwrap()
         .into_iter()

@@ -17,7 +17,7 @@ use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_store::cursors::{self, PendingMessage};
 use relay_store::endpoints::EndpointRegistration;
 use relay_store::messages::{store_batch, IncomingMessage};
-use relay_store::{copy, tracks};
+use relay_store::tracks;
 use relay_tests::{random_secret, redis_url, TestDb};
 use serde_json::{json, Value};
 use time::OffsetDateTime;
@@ -195,7 +195,7 @@ async fn a_worker_whose_fence_moved_on_writes_nothing() {
     let metrics = SequencerMetrics::unregistered();
     let refused = apply_messages(&s.db.pool, &s.ctx, stale, applied, &messages, &metrics).await;
     assert!(matches!(refused, Err(ApplyError::Fenced)), "{refused:?}");
-    assert!(copy::copy_rows(&s.db.pool, s.endpoint)
+    assert!(relay_tests::readback::copy_rows(&s.db.pool, s.endpoint)
         .await
         .unwrap()
         .is_empty());
@@ -211,14 +211,17 @@ async fn a_worker_whose_fence_moved_on_writes_nothing() {
         .await
         .unwrap();
     assert_eq!(
-        copy::copy_rows(&s.db.pool, s.endpoint).await.unwrap().len(),
+        relay_tests::readback::copy_rows(&s.db.pool, s.endpoint)
+            .await
+            .unwrap()
+            .len(),
         1
     );
     // The same run again from the same cursor is refused by the cursor's own condition.
     let again = apply_messages(&s.db.pool, &s.ctx, current, applied, &messages, &metrics).await;
     assert!(matches!(again, Err(ApplyError::CursorMoved)), "{again:?}");
     assert_eq!(
-        copy::list_changes(&s.db.pool, s.endpoint)
+        relay_tests::readback::list_changes(&s.db.pool, s.endpoint)
             .await
             .unwrap()
             .len(),
@@ -252,7 +255,9 @@ async fn a_run_of_messages_applies_in_order_with_duplicates_and_older_generation
         .await
         .unwrap();
 
-    let rows = copy::copy_rows(&s.db.pool, s.endpoint).await.unwrap();
+    let rows = relay_tests::readback::copy_rows(&s.db.pool, s.endpoint)
+        .await
+        .unwrap();
     let one = &rows["announcement:1"];
     // Generation 2 wins over generation 1 although its sequence is lower.
     assert_eq!(
@@ -260,7 +265,9 @@ async fn a_run_of_messages_applies_in_order_with_duplicates_and_older_generation
         (2, "0000000001.0000000000000000005")
     );
     assert_eq!(rows["announcement:2"].generation, 2);
-    let changes = copy::list_changes(&s.db.pool, s.endpoint).await.unwrap();
+    let changes = relay_tests::readback::list_changes(&s.db.pool, s.endpoint)
+        .await
+        .unwrap();
     let seqs: Vec<i64> = changes.iter().map(|c| c.change_seq).collect();
     assert_eq!(
         seqs,
@@ -353,7 +360,9 @@ async fn the_ids_of_messages_that_do_not_apply_are_not_kept() {
         .await
         .unwrap();
     assert_eq!(recorded().await, ["evt_2", "evt_old"]);
-    let rows = copy::copy_rows(&s.db.pool, s.endpoint).await.unwrap();
+    let rows = relay_tests::readback::copy_rows(&s.db.pool, s.endpoint)
+        .await
+        .unwrap();
     assert_eq!(rows["announcement:2"].generation, 2);
     assert_eq!(
         metrics
@@ -374,7 +383,7 @@ async fn prepared(db: &TestDb, ctx: &Arc<EndpointContext>, token: i64) -> Prepar
         .unwrap()
 }
 
-fn seqs(changes: &[copy::Change]) -> Vec<i64> {
+fn seqs(changes: &[relay_tests::readback::Change]) -> Vec<i64> {
     changes.iter().map(|c| c.change_seq).collect()
 }
 
@@ -413,15 +422,44 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
     assert_eq!(answers[1].as_ref().unwrap().changes, 1, "{answers:?}");
     assert!(matches!(answers[2], Err(ApplyError::Fenced)), "{answers:?}");
 
-    assert_eq!(copy::copy_rows(&s.db.pool, a).await.unwrap().len(), 2);
-    assert_eq!(copy::copy_rows(&s.db.pool, b).await.unwrap().len(), 1);
-    assert!(copy::copy_rows(&s.db.pool, c).await.unwrap().is_empty());
     assert_eq!(
-        seqs(&copy::list_changes(&s.db.pool, a).await.unwrap()),
+        relay_tests::readback::copy_rows(&s.db.pool, a)
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
+    assert_eq!(
+        relay_tests::readback::copy_rows(&s.db.pool, b)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    assert!(relay_tests::readback::copy_rows(&s.db.pool, c)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        seqs(
+            &relay_tests::readback::list_changes(&s.db.pool, a)
+                .await
+                .unwrap()
+        ),
         [1, 2]
     );
-    assert_eq!(seqs(&copy::list_changes(&s.db.pool, b).await.unwrap()), [1]);
-    assert!(copy::list_changes(&s.db.pool, c).await.unwrap().is_empty());
+    assert_eq!(
+        seqs(
+            &relay_tests::readback::list_changes(&s.db.pool, b)
+                .await
+                .unwrap()
+        ),
+        [1]
+    );
+    assert!(relay_tests::readback::list_changes(&s.db.pool, c)
+        .await
+        .unwrap()
+        .is_empty());
     assert_eq!(
         cursors::applied_through(&s.db.pool, relay_store::EndpointId(a))
             .await
@@ -463,14 +501,28 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
     );
     assert_eq!(answers[1].as_ref().unwrap().changes, 1, "{answers:?}");
     assert_eq!(
-        seqs(&copy::list_changes(&s.db.pool, a).await.unwrap()),
+        seqs(
+            &relay_tests::readback::list_changes(&s.db.pool, a)
+                .await
+                .unwrap()
+        ),
         [1, 2]
     );
     assert_eq!(
-        seqs(&copy::list_changes(&s.db.pool, b).await.unwrap()),
+        seqs(
+            &relay_tests::readback::list_changes(&s.db.pool, b)
+                .await
+                .unwrap()
+        ),
         [1, 2]
     );
-    assert_eq!(copy::copy_rows(&s.db.pool, b).await.unwrap().len(), 2);
+    assert_eq!(
+        relay_tests::readback::copy_rows(&s.db.pool, b)
+            .await
+            .unwrap()
+            .len(),
+        2
+    );
     assert_eq!(
         cursors::applied_through(&s.db.pool, relay_store::EndpointId(b))
             .await

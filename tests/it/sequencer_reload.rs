@@ -18,9 +18,10 @@ use relay_sequencer::SequencerMetrics;
 use relay_sequencer::UpstreamClient;
 use relay_sequencer::{run_reload, ReloadEnd, StopReload};
 use relay_sequencer::{ApplyError, EndpointContext};
-use relay_store::copy::{self, Operation};
+use relay_store::copy;
 use relay_store::endpoints::EndpointRegistration;
 use relay_store::tracks;
+use relay_tests::readback::Operation;
 use relay_tests::TestDb;
 use relay_wire::Sequence;
 use serde_json::{json, Value};
@@ -214,7 +215,7 @@ const BACKOFF: RetryPolicy = RetryPolicy {
 
 /// The subjects the copy holds items of (tombstones left out), with their sequences.
 async fn held_items(db: &TestDb, endpoint: Uuid) -> Vec<(String, String)> {
-    copy::copy_rows(&db.pool, endpoint)
+    relay_tests::readback::copy_rows(&db.pool, endpoint)
         .await
         .unwrap()
         .into_iter()
@@ -518,7 +519,9 @@ async fn a_reload_under_the_held_generation_withdraws_what_the_upstream_no_longe
         .unwrap();
     assert!(matches!(end, ReloadEnd::Merged { .. }), "{end:?}");
 
-    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint)
+        .await
+        .unwrap();
     let b = &rows["announcement:2"];
     assert!(b.is_tombstone(), "B is withdrawn: {rows:?}");
     assert_eq!(
@@ -527,7 +530,9 @@ async fn a_reload_under_the_held_generation_withdraws_what_the_upstream_no_longe
         "at its own position"
     );
     assert_eq!(held_items(&db, endpoint).await, served(&upstream));
-    let changes = copy::list_changes(&db.pool, endpoint).await.unwrap();
+    let changes = relay_tests::readback::list_changes(&db.pool, endpoint)
+        .await
+        .unwrap();
     let last = changes.last().expect("changes");
     assert_eq!(
         (last.operation, last.subject.as_str()),
@@ -741,7 +746,9 @@ async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_withou
     .await;
 
     // Applied against the merged row: the merge's item is kept, the update is older.
-    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint)
+        .await
+        .unwrap();
     let one = &rows["announcement:1"];
     assert_eq!(
         (one.generation, one.sequence.as_str(), one.is_tombstone()),
@@ -798,13 +805,17 @@ async fn a_removal_that_lands_while_a_merge_holds_the_endpoint_removes_the_merge
     })
     .await;
 
-    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint)
+        .await
+        .unwrap();
     let one = &rows["announcement:1"];
     assert_eq!(
         (one.generation, one.sequence.as_str(), one.is_tombstone()),
         (2, Sequence::from_parts(1, 12).as_str(), true)
     );
-    let changes = copy::list_changes(&db.pool, endpoint).await.unwrap();
+    let changes = relay_tests::readback::list_changes(&db.pool, endpoint)
+        .await
+        .unwrap();
     let operations: Vec<(Operation, &str, Option<&str>)> = changes
         .iter()
         .map(|c| (c.operation, c.subject.as_str(), c.event_id.as_deref()))
@@ -855,14 +866,19 @@ async fn a_reload_that_reads_an_item_as_held_raises_it_to_the_reloads_generation
         matches!(merged, Ok(copy::Merged::Merged { .. })),
         "{merged:?}"
     );
-    let rows = copy::copy_rows(&db.pool, endpoint).await.unwrap();
+    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint)
+        .await
+        .unwrap();
     let one = &rows["announcement:1"];
     assert_eq!(
         (one.generation, one.sequence.as_str(), one.is_tombstone()),
         (2, Sequence::from_parts(1, 10).as_str(), false)
     );
     assert_eq!(
-        copy::list_changes(&db.pool, endpoint).await.unwrap().len(),
+        relay_tests::readback::list_changes(&db.pool, endpoint)
+            .await
+            .unwrap()
+            .len(),
         1
     );
 }

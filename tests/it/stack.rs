@@ -23,8 +23,8 @@ use relay_simulator::{
     EndpointInfo, Faults, SenderConfig, Simulation, Upstream, Workload, WorkloadConfig,
 };
 use relay_store::endpoints::{self, NewEndpoint};
+use relay_store::tenants;
 use relay_store::PoolOptions;
-use relay_store::{copy, tenants};
 use relay_tests::redis_url;
 use relay_wire::SigningSecret;
 use serde_json::{json, Value};
@@ -329,7 +329,7 @@ pub(crate) fn without_positions(items: &Items) -> BTreeMap<String, Value> {
 
 /// The copy in Postgres (for the wait; the checks read it through the API).
 pub(crate) async fn copy_items(pool: &PgPool, endpoint: Uuid) -> Items {
-    copy::copy_rows(pool, endpoint)
+    relay_tests::readback::copy_rows(pool, endpoint)
         .await
         .unwrap()
         .into_iter()

@@ -23,45 +23,6 @@ use uuid::Uuid;
 use crate::tracks::{self, TrackClaim};
 use crate::{EndpointId, StoreError, TenantId};
 
-/// One row of the outbox, as the publisher and tests read it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Change {
-    pub change_seq: i64,
-    pub operation: Operation,
-    pub subject: String,
-    pub item_kind: Option<String>,
-    pub generation: u64,
-    /// Null for the removals of a reload's drop.
-    pub sequence: Option<Sequence>,
-    pub event_id: Option<String>,
-    pub reload_generation: Option<u64>,
-    /// The item stored, on upsert.
-    pub item: Option<Value>,
-    pub parts_diff: PartsDiff,
-    pub published: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Operation {
-    Upsert,
-    Remove,
-}
-
-/// Every row of the endpoint's copy, items and tombstones, by subject.
-pub async fn copy_rows<'e>(
-    db: impl sqlx::PgExecutor<'e>,
-    endpoint: Uuid,
-) -> Result<BTreeMap<String, Held>, StoreError> {
-    let rows: Vec<HeldColumns> = sqlx::query_as(
-        "SELECT subject, generation, sequence, tombstone, parts::text, item::text
-         FROM copy_items WHERE endpoint_id = $1 ORDER BY subject",
-    )
-    .bind(endpoint)
-    .fetch_all(db)
-    .await?;
-    rows.into_iter().map(held_from_row).collect()
-}
-
 /// Deletes up to `batch` applied event ids recorded before `now() - older_than`; returns how
 /// many it deleted (fewer than `batch`: none older are left). The retention bound is argued
 /// with the table (migration 0002): an id is needed only while its event may come again, and
@@ -669,72 +630,6 @@ pub(crate) fn append_changes_ctes(first: u32, written_cte: &str) -> String {
     )
 }
 
-/// The endpoint's changes in `change_seq` order.
-pub async fn list_changes<'e>(
-    db: impl sqlx::PgExecutor<'e>,
-    endpoint: Uuid,
-) -> Result<Vec<Change>, StoreError> {
-    type Row = (
-        i64,
-        String,
-        String,
-        Option<String>,
-        i64,
-        Option<String>,
-        Option<String>,
-        Option<i64>,
-        Option<String>,
-        String,
-        bool,
-    );
-    let rows: Vec<Row> = sqlx::query_as(
-        "SELECT c.change_seq, c.operation, c.subject, c.item_kind, c.generation, c.sequence,
-                c.event_id, c.reload_generation, c.item::text, c.parts_diff::text,
-                c.change_seq <= COALESCE(p.published_through, 0)
-         FROM changes c
-         LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = c.endpoint_id
-         WHERE c.endpoint_id = $1 ORDER BY c.change_seq",
-    )
-    .bind(endpoint)
-    .fetch_all(db)
-    .await?;
-    rows.into_iter()
-        .map(
-            |(
-                seq,
-                op,
-                subject,
-                item_kind,
-                generation,
-                sequence,
-                event_id,
-                reload,
-                item,
-                diff,
-                published,
-            )| {
-                Ok(Change {
-                    change_seq: seq,
-                    operation: match op.as_str() {
-                        "upsert" => Operation::Upsert,
-                        "remove" => Operation::Remove,
-                        other => return Err(invalid(format!("change operation {other}"))),
-                    },
-                    subject,
-                    item_kind,
-                    generation: to_u64(generation)?,
-                    sequence: sequence.map(Sequence::new),
-                    event_id,
-                    reload_generation: reload.map(to_u64).transpose()?,
-                    item: item.map(|t| parse_json(&t)).transpose()?,
-                    parts_diff: diff_from_json(&parse_json(&diff)?)?,
-                    published,
-                })
-            },
-        )
-        .collect()
-}
-
 type HeldColumns = (String, i64, String, bool, String, Option<String>);
 
 pub(crate) fn held_from_row(
@@ -790,26 +685,6 @@ fn parts_from_json(value: &Value) -> Result<Vec<PartRef>, StoreError> {
 
 fn diff_json(diff: &PartsDiff) -> String {
     json!({"added": diff.added, "changed": diff.changed, "removed": diff.removed}).to_string()
-}
-
-fn diff_from_json(value: &Value) -> Result<PartsDiff, StoreError> {
-    let list = |key: &str| -> Result<Vec<String>, StoreError> {
-        value[key]
-            .as_array()
-            .ok_or_else(|| invalid(format!("parts diff {value} has no {key}")))?
-            .iter()
-            .map(|v| {
-                v.as_str()
-                    .map(str::to_owned)
-                    .ok_or_else(|| invalid(format!("parts diff {value}")))
-            })
-            .collect()
-    };
-    Ok(PartsDiff {
-        added: list("added")?,
-        changed: list("changed")?,
-        removed: list("removed")?,
-    })
 }
 
 fn parse_json(text: &str) -> Result<Value, StoreError> {

@@ -1,7 +1,5 @@
 //! Webhook endpoints, their status and their signing secrets.
 
-use std::time::Duration;
-
 use relay_wire::SigningSecret;
 use sqlx::PgPool;
 use time::OffsetDateTime;
@@ -99,31 +97,6 @@ pub async fn create(pool: &PgPool, new: &NewEndpoint) -> Result<(), StoreError> 
     Ok(())
 }
 
-/// Pauses or resumes an endpoint. Returns the status it had before.
-pub async fn set_status(
-    pool: &PgPool,
-    id: Uuid,
-    status: EndpointStatus,
-) -> Result<EndpointStatus, StoreError> {
-    // The old value comes from the row lock the UPDATE itself takes, not from a separate read.
-    let previous: Option<String> = sqlx::query_scalar(
-        "UPDATE webhook_endpoints e SET status = $2, updated_at = now()
-         FROM (SELECT id, status FROM webhook_endpoints WHERE id = $1 FOR UPDATE) old
-         WHERE e.id = old.id
-         RETURNING old.status",
-    )
-    .bind(id)
-    .bind(status.as_str())
-    .fetch_optional(pool)
-    .await?;
-    previous
-        .map(|s| EndpointStatus::from_db(&s))
-        .ok_or_else(|| StoreError::NotFound {
-            what: "webhook endpoint",
-            id: id.to_string(),
-        })
-}
-
 /// The result of a rotation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rotation {
@@ -131,72 +104,6 @@ pub struct Rotation {
     pub old_secrets_expire_at: OffsetDateTime,
     /// How many secrets were given that expiry (secrets that already expired sooner keep theirs).
     pub old_secrets: u64,
-}
-
-/// Adds `secret` to the endpoint and lets every secret it held expire `overlap` after `now`
-/// (or sooner, if one was due to expire sooner), as the upstream does when it rotates: both
-/// verify during the overlap. The overlap is at most the wire file's rotation_overlap_max_s.
-pub async fn rotate_secret(
-    pool: &PgPool,
-    id: Uuid,
-    secret: &SigningSecret,
-    overlap: Duration,
-    now: OffsetDateTime,
-) -> Result<Rotation, StoreError> {
-    let max = Duration::from_secs(relay_wire::limits::ROTATION_OVERLAP_MAX_S);
-    if overlap > max {
-        return Err(StoreError::Invalid(format!(
-            "a rotation overlap is at most {} s (the upstream's longest)",
-            max.as_secs()
-        )));
-    }
-    let expire_at = now + overlap;
-    let mut tx = pool.begin().await?;
-    let new_id: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret)
-         SELECT e.tenant_id, e.id, $2 FROM webhook_endpoints e WHERE e.id = $1
-         ON CONFLICT (endpoint_id, secret) DO NOTHING
-         RETURNING id",
-    )
-    .bind(id)
-    .bind(secret.to_whsec())
-    .fetch_optional(&mut *tx)
-    .await?;
-    let Some(new_id) = new_id else {
-        let exists: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM webhook_endpoints WHERE id = $1)")
-                .bind(id)
-                .fetch_one(&mut *tx)
-                .await?;
-        return Err(if exists {
-            StoreError::AlreadyExists {
-                what: "that secret on webhook endpoint",
-                id: id.to_string(),
-            }
-        } else {
-            StoreError::NotFound {
-                what: "webhook endpoint",
-                id: id.to_string(),
-            }
-        });
-    };
-    let old_secrets = sqlx::query(
-        "UPDATE endpoint_secrets
-         SET expires_at = LEAST(COALESCE(expires_at, 'infinity'), $3)
-         WHERE endpoint_id = $1 AND id <> $2 AND (expires_at IS NULL OR expires_at > $4)",
-    )
-    .bind(id)
-    .bind(new_id)
-    .bind(expire_at)
-    .bind(now)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    tx.commit().await?;
-    Ok(Rotation {
-        old_secrets_expire_at: expire_at,
-        old_secrets,
-    })
 }
 
 /// A secret as the front tier holds it.
