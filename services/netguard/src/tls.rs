@@ -42,7 +42,6 @@ pub struct TrustRoots {
 #[derive(Clone)]
 struct Extra {
     file: PathBuf,
-    pem: Arc<str>,
 }
 
 impl std::fmt::Debug for TrustRoots {
@@ -116,7 +115,6 @@ impl TrustRoots {
             certificates.extend(own);
             Extra {
                 file: file.to_owned(),
-                pem: pem.into(),
             }
         };
         Ok(Self::with(certificates, Some(extra)))
@@ -150,12 +148,6 @@ impl TrustRoots {
     /// platform's roots (Postgres' `sslrootcert`).
     pub fn ca_file(&self) -> Option<&Path> {
         self.extra.as_ref().map(|extra| extra.file.as_path())
-    }
-
-    /// The operator's CA bundle as PEM, for clients that take it as text and add it to the
-    /// platform's roots (lapin).
-    pub fn extra_pem(&self) -> Option<&str> {
-        self.extra.as_ref().map(|extra| &*extra.pem)
     }
 
     /// Every root as one PEM bundle, when the operator gave a CA file (`None`: the platform's
@@ -408,7 +400,8 @@ mod tests {
 
         let trust = TrustRoots::load(Some(&file)).unwrap();
         assert_eq!(trust.ca_file(), Some(file.as_path()));
-        assert_eq!(trust.extra_pem(), Some(ours.certificate.pem().as_str()));
+        let bundle = String::from_utf8(trust.bundle_pem().expect("a bundle")).unwrap();
+        assert!(bundle.contains(ours.certificate.pem().trim()));
         handshake(trust.client_config(), ours.server()).expect("the CA file's server is trusted");
 
         let refused = handshake(trust.client_config(), theirs.server()).unwrap_err();

@@ -65,10 +65,6 @@ impl Cursor {
             seq: parse_digits(seq).ok_or_else(bad)?,
         })
     }
-
-    pub fn to_sequence(self) -> Sequence {
-        Sequence::from_parts(self.epoch, self.seq)
-    }
 }
 
 impl fmt::Display for Cursor {
@@ -108,7 +104,6 @@ mod tests {
             }
         );
         assert_eq!(c.to_string(), "1.1045");
-        assert_eq!(c.to_sequence(), Sequence::from_parts(1, 1045));
         for bad in ["", "1", "1.", ".5", "a.b", "1.2.3", "-1.5"] {
             assert!(Cursor::parse(bad).is_err(), "{bad:?}");
         }
