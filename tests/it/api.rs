@@ -14,16 +14,18 @@ use relay_api::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
 use relay_api::{BrokerAccess, ManagementSettings};
 use relay_netguard::OutboundPolicy;
-use relay_rules::{decide_run, event_ids, subjects, DestinationPolicy, EndpointTrack, Run};
+use relay_rules::{DestinationPolicy, EndpointTrack};
 use relay_store::cursors;
 use relay_store::messages::{store_batch, IncomingMessage};
-use relay_store::runs::{self, RunClaim, RunWrite};
+use relay_store::runs::{self, RunWrite};
 use relay_store::tracks::{self, TrackClaim};
 use relay_tests::{random_secret, TestDb, Vhost};
 use relay_wire::{Message, Sequence};
 use serde_json::{json, Value};
 use time::OffsetDateTime;
 use uuid::Uuid;
+
+use crate::stack::open_and_decide;
 
 #[path = "api_input.rs"]
 mod input;
@@ -276,30 +278,13 @@ pub async fn apply_events(db: &TestDb, tenant: Uuid, endpoint: Uuid, events: &[V
     .await
     .unwrap();
     let token = db.claim_fence(endpoint).await;
-    let (ids, subjects) = (event_ids(&messages), subjects(&messages));
     let mut tx = db.pool.begin().await.unwrap();
-    let claim = RunClaim {
-        claim: TrackClaim {
-            endpoint: relay_store::EndpointId(endpoint),
-            tenant: relay_store::TenantId(tenant),
-            token,
-        },
-        event_ids: &ids,
-        subjects: &subjects,
+    let claim = TrackClaim {
+        endpoint: relay_store::EndpointId(endpoint),
+        tenant: relay_store::TenantId(tenant),
+        token,
     };
-    let opened = runs::open_runs(&mut tx, &[claim])
-        .await
-        .unwrap()
-        .pop()
-        .flatten()
-        .expect("the fence was just claimed");
-    let run = Run {
-        track: &opened.track,
-        messages: &messages,
-        seen: &opened.seen,
-        refetches: &HashMap::new(),
-    };
-    let plan = decide_run(run, opened.held);
+    let plan = open_and_decide(&mut tx, claim, &messages, &HashMap::new()).await;
     assert!(plan.events.iter().all(|e| e.applied()), "{plan:?}");
     let cursor = cursors::applied_through(&mut *tx, relay_store::EndpointId(endpoint))
         .await

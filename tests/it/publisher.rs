@@ -24,7 +24,7 @@ use relay_publisher::lapin::options::{
     QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use relay_publisher::lapin::types::{AMQPValue, FieldTable};
-use relay_publisher::lapin::{Connection, ExchangeKind};
+use relay_publisher::lapin::{Channel, Connection, ExchangeKind, Queue};
 use relay_publisher::{
     tenant_queue, BeforeMark, ChangeMessage, Publisher, PublisherConfig, PublisherHandle,
     ReferenceConsumer, TailArgs, TailOutput,
@@ -37,7 +37,7 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::stack::CopyWriter;
+use crate::stack::{connect_broker, CopyWriter};
 
 // ---- Environment: Redis, RabbitMQ, a vhost per test ----
 
@@ -50,6 +50,13 @@ pub(crate) struct Env {
 }
 
 impl Env {
+    /// A test's environment and the random source of its seed.
+    pub(crate) async fn seeded() -> (Self, StdRng) {
+        let env = Self::new().await;
+        let rng = StdRng::seed_from_u64(env.seed);
+        (env, rng)
+    }
+
     pub(crate) async fn new() -> Self {
         let seed = seed();
         eprintln!("publisher test seed: {seed} (RELAY_TEST_SEED replays it)");
@@ -98,14 +105,7 @@ impl Env {
     }
 
     pub(crate) async fn broker(&self) -> Connection {
-        relay_publisher::connect(
-            &self.vhost.url(),
-            "test",
-            Duration::from_secs(10),
-            &relay_netguard::TrustRoots::platform(),
-        )
-        .await
-        .expect("the publisher tests need RabbitMQ on 127.0.0.1:5672")
+        connect_broker(&self.vhost.url(), "publisher").await
     }
 }
 
@@ -401,12 +401,13 @@ impl Delivered {
     }
 }
 
-/// Reads every message in the queue (the publishers are stopped, so the count is final), in
-/// queue order. With `ack` they are removed; without, the broker puts them back when the
-/// channel closes.
-pub(crate) async fn drain(broker: &Connection, queue: &str, ack: bool) -> Vec<Delivered> {
-    let channel = broker.create_channel().await.unwrap();
-    let count = channel
+/// A passive declare of `queue` on `channel`: the queue's message and consumer counts, or the
+/// broker's error (no such queue).
+pub(crate) async fn declare_passive(
+    channel: &Channel,
+    queue: &str,
+) -> Result<Queue, relay_publisher::lapin::Error> {
+    channel
         .queue_declare(
             queue,
             QueueDeclareOptions {
@@ -415,6 +416,15 @@ pub(crate) async fn drain(broker: &Connection, queue: &str, ack: bool) -> Vec<De
             },
             FieldTable::default(),
         )
+        .await
+}
+
+/// Reads every message in the queue (the publishers are stopped, so the count is final), in
+/// queue order. With `ack` they are removed; without, the broker puts them back when the
+/// channel closes.
+pub(crate) async fn drain(broker: &Connection, queue: &str, ack: bool) -> Vec<Delivered> {
+    let channel = broker.create_channel().await.unwrap();
+    let count = declare_passive(&channel, queue)
         .await
         .unwrap()
         .message_count() as usize;
@@ -561,10 +571,22 @@ fn rebuild(
 /// Drains each tenant's queue and checks that the reference consumer rebuilds, from it alone,
 /// every copy of the tenant's feeds as Postgres holds it.
 async fn assert_queues_rebuild(env: &Env, tenants: &[Uuid], feeds: &[Feed]) {
+    assert_queues_rebuild_checking(env, tenants, feeds, |_, _| {}).await;
+}
+
+/// [`assert_queues_rebuild`], with `check` run first on each tenant's consumer and on how often
+/// each message_id came.
+async fn assert_queues_rebuild_checking(
+    env: &Env,
+    tenants: &[Uuid],
+    feeds: &[Feed],
+    check: impl Fn(&ReferenceConsumer, &HashMap<String, usize>),
+) {
     let broker = env.broker().await;
     for &tenant in tenants {
         let messages = drain(&broker, &tenant_queue(tenant), true).await;
-        let (consumer, _) = rebuild(tenant, &messages, env.seed);
+        let (consumer, seen) = rebuild(tenant, &messages, env.seed);
+        check(&consumer, &seen);
         let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
         assert_rebuilt(&env.db.pool, &consumer, &own, env.seed).await;
     }
@@ -602,10 +624,8 @@ async fn assert_rebuilt(pool: &PgPool, consumer: &ReferenceConsumer, feeds: &[&F
 /// reference consumer and `relay tail` rebuild each endpoint's copy from it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_tenants_queue_rebuilds_its_copies_once_and_in_order() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let tenants = [env.db.tenant().await, env.db.tenant().await];
     let mut feeds = feeds_of(&env.db, (0..6).map(|i| tenants[i % 2])).await;
     write(pool, &mut feeds, &mut rng, 120).await;
@@ -643,18 +663,14 @@ async fn each_tenants_queue_rebuilds_its_copies_once_and_in_order() {
     );
     assert_eq!(metric(&registry, "relay_publisher_tenants_owned"), 0.0);
 
-    let broker = env.broker().await;
-    for tenant in tenants {
-        let messages = drain(&broker, &tenant_queue(tenant), true).await;
-        let (consumer, seen) = rebuild(tenant, &messages, seed);
+    assert_queues_rebuild_checking(&env, &tenants, &feeds, |consumer, seen| {
         assert!(
             seen.values().all(|&n| n == 1),
             "seed {seed}: a message came twice"
         );
         assert_eq!(consumer.stats().duplicates, 0, "seed {seed}");
-        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
-        assert_rebuilt(pool, &consumer, &own, seed).await;
-    }
+    })
+    .await;
 
     // `relay tail` over a queue: write more, publish, and let tail read and acknowledge.
     let (publisher, _registry) = env.start(env.config(env.vhost.url())).await;
@@ -707,10 +723,8 @@ async fn each_tenants_queue_rebuilds_its_copies_once_and_in_order() {
 /// written, and comes back: nothing is lost, nothing is out of order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_outage_mid_run_loses_nothing_and_keeps_order() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let tenants = [env.db.tenant().await, env.db.tenant().await];
     let mut feeds = feeds_of(&env.db, (0..4).map(|i| tenants[i % 2])).await;
     let proxy = PgProxy::start(amqp_addr()).await;
@@ -751,10 +765,8 @@ async fn a_broker_outage_mid_run_loses_nothing_and_keeps_order() {
 /// fails the publisher, and every queue rebuilds its copies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_tenants_than_connections_share_the_pool_without_timeouts() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let mut tenants = Vec::new();
     for _ in 0..12 {
         tenants.push(env.db.tenant().await);
@@ -791,10 +803,8 @@ async fn more_tenants_than_connections_share_the_pool_without_timeouts() {
 /// every later change arrives in it, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queue_deleted_under_the_publisher_is_declared_again() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let tenant = env.db.tenant().await;
     let mut feeds = feeds_of(&env.db, [tenant; 3]).await;
     let config = PublisherConfig {
@@ -848,10 +858,8 @@ async fn a_queue_deleted_under_the_publisher_is_declared_again() {
 /// changes reach its exchange (and not the relay's queue).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_whose_broker_is_unreachable_does_not_stall_another() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let (a, b) = (env.db.tenant().await, env.db.tenant().await);
 
     // A's own topology: a direct exchange and a queue bound to it.
@@ -961,16 +969,7 @@ async fn a_tenant_whose_broker_is_unreachable_does_not_stall_another() {
         assert_rebuilt(pool, &consumer, &own, seed).await;
     }
     // The relay declared no queue for A: its changes went only to its own exchange.
-    let declared = channel
-        .queue_declare(
-            &tenant_queue(a),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await;
+    let declared = declare_passive(&channel, &tenant_queue(a)).await;
     assert!(
         declared.is_err(),
         "seed {seed}: a relay queue exists for tenant A"
@@ -981,10 +980,8 @@ async fn a_tenant_whose_broker_is_unreachable_does_not_stall_another() {
 /// and another started: every endpoint's changes still arrive gapless and in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_publishers_at_once_keep_each_endpoints_order() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let tenants = [
         env.db.tenant().await,
         env.db.tenant().await,
@@ -1024,10 +1021,8 @@ async fn several_publishers_at_once_keep_each_endpoints_order() {
 /// sends that round again, and nothing else twice, under the same message ids.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_ids() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let tenant = env.db.tenant().await;
     let mut feeds = feeds_of(&env.db, [tenant; 3]).await;
     write(pool, &mut feeds, &mut rng, 90).await;
@@ -1162,10 +1157,8 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
 /// queue still holds every change in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_stalled_past_its_lease_is_fenced_out() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let tenant = env.db.tenant().await;
     let mut feeds = feeds_of(&env.db, [tenant; 2]).await;
     write(pool, &mut feeds, &mut rng, 60).await;
@@ -1245,11 +1238,7 @@ async fn a_publisher_stalled_past_its_lease_is_fenced_out() {
     first.stop().await;
     second.stop().await;
 
-    let broker = env.broker().await;
-    let messages = drain(&broker, &tenant_queue(tenant), true).await;
-    let (consumer, _) = rebuild(tenant, &messages, seed);
-    let own: Vec<&Feed> = feeds.iter().collect();
-    assert_rebuilt(pool, &consumer, &own, seed).await;
+    assert_queues_rebuild(&env, &[tenant], &feeds).await;
 }
 
 /// The tenant's own queue is full and refuses more (`x-overflow: reject-publish`): the broker
@@ -1257,10 +1246,8 @@ async fn a_publisher_stalled_past_its_lease_is_fenced_out() {
 /// and in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nacked_changes_are_sent_again_in_order() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let tenant = env.db.tenant().await;
     let broker = env.broker().await;
     let channel = broker.create_channel().await.unwrap();
@@ -1358,10 +1345,8 @@ async fn nacked_changes_are_sent_again_in_order() {
 /// to a queue: nothing is marked before that, and then everything arrives, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_exchange_or_binding_holds_the_backlog_until_fixed() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let tenant = env.db.tenant().await;
     // The tenant's "own" broker: the test's vhost through an address that is not the relay's.
     let own_broker = PgProxy::start(amqp_addr()).await;
@@ -1445,10 +1430,8 @@ async fn a_missing_exchange_or_binding_holds_the_backlog_until_fixed() {
 /// message_id already delivered (the consumer drops them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publishers_killed_at_random_moments_lose_and_reorder_nothing() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let tenants = [env.db.tenant().await, env.db.tenant().await];
     let mut feeds = feeds_of(&env.db, (0..4).map(|i| tenants[i % 2])).await;
     let kills = 6;
@@ -1464,17 +1447,13 @@ async fn publishers_killed_at_random_moments_lose_and_reorder_nothing() {
     wait_published(pool, &tenants, seed).await;
     publisher.stop().await;
 
-    let broker = env.broker().await;
-    for tenant in tenants {
-        let messages = drain(&broker, &tenant_queue(tenant), true).await;
-        let (consumer, seen) = rebuild(tenant, &messages, seed);
+    assert_queues_rebuild_checking(&env, &tenants, &feeds, |_, seen| {
         assert!(
             seen.values().all(|&n| n <= 1 + kills),
             "seed {seed}: a message came more often than publishers died"
         );
-        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
-        assert_rebuilt(pool, &consumer, &own, seed).await;
-    }
+    })
+    .await;
 }
 
 /// The mark statement by itself: each endpoint's publish cursor moves to the highest change_seq
@@ -1484,10 +1463,8 @@ async fn publishers_killed_at_random_moments_lose_and_reorder_nothing() {
 async fn a_mark_moves_each_endpoints_cursor_forward_only_and_only_under_the_fence() {
     use relay_store::changes::{self, Marked};
     use relay_store::{EndpointId, TenantId};
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let (a, b) = (env.db.tenant().await, env.db.tenant().await);
     let mut feeds = feeds_of(&env.db, [a, a, b]).await;
     for feed in &mut feeds {
@@ -1682,10 +1659,8 @@ async fn publisher_drain_rate() {
 /// message arrives exactly once, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_outage_mid_run_sends_nothing_twice() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let tenants = [env.db.tenant().await, env.db.tenant().await];
     let mut feeds = feeds_of(&env.db, (0..4).map(|i| tenants[i % 2])).await;
     let postgres: SocketAddr = std::env::var("RELAY_TEST_POSTGRES_ADDR")
@@ -1728,19 +1703,15 @@ async fn a_postgres_outage_mid_run_sends_nothing_twice() {
     publisher.stop().await;
     publisher_pool.close().await;
 
-    let broker = env.broker().await;
-    for tenant in tenants {
-        let messages = drain(&broker, &tenant_queue(tenant), true).await;
-        let (consumer, seen) = rebuild(tenant, &messages, seed);
+    assert_queues_rebuild_checking(&env, &tenants, &feeds, |_, seen| {
         let twice: Vec<&String> = seen
             .iter()
             .filter(|(_, &n)| n > 1)
             .map(|(id, _)| id)
             .collect();
         assert!(twice.is_empty(), "seed {seed}: sent twice: {twice:?}");
-        let own: Vec<&Feed> = feeds.iter().filter(|f| f.tenant == tenant).collect();
-        assert_rebuilt(pool, &consumer, &own, seed).await;
-    }
+    })
+    .await;
 }
 
 /// Not a test of behaviour: created-to-confirm latency while changes arrive at a fixed rate.

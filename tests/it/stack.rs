@@ -500,6 +500,16 @@ pub(crate) fn describe_difference(copy: &Items, oracle: &Items) -> String {
 /// A connection to the broker at `url` for a test's consumer; `test` names the test that needs
 /// RabbitMQ when it is not there.
 pub(crate) async fn connect_broker(url: &str, test: &str) -> Connection {
+    try_connect_broker(url)
+        .await
+        .unwrap_or_else(|e| panic!("the {test} test needs RabbitMQ on 127.0.0.1:5672: {e}"))
+}
+
+/// A connection to the broker at `url` trusting the platform's roots, or why there is none (for
+/// tests that expect a refusal).
+pub(crate) async fn try_connect_broker(
+    url: &str,
+) -> Result<Connection, relay_publisher::BrokerError> {
     relay_publisher::connect(
         url,
         "test",
@@ -507,7 +517,6 @@ pub(crate) async fn connect_broker(url: &str, test: &str) -> Connection {
         &relay_netguard::TrustRoots::platform(),
     )
     .await
-    .unwrap_or_else(|e| panic!("the {test} test needs RabbitMQ on 127.0.0.1:5672: {e}"))
 }
 
 /// Stops the simulation and waits for its senders to end.
@@ -794,28 +803,9 @@ impl CopyWriter {
         messages: &[relay_rules::StoredMessage],
         refetches: &HashMap<String, relay_rules::RefetchRead>,
     ) -> relay_rules::RunPlan {
-        use relay_store::runs::{self, RunClaim, RunWrite};
-        let ids = relay_rules::event_ids(messages);
-        let subjects = relay_rules::subjects(messages);
+        use relay_store::runs::{self, RunWrite};
         let mut tx = pool.begin().await.unwrap();
-        let claim = RunClaim {
-            claim: self.claim,
-            event_ids: &ids,
-            subjects: &subjects,
-        };
-        let opened = runs::open_runs(&mut tx, &[claim])
-            .await
-            .unwrap()
-            .pop()
-            .flatten()
-            .expect("the fence is this writer's");
-        let run = relay_rules::Run {
-            track: &opened.track,
-            messages,
-            seen: &opened.seen,
-            refetches,
-        };
-        let plan = relay_rules::decide_run(run, opened.held);
+        let plan = open_and_decide(&mut tx, self.claim, messages, refetches).await;
         let from = self.next_seq;
         let seqs: Vec<i64> = (1..=messages.len() as i64).map(|i| from + i).collect();
         let to = seqs.last().copied().unwrap_or(from);
@@ -851,4 +841,35 @@ impl CopyWriter {
             .await
             .unwrap()
     }
+}
+
+/// Opens the run of `messages` under `claim` in `tx` (relay-store's `runs::open_runs`, under the
+/// endpoint's locks) and decides it whole with relay-rules' `decide_run`, as the sequencer does.
+/// Panics when the fence is not `claim`'s.
+pub(crate) async fn open_and_decide(
+    tx: &mut sqlx::PgConnection,
+    claim: relay_store::tracks::TrackClaim,
+    messages: &[relay_rules::StoredMessage],
+    refetches: &HashMap<String, relay_rules::RefetchRead>,
+) -> relay_rules::RunPlan {
+    let ids = relay_rules::event_ids(messages);
+    let subjects = relay_rules::subjects(messages);
+    let claim = relay_store::runs::RunClaim {
+        claim,
+        event_ids: &ids,
+        subjects: &subjects,
+    };
+    let opened = relay_store::runs::open_runs(tx, &[claim])
+        .await
+        .unwrap()
+        .pop()
+        .flatten()
+        .expect("the fence is the claim's");
+    let run = relay_rules::Run {
+        track: &opened.track,
+        messages,
+        seen: &opened.seen,
+        refetches,
+    };
+    relay_rules::decide_run(run, opened.held)
 }

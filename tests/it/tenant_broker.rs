@@ -10,8 +10,6 @@
 
 use std::time::Duration;
 
-use rand::rngs::StdRng;
-use rand::SeedableRng as _;
 use relay_api::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
 use relay_api::{BrokerAccess, ManagementSettings};
@@ -30,7 +28,8 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::publisher::{
-    change_count_of, drain, feeds_of, metric, unpublished, wait_published, wait_until, write, Env,
+    change_count_of, declare_passive, drain, feeds_of, metric, unpublished, wait_published,
+    wait_until, write, Env,
 };
 
 const KEY: &[u8] = b"test-signing-key-of-the-control-plane";
@@ -242,10 +241,8 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
 /// queue, and only B's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_publisher_refuses_a_destination_at_the_relays_broker_that_bypassed_the_api() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let (a1, a2, b) = (
         env.db.tenant().await,
         env.db.tenant().await,
@@ -340,15 +337,7 @@ pub(crate) fn tenant_url(credentials: &Value, password: &str) -> String {
     format!("{scheme}://{user}:{password}@{rest}")
 }
 
-pub(crate) async fn connect(url: &str) -> Result<Connection, relay_publisher::BrokerError> {
-    relay_publisher::connect(
-        url,
-        "tenant test",
-        Duration::from_secs(10),
-        &relay_netguard::TrustRoots::platform(),
-    )
-    .await
-}
+pub(crate) use crate::stack::try_connect_broker as connect;
 
 fn quorum() -> FieldTable {
     let mut arguments = FieldTable::default();
@@ -407,15 +396,7 @@ async fn publish(connection: &Connection, exchange: &str, routing_key: &str) -> 
 
 async fn message_count(connection: &Connection, queue: &str) -> u32 {
     let channel = connection.create_channel().await.unwrap();
-    channel
-        .queue_declare(
-            queue,
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    declare_passive(&channel, queue)
         .await
         .unwrap()
         .message_count()
@@ -572,18 +553,7 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
     // its message and consumer counts, given A's tenant id, which no answer of the API tells
     // another tenant. No message, no binding, no publish. Pinned here, so a broker that
     // starts refusing it shows.
-    let peeked = as_b
-        .create_channel()
-        .await
-        .unwrap()
-        .queue_declare(
-            &a_queue,
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    let peeked = declare_passive(&as_b.create_channel().await.unwrap(), &a_queue)
         .await
         .expect("RabbitMQ checks no permission for a passive declare");
     assert_eq!(peeked.message_count(), 1);
@@ -654,10 +624,8 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
 /// pool is smaller than the tenants it runs: A's hanging connects hold nothing B needs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hanging_tenant_broker_does_not_stop_another_tenants_changes() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let hanging = PgProxy::start(amqp_addr()).await;
     hanging.set(ProxyMode::Blackhole);
     let hanging_tenants = [

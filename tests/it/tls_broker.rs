@@ -17,8 +17,6 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use rand::rngs::StdRng;
-use rand::SeedableRng as _;
 use relay_netguard::{CertificateFailure, TrustRoots};
 use relay_publisher::lapin::options::{
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
@@ -92,10 +90,8 @@ async fn assert_every_change_once(pool: &PgPool, tenant: Uuid, messages: &[Deliv
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relays_broker_over_tls_gets_every_change_confirmed_and_a_tls_consumer_reads_them() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let ca = TestCa::new("relay broker");
     let proxy = TlsProxy::start(&ca.issue(&["localhost"]), amqp_addr()).await;
     let url = amqps_url(&env, &proxy);
@@ -130,10 +126,8 @@ async fn the_relays_broker_over_tls_gets_every_change_confirmed_and_a_tls_consum
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_own_exchange_over_amqps_gets_every_change_confirmed() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let ca = TestCa::new("tenant broker");
     // The tenant's broker: the test's vhost behind TLS, at an address that is not the relay's.
     let proxy = TlsProxy::start(&ca.issue(&["localhost"]), amqp_addr()).await;
@@ -211,10 +205,8 @@ async fn a_tenants_own_exchange_over_amqps_gets_every_change_confirmed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_certificate_from_another_ca_is_refused_and_the_refusal_says_why() {
-    let env = Env::new().await;
-    let seed = env.seed;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let pool = &env.db.pool;
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
     let trusted = TestCa::new("trusted");
     let stranger = TestCa::new("stranger");
     let proxy = TlsProxy::start(&stranger.issue(&["localhost"]), amqp_addr()).await;
