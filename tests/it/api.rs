@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::stack::open_and_decide;
+use crate::stack::{call_api, open_and_decide};
 
 #[path = "api_input.rs"]
 mod input;
@@ -51,12 +51,7 @@ pub struct ApiApp {
 }
 
 /// One answer: its status and body.
-#[derive(Debug, Clone)]
-pub struct Answer {
-    pub status: u16,
-    pub text: String,
-    pub json: Value,
-}
+pub(crate) use crate::stack::Answer;
 
 impl ApiApp {
     /// The API taking any upstream URL: the tests' upstreams are simulators on 127.0.0.1.
@@ -135,21 +130,7 @@ impl ApiApp {
         token: Option<&str>,
         body: Option<&Value>,
     ) -> Answer {
-        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
-        let mut request = self
-            .client
-            .request(method, format!("{}{path}", self.base_url));
-        if let Some(token) = token {
-            request = request.bearer_auth(token);
-        }
-        if let Some(body) = body {
-            request = request.json(body);
-        }
-        let response = request.send().await.expect("the API answers");
-        let status = response.status().as_u16();
-        let text = response.text().await.unwrap();
-        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Answer { status, text, json }
+        call_api(&self.client, &self.base_url, method, path, token, body).await
     }
 
     /// A call that must succeed with `expect`.

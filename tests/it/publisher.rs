@@ -26,8 +26,8 @@ use relay_publisher::lapin::options::{
 use relay_publisher::lapin::types::{AMQPValue, FieldTable};
 use relay_publisher::lapin::{Channel, Connection, ExchangeKind, Queue};
 use relay_publisher::{
-    tenant_queue, BeforeMark, ChangeMessage, Publisher, PublisherConfig, PublisherHandle,
-    ReferenceConsumer, TailArgs, TailOutput,
+    tenant_queue, BeforeMark, ChangeMessage, ConsumerStats, Publisher, PublisherConfig,
+    PublisherHandle, ReferenceConsumer, TailArgs, TailOutput,
 };
 use relay_rules::{DestinationPolicy, HeldContent, Pass, ReadItem, StoredMessage};
 use relay_store::copy::Merged;
@@ -153,6 +153,28 @@ where
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Points `tenant`'s destination straight at its own exchange on the broker at `amqp_url` (a
+/// row written into Postgres, as the control plane writes it, without the control plane's checks).
+pub(crate) async fn set_own_exchange(
+    pool: &PgPool,
+    tenant: Uuid,
+    amqp_url: &str,
+    exchange: &str,
+    routing_key: &str,
+) {
+    sqlx::query(
+        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
+         VALUES ($1, 'own_exchange', $2, $3, $4)",
+    )
+    .bind(tenant)
+    .bind(amqp_url)
+    .bind(exchange)
+    .bind(routing_key)
+    .execute(pool)
+    .await
+    .unwrap();
 }
 
 pub(crate) async fn unpublished(pool: &PgPool, tenants: &[Uuid]) -> i64 {
@@ -527,6 +549,54 @@ impl Collector {
     }
 }
 
+/// `relay tail` over `tenant`'s queue on the test's vhost, acknowledging what it reads, until the
+/// queue is idle for 3 s: its stats and what it printed.
+async fn tail(env: &Env, tenant: Uuid, output: TailOutput) -> (ConsumerStats, Vec<u8>) {
+    let mut out = Vec::new();
+    let stats = relay_publisher::tail_until(
+        &TailArgs {
+            tenant,
+            amqp_url: env.vhost.url(),
+            queue: None,
+            ack: true,
+            idle_exit_ms: 3_000,
+            output,
+        },
+        &relay_netguard::TrustRoots::platform(),
+        &mut out,
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
+    (stats, out)
+}
+
+/// Declares `queue` with `options` and `arguments` and binds it to `exchange` under
+/// `routing_key`.
+pub(crate) async fn bind_queue(
+    channel: &Channel,
+    queue: &str,
+    options: QueueDeclareOptions,
+    arguments: FieldTable,
+    exchange: &str,
+    routing_key: &str,
+) {
+    channel
+        .queue_declare(queue, options, arguments)
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue,
+            exchange,
+            routing_key,
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+}
+
 fn schema() -> jsonschema::Validator {
     jsonschema::options()
         .should_validate_formats(true)
@@ -678,22 +748,7 @@ async fn each_tenants_queue_rebuilds_its_copies_once_and_in_order() {
     wait_published(pool, &tenants, seed).await;
     publisher.stop().await;
     let tenant = tenants[0];
-    let mut out = Vec::new();
-    let stats = relay_publisher::tail_until(
-        &TailArgs {
-            tenant,
-            amqp_url: env.vhost.url(),
-            queue: None,
-            ack: true,
-            idle_exit_ms: 3_000,
-            output: TailOutput::Changes,
-        },
-        &relay_netguard::TrustRoots::platform(),
-        &mut out,
-        std::future::pending(),
-    )
-    .await
-    .unwrap();
+    let (stats, out) = tail(&env, tenant, TailOutput::Changes).await;
     // The queue was drained above: tail starts mid-stream, at each endpoint's next change.
     let lines: Vec<ChangeMessage> = String::from_utf8(out)
         .unwrap()
@@ -882,31 +937,25 @@ async fn a_tenant_whose_broker_is_unreachable_does_not_stall_another() {
         durable: true,
         ..QueueDeclareOptions::default()
     };
-    channel
-        .queue_declare("tenant-a-changes", queue_options, FieldTable::default())
-        .await
-        .unwrap();
-    channel
-        .queue_bind(
-            "tenant-a-changes",
-            "tenant-a",
-            "changes",
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    bind_queue(
+        &channel,
+        "tenant-a-changes",
+        queue_options,
+        FieldTable::default(),
+        "tenant-a",
+        "changes",
+    )
+    .await;
     let proxy = PgProxy::start(amqp_addr()).await;
     proxy.set(ProxyMode::Blackhole);
-    sqlx::query(
-        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
-         VALUES ($1, 'own_exchange', $2, 'tenant-a', 'changes')",
+    set_own_exchange(
+        pool,
+        a,
+        &env.vhost.url_via(proxy.address),
+        "tenant-a",
+        "changes",
     )
-    .bind(a)
-    .bind(env.vhost.url_via(proxy.address))
-    .execute(pool)
-    .await
-    .unwrap();
+    .await;
 
     let mut feeds_a = feeds_of(&env.db, [a; 2]).await;
     let mut feeds_b = feeds_of(&env.db, [b; 2]).await;
@@ -1105,22 +1154,7 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
     assert_rebuilt(pool, &consumer, &own, seed).await;
 
     // `relay tail` reads the same queue, drops the repeats, and prints the copy it rebuilt.
-    let mut out = Vec::new();
-    let stats = relay_publisher::tail_until(
-        &TailArgs {
-            tenant,
-            amqp_url: env.vhost.url(),
-            queue: None,
-            ack: true,
-            idle_exit_ms: 3_000,
-            output: TailOutput::Copy,
-        },
-        &relay_netguard::TrustRoots::platform(),
-        &mut out,
-        std::future::pending(),
-    )
-    .await
-    .unwrap();
+    let (stats, out) = tail(&env, tenant, TailOutput::Copy).await;
     assert_eq!(stats.messages, messages.len() as u64, "seed {seed}");
     assert_eq!(stats.duplicates, twice.len() as u64, "seed {seed}");
     assert_eq!(stats.gaps, 0, "seed {seed}");
@@ -1266,31 +1300,25 @@ async fn nacked_changes_are_sent_again_in_order() {
         "x-overflow".into(),
         AMQPValue::LongString("reject-publish".into()),
     );
-    channel
-        .queue_declare("tenant-x-small", QueueDeclareOptions::default(), arguments)
-        .await
-        .unwrap();
-    channel
-        .queue_bind(
-            "tenant-x-small",
-            "tenant-x",
-            "all",
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    bind_queue(
+        &channel,
+        "tenant-x-small",
+        QueueDeclareOptions::default(),
+        arguments,
+        "tenant-x",
+        "all",
+    )
+    .await;
     // The tenant's "own" broker: the test's vhost through an address that is not the relay's.
     let own_broker = PgProxy::start(amqp_addr()).await;
-    sqlx::query(
-        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
-         VALUES ($1, 'own_exchange', $2, 'tenant-x', 'all')",
+    set_own_exchange(
+        pool,
+        tenant,
+        &env.vhost.url_via(own_broker.address),
+        "tenant-x",
+        "all",
     )
-    .bind(tenant)
-    .bind(env.vhost.url_via(own_broker.address))
-    .execute(pool)
-    .await
-    .unwrap();
+    .await;
 
     let mut feeds = feeds_of(&env.db, [tenant; 3]).await;
     write(pool, &mut feeds, &mut rng, 60).await;
@@ -1350,15 +1378,14 @@ async fn a_missing_exchange_or_binding_holds_the_backlog_until_fixed() {
     let tenant = env.db.tenant().await;
     // The tenant's "own" broker: the test's vhost through an address that is not the relay's.
     let own_broker = PgProxy::start(amqp_addr()).await;
-    sqlx::query(
-        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
-         VALUES ($1, 'own_exchange', $2, 'late', 'changes')",
+    set_own_exchange(
+        pool,
+        tenant,
+        &env.vhost.url_via(own_broker.address),
+        "late",
+        "changes",
     )
-    .bind(tenant)
-    .bind(env.vhost.url_via(own_broker.address))
-    .execute(pool)
-    .await
-    .unwrap();
+    .await;
     let mut feeds = feeds_of(&env.db, [tenant; 2]).await;
     write(pool, &mut feeds, &mut rng, 40).await;
     let (publisher, registry) = env.start(env.config(env.vhost.url())).await;
@@ -1396,24 +1423,15 @@ async fn a_missing_exchange_or_binding_holds_the_backlog_until_fixed() {
         0.0
     );
 
-    channel
-        .queue_declare(
-            "late-changes",
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    channel
-        .queue_bind(
-            "late-changes",
-            "late",
-            "changes",
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    bind_queue(
+        &channel,
+        "late-changes",
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+        "late",
+        "changes",
+    )
+    .await;
     write(pool, &mut feeds, &mut rng, 20).await;
     wait_published(pool, &[tenant], seed).await;
     publisher.stop().await;

@@ -55,6 +55,31 @@ pub(crate) fn token_for(key: &[u8], subject: &Subject) -> String {
     .token
 }
 
+/// One call of the control plane at `base_url`: `method` on `path`, with `token` as bearer and
+/// `body` as JSON when given; the answer's JSON is null when the body is not JSON.
+pub(crate) async fn call_api(
+    client: &reqwest::Client,
+    base_url: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&Value>,
+) -> Answer {
+    let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+    let mut request = client.request(method, format!("{base_url}{path}"));
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    if let Some(body) = body {
+        request = request.json(body);
+    }
+    let response = request.send().await.expect("the API answers");
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+    Answer { status, text, json }
+}
+
 /// The control plane in-process on port 0, and a client for it.
 pub(crate) struct Api {
     pub(crate) server: ApiServer,
@@ -115,19 +140,15 @@ impl Api {
         token: &str,
         body: Option<&Value>,
     ) -> Answer {
-        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
-        let mut request = self
-            .client
-            .request(method, format!("{}{path}", self.base_url))
-            .bearer_auth(token);
-        if let Some(body) = body {
-            request = request.json(body);
-        }
-        let response = request.send().await.expect("the API answers");
-        let status = response.status().as_u16();
-        let text = response.text().await.unwrap();
-        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-        Answer { status, text, json }
+        call_api(
+            &self.client,
+            &self.base_url,
+            method,
+            path,
+            Some(token),
+            body,
+        )
+        .await
     }
 
     /// A call that must answer `expect`; its JSON.

@@ -10,9 +10,9 @@
 
 use std::time::Duration;
 
-use relay_api::{mint, JwtKeys, Subject};
 use relay_api::{ApiConfig, ApiServer};
 use relay_api::{BrokerAccess, ManagementSettings};
+use relay_api::{JwtKeys, Subject};
 use relay_publisher::lapin::options::{
     BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
     QueueDeclareOptions,
@@ -24,13 +24,13 @@ use relay_rules::DestinationPolicy;
 use relay_tests::{amqp_addr, PgProxy, ProxyMode, TestDb};
 use serde_json::{json, Value};
 use sqlx::PgPool;
-use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::publisher::{
-    change_count_of, declare_passive, drain, feeds_of, metric, unpublished, wait_published,
-    wait_until, write, Env,
+    change_count_of, declare_passive, drain, feeds_of, metric, set_own_exchange, unpublished,
+    wait_published, wait_until, write, Env,
 };
+use crate::stack::{call_api, token_for};
 
 const KEY: &[u8] = b"test-signing-key-of-the-control-plane";
 
@@ -65,27 +65,17 @@ impl Api {
         tenant: Uuid,
         body: Option<Value>,
     ) -> (u16, Value) {
-        let token = mint(
-            &JwtKeys::new(KEY).unwrap(),
-            "relay",
-            &Subject::Tenant(tenant),
-            Duration::from_secs(600),
-            OffsetDateTime::now_utc(),
+        let token = token_for(KEY, &Subject::Tenant(tenant));
+        let answer = call_api(
+            &self.client,
+            &self.base_url,
+            method,
+            path,
+            Some(&token),
+            body.as_ref(),
         )
-        .unwrap()
-        .token;
-        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
-        let mut request = self
-            .client
-            .request(method, format!("{}{path}", self.base_url))
-            .bearer_auth(token);
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let answer = request.send().await.expect("the API answers");
-        let status = answer.status().as_u16();
-        let text = answer.text().await.unwrap();
-        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+        .await;
+        (answer.status, answer.json)
     }
 
     async fn stop(mut self) {
@@ -253,16 +243,7 @@ async fn the_publisher_refuses_a_destination_at_the_relays_broker_that_bypassed_
         (a1, env.vhost.url()),
         (a2, env.vhost.url_via(other_broker.address)),
     ] {
-        sqlx::query(
-            "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
-             VALUES ($1, 'own_exchange', $2, '', $3)",
-        )
-        .bind(tenant)
-        .bind(url)
-        .bind(tenant_queue(b))
-        .execute(pool)
-        .await
-        .unwrap();
+        set_own_exchange(pool, tenant, &url, "", &tenant_queue(b)).await;
     }
     let mut feeds = feeds_of(&env.db, [a1, a2, b, b]).await;
     let config = PublisherConfig {
@@ -635,15 +616,7 @@ async fn a_hanging_tenant_broker_does_not_stop_another_tenants_changes() {
     ];
     let b = env.db.tenant().await;
     for tenant in hanging_tenants {
-        sqlx::query(
-            "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
-             VALUES ($1, 'own_exchange', $2, 'x', 'k')",
-        )
-        .bind(tenant)
-        .bind(env.vhost.url_via(hanging.address))
-        .execute(pool)
-        .await
-        .unwrap();
+        set_own_exchange(pool, tenant, &env.vhost.url_via(hanging.address), "x", "k").await;
     }
     let mut feeds = feeds_of(&env.db, hanging_tenants.iter().copied().chain([b, b])).await;
     write(pool, &mut feeds, &mut rng, 60).await;

@@ -18,9 +18,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use relay_netguard::{CertificateFailure, TrustRoots};
-use relay_publisher::lapin::options::{
-    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
-};
+use relay_publisher::lapin::options::{ExchangeDeclareOptions, QueueDeclareOptions};
 use relay_publisher::lapin::types::FieldTable;
 use relay_publisher::lapin::{Connection, ExchangeKind};
 use relay_publisher::{tenant_queue, ChangeMessage, ReferenceConsumer};
@@ -31,8 +29,8 @@ use tokio::sync::{mpsc, watch};
 use uuid::Uuid;
 
 use crate::publisher::{
-    change_count_of, drain, feeds_of, metric, unpublished, wait_published, wait_until, write,
-    Delivered, Env,
+    bind_queue, change_count_of, drain, feeds_of, metric, set_own_exchange, unpublished,
+    wait_published, wait_until, write, Delivered, Env,
 };
 use crate::tls_support::{TestCa, TlsProxy};
 
@@ -142,34 +140,17 @@ async fn a_tenants_own_exchange_over_amqps_gets_every_change_confirmed() {
         )
         .await
         .unwrap();
-    channel
-        .queue_declare(
-            "tls-own-changes",
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    channel
-        .queue_bind(
-            "tls-own-changes",
-            "tls-own",
-            "changes",
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let tenant = env.db.tenant().await;
-    sqlx::query(
-        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
-         VALUES ($1, 'own_exchange', $2, 'tls-own', 'changes')",
+    bind_queue(
+        &channel,
+        "tls-own-changes",
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+        "tls-own",
+        "changes",
     )
-    .bind(tenant)
-    .bind(amqps_url(&env, &proxy))
-    .execute(pool)
-    .await
-    .unwrap();
+    .await;
+    let tenant = env.db.tenant().await;
+    set_own_exchange(pool, tenant, &amqps_url(&env, &proxy), "tls-own", "changes").await;
 
     let mut feeds = feeds_of(&env.db, [tenant; 3]).await;
     write(pool, &mut feeds, &mut rng, 60).await;
@@ -214,15 +195,7 @@ async fn a_broker_certificate_from_another_ca_is_refused_and_the_refusal_says_wh
 
     // A tenant's own broker behind it: refused, and the tenant reads why in its destination.
     let tenant = env.db.tenant().await;
-    sqlx::query(
-        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
-         VALUES ($1, 'own_exchange', $2, 'amq.direct', 'changes')",
-    )
-    .bind(tenant)
-    .bind(&url)
-    .execute(pool)
-    .await
-    .unwrap();
+    set_own_exchange(pool, tenant, &url, "amq.direct", "changes").await;
     let mut feeds = feeds_of(&env.db, [tenant; 2]).await;
     write(pool, &mut feeds, &mut rng, 30).await;
     let mut config = env.config(env.vhost.url());
