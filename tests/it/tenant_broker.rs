@@ -78,6 +78,24 @@ impl Api {
         (answer.status, answer.json)
     }
 
+    /// `tenant`'s PUT of `destination` is refused: a 400 naming `amqp_url`, whose detail says
+    /// `why`.
+    async fn assert_amqp_url_refused(&self, tenant: Uuid, destination: Value, why: &str) {
+        let url = destination["amqp_url"].as_str().unwrap().to_owned();
+        let (status, answer) = self
+            .call("PUT", "/v1/destination", tenant, Some(destination))
+            .await;
+        assert_eq!(
+            (status, answer["field"].as_str()),
+            (400, Some("amqp_url")),
+            "{url}: {answer}"
+        );
+        assert!(
+            answer["detail"].as_str().unwrap().contains(why),
+            "{url}: {answer}"
+        );
+    }
+
     async fn stop(mut self) {
         if let Some(server) = self.server.take() {
             server.stop().await.unwrap();
@@ -128,26 +146,8 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
         "amqp://guest:guest@[::ffff:127.0.0.1]:5672/relay",
         "amqp://guest:guest@2130706433:5672/relay",
     ] {
-        let (status, answer) = api
-            .call(
-                "PUT",
-                "/v1/destination",
-                a,
-                Some(own_exchange(url, "", &b_queue)),
-            )
+        api.assert_amqp_url_refused(a, own_exchange(url, "", &b_queue), "relay's own broker")
             .await;
-        assert_eq!(
-            (status, answer["field"].as_str()),
-            (400, Some("amqp_url")),
-            "{url}: {answer}"
-        );
-        assert!(
-            answer["detail"]
-                .as_str()
-                .unwrap()
-                .contains("relay's own broker"),
-            "{url}: {answer}"
-        );
     }
     assert_eq!(stored().await, 0);
     // Another listener on this machine is someone else's broker, once the operator allows it.
@@ -177,26 +177,8 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
         "amqp://u:p@[fd00::1]/%2f",
         "amqp://u:p@0x7f000001:5673/%2f",
     ] {
-        let (status, answer) = api
-            .call(
-                "PUT",
-                "/v1/destination",
-                a,
-                Some(own_exchange(url, "x", "k")),
-            )
+        api.assert_amqp_url_refused(a, own_exchange(url, "x", "k"), "not a public address")
             .await;
-        assert_eq!(
-            (status, answer["field"].as_str()),
-            (400, Some("amqp_url")),
-            "{url}: {answer}"
-        );
-        assert!(
-            answer["detail"]
-                .as_str()
-                .unwrap()
-                .contains("not a public address"),
-            "{url}: {answer}"
-        );
     }
     assert_eq!(stored().await, 0);
     api.stop().await;

@@ -86,6 +86,21 @@ async fn assert_every_change_once(pool: &PgPool, tenant: Uuid, messages: &[Deliv
     );
 }
 
+/// The publisher counted every change of `tenant` as confirmed by the broker.
+async fn assert_every_change_confirmed(
+    registry: &prometheus::Registry,
+    pool: &PgPool,
+    tenant: Uuid,
+    seed: u64,
+) {
+    let total = change_count_of(pool, tenant).await;
+    assert_eq!(
+        metric(registry, "relay_publisher_messages_confirmed_total"),
+        total as f64,
+        "seed {seed}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relays_broker_over_tls_gets_every_change_confirmed_and_a_tls_consumer_reads_them() {
     let (env, mut rng) = Env::seeded().await;
@@ -105,12 +120,7 @@ async fn the_relays_broker_over_tls_gets_every_change_confirmed_and_a_tls_consum
     publisher.stop().await;
 
     // Marked only once confirmed: every change was confirmed over the TLS connection.
-    let total = change_count_of(pool, tenant).await;
-    assert_eq!(
-        metric(&registry, "relay_publisher_messages_confirmed_total"),
-        total as f64,
-        "seed {seed}"
-    );
+    assert_every_change_confirmed(&registry, pool, tenant, seed).await;
     assert_eq!(
         metric(&registry, "relay_publisher_broker_errors_total"),
         0.0,
@@ -161,12 +171,7 @@ async fn a_tenants_own_exchange_over_amqps_gets_every_change_confirmed() {
     wait_published(pool, &[tenant], seed).await;
     publisher.stop().await;
 
-    let total = change_count_of(pool, tenant).await;
-    assert_eq!(
-        metric(&registry, "relay_publisher_messages_confirmed_total"),
-        total as f64,
-        "seed {seed}"
-    );
+    assert_every_change_confirmed(&registry, pool, tenant, seed).await;
     let refused: Option<String> =
         sqlx::query_scalar("SELECT refused_reason FROM tenant_destinations WHERE tenant_id = $1")
             .bind(tenant)
