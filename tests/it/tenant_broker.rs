@@ -78,13 +78,17 @@ impl Api {
         (answer.status, answer.json)
     }
 
+    /// `tenant` sets its destination to `destination`: the status and JSON of the answer.
+    async fn put_destination(&self, tenant: Uuid, destination: Value) -> (u16, Value) {
+        self.call("PUT", "/v1/destination", tenant, Some(destination))
+            .await
+    }
+
     /// `tenant`'s PUT of `destination` is refused: a 400 naming `amqp_url`, whose detail says
     /// `why`.
     async fn assert_amqp_url_refused(&self, tenant: Uuid, destination: Value, why: &str) {
         let url = destination["amqp_url"].as_str().unwrap().to_owned();
-        let (status, answer) = self
-            .call("PUT", "/v1/destination", tenant, Some(destination))
-            .await;
+        let (status, answer) = self.put_destination(tenant, destination).await;
         assert_eq!(
             (status, answer["field"].as_str()),
             (400, Some("amqp_url")),
@@ -152,12 +156,7 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
     assert_eq!(stored().await, 0);
     // Another listener on this machine is someone else's broker, once the operator allows it.
     let (status, answer) = api
-        .call(
-            "PUT",
-            "/v1/destination",
-            a,
-            Some(own_exchange("amqp://u:p@127.0.0.1:5673/%2f", "x", "k")),
-        )
+        .put_destination(a, own_exchange("amqp://u:p@127.0.0.1:5673/%2f", "x", "k"))
         .await;
     assert_eq!(status, 200, "{answer}");
     assert_eq!(answer["refused_reason"], Value::Null);
@@ -190,12 +189,7 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
     };
     let api = Api::start(db.pool.clone(), relay, listed).await;
     let (status, answer) = api
-        .call(
-            "PUT",
-            "/v1/destination",
-            a,
-            Some(own_exchange("amqp://u:p@evil.example/%2f", "x", "k")),
-        )
+        .put_destination(a, own_exchange("amqp://u:p@evil.example/%2f", "x", "k"))
         .await;
     assert_eq!(
         (status, answer["field"].as_str()),
