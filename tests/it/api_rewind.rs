@@ -368,3 +368,104 @@ async fn a_failed_rewind_call_changes_nothing() {
     assert_eq!(stored_reload(&app, gone).await, None);
     app.stop().await;
 }
+
+/// The event ids the copy of `endpoint` holds as applied.
+async fn applied_ids(app: &ApiApp, endpoint: Uuid) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT event_id FROM applied_events WHERE endpoint_id = $1 ORDER BY event_id",
+    )
+    .bind(endpoint)
+    .fetch_all(&app.db.pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_restore_is_held_until_the_rewind_is_answered_whatever_came_since() {
+    let app = ApiApp::spawn().await;
+    let endpoint = Uuid::new_v4();
+    let upstream = SimUpstream::start(&[endpoint]).await;
+    let (tenant, token) = register(&app, &upstream, &[endpoint]).await;
+    keep_track(&app, tenant, endpoint, "1.990", false).await;
+    // An event the backup applied (an hour before the restore).
+    sqlx::query(
+        "INSERT INTO applied_events (endpoint_id, event_id, tenant_id, applied_at)
+         VALUES ($1, 'evt_in_the_backup', $2, now() - interval '1 hour')",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .execute(&app.db.pool)
+    .await
+    .unwrap();
+
+    // `relay restored`, then a message taken before the rewind: the track moves on, an event
+    // id is applied.
+    let mut out = Vec::new();
+    let marked = relay::commands::mark_restored(&app.db.pool, &mut out)
+        .await
+        .unwrap();
+    assert_eq!(marked, 1);
+    let line: Value = serde_json::from_slice(&out).unwrap();
+    assert_eq!(
+        (&line["plan"], &line["since"]),
+        (&json!("rewind"), &json!("1.990"))
+    );
+    sqlx::query("UPDATE endpoint_tracks SET through = '1.995' WHERE endpoint_id = $1")
+        .bind(endpoint)
+        .execute(&app.db.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO applied_events (endpoint_id, event_id, tenant_id)
+         VALUES ($1, 'evt_after_the_restore', $2)",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .execute(&app.db.pool)
+    .await
+    .unwrap();
+    let state_path = format!("/v1/endpoints/{endpoint}/state");
+    let state = app.ok(200, "GET", &state_path, &token, None).await;
+    assert_eq!(state["restore"]["through"], "1.990", "{state}");
+    assert_eq!(state["restore"]["last_was_reset"], false, "{state}");
+    assert_eq!(state["change_epoch"], line["change_epoch"], "{state}");
+    assert_eq!(state["last_change_seq"], 2, "an empty snapshot: {state}");
+
+    // A failed call keeps the restore held.
+    app.ok(
+        200,
+        "PATCH",
+        &format!("/v1/endpoints/{endpoint}"),
+        &token,
+        Some(&json!({"upstream_api_key": "qk_not_the_key"})),
+    )
+    .await;
+    assert_eq!(call_rewind(&app, &token, endpoint).await.status, 502);
+    let state = app.ok(200, "GET", &state_path, &token, None).await;
+    assert_eq!(state["restore"]["through"], "1.990", "{state}");
+
+    // Answered: asked from the backup's through, not the track's; the restore let go, and the
+    // id applied since it forgotten (the rewind resends its event), the backup's kept.
+    app.ok(
+        200,
+        "PATCH",
+        &format!("/v1/endpoints/{endpoint}"),
+        &token,
+        Some(&json!({"upstream_api_key": upstream.key})),
+    )
+    .await;
+    let answer = rewind(&app, &token, endpoint).await;
+    assert_eq!(answer["since"], "1.990", "{answer}");
+    assert_eq!(answer["restore"]["through"], "1.990", "{answer}");
+    assert_eq!(answer["outcome"], "nothing", "{answer}");
+    assert_eq!(upstream.rewinds(endpoint), [("1.990".to_owned(), 2)]);
+    let state = app.ok(200, "GET", &state_path, &token, None).await;
+    assert_eq!(state["restore"], Value::Null, "{state}");
+    assert_eq!(applied_ids(&app, endpoint).await, ["evt_in_the_backup"]);
+
+    // Asked again, with no restore held: from the track as it is.
+    let answer = rewind(&app, &token, endpoint).await;
+    assert_eq!(answer["since"], "1.995", "{answer}");
+    assert_eq!(answer["restore"], Value::Null, "{answer}");
+    app.stop().await;
+}

@@ -673,8 +673,8 @@ async fn assert_rebuilt(pool: &PgPool, consumer: &ReferenceConsumer, feeds: &[&F
     for feed in feeds {
         let count = change_count(pool, feed.endpoint).await;
         assert_eq!(
-            consumer.last_change_seq(feed.endpoint),
-            count,
+            consumer.position(feed.endpoint),
+            (relay_publisher::FIRST_EPOCH, count),
             "seed {seed}: endpoint {} has {count} changes",
             feed.endpoint
         );
@@ -1077,10 +1077,10 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
     write(pool, &mut feeds, &mut rng, 90).await;
 
     // The third round's confirms are the last thing the first publisher sees.
-    let (stalled_tx, stalled_rx) = tokio::sync::oneshot::channel::<Vec<String>>();
+    let (stalled_tx, stalled_rx) = tokio::sync::oneshot::channel::<Vec<(Uuid, i64)>>();
     let stalled_tx = Arc::new(Mutex::new(Some(stalled_tx)));
     let rounds = Arc::new(Mutex::new(0));
-    let hook = BeforeMark(Arc::new(move |ids: Vec<String>| {
+    let hook = BeforeMark(Arc::new(move |ids: Vec<(Uuid, i64)>| {
         let round = {
             let mut rounds = rounds.lock().unwrap();
             *rounds += 1;
@@ -1108,6 +1108,9 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
             .expect("the first publisher reached its third round")
             .unwrap()
             .into_iter()
+            .map(|(endpoint, seq)| {
+                relay_publisher::message_id(endpoint, relay_publisher::FIRST_EPOCH, seq)
+            })
             .collect();
     first.abort();
     assert!(!confirmed_not_marked.is_empty());
@@ -1122,7 +1125,7 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
     .await
     .unwrap()
     .into_iter()
-    .map(|(endpoint, seq)| relay_publisher::message_id(endpoint, seq))
+    .map(|(endpoint, seq)| relay_publisher::message_id(endpoint, relay_publisher::FIRST_EPOCH, seq))
     .collect();
 
     let (second, _) = env.start(env.config(env.vhost.url())).await;
@@ -1207,7 +1210,7 @@ async fn a_publisher_stalled_past_its_lease_is_fenced_out() {
     let rounds = Arc::new(Mutex::new(0));
     let first_batch = Arc::new(Mutex::new(0usize));
     let first_batch_size = first_batch.clone();
-    let hook = BeforeMark(Arc::new(move |ids: Vec<String>| {
+    let hook = BeforeMark(Arc::new(move |ids: Vec<(Uuid, i64)>| {
         let round = {
             let mut rounds = rounds.lock().unwrap();
             *rounds += 1;

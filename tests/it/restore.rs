@@ -32,26 +32,30 @@
 //! - and a backup whose last message was a reset: the relay reads /v1/feed again, and asks the
 //!   upstream nothing.
 //!
-//! The queue, and issue 29: a consumer that drops the message ids it has seen (the README's
-//! advice, and the reference consumer) cannot follow a restore. The restored relay numbers its
-//! changes on from the backup's last, so the changes the old relay published after the backup
-//! and the restored relay's new ones share change_seq values, and message ids, with different
-//! content; the consumer drops the restored relay's as repeats. So the queue is checked as far as
-//! issue 25 promises: what the old relay published rebuilds its copy (every change once, in
-//! order); and what the restored relay publishes is every change of its outbox after the
-//! backup's published cursor, once and in order, and rebuilds the oracle's copy for a consumer
-//! that resumes from the backup: one that took the old relay's changes up to that cursor only.
+//! Each case runs twice: as above, and with a live message between the restart and the rewind
+//! (the upstream reaches the restored relay for a moment and sends an update of an item the old
+//! relay had updated after the backup, then is cut off again). That message moves the track's
+//! own `through` past the backup's; the rewind must still start from the backup's (held by
+//! `relay restored`), and the events it applied, resent by the rewind under a newer generation,
+//! must apply again after the older ones resent with them.
+//!
+//! The queue: the database is restored with `relay restored` (the operator's step,
+//! `docs/restore.md`), which begins a new epoch of each endpoint's change stream, opened by a
+//! snapshot of the copy. A consumer that drops the message ids it has seen (and follows the
+//! change message's epochs) reads the tenant's queue across the restore, the old relay's changes
+//! and then the restored relay's, and must end with the oracle's copy; no message id the old
+//! relay sent comes again with the restored relay's.
 //!
 //! Seeded: every case prints its seed; `RELAY_TEST_SEED=<seed>` replays it.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_netguard::OutboundPolicy;
-use relay_publisher::{PublisherHandle, ReferenceConsumer};
+use relay_publisher::{Operation, PublisherHandle, ReferenceConsumer};
 use relay_sequencer::Sequencer;
 use relay_simulator::cli::url_template;
 use relay_simulator::model::{Access, Change, ChangeKind};
@@ -71,32 +75,62 @@ use crate::stack::{
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accepted_the_upstream_resends_what_the_backup_missed() {
-    run(Case::Accepted).await;
+    run(Case::Accepted, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_with_a_message_before_the_rewind_the_rewind_still_starts_from_the_backup() {
+    run(Case::Accepted, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_before_reset_the_relay_reads_the_feed_again() {
-    run(Case::BeforeReset).await;
+    run(Case::BeforeReset, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_before_reset_with_a_message_before_the_rewind() {
+    run(Case::BeforeReset, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_cursor_not_in_epoch_the_relay_reads_the_feed_again() {
-    run(Case::CursorNotInEpoch).await;
+    run(Case::CursorNotInEpoch, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_cursor_not_in_epoch_with_a_message_before_the_rewind() {
+    run(Case::CursorNotInEpoch, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_cursor_ahead_the_messages_that_follow_overlap_the_copy() {
-    run(Case::CursorAhead).await;
+    run(Case::CursorAhead, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_cursor_ahead_with_a_message_before_the_rewind() {
+    run(Case::CursorAhead, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_reset_pending_the_reset_that_follows_reads_everything_again() {
-    run(Case::ResetPending).await;
+    run(Case::ResetPending, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_reset_pending_with_a_message_before_the_rewind() {
+    run(Case::ResetPending, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_reset_the_relay_reads_the_feed_again_without_asking() {
-    run(Case::AfterReset).await;
+    run(Case::AfterReset, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_reset_with_a_message_before_the_rewind_the_feed_is_still_read_again() {
+    run(Case::AfterReset, true).await;
 }
 
 /// What happened upstream, and so what the rewind after the restore answers.
@@ -137,9 +171,10 @@ const ENDPOINTS: usize = 2;
 const RATE: f64 = 20.0;
 const WORKLOAD: Duration = Duration::from_secs(2);
 
-async fn run(case: Case) {
+/// Runs `case`; with `live`, a message reaches the restored relay before the rewind is asked.
+async fn run(case: Case, live: bool) {
     let seed = seed();
-    eprintln!("restore {case:?}: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    eprintln!("restore {case:?} (live {live}): seed {seed} (RELAY_TEST_SEED={seed} replays it)");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
 
     // 1. A vhost and a Redis key prefix for the test (both relays use them: a restore brings
@@ -209,7 +244,7 @@ async fn run(case: Case) {
     let archive = relay.app.db.dump().await;
 
     // 4. Traffic after the backup, with the case's event upstream while the relay is up.
-    let removed = after_backup(&sim, &key, &held[&ids[0]], case, &mut rng).await;
+    let (removed, updated) = after_backup(&sim, &key, &held[&ids[0]], case, &mut rng).await;
     quiesce(relay.pool(), &sim, &ids, Duration::from_secs(60), seed).await;
     for &id in &ids {
         let truth = oracle(&sim, id);
@@ -224,7 +259,8 @@ async fn run(case: Case) {
     }
 
     // 5. The relay goes; what its publisher sent rebuilds its copy. The backup comes back on a
-    // fresh database, and the tiers start on it.
+    // fresh database, `relay restored` marks it, and the tiers start on it.
+    let old_url = url_template(&relay.app.base_url);
     let old_db = relay.stop().await;
     let broker = connect_broker(&vhost.url_via(amqp_addr()), "restore").await;
     let (published_before, _) = check_tenant_queue_from(
@@ -238,13 +274,7 @@ async fn run(case: Case) {
     .await;
     drop(old_db);
     let restored_db = TestDb::restored(&archive).await;
-    let backup_published: HashMap<Uuid, i64> =
-        sqlx::query_as("SELECT endpoint_id, published_through FROM endpoint_publish_cursors")
-            .fetch_all(&restored_db.pool)
-            .await
-            .unwrap()
-            .into_iter()
-            .collect();
+    let epochs = mark_restored(&restored_db.pool, case, &kept, &ids, seed).await;
     let mut relay = Relay::start(
         TestApp::spawn_waking_on(restored_db, &prefix.0).await,
         &prefix.0,
@@ -252,7 +282,45 @@ async fn run(case: Case) {
     )
     .await;
 
-    // 6. While the upstream cannot reach the relay: the case's event, then the rewind.
+    // 6. With `live`, the upstream reaches the restored relay for one message: an update of an
+    // item the old relay had updated after the backup (or a new item), then it is cut off again.
+    if live {
+        let url = url_template(&relay.app.base_url);
+        sim.change(|up, _| {
+            for &id in &ids {
+                up.set_endpoint_url(id, &url);
+            }
+        });
+        let subject = live_message(&sim, &key, &updated, &mut rng);
+        assert!(
+            sim.wait_idle(Duration::from_secs(20)).await,
+            "seed {seed}: {case:?}: the live message ({subject}) was not delivered"
+        );
+        settle(
+            relay.pool(),
+            &sim,
+            &ids,
+            Duration::from_secs(60),
+            seed,
+            case,
+        )
+        .await;
+        sim.change(|up, _| {
+            for &id in &ids {
+                up.set_endpoint_url(id, &old_url);
+            }
+        });
+        for &id in &ids {
+            let (through, _) = kept_track(relay.pool(), id).await;
+            eprintln!(
+                "restore {case:?}: seed {seed}: {id} took {subject} before the rewind: its \
+                 track's through is {through:?}, the backup's {}",
+                kept[&id]
+            );
+        }
+    }
+
+    // 7. While the upstream cannot reach the relay: the case's event, then the rewind.
     match case {
         Case::CursorAhead => {
             let since = first_of_three.expect("the backup's last message was events");
@@ -279,11 +347,11 @@ async fn run(case: Case) {
                 None,
             )
             .await;
-        check_answer(case, &answer, &kept[&id], seed);
+        check_answer(case, live, &answer, &kept[&id], seed);
         answers.insert(id, answer);
     }
 
-    // 7. The upstream reaches the restored relay; when nothing is left to do, each copy is the
+    // 8. The upstream reaches the restored relay; when nothing is left to do, each copy is the
     // oracle's.
     let url = url_template(&relay.app.base_url);
     sim.change(|up, _| {
@@ -319,37 +387,58 @@ async fn run(case: Case) {
         );
     }
 
-    // 8. The queue after the restore: every change of the restored outbox past the backup's
-    // published cursor, once and in order, rebuilding the oracle's copy for a consumer that
-    // resumes from the backup (see the module's doc: issue 29).
+    // 9. The queue across the restore, read by a consumer that drops the message ids it has
+    // seen: it took everything the old relay published; what the restored relay publishes is
+    // each endpoint's new epoch from its first change, the snapshot, on, under ids never sent
+    // before, and it rebuilds the oracle's copy.
     relay.stop_publisher().await;
-    let mut resumed = ReferenceConsumer::new(tenant);
+    let mut consumer = ReferenceConsumer::new(tenant);
+    let mut seen: HashSet<String> = HashSet::new();
     for message in &published_before {
-        let cursor = backup_published.get(&message.webhook_endpoint_id);
-        if message.change_seq <= cursor.copied().unwrap_or(0) {
-            resumed.receive(message);
+        if seen.insert(message.message_id()) {
+            consumer.receive(message);
         }
     }
     let (published_after, repeats) =
-        check_tenant_queue_from(&broker, relay.pool(), &sim, resumed, &ids, seed).await;
-    let before: BTreeSet<(Uuid, i64)> = published_before
+        check_tenant_queue_from(&broker, relay.pool(), &sim, consumer, &ids, seed).await;
+    let reused: Vec<String> = published_after
         .iter()
-        .map(|m| (m.webhook_endpoint_id, m.change_seq))
+        .map(|m| m.message_id())
+        .filter(|id| seen.contains(id))
         .collect();
-    let reused = published_after
-        .iter()
-        .filter(|m| before.contains(&(m.webhook_endpoint_id, m.change_seq)))
-        .count();
+    assert!(
+        reused.is_empty(),
+        "seed {seed}: {case:?}: message ids the old relay sent came again after the restore: \
+         {reused:?}"
+    );
+    for &id in &ids {
+        let first = published_after
+            .iter()
+            .find(|m| m.webhook_endpoint_id == id)
+            .unwrap_or_else(|| panic!("seed {seed}: {case:?}: nothing published for {id}"));
+        assert_eq!(
+            (first.epoch, first.change_seq, first.operation),
+            (epochs[&id], 1, Operation::SnapshotBegin),
+            "seed {seed}: {case:?}: {id}'s restored stream opens with its snapshot"
+        );
+        assert!(
+            published_before
+                .iter()
+                .filter(|m| m.webhook_endpoint_id == id)
+                .all(|m| m.epoch < first.epoch),
+            "seed {seed}: {case:?}: {id}'s new epoch is not above the old relay's"
+        );
+    }
     eprintln!(
-        "restore {case:?}: seed {seed} passed: {steps} workload steps, {} items removed after \
-         the backup, {} changes published before the restore and {} after ({repeats} repeats, \
-         {reused} of them under message ids published before: issue 29)",
+        "restore {case:?} (live {live}): seed {seed} passed: {steps} workload steps, {} items \
+         removed after the backup, {} changes published before the restore and {} after \
+         ({repeats} repeats)",
         removed.len(),
         published_before.len(),
         published_after.len()
     );
 
-    // 9. Clean up: the servers stop; the vhost, the Redis keys and the databases go when their
+    // 10. Clean up: the servers stop; the vhost, the Redis keys and the databases go when their
     // guards drop.
     let _ = broker.close(200, "done").await;
     stop_simulation(&sim, senders).await;
@@ -477,14 +566,14 @@ enum Step {
 /// The traffic after the backup, in a seeded order, a few tens of milliseconds apart (so it
 /// goes in several messages): a third of the items the backup `held` removed (two at least),
 /// another third updated, four new items; halfway, the case's event upstream. Returns the
-/// subjects removed.
+/// subjects removed and those updated.
 async fn after_backup(
     sim: &Simulation,
     key: &str,
     held: &Items,
     case: Case,
     rng: &mut ChaCha8Rng,
-) -> Vec<String> {
+) -> (Vec<String>, Vec<String>) {
     let mut subjects: Vec<String> = {
         let up = sim.lock();
         held.keys()
@@ -508,6 +597,7 @@ async fn after_backup(
     steps.shuffle(rng);
     let halfway = steps.len() / 2;
     let mut removed = Vec::new();
+    let mut updated = Vec::new();
     for (n, step) in steps.into_iter().enumerate() {
         if n == halfway {
             match case {
@@ -545,6 +635,7 @@ async fn after_backup(
                     )
                 })
                 .expect("a live item takes a new part");
+                updated.push(subject);
             }
             Step::Create => {
                 create_item(sim, key, rng, 100 + n as i64);
@@ -552,12 +643,81 @@ async fn after_backup(
         }
         tokio::time::sleep(Duration::from_millis(rng.gen_range(10..60))).await;
     }
-    removed
+    (removed, updated)
+}
+
+/// The message a restored relay takes before its rewind: an update of an item the old relay
+/// updated after the backup and that is still live (so the rewind resends an older event of the
+/// same subject beside it), or, when there is none, a new item. Returns its subject.
+fn live_message(sim: &Simulation, key: &str, updated: &[String], rng: &mut ChaCha8Rng) -> String {
+    let still_live: Vec<&String> = {
+        let up = sim.lock();
+        updated
+            .iter()
+            .filter(|s| up.world.items.get(*s).is_some_and(|item| item.is_live()))
+            .collect()
+    };
+    match still_live.choose(rng) {
+        Some(subject) => {
+            let at_ms = START_MS + 30_000_000;
+            sim.change(|up, _| {
+                up.change_item(
+                    subject,
+                    ChangeKind::FlashAdded,
+                    "Updated before the rewind",
+                    at_ms,
+                    false,
+                )
+            })
+            .expect("a live item takes a new part");
+            (*subject).clone()
+        }
+        None => create_item(sim, key, rng, 1_000).feed_item_id,
+    }
+}
+
+/// `relay restored` on the restored database, before any tier starts: one line per endpoint,
+/// each holding the backup's through for its rewind (or planning to read the feed again after a
+/// reset) and opening a new epoch of its change stream. Returns each endpoint's epoch.
+async fn mark_restored(
+    pool: &PgPool,
+    case: Case,
+    kept: &HashMap<Uuid, String>,
+    ids: &[Uuid],
+    seed: u64,
+) -> HashMap<Uuid, u64> {
+    let mut out = Vec::new();
+    let marked = relay::commands::mark_restored(pool, &mut out)
+        .await
+        .expect("relay restored");
+    assert_eq!(marked, ids.len(), "seed {seed}");
+    let mut epochs = HashMap::new();
+    for line in String::from_utf8(out).unwrap().lines() {
+        let line: Value = serde_json::from_str(line).unwrap();
+        let id: Uuid = line["webhook_endpoint_id"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        if case == Case::AfterReset {
+            assert_eq!(line["plan"], "read_feed_again", "seed {seed}: {line}");
+        } else {
+            assert_eq!(line["plan"], "rewind", "seed {seed}: {line}");
+            assert_eq!(line["since"], kept[&id].as_str(), "seed {seed}: {line}");
+        }
+        let epoch = line["change_epoch"].as_u64().unwrap();
+        assert!(
+            epoch > 1,
+            "seed {seed}: a restore begins a new epoch: {line}"
+        );
+        epochs.insert(id, epoch);
+    }
+    epochs
 }
 
 /// Checks the API's answer to the rewind against the case: the plan, the upstream's answer (the
 /// simulator's, from its own state), what the relay does, and the kept through asked for.
-fn check_answer(case: Case, answer: &Value, through: &str, seed: u64) {
+fn check_answer(case: Case, live: bool, answer: &Value, through: &str, seed: u64) {
     let (plan, upstream, outcome) = case.expected();
     assert_eq!(answer["plan"], plan, "seed {seed}: {case:?}: {answer}");
     match upstream {
@@ -584,9 +744,20 @@ fn check_answer(case: Case, answer: &Value, through: &str, seed: u64) {
             "seed {seed}: {case:?}: the upstream was asked: {answer}"
         ),
     }
+    // A live message under another access_version than the backup's (the key's access changed
+    // after it) begins a reload of its own, which the rewind's may find running.
+    let running_already =
+        live && outcome == "reload_begun" && answer["outcome"] == "reload_already_running";
+    if !running_already {
+        assert_eq!(
+            answer["outcome"], outcome,
+            "seed {seed}: {case:?}: {answer}"
+        );
+    }
     assert_eq!(
-        answer["outcome"], outcome,
-        "seed {seed}: {case:?}: {answer}"
+        answer["restore"]["through"],
+        json!(through),
+        "seed {seed}: {case:?}: the rewind answered the restore held: {answer}"
     );
 }
 

@@ -491,6 +491,19 @@ pub(crate) async fn quiesce(
     }
 }
 
+/// The endpoint's change stream as the outbox holds it: its epoch, and its last change_seq.
+pub(crate) async fn stream_position(pool: &PgPool, endpoint: Uuid) -> (u64, i64) {
+    let (epoch, last): (i64, i64) = sqlx::query_as(
+        "SELECT COALESCE(max(epoch), 1), COALESCE(max(last), 0) FROM endpoint_change_counters
+         WHERE endpoint_id = $1",
+    )
+    .bind(endpoint)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    (epoch as u64, last)
+}
+
 pub(crate) async fn change_count(pool: &PgPool, endpoint: Uuid) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM changes WHERE endpoint_id = $1")
         .bind(endpoint)
@@ -623,10 +636,8 @@ pub(crate) async fn check_tenant_queue_from(
 ) -> (Vec<ChangeMessage>, usize) {
     let tenant = consumer.tenant();
     let before = consumer.stats();
-    let taken: HashMap<Uuid, i64> = own
-        .iter()
-        .map(|&id| (id, consumer.last_change_seq(id)))
-        .collect();
+    let taken: HashMap<Uuid, (u64, i64)> =
+        own.iter().map(|&id| (id, consumer.position(id))).collect();
     let mut tenant_changes = 0;
     for &id in own {
         tenant_changes += change_count(pool, id).await;
@@ -656,7 +667,10 @@ pub(crate) async fn check_tenant_queue_from(
         assert_eq!(delivered.message_id, message.message_id(), "seed {seed}");
         assert_eq!(
             delivered.message_id,
-            format!("{}:{}", message.webhook_endpoint_id, message.change_seq),
+            format!(
+                "{}:{}:{}",
+                message.webhook_endpoint_id, message.epoch, message.change_seq
+            ),
             "seed {seed}"
         );
         assert_eq!(delivered.kind, message.operation.as_str(), "seed {seed}");
@@ -696,20 +710,31 @@ pub(crate) async fn check_tenant_queue_from(
         "seed {seed}: a repeat that is not of the same message_id: {stats:?}"
     );
     for &id in own {
-        let count = change_count(pool, id).await;
+        let (epoch, count) = stream_position(pool, id).await;
         assert_eq!(
-            consumer.last_change_seq(id),
+            change_count(pool, id).await,
             count,
-            "seed {seed}: endpoint {id} has {count} changes"
+            "seed {seed}: endpoint {id}'s outbox holds its epoch's changes"
+        );
+        assert_eq!(
+            consumer.position(id),
+            (epoch, count),
+            "seed {seed}: endpoint {id} has {count} changes in epoch {epoch}"
         );
         let received: BTreeSet<i64> = bodies
             .values()
-            .filter(|b| b["webhook_endpoint_id"] == id.to_string())
+            .filter(|b| {
+                b["webhook_endpoint_id"] == id.to_string() && b["epoch"].as_u64() == Some(epoch)
+            })
             .map(|b| b["change_seq"].as_i64().unwrap())
             .collect();
+        let first = match taken[&id] {
+            (taken_epoch, seq) if taken_epoch == epoch => seq + 1,
+            _ => 1,
+        };
         assert_eq!(
             received,
-            (taken[&id] + 1..=count).collect::<BTreeSet<i64>>(),
+            (first..=count).collect::<BTreeSet<i64>>(),
             "seed {seed}: endpoint {id}: a change sequence is missing, or one taken already came"
         );
         let truth = oracle(sim, id);

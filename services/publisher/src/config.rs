@@ -55,8 +55,8 @@ pub struct PublisherConfig {
     /// How often an owned tenant's destination row is read again (the control plane may change
     /// it); a changed destination closes the connection and opens one to the new place.
     pub destination_refresh: Duration,
-    /// For tests and the benchmark: called with the message ids of a batch of confirmed
-    /// publishes, awaited before they are marked published. A hook that never returns stands for a publisher that dies
+    /// For tests and the benchmark: called with the (endpoint, change_seq) of a batch of
+    /// confirmed publishes, awaited before they are marked published. A hook that never returns stands for a publisher that dies
     /// between the broker's confirm and the mark.
     pub before_mark: Option<BeforeMark>,
     /// For the benchmark: told of each change the moment its broker confirm is taken in.
@@ -73,9 +73,12 @@ impl PublisherConfig {
     }
 }
 
-/// See [`PublisherConfig::before_mark`].
+/// See [`PublisherConfig::before_mark`]: each confirmed change as (endpoint, change_seq).
 #[derive(Clone)]
-pub struct BeforeMark(pub Arc<dyn Fn(Vec<String>) -> BoxFuture<'static, ()> + Send + Sync>);
+pub struct BeforeMark(pub Arc<dyn Fn(Vec<ChangeKey>) -> BoxFuture<'static, ()> + Send + Sync>);
+
+/// A change of the outbox: its endpoint and change_seq (in the endpoint's current epoch).
+pub type ChangeKey = (Uuid, i64);
 
 impl fmt::Debug for BeforeMark {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -15,7 +15,7 @@ use crate::message::{ChangeMessage, DecodeError, Operation};
 pub enum Received {
     /// The endpoint's next change: applied.
     Applied,
-    /// A change_seq already seen for the endpoint (a redelivery): dropped.
+    /// A change_seq already seen for the endpoint in its epoch (a redelivery): dropped.
     Duplicate,
     /// A change_seq past the next one: some change before it never arrived (or arrived after
     /// it). Applied all the same, so the copy goes on, and counted: the publisher's contract
@@ -23,6 +23,9 @@ pub enum Received {
     Gap { expected: i64 },
     /// Another tenant's change: not applied, and counted (a queue holds one tenant's changes).
     OtherTenant,
+    /// A change of an epoch older than the one followed for the endpoint (sent before a restore
+    /// of the relay's database, delivered after the new epoch's first): dropped.
+    Stale,
 }
 
 /// One subject of a rebuilt copy.
@@ -39,7 +42,9 @@ pub struct ReplicaItem {
 /// One endpoint's rebuilt copy.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EndpointReplica {
-    /// The last change_seq applied (0: none yet).
+    /// The epoch of the change stream followed (0: none yet).
+    pub epoch: u64,
+    /// The last change_seq applied in it (0: none yet).
     pub last_change_seq: i64,
     pub items: BTreeMap<String, ReplicaItem>,
 }
@@ -54,6 +59,10 @@ pub struct ConsumerStats {
     pub other_tenant: u64,
     /// Removals of a subject the rebuilt copy did not hold (only after a gap).
     pub removals_of_nothing: u64,
+    /// Changes of an epoch older than the one followed.
+    pub stale: u64,
+    /// Snapshots begun: each replaced what was held of its endpoint.
+    pub snapshots: u64,
 }
 
 /// Rebuilds one tenant's copies from its change messages.
@@ -77,8 +86,11 @@ impl ReferenceConsumer {
         self.tenant
     }
 
-    /// Applies the message if it is the endpoint's next change (or past it: see
-    /// [`Received::Gap`]); drops it if its change_seq was seen before.
+    /// Follows each endpoint's stream as the message contract says: a change of an older epoch
+    /// is dropped ([`Received::Stale`]); a greater epoch starts over at change_seq 1; a
+    /// change_seq seen before in the epoch is dropped; the next one is applied (or one past it:
+    /// see [`Received::Gap`]). `snapshot_begin` forgets what was held of the endpoint: the
+    /// snapshot's upserts that follow are the whole copy.
     pub fn receive(&mut self, message: &ChangeMessage) -> Received {
         self.stats.messages += 1;
         if message.tenant_id != self.tenant {
@@ -89,6 +101,14 @@ impl ReferenceConsumer {
             .endpoints
             .entry(message.webhook_endpoint_id)
             .or_default();
+        if message.epoch < replica.epoch {
+            self.stats.stale += 1;
+            return Received::Stale;
+        }
+        if message.epoch > replica.epoch {
+            replica.epoch = message.epoch;
+            replica.last_change_seq = 0;
+        }
         if message.change_seq <= replica.last_change_seq {
             self.stats.duplicates += 1;
             return Received::Duplicate;
@@ -108,9 +128,14 @@ impl ReferenceConsumer {
                     },
                 );
             }
+            (Operation::SnapshotBegin, _) => {
+                replica.items.clear();
+                self.stats.snapshots += 1;
+            }
+            (Operation::SnapshotEnd, _) => {}
             // `ChangeMessage::decode` refuses an upsert without an item; one built by hand is
             // taken as a removal of the subject.
-            _ => {
+            (Operation::Upsert | Operation::Remove, _) => {
                 if replica.items.remove(&message.subject).is_none() {
                     self.stats.removals_of_nothing += 1;
                 }
@@ -153,10 +178,11 @@ impl ReferenceConsumer {
             .unwrap_or_default()
     }
 
-    pub fn last_change_seq(&self, endpoint: Uuid) -> i64 {
+    /// The endpoint's epoch followed and the last change_seq applied in it ((0, 0): none yet).
+    pub fn position(&self, endpoint: Uuid) -> (u64, i64) {
         self.endpoints
             .get(&endpoint)
-            .map_or(0, |r| r.last_change_seq)
+            .map_or((0, 0), |r| (r.epoch, r.last_change_seq))
     }
 }
 
@@ -172,6 +198,7 @@ mod tests {
             v: 1,
             tenant_id: Uuid::from_u128(tenant),
             webhook_endpoint_id: Uuid::from_u128(9),
+            epoch: 1,
             change_seq: seq,
             operation: if upsert {
                 Operation::Upsert
@@ -184,6 +211,7 @@ mod tests {
             sequence: Some(format!("1.{seq}")),
             event_id: Some(format!("evt_{seq}")),
             reload_generation: None,
+            snapshot: false,
             item: upsert.then(|| json!({"v": seq})),
             parts_diff: PartsDiff::default(),
             changed_at: OffsetDateTime::UNIX_EPOCH,
@@ -218,7 +246,7 @@ mod tests {
             consumer.items(endpoint),
             BTreeMap::from([("b".to_owned(), json!({"v": 4}))])
         );
-        assert_eq!(consumer.last_change_seq(endpoint), 4);
+        assert_eq!(consumer.position(endpoint), (1, 4));
         assert_eq!(consumer.stats().gaps, 0);
     }
 
@@ -235,6 +263,65 @@ mod tests {
         );
         let stats = consumer.stats();
         assert_eq!((stats.gaps, stats.other_tenant, stats.messages), (1, 1, 2));
-        assert_eq!(consumer.last_change_seq(Uuid::from_u128(9)), 2);
+        assert_eq!(consumer.position(Uuid::from_u128(9)), (1, 2));
+    }
+
+    /// A change of `epoch` (a snapshot's when `operation` is a marker or `in_snapshot`).
+    fn of_epoch(
+        epoch: u64,
+        seq: i64,
+        subject: &str,
+        operation: Operation,
+        in_snapshot: bool,
+    ) -> ChangeMessage {
+        let mut message = change(1, seq, subject, operation == Operation::Upsert);
+        message.epoch = epoch;
+        message.operation = operation;
+        if operation.is_marker() || in_snapshot {
+            message.snapshot = true;
+            message.event_id = None;
+        }
+        if operation.is_marker() {
+            message.subject = String::new();
+        }
+        message
+    }
+
+    #[test]
+    fn a_new_epoch_starts_over_its_snapshot_replaces_the_copy_and_the_old_epoch_is_stale() {
+        use Operation::*;
+        let endpoint = Uuid::from_u128(9);
+        let mut consumer = ReferenceConsumer::new(Uuid::from_u128(1));
+        for seq in 1..=3 {
+            consumer.receive(&of_epoch(1, seq, &format!("old{seq}"), Upsert, false));
+        }
+        let restored = [
+            of_epoch(7, 1, "", SnapshotBegin, false),
+            of_epoch(7, 2, "old1", Upsert, true),
+            of_epoch(7, 3, "kept", Upsert, true),
+            of_epoch(7, 4, "", SnapshotEnd, false),
+            of_epoch(7, 5, "live", Upsert, false),
+        ];
+        let answers: Vec<Received> = restored.iter().map(|m| consumer.receive(m)).collect();
+        assert_eq!(answers, [Received::Applied; 5]);
+        // The old epoch's change 4 and a redelivery of its 2, come late: dropped.
+        assert_eq!(
+            consumer.receive(&of_epoch(1, 4, "old4", Upsert, false)),
+            Received::Stale
+        );
+        assert_eq!(
+            consumer.receive(&of_epoch(1, 2, "old2", Upsert, false)),
+            Received::Stale
+        );
+        // A redelivery within the new epoch: a duplicate, as ever.
+        assert_eq!(consumer.receive(&restored[2]), Received::Duplicate);
+        let subjects: Vec<String> = consumer.items(endpoint).into_keys().collect();
+        assert_eq!(subjects, ["kept", "live", "old1"]);
+        assert_eq!(consumer.position(endpoint), (7, 5));
+        let stats = consumer.stats();
+        assert_eq!(
+            (stats.stale, stats.snapshots, stats.duplicates, stats.gaps),
+            (2, 1, 1, 0)
+        );
     }
 }

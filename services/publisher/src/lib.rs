@@ -47,7 +47,7 @@ pub use config::{
     DEFAULT_AMQP_URL,
 };
 pub use consumer::{ConsumerStats, Received, ReferenceConsumer};
-pub use message::{message_id, ChangeMessage, SCHEMA};
+pub use message::{message_id, ChangeMessage, Operation, FIRST_EPOCH, SCHEMA};
 pub use metrics::PublisherMetrics;
 pub use publisher::{Publisher, PublisherError, PublisherHandle};
 pub use tail::{tail, tail_until, TailArgs, TailOutput};

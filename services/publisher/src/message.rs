@@ -17,10 +17,15 @@ pub const CONTENT_TYPE: &str = "application/json";
 pub const VERSION: u32 = 1;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum Operation {
     Upsert,
     Remove,
+    /// The first change of an epoch opened by a restore: what the consumer holds of the
+    /// endpoint is replaced by the snapshot's upserts that follow.
+    SnapshotBegin,
+    /// The snapshot is whole: the consumer's copy is the endpoint's as of this change.
+    SnapshotEnd,
 }
 
 impl Operation {
@@ -28,6 +33,8 @@ impl Operation {
         match self {
             Operation::Upsert => "upsert",
             Operation::Remove => "remove",
+            Operation::SnapshotBegin => "snapshot_begin",
+            Operation::SnapshotEnd => "snapshot_end",
         }
     }
 
@@ -35,9 +42,23 @@ impl Operation {
         match text {
             "upsert" => Some(Operation::Upsert),
             "remove" => Some(Operation::Remove),
+            "snapshot_begin" => Some(Operation::SnapshotBegin),
+            "snapshot_end" => Some(Operation::SnapshotEnd),
             _ => None,
         }
     }
+
+    /// A snapshot's marker, which names no subject.
+    pub fn is_marker(self) -> bool {
+        matches!(self, Operation::SnapshotBegin | Operation::SnapshotEnd)
+    }
+}
+
+/// The epoch of every stream before epochs were sent, and of every endpoint's first stream.
+pub const FIRST_EPOCH: u64 = 1;
+
+fn first_epoch() -> u64 {
+    FIRST_EPOCH
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,6 +81,11 @@ pub struct ChangeMessage<Item = Value> {
     pub v: u32,
     pub tenant_id: Uuid,
     pub webhook_endpoint_id: Uuid,
+    /// The epoch of the endpoint's change stream: a restore of the relay's database begins a
+    /// greater one, numbered from 1 again and opened by a snapshot. Absent in messages sent
+    /// before epochs were: those are of the first.
+    #[serde(default = "first_epoch")]
+    pub epoch: u64,
     pub change_seq: i64,
     pub operation: Operation,
     pub subject: String,
@@ -68,6 +94,10 @@ pub struct ChangeMessage<Item = Value> {
     pub sequence: Option<String>,
     pub event_id: Option<String>,
     pub reload_generation: Option<u64>,
+    /// Part of the snapshot that opens an epoch (its markers and the upserts between them),
+    /// which no event and no reload caused.
+    #[serde(default)]
+    pub snapshot: bool,
     /// On upsert only; absent (not null) on remove.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub item: Option<Item>,
@@ -87,9 +117,10 @@ pub enum DecodeError {
 }
 
 impl<Item: Serialize> ChangeMessage<Item> {
-    /// The AMQP `message_id`: `<endpoint>:<change_seq>`, the same each time a change is sent.
+    /// The AMQP `message_id`: `<endpoint>:<epoch>:<change_seq>`, the same each time a change is
+    /// sent, and never the same for two changes (a restore begins a new epoch).
     pub fn message_id(&self) -> String {
-        message_id(self.webhook_endpoint_id, self.change_seq)
+        message_id(self.webhook_endpoint_id, self.epoch, self.change_seq)
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -115,21 +146,27 @@ impl ChangeMessage {
         }
         let message: ChangeMessage = serde_json::from_slice(body)?;
         let bad = |why| Err(DecodeError::Inconsistent(message.message_id(), why));
-        if message.change_seq < 1 {
-            return bad("change_seq below 1");
+        if message.change_seq < 1 || message.epoch < FIRST_EPOCH {
+            return bad("change_seq or epoch below 1");
         }
         if (message.operation == Operation::Upsert) != message.item.is_some() {
             return bad("an item on remove, or none on upsert");
         }
-        if message.event_id.is_some() == message.reload_generation.is_some() {
-            return bad("not exactly one of event_id and reload_generation");
+        let causes = usize::from(message.event_id.is_some())
+            + usize::from(message.reload_generation.is_some())
+            + usize::from(message.snapshot);
+        if causes != 1 {
+            return bad("not exactly one of event_id, reload_generation and snapshot");
+        }
+        if message.operation.is_marker() && !message.snapshot {
+            return bad("a snapshot marker outside a snapshot");
         }
         Ok(message)
     }
 }
 
-pub fn message_id(endpoint: Uuid, change_seq: i64) -> String {
-    format!("{endpoint}:{change_seq}")
+pub fn message_id(endpoint: Uuid, epoch: u64, change_seq: i64) -> String {
+    format!("{endpoint}:{epoch}:{change_seq}")
 }
 
 #[cfg(test)]
@@ -142,6 +179,7 @@ mod tests {
             v: 1,
             tenant_id: Uuid::from_u128(1),
             webhook_endpoint_id: Uuid::from_u128(2),
+            epoch: 1,
             change_seq: 7,
             operation: Operation::Upsert,
             subject: "announcement:88001".into(),
@@ -150,6 +188,7 @@ mod tests {
             sequence: Some("0000000003.0000000012".into()),
             event_id: Some("evt_1".into()),
             reload_generation: None,
+            snapshot: false,
             item: Some(json!({"feed_item_id": "announcement:88001", "parts": []})),
             parts_diff: PartsDiff {
                 added: vec!["flash:1".into()],
@@ -164,7 +203,7 @@ mod tests {
         let message = upsert();
         assert_eq!(
             message.message_id(),
-            "00000000-0000-0000-0000-000000000002:7"
+            "00000000-0000-0000-0000-000000000002:1:7"
         );
         assert_eq!(ChangeMessage::decode(&message.encode()).unwrap(), message);
     }
@@ -204,7 +243,24 @@ mod tests {
         reload.reload_generation = Some(4);
         reload.sequence = None;
         reload.item_kind = None;
-        for message in [upsert(), removal, reload] {
+        let mut begin = upsert();
+        begin.epoch = 1_796_000_000_000;
+        begin.change_seq = 1;
+        begin.operation = Operation::SnapshotBegin;
+        begin.subject = String::new();
+        begin.item_kind = None;
+        begin.sequence = None;
+        begin.event_id = None;
+        begin.snapshot = true;
+        begin.item = None;
+        let mut in_snapshot = upsert();
+        in_snapshot.event_id = None;
+        in_snapshot.snapshot = true;
+        let mut end = begin.clone();
+        end.operation = Operation::SnapshotEnd;
+        end.change_seq = 3;
+        for message in [upsert(), removal, reload, begin, in_snapshot, end] {
+            assert_eq!(ChangeMessage::decode(&message.encode()).unwrap(), message);
             let body: Value = serde_json::from_slice(&message.encode()).unwrap();
             assert_eq!(errors(&validator, &body), Vec::<String>::new(), "{body}");
         }
@@ -230,9 +286,23 @@ mod tests {
         let mut extra = good.clone();
         extra["surprise"] = json!(true);
         cases.push(("an unknown field", extra));
-        let mut v2 = good;
+        let mut v2 = good.clone();
         v2["v"] = json!(2);
         cases.push(("version 2", v2));
+        let mut snapshot_and_event = good.clone();
+        snapshot_and_event["snapshot"] = json!(true);
+        cases.push(("a snapshot's upsert with an event", snapshot_and_event));
+        let mut marker = good.clone();
+        marker["operation"] = json!("snapshot_begin");
+        marker.as_object_mut().unwrap().remove("item");
+        marker["subject"] = json!("");
+        cases.push(("a marker outside a snapshot", marker));
+        let mut no_epoch = good.clone();
+        no_epoch.as_object_mut().unwrap().remove("epoch");
+        cases.push(("no epoch", no_epoch));
+        let mut empty_subject = good;
+        empty_subject["subject"] = json!("");
+        cases.push(("an upsert of no subject", empty_subject));
         for (what, body) in cases {
             assert!(!validator.is_valid(&body), "{what} passed: {body}");
         }
@@ -248,9 +318,29 @@ mod tests {
         ));
         let mut both = upsert();
         both.reload_generation = Some(3);
-        assert!(matches!(
-            ChangeMessage::decode(&both.encode()),
-            Err(DecodeError::Inconsistent(..))
-        ));
+        let mut snapshot_and_event = upsert();
+        snapshot_and_event.snapshot = true;
+        let mut marker = upsert();
+        marker.operation = Operation::SnapshotEnd;
+        marker.item = None;
+        for bad in [both, snapshot_and_event, marker] {
+            assert!(
+                matches!(
+                    ChangeMessage::decode(&bad.encode()),
+                    Err(DecodeError::Inconsistent(..))
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_message_sent_before_epochs_is_of_the_first() {
+        let mut body: Value = serde_json::from_slice(&upsert().encode()).unwrap();
+        let object = body.as_object_mut().unwrap();
+        object.remove("epoch");
+        object.remove("snapshot");
+        let message = ChangeMessage::decode(body.to_string().as_bytes()).unwrap();
+        assert_eq!((message.epoch, message.snapshot), (FIRST_EPOCH, false));
     }
 }

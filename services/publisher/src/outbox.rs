@@ -26,8 +26,12 @@ impl OutboxChange {
     /// item only to be JSON: a scan, no tree built, then sent as it is).
     pub(crate) fn from_row(tenant: Uuid, row: Unpublished) -> Result<Self, OutboxError> {
         let endpoint = row.endpoint.as_uuid();
-        let id = crate::message::message_id(endpoint, row.change_seq);
+        let epoch = u64::try_from(row.epoch).unwrap_or(0);
+        let id = crate::message::message_id(endpoint, epoch, row.change_seq);
         let bad = |what: String| OutboxError::Malformed(id.clone(), what);
+        if epoch < crate::message::FIRST_EPOCH {
+            return Err(bad(format!("epoch {}", row.epoch)));
+        }
         let operation = Operation::parse(&row.operation)
             .ok_or_else(|| bad(format!("operation {}", row.operation)))?;
         let item = row
@@ -43,6 +47,7 @@ impl OutboxChange {
             v: VERSION,
             tenant_id: tenant,
             webhook_endpoint_id: endpoint,
+            epoch,
             change_seq: row.change_seq,
             operation,
             subject: row.subject,
@@ -51,6 +56,7 @@ impl OutboxChange {
             sequence: row.sequence,
             event_id: row.event_id,
             reload_generation: row.reload_generation.map(unsigned).transpose()?,
+            snapshot: row.snapshot,
             item,
             parts_diff,
             changed_at: row.created_at,

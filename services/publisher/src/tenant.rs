@@ -650,11 +650,7 @@ impl Worker {
         let hook = self.shared.config.before_mark.clone();
         self.marking = Some(Box::pin(async move {
             if let Some(hook) = hook {
-                let ids = keys
-                    .iter()
-                    .map(|(endpoint, seq)| crate::message::message_id(*endpoint, *seq))
-                    .collect();
-                (hook.0)(ids).await;
+                (hook.0)(keys.clone()).await;
             }
             // The statement runs in a task of its own: this future is polled only while the
             // loop waits in its `select!`, and a transaction parked with its pooled connection

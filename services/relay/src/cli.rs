@@ -133,6 +133,10 @@ pub enum LogFormat {
 pub enum Command {
     /// Create the database if it does not exist and apply every pending migration.
     Migrate,
+    /// Run once on a database restored from a backup, before any tier starts on it
+    /// (docs/restore.md): every endpoint holds the backup's position for its rewind and begins
+    /// a new epoch of its change stream, opened by a snapshot of its copy.
+    Restored,
     /// Run the front tier: take webhook messages, verify, store, answer.
     Ingest(IngestArgs),
     /// Run the sequencer: apply each endpoint's stored messages, in order, into its copy; run

@@ -1,5 +1,6 @@
-//! Operator commands: `migrate`, and `simulate --register` (which registers the simulator's
-//! tenants and endpoints straight in Postgres, for development). Tenants, endpoints and secrets
+//! Operator commands: `migrate`, `restored` (run once on a database restored from a backup,
+//! before any tier starts on it: `docs/restore.md`), and `simulate --register` (which registers
+//! the simulator's tenants and endpoints straight in Postgres, for development). Tenants, endpoints and secrets
 //! are managed through the control plane's API (`relay api`); the `relay tenant` and `relay
 //! endpoint` commands that wrote Postgres before it existed are retired.
 
@@ -43,6 +44,72 @@ pub async fn migrate(global: &GlobalArgs) -> anyhow::Result<()> {
         .context("applying migrations")?;
     tracing::info!("migrations applied");
     Ok(())
+}
+
+/// One endpoint's line of `relay restored`.
+#[derive(Debug, serde::Serialize)]
+struct RestoredLine {
+    webhook_endpoint_id: Uuid,
+    tenant_id: Uuid,
+    /// The new epoch of the endpoint's change stream, opened by a snapshot of the copy.
+    change_epoch: i64,
+    snapshot_items: i64,
+    /// What the endpoint's rewind (`POST /v1/endpoints/{id}/tracks/feed/rewind`) will do:
+    /// `rewind` from `since`, or `read_feed_again`.
+    plan: &'static str,
+    since: Option<String>,
+}
+
+/// Marks every endpoint of a database restored from a backup (see [`mark_restored`]). Migrates
+/// first: a backup may be of an older schema. Prints one JSON line per endpoint on stdout.
+pub async fn restored(global: &GlobalArgs) -> anyhow::Result<()> {
+    migrate(global).await?;
+    let pool = admin_pool(global)?;
+    let marked = mark_restored(&pool, &mut std::io::stdout().lock()).await?;
+    tracing::info!(
+        endpoints = marked,
+        "every endpoint is marked restored: start the tiers, then rewind each endpoint"
+    );
+    Ok(())
+}
+
+/// Marks every endpoint restored (relay-store's `restores::mark`): each holds the backup's kept
+/// `through` for its rewind and begins a new epoch of its change stream, opened by a snapshot
+/// of its copy. Writes one JSON line per endpoint to `out`; returns how many it marked.
+pub async fn mark_restored(pool: &PgPool, out: &mut dyn std::io::Write) -> anyhow::Result<usize> {
+    let ids = relay_store::restores::endpoints(pool)
+        .await
+        .context("listing the endpoints")?;
+    let mut marked_count = 0;
+    for id in ids {
+        let Some(marked) = relay_store::restores::mark(pool, id)
+            .await
+            .with_context(|| format!("marking endpoint {id} restored"))?
+        else {
+            continue; // deleted meanwhile
+        };
+        let plan = relay_rules::restore_plan(
+            &relay_rules::EndpointTrack::default(),
+            Some(&marked.restore.held),
+        );
+        let (plan, since) = match plan {
+            relay_rules::RestorePlan::Rewind { since } => ("rewind", Some(since)),
+            relay_rules::RestorePlan::Reload => ("read_feed_again", None),
+        };
+        let line = RestoredLine {
+            webhook_endpoint_id: marked.endpoint.0,
+            tenant_id: marked.tenant.0,
+            change_epoch: marked.epoch,
+            snapshot_items: marked.snapshot_items,
+            plan,
+            since,
+        };
+        serde_json::to_writer(&mut *out, &line)?;
+        out.write_all(b"\n")?;
+        marked_count += 1;
+    }
+    out.flush()?;
+    Ok(marked_count)
 }
 
 pub async fn simulate(global: &GlobalArgs, command: SimulateCommand) -> anyhow::Result<()> {

@@ -8,6 +8,7 @@ async fn main() -> anyhow::Result<()> {
     relay::telemetry::init_logging(cli.global.log_format);
     match cli.command {
         Command::Migrate => relay::commands::migrate(&cli.global).await,
+        Command::Restored => relay::commands::restored(&cli.global).await,
         Command::Ingest(args) => relay::startup::run_ingest(&cli.global, &args).await,
         Command::Sequencer(command) => relay::startup::run_sequencer(&cli.global, &command).await,
         Command::Publisher(command) => relay::startup::run_publisher(&cli.global, &command).await,

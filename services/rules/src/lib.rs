@@ -64,8 +64,8 @@ pub use reload::{
     MergeDecision, MergePlan, PagesCheck, Pass, ReadItem,
 };
 pub use rewind::{
-    decide_rewind, reload_after_restore, restore_plan, RestorePlan, RewindAnswer, RewindOutcome,
-    RewindRefusal,
+    answer_rewind, decide_rewind, reload_after_restore, restore_plan, PendingRestore, RestorePlan,
+    RewindAnswer, RewindAnswered, RewindOutcome, RewindRefusal,
 };
 pub use run::{
     decide_run, event_ids, refetches_wanted, subjects, EventOutcome, MessagePlan, Outcome,

@@ -16,10 +16,28 @@ pub enum RestorePlan {
     Reload,
 }
 
+/// A restore the relay was told of (`relay restored`): what the backup kept of the track, held
+/// until the track's rewind is answered. Messages taken after the restart move the track's own
+/// `through` (and clear `last_was_reset`); planning the rewind from those would start it past
+/// what the old relay applied after the backup, which would then never come again.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PendingRestore {
+    /// The `through` of the last message of events the backup applied.
+    pub through: Option<String>,
+    /// Whether the last message the backup took was a reset.
+    pub last_was_reset: bool,
+}
+
 /// Rule "Keep, with the copy, the through ...": rewind to the kept `through`, unless the last
 /// message the copy took was a reset (or no message of events was ever applied): then reload.
-pub fn restore_plan(track: &EndpointTrack) -> RestorePlan {
-    match (&track.through, track.last_was_reset) {
+/// What "kept" means is the backup's, held by `pending` when the relay was told of the restore;
+/// without it (a restore nobody marked), the track's own.
+pub fn restore_plan(track: &EndpointTrack, pending: Option<&PendingRestore>) -> RestorePlan {
+    let (through, last_was_reset) = match pending {
+        Some(held) => (&held.through, held.last_was_reset),
+        None => (&track.through, track.last_was_reset),
+    };
+    match (through, last_was_reset) {
         (Some(since), false) => RestorePlan::Rewind {
             since: since.clone(),
         },
@@ -93,6 +111,62 @@ pub fn reload_after_restore(track: &EndpointTrack) -> Option<EndpointTrack> {
     track.reload.is_none().then(|| track.read_feed_again().0)
 }
 
+/// What the relay does once a restored track's plan is answered ([`answer_rewind`]), in one
+/// transaction under the track row's lock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RewindAnswered {
+    pub outcome: RewindOutcome,
+    /// The track row to write, when it changes: a reload begun, or the generation raised to an
+    /// accepted rewind's.
+    pub track: Option<EndpointTrack>,
+    /// Let go of the [`PendingRestore`] and forget the event ids applied since the restore.
+    ///
+    /// Why forget them: a message taken between the restart and the rewind applied its events
+    /// under the generation then; the rewind resends them (they follow the backup's `through`)
+    /// under a newer one, together with the events the backup missed. An older event of the same
+    /// subject resent that way wins over what the early message wrote (a newer generation wins
+    /// whatever its sequence), and the early message's own event, resent, would be dropped as
+    /// applied: the copy would end on the older one. Forgotten, it applies again after it, as
+    /// the upstream orders them. Forgetting an id never makes a copy wrong (every write is
+    /// conditional on position); at worst an event is decided twice.
+    pub release_restore: bool,
+}
+
+/// Rule "Keep, with the copy, the through ...", after the plan's answer: `answer` is the
+/// rewind's, or `None` when the plan was to read `/v1/feed` again without asking. `pending`:
+/// whether the plan was made from a [`PendingRestore`].
+///
+/// - Read `/v1/feed` again ([`decide_rewind`]): a reload begun ([`reload_after_restore`]).
+/// - Accepted under generation `G`: the held generation rises to `G` at once. The upstream
+///   resends everything after `since` under `G`, so a message of an older generation still in
+///   flight is one the rewind sends again, and is skipped as older (rule "Ignore a message of an
+///   older generation than the one held") rather than applied after the ids are forgotten.
+/// - Refused `cursor_ahead` or `reset_pending`: the track as it is.
+pub fn answer_rewind(
+    track: &EndpointTrack,
+    answer: Option<&RewindAnswer>,
+    pending: bool,
+) -> RewindAnswered {
+    let outcome = answer.map_or(RewindOutcome::Reload, decide_rewind);
+    let next = match (outcome, answer) {
+        (RewindOutcome::Reload, _) => reload_after_restore(track),
+        (RewindOutcome::Nothing, Some(RewindAnswer::Accepted { generation }))
+            if track.generation.is_none_or(|held| held < *generation) =>
+        {
+            Some(EndpointTrack {
+                generation: Some(*generation),
+                ..track.clone()
+            })
+        }
+        (RewindOutcome::Nothing, _) => None,
+    };
+    RewindAnswered {
+        outcome,
+        track: next,
+        release_restore: pending,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,7 +178,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            restore_plan(&track),
+            restore_plan(&track, None),
             RestorePlan::Rewind {
                 since: "1.1050".into()
             }
@@ -118,8 +192,108 @@ mod tests {
             last_was_reset: true,
             ..Default::default()
         };
-        assert_eq!(restore_plan(&track), RestorePlan::Reload);
-        assert_eq!(restore_plan(&EndpointTrack::default()), RestorePlan::Reload);
+        assert_eq!(restore_plan(&track, None), RestorePlan::Reload);
+        assert_eq!(
+            restore_plan(&EndpointTrack::default(), None),
+            RestorePlan::Reload
+        );
+    }
+
+    #[test]
+    fn through_rule_a_held_restore_plans_from_the_backup_whatever_came_since() {
+        // A message taken after the restart moved the track past the backup's through, and
+        // cleared its last_was_reset.
+        let track = EndpointTrack {
+            generation: Some(3),
+            through: Some("1.1029".into()),
+            ..Default::default()
+        };
+        let held = PendingRestore {
+            through: Some("1.1021".into()),
+            last_was_reset: false,
+        };
+        assert_eq!(
+            restore_plan(&track, Some(&held)),
+            RestorePlan::Rewind {
+                since: "1.1021".into()
+            }
+        );
+        let after_reset = PendingRestore {
+            last_was_reset: true,
+            ..held
+        };
+        assert_eq!(
+            restore_plan(&track, Some(&after_reset)),
+            RestorePlan::Reload
+        );
+        let nothing_applied = PendingRestore::default();
+        assert_eq!(
+            restore_plan(&track, Some(&nothing_applied)),
+            RestorePlan::Reload
+        );
+    }
+
+    #[test]
+    fn through_rule_an_accepted_rewind_raises_the_held_generation_and_releases_the_restore() {
+        let track = EndpointTrack {
+            generation: Some(3),
+            through: Some("1.1029".into()),
+            ..Default::default()
+        };
+        let answered = answer_rewind(
+            &track,
+            Some(&RewindAnswer::Accepted { generation: 4 }),
+            true,
+        );
+        assert_eq!(answered.outcome, RewindOutcome::Nothing);
+        assert!(answered.release_restore);
+        let next = answered.track.expect("the generation rises");
+        assert_eq!(next.generation, Some(4));
+        assert_eq!(next.through, track.through);
+        assert_eq!(next.reload, None);
+
+        // Already there (a message of the rewind came first): nothing to write.
+        let there = EndpointTrack {
+            generation: Some(4),
+            ..track.clone()
+        };
+        let answered = answer_rewind(
+            &there,
+            Some(&RewindAnswer::Accepted { generation: 4 }),
+            false,
+        );
+        assert_eq!((answered.track, answered.release_restore), (None, false));
+    }
+
+    #[test]
+    fn through_rule_refusals_and_no_call_after_a_restore() {
+        let track = EndpointTrack {
+            generation: Some(3),
+            reloads_begun: 1,
+            ..Default::default()
+        };
+        let refused = |e: &str| {
+            answer_rewind(
+                &track,
+                Some(&RewindAnswer::Refused(RewindRefusal::parse(e))),
+                true,
+            )
+        };
+        for nothing in ["cursor_ahead", "reset_pending"] {
+            let answered = refused(nothing);
+            assert_eq!(answered.outcome, RewindOutcome::Nothing, "{nothing}");
+            assert_eq!(answered.track, None, "{nothing}");
+            assert!(answered.release_restore, "{nothing}");
+        }
+        for reload in ["before_reset", "cursor_not_in_epoch"] {
+            let answered = refused(reload);
+            assert_eq!(answered.outcome, RewindOutcome::Reload, "{reload}");
+            let reload = answered.track.and_then(|t| t.reload).expect("a reload");
+            assert_eq!((reload.generation, reload.round), (3, 2));
+        }
+        let answered = answer_rewind(&track, None, true);
+        assert_eq!(answered.outcome, RewindOutcome::Reload);
+        assert!(answered.track.is_some_and(|t| t.reload.is_some()));
     }
 
     #[test]

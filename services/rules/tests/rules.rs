@@ -585,10 +585,10 @@ fn through_rule_messages_of_events_keep_their_through_a_reset_marks_the_last_tak
         (b.through.as_deref(), b.last_was_reset),
         (Some("1.20"), true)
     );
-    assert_eq!(restore_plan(&b), RestorePlan::Reload);
+    assert_eq!(restore_plan(&b, None), RestorePlan::Reload);
     let (c, _) = step(&b, &message(5, "av", "1.25", vec![]));
     assert_eq!(
-        restore_plan(&c),
+        restore_plan(&c, None),
         RestorePlan::Rewind {
             since: "1.25".into()
         }
@@ -1276,7 +1276,7 @@ fn wire_examples_through_the_reset() -> (Endpoint, relay_wire::FeedItem) {
     let plan = run(&mut endpoint, &[wire_example("reset")]);
     assert_eq!(endpoint.outcomes.last(), Some(&Outcome::ReloadBegun));
     assert!(matches!(plan.reloads[..], [ReloadStart::Begin(ref r)] if r.generation == 4));
-    assert_eq!(restore_plan(&endpoint.track), RestorePlan::Reload);
+    assert_eq!(restore_plan(&endpoint.track, None), RestorePlan::Reload);
     (endpoint, item)
 }
 
@@ -1340,7 +1340,7 @@ fn keep_event_ids_rule_after_a_restore_and_rewind_resent_events_apply_once() {
     // Restored: rewind to the kept through; the track resends from there under generation 4.
     let mut restored = backup;
     assert_eq!(
-        restore_plan(&restored.track),
+        restore_plan(&restored.track, None),
         RestorePlan::Rewind {
             since: "1.20".into()
         }
@@ -1364,4 +1364,65 @@ fn keep_event_ids_rule_after_a_restore_and_rewind_resent_events_apply_once() {
     let held = restored.copy.get(&subject(1)).unwrap();
     assert!(held.is_tombstone());
     assert_eq!(held.generation, 4);
+}
+
+#[test]
+fn through_rule_a_message_taken_before_the_rewind_applies_again_when_the_rewind_resends_it() {
+    // The backup holds subject 1 at 1.20; the old relay then took it at 1.25, lost with it.
+    let mut endpoint = Endpoint::new();
+    run(
+        &mut endpoint,
+        &[feed_message(3, "av", "1.20", &[(1, 3, 20, false)])],
+    );
+    let backup = endpoint.clone();
+    let pending = PendingRestore {
+        through: backup.track.through.clone(),
+        last_was_reset: backup.track.last_was_reset,
+    };
+
+    // Restored; before the rewind is asked, the upstream's next message comes: 1.29.
+    let mut restored = backup.clone();
+    run(
+        &mut restored,
+        &[feed_message(3, "av", "1.29", &[(1, 3, 29, false)])],
+    );
+    assert_eq!(restored.track.through.as_deref(), Some("1.29"));
+    assert_eq!(
+        restore_plan(&restored.track, Some(&pending)),
+        RestorePlan::Rewind {
+            since: "1.20".into()
+        },
+        "the rewind starts from the backup's through, not the live message's"
+    );
+    let answered = answer_rewind(
+        &restored.track,
+        Some(&RewindAnswer::Accepted { generation: 4 }),
+        true,
+    );
+    assert!(answered.release_restore);
+    restored.track = answered
+        .track
+        .expect("the held generation rises to the rewind's");
+
+    // A message of generation 3 still in flight is older now: the rewind sends it again.
+    run(
+        &mut restored,
+        &[feed_message(3, "av", "1.31", &[(1, 3, 31, false)])],
+    );
+    assert_eq!(restored.outcomes.last(), Some(&Outcome::OlderGeneration));
+
+    // The rewind resends 1.25 and 1.29 under generation 4.
+    let resent = [
+        feed_message(4, "av", "1.25", &[(1, 3, 25, false)]),
+        feed_message(4, "av", "1.29", &[(1, 3, 29, false)]),
+    ];
+    // Kept, the live message's id would drop its resend after the older 1.25 won.
+    let mut kept_ids = restored.clone();
+    run(&mut kept_ids, &resent);
+    assert_eq!(kept_ids.copy.get(&subject(1)).unwrap().sequence, seq(25));
+    // Forgotten (every id applied since the restore), the copy ends on 1.29.
+    restored.applied = backup.applied.clone();
+    run(&mut restored, &resent);
+    let held = restored.copy.get(&subject(1)).unwrap();
+    assert_eq!((held.generation, &held.sequence), (4, &seq(29)));
 }

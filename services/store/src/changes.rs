@@ -57,8 +57,11 @@ pub async fn endpoints_with_backlog(
 pub struct Unpublished {
     #[sqlx(rename = "endpoint_id")]
     pub endpoint: EndpointId,
+    /// The epoch of the endpoint's change stream (see `restores`): every change the outbox holds
+    /// is of the current one.
+    pub epoch: i64,
     pub change_seq: i64,
-    /// `upsert` or `remove`.
+    /// `upsert`, `remove`, `snapshot_begin` or `snapshot_end`.
     pub operation: String,
     pub subject: String,
     pub item_kind: Option<String>,
@@ -67,6 +70,8 @@ pub struct Unpublished {
     pub sequence: Option<String>,
     pub event_id: Option<String>,
     pub reload_generation: Option<i64>,
+    /// Part of the snapshot that opens the epoch: its markers and its upserts.
+    pub snapshot: bool,
     /// The item stored, on upsert: JSON text.
     pub item: Option<String>,
     /// JSON text.
@@ -91,10 +96,11 @@ pub async fn next_changes(
         rooms.push(*room);
     }
     Ok(sqlx::query_as(
-        "SELECT c.endpoint_id, c.change_seq, c.operation, c.subject, c.item_kind, c.generation,
-                c.sequence, c.event_id, c.reload_generation, c.item::text AS item,
-                c.parts_diff::text AS parts_diff, c.created_at
+        "SELECT c.endpoint_id, k.epoch, c.change_seq, c.operation, c.subject, c.item_kind,
+                c.generation, c.sequence, c.event_id, c.reload_generation, c.snapshot,
+                c.item::text AS item, c.parts_diff::text AS parts_diff, c.created_at
          FROM unnest($2::uuid[], $3::int8[], $4::int8[]) AS w (endpoint_id, through, room)
+         JOIN endpoint_change_counters k ON k.endpoint_id = w.endpoint_id
          CROSS JOIN LATERAL (
              SELECT * FROM changes c
              WHERE c.tenant_id = $1 AND c.endpoint_id = w.endpoint_id

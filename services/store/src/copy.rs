@@ -306,6 +306,80 @@ const WITHDRAW: &str = "WITH withdrawn AS (
      )
      SELECT count(*) FROM withdrawn";
 
+/// Opens the endpoint's new change-stream epoch (see [`crate::restores::mark`], which holds the
+/// counter row, the endpoint's writer lock, and set the epoch): the old epoch's changes go, the
+/// snapshot of the copy is appended from change 1 (`snapshot_begin`, one `upsert` per item in
+/// subject order at the item's own position, `snapshot_end`; the markers at the generation the
+/// track holds), the counter is set past it and the publish cursor back to 0. Returns how many
+/// items the snapshot holds.
+pub(crate) async fn open_epoch(
+    conn: &mut PgConnection,
+    endpoint: EndpointId,
+    tenant: TenantId,
+) -> Result<i64, StoreError> {
+    sqlx::query("DELETE FROM changes WHERE endpoint_id = $1")
+        .bind(endpoint)
+        .execute(&mut *conn)
+        .await?;
+    let items: i64 = sqlx::query_scalar(OPEN_EPOCH)
+        .bind(endpoint)
+        .bind(tenant)
+        .bind(tracks::FEED_TRACK)
+        .bind(diff_json(&PartsDiff::default()))
+        .fetch_one(&mut *conn)
+        .await?;
+    sqlx::query(
+        "INSERT INTO endpoint_publish_cursors AS p
+             (endpoint_id, tenant_id, published_through, published_at)
+         VALUES ($1, $2, 0, now())
+         ON CONFLICT (endpoint_id) DO UPDATE SET published_through = 0, published_at = now()",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .execute(&mut *conn)
+    .await?;
+    Ok(items)
+}
+
+/// See [`open_epoch`]: `$1` endpoint, `$2` tenant, `$3` the track's name, `$4` an empty parts
+/// diff. Returns the snapshot's item count.
+const OPEN_EPOCH: &str = "WITH items AS (
+         SELECT subject, item_kind, generation, sequence, item,
+                row_number() OVER (ORDER BY subject COLLATE \"C\") AS n
+         FROM copy_items WHERE endpoint_id = $1 AND NOT tombstone
+     ),
+     marker AS (
+         SELECT COALESCE((SELECT generation FROM endpoint_tracks
+                          WHERE endpoint_id = $1 AND track = $3), 0) AS generation
+     ),
+     snapshot AS (
+         SELECT 1::int8 AS change_seq, 'snapshot_begin' AS operation, '' AS subject,
+                NULL::text AS item_kind, marker.generation, NULL::text AS sequence,
+                NULL::json AS item
+         FROM marker
+         UNION ALL
+         SELECT n + 1, 'upsert', subject, item_kind, generation, sequence, item FROM items
+         UNION ALL
+         SELECT (SELECT count(*) FROM items) + 2, 'snapshot_end', '', NULL, marker.generation,
+                NULL, NULL
+         FROM marker
+     ),
+     appended AS (
+         INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject, item_kind,
+                              generation, sequence, event_id, reload_generation, item, parts_diff,
+                              snapshot)
+         SELECT $1, change_seq, $2, operation, subject, item_kind, generation, sequence, NULL,
+                NULL, item, $4::jsonb, true
+         FROM snapshot
+         RETURNING 1
+     ),
+     counter AS (
+         UPDATE endpoint_change_counters SET last = (SELECT count(*) FROM appended)
+         WHERE endpoint_id = $1
+         RETURNING last
+     )
+     SELECT (SELECT last FROM counter) - 2";
+
 /// The CTE `held` of an open statement (see `runs::open_runs`): what the copy holds of the
 /// subjects in `$3`–`$4` (endpoint, subject, sorted), locked, each only after its endpoint's
 /// writer lock (`writer`).

@@ -257,27 +257,44 @@ pub async fn progress<'e>(
     })
 }
 
-/// The tenant's endpoint's outbox: how many changes are not yet published, and the number of
-/// the last change appended.
+/// The tenant's endpoint's outbox: how many changes are not yet published, and the stream's
+/// epoch and the number of its last change appended.
 pub async fn outbox_backlog<'e>(
     db: impl sqlx::PgExecutor<'e>,
     tenant: TenantId,
     endpoint: EndpointId,
-) -> Result<(i64, i64), StoreError> {
-    Ok(sqlx::query_as(
+) -> Result<OutboxPosition, StoreError> {
+    let (backlog, epoch, last_change_seq) = sqlx::query_as(
         "WITH counter AS (
-             SELECT COALESCE((SELECT last FROM endpoint_change_counters
-                              WHERE endpoint_id = $1 AND tenant_id = $2), 0) AS last
+             SELECT COALESCE(k.last, 0) AS last, COALESCE(k.epoch, 1) AS epoch
+             FROM (SELECT 1) AS one
+             LEFT JOIN endpoint_change_counters k ON k.endpoint_id = $1 AND k.tenant_id = $2
          )
          SELECT GREATEST(counter.last - COALESCE((SELECT published_through
                                                   FROM endpoint_publish_cursors
                                                   WHERE endpoint_id = $1 AND tenant_id = $2), 0),
                          0),
-                counter.last
+                counter.epoch, counter.last
          FROM counter",
     )
     .bind(endpoint)
     .bind(tenant)
     .fetch_one(db)
-    .await?)
+    .await?;
+    Ok(OutboxPosition {
+        backlog,
+        epoch,
+        last_change_seq,
+    })
+}
+
+/// See [`outbox_backlog`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutboxPosition {
+    /// Changes not yet published.
+    pub backlog: i64,
+    /// The change stream's epoch (1 until a restore begins another).
+    pub epoch: i64,
+    /// The last change appended in it (0: none yet).
+    pub last_change_seq: i64,
 }

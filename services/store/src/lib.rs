@@ -27,6 +27,8 @@
 //! - [`changes`]: publishing the outbox: the backlog, an endpoint's next changes, and the publish
 //!   cursors the publisher's mark moves under its tenant's fence.
 //! - [`destinations`]: where each tenant's changes go, and why the publisher refuses it.
+//! - [`restores`]: after a restore from backup: each endpoint's restore held until its rewind
+//!   is answered, and the new epoch of its change stream, opened by a snapshot of the copy.
 //! - [`fences`]: the fencing tokens of relay-coord's ownership (an endpoint's, a tenant's):
 //!   claimed by each new owner, checked by its writes.
 //!
@@ -43,6 +45,7 @@ pub mod fences;
 mod ids;
 pub mod messages;
 pub mod quarantine;
+pub mod restores;
 pub mod runs;
 pub mod tenants;
 pub mod tracks;

@@ -185,6 +185,23 @@ pub async fn transition(
 ) -> Result<(EndpointTrack, bool), StoreError> {
     ensure(pool, tenant, endpoint).await?;
     let mut tx = pool.begin().await?;
+    let held = lock(&mut tx, tenant, endpoint).await?;
+    let Some(next) = decide(&held) else {
+        tx.rollback().await?;
+        return Ok((held, false));
+    };
+    save(&mut tx, tenant, endpoint, &next).await?;
+    tx.commit().await?;
+    Ok((next, true))
+}
+
+/// The tenant's endpoint's track row, locked until the transaction ends (the caller made sure
+/// it exists, with [`ensure`]).
+pub(crate) async fn lock(
+    conn: &mut PgConnection,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<EndpointTrack, StoreError> {
     let row: TrackRow = sqlx::query_as(&format!(
         "SELECT {TRACK_COLUMNS} FROM endpoint_tracks
          WHERE endpoint_id = $1 AND track = $2 AND tenant_id = $3
@@ -193,20 +210,13 @@ pub async fn transition(
     .bind(endpoint)
     .bind(FEED_TRACK)
     .bind(tenant)
-    .fetch_optional(&mut *tx)
+    .fetch_optional(conn)
     .await?
     .ok_or_else(|| StoreError::NotFound {
         what: "track",
         id: endpoint.to_string(),
     })?;
-    let held = track_from_row(row)?;
-    let Some(next) = decide(&held) else {
-        tx.rollback().await?;
-        return Ok((held, false));
-    };
-    save(&mut tx, tenant, endpoint, &next).await?;
-    tx.commit().await?;
-    Ok((next, true))
+    track_from_row(row)
 }
 
 /// Several endpoints' track rows to write, as the arrays of [`save_cte`]: the track's name and

@@ -197,6 +197,20 @@ pub struct UpstreamStateView {
     pub last_success_at: Option<OffsetDateTime>,
 }
 
+/// A restore held until the endpoint's rewind is answered: what the backup kept of the feed
+/// track, which the rewind starts from whatever messages came since.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RestoreView {
+    /// The `through` the rewind asks to resend from; null when the backup applied no message
+    /// of events (then the feed is read again).
+    pub through: Option<String>,
+    /// The backup's last message was a reset: the feed is read again, nothing is asked.
+    pub last_was_reset: bool,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub restored_at: OffsetDateTime,
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct StateView {
     pub endpoint_id: Uuid,
@@ -224,8 +238,13 @@ pub struct StateView {
     pub last_applied_at: Option<OffsetDateTime>,
     /// Changes not yet published.
     pub outbox_backlog: i64,
-    /// The number of the last change appended.
+    /// The epoch of the change stream (1 until a restore of the relay's database begins
+    /// another) and the number of the last change appended in it.
+    pub change_epoch: i64,
     pub last_change_seq: i64,
+    /// The restore of the relay's database still waiting for this endpoint's rewind
+    /// (`POST /v1/endpoints/{id}/tracks/feed/rewind`); null when none waits.
+    pub restore: Option<RestoreView>,
     /// Messages set aside because they cannot be applied, waiting for a retry or a discard
     /// (`/v1/endpoints/{id}/quarantine`), and the reason of the latest.
     pub messages_quarantined: i64,
@@ -276,7 +295,8 @@ pub async fn endpoint_state(
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
     let progress = cursors::progress(&mut *tx, tenant, id).await?;
-    let (backlog, last_change_seq) = cursors::outbox_backlog(&mut *tx, tenant, id).await?;
+    let outbox = cursors::outbox_backlog(&mut *tx, tenant, id).await?;
+    let restore = relay_store::restores::pending(&mut *tx, id).await?;
     let (quarantined, quarantine_reason) =
         relay_store::quarantine::summary(&mut *tx, tenant, id).await?;
     let upstream = relay_store::upstream_status::read(&mut *tx, tenant, id).await?;
@@ -306,8 +326,14 @@ pub async fn endpoint_state(
         oldest_waiting_received_at: progress.oldest_waiting_received_at,
         last_applied_received_at: progress.last_received_at,
         last_applied_at: progress.last_applied_at,
-        outbox_backlog: backlog,
-        last_change_seq,
+        outbox_backlog: outbox.backlog,
+        change_epoch: outbox.epoch,
+        last_change_seq: outbox.last_change_seq,
+        restore: restore.map(|r| RestoreView {
+            through: r.held.through,
+            last_was_reset: r.held.last_was_reset,
+            restored_at: r.restored_at,
+        }),
         messages_quarantined: quarantined,
         last_quarantine_reason: quarantine_reason,
         upstream,

@@ -4,24 +4,32 @@
 //! rewind the track to the kept `through`, or, when the last message the copy took was a reset,
 //! read /v1/feed again. A refusal `before_reset` or `cursor_not_in_epoch` also means read
 //! /v1/feed again; `cursor_ahead` and `reset_pending` need nothing. relay-rules decides all of
-//! that ([`restore_plan`], [`decide_rewind`]); this handler reads the track's row, makes the call
-//! and carries the decision out.
+//! that ([`restore_plan`], [`answer_rewind`]); this handler reads the track's row and the
+//! restore held for it (`relay restored`, relay-store's `restores`), makes the call and carries
+//! the answer out.
+//!
+//! The restore held is what the plan starts from: messages taken since the restart move the
+//! track's own `through`, and a rewind from there would never resend what the old relay applied
+//! after the backup. It is let go once the upstream answered (a failed call keeps it, for the
+//! next try).
 //!
 //! "Read /v1/feed again" is the sequencer's work: this handler only sets the track's `reload`
-//! (as [`reload_after_restore`] says, through relay-store's `tracks::transition`), and the
-//! sequencer runs every reload it finds set.
+//! (as [`answer_rewind`] says, through relay-store's `restores::answered`), and the sequencer
+//! runs every reload it finds set.
 
 use axum::extract::{Path, State};
 use axum::Json;
 use relay_rules::{
-    decide_rewind, reload_after_restore, restore_plan, EndpointTrack, RestorePlan, RewindAnswer,
-    RewindOutcome, RewindRefusal,
+    answer_rewind, restore_plan, EndpointTrack, RestorePlan, RewindAnswer, RewindOutcome,
+    RewindRefusal,
 };
+use relay_store::restores;
 use relay_store::tracks::{self, FEED_TRACK};
 use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
+use super::reads::RestoreView;
 use super::{parse_uuid, AppState};
 use crate::auth::TenantId;
 use crate::error::{ApiError, ErrorBody};
@@ -43,6 +51,9 @@ pub struct RewindView {
     /// `rewind` (the upstream was asked to resend from `since`) or `read_feed_again` (the last
     /// message the copy took was a reset, or none of events was: no call).
     pub plan: String,
+    /// The restore (`relay restored`) the plan was made from, now let go; null when none was
+    /// held, and the plan was made from the track as it is.
+    pub restore: Option<RestoreView>,
     pub since: Option<String>,
     /// The upstream's answer, when it was asked.
     pub upstream: Option<UpstreamAnswerView>,
@@ -106,8 +117,9 @@ pub async fn rewind_track(
         registration.upstream_api_key,
     );
     let held = tracks::peek(&state.pool, id).await?;
+    let restore = restores::pending(&state.pool, id).await?;
 
-    let plan = restore_plan(&held);
+    let plan = restore_plan(&held, restore.as_ref().map(|r| &r.held));
     let (since, answer) = match &plan {
         RestorePlan::Rewind { since } => {
             let (Some(base_url), Some(api_key)) = (base_url.as_deref(), api_key.as_deref()) else {
@@ -139,14 +151,21 @@ pub async fn rewind_track(
         }
         RestorePlan::Reload => (None, None),
     };
-    let outcome = match &answer {
-        Some(answer) => decide_rewind(answer),
-        None => RewindOutcome::Reload,
-    };
 
-    let (outcome_text, reload) = match outcome {
-        RewindOutcome::Nothing => ("nothing", held_reload_json(&held)?),
-        RewindOutcome::Reload => begin_reload(&state, tenant, id).await?,
+    // Decided again on the row locked as it is then: a reload that began meanwhile (a reset
+    // the sequencer applied since the row was peeked) is left alone rather than replaced.
+    let (after, answered) = restores::answered(
+        &state.pool,
+        tenant,
+        id,
+        restore.as_ref().map(|r| r.restored_at),
+        |track| answer_rewind(track, answer.as_ref(), restore.is_some()),
+    )
+    .await?;
+    let outcome_text = match (answered.outcome, &answered.track) {
+        (RewindOutcome::Nothing, _) => "nothing",
+        (RewindOutcome::Reload, Some(_)) => "reload_begun",
+        (RewindOutcome::Reload, None) => "reload_already_running",
     };
     state
         .metrics
@@ -154,7 +173,7 @@ pub async fn rewind_track(
         .with_label_values(&[outcome_text])
         .inc();
     tracing::info!(%tenant, endpoint = %id, track, plan = ?plan, answer = ?answer,
-                   outcome = outcome_text, "rewind after restore");
+                   restored = restore.is_some(), outcome = outcome_text, "rewind after restore");
     Ok(Json(RewindView {
         track,
         plan: match plan {
@@ -162,6 +181,11 @@ pub async fn rewind_track(
             RestorePlan::Reload => "read_feed_again",
         }
         .to_owned(),
+        restore: restore.map(|r| RestoreView {
+            through: r.held.through,
+            last_was_reset: r.held.last_was_reset,
+            restored_at: r.restored_at,
+        }),
         since,
         upstream: answer.map(|a| match a {
             RewindAnswer::Accepted { generation } => UpstreamAnswerView {
@@ -176,7 +200,7 @@ pub async fn rewind_track(
             },
         }),
         outcome: outcome_text.to_owned(),
-        reload,
+        reload: reload_json(&after)?,
     }))
 }
 
@@ -191,28 +215,11 @@ fn refusal_code(refusal: &RewindRefusal) -> String {
     .to_owned()
 }
 
-fn held_reload_json(held: &EndpointTrack) -> Result<Option<Value>, ApiError> {
-    held.reload
+fn reload_json(track: &EndpointTrack) -> Result<Option<Value>, ApiError> {
+    track
+        .reload
         .as_ref()
         .map(serde_json::to_value)
         .transpose()
         .map_err(|e| ApiError::Internal(e.to_string()))
-}
-
-/// Begins "read /v1/feed again" on the track as relay-rules' [`reload_after_restore`] says,
-/// decided on the row locked as it is then: a reload that began meanwhile (a reset the sequencer
-/// applied since the row was peeked) is left alone rather than replaced.
-async fn begin_reload(
-    state: &AppState,
-    tenant: relay_store::TenantId,
-    endpoint: relay_store::EndpointId,
-) -> Result<(&'static str, Option<Value>), ApiError> {
-    let (track, begun) =
-        tracks::transition(&state.pool, tenant, endpoint, reload_after_restore).await?;
-    let outcome = if begun {
-        "reload_begun"
-    } else {
-        "reload_already_running"
-    };
-    Ok((outcome, held_reload_json(&track)?))
 }
