@@ -18,7 +18,12 @@ use crate::cli::LogFormat;
 
 pub fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    // Logs on stderr: stdout carries the data of the commands that print some (`relay tail`,
+    // `relay restored`, `relay token issue`), to be piped. Colours only for a terminal.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     // A second init (tests start many apps in one process) is not an error worth stopping for.
     // JSON needs no escaping of ours: serde_json escapes every control character in a string.
     let _ = match format {
