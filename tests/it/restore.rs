@@ -286,11 +286,7 @@ async fn run(case: Case, live: bool) {
     // item the old relay had updated after the backup (or a new item), then it is cut off again.
     if live {
         let url = url_template(&relay.app.base_url);
-        sim.change(|up, _| {
-            for &id in &ids {
-                up.set_endpoint_url(id, &url);
-            }
-        });
+        point_upstream_at(&sim, &ids, &url);
         let subject = live_message(&sim, &key, &updated, &mut rng);
         assert!(
             sim.wait_idle(Duration::from_secs(20)).await,
@@ -305,11 +301,7 @@ async fn run(case: Case, live: bool) {
             case,
         )
         .await;
-        sim.change(|up, _| {
-            for &id in &ids {
-                up.set_endpoint_url(id, &old_url);
-            }
-        });
+        point_upstream_at(&sim, &ids, &old_url);
         for &id in &ids {
             let (through, _) = kept_track(relay.pool(), id).await;
             eprintln!(
@@ -354,11 +346,7 @@ async fn run(case: Case, live: bool) {
     // 8. The upstream reaches the restored relay; when nothing is left to do, each copy is the
     // oracle's.
     let url = url_template(&relay.app.base_url);
-    sim.change(|up, _| {
-        for &id in &ids {
-            up.set_endpoint_url(id, &url);
-        }
-    });
+    point_upstream_at(&sim, &ids, &url);
     settle(
         relay.pool(),
         &sim,
@@ -516,6 +504,15 @@ async fn kept_track(pool: &PgPool, endpoint: Uuid) -> (Option<String>, bool) {
     .await
     .unwrap();
     (through, last_was_reset.unwrap_or(false))
+}
+
+/// Makes the upstream send the endpoints' webhooks to `url` (a URL template).
+fn point_upstream_at(sim: &Simulation, ids: &[Uuid], url: &str) {
+    sim.change(|up, _| {
+        for &id in ids {
+            up.set_endpoint_url(id, url);
+        }
+    });
 }
 
 /// The key's access to one company changes (seeded), as a customer's plan change does: the
