@@ -20,8 +20,8 @@ use futures::StreamExt as _;
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 use relay_publisher::lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use relay_publisher::lapin::types::{AMQPValue, FieldTable};
 use relay_publisher::lapin::{Channel, Connection, ExchangeKind, Queue};
@@ -551,7 +551,13 @@ impl Collector {
 
 /// `relay tail` over `tenant`'s queue on the test's vhost, acknowledging what it reads, until the
 /// queue is idle for 3 s: its stats and what it printed.
-async fn tail(env: &Env, tenant: Uuid, output: TailOutput) -> (ConsumerStats, Vec<u8>) {
+/// `relay tail` over the tenant's queue, acknowledging, resuming `after` these positions.
+async fn tail(
+    env: &Env,
+    tenant: Uuid,
+    output: TailOutput,
+    after: Vec<(Uuid, u64, i64)>,
+) -> (ConsumerStats, Vec<u8>) {
     let mut out = Vec::new();
     let stats = relay_publisher::tail_until(
         &TailArgs {
@@ -561,6 +567,7 @@ async fn tail(env: &Env, tenant: Uuid, output: TailOutput) -> (ConsumerStats, Ve
             ack: true,
             idle_exit_ms: 3_000,
             output,
+            after,
         },
         &relay_netguard::TrustRoots::platform(),
         &mut out,
@@ -666,7 +673,7 @@ async fn assert_queues_rebuild_checking(
 async fn assert_rebuilt(pool: &PgPool, consumer: &ReferenceConsumer, feeds: &[&Feed], seed: u64) {
     let stats = consumer.stats();
     assert_eq!(
-        stats.gaps, 0,
+        stats.waiting, 0,
         "seed {seed}: changes out of order or missing: {stats:?}"
     );
     assert_eq!(stats.other_tenant, 0, "seed {seed}");
@@ -742,20 +749,29 @@ async fn each_tenants_queue_rebuilds_its_copies_once_and_in_order() {
     })
     .await;
 
-    // `relay tail` over a queue: write more, publish, and let tail read and acknowledge.
+    // `relay tail` over a queue: write more, publish, and let tail read and acknowledge. The
+    // queue was drained above: tail resumes after each endpoint's last change drained.
+    let tenant = tenants[0];
+    let mut drained = Vec::new();
+    for feed in feeds.iter().filter(|f| f.tenant == tenant) {
+        drained.push((
+            feed.endpoint,
+            relay_publisher::FIRST_EPOCH,
+            change_count(pool, feed.endpoint).await,
+        ));
+    }
     let (publisher, _registry) = env.start(env.config(env.vhost.url())).await;
     write(pool, &mut feeds, &mut rng, 60).await;
     wait_published(pool, &tenants, seed).await;
     publisher.stop().await;
-    let tenant = tenants[0];
-    let (stats, out) = tail(&env, tenant, TailOutput::Changes).await;
-    // The queue was drained above: tail starts mid-stream, at each endpoint's next change.
+    let (stats, out) = tail(&env, tenant, TailOutput::Changes, drained).await;
     let lines: Vec<ChangeMessage> = String::from_utf8(out)
         .unwrap()
         .lines()
         .map(|l| ChangeMessage::decode(l.as_bytes()).unwrap())
         .collect();
-    assert_eq!(stats.applied + stats.gaps, lines.len() as u64);
+    assert_eq!(stats.applied, lines.len() as u64, "seed {seed}: {stats:?}");
+    assert_eq!(stats.waiting, 0, "seed {seed}: {stats:?}");
     for feed in feeds.iter().filter(|f| f.tenant == tenant) {
         let seqs: Vec<i64> = lines
             .iter()
@@ -771,6 +787,93 @@ async fn each_tenants_queue_rebuilds_its_copies_once_and_in_order() {
         let first = published_before - seqs.len() as i64 + 1;
         let expected: Vec<i64> = (first..=published_before).collect();
         assert_eq!(seqs, expected, "seed {seed}: endpoint {}", feed.endpoint);
+    }
+}
+
+/// A consumer that takes changes and puts them back (a nack with requeue, a connection lost
+/// before its acks) lets the quorum queue deliver later changes before earlier ones. `relay
+/// tail` read after it holds each change until its predecessors come: the copy it prints is
+/// whole and in order, and nothing is left waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_holds_changes_redelivered_out_of_order_until_their_predecessors_come() {
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
+    let tenant = env.db.tenant().await;
+    let mut feeds = feeds_of(&env.db, [tenant; 2]).await;
+    write(pool, &mut feeds, &mut rng, 120).await;
+    let (publisher, _registry) = env.start(env.config(env.vhost.url())).await;
+    wait_published(pool, &[tenant], seed).await;
+    publisher.stop().await;
+
+    // A consumer takes a seeded share of the queue, nacks some with requeue in a seeded order,
+    // and goes away without acknowledging the rest.
+    let broker = env.broker().await;
+    let channel = broker.create_channel().await.unwrap();
+    channel
+        .basic_qos(0, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut deliveries = channel
+        .basic_consume(
+            &tenant_queue(tenant),
+            "careless",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let take = rng.gen_range(20..60);
+    let mut taken = Vec::new();
+    while taken.len() < take {
+        let delivery = tokio::time::timeout(Duration::from_secs(30), deliveries.next())
+            .await
+            .expect("the queue delivers")
+            .unwrap()
+            .unwrap();
+        taken.push(delivery);
+    }
+    let mut nacked: Vec<_> = taken.drain(..take / 2).collect();
+    rand::seq::SliceRandom::shuffle(&mut nacked[..], &mut rng);
+    for delivery in nacked {
+        delivery
+            .nack(BasicNackOptions {
+                requeue: true,
+                ..BasicNackOptions::default()
+            })
+            .await
+            .unwrap();
+    }
+    broker.close(200, "gone").await.unwrap();
+
+    let (stats, out) = tail(&env, tenant, TailOutput::Copy, Vec::new()).await;
+    eprintln!("seed {seed}: {take} taken and put back; tail: {stats:?}");
+    assert!(
+        stats.reordered > 0,
+        "seed {seed}: the queue redelivered in order; nothing was held: {stats:?}"
+    );
+    assert_eq!(stats.waiting, 0, "seed {seed}: {stats:?}");
+    assert_eq!(stats.removals_of_nothing, 0, "seed {seed}: {stats:?}");
+    let mut printed: BTreeMap<Uuid, BTreeMap<String, Value>> = BTreeMap::new();
+    for line in String::from_utf8(out).unwrap().lines() {
+        let line: Value = serde_json::from_str(line).unwrap();
+        let endpoint: Uuid = line["webhook_endpoint_id"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let subject = line["subject"].as_str().unwrap().to_owned();
+        printed
+            .entry(endpoint)
+            .or_default()
+            .insert(subject, line["item"].clone());
+    }
+    for feed in &feeds {
+        assert_eq!(
+            printed.remove(&feed.endpoint).unwrap_or_default(),
+            postgres_items(pool, feed.endpoint).await,
+            "seed {seed}: endpoint {}",
+            feed.endpoint
+        );
     }
 }
 
@@ -1157,10 +1260,10 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
     assert_rebuilt(pool, &consumer, &own, seed).await;
 
     // `relay tail` reads the same queue, drops the repeats, and prints the copy it rebuilt.
-    let (stats, out) = tail(&env, tenant, TailOutput::Copy).await;
+    let (stats, out) = tail(&env, tenant, TailOutput::Copy, Vec::new()).await;
     assert_eq!(stats.messages, messages.len() as u64, "seed {seed}");
     assert_eq!(stats.duplicates, twice.len() as u64, "seed {seed}");
-    assert_eq!(stats.gaps, 0, "seed {seed}");
+    assert_eq!(stats.waiting, 0, "seed {seed}");
     let mut printed: BTreeMap<Uuid, BTreeMap<String, Value>> = BTreeMap::new();
     for line in String::from_utf8(out).unwrap().lines() {
         let line: Value = serde_json::from_str(line).unwrap();

@@ -1,8 +1,14 @@
 //! The reference consumer: rebuilds each endpoint's copy from a tenant's change messages, as the
 //! message's contract says a consumer may. Pure: messages in, a copy and counts out, no IO.
 //! `relay tail` runs it over a queue; the tests run it over what the publisher sent.
+//!
+//! A queue delivers in order until a consumer's nack or a lost connection puts messages back:
+//! then a quorum queue may deliver a later change before an earlier one. So a change ahead of the
+//! next one is held until its predecessors arrive, a change already applied (or held) is dropped
+//! as a repeat, and whatever is still held at the end names changes that never came.
 
 use std::collections::BTreeMap;
+use std::ops::RangeInclusive;
 
 use serde::Serialize;
 use serde_json::Value;
@@ -13,14 +19,14 @@ use crate::message::{ChangeMessage, DecodeError, Operation};
 /// What the consumer did with one message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Received {
-    /// The endpoint's next change: applied.
+    /// The endpoint's next change: applied, and with it every held change it was the last
+    /// missing predecessor of.
     Applied,
-    /// A change_seq already seen for the endpoint in its epoch (a redelivery): dropped.
+    /// A change_seq already applied or held for the endpoint in its epoch (a redelivery):
+    /// dropped.
     Duplicate,
-    /// A change_seq past the next one: some change before it never arrived (or arrived after
-    /// it). Applied all the same, so the copy goes on, and counted: the publisher's contract
-    /// says this never happens on a queue read from its start.
-    Gap { expected: i64 },
+    /// A change_seq past the next one: held until the changes before it arrive.
+    Held { expected: i64 },
     /// Another tenant's change: not applied, and counted (a queue holds one tenant's changes).
     OtherTenant,
     /// A change of an epoch older than the one followed for the endpoint (sent before a restore
@@ -47,17 +53,24 @@ pub struct EndpointReplica {
     /// The last change_seq applied in it (0: none yet).
     pub last_change_seq: i64,
     pub items: BTreeMap<String, ReplicaItem>,
+    /// Changes of the epoch that came ahead of a predecessor, by change_seq.
+    held: BTreeMap<i64, ChangeMessage>,
 }
 
 /// Counts of what [`ReferenceConsumer::receive`] answered.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct ConsumerStats {
     pub messages: u64,
+    /// Changes applied (a held one when its predecessors came).
     pub applied: u64,
     pub duplicates: u64,
-    pub gaps: u64,
+    /// Changes that came ahead of a predecessor, and were held for it.
+    pub reordered: u64,
+    /// Changes held now, waiting for a predecessor that has not come.
+    pub waiting: u64,
     pub other_tenant: u64,
-    /// Removals of a subject the rebuilt copy did not hold (only after a gap).
+    /// Removals of a subject the rebuilt copy did not hold (a consumer resumed from a position
+    /// whose copy it did not keep).
     pub removals_of_nothing: u64,
     /// Changes of an epoch older than the one followed.
     pub stale: u64,
@@ -86,15 +99,36 @@ impl ReferenceConsumer {
         self.tenant
     }
 
+    /// Takes the endpoint's changes up to `last_change_seq` of `epoch` as applied already: a
+    /// consumer resuming from the position it saved (it keeps its copy itself). Changes at or
+    /// before it are dropped as repeats.
+    pub fn resume(&mut self, endpoint: Uuid, epoch: u64, last_change_seq: i64) {
+        let replica = self.endpoints.entry(endpoint).or_default();
+        replica.epoch = epoch;
+        replica.last_change_seq = last_change_seq;
+        replica.held.clear();
+    }
+
+    /// [`receive_with`](Self::receive_with), without being told what was applied.
+    pub fn receive(&mut self, message: &ChangeMessage) -> Received {
+        self.receive_with(message, &mut |_| {})
+    }
+
     /// Follows each endpoint's stream as the message contract says: a change of an older epoch
     /// is dropped ([`Received::Stale`]); a greater epoch starts over at change_seq 1; a
-    /// change_seq seen before in the epoch is dropped; the next one is applied (or one past it:
-    /// see [`Received::Gap`]). `snapshot_begin` forgets what was held of the endpoint: the
-    /// snapshot's upserts that follow are the whole copy.
-    pub fn receive(&mut self, message: &ChangeMessage) -> Received {
-        self.stats.messages += 1;
+    /// change_seq applied or held before in the epoch is dropped; the next one is applied, then
+    /// every held one that now follows; one further ahead is held. `snapshot_begin` forgets what
+    /// was held of the endpoint: the snapshot's upserts that follow are the whole copy.
+    /// `on_apply` is called with each change applied, in change_seq order.
+    pub fn receive_with(
+        &mut self,
+        message: &ChangeMessage,
+        on_apply: &mut dyn FnMut(&ChangeMessage),
+    ) -> Received {
+        let stats = &mut self.stats;
+        stats.messages += 1;
         if message.tenant_id != self.tenant {
-            self.stats.other_tenant += 1;
+            stats.other_tenant += 1;
             return Received::OtherTenant;
         }
         let replica = self
@@ -102,63 +136,69 @@ impl ReferenceConsumer {
             .entry(message.webhook_endpoint_id)
             .or_default();
         if message.epoch < replica.epoch {
-            self.stats.stale += 1;
+            stats.stale += 1;
             return Received::Stale;
         }
         if message.epoch > replica.epoch {
+            // The older epoch's held changes can never be applied now: its stream is over.
+            stats.stale += replica.held.len() as u64;
             replica.epoch = message.epoch;
             replica.last_change_seq = 0;
+            replica.held.clear();
         }
-        if message.change_seq <= replica.last_change_seq {
-            self.stats.duplicates += 1;
+        if message.change_seq <= replica.last_change_seq
+            || replica.held.contains_key(&message.change_seq)
+        {
+            stats.duplicates += 1;
             return Received::Duplicate;
         }
         let expected = replica.last_change_seq + 1;
-        replica.last_change_seq = message.change_seq;
-        match (&message.operation, &message.item) {
-            (Operation::Upsert, Some(item)) => {
-                replica.items.insert(
-                    message.subject.clone(),
-                    ReplicaItem {
-                        item_kind: message.item_kind.clone(),
-                        generation: message.generation,
-                        sequence: message.sequence.clone(),
-                        change_seq: message.change_seq,
-                        item: item.clone(),
-                    },
-                );
-            }
-            (Operation::SnapshotBegin, _) => {
-                replica.items.clear();
-                self.stats.snapshots += 1;
-            }
-            (Operation::SnapshotEnd, _) => {}
-            // `ChangeMessage::decode` refuses an upsert without an item; one built by hand is
-            // taken as a removal of the subject.
-            (Operation::Upsert | Operation::Remove, _) => {
-                if replica.items.remove(&message.subject).is_none() {
-                    self.stats.removals_of_nothing += 1;
-                }
-            }
+        if message.change_seq > expected {
+            stats.reordered += 1;
+            replica.held.insert(message.change_seq, message.clone());
+            return Received::Held { expected };
         }
-        if message.change_seq == expected {
-            self.stats.applied += 1;
-            Received::Applied
-        } else {
-            self.stats.gaps += 1;
-            Received::Gap { expected }
+        apply(replica, message, stats);
+        on_apply(message);
+        while let Some(next) = replica.held.remove(&(replica.last_change_seq + 1)) {
+            apply(replica, &next, stats);
+            on_apply(&next);
         }
+        Received::Applied
     }
 
-    /// Decodes a message body and receives it.
-    pub fn receive_body(&mut self, body: &[u8]) -> Result<(ChangeMessage, Received), DecodeError> {
+    /// Decodes a message body and receives it ([`receive_with`](Self::receive_with)).
+    pub fn receive_body_with(
+        &mut self,
+        body: &[u8],
+        on_apply: &mut dyn FnMut(&ChangeMessage),
+    ) -> Result<(ChangeMessage, Received), DecodeError> {
         let message = ChangeMessage::decode(body)?;
-        let received = self.receive(&message);
+        let received = self.receive_with(&message, on_apply);
         Ok((message, received))
     }
 
     pub fn stats(&self) -> ConsumerStats {
-        self.stats
+        ConsumerStats {
+            waiting: self.endpoints.values().map(|r| r.held.len() as u64).sum(),
+            ..self.stats
+        }
+    }
+
+    /// The changes that never came: for each endpoint with changes held, its epoch and the
+    /// change_seqs missing before the first of them.
+    pub fn missing(&self) -> Vec<(Uuid, u64, RangeInclusive<i64>)> {
+        self.endpoints
+            .iter()
+            .filter_map(|(endpoint, replica)| {
+                let (&first_held, _) = replica.held.first_key_value()?;
+                Some((
+                    *endpoint,
+                    replica.epoch,
+                    replica.last_change_seq + 1..=first_held - 1,
+                ))
+            })
+            .collect()
     }
 
     pub fn endpoints(&self) -> &BTreeMap<Uuid, EndpointReplica> {
@@ -183,6 +223,38 @@ impl ReferenceConsumer {
         self.endpoints
             .get(&endpoint)
             .map_or((0, 0), |r| (r.epoch, r.last_change_seq))
+    }
+}
+
+/// Applies the endpoint's next change to its replica.
+fn apply(replica: &mut EndpointReplica, message: &ChangeMessage, stats: &mut ConsumerStats) {
+    replica.last_change_seq = message.change_seq;
+    stats.applied += 1;
+    match (&message.operation, &message.item) {
+        (Operation::Upsert, Some(item)) => {
+            replica.items.insert(
+                message.subject.clone(),
+                ReplicaItem {
+                    item_kind: message.item_kind.clone(),
+                    generation: message.generation,
+                    sequence: message.sequence.clone(),
+                    change_seq: message.change_seq,
+                    item: item.clone(),
+                },
+            );
+        }
+        (Operation::SnapshotBegin, _) => {
+            replica.items.clear();
+            stats.snapshots += 1;
+        }
+        (Operation::SnapshotEnd, _) => {}
+        // `ChangeMessage::decode` refuses an upsert without an item; one built by hand is taken
+        // as a removal of the subject.
+        (Operation::Upsert | Operation::Remove, _) => {
+            if replica.items.remove(&message.subject).is_none() {
+                stats.removals_of_nothing += 1;
+            }
+        }
     }
 }
 
@@ -247,23 +319,93 @@ mod tests {
             BTreeMap::from([("b".to_owned(), json!({"v": 4}))])
         );
         assert_eq!(consumer.position(endpoint), (1, 4));
-        assert_eq!(consumer.stats().gaps, 0);
+        assert_eq!(consumer.stats().waiting, 0);
     }
 
     #[test]
-    fn a_gap_and_another_tenants_change_are_counted() {
+    fn a_change_ahead_is_held_until_its_predecessors_come() {
+        // Redelivered after a nack with requeue: 3 and 4 ahead of 2, 4 twice, then 2.
+        let endpoint = Uuid::from_u128(9);
+        let mut consumer = ReferenceConsumer::new(Uuid::from_u128(1));
+        let mut applied = Vec::new();
+        let mut receive = |consumer: &mut ReferenceConsumer, m: ChangeMessage| {
+            consumer.receive_with(&m, &mut |a| applied.push(a.change_seq))
+        };
+        assert_eq!(
+            receive(&mut consumer, change(1, 1, "a", true)),
+            Received::Applied
+        );
+        assert_eq!(
+            receive(&mut consumer, change(1, 3, "a", false)),
+            Received::Held { expected: 2 }
+        );
+        assert_eq!(
+            receive(&mut consumer, change(1, 4, "a", true)),
+            Received::Held { expected: 2 }
+        );
+        assert_eq!(
+            receive(&mut consumer, change(1, 4, "a", true)),
+            Received::Duplicate
+        );
+        assert_eq!(consumer.stats().waiting, 2);
+        assert_eq!(consumer.missing(), [(endpoint, 1, 2..=2)]);
+        assert_eq!(
+            receive(&mut consumer, change(1, 2, "a", true)),
+            Received::Applied
+        );
+        assert_eq!(applied, [1, 2, 3, 4]);
+        // Applied in order: a's last write is 4's upsert, not 3's removal.
+        assert_eq!(
+            consumer.items(endpoint),
+            BTreeMap::from([("a".to_owned(), json!({"v": 4}))])
+        );
+        let stats = consumer.stats();
+        assert_eq!(
+            (
+                stats.applied,
+                stats.reordered,
+                stats.duplicates,
+                stats.waiting
+            ),
+            (4, 2, 1, 0)
+        );
+        assert!(consumer.missing().is_empty());
+    }
+
+    #[test]
+    fn a_change_that_never_comes_is_named_and_another_tenants_is_counted() {
         let mut consumer = ReferenceConsumer::new(Uuid::from_u128(1));
         assert_eq!(
             consumer.receive(&change(1, 2, "a", true)),
-            Received::Gap { expected: 1 }
+            Received::Held { expected: 1 }
         );
         assert_eq!(
             consumer.receive(&change(2, 3, "a", true)),
             Received::OtherTenant
         );
         let stats = consumer.stats();
-        assert_eq!((stats.gaps, stats.other_tenant, stats.messages), (1, 1, 2));
-        assert_eq!(consumer.position(Uuid::from_u128(9)), (1, 2));
+        assert_eq!(
+            (stats.waiting, stats.other_tenant, stats.messages),
+            (1, 1, 2)
+        );
+        assert_eq!(consumer.position(Uuid::from_u128(9)), (1, 0));
+        assert_eq!(consumer.missing(), [(Uuid::from_u128(9), 1, 1..=1)]);
+    }
+
+    #[test]
+    fn a_resumed_consumer_starts_after_its_saved_position() {
+        let endpoint = Uuid::from_u128(9);
+        let mut consumer = ReferenceConsumer::new(Uuid::from_u128(1));
+        consumer.resume(endpoint, 1, 5);
+        assert_eq!(
+            consumer.receive(&change(1, 5, "a", true)),
+            Received::Duplicate
+        );
+        assert_eq!(
+            consumer.receive(&change(1, 6, "a", true)),
+            Received::Applied
+        );
+        assert_eq!(consumer.position(endpoint), (1, 6));
     }
 
     /// A change of `epoch` (a snapshot's when `operation` is a marker or `in_snapshot`).
@@ -320,7 +462,12 @@ mod tests {
         assert_eq!(consumer.position(endpoint), (7, 5));
         let stats = consumer.stats();
         assert_eq!(
-            (stats.stale, stats.snapshots, stats.duplicates, stats.gaps),
+            (
+                stats.stale,
+                stats.snapshots,
+                stats.duplicates,
+                stats.waiting
+            ),
             (2, 1, 1, 0)
         );
     }

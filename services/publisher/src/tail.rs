@@ -1,5 +1,7 @@
 //! `relay tail --tenant T`: reads a tenant's queue with the [`ReferenceConsumer`] and prints
-//! what it rebuilt, as JSON lines. The reference consumer for users, runnable.
+//! what it rebuilt, as JSON lines. The reference consumer for users, runnable: changes that come
+//! out of order are held until their predecessors come, repeats are dropped, and changes that
+//! never came are named at the end (and the command fails: the copy printed is not whole).
 
 use std::future::Future;
 use std::io::Write;
@@ -15,7 +17,7 @@ use uuid::Uuid;
 
 use crate::broker::{connect, tenant_queue};
 use crate::config::{redact, DEFAULT_AMQP_URL};
-use crate::consumer::{ConsumerStats, Received, ReferenceConsumer};
+use crate::consumer::{ConsumerStats, ReferenceConsumer};
 use relay_netguard::TrustRoots;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -54,6 +56,30 @@ pub struct TailArgs {
     /// What to print.
     #[arg(long, value_enum, default_value_t = TailOutput::Copy)]
     pub output: TailOutput,
+
+    /// Resume after this change: the message id (`<endpoint>:<epoch>:<change_seq>`) of the last
+    /// change already applied for its endpoint, when the queue no longer holds the changes
+    /// before it. Repeat for each endpoint. Without it, each endpoint's changes are taken from
+    /// change_seq 1 (of the first epoch seen).
+    #[arg(long = "after", value_name = "MESSAGE_ID", value_parser = parse_position)]
+    pub after: Vec<(Uuid, u64, i64)>,
+}
+
+/// `<endpoint>:<epoch>:<change_seq>`, as a message id names a change.
+fn parse_position(text: &str) -> Result<(Uuid, u64, i64), String> {
+    let mut parts = text.splitn(3, ':');
+    let (Some(endpoint), Some(epoch), Some(seq)) = (parts.next(), parts.next(), parts.next())
+    else {
+        return Err("a message id: <endpoint>:<epoch>:<change_seq>".to_owned());
+    };
+    let endpoint = endpoint
+        .parse()
+        .map_err(|e| format!("endpoint {endpoint:?}: {e}"))?;
+    let epoch = epoch.parse().map_err(|e| format!("epoch {epoch:?}: {e}"))?;
+    let seq = seq
+        .parse()
+        .map_err(|e| format!("change_seq {seq:?}: {e}"))?;
+    Ok((endpoint, epoch, seq))
 }
 
 /// One line of `--output copy`.
@@ -111,6 +137,9 @@ pub async fn tail_until(
         .with_context(|| format!("reading queue {queue}"))?;
 
     let mut consumer = ReferenceConsumer::new(args.tenant);
+    for &(endpoint, epoch, seq) in &args.after {
+        consumer.resume(endpoint, epoch, seq);
+    }
     let idle = (args.idle_exit_ms > 0).then(|| Duration::from_millis(args.idle_exit_ms));
     tokio::pin!(stop);
     loop {
@@ -127,20 +156,18 @@ pub async fn tail_until(
                 Some(Some(delivery)) => delivery.context("reading the queue")?,
             },
         };
-        match consumer.receive_body(&delivery.data) {
-            Ok((message, received)) => {
-                if args.output == TailOutput::Changes
-                    && matches!(received, Received::Applied | Received::Gap { .. })
-                {
-                    serde_json::to_writer(&mut *out, &message)?;
-                    writeln!(out)?;
-                }
-                if let Received::Gap { expected } = received {
-                    tracing::warn!(message_id = %message.message_id(), expected,
-                                   "a change is missing before this one");
-                }
+        let print_changes = args.output == TailOutput::Changes;
+        let mut printed = Ok(());
+        let received = consumer.receive_body_with(&delivery.data, &mut |applied| {
+            if print_changes && printed.is_ok() {
+                printed = serde_json::to_writer(&mut *out, applied)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|()| Ok(writeln!(out)?));
             }
-            Err(error) => tracing::warn!(error = %error, "not a change message; skipped"),
+        });
+        printed?;
+        if let Err(error) = received {
+            tracing::warn!(error = %error, "not a change message; skipped");
         }
         if args.ack {
             delivery.ack(BasicAckOptions::default()).await?;
@@ -168,6 +195,10 @@ pub async fn tail_until(
     out.flush()?;
     // Unacknowledged messages go back to the queue as the connection closes.
     let _ = tokio::time::timeout(Duration::from_secs(2), connection.close(200, "bye")).await;
+    for (endpoint, epoch, missing) in consumer.missing() {
+        tracing::warn!(%endpoint, epoch, first = missing.start(), last = missing.end(),
+                       "changes never came: the changes after them are held, not applied");
+    }
     let stats = consumer.stats();
     tracing::info!(?stats, queue, "tail done");
     Ok(stats)

@@ -16,7 +16,13 @@ async fn main() -> anyhow::Result<()> {
         Command::Tail(args) => {
             let stats =
                 relay_publisher::tail(&args, &cli.global.trust()?, &mut std::io::stdout()).await?;
-            eprintln!("{stats:?}");
+            eprintln!("{}", serde_json::to_string(&stats)?);
+            if stats.waiting > 0 {
+                anyhow::bail!(
+                    "{} changes are held behind changes that never came: the copy is not whole",
+                    stats.waiting
+                );
+            }
             Ok(())
         }
         Command::Token(relay::cli::TokenCommand::Issue(args)) => {
