@@ -457,3 +457,19 @@ async fn a_scan_of_random_endpoint_ids_is_404_and_cannot_grow_the_cache_past_its
     );
     app.stop().await;
 }
+
+#[tokio::test]
+async fn the_metrics_name_the_build_and_the_process() {
+    let app = TestApp::spawn().await;
+    let version = env!("CARGO_PKG_VERSION");
+    assert_eq!(
+        app.metric(&format!(
+            "relay_build_info{{tier=\"ingest\",version=\"{version}\"}}"
+        ))
+        .await,
+        1.0
+    );
+    assert!(app.metric("process_resident_memory_bytes").await > 0.0);
+    assert!(app.metric("process_start_time_seconds").await > 0.0);
+    app.stop().await;
+}

@@ -81,7 +81,7 @@ impl IngestServer {
             listener,
             metrics_listener,
             clock,
-            prometheus::Registry::new(),
+            telemetry::tier_registry("ingest")?,
         )
     }
 
@@ -206,7 +206,7 @@ pub fn sequencer_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
 /// transaction and release its endpoint.
 pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> anyhow::Result<()> {
     let pool = sequencer_pool(global)?;
-    let registry = prometheus::Registry::new();
+    let registry = telemetry::tier_registry("sequencer")?;
     let metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
     let serve_metrics = tokio::spawn(telemetry::serve_metrics(metrics_listener, registry));
@@ -250,7 +250,7 @@ fn publisher_config(
 
 /// `relay publisher`: publish until SIGINT or SIGTERM, then finish the rounds in flight.
 pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> anyhow::Result<()> {
-    let registry = prometheus::Registry::new();
+    let registry = telemetry::tier_registry("publisher")?;
     let publisher = relay_publisher::Publisher::start(
         service_pool(global)?,
         publisher_config(global, &command.args)?,
@@ -270,7 +270,7 @@ pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> a
 
 /// `relay api`: serve the control plane until SIGINT or SIGTERM.
 pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Result<()> {
-    let registry = prometheus::Registry::new();
+    let registry = telemetry::tier_registry("api")?;
     let mut args = command.args.clone();
     args.relay_amqp_url = command.amqp_url.clone();
     args.destination_policy = command.destinations.policy();
@@ -314,7 +314,7 @@ pub async fn run_ingest(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Resul
 
 /// `relay all`: every tier in one process, their metrics on the front tier's metrics listener.
 pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> {
-    let registry = prometheus::Registry::new();
+    let registry = telemetry::tier_registry("all")?;
     let sequencer_metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
     let sequencer = relay_sequencer::Sequencer::start(
         sequencer_pool(global)?,

@@ -16,6 +16,29 @@ use tracing_subscriber::EnvFilter;
 
 use crate::cli::LogFormat;
 
+/// A tier's metrics registry, holding what every tier reports besides its own:
+/// `relay_build_info{version, tier}` (always 1: a dashboard joins on it, and sees each process's
+/// version) and the process's `process_*` metrics (CPU seconds, resident memory, open file
+/// descriptors, start time).
+pub fn tier_registry(tier: &str) -> prometheus::Result<Registry> {
+    let registry = Registry::new();
+    let build_info = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new(
+            "relay_build_info",
+            "The running build: always 1, labelled with the version and the tier (or tiers).",
+        ),
+        &["version", "tier"],
+    )?;
+    build_info
+        .with_label_values(&[env!("CARGO_PKG_VERSION"), tier])
+        .set(1);
+    registry.register(Box::new(build_info))?;
+    registry.register(Box::new(
+        prometheus::process_collector::ProcessCollector::for_self(),
+    ))?;
+    Ok(registry)
+}
+
 pub fn init_logging(format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     // Logs on stderr: stdout carries the data of the commands that print some (`relay tail`,
