@@ -853,28 +853,7 @@ async fn tail_holds_changes_redelivered_out_of_order_until_their_predecessors_co
     );
     assert_eq!(stats.waiting, 0, "seed {seed}: {stats:?}");
     assert_eq!(stats.removals_of_nothing, 0, "seed {seed}: {stats:?}");
-    let mut printed: BTreeMap<Uuid, BTreeMap<String, Value>> = BTreeMap::new();
-    for line in String::from_utf8(out).unwrap().lines() {
-        let line: Value = serde_json::from_str(line).unwrap();
-        let endpoint: Uuid = line["webhook_endpoint_id"]
-            .as_str()
-            .unwrap()
-            .parse()
-            .unwrap();
-        let subject = line["subject"].as_str().unwrap().to_owned();
-        printed
-            .entry(endpoint)
-            .or_default()
-            .insert(subject, line["item"].clone());
-    }
-    for feed in &feeds {
-        assert_eq!(
-            printed.remove(&feed.endpoint).unwrap_or_default(),
-            postgres_items(pool, feed.endpoint).await,
-            "seed {seed}: endpoint {}",
-            feed.endpoint
-        );
-    }
+    assert_tail_printed_the_copies(pool, out, &feeds, seed).await;
 }
 
 /// The broker goes away (connections refused, then accepted but silent) while changes are
@@ -1264,6 +1243,12 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
     assert_eq!(stats.messages, messages.len() as u64, "seed {seed}");
     assert_eq!(stats.duplicates, twice.len() as u64, "seed {seed}");
     assert_eq!(stats.waiting, 0, "seed {seed}");
+    assert_tail_printed_the_copies(pool, out, &feeds, seed).await;
+}
+
+/// What `relay tail --output copy` printed (`out`) is each of `feeds`' copy as Postgres holds
+/// it, and nothing of another endpoint.
+async fn assert_tail_printed_the_copies(pool: &PgPool, out: Vec<u8>, feeds: &[Feed], seed: u64) {
     let mut printed: BTreeMap<Uuid, BTreeMap<String, Value>> = BTreeMap::new();
     for line in String::from_utf8(out).unwrap().lines() {
         let line: Value = serde_json::from_str(line).unwrap();
@@ -1278,7 +1263,7 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
             .or_default()
             .insert(subject, line["item"].clone());
     }
-    for feed in &feeds {
+    for feed in feeds {
         assert_eq!(
             printed.remove(&feed.endpoint).unwrap_or_default(),
             postgres_items(pool, feed.endpoint).await,
