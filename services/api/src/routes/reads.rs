@@ -211,6 +211,16 @@ pub struct RestoreView {
     pub restored_at: OffsetDateTime,
 }
 
+impl From<relay_store::restores::Restore> for RestoreView {
+    fn from(restore: relay_store::restores::Restore) -> Self {
+        Self {
+            through: restore.held.through,
+            last_was_reset: restore.held.last_was_reset,
+            restored_at: restore.restored_at,
+        }
+    }
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct StateView {
     pub endpoint_id: Uuid,
@@ -329,11 +339,7 @@ pub async fn endpoint_state(
         outbox_backlog: outbox.backlog,
         change_epoch: outbox.epoch,
         last_change_seq: outbox.last_change_seq,
-        restore: restore.map(|r| RestoreView {
-            through: r.held.through,
-            last_was_reset: r.held.last_was_reset,
-            restored_at: r.restored_at,
-        }),
+        restore: restore.map(RestoreView::from),
         messages_quarantined: quarantined,
         last_quarantine_reason: quarantine_reason,
         upstream,

@@ -181,11 +181,7 @@ pub async fn rewind_track(
             RestorePlan::Reload => "read_feed_again",
         }
         .to_owned(),
-        restore: restore.map(|r| RestoreView {
-            through: r.held.through,
-            last_was_reset: r.held.last_was_reset,
-            restored_at: r.restored_at,
-        }),
+        restore: restore.map(RestoreView::from),
         since,
         upstream: answer.map(|a| match a {
             RewindAnswer::Accepted { generation } => UpstreamAnswerView {
