@@ -576,6 +576,159 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
     api.stop().await;
 }
 
+/// A message the tenant's consumer keeps returning (nack with requeue) comes back only up to
+/// the delivery limit, then moves to the tenant's dead-letter queue, which the tenant's
+/// credentials read, and the message behind it is delivered. Another tenant's credentials
+/// cannot read it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_returned_past_the_delivery_limit_moves_to_the_tenants_dead_letter_queue() {
+    use futures::StreamExt as _;
+    use relay_publisher::lapin::options::{BasicAckOptions, BasicNackOptions};
+
+    let env = Env::new().await;
+    let (a, b) = (env.db.tenant().await, env.db.tenant().await);
+    let _guard = UsersGuard(vec![
+        BrokerAccess::username(relay_store::TenantId(a)),
+        BrokerAccess::username(relay_store::TenantId(b)),
+    ]);
+    let limit = 3;
+    let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
+    config.broker = BrokerAccess::new(
+        &env.vhost.url(),
+        &ManagementSettings::default(),
+        None,
+        loopback_allowed(),
+    )
+    .unwrap();
+    config.broker.dead_letters.delivery_limit = limit;
+    let server = ApiServer::start(env.db.pool.clone(), config).await.unwrap();
+    let api = Api {
+        base_url: format!("http://{}", server.address),
+        server: Some(server),
+        client: reqwest::Client::new(),
+    };
+    let (status, made_a) = api.call("POST", "/v1/broker/credentials", a, None).await;
+    assert_eq!(status, 201, "{made_a}");
+    let (status, made) = api.call("POST", "/v1/broker/credentials", b, None).await;
+    assert_eq!(status, 201, "{made}");
+    let b_queue = tenant_queue(b);
+    let b_dead = format!("{b_queue}.dead-letter");
+    assert_eq!(made["dead_letter_queue"], json!(b_dead));
+
+    // The poison message first, a good one behind it.
+    let relay = env.broker().await;
+    let channel = relay.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for body in [&b"poison"[..], b"good"] {
+        channel
+            .basic_publish(
+                "",
+                &b_queue,
+                BasicPublishOptions::default(),
+                body,
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    let as_b = connect(&tenant_url(&made, made["password"].as_str().unwrap()))
+        .await
+        .expect("B's credentials connect");
+    let consuming = as_b.create_channel().await.unwrap();
+    consuming.basic_qos(1, Default::default()).await.unwrap();
+    let mut consumer = consuming
+        .basic_consume(
+            &b_queue,
+            "b",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut poison_deliveries = 0;
+    loop {
+        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+            .await
+            .expect("a delivery")
+            .unwrap()
+            .unwrap();
+        if delivery.data == b"poison" {
+            poison_deliveries += 1;
+            assert!(
+                poison_deliveries <= limit + 1,
+                "delivered {poison_deliveries} times with a limit of {limit}"
+            );
+            delivery
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..BasicNackOptions::default()
+                })
+                .await
+                .unwrap();
+        } else {
+            assert_eq!(delivery.data, b"good");
+            delivery.ack(BasicAckOptions::default()).await.unwrap();
+            break;
+        }
+    }
+    assert!(poison_deliveries >= limit, "{poison_deliveries}");
+
+    // In B's dead-letter queue, for B to read.
+    let dead = as_b.create_channel().await.unwrap();
+    let mut dead_consumer = dead
+        .basic_consume(
+            &b_dead,
+            "b-dead",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("B may read its dead-letter queue");
+    let delivery = tokio::time::timeout(Duration::from_secs(30), dead_consumer.next())
+        .await
+        .expect("the poison message is dead-lettered")
+        .unwrap()
+        .unwrap();
+    assert_eq!(delivery.data, b"poison");
+    delivery.ack(BasicAckOptions::default()).await.unwrap();
+
+    // A's credentials: refused on B's dead-letter queue by the broker.
+    let as_a = connect(&tenant_url(&made_a, made_a["password"].as_str().unwrap()))
+        .await
+        .unwrap();
+    let refused = attempt(&as_a, |c| {
+        let q = b_dead.clone();
+        async move {
+            c.basic_consume(
+                &q,
+                "a",
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+        }
+    })
+    .await
+    .expect_err("A reads B's dead letters");
+    assert!(refused.contains("ACCESS_REFUSED"), "{refused}");
+
+    let _ = as_a.close(200, "done").await;
+    let _ = as_b.close(200, "done").await;
+    for tenant in [a, b] {
+        let (status, _) = api
+            .call("DELETE", "/v1/broker/credentials", tenant, None)
+            .await;
+        assert_eq!(status, 204);
+    }
+    api.stop().await;
+}
+
 /// Tenant A's own broker accepts TCP connections and never answers; B's changes (on the
 /// relay's queue) are confirmed meanwhile, again and again, through a publisher whose Postgres
 /// pool is smaller than the tenants it runs: A's hanging connects hold nothing B needs.

@@ -9,11 +9,23 @@
 //! - configure `^$`: nothing (no declare but a passive one, no delete, no bind);
 //! - write `^$`: nothing (no publish, not even to the default exchange, which permissions name
 //!   `amq.default`; no bind, which needs write on the queue too);
-//! - read `^relay\.tenant\.<tenant_id>$`: consume (and get) from the tenant's queue alone.
+//! - read `^relay\.tenant\.<tenant_id>(\.dead-letter)?$`: consume (and get) from the tenant's
+//!   queue and its dead-letter queue alone.
 //!
 //! The password is random, sent to the broker only as RabbitMQ's salted SHA-256 hash, and
 //! shown to the tenant once; the relay keeps neither. The tenant's queue is declared (as the
 //! publisher declares it) when the user is made, so the tenant can consume at once.
+//!
+//! # Poison messages
+//! A message the tenant's consumer keeps returning (nack or reject with requeue, or a consumer
+//! that dies holding it) would otherwise come back for ever, ahead of everything after it. A
+//! policy on the tenant queues (`relay-tenant-queues`) gives them a delivery limit and the
+//! dead-letter exchange `relay.dead-letter`: past the limit the broker moves the message to
+//! the tenant's `relay.tenant.<tenant_id>.dead-letter` queue (bound by the tenant queue's name,
+//! which is the routing key the publisher used), where it is kept for the retention
+//! (`relay-tenant-dead-letters`) for the tenant to read. Policies rather than queue arguments:
+//! a queue's arguments cannot change once declared, and a policy's settings reach queues that
+//! already exist. The read permission covers both queues.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -33,6 +45,47 @@ use crate::error::ApiError;
 /// The RabbitMQ management API's default port.
 const MANAGEMENT_PORT: u16 = 15672;
 
+/// Where the broker sends a tenant's messages past their delivery limit.
+const DEAD_LETTER_EXCHANGE: &str = "relay.dead-letter";
+const TENANT_QUEUES_POLICY: &str = "relay-tenant-queues";
+const DEAD_LETTER_QUEUES_POLICY: &str = "relay-tenant-dead-letters";
+/// The policies' priority: above a catch-all operator policy at the default 0, as only one
+/// policy applies to a queue.
+const POLICY_PRIORITY: u32 = 10;
+/// A tenant queue's name: the tenant id's 36 characters after the prefix.
+const TENANT_QUEUE_PATTERN: &str = r"^relay\.tenant\.[0-9a-f-]{36}$";
+const DEAD_LETTER_QUEUE_PATTERN: &str = r"^relay\.tenant\.[0-9a-f-]{36}\.dead-letter$";
+
+/// Deliveries of one message to a tenant's consumers before it is dead-lettered: enough for a
+/// consumer that restarts a few times over a passing fault, few enough that a poison message
+/// stops blocking the queue within minutes.
+pub const DELIVERY_LIMIT: u32 = 20;
+/// Hours a dead-lettered message is kept: two weeks, time for a team to notice and read it.
+pub const DEAD_LETTER_RETENTION_HOURS: u64 = 14 * 24;
+
+/// The tenant's dead-letter queue, beside its queue.
+pub fn dead_letter_queue(tenant: TenantId) -> String {
+    format!("{}.dead-letter", tenant_queue(tenant.0))
+}
+
+/// What happens to a message a tenant's consumer keeps returning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeadLetters {
+    /// Deliveries before the message moves to the tenant's dead-letter queue.
+    pub delivery_limit: u32,
+    /// How long a dead-lettered message is kept.
+    pub retention: Duration,
+}
+
+impl Default for DeadLetters {
+    fn default() -> Self {
+        Self {
+            delivery_limit: DELIVERY_LIMIT,
+            retention: Duration::from_secs(DEAD_LETTER_RETENTION_HOURS * 3600),
+        }
+    }
+}
+
 /// The relay's broker and what tenants may do about it.
 #[derive(Clone)]
 pub struct BrokerAccess {
@@ -44,6 +97,8 @@ pub struct BrokerAccess {
     pub tenant_address: Option<String>,
     /// Where tenants' own-exchange destinations may point.
     pub destination_policy: DestinationPolicy,
+    /// The tenant queues' delivery limit and their dead letters' retention.
+    pub dead_letters: DeadLetters,
     management_url: Url,
     management_user: String,
     management_password: String,
@@ -58,6 +113,7 @@ impl std::fmt::Debug for BrokerAccess {
             .field("vhost", &self.vhost)
             .field("tenant_address", &self.tenant_address)
             .field("destination_policy", &self.destination_policy)
+            .field("dead_letters", &self.dead_letters)
             .field("management_url", &self.management_url.as_str())
             .field("management_user", &self.management_user)
             .finish()
@@ -137,6 +193,7 @@ impl BrokerAccess {
             vhost,
             tenant_address,
             destination_policy,
+            dead_letters: DeadLetters::default(),
             management_url,
             management_user: management
                 .user
@@ -238,7 +295,7 @@ impl BrokerAccess {
         let permissions = json!({
             "configure": "^$",
             "write": "^$",
-            "read": format!("^{}$", queue.replace('.', "\\.")),
+            "read": format!("^{}(\\.dead-letter)?$", queue.replace('.', "\\.")),
         });
         self.call(
             http,
@@ -263,8 +320,119 @@ impl BrokerAccess {
             false,
         )
         .await?;
+        self.ensure_dead_lettering(http).await?;
+        self.declare_dead_letter_queue(http, tenant).await?;
         self.close_connections(http, &username).await?;
         Ok(password)
+    }
+
+    /// Declares the dead-letter exchange and sets the two policies to [`DeadLetters`]'s
+    /// values; idempotent, so every start of the control plane brings existing queues to the
+    /// current settings.
+    pub async fn ensure_dead_lettering(&self, http: &reqwest::Client) -> Result<(), ApiError> {
+        let exchange = json!({"type": "direct", "durable": true, "auto_delete": false});
+        self.call(
+            http,
+            Method::PUT,
+            &["exchanges", &self.vhost, DEAD_LETTER_EXCHANGE],
+            Some(exchange),
+            false,
+        )
+        .await?;
+        let tenant_queues = json!({
+            "pattern": TENANT_QUEUE_PATTERN,
+            "apply-to": "queues",
+            "priority": POLICY_PRIORITY,
+            "definition": {
+                "delivery-limit": self.dead_letters.delivery_limit,
+                "dead-letter-exchange": DEAD_LETTER_EXCHANGE,
+            },
+        });
+        self.call(
+            http,
+            Method::PUT,
+            &["policies", &self.vhost, TENANT_QUEUES_POLICY],
+            Some(tenant_queues),
+            false,
+        )
+        .await?;
+        let dead_letter_queues = json!({
+            "pattern": DEAD_LETTER_QUEUE_PATTERN,
+            "apply-to": "queues",
+            "priority": POLICY_PRIORITY,
+            "definition": {
+                "message-ttl": u64::try_from(self.dead_letters.retention.as_millis())
+                    .unwrap_or(u64::MAX),
+            },
+        });
+        self.call(
+            http,
+            Method::PUT,
+            &["policies", &self.vhost, DEAD_LETTER_QUEUES_POLICY],
+            Some(dead_letter_queues),
+            false,
+        )
+        .await
+    }
+
+    /// Declares the tenant's dead-letter queue (durable, quorum) and binds it to the
+    /// dead-letter exchange by the tenant queue's name; idempotent.
+    pub async fn declare_dead_letter_queue(
+        &self,
+        http: &reqwest::Client,
+        tenant: TenantId,
+    ) -> Result<(), ApiError> {
+        let queue = dead_letter_queue(tenant);
+        let declaration = json!({
+            "durable": true,
+            "auto_delete": false,
+            "arguments": {"x-queue-type": "quorum"},
+        });
+        self.call(
+            http,
+            Method::PUT,
+            &["queues", &self.vhost, &queue],
+            Some(declaration),
+            false,
+        )
+        .await?;
+        // Binding an existing binding again changes nothing.
+        self.call(
+            http,
+            Method::POST,
+            &[
+                "bindings",
+                &self.vhost,
+                "e",
+                DEAD_LETTER_EXCHANGE,
+                "q",
+                &queue,
+            ],
+            Some(json!({"routing_key": tenant_queue(tenant.0)})),
+            false,
+        )
+        .await
+    }
+
+    /// Deletes the tenant's queue and dead-letter queue, with what they hold; absent ones are
+    /// no error. Only once nothing publishes for the tenant: the publisher declares the queue
+    /// again with its next change.
+    pub async fn delete_queues(
+        &self,
+        http: &reqwest::Client,
+        tenant: TenantId,
+    ) -> Result<(), ApiError> {
+        for queue in [tenant_queue(tenant.0), dead_letter_queue(tenant)] {
+            self.call(
+                http,
+                Method::DELETE,
+                &["queues", &self.vhost, &queue],
+                None,
+                true,
+            )
+            .await?;
+        }
+        Ok(())
     }
 
     /// Deletes the tenant's user (and with it its permissions), and ends its connections.

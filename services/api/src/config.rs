@@ -15,7 +15,9 @@ use relay_publisher::DEFAULT_AMQP_URL;
 use relay_rules::DestinationPolicy;
 
 use crate::auth::{self, IssuedToken, JwtKeys, KeyError, Subject, TokenError};
-use crate::broker::{BrokerAccess, ManagementSettings};
+use crate::broker::{
+    BrokerAccess, DeadLetters, ManagementSettings, DEAD_LETTER_RETENTION_HOURS, DELIVERY_LIMIT,
+};
 
 /// Where the JWT signing key comes from. Shared by `relay api` and `relay token issue`, which
 /// must use the same key.
@@ -160,6 +162,17 @@ pub struct ApiArgs {
     /// reach its broker by an internal name).
     #[arg(long, env = "RELAY_AMQP_TENANT_ADDRESS")]
     pub amqp_tenant_address: Option<String>,
+    /// Deliveries of one message to a tenant's consumers (each nack or reject with requeue,
+    /// or consumer that dies holding it, is one more) before the broker moves it to the
+    /// tenant's dead-letter queue, so a poison message does not loop for ever.
+    #[arg(long, env = "RELAY_TENANT_QUEUE_DELIVERY_LIMIT", default_value_t = DELIVERY_LIMIT,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub tenant_queue_delivery_limit: u32,
+    /// Hours a message stays in a tenant's dead-letter queue.
+    #[arg(long, env = "RELAY_DEAD_LETTER_RETENTION_HOURS",
+          default_value_t = DEAD_LETTER_RETENTION_HOURS,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub dead_letter_retention_hours: u64,
     /// The relay's own broker. Not a flag of its own: the `relay` binary sets it from
     /// RELAY_AMQP_URL, which the publisher reads too.
     #[arg(skip = DEFAULT_AMQP_URL.to_owned())]
@@ -180,6 +193,14 @@ impl std::fmt::Debug for ApiArgs {
             .field("amqp_management_url", &self.amqp_management_url)
             .field("amqp_management_user", &self.amqp_management_user)
             .field("amqp_tenant_address", &self.amqp_tenant_address)
+            .field(
+                "tenant_queue_delivery_limit",
+                &self.tenant_queue_delivery_limit,
+            )
+            .field(
+                "dead_letter_retention_hours",
+                &self.dead_letter_retention_hours,
+            )
             .field("destination_policy", &self.destination_policy)
             .finish_non_exhaustive()
     }
@@ -238,6 +259,20 @@ impl ApiArgs {
         outbound: relay_netguard::OutboundPolicy,
         trust: relay_netguard::TrustRoots,
     ) -> Result<ApiConfig, ConfigError> {
+        let mut broker = BrokerAccess::new(
+            &self.relay_amqp_url,
+            &ManagementSettings {
+                url: self.amqp_management_url.clone(),
+                user: self.amqp_management_user.clone(),
+                password: self.amqp_management_password.clone(),
+            },
+            self.amqp_tenant_address.clone(),
+            self.destination_policy.clone(),
+        )?;
+        broker.dead_letters = DeadLetters {
+            delivery_limit: self.tenant_queue_delivery_limit,
+            retention: Duration::from_secs(self.dead_letter_retention_hours * 3600),
+        };
         Ok(ApiConfig {
             listen: self.api_listen,
             keys: self.jwt.keys()?,
@@ -249,16 +284,7 @@ impl ApiArgs {
                 max_connections: self.api_max_connections,
                 max_headless_per_address: self.api_max_headless_per_address,
             },
-            broker: BrokerAccess::new(
-                &self.relay_amqp_url,
-                &ManagementSettings {
-                    url: self.amqp_management_url.clone(),
-                    user: self.amqp_management_user.clone(),
-                    password: self.amqp_management_password.clone(),
-                },
-                self.amqp_tenant_address.clone(),
-                self.destination_policy.clone(),
-            )?,
+            broker,
             outbound,
             trust,
             registry: prometheus::Registry::new(),

@@ -31,7 +31,7 @@ mod server;
 mod upstream;
 
 pub use auth::{mint, JwtKeys, Subject};
-pub use broker::{BrokerAccess, ManagementSettings};
+pub use broker::{dead_letter_queue, BrokerAccess, DeadLetters, ManagementSettings};
 pub use config::{issue_token, ApiArgs, ApiConfig, ConfigError, JwtKeyArgs, TokenArgs};
 pub use error::ApiError;
 pub use routes::openapi;

@@ -14,6 +14,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::auth::Verifier;
+use crate::broker::BrokerAccess;
 use crate::config::ApiConfig;
 use crate::metrics::ApiMetrics;
 use crate::routes::{self, AppState};
@@ -47,14 +48,7 @@ pub fn build(pool: PgPool, config: &ApiConfig) -> Result<Router, ServeError> {
         config.upstream_timeout,
     )
     .map_err(ServeError::Client)?;
-    // The relay's own broker's management API: an address the operator configured, not one a
-    // tenant named, so no outbound policy applies; still no redirect followed.
-    let management = reqwest::Client::builder()
-        .use_preconfigured_tls(config.trust.client_config())
-        .timeout(config.upstream_timeout)
-        .redirect(reqwest::redirect::Policy::none())
-        .build()
-        .map_err(ServeError::Client)?;
+    let management = management_client(config)?;
     let metrics = Arc::new(ApiMetrics::register(&config.registry).map_err(ServeError::Metrics)?);
     let state = AppState {
         pool,
@@ -65,6 +59,50 @@ pub fn build(pool: PgPool, config: &ApiConfig) -> Result<Router, ServeError> {
         broker: Arc::new(config.broker.clone()),
     };
     Ok(routes::router(state).layer(middleware::from_fn_with_state(metrics, observe)))
+}
+
+/// A client for the relay's own broker's management API: an address the operator configured,
+/// not one a tenant named, so no outbound policy applies; still no redirect followed.
+fn management_client(config: &ApiConfig) -> Result<reqwest::Client, ServeError> {
+    reqwest::Client::builder()
+        .use_preconfigured_tls(config.trust.client_config())
+        .timeout(config.upstream_timeout)
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .map_err(ServeError::Client)
+}
+
+/// Brings the broker's dead-lettering to the current settings: the policies, then each
+/// tenant's dead-letter queue (tenants whose user was made before it existed get theirs).
+/// Tries again, less and less often, until the management API has answered every call.
+async fn bring_dead_lettering_up(pool: PgPool, broker: BrokerAccess, http: reqwest::Client) {
+    let mut pause = std::time::Duration::from_secs(1);
+    loop {
+        match dead_lettering_up(&pool, &broker, &http).await {
+            Ok(tenants) => {
+                tracing::info!(tenants, "dead-lettering of tenants' queues is set");
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(%error, ?pause, "setting dead-lettering on the broker; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_secs(60));
+            }
+        }
+    }
+}
+
+async fn dead_lettering_up(
+    pool: &PgPool,
+    broker: &BrokerAccess,
+    http: &reqwest::Client,
+) -> Result<usize, crate::ApiError> {
+    broker.ensure_dead_lettering(http).await?;
+    let tenants = relay_store::broker_users::tenants(pool).await?;
+    for &tenant in &tenants {
+        broker.declare_dead_letter_queue(http, tenant).await?;
+    }
+    Ok(tenants.len())
 }
 
 /// One line and one count per request: method, route (the template, not the path: paths hold
@@ -103,6 +141,7 @@ pub struct ApiServer {
     pub address: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     done: JoinHandle<Result<(), ServeError>>,
+    dead_lettering: JoinHandle<()>,
 }
 
 impl ApiServer {
@@ -125,6 +164,11 @@ impl ApiServer {
         config: &ApiConfig,
     ) -> Result<Self, ServeError> {
         let address = listener.local_addr().map_err(ServeError::Serve)?;
+        let dead_lettering = tokio::spawn(bring_dead_lettering_up(
+            pool.clone(),
+            config.broker.clone(),
+            management_client(config)?,
+        ));
         let app = build(pool, config)?;
         let (stop, stopped) = oneshot::channel::<()>();
         let limits = config.listener;
@@ -140,11 +184,13 @@ impl ApiServer {
             address,
             stop: Some(stop),
             done,
+            dead_lettering,
         })
     }
 
     /// Stops taking connections, answers the requests in flight, and returns once they are.
     pub async fn stop(mut self) -> Result<(), ServeError> {
+        self.dead_lettering.abort();
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }

@@ -45,6 +45,14 @@ pub async fn record(
     .await?)
 }
 
+/// Every tenant that has a user.
+pub async fn tenants(pool: &PgPool) -> Result<Vec<TenantId>, StoreError> {
+    let ids: Vec<Uuid> = sqlx::query_scalar("SELECT tenant_id FROM tenant_broker_users")
+        .fetch_all(pool)
+        .await?;
+    Ok(ids.into_iter().map(TenantId).collect())
+}
+
 /// Forgets the tenant's user; whether there was one.
 pub async fn delete(pool: &PgPool, tenant: TenantId) -> Result<bool, StoreError> {
     let done = sqlx::query("DELETE FROM tenant_broker_users WHERE tenant_id = $1")

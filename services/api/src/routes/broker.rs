@@ -27,6 +27,10 @@ pub struct BrokerCredentialsView {
     /// The one queue these credentials may consume (and nothing else: no declare but a
     /// passive one, no bind, no publish).
     pub queue: String,
+    /// Where the broker moves a message of `queue` that was delivered more times than the
+    /// relay's delivery limit (a consumer that keeps returning it); readable with these
+    /// credentials too.
+    pub dead_letter_queue: String,
     /// `amqp://<username>@<host>:<port>/<vhost>`: the password goes after the username.
     pub amqp_url: String,
     /// Only in the answer of the call that made or rotated the credentials: it is not kept.
@@ -76,6 +80,7 @@ fn view(
         port,
         vhost: broker.vhost.clone(),
         queue: tenant_queue(tenant.0),
+        dead_letter_queue: crate::broker::dead_letter_queue(tenant),
         password,
         created_at: user.created_at,
         rotated_at: user.rotated_at,
