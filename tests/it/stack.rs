@@ -298,6 +298,7 @@ pub(crate) fn simulate_args(
         faults: "none".into(),
         time_compression: 3600.0,
         listen: "127.0.0.1:0".into(),
+        select_all: false,
         print_endpoints: false,
         quiet: true,
     }

@@ -50,6 +50,10 @@ pub struct SimulateArgs {
     /// Where the simulated REST API listens.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: String,
+    /// Every endpoint selects every item (no random filters, one of which may select nothing
+    /// in a short run).
+    #[arg(long)]
+    pub select_all: bool,
     /// Print the endpoints (id, key, secrets, lang, url) as JSON lines and exit.
     #[arg(long)]
     pub print_endpoints: bool,
@@ -106,6 +110,14 @@ pub fn url_template(receiver_url: &str) -> String {
     }
 }
 
+/// How long a send waits for the receiver's answer: the wire file's send timeout, compressed as
+/// the run's time is, but never under 2 s of real time (a loaded machine's answers).
+pub fn send_timeout(time_compression: f64) -> Duration {
+    Duration::from_secs_f64(
+        (relay_wire::limits::SEND_TIMEOUT_S as f64 / time_compression.max(1e-9)).max(2.0),
+    )
+}
+
 /// The upstream, the workload and the endpoints a run with these arguments makes. Deterministic:
 /// a receiver (or a test) can call this with the same arguments to learn the endpoints' ids and
 /// secrets before the run starts.
@@ -119,6 +131,7 @@ pub fn prepare(args: &SimulateArgs) -> anyhow::Result<(Upstream, Workload, Vec<E
             endpoints: args.endpoints,
             keys: args.keys,
             refetch: faults.refetch,
+            random_filters: !args.select_all,
             ..WorkloadConfig::default()
         },
     );
@@ -146,10 +159,7 @@ pub async fn run(args: SimulateArgs, tls: ApiTlsArgs) -> anyhow::Result<()> {
     if args.print_endpoints {
         return Ok(());
     }
-    let send_timeout = Duration::from_secs_f64(
-        (relay_wire::limits::SEND_TIMEOUT_S as f64 / args.time_compression.max(1e-9)).max(2.0),
-    );
-    let sim = Simulation::new(upstream, send_timeout);
+    let sim = Simulation::new(upstream, send_timeout(args.time_compression));
     sim.print_traffic.store(!args.quiet, Ordering::Relaxed);
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await

@@ -132,8 +132,14 @@ impl Simulation {
                     let answer = self.post(&outgoing).await;
                     if self.print_traffic.load(Ordering::Relaxed) {
                         println!(
-                            "answer {} attempt {} to {}: {:?}",
-                            outgoing.webhook_id, outgoing.attempt, outgoing.endpoint_id, answer
+                            "{}",
+                            serde_json::json!({
+                                "event": "answer",
+                                "webhook_id": outgoing.webhook_id,
+                                "attempt": outgoing.attempt,
+                                "webhook_endpoint_id": outgoing.endpoint_id,
+                                "answer": answer.to_json(),
+                            })
                         );
                     }
                     let now_ms = self.clock.now_ms();
@@ -163,14 +169,21 @@ impl Simulation {
     /// POSTs one message and reads how it was answered.
     pub async fn post(&self, outgoing: &Outgoing) -> Answer {
         if self.print_traffic.load(Ordering::Relaxed) {
+            // The body is the wire file's JSON; shown as such when it parses.
+            let body = serde_json::from_slice::<serde_json::Value>(&outgoing.body)
+                .unwrap_or_else(|_| String::from_utf8_lossy(&outgoing.body).into());
             println!(
-                "send {:?} {} attempt {} to {} ({} bytes): {}",
-                outgoing.kind,
-                outgoing.webhook_id,
-                outgoing.attempt,
-                outgoing.url,
-                outgoing.body.len(),
-                String::from_utf8_lossy(&outgoing.body)
+                "{}",
+                serde_json::json!({
+                    "event": "send",
+                    "kind": outgoing.kind,
+                    "webhook_id": outgoing.webhook_id,
+                    "attempt": outgoing.attempt,
+                    "webhook_endpoint_id": outgoing.endpoint_id,
+                    "url": outgoing.url,
+                    "bytes": outgoing.body.len(),
+                    "body": body,
+                })
             );
         }
         let mut request = self
@@ -212,7 +225,7 @@ impl Simulation {
         while started.elapsed() < duration && !*stop.borrow() {
             let step = self.change(|upstream, now_ms| workload.step(upstream, now_ms));
             if self.print_traffic.load(Ordering::Relaxed) {
-                println!("change {step:?}");
+                println!("{}", serde_json::json!({"event": "change", "step": step}));
             }
             steps += 1;
             tokio::select! {

@@ -305,7 +305,8 @@ impl Selection {
 }
 
 /// What one change did to an item.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ChangeKind {
     Created,
     /// A new flash was added.

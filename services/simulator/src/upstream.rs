@@ -69,7 +69,8 @@ impl Default for SenderConfig {
 }
 
 /// What a message is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum MessageKind {
     Events,
     Reset,
@@ -107,6 +108,17 @@ pub enum Answer {
 }
 
 impl Answer {
+    /// The answer as a JSON object: `{"status": code, "retry_after": ...}`, or
+    /// `{"status": null}` when none came.
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            Answer::Status { code, retry_after } => {
+                serde_json::json!({"status": code, "retry_after": retry_after})
+            }
+            Answer::NoAnswer => serde_json::json!({"status": null}),
+        }
+    }
+
     pub fn status(code: u16) -> Self {
         Answer::Status {
             code,

@@ -27,8 +27,10 @@ pub struct EndpointInfo {
     pub url: String,
 }
 
-/// What one step of the workload did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What one step of the workload did (as JSON: `{"created": subject}`, `{"changed": [subject,
+/// kind]}`, `{"access_changed": {...}}`, `"nothing"`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Step {
     Created(String),
     Changed(String, ChangeKind),

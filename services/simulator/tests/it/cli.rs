@@ -77,6 +77,7 @@ async fn run_sends_verifiable_messages_to_any_receiver() {
         faults: "all".into(),
         time_compression: 3600.0,
         listen: "127.0.0.1:0".into(),
+        select_all: false,
         print_endpoints: false,
         quiet: true,
     };
