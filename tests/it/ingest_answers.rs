@@ -473,3 +473,56 @@ async fn the_metrics_name_the_build_and_the_process() {
     assert!(app.metric("process_start_time_seconds").await > 0.0);
     app.stop().await;
 }
+
+/// `/healthz` says the process answers; `/readyz` says whether what the tier needs answers,
+/// each dependency checked on a connection of its own, and which one failed.
+#[tokio::test]
+async fn readiness_names_the_dependency_that_does_not_answer() {
+    let app = TestApp::spawn().await;
+    let probe = |path: &str| {
+        let url = app.metrics_url.replace("/metrics", path);
+        let client = app.client.clone();
+        async move {
+            let answer = client.get(url).send().await.unwrap();
+            let status = answer.status().as_u16();
+            (status, answer.json::<serde_json::Value>().await.ok())
+        }
+    };
+    assert_eq!(probe("/healthz").await.0, 200);
+    let (status, body) = probe("/readyz").await;
+    assert_eq!(status, 200, "{body:?}");
+    assert_eq!(
+        body.unwrap(),
+        serde_json::json!({"ready": true, "checks": {"postgres": "ok"}})
+    );
+
+    // A publisher's needs, one of them down: a broker port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let trust = relay_netguard::TrustRoots::platform();
+    let pool = relay_store::connect(&app.db.url, &relay_store::PoolOptions::default()).unwrap();
+    let readiness = relay::telemetry::Readiness::default()
+        .postgres(&pool)
+        .redis(&relay_tests::redis_url(), &trust)
+        .broker(
+            &format!("amqp://guest:guest@127.0.0.1:{closed_port}/%2f"),
+            &trust,
+        );
+    let (ready, checks) = readiness.check().await;
+    assert!(!ready, "{checks:?}");
+    assert_eq!(checks["postgres"], "ok", "{checks:?}");
+    assert_eq!(checks["redis"], "ok", "{checks:?}");
+    assert_ne!(checks["broker"], "ok", "{checks:?}");
+    assert!(
+        !checks["broker"].as_str().unwrap().contains("guest:guest"),
+        "no credentials in the answer: {checks:?}"
+    );
+
+    let readiness = relay::telemetry::Readiness::default()
+        .postgres(&pool)
+        .broker(relay_publisher::DEFAULT_AMQP_URL, &trust);
+    let (ready, checks) = readiness.check().await;
+    assert!(ready, "{checks:?}");
+    app.stop().await;
+}

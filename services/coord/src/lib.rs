@@ -14,7 +14,7 @@
 //!   messages ([`wake_channel`]), the sequencer tells the publisher which have new changes
 //!   ([`changes_channel`]). Hints that may be lost: each tier also polls Postgres.
 //! - `redis_client`: opening Redis ([`open_redis`]: `redis://`, or `rediss://` checked against
-//!   the operator's trust roots).
+//!   the operator's trust roots), and whether it answers ([`redis_answers`], for readiness).
 //! - `gather`: group commit: tasks sharing a queue each take what gathered while they were busy
 //!   ([`Gather`], within [`GatherLimits`]), so many callers' jobs share one transaction.
 
@@ -25,7 +25,7 @@ mod wake;
 
 pub use gather::{Gather, GatherLimits};
 pub use ownership::{check_fence, Fence, Lease, Owned, Owners, OwnershipConfig, OwnershipError};
-pub use redis_client::{open_redis, DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL};
+pub use redis_client::{open_redis, redis_answers, DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL};
 pub use wake::{
     change_payload, changes_channel, listen, listen_parsed, parse_change_payload, wake_channel,
     Waker,

@@ -31,3 +31,14 @@ pub fn open_redis(url: &str, trust: &TrustRoots) -> redis::RedisResult<redis::Cl
         _ => redis::Client::open(info),
     }
 }
+
+/// Whether Redis at `url` answers a PING on a connection of its own (a readiness probe: the
+/// tiers' shared connections may be busy, or reconnecting, and say nothing of a new one).
+pub async fn redis_answers(url: &str, trust: &TrustRoots) -> redis::RedisResult<()> {
+    let client = open_redis(url, trust)?;
+    let mut connection = client.get_multiplexed_async_connection().await?;
+    redis::cmd("PING")
+        .query_async::<String>(&mut connection)
+        .await
+        .map(drop)
+}

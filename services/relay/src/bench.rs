@@ -918,6 +918,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
         metrics_listener,
         Arc::new(relay_ingest::SystemClock),
         prometheus::Registry::new(),
+        crate::telemetry::Readiness::default(),
     )?;
 
     // Backlogs once a second while the load runs: stored-not-applied and applied-not-confirmed.

@@ -215,6 +215,7 @@ pub async fn run(global: &GlobalArgs, args: IsolationBenchArgs) -> anyhow::Resul
         metrics_listener,
         Arc::new(relay_ingest::SystemClock),
         prometheus::Registry::new(),
+        crate::telemetry::Readiness::default(),
     )?;
     let address = ingest.address;
 

@@ -26,7 +26,7 @@ pub struct Cli {
     pub command: Command,
 }
 
-#[derive(Args)]
+#[derive(Clone, Args)]
 pub struct GlobalArgs {
     /// Postgres connection URL.
     #[arg(
@@ -131,6 +131,11 @@ pub enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// See the relay work: a database of its own, every tier in this process and the simulated
+    /// upstream with faults; a tenant and its endpoints registered through the API; live
+    /// progress; then the verdict: each copy, and each copy rebuilt from the tenant's queue,
+    /// against the simulator's truth.
+    Demo(Box<crate::demo::DemoArgs>),
     /// Create the database if it does not exist and apply every pending migration.
     Migrate,
     /// Run once on a database restored from a backup, before any tier starts on it

@@ -14,7 +14,8 @@ use uuid::Uuid;
 
 use crate::cli::{GlobalArgs, SimulateCommand};
 
-fn admin_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
+/// A small pool on RELAY_DATABASE_URL for one-off statements.
+pub(crate) fn admin_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
     relay_store::connect(
         &global.database_url,
         &PoolOptions {
@@ -159,6 +160,16 @@ pub async fn simulate(global: &GlobalArgs, command: SimulateCommand) -> anyhow::
                 Ok(()) | Err(relay_store::StoreError::AlreadyExists { .. }) => {}
                 Err(error) => return Err(error.into()),
             }
+            // The tenant id is what `relay tail --tenant` and the API's tokens need.
+            println!(
+                "{}",
+                serde_json::json!({
+                    "event": "registered",
+                    "tenant_id": tenant_id,
+                    "webhook_endpoint_id": info.id,
+                    "queue": relay_publisher::tenant_queue(tenant_id),
+                })
+            );
         }
         eprintln!("registered {} simulated endpoints", infos.len());
         let outbound = global.outbound.policy();

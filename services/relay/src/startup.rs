@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 use crate::cli::{
     AllArgs, ApiCommand, GlobalArgs, IngestArgs, PublisherCommand, SequencerArgs, SequencerCommand,
 };
-use crate::telemetry;
+use crate::telemetry::{self, Readiness};
 
 impl IngestArgs {
     pub fn to_config(&self) -> IngestConfig {
@@ -82,11 +82,13 @@ impl IngestServer {
             metrics_listener,
             clock,
             telemetry::tier_registry("ingest")?,
+            Readiness::default(),
         )
     }
 
     /// As [`IngestServer::start`], serving `registry` (which other tiers of the process may
-    /// register in too) on the metrics listener.
+    /// register in too) on the metrics listener, and reporting ready when Postgres and what
+    /// `readiness` names (the other tiers' needs, in `relay all`) answer.
     pub fn start_with_registry(
         pool: PgPool,
         config: IngestConfig,
@@ -94,14 +96,20 @@ impl IngestServer {
         metrics_listener: TcpListener,
         clock: Arc<dyn Clock>,
         registry: prometheus::Registry,
+        readiness: Readiness,
     ) -> anyhow::Result<Self> {
         let address = listener.local_addr()?;
         let metrics_address = metrics_listener.local_addr()?;
         let limits = config.listener;
+        let readiness = readiness.postgres(&pool);
         let ingest = relay_ingest::build(pool, config, &registry, clock)?;
         let (stop, stopped) = oneshot::channel::<()>();
         let done = tokio::spawn(async move {
-            let metrics = tokio::spawn(telemetry::serve_metrics(metrics_listener, registry));
+            let metrics = tokio::spawn(telemetry::serve_metrics(
+                metrics_listener,
+                registry,
+                readiness,
+            ));
             relay_listener::serve(listener, ingest.router, limits, async move {
                 let _ = stopped.await;
             })
@@ -208,8 +216,15 @@ pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> a
     let pool = sequencer_pool(global)?;
     let registry = telemetry::tier_registry("sequencer")?;
     let metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
+    let readiness = Readiness::default()
+        .postgres(&pool)
+        .redis(&global.redis_url, &global.trust()?);
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
-    let serve_metrics = tokio::spawn(telemetry::serve_metrics(metrics_listener, registry));
+    let serve_metrics = tokio::spawn(telemetry::serve_metrics(
+        metrics_listener,
+        registry,
+        readiness,
+    ));
     let sequencer =
         relay_sequencer::Sequencer::start(pool, command.args.to_config(global)?, metrics)
             .await
@@ -251,15 +266,25 @@ fn publisher_config(
 /// `relay publisher`: publish until SIGINT or SIGTERM, then finish the rounds in flight.
 pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> anyhow::Result<()> {
     let registry = telemetry::tier_registry("publisher")?;
+    let pool = service_pool(global)?;
+    let trust = global.trust()?;
+    let readiness = Readiness::default()
+        .postgres(&pool)
+        .redis(&global.redis_url, &trust)
+        .broker(&command.args.amqp_url, &trust);
     let publisher = relay_publisher::Publisher::start(
-        service_pool(global)?,
+        pool,
         publisher_config(global, &command.args)?,
         &registry,
     )
     .await
     .context("starting the publisher (is Redis up?)")?;
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
-    let serve_metrics = tokio::spawn(telemetry::serve_metrics(metrics_listener, registry));
+    let serve_metrics = tokio::spawn(telemetry::serve_metrics(
+        metrics_listener,
+        registry,
+        readiness,
+    ));
     tracing::info!("publisher running");
     shutdown_signal().await;
     tracing::info!("shutting down: finishing the rounds in flight");
@@ -276,10 +301,16 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
     args.destination_policy = command.destinations.policy();
     let mut config = args.to_config(global.outbound.policy(), global.trust()?)?;
     config.registry = registry.clone();
-    let mut server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
+    let pool = service_pool(global)?;
+    let readiness = Readiness::default().postgres(&pool);
+    let mut server = relay_api::ApiServer::start(pool, config).await?;
     tracing::info!(address = %server.address, "control plane running");
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
-    let serve_metrics = tokio::spawn(telemetry::serve_metrics(metrics_listener, registry));
+    let serve_metrics = tokio::spawn(telemetry::serve_metrics(
+        metrics_listener,
+        registry,
+        readiness,
+    ));
     let result = tokio::select! {
         result = server.wait() => result.map_err(anyhow::Error::from),
         () = shutdown_signal() => server.stop().await.map_err(anyhow::Error::from),
@@ -312,72 +343,114 @@ pub async fn run_ingest(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Resul
     }
 }
 
-/// `relay all`: every tier in one process, their metrics on the front tier's metrics listener.
-pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> {
-    let registry = telemetry::tier_registry("all")?;
-    let sequencer_metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
-    let sequencer = relay_sequencer::Sequencer::start(
-        sequencer_pool(global)?,
-        args.sequencer.to_config(global)?,
-        sequencer_metrics,
-    )
-    .await
-    .context("starting the sequencer (is Redis up?)")?;
+/// Every tier in one process, as `relay all` and `relay demo` run them: their metrics in one
+/// registry, served on the front tier's metrics listener.
+pub struct AllTiers {
+    pub ingest: IngestServer,
+    /// The control plane, when a JWT key is configured.
+    pub api: Option<relay_api::ApiServer>,
+    pub registry: prometheus::Registry,
+    sequencer: relay_sequencer::Sequencer,
+    publisher: relay_publisher::PublisherHandle,
+}
 
-    let publisher = relay_publisher::Publisher::start(
-        service_pool(global)?,
-        publisher_config(global, &args.publisher)?,
-        &registry,
-    )
-    .await
-    .context("starting the publisher (is Redis up?)")?;
-    // The control plane needs a signing key; without one the other tiers still run.
-    // The control plane refuses destinations by the publisher's broker and policy.
-    let mut api_args = args.api.clone();
-    api_args.relay_amqp_url = args.publisher.amqp_url.clone();
-    api_args.destination_policy = args.publisher.destinations.policy();
-    let api = match api_args.to_config(global.outbound.policy(), global.trust()?) {
-        Ok(mut config) => {
-            config.registry = registry.clone();
-            let server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
-            tracing::info!(address = %server.address, "control plane running");
-            Some(server)
+impl AllTiers {
+    /// Starts every tier on `global`'s database (migrated already) with `args`' settings.
+    pub async fn start(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<Self> {
+        let registry = telemetry::tier_registry("all")?;
+        let sequencer_metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
+        let sequencer = relay_sequencer::Sequencer::start(
+            sequencer_pool(global)?,
+            args.sequencer.to_config(global)?,
+            sequencer_metrics,
+        )
+        .await
+        .context("starting the sequencer (is Redis up?)")?;
+
+        let publisher = relay_publisher::Publisher::start(
+            service_pool(global)?,
+            publisher_config(global, &args.publisher)?,
+            &registry,
+        )
+        .await
+        .context("starting the publisher (is Redis up?)")?;
+        // The control plane needs a signing key; without one the other tiers still run.
+        // The control plane refuses destinations by the publisher's broker and policy.
+        let mut api_args = args.api.clone();
+        api_args.relay_amqp_url = args.publisher.amqp_url.clone();
+        api_args.destination_policy = args.publisher.destinations.policy();
+        let api = match api_args.to_config(global.outbound.policy(), global.trust()?) {
+            Ok(mut config) => {
+                config.registry = registry.clone();
+                let server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
+                tracing::info!(address = %server.address, "control plane running");
+                Some(server)
+            }
+            Err(error) => {
+                tracing::warn!(%error, "control plane not started (set RELAY_API_JWT_SECRET_FILE)");
+                None
+            }
+        };
+
+        let mut config = args.ingest.to_config();
+        config.waker = ingest_waker(global).await?;
+        let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
+        let listener = telemetry::bind(args.ingest.listen, "webhook").await?;
+        let metrics_listener = telemetry::bind(args.ingest.metrics_listen, "metrics").await?;
+        let trust = global.trust()?;
+        let readiness = Readiness::default()
+            .redis(&global.redis_url, &trust)
+            .broker(&args.publisher.amqp_url, &trust);
+        let ingest = IngestServer::start_with_registry(
+            pool,
+            config,
+            listener,
+            metrics_listener,
+            Arc::new(SystemClock),
+            registry.clone(),
+            readiness,
+        )?;
+        Ok(Self {
+            ingest,
+            api,
+            registry,
+            sequencer,
+            publisher,
+        })
+    }
+
+    /// Stops every tier: the front tier answers what is in flight (unless it ended by itself
+    /// with `ingest_ended`), the sequencer and the publisher finish their transactions and
+    /// rounds.
+    pub async fn stop(self, ingest_ended: Option<anyhow::Result<()>>) -> anyhow::Result<()> {
+        let result = match ingest_ended {
+            Some(result) => result,
+            None => self.ingest.stop().await,
+        };
+        if let Some(api) = self.api {
+            let _ = api.stop().await;
         }
-        Err(error) => {
-            tracing::warn!(%error, "control plane not started (set RELAY_API_JWT_SECRET_FILE)");
+        self.sequencer.stop().await;
+        self.publisher.stop().await;
+        result
+    }
+}
+
+/// `relay all`: every tier in one process until SIGINT or SIGTERM.
+pub async fn run_all(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<()> {
+    let mut tiers = AllTiers::start(global, args).await?;
+    let ingest_ended = tokio::select! {
+        result = tiers.ingest.wait() => Some(result),
+        () = shutdown_signal() => {
+            tracing::info!("shutting down: answering in-flight messages");
             None
         }
     };
-
-    let mut config = args.ingest.to_config();
-    config.waker = ingest_waker(global).await?;
-    let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
-    let listener = telemetry::bind(args.ingest.listen, "webhook").await?;
-    let metrics_listener = telemetry::bind(args.ingest.metrics_listen, "metrics").await?;
-    let mut server = IngestServer::start_with_registry(
-        pool,
-        config,
-        listener,
-        metrics_listener,
-        Arc::new(SystemClock),
-        registry,
-    )?;
-    let result = tokio::select! {
-        result = server.wait() => result,
-        () = shutdown_signal() => {
-            tracing::info!("shutting down: answering in-flight messages");
-            server.stop().await
-        }
-    };
-    if let Some(api) = api {
-        let _ = api.stop().await;
-    }
-    sequencer.stop().await;
-    publisher.stop().await;
-    result
+    tiers.stop(ingest_ended).await
 }
 
-async fn shutdown_signal() {
+/// SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
     let interrupt = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {

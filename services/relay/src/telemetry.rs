@@ -1,6 +1,7 @@
-//! Logging and metrics serving.
+//! Logging, and the listener serving metrics and the health probes.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -8,6 +9,8 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 use prometheus::{Encoder, Registry, TextEncoder};
+use relay_netguard::TrustRoots;
+use sqlx::PgPool;
 use tokio::net::TcpListener;
 use tracing_subscriber::field::RecordFields;
 use tracing_subscriber::fmt::format::{DefaultFields, Writer};
@@ -39,8 +42,10 @@ pub fn tier_registry(tier: &str) -> prometheus::Result<Registry> {
     Ok(registry)
 }
 
-pub fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+/// Logs at `default_level` and above, unless RUST_LOG says otherwise.
+pub fn init_logging(format: LogFormat, default_level: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     // Logs on stderr: stdout carries the data of the commands that print some (`relay tail`,
     // `relay restored`, `relay token issue`), to be piped. Colours only for a terminal.
     let builder = tracing_subscriber::fmt()
@@ -89,23 +94,154 @@ pub fn escape_controls(text: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(escaped)
 }
 
-/// The router serving `/metrics` from `registry`, and `/healthz` for liveness probes.
-pub fn metrics_router(registry: Registry) -> Router {
+/// The router serving `/metrics` from `registry`, `/healthz` for liveness (the process
+/// answers) and `/readyz` for readiness (what the tier needs answers: [`Readiness`]).
+pub fn metrics_router(registry: Registry, readiness: Readiness) -> Router {
     Router::new()
-        .route("/metrics", get(render_metrics))
+        .route("/metrics", get(render_metrics).with_state(registry))
         .route("/healthz", get(|| async { "ok" }))
-        .with_state(registry)
+        .route("/readyz", get(render_readiness).with_state(readiness))
 }
 
 /// Serves [`metrics_router`] on `listener` until the task is aborted.
-pub async fn serve_metrics(listener: TcpListener, registry: Registry) {
+pub async fn serve_metrics(listener: TcpListener, registry: Registry, readiness: Readiness) {
     relay_listener::serve(
         listener,
-        metrics_router(registry),
+        metrics_router(registry, readiness),
         relay_listener::ListenerLimits::METRICS,
         std::future::pending(),
     )
     .await
+}
+
+/// How long `/readyz` waits for each dependency: under a probe's usual 5 s timeout, so a
+/// dependency that hangs is reported as such rather than the probe itself timing out.
+const READINESS_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What a tier needs to do its work, checked afresh by each `/readyz`: Postgres for every tier,
+/// Redis for the sequencer and the publisher (their leases), the relay's broker for the
+/// publisher. Each check opens a connection of its own, so a pool that is busy with work (or a
+/// shared connection that is reconnecting) is not taken for a dependency that is down.
+#[derive(Clone, Default)]
+pub struct Readiness {
+    dependencies: Vec<Dependency>,
+}
+
+#[derive(Clone)]
+enum Dependency {
+    Postgres(PgPool),
+    Redis { url: String, trust: TrustRoots },
+    Broker { url: String, trust: TrustRoots },
+}
+
+impl Dependency {
+    fn name(&self) -> &'static str {
+        match self {
+            Dependency::Postgres(_) => "postgres",
+            Dependency::Redis { .. } => "redis",
+            Dependency::Broker { .. } => "broker",
+        }
+    }
+
+    /// `Err` says what failed, without the URL (it may hold a password).
+    async fn check(&self) -> Result<(), String> {
+        let check = async {
+            match self {
+                Dependency::Postgres(pool) => {
+                    use sqlx::{ConnectOptions as _, Connection as _};
+                    let mut connection = pool
+                        .connect_options()
+                        .connect()
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    sqlx::query("SELECT 1")
+                        .execute(&mut connection)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    connection.close().await.map_err(|e| e.to_string())
+                }
+                Dependency::Redis { url, trust } => relay_coord::redis_answers(url, trust)
+                    .await
+                    .map_err(|e| e.to_string()),
+                Dependency::Broker { url, trust } => {
+                    let connection = relay_publisher::connect(
+                        url,
+                        "relay readiness",
+                        READINESS_CHECK_TIMEOUT,
+                        trust,
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                    connection
+                        .close(200, "readiness checked")
+                        .await
+                        .map_err(|e| e.to_string())
+                }
+            }
+        };
+        match tokio::time::timeout(READINESS_CHECK_TIMEOUT, check).await {
+            Ok(result) => result,
+            Err(_) => Err(format!("no answer within {READINESS_CHECK_TIMEOUT:?}")),
+        }
+    }
+}
+
+impl Readiness {
+    /// Needs Postgres, reached with `pool`'s settings.
+    pub fn postgres(mut self, pool: &PgPool) -> Self {
+        self.dependencies.push(Dependency::Postgres(pool.clone()));
+        self
+    }
+
+    /// Needs Redis at `url`.
+    pub fn redis(mut self, url: &str, trust: &TrustRoots) -> Self {
+        self.dependencies.push(Dependency::Redis {
+            url: url.to_owned(),
+            trust: trust.clone(),
+        });
+        self
+    }
+
+    /// Needs the relay's broker at `url`.
+    pub fn broker(mut self, url: &str, trust: &TrustRoots) -> Self {
+        self.dependencies.push(Dependency::Broker {
+            url: url.to_owned(),
+            trust: trust.clone(),
+        });
+        self
+    }
+
+    /// Checks every dependency at once: whether all answered, and each one's `"ok"` or error.
+    pub async fn check(&self) -> (bool, serde_json::Map<String, serde_json::Value>) {
+        let results =
+            futures::future::join_all(self.dependencies.iter().map(Dependency::check)).await;
+        let mut ready = true;
+        let mut checks = serde_json::Map::new();
+        for (dependency, result) in self.dependencies.iter().zip(results) {
+            let value = match result {
+                Ok(()) => "ok".to_owned(),
+                Err(error) => {
+                    ready = false;
+                    error
+                }
+            };
+            checks.insert(dependency.name().to_owned(), value.into());
+        }
+        (ready, checks)
+    }
+}
+
+async fn render_readiness(State(readiness): State<Readiness>) -> impl IntoResponse {
+    let (ready, checks) = readiness.check().await;
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        axum::Json(serde_json::json!({"ready": ready, "checks": checks})),
+    )
 }
 
 async fn render_metrics(State(registry): State<Registry>) -> impl IntoResponse {

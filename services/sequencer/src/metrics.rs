@@ -34,6 +34,10 @@ pub const REFETCH_OUTCOMES: [&str; 6] = [
 
 pub const RELOAD_OUTCOMES: [&str; 3] = ["started", "merged", "abandoned"];
 
+/// The phases of a merged reload's time: reading the feed, and in all.
+pub const RELOAD_READ: &str = "read";
+pub const RELOAD_TOTAL: &str = "total";
+
 /// The steps of an apply transaction, in order (see `apply_together`): each is one round trip
 /// to Postgres but `decide`, the rules run in this process.
 pub const APPLY_STEPS: [&str; 5] = ["begin", "open", "decide", "write", "commit"];
@@ -186,6 +190,9 @@ impl SequencerMetrics {
         }
         for outcome in RELOAD_OUTCOMES {
             reloads.with_label_values(&[outcome]);
+        }
+        for phase in [RELOAD_READ, RELOAD_TOTAL] {
+            reload_duration.with_label_values(&[phase]);
         }
         for step in APPLY_STEPS {
             apply_step_duration.with_label_values(&[step]);

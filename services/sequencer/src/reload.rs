@@ -19,7 +19,7 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 
 use crate::apply::{ApplyError, EndpointContext};
-use crate::metrics::SequencerMetrics;
+use crate::metrics::{SequencerMetrics, RELOAD_READ, RELOAD_TOTAL};
 use crate::upstream::{self, UpstreamError};
 
 /// How a reload ended in this process.
@@ -108,11 +108,11 @@ pub async fn run_reload(
                     Merged::Merged { written, removed } => {
                         metrics
                             .reload_duration
-                            .with_label_values(&["read"])
+                            .with_label_values(&[RELOAD_READ])
                             .observe(read_s);
                         metrics
                             .reload_duration
-                            .with_label_values(&["total"])
+                            .with_label_values(&[RELOAD_TOTAL])
                             .observe(started.elapsed().as_secs_f64());
                         tracing::info!(%endpoint, generation = reload.generation, written,
                             removed, passes, read_s, "reload pass merged");

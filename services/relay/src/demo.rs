@@ -1,0 +1,865 @@
+//! `relay demo`: the whole relay on this machine against the simulated upstream, faults on,
+//! to a verdict a user can check.
+//!
+//! It makes a database of its own (`relay_demo_<run>` on RELAY_DATABASE_URL's server) and a
+//! Redis key prefix of its own, starts every tier in this process as `relay all` does, and
+//! starts the simulator. Then, as a user would, it registers a tenant and its endpoints and
+//! asks for the tenant's broker credentials through the control plane's API, and reads the
+//! tenant's queue with them, rebuilding each copy from the change messages
+//! ([`ReferenceConsumer`]) and acknowledging them as a real consumer does. Once the upstream
+//! has stopped changing and the relay has settled, the verdict: each endpoint's copy read
+//! through the API, and each copy rebuilt from the queue, against the simulator's truth.
+//!
+//! Progress goes to stderr; stdout carries JSON lines (`started`, `verdict`, and with `--keep`
+//! `explore`), for scripts. Without `--keep` everything it made is removed at the end: the
+//! tenant's broker user and queues, and the database.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal as _, Write as _};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use clap::Args;
+use futures::StreamExt as _;
+use rand::RngCore as _;
+use relay_publisher::lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use relay_publisher::lapin::types::FieldTable;
+use relay_publisher::{redact, ReferenceConsumer};
+use relay_simulator::cli::SimulateArgs;
+use relay_simulator::Simulation;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::cli::{AllArgs, GlobalArgs};
+use crate::startup::{shutdown_signal, AllTiers};
+
+/// Upstream seconds per real second: an upstream hour of retries and backoffs in a second, as
+/// the end-to-end tests run it.
+const TIME_COMPRESSION: f64 = 3600.0;
+/// Looks in a row that find the relay settled before the verdict is taken.
+const SETTLED_LOOKS: u32 = 3;
+/// How long the tokens the demo mints (and prints with `--keep`) live.
+const TOKEN_TTL_S: u64 = 7 * 24 * 3600;
+
+/// Run every tier and the simulated upstream with faults on this machine, and check the copies.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    #[command(flatten)]
+    pub all: AllArgs,
+    /// Seconds the simulated upstream keeps changing its feed.
+    #[arg(long, default_value_t = 30)]
+    pub duration_s: u64,
+    /// Webhook endpoints, all of one tenant.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=50))]
+    pub endpoints: u16,
+    /// Feed changes per second.
+    #[arg(long, default_value_t = 20.0)]
+    pub rate: f64,
+    /// What goes wrong upstream: `all`, `none`, or `name=probability,...` (as `relay simulate
+    /// --faults`: duplicates, old messages redelivered, rewinds, slow and stale reads, load
+    /// balancer 404s, resets and access changes mid-reload, refetches, expired cursors).
+    #[arg(long, default_value = "all")]
+    pub faults: String,
+    /// Seeds every random choice of the simulator: the same seed plays the same upstream.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Seconds the relay may take to settle once the upstream has stopped changing.
+    #[arg(long, default_value_t = 180)]
+    pub settle_timeout_s: u64,
+    /// After the verdict, leave everything running for you to explore (the API, the queue,
+    /// `relay tail`, the metrics) until Ctrl-C, and keep the database afterwards.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+/// What the demo registered, as the API answered.
+struct Registered {
+    tenant: Uuid,
+    operator_token: String,
+    tenant_token: String,
+    endpoints: Vec<Uuid>,
+    queue: String,
+    /// The tenant's broker URL with its password: what its consumer connects with.
+    tenant_amqp_url: String,
+}
+
+/// The control plane at `base_url`, called as a user's script would.
+struct ApiClient {
+    http: reqwest::Client,
+    base_url: String,
+}
+
+impl ApiClient {
+    /// `method path` with `token`; the answer's JSON when it is a 2xx.
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<Value> {
+        let mut request = self
+            .http
+            .request(method.clone(), format!("{}{path}", self.base_url))
+            .bearer_auth(token);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let answer = request
+            .send()
+            .await
+            .with_context(|| format!("{method} {path}"))?;
+        let status = answer.status();
+        let text = answer.text().await?;
+        if !status.is_success() {
+            bail!("{method} {path} answered {status}: {text}");
+        }
+        Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    async fn register(
+        &self,
+        operator_token: String,
+        simulator_api: &str,
+        infos: &[relay_simulator::EndpointInfo],
+    ) -> anyhow::Result<Registered> {
+        use reqwest::Method;
+        let tenant = self
+            .call(
+                Method::POST,
+                "/v1/tenants",
+                &operator_token,
+                Some(json!({"name": "relay demo"})),
+            )
+            .await?;
+        let tenant: Uuid = tenant["id"].as_str().context("a tenant id")?.parse()?;
+        let minted = self
+            .call(
+                Method::POST,
+                &format!("/v1/tenants/{tenant}/tokens"),
+                &operator_token,
+                Some(json!({"ttl_s": TOKEN_TTL_S})),
+            )
+            .await?;
+        let tenant_token = minted["token"].as_str().context("a token")?.to_owned();
+        for info in infos {
+            self.call(
+                Method::POST,
+                "/v1/endpoints",
+                &tenant_token,
+                Some(json!({
+                    "id": info.id,
+                    "lang": info.lang,
+                    "upstream_base_url": simulator_api,
+                    "upstream_api_key": info.key_token,
+                    "secrets": info.secrets,
+                })),
+            )
+            .await?;
+        }
+        let credentials = self
+            .call(Method::POST, "/v1/broker/credentials", &tenant_token, None)
+            .await
+            .context(
+                "the control plane makes tenants' broker users through RabbitMQ's management \
+                 API: is its plugin on (`rabbitmq-plugins enable rabbitmq_management`)?",
+            )?;
+        let password = credentials["password"].as_str().context("a password")?;
+        let url = credentials["amqp_url"].as_str().context("an amqp_url")?;
+        let (scheme, rest) = url.split_once("://").context("amqp_url's scheme")?;
+        let (user, rest) = rest.split_once('@').context("amqp_url's user")?;
+        Ok(Registered {
+            tenant,
+            operator_token,
+            tenant_token,
+            endpoints: infos.iter().map(|info| info.id).collect(),
+            queue: credentials["queue"].as_str().context("a queue")?.to_owned(),
+            tenant_amqp_url: format!("{scheme}://{user}:{password}@{rest}"),
+        })
+    }
+
+    /// The endpoint's copy, page by page: subject → (sequence, item), tombstones left out.
+    async fn copy(
+        &self,
+        token: &str,
+        endpoint: Uuid,
+    ) -> anyhow::Result<BTreeMap<String, (String, Value)>> {
+        let mut items = BTreeMap::new();
+        let mut after: Option<String> = None;
+        loop {
+            let mut request = self
+                .http
+                .get(format!("{}/v1/endpoints/{endpoint}/copy", self.base_url))
+                .bearer_auth(token)
+                .query(&[("limit", "500")]);
+            if let Some(after) = &after {
+                request = request.query(&[("after", after)]);
+            }
+            let page: Value = request.send().await?.error_for_status()?.json().await?;
+            for row in page["data"].as_array().context("a page of the copy")? {
+                if row["tombstone"] == true {
+                    continue;
+                }
+                let subject = row["subject"].as_str().context("a subject")?.to_owned();
+                let sequence = row["sequence"].as_str().unwrap_or_default().to_owned();
+                items.insert(subject, (sequence, row["item"].clone()));
+            }
+            match page["next_cursor"].as_str() {
+                Some(cursor) => after = Some(cursor.to_owned()),
+                None => return Ok(items),
+            }
+        }
+    }
+
+    async fn state(&self, token: &str, endpoint: Uuid) -> anyhow::Result<Value> {
+        self.call(
+            reqwest::Method::GET,
+            &format!("/v1/endpoints/{endpoint}/state"),
+            token,
+            None,
+        )
+        .await
+    }
+}
+
+/// RELAY_DATABASE_URL with its database replaced by `database`.
+fn with_database(url: &str, database: &str) -> anyhow::Result<String> {
+    let mut parsed = reqwest::Url::parse(url).context("RELAY_DATABASE_URL is not a URL")?;
+    parsed.set_path(&format!("/{database}"));
+    Ok(parsed.into())
+}
+
+/// The sum of every series of the metric family `name` (counters and gauges).
+fn metric_sum(registry: &prometheus::Registry, name: &str) -> f64 {
+    registry
+        .gather()
+        .iter()
+        .filter(|family| family.name() == name)
+        .flat_map(|family| family.get_metric().iter())
+        .map(|metric| metric.get_counter().get_value() + metric.get_gauge().get_value())
+        .sum()
+}
+
+/// The series of `name` whose label `label` is `value`.
+fn metric_with(registry: &prometheus::Registry, name: &str, label: &str, value: &str) -> f64 {
+    registry
+        .gather()
+        .iter()
+        .filter(|family| family.name() == name)
+        .flat_map(|family| family.get_metric().iter())
+        .filter(|metric| {
+            metric
+                .get_label()
+                .iter()
+                .any(|pair| pair.name() == label && pair.value() == value)
+        })
+        .map(|metric| metric.get_counter().get_value())
+        .sum()
+}
+
+/// Reads the tenant's queue with its credentials into `consumer`, acknowledging each message
+/// once applied, until `stop` is sent.
+async fn consume(
+    url: String,
+    queue: String,
+    trust: relay_netguard::TrustRoots,
+    consumer: Arc<Mutex<ReferenceConsumer>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let connection = relay_publisher::connect(&url, "relay demo", Duration::from_secs(10), &trust)
+        .await
+        .with_context(|| format!("connecting to {}", redact(&url)))?;
+    let channel = connection.create_channel().await?;
+    channel.basic_qos(500, BasicQosOptions::default()).await?;
+    let mut deliveries = channel
+        .basic_consume(
+            &queue,
+            "relay-demo",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("reading queue {queue}"))?;
+    loop {
+        let delivery = tokio::select! {
+            _ = stop.changed() => break,
+            next = deliveries.next() => match next {
+                None => bail!("the broker ended the consumer"),
+                Some(delivery) => delivery.context("reading the queue")?,
+            },
+        };
+        let received = consumer
+            .lock()
+            .unwrap()
+            .receive_body_with(&delivery.data, &mut |_| {});
+        if let Err(error) = received {
+            tracing::warn!(%error, "not a change message; skipped");
+        }
+        delivery.ack(BasicAckOptions::default()).await?;
+    }
+    let _ = connection.close(200, "demo done").await;
+    Ok(())
+}
+
+/// One endpoint's verdict line.
+#[derive(Debug, serde::Serialize)]
+struct EndpointVerdict {
+    webhook_endpoint_id: Uuid,
+    /// Items the simulator says the copy must hold.
+    expected_items: usize,
+    /// `"equal"`, or what differs.
+    api_copy: String,
+    queue_copy: String,
+    messages_sent: usize,
+    last_change_seq: i64,
+}
+
+/// What differs between a copy and the truth, in a few words; `"equal"` when nothing does.
+fn difference<V: PartialEq>(copy: &BTreeMap<String, V>, truth: &BTreeMap<String, V>) -> String {
+    let missing = truth.keys().filter(|s| !copy.contains_key(*s)).count();
+    let extra = copy.keys().filter(|s| !truth.contains_key(*s)).count();
+    let differing = truth
+        .iter()
+        .filter(|(s, v)| copy.get(*s).is_some_and(|c| c != *v))
+        .count();
+    if missing + extra + differing == 0 {
+        "equal".to_owned()
+    } else {
+        format!("{missing} missing, {extra} extra, {differing} differing")
+    }
+}
+
+/// The simulator's truth for `endpoint`: subject → (sequence, item).
+fn truth(sim: &Simulation, endpoint: Uuid) -> BTreeMap<String, (String, Value)> {
+    sim.lock()
+        .expected_copy(endpoint)
+        .into_iter()
+        .map(|(subject, (sequence, item))| (subject, (sequence.as_str().to_owned(), item)))
+        .collect()
+}
+
+fn without_positions(items: &BTreeMap<String, (String, Value)>) -> BTreeMap<String, Value> {
+    items
+        .iter()
+        .map(|(subject, (_, item))| (subject.clone(), item.clone()))
+        .collect()
+}
+
+/// Progress figures, from the tiers' metrics and the endpoints' state.
+struct Progress {
+    received: f64,
+    duplicates: f64,
+    applied: f64,
+    published: f64,
+    from_queue: u64,
+    waiting: i64,
+    unpublished: i64,
+    lag_s: f64,
+    reloads: f64,
+    reloading: usize,
+}
+
+impl Progress {
+    fn line(&self, elapsed: Duration, phase: &str) -> String {
+        format!(
+            "{:>4}s {phase:<9} received {:.0} (duplicates {:.0}) | applied {:.0} | published {:.0} \
+             | read from queue {} | waiting {} | unpublished {} | lag {:.1}s | reloads {:.0} ({} running)",
+            elapsed.as_secs(),
+            self.received,
+            self.duplicates,
+            self.applied,
+            self.published,
+            self.from_queue,
+            self.waiting,
+            self.unpublished,
+            self.lag_s,
+            self.reloads,
+            self.reloading,
+        )
+    }
+}
+
+/// Everything running, for the look at progress and the verdict.
+struct Running<'a> {
+    tiers: &'a AllTiers,
+    api: &'a ApiClient,
+    registered: &'a Registered,
+    sim: &'a Simulation,
+    consumer: &'a Mutex<ReferenceConsumer>,
+}
+
+impl Running<'_> {
+    async fn progress(&self) -> anyhow::Result<Progress> {
+        let registry = &self.tiers.registry;
+        let mut progress = Progress {
+            received: metric_sum(registry, "relay_ingest_messages_total"),
+            duplicates: metric_with(
+                registry,
+                "relay_ingest_messages_total",
+                "outcome",
+                "duplicate",
+            ),
+            applied: metric_sum(registry, "relay_sequencer_messages_total"),
+            published: metric_sum(registry, "relay_publisher_messages_confirmed_total"),
+            from_queue: self.consumer.lock().unwrap().stats().messages,
+            waiting: 0,
+            unpublished: 0,
+            lag_s: 0.0,
+            reloads: metric_with(
+                registry,
+                "relay_sequencer_reloads_total",
+                "outcome",
+                "started",
+            ),
+            reloading: 0,
+        };
+        for &endpoint in &self.registered.endpoints {
+            let state = self
+                .api
+                .state(&self.registered.tenant_token, endpoint)
+                .await?;
+            progress.waiting += state["messages_waiting"].as_i64().unwrap_or(0);
+            progress.unpublished += state["outbox_backlog"].as_i64().unwrap_or(0);
+            progress.lag_s = progress
+                .lag_s
+                .max(state["apply_lag_s"].as_f64().unwrap_or(0.0));
+            progress.reloading += usize::from(state["reload_running"] == true);
+        }
+        Ok(progress)
+    }
+
+    /// Whether the upstream is idle, nothing is left to apply, reload or publish, and every
+    /// copy (through the API and from the queue) is the truth.
+    async fn settled(&self, progress: &Progress) -> anyhow::Result<bool> {
+        if !self.sim.wait_idle(Duration::from_millis(10)).await
+            || progress.waiting > 0
+            || progress.unpublished > 0
+            || progress.reloading > 0
+        {
+            return Ok(false);
+        }
+        for &endpoint in &self.registered.endpoints {
+            let truth = truth(self.sim, endpoint);
+            if self
+                .api
+                .copy(&self.registered.tenant_token, endpoint)
+                .await?
+                != truth
+            {
+                return Ok(false);
+            }
+            if self.consumer.lock().unwrap().items(endpoint) != without_positions(&truth) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    async fn verdict(&self) -> anyhow::Result<Vec<EndpointVerdict>> {
+        let mut verdicts = Vec::new();
+        for &endpoint in &self.registered.endpoints {
+            let truth = truth(self.sim, endpoint);
+            let api_copy = self
+                .api
+                .copy(&self.registered.tenant_token, endpoint)
+                .await?;
+            let queue_copy = self.consumer.lock().unwrap().items(endpoint);
+            let state = self
+                .api
+                .state(&self.registered.tenant_token, endpoint)
+                .await?;
+            verdicts.push(EndpointVerdict {
+                webhook_endpoint_id: endpoint,
+                expected_items: truth.len(),
+                api_copy: difference(&api_copy, &truth),
+                queue_copy: difference(&queue_copy, &without_positions(&truth)),
+                messages_sent: self.sim.lock().sent_bodies(endpoint).len(),
+                last_change_seq: state["last_change_seq"].as_i64().unwrap_or(0),
+            });
+        }
+        Ok(verdicts)
+    }
+}
+
+/// Prints `progress` on stderr: over the same line on a terminal, a line every few seconds
+/// otherwise.
+struct Reporter {
+    terminal: bool,
+    last_line: Instant,
+}
+
+impl Reporter {
+    fn show(&mut self, line: &str, force: bool) {
+        let mut stderr = std::io::stderr().lock();
+        if self.terminal {
+            let _ = write!(stderr, "\r\x1b[2K{line}");
+            if force {
+                let _ = writeln!(stderr);
+            }
+        } else if force || self.last_line.elapsed() >= Duration::from_secs(5) {
+            let _ = writeln!(stderr, "{line}");
+            self.last_line = Instant::now();
+        }
+        let _ = stderr.flush();
+    }
+}
+
+fn print_line(value: &Value) {
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(stdout, "{value}");
+    let _ = stdout.flush();
+}
+
+/// `relay demo`.
+pub async fn run(global: &GlobalArgs, args: DemoArgs) -> anyhow::Result<()> {
+    let mut run_id = [0u8; 4];
+    rand::thread_rng().fill_bytes(&mut run_id);
+    let run_id = hex::encode(run_id);
+    let mut global = global.clone();
+    let server_url = global.database_url.clone();
+    let database = format!("relay_demo_{run_id}");
+    global.database_url = with_database(&server_url, &database)?;
+    global.redis_key_prefix = format!("{}demo:{run_id}:", global.redis_key_prefix);
+    // The simulated upstream is plain http on 127.0.0.1, which the relay refuses by default.
+    global.outbound.upstream_allow_http = true;
+    global.outbound.upstream_allow_private = true;
+    crate::commands::migrate(&global).await?;
+
+    let mut all = args.all.clone();
+    let mut key = [0u8; 32];
+    rand::thread_rng().fill_bytes(&mut key);
+    all.api.jwt.jwt_secret = Some(hex::encode(key));
+    all.api.jwt.jwt_secret_file = None;
+    let tiers = AllTiers::start(&global, &all).await?;
+    let outcome = demonstrate(&global, &all, &args, &tiers).await;
+    let cleanup = match &outcome {
+        Ok(demonstrated) if !args.keep => {
+            remove_broker_objects(&global, &all, &tiers, &demonstrated.registered).await
+        }
+        _ => Ok(()),
+    };
+    tiers.stop(None).await?;
+    if args.keep {
+        eprintln!(
+            "kept the database {database}; drop it with: psql {} -c 'DROP DATABASE {database}'",
+            redact(&server_url)
+        );
+    } else {
+        drop_database(&global, &server_url, &database).await?;
+        if let Err(error) = &cleanup {
+            eprintln!("could not remove the demo tenant's broker user and queues: {error:#}");
+        }
+    }
+    if !outcome?.ok {
+        bail!("the copies are not the simulator's truth (the verdict line says how)");
+    }
+    Ok(())
+}
+
+/// What the demo did: whom it registered, and whether the verdict was right.
+struct Demonstrated {
+    registered: Registered,
+    ok: bool,
+}
+
+/// The demo once the tiers run: register, run the upstream, settle, take the verdict.
+async fn demonstrate(
+    global: &GlobalArgs,
+    all: &AllArgs,
+    args: &DemoArgs,
+    tiers: &AllTiers,
+) -> anyhow::Result<Demonstrated> {
+    let api_address = tiers
+        .api
+        .as_ref()
+        .context("the control plane did not start")?
+        .address;
+    let ingest_address = loopback(tiers.ingest.address);
+    let metrics_url = format!("http://{}/metrics", loopback(tiers.ingest.metrics_address));
+    let api = ApiClient {
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()?,
+        base_url: format!("http://{}", loopback(api_address)),
+    };
+
+    let simulate = SimulateArgs {
+        receiver_url: format!("http://{ingest_address}"),
+        endpoints: usize::from(args.endpoints),
+        keys: 1,
+        seed: args.seed,
+        rate: args.rate,
+        duration_s: args.duration_s,
+        faults: args.faults.clone(),
+        time_compression: TIME_COMPRESSION,
+        listen: "127.0.0.1:0".to_owned(),
+        select_all: true,
+        print_endpoints: false,
+        quiet: true,
+    };
+    let (upstream, workload, infos) = relay_simulator::cli::prepare(&simulate)?;
+    let sim = Simulation::new(
+        upstream,
+        relay_simulator::cli::send_timeout(TIME_COMPRESSION),
+    );
+    let simulator_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let simulator_api = format!(
+        "http://{}",
+        relay_simulator::api::serve(simulator_listener, sim.clone()).await?
+    );
+
+    let operator_token = relay_api::issue_token(&relay_api::TokenArgs {
+        operator: true,
+        tenant: None,
+        name: "relay demo".to_owned(),
+        ttl_s: TOKEN_TTL_S,
+        jwt: all.api.jwt.clone(),
+    })?
+    .token;
+    let registered = api.register(operator_token, &simulator_api, &infos).await?;
+    print_line(&json!({
+        "event": "started",
+        "database_url": redact(&global.database_url),
+        "ingest_url": format!("http://{ingest_address}"),
+        "api_base_url": api.base_url,
+        "simulator_api_url": simulator_api,
+        "metrics_url": metrics_url,
+        "tenant_id": registered.tenant,
+        "queue": registered.queue,
+        "webhook_endpoint_ids": registered.endpoints,
+        "faults": args.faults,
+        "seed": args.seed,
+    }));
+    eprintln!(
+        "relay demo: every tier is running; tenant {} has {} endpoints; the simulated upstream \
+         changes its feed for {} s with faults `{}`",
+        registered.tenant, args.endpoints, args.duration_s, args.faults
+    );
+
+    let consumer = Arc::new(Mutex::new(ReferenceConsumer::new(registered.tenant)));
+    let (stop_consumer, consumer_stop) = tokio::sync::watch::channel(false);
+    let mut consuming = tokio::spawn(consume(
+        registered.tenant_amqp_url.clone(),
+        registered.queue.clone(),
+        global.trust()?,
+        consumer.clone(),
+        consumer_stop,
+    ));
+    let senders = sim.spawn_senders();
+    let mut workload = tokio::spawn(sim.clone().run_workload(
+        workload,
+        args.rate,
+        Duration::from_secs(args.duration_s),
+    ));
+
+    let running = Running {
+        tiers,
+        api: &api,
+        registered: &registered,
+        sim: &sim,
+        consumer: &consumer,
+    };
+    let mut reporter = Reporter {
+        terminal: std::io::stderr().is_terminal(),
+        last_line: Instant::now(),
+    };
+    let started = Instant::now();
+    let mut changes_done = None;
+    let mut settle_started = None;
+    let mut settled_looks = 0;
+    let settle_limit = Duration::from_secs(args.settle_timeout_s);
+    // Ctrl-C or SIGTERM ends the run early, and what it made is still removed.
+    let interrupt = shutdown_signal();
+    tokio::pin!(interrupt);
+    let mut interrupted = false;
+    let settled = loop {
+        tokio::select! {
+            () = &mut interrupt => {
+                interrupted = true;
+                eprintln!();
+                break None;
+            }
+            steps = &mut workload, if changes_done.is_none() => {
+                changes_done = Some(steps.context("the workload task")?);
+                settle_started = Some(Instant::now());
+            }
+            ended = &mut consuming => {
+                ended.context("the consumer task")??;
+                bail!("the consumer stopped");
+            }
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        let progress = running.progress().await?;
+        let phase = if changes_done.is_some() {
+            "settling"
+        } else {
+            "changing"
+        };
+        reporter.show(&progress.line(started.elapsed(), phase), false);
+        if let Some(since) = settle_started {
+            settled_looks = if running.settled(&progress).await? {
+                settled_looks + 1
+            } else {
+                0
+            };
+            if settled_looks >= SETTLED_LOOKS {
+                reporter.show(&progress.line(started.elapsed(), "settled"), true);
+                break Some(since.elapsed());
+            }
+            if since.elapsed() > settle_limit {
+                reporter.show(&progress.line(started.elapsed(), "unsettled"), true);
+                break None;
+            }
+        }
+    };
+
+    let verdicts = running.verdict().await?;
+    let ok = settled.is_some()
+        && verdicts
+            .iter()
+            .all(|v| v.api_copy == "equal" && v.queue_copy == "equal");
+    let stats = consumer.lock().unwrap().stats();
+    print_line(&json!({
+        "event": "verdict",
+        "ok": ok,
+        "interrupted": interrupted,
+        "settled_in_s": settled.map(|d| d.as_secs_f64()),
+        "feed_changes": changes_done,
+        "endpoints": verdicts,
+        "queue_consumer": stats,
+    }));
+    for verdict in &verdicts {
+        eprintln!(
+            "endpoint {}: {} items; copy through the API: {}; copy rebuilt from the queue: {}",
+            verdict.webhook_endpoint_id,
+            verdict.expected_items,
+            verdict.api_copy,
+            verdict.queue_copy
+        );
+    }
+    eprintln!(
+        "verdict: {}",
+        if ok {
+            "every copy, and every copy rebuilt from the tenant's queue, is the simulator's truth"
+        } else if interrupted {
+            "none: interrupted before the relay settled"
+        } else if settled.is_none() {
+            "the relay did not settle in time (see the last progress line)"
+        } else {
+            "a copy differs from the simulator's truth"
+        }
+    );
+
+    if args.keep && !interrupted {
+        explore(all, &api, &registered, &metrics_url);
+        shutdown_signal().await;
+    }
+    let _ = stop_consumer.send(true);
+    if let Ok(ended) = tokio::time::timeout(Duration::from_secs(5), consuming).await {
+        ended.context("the consumer task")??;
+    }
+    sim.shutdown();
+    for sender in senders {
+        let _ = sender.await;
+    }
+    Ok(Demonstrated { registered, ok })
+}
+
+/// With `--keep`: how to look around, on stdout as JSON and on stderr in words.
+fn explore(all: &AllArgs, api: &ApiClient, registered: &Registered, metrics_url: &str) {
+    let tail = format!(
+        "relay tail --tenant {} --amqp-url '{}'",
+        registered.tenant, registered.tenant_amqp_url
+    );
+    print_line(&json!({
+        "event": "explore",
+        "api_base_url": api.base_url,
+        "operator_token": registered.operator_token,
+        "tenant_id": registered.tenant,
+        "tenant_token": registered.tenant_token,
+        "queue": registered.queue,
+        "tenant_amqp_url": registered.tenant_amqp_url,
+        "tail_command": tail,
+        "metrics_url": metrics_url,
+        "relay_amqp_url": redact(&all.publisher.amqp_url),
+    }));
+    eprintln!(
+        "\nStill running (Ctrl-C ends it). To look around:\n  \
+         export TOKEN={}\n  \
+         curl -s -H \"Authorization: Bearer $TOKEN\" {}/v1/endpoints\n  \
+         curl -s -H \"Authorization: Bearer $TOKEN\" {}/v1/endpoints/{}/copy?limit=5\n  \
+         curl -s -H \"Authorization: Bearer $TOKEN\" {}/v1/endpoints/{}/state\n  \
+         {tail}   # the queue is empty once read: a new change shows up here\n  \
+         curl -s {metrics_url} | grep ^relay_",
+        registered.tenant_token,
+        api.base_url,
+        api.base_url,
+        registered.endpoints[0],
+        api.base_url,
+        registered.endpoints[0],
+    );
+}
+
+/// The address to reach a listener on: 127.0.0.1 when it listens on every interface.
+fn loopback(address: SocketAddr) -> SocketAddr {
+    if address.ip().is_unspecified() {
+        SocketAddr::from(([127, 0, 0, 1], address.port()))
+    } else {
+        address
+    }
+}
+
+/// The tenant's broker user (through the API, as a tenant would) and its queues (through the
+/// management API: the publisher is stopping and no one else reads them).
+async fn remove_broker_objects(
+    global: &GlobalArgs,
+    all: &AllArgs,
+    tiers: &AllTiers,
+    registered: &Registered,
+) -> anyhow::Result<()> {
+    let api_address = tiers.api.as_ref().context("no control plane")?.address;
+    let api = ApiClient {
+        http: reqwest::Client::new(),
+        base_url: format!("http://{}", loopback(api_address)),
+    };
+    api.call(
+        reqwest::Method::DELETE,
+        "/v1/broker/credentials",
+        &registered.tenant_token,
+        None,
+    )
+    .await?;
+    let mut api_args = all.api.clone();
+    api_args.relay_amqp_url = all.publisher.amqp_url.clone();
+    let config = api_args.to_config(global.outbound.policy(), global.trust()?)?;
+    let management = reqwest::Client::builder()
+        .use_preconfigured_tls(global.trust()?.client_config())
+        .timeout(Duration::from_secs(10))
+        .build()?;
+    config
+        .broker
+        .delete_queues(&management, relay_store::TenantId(registered.tenant))
+        .await?;
+    Ok(())
+}
+
+/// Drops the demo's database, ending what connections are left.
+async fn drop_database(
+    global: &GlobalArgs,
+    server_url: &str,
+    database: &str,
+) -> anyhow::Result<()> {
+    let mut admin = global.clone();
+    admin.database_url = with_database(server_url, "postgres")?;
+    let pool = crate::commands::admin_pool(&admin)?;
+    sqlx::query(&format!(
+        "DROP DATABASE IF EXISTS \"{database}\" WITH (FORCE)"
+    ))
+    .execute(&pool)
+    .await
+    .with_context(|| format!("dropping {database}"))?;
+    pool.close().await;
+    Ok(())
+}
