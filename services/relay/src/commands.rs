@@ -124,6 +124,7 @@ pub async fn simulate(global: &GlobalArgs, command: SimulateCommand) -> anyhow::
             bail!("--register needs --listen with a fixed port: the relay must know the API's address");
         }
         let (_, _, infos) = relay_simulator::cli::prepare(&command.args)?;
+        let api_url = format!("{}://{listen}", command.tls.scheme());
         let pool = admin_pool(global)?;
         for info in &infos {
             // One tenant per simulated API key; the same key always maps to the same tenant.
@@ -151,7 +152,7 @@ pub async fn simulate(global: &GlobalArgs, command: SimulateCommand) -> anyhow::
                     id: info.id,
                     tenant_id,
                     secret: SigningSecret::parse(secret)?,
-                    upstream_base_url: Some(format!("{}://{listen}", command.tls.scheme())),
+                    upstream_base_url: Some(api_url.clone()),
                     upstream_api_key: Some(info.key_token.clone()),
                 },
             )
@@ -172,17 +173,24 @@ pub async fn simulate(global: &GlobalArgs, command: SimulateCommand) -> anyhow::
             );
         }
         eprintln!("registered {} simulated endpoints", infos.len());
-        let outbound = global.outbound.policy();
-        let https = command.tls.tls_cert_file.is_some();
-        if !(outbound.allow_http || https) || !outbound.allow_private {
+        // Whether the relay's own policy takes the simulator's API as an upstream URL (a
+        // literal address is checked here; a name is checked again when connecting).
+        if let Err(refusal) = global.outbound.policy().check_url(&api_url) {
+            let https = command.tls.tls_cert_file.is_some();
             eprintln!(
-                "the relay reads this simulator's API at {}://{listen}: run its sequencer and \
-                 API with RELAY_UPSTREAM_ALLOW_PRIVATE=true{}",
-                command.tls.scheme(),
+                "the relay reads this simulator's API at {api_url}, which its settings refuse \
+                 ({refusal}): run its sequencer and API with {}RELAY_UPSTREAM_ALLOW_PRIVATE=true \
+                 (or RELAY_UPSTREAM_ALLOW_NETWORKS naming {}){}",
+                if https {
+                    ""
+                } else {
+                    "RELAY_UPSTREAM_ALLOW_HTTP=true, "
+                },
+                listen.ip(),
                 if https {
                     " and RELAY_TLS_CA_FILE naming the CA that signed --tls-cert-file"
                 } else {
-                    " and RELAY_UPSTREAM_ALLOW_HTTP=true"
+                    ""
                 }
             );
         }
