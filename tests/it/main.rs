@@ -11,6 +11,7 @@ mod ingest_hostile;
 mod ingest_outage;
 mod ingest_replicas;
 mod ingest_vector;
+mod offboarding;
 mod pipeline;
 mod publisher;
 mod registration_changes;

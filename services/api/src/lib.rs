@@ -16,6 +16,7 @@
 //! - [`upstream`]: the upstream's rewind call.
 //! - [`metrics`]: `relay_api_requests_total`, `relay_api_request_duration_seconds`,
 //!   `relay_api_rewinds_total`, registered on [`ApiConfig::registry`].
+//! - `offboarding`: the purge that finishes each delete of an endpoint or a tenant.
 //! - [`server`]: [`ApiServer`]: bind, serve, stop gracefully.
 //!
 //! Secrets, upstream API keys and broker URLs are write-only: no answer and no log line holds
@@ -26,6 +27,7 @@ mod broker;
 mod config;
 mod error;
 mod metrics;
+mod offboarding;
 mod routes;
 mod server;
 mod upstream;
@@ -35,4 +37,4 @@ pub use broker::{dead_letter_queue, BrokerAccess, DeadLetters, ManagementSetting
 pub use config::{issue_token, ApiArgs, ApiConfig, ConfigError, JwtKeyArgs, TokenArgs};
 pub use error::ApiError;
 pub use routes::openapi;
-pub use server::{build, ApiServer, ServeError};
+pub use server::{ApiServer, ServeError};

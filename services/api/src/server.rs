@@ -10,7 +10,7 @@ use axum::response::Response;
 use axum::Router;
 use sqlx::PgPool;
 use tokio::net::TcpListener;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 use tokio::task::JoinHandle;
 
 use crate::auth::Verifier;
@@ -38,8 +38,8 @@ pub enum ServeError {
     Panicked,
 }
 
-/// The API's router over `pool`: for embedding it in another server.
-pub fn build(pool: PgPool, config: &ApiConfig) -> Result<Router, ServeError> {
+/// The API's router over `pool`; `purge` wakes the purge that finishes deletes.
+fn build(pool: PgPool, config: &ApiConfig, purge: Arc<Notify>) -> Result<Router, ServeError> {
     // No redirect is followed (GuardedClient): one is not an answer version 1 describes, and
     // following it would send the API key to wherever it points.
     let http = relay_netguard::GuardedClient::new(
@@ -51,6 +51,7 @@ pub fn build(pool: PgPool, config: &ApiConfig) -> Result<Router, ServeError> {
     let management = management_client(config)?;
     let metrics = Arc::new(ApiMetrics::register(&config.registry).map_err(ServeError::Metrics)?);
     let state = AppState {
+        purge,
         pool,
         verifier: Arc::new(Verifier::new(config.keys.clone(), &config.audience)),
         http,
@@ -142,6 +143,7 @@ pub struct ApiServer {
     stop: Option<oneshot::Sender<()>>,
     done: JoinHandle<Result<(), ServeError>>,
     dead_lettering: JoinHandle<()>,
+    purging: JoinHandle<()>,
 }
 
 impl ApiServer {
@@ -169,7 +171,15 @@ impl ApiServer {
             config.broker.clone(),
             management_client(config)?,
         ));
-        let app = build(pool, config)?;
+        // Whatever a crash left marked is finished from the start.
+        let purge = Arc::new(Notify::new());
+        let purging = tokio::spawn(crate::offboarding::run(
+            pool.clone(),
+            config.broker.clone(),
+            management_client(config)?,
+            purge.clone(),
+        ));
+        let app = build(pool, config, purge)?;
         let (stop, stopped) = oneshot::channel::<()>();
         let limits = config.listener;
         let done = tokio::spawn(async move {
@@ -185,12 +195,14 @@ impl ApiServer {
             stop: Some(stop),
             done,
             dead_lettering,
+            purging,
         })
     }
 
     /// Stops taking connections, answers the requests in flight, and returns once they are.
     pub async fn stop(mut self) -> Result<(), ServeError> {
         self.dead_lettering.abort();
+        self.purging.abort();
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }

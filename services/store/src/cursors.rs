@@ -174,12 +174,15 @@ pub async fn endpoints_with_work(
          LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = a.endpoint_id
          WHERE a.last_arrival_seq > coalesce(c.applied_arrival_seq, 0)
            AND ($2::uuid IS NULL OR a.endpoint_id = $2)
+           -- An endpoint being deleted has no more work: its rows are being purged.
+           AND NOT EXISTS (SELECT 1 FROM webhook_endpoints e
+                           WHERE e.id = a.endpoint_id AND e.status = 'deleting')
          UNION
          -- A reload without upstream settings waits for them with no worker: the registration
          -- change that gives them wakes the endpoint.
          SELECT t.endpoint_id FROM endpoint_tracks t
          JOIN webhook_endpoints e ON e.id = t.endpoint_id
-         WHERE t.reload IS NOT NULL
+         WHERE t.reload IS NOT NULL AND e.status <> 'deleting'
            AND e.upstream_base_url IS NOT NULL AND e.upstream_api_key IS NOT NULL
            AND ($2::uuid IS NULL OR t.endpoint_id = $2)
          LIMIT $1",

@@ -52,7 +52,7 @@ pub async fn create(pool: &PgPool, new: &NewEndpoint) -> Result<(), StoreError> 
     let mut tx = pool.begin().await?;
     let inserted = sqlx::query(
         "INSERT INTO webhook_endpoints (id, tenant_id, upstream_base_url, upstream_api_key)
-         SELECT $1, t.id, $3, $4 FROM tenants t WHERE t.id = $2
+         SELECT $1, t.id, $3, $4 FROM tenants t WHERE t.id = $2 AND t.deleting_since IS NULL
          ON CONFLICT (id) DO NOTHING",
     )
     .bind(new.id)
@@ -64,11 +64,12 @@ pub async fn create(pool: &PgPool, new: &NewEndpoint) -> Result<(), StoreError> 
     .rows_affected();
     if inserted == 0 {
         // Nothing was written: say which of the two conditions stopped it.
-        let tenant_exists: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM tenants WHERE id = $1)")
-                .bind(new.tenant_id)
-                .fetch_one(&mut *tx)
-                .await?;
+        let tenant_exists: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM tenants WHERE id = $1 AND deleting_since IS NULL)",
+        )
+        .bind(new.tenant_id)
+        .fetch_one(&mut *tx)
+        .await?;
         return Err(if tenant_exists {
             StoreError::AlreadyExists {
                 what: "webhook endpoint",
@@ -149,7 +150,7 @@ pub async fn load_auth(pool: &PgPool, id: Uuid) -> Result<Option<EndpointAuth>, 
          FROM webhook_endpoints e
          LEFT JOIN endpoint_secrets s
            ON s.endpoint_id = e.id AND (s.expires_at IS NULL OR s.expires_at > now())
-         WHERE e.id = $1
+         WHERE e.id = $1 AND e.status <> 'deleting'
          ORDER BY s.id",
     )
     .bind(id)
@@ -196,7 +197,7 @@ pub async fn load_registration(
 ) -> Result<Option<EndpointRegistration>, StoreError> {
     let row: Option<(TenantId, Option<String>, Option<String>)> = sqlx::query_as(
         "SELECT tenant_id, upstream_base_url, upstream_api_key FROM webhook_endpoints
-         WHERE id = $1",
+         WHERE id = $1 AND status <> 'deleting'",
     )
     .bind(endpoint)
     .fetch_optional(pool)
@@ -246,12 +247,13 @@ pub async fn owned(
     tenant: TenantId,
     endpoint: EndpointId,
 ) -> Result<bool, StoreError> {
-    let found: Option<i32> =
-        sqlx::query_scalar("SELECT 1 FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2")
-            .bind(endpoint)
-            .bind(tenant)
-            .fetch_optional(pool)
-            .await?;
+    let found: Option<i32> = sqlx::query_scalar(
+        "SELECT 1 FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2 AND status <> 'deleting'",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_optional(pool)
+    .await?;
     Ok(found.is_some())
 }
 
@@ -277,7 +279,7 @@ pub async fn register(
     let mut tx = pool.begin().await?;
     let inserted: Option<EndpointId> = sqlx::query_scalar(
         "INSERT INTO webhook_endpoints (id, tenant_id, lang, upstream_base_url, upstream_api_key)
-         SELECT $1, t.id, $3, $4, $5 FROM tenants t WHERE t.id = $2
+         SELECT $1, t.id, $3, $4, $5 FROM tenants t WHERE t.id = $2 AND t.deleting_since IS NULL
          ON CONFLICT (id) DO NOTHING
          RETURNING id",
     )
@@ -289,11 +291,12 @@ pub async fn register(
     .fetch_optional(&mut *tx)
     .await?;
     if inserted.is_none() {
-        let tenant_exists: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM tenants WHERE id = $1)")
-                .bind(tenant)
-                .fetch_one(&mut *tx)
-                .await?;
+        let tenant_exists: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM tenants WHERE id = $1 AND deleting_since IS NULL)",
+        )
+        .bind(tenant)
+        .fetch_one(&mut *tx)
+        .await?;
         return Err(if tenant_exists {
             StoreError::AlreadyExists {
                 what: "webhook endpoint",
@@ -345,7 +348,8 @@ pub async fn find(
     endpoint: EndpointId,
 ) -> Result<Option<EndpointInfo>, StoreError> {
     Ok(sqlx::query_as(&format!(
-        "SELECT {INFO_COLUMNS} FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2"
+        "SELECT {INFO_COLUMNS} FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2
+         AND status <> 'deleting'"
     ))
     .bind(endpoint)
     .bind(tenant)
@@ -362,7 +366,7 @@ pub async fn list(
 ) -> Result<Vec<EndpointInfo>, StoreError> {
     Ok(sqlx::query_as(&format!(
         "SELECT {INFO_COLUMNS} FROM webhook_endpoints
-         WHERE tenant_id = $1 AND ($2::uuid IS NULL OR id > $2)
+         WHERE tenant_id = $1 AND status <> 'deleting' AND ($2::uuid IS NULL OR id > $2)
          ORDER BY id LIMIT $3"
     ))
     .bind(tenant)
@@ -392,7 +396,7 @@ pub async fn change_settings(
              upstream_base_url = COALESCE($4, upstream_base_url),
              upstream_api_key = COALESCE($5, upstream_api_key),
              updated_at = now()
-         WHERE id = $1 AND tenant_id = $2
+         WHERE id = $1 AND tenant_id = $2 AND status <> 'deleting'
          RETURNING id",
     )
     .bind(endpoint)
@@ -415,7 +419,7 @@ pub async fn change_status(
 ) -> Result<bool, StoreError> {
     let updated: Option<EndpointId> = sqlx::query_scalar(
         "UPDATE webhook_endpoints SET status = $3, updated_at = now()
-         WHERE id = $1 AND tenant_id = $2
+         WHERE id = $1 AND tenant_id = $2 AND status <> 'deleting'
          RETURNING id",
     )
     .bind(endpoint)
@@ -455,6 +459,7 @@ async fn insert_secret<'e>(
         "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret, expires_at)
          SELECT e.tenant_id, e.id, $3, now() + make_interval(secs => $4)
          FROM webhook_endpoints e WHERE e.id = $1 AND e.tenant_id = $2
+           AND e.status <> 'deleting'
          ON CONFLICT (endpoint_id, secret) DO NOTHING
          RETURNING {SECRET_COLUMNS}"
     ))
@@ -573,7 +578,7 @@ pub async fn status_and_settings<'e>(
     Ok(sqlx::query_as(
         "SELECT status,
                 COALESCE(upstream_base_url, '') <> '' AND COALESCE(upstream_api_key, '') <> ''
-         FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2",
+         FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2 AND status <> 'deleting'",
     )
     .bind(endpoint)
     .bind(tenant)

@@ -13,32 +13,43 @@ use crate::{EndpointId, StoreError, TenantId};
 
 /// Claims the endpoint's next fencing token: one more than the last, whoever held it. Waits
 /// while another owner's apply transaction holds the token's row (see [`check_endpoint`]).
+/// `NotFound` for an endpoint that is not registered or is being deleted: nothing may write
+/// for it any more.
 pub async fn claim_endpoint(pool: &PgPool, endpoint: EndpointId) -> Result<i64, StoreError> {
-    let token = sqlx::query_scalar(
-        "INSERT INTO endpoint_fences (endpoint_id, token) VALUES ($1, 1)
+    let token: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO endpoint_fences (endpoint_id, token)
+         SELECT id, 1 FROM webhook_endpoints WHERE id = $1 AND status <> 'deleting'
          ON CONFLICT (endpoint_id)
          DO UPDATE SET token = endpoint_fences.token + 1, claimed_at = now()
          RETURNING token",
     )
     .bind(endpoint)
-    .fetch_one(pool)
+    .fetch_optional(pool)
     .await?;
-    Ok(token)
+    token.ok_or_else(|| StoreError::NotFound {
+        what: "webhook endpoint",
+        id: endpoint.to_string(),
+    })
 }
 
 /// Claims the tenant's next publishing token: one more than the last, whoever held it. Waits
 /// while another owner's mark holds the token's row.
+/// `NotFound` for a tenant that does not exist or is being deleted.
 pub async fn claim_tenant(pool: &PgPool, tenant: TenantId) -> Result<i64, StoreError> {
-    let token = sqlx::query_scalar(
-        "INSERT INTO publisher_fences (tenant_id, token) VALUES ($1, 1)
+    let token: Option<i64> = sqlx::query_scalar(
+        "INSERT INTO publisher_fences (tenant_id, token)
+         SELECT id, 1 FROM tenants WHERE id = $1 AND deleting_since IS NULL
          ON CONFLICT (tenant_id)
          DO UPDATE SET token = publisher_fences.token + 1, claimed_at = now()
          RETURNING token",
     )
     .bind(tenant)
-    .fetch_one(pool)
+    .fetch_optional(pool)
     .await?;
-    Ok(token)
+    token.ok_or_else(|| StoreError::NotFound {
+        what: "tenant",
+        id: tenant.to_string(),
+    })
 }
 
 /// In an apply transaction, before any write: whether `token` is still the endpoint's current

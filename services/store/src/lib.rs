@@ -29,6 +29,8 @@
 //! - [`destinations`]: where each tenant's changes go, and why the publisher refuses it.
 //! - [`restores`]: after a restore from backup: each endpoint's restore held until its rewind
 //!   is answered, and the new epoch of its change stream, opened by a snapshot of the copy.
+//! - [`offboard`]: deleting an endpoint or a tenant: marked in one statement every tier sees,
+//!   then purged in batches; the one module that deletes from every endpoint table.
 //! - [`fences`]: the fencing tokens of relay-coord's ownership (an endpoint's, a tenant's):
 //!   claimed by each new owner, checked by its writes.
 //!
@@ -44,6 +46,7 @@ pub mod endpoints;
 pub mod fences;
 mod ids;
 pub mod messages;
+pub mod offboard;
 pub mod quarantine;
 pub mod restores;
 pub mod runs;

@@ -159,7 +159,8 @@ pub async fn store_batch<'c, E: sqlx::PgExecutor<'c>>(
             // insert is a committed row with the same webhook-id: a duplicate.
             (None, true, _) => StoreOutcome::Duplicate,
             (None, false, Some("paused")) => StoreOutcome::EndpointPaused,
-            (None, false, None) => StoreOutcome::EndpointUnknown,
+            // Being deleted is gone, as far as the upstream is concerned.
+            (None, false, None | Some("deleting")) => StoreOutcome::EndpointUnknown,
             (None, false, Some(_)) => {
                 // Active yet nothing reserved: its counter row is missing. Refuse rather than
                 // claim the message was stored.

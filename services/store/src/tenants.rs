@@ -36,12 +36,12 @@ pub async fn create(pool: &PgPool, id: Uuid, name: &str) -> Result<Tenant, Store
 }
 
 pub async fn get(pool: &PgPool, id: TenantId) -> Result<Option<Tenant>, StoreError> {
-    Ok(
-        sqlx::query_as::<_, Tenant>("SELECT id, name, created_at FROM tenants WHERE id = $1")
-            .bind(id)
-            .fetch_optional(pool)
-            .await?,
+    Ok(sqlx::query_as::<_, Tenant>(
+        "SELECT id, name, created_at FROM tenants WHERE id = $1 AND deleting_since IS NULL",
     )
+    .bind(id)
+    .fetch_optional(pool)
+    .await?)
 }
 
 /// A page of tenants by id, after `after`.
@@ -52,7 +52,7 @@ pub async fn list(
 ) -> Result<Vec<Tenant>, StoreError> {
     Ok(sqlx::query_as::<_, Tenant>(
         "SELECT id, name, created_at FROM tenants
-         WHERE $1::uuid IS NULL OR id > $1
+         WHERE ($1::uuid IS NULL OR id > $1) AND deleting_since IS NULL
          ORDER BY id LIMIT $2",
     )
     .bind(after)

@@ -502,6 +502,47 @@ async fn set_status(
     Ok(Json(load_endpoint(&state.pool, tenant, id).await?))
 }
 
+/// A delete accepted: the thing is gone from every read at once and its data is being purged.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DeletionView {
+    pub id: Uuid,
+    /// Always `deleting`: the purge finishes in the background (and after a restart).
+    pub status: &'static str,
+}
+
+#[utoipa::path(
+    delete, path = "/v1/endpoints/{endpoint_id}", tag = "endpoints", security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path)),
+    responses(
+        (status = 202, body = DeletionView, description = "Deleting: from now on the front tier \
+            answers 404 for it (the upstream stops sending after its retries) and no read shows \
+            it; its stored messages, copy, changes, applied event ids and track go, then the \
+            endpoint itself, after which its id can be registered again. Asked again while it \
+            is being deleted, the same answer"),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody, description = "Not the tenant's (or deleted already)"),
+    )
+)]
+pub async fn delete_endpoint(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+) -> Result<(StatusCode, Json<DeletionView>), ApiError> {
+    let id = EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
+    let marked = relay_store::offboard::mark_endpoint(&state.pool, tenant, id)
+        .await?
+        .ok_or(ApiError::NotFound("webhook endpoint"))?;
+    tracing::info!(%tenant, endpoint = %id, ?marked, "endpoint deleting");
+    state.purge.notify_one();
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(DeletionView {
+            id: id.0,
+            status: "deleting",
+        }),
+    ))
+}
+
 #[utoipa::path(
     post, path = "/v1/endpoints/{endpoint_id}/pause", tag = "endpoints", security(("bearer" = [])),
     params(("endpoint_id" = Uuid, Path)),

@@ -39,6 +39,8 @@ pub struct AppState {
     pub metrics: Arc<ApiMetrics>,
     /// The relay's own broker: destinations are checked against it; tenants' users live there.
     pub broker: Arc<BrokerAccess>,
+    /// Wakes the purge that finishes a delete.
+    pub purge: Arc<tokio::sync::Notify>,
 }
 
 impl HasVerifier for AppState {
@@ -87,14 +89,18 @@ impl utoipa::Modify for BearerAuth {
 fn documented() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(tenants::create_tenant, tenants::list_tenants))
-        .routes(routes!(tenants::get_tenant))
+        .routes(routes!(tenants::get_tenant, tenants::delete_tenant))
         .routes(routes!(tenants::mint_tenant_token))
         .routes(routes!(tenants::own_tenant))
         .routes(routes!(
             endpoints::create_endpoint,
             endpoints::list_endpoints
         ))
-        .routes(routes!(endpoints::get_endpoint, endpoints::update_endpoint))
+        .routes(routes!(
+            endpoints::get_endpoint,
+            endpoints::update_endpoint,
+            endpoints::delete_endpoint
+        ))
         .routes(routes!(endpoints::pause_endpoint))
         .routes(routes!(endpoints::resume_endpoint))
         .routes(routes!(endpoints::add_secret, endpoints::list_secrets))

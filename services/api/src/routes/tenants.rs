@@ -152,6 +152,39 @@ pub async fn get_tenant(
 }
 
 #[utoipa::path(
+    delete, path = "/v1/tenants/{tenant_id}", tag = "tenants", security(("bearer" = [])),
+    params(("tenant_id" = Uuid, Path)),
+    responses(
+        (status = 202, body = super::endpoints::DeletionView, description = "Deleting: every \
+            endpoint of the tenant as `DELETE /v1/endpoints/{id}` deletes one, then its queues \
+            and broker user on the relay's broker, its destination, and the tenant itself \
+            (its tokens then find nothing). Asked again while it is being deleted, the same \
+            answer"),
+        (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
+        (status = 404, body = ErrorBody, description = "No such tenant (or deleted already)"),
+    )
+)]
+pub async fn delete_tenant(
+    State(state): State<AppState>,
+    operator: Operator,
+    Path(tenant_id): Path<String>,
+) -> Result<(StatusCode, Json<super::endpoints::DeletionView>), ApiError> {
+    let id = relay_store::TenantId(parse_uuid("tenant_id", &tenant_id)?);
+    let marked = relay_store::offboard::mark_tenant(&state.pool, id)
+        .await?
+        .ok_or(ApiError::NotFound("tenant"))?;
+    tracing::info!(tenant = %id, by = %operator.subject, ?marked, "tenant deleting");
+    state.purge.notify_one();
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(super::endpoints::DeletionView {
+            id: id.0,
+            status: "deleting",
+        }),
+    ))
+}
+
+#[utoipa::path(
     post, path = "/v1/tenants/{tenant_id}/tokens", tag = "tenants", security(("bearer" = [])),
     params(("tenant_id" = Uuid, Path)),
     request_body = NewToken,
