@@ -567,6 +567,15 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             NotFound,
             200,
         ),
+        // Last: each route is called with its own token in this order at the end.
+        (
+            "DELETE /v1/endpoints/{endpoint_id}",
+            None,
+            Tenant,
+            NotFound,
+            202,
+        ),
+        ("DELETE /v1/tenants/{tenant_id}", None, Op, NA, 202),
     ];
     let routes: Vec<Route> = specs
         .into_iter()

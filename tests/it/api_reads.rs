@@ -238,6 +238,62 @@ async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
     assert_eq!(second_page["data"][0]["arrival_seq"], 3);
     assert_eq!(second_page["next_cursor"], Value::Null);
 
+    // Each message says what became of it, and the listing filters by that and by time.
+    let statuses: Vec<&str> = data.iter().map(|m| m["status"].as_str().unwrap()).collect();
+    assert_eq!(statuses, ["waiting", "applied", "applied"]);
+    sqlx::query(
+        "INSERT INTO message_applications (endpoint_id, arrival_seq, tenant_id, outcome)
+         VALUES ($1, 1, $2, 'older_generation')",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .execute(&app.db.pool)
+    .await
+    .unwrap();
+    let listed = |query: &'static str| {
+        let (app, token, path) = (&app, &token, e(&format!("/messages?order=arrival&{query}")));
+        async move {
+            let page = app.ok(200, "GET", &path, token, None).await;
+            page["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["arrival_seq"].as_i64().unwrap())
+                .collect::<Vec<i64>>()
+        }
+    };
+    assert_eq!(listed("status=waiting").await, [3]);
+    assert_eq!(listed("status=applied").await, [2]);
+    assert_eq!(listed("status=ignored").await, [1]);
+    assert_eq!(listed("status=quarantined").await, Vec::<i64>::new());
+    assert_eq!(
+        listed("received_before=2100-01-01T00:00:00Z").await,
+        [1, 2, 3]
+    );
+    assert_eq!(
+        listed("received_from=2100-01-01T00:00:00Z").await,
+        Vec::<i64>::new()
+    );
+    assert_eq!(
+        listed("status=applied&received_from=2000-01-01T00:00:00Z").await,
+        [2]
+    );
+    for (query, field) in [
+        ("status=duplicate", "status"),
+        ("received_from=yesterday", "received_from"),
+        ("received_before=2100-13-01T00:00:00Z", "received_before"),
+    ] {
+        let refused = app
+            .call("GET", &e(&format!("/messages?{query}")), Some(&token), None)
+            .await;
+        assert_eq!(
+            (refused.status, refused.json["field"].as_str()),
+            (400, Some(field)),
+            "{query}: {}",
+            refused.text
+        );
+    }
+
     let state = app.ok(200, "GET", &e("/state"), &token, None).await;
     assert_eq!(state["status"], "active");
     assert_eq!(state["last_arrival_seq"], 3);

@@ -214,7 +214,16 @@ pub struct MessageRecord {
     pub passed: bool,
     /// Why it is quarantined, when it is.
     pub reason: Option<String>,
+    /// What became of it, in a word: one of [`MESSAGE_STATUSES`].
+    pub status: String,
 }
+
+/// What became of a stored message, as the listing says it and filters by it: `waiting` (not
+/// applied yet), `applied` (its events applied, or the reload it asked for begun),
+/// `ignored` (read and set aside by the reading rules: another track, an older generation, a
+/// reload superseded, a test message), `quarantined` (never applicable: kept for the tenant to
+/// retry or discard).
+pub const MESSAGE_STATUSES: [&str; 4] = ["waiting", "applied", "ignored", "quarantined"];
 
 /// Which of an endpoint's messages a page lists.
 pub struct MessageQuery {
@@ -224,6 +233,12 @@ pub struct MessageQuery {
     pub cursor: Option<i64>,
     pub limit: i64,
     pub include_body: bool,
+    /// Only messages in this status (one of [`MESSAGE_STATUSES`]).
+    pub status: Option<String>,
+    /// Only messages received at or after this.
+    pub received_from: Option<OffsetDateTime>,
+    /// Only messages received before this.
+    pub received_before: Option<OffsetDateTime>,
 }
 
 /// A page of the tenant's endpoint's stored messages with their outcomes (empty when it is not
@@ -239,21 +254,33 @@ pub async fn list_with_outcomes(
     } else {
         ("($3::bigint IS NULL OR m.arrival_seq > $3)", "ASC")
     };
+    // The status is computed once, in the lateral subquery, for the answer and the filter.
     Ok(sqlx::query_as(&format!(
         "SELECT m.arrival_seq, m.webhook_id, m.signed_at, m.attempt, m.received_at, m.track,
                 m.generation, octet_length(m.body) AS body_bytes,
                 CASE WHEN $5 THEN m.body END AS body,
                 a.outcome, a.events_applied, a.events_ignored, a.applied_at,
-                (a.outcome IS NOT NULL OR m.arrival_seq <= COALESCE(c.applied_arrival_seq, 0))
-                    AS passed,
-                q.reason
+                s.passed, q.reason, s.status
          FROM messages m
          LEFT JOIN message_applications a
            ON a.endpoint_id = m.endpoint_id AND a.arrival_seq = m.arrival_seq
          LEFT JOIN quarantined_messages q
            ON q.endpoint_id = m.endpoint_id AND q.arrival_seq = m.arrival_seq
          LEFT JOIN endpoint_apply_cursors c ON c.endpoint_id = m.endpoint_id
+         CROSS JOIN LATERAL (
+             SELECT p.passed,
+                    CASE WHEN NOT p.passed THEN 'waiting'
+                         WHEN a.outcome IN ('quarantined', 'malformed') THEN 'quarantined'
+                         WHEN a.outcome IN ('ignored_track', 'older_generation',
+                                            'reload_superseded', 'test') THEN 'ignored'
+                         ELSE 'applied' END AS status
+             FROM (SELECT a.outcome IS NOT NULL
+                          OR m.arrival_seq <= COALESCE(c.applied_arrival_seq, 0) AS passed) p
+         ) s
          WHERE m.endpoint_id = $1 AND m.tenant_id = $2 AND {condition}
+           AND ($6::text IS NULL OR s.status = $6)
+           AND ($7::timestamptz IS NULL OR m.received_at >= $7)
+           AND ($8::timestamptz IS NULL OR m.received_at < $8)
          ORDER BY m.arrival_seq {order} LIMIT $4"
     ))
     .bind(endpoint)
@@ -261,6 +288,9 @@ pub async fn list_with_outcomes(
     .bind(query.cursor)
     .bind(query.limit)
     .bind(query.include_body)
+    .bind(&query.status)
+    .bind(query.received_from)
+    .bind(query.received_before)
     .fetch_all(pool)
     .await?)
 }

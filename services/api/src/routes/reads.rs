@@ -378,6 +378,10 @@ pub struct MessageView {
     /// How the front tier answered: every stored message was answered 202 once committed (a
     /// repeat of its webhook-id was answered 200 and not stored again).
     pub answered: u16,
+    /// What became of it: `waiting` (not applied yet), `applied`, `ignored` (set aside by the
+    /// reading rules: another track, an older generation, a superseded reload, a test message)
+    /// or `quarantined`.
+    pub status: String,
     /// How the sequencer applied it; absent while it waits.
     pub applied: Option<ApplicationView>,
     /// The raw body, with `include_body=true` (as text; bytes that are not UTF-8 are replaced).
@@ -400,6 +404,15 @@ pub struct MessagePage {
         ("cursor" = Option<i64>, Query, description = "The next_cursor of the previous page"),
         ("limit" = Option<i64>, Query, description = "1 to 200, default 50"),
         ("include_body" = Option<bool>, Query, description = "Default false"),
+        ("status" = Option<String>, Query,
+         description = "Only messages in this status: waiting, applied, ignored or quarantined. \
+                        A repeat of a stored message's webhook-id is answered 200 and not \
+                        stored, so it is never listed (the front tier counts it in \
+                        relay_ingest_messages_total{outcome=\"duplicate\"})"),
+        ("received_from" = Option<String>, Query,
+         description = "Only messages received at or after this time (RFC 3339)"),
+        ("received_before" = Option<String>, Query,
+         description = "Only messages received before this time (RFC 3339)"),
     ),
     responses(
         (status = 200, body = MessagePage),
@@ -414,7 +427,38 @@ pub async fn list_messages(
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<MessagePage>, ApiError> {
     let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
-    let query = QueryArgs::new(query, &["order", "cursor", "limit", "include_body"])?;
+    let query = QueryArgs::new(
+        query,
+        &[
+            "order",
+            "cursor",
+            "limit",
+            "include_body",
+            "status",
+            "received_from",
+            "received_before",
+        ],
+    )?;
+    let status = match query.text("status") {
+        None => None,
+        Some(status) if messages::MESSAGE_STATUSES.contains(&status) => Some(status.to_owned()),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "status",
+                messages::MESSAGE_STATUSES.join(", "),
+            ))
+        }
+    };
+    let instant = |field: &str| {
+        query
+            .text(field)
+            .map(|text| {
+                OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
+                    .map_err(|_| ApiError::invalid(field, "an RFC 3339 time"))
+            })
+            .transpose()
+    };
+    let (received_from, received_before) = (instant("received_from")?, instant("received_before")?);
     let newest_first = match query.text("order") {
         None | Some("newest") => true,
         Some("arrival") => false,
@@ -431,6 +475,9 @@ pub async fn list_messages(
         cursor,
         limit,
         include_body,
+        status,
+        received_from,
+        received_before,
     };
     let rows = messages::list_with_outcomes(&state.pool, tenant, id, &page).await?;
     let next_cursor = (rows.len() as i64 == limit)
@@ -448,6 +495,7 @@ pub async fn list_messages(
             generation: m.generation,
             body_bytes: m.body_bytes,
             answered: 202,
+            status: m.status,
             applied: m.passed.then(|| ApplicationView {
                 outcome: m.outcome.unwrap_or_else(|| "unrecorded".to_owned()),
                 reason: m.reason,
