@@ -567,6 +567,20 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             NotFound,
             200,
         ),
+        (
+            "POST /v1/endpoints/{endpoint_id}/replay",
+            Some(json!({"from_change_seq": 1})),
+            Tenant,
+            NotFound,
+            202,
+        ),
+        (
+            "POST /v1/endpoints/{endpoint_id}/resync",
+            None,
+            Tenant,
+            NotFound,
+            202,
+        ),
         // Last: each route is called with its own token in this order at the end.
         (
             "DELETE /v1/endpoints/{endpoint_id}",

@@ -23,6 +23,7 @@ mod sequencer_quarantine;
 mod sequencer_reload;
 mod stack;
 mod store_pool;
+mod stream;
 mod tenant_broker;
 mod tls_broker;
 mod tls_support;

@@ -486,14 +486,14 @@ pub(crate) async fn drain(broker: &Connection, queue: &str, ack: bool) -> Vec<De
 }
 
 /// A consumer reading (and acknowledging) the queue in the background while publishers run.
-struct Collector {
+pub(crate) struct Collector {
     received: Arc<Mutex<Vec<Delivered>>>,
     stop: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Collector {
-    async fn start(broker: &Connection, queue: &str) -> Self {
+    pub(crate) async fn start(broker: &Connection, queue: &str) -> Self {
         let channel = broker.create_channel().await.unwrap();
         channel
             .basic_qos(50, BasicQosOptions::default())
@@ -541,7 +541,12 @@ impl Collector {
             .len()
     }
 
-    async fn finish(self) -> Vec<Delivered> {
+    /// What came so far, in order.
+    pub(crate) fn received(&self) -> Vec<Delivered> {
+        self.received.lock().unwrap().clone()
+    }
+
+    pub(crate) async fn finish(self) -> Vec<Delivered> {
         self.stop.send_replace(true);
         self.task.await.unwrap();
         let received = self.received.lock().unwrap();

@@ -241,3 +241,65 @@ pub async fn backlog(
     .await?;
     Ok(row)
 }
+
+/// What [`replay`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Replay {
+    /// The publish cursor is before `from`: the changes `from..=through` of `epoch` go out
+    /// again, under their own message ids.
+    Replaying { epoch: i64, from: i64, through: i64 },
+    /// `from` is past the endpoint's last change (`through`) in `epoch`: nothing to send again.
+    Ahead { epoch: i64, through: i64 },
+}
+
+/// Sends the tenant's endpoint's changes again from change `from` of its current epoch: its
+/// publish cursor goes back to just before it (never forward). `None` when the endpoint is not
+/// the tenant's.
+///
+/// One transaction, in the mark's lock order: the tenant's publishing token is taken first
+/// (its row locked, then raised), so no mark in flight can move the cursor past `from` again;
+/// the publisher that held the tenant gives it up, and the next one reads from the cursor
+/// after the lease runs out.
+pub async fn replay(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    from: i64,
+) -> Result<Option<Replay>, StoreError> {
+    let mut tx = pool.begin().await?;
+    let position: Option<(i64, i64)> = sqlx::query_as(
+        "SELECT COALESCE(n.epoch, 1), COALESCE(n.last, 0) FROM webhook_endpoints e
+         LEFT JOIN endpoint_change_counters n ON n.endpoint_id = e.id
+         WHERE e.id = $1 AND e.tenant_id = $2 AND e.status <> 'deleting'",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((epoch, through)) = position else {
+        return Ok(None);
+    };
+    if from > through {
+        return Ok(Some(Replay::Ahead { epoch, through }));
+    }
+    sqlx::query(
+        "UPDATE publisher_fences SET token = token + 1, claimed_at = now() WHERE tenant_id = $1",
+    )
+    .bind(tenant)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "UPDATE endpoint_publish_cursors SET published_through = $2 - 1, published_at = now()
+         WHERE endpoint_id = $1 AND published_through >= $2",
+    )
+    .bind(endpoint)
+    .bind(from)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Some(Replay::Replaying {
+        epoch,
+        from,
+        through,
+    }))
+}

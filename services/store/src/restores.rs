@@ -4,7 +4,8 @@
 //! copy in `changes`).
 //!
 //! [`mark`] is what `relay restored` runs for each endpoint, before any tier starts on the
-//! restored database. [`answered`] is what the control plane's rewind runs once the upstream
+//! restored database; [`resync`] begins a new epoch the same way while the tiers run, for a
+//! consumer that lost its state. [`answered`] is what the control plane's rewind runs once the upstream
 //! answered (or, with no call, once it decided to read the feed again), with relay-rules'
 //! [`answer_rewind`](relay_rules::answer_rewind) deciding under the track row's lock.
 
@@ -112,17 +113,7 @@ pub async fn mark(pool: &PgPool, endpoint: EndpointId) -> Result<Option<Marked>,
     .bind(tenant)
     .execute(&mut *tx)
     .await?;
-    let epoch: i64 = sqlx::query_scalar(
-        "INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id, last, epoch)
-         VALUES ($1, $2, 0, (extract(epoch FROM clock_timestamp()) * 1000)::int8)
-         ON CONFLICT (endpoint_id) DO UPDATE
-             SET epoch = GREATEST(c.epoch + 1, excluded.epoch), last = 0
-         RETURNING epoch",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .fetch_one(&mut *tx)
-    .await?;
+    let epoch = next_epoch(&mut tx, endpoint, tenant).await?;
     let (through, last_was_reset, restored_at): (Option<String>, bool, OffsetDateTime) =
         sqlx::query_as(
             "WITH held AS (
@@ -156,6 +147,83 @@ pub async fn mark(pool: &PgPool, endpoint: EndpointId) -> Result<Option<Marked>,
             },
             restored_at,
         },
+        epoch,
+        snapshot_items,
+    }))
+}
+
+/// Begins the endpoint's next epoch on its change counter (the endpoint's writer lock, held to
+/// the transaction's end): the greater of one more than its epoch and the time in milliseconds,
+/// so two epochs begun from one backup never share a number; the stream starts again at 0.
+async fn next_epoch(
+    conn: &mut PgConnection,
+    endpoint: EndpointId,
+    tenant: TenantId,
+) -> Result<i64, StoreError> {
+    Ok(sqlx::query_scalar(
+        "INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id, last, epoch)
+         VALUES ($1, $2, 0, (extract(epoch FROM clock_timestamp()) * 1000)::int8)
+         ON CONFLICT (endpoint_id) DO UPDATE
+             SET epoch = GREATEST(c.epoch + 1, excluded.epoch), last = 0
+         RETURNING epoch",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_one(conn)
+    .await?)
+}
+
+/// A resync as [`resync`] began it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resynced {
+    /// The new epoch of the endpoint's change stream.
+    pub epoch: i64,
+    /// How many items the snapshot that opens it holds.
+    pub snapshot_items: i64,
+}
+
+/// Resyncs the tenant's endpoint while every tier runs: a new epoch of its change stream,
+/// opened by a snapshot of the copy as it is now (as [`mark`] opens one), so that a consumer
+/// that lost everything rebuilds the copy from its queue alone. `None` when the endpoint is
+/// not the tenant's.
+///
+/// In one transaction, in the writers' lock order: the endpoint's fence row is locked (not
+/// taken: the sequencer's apply transactions wait for this one and then go on, their next
+/// changes following the snapshot in the new epoch), then the counter; the tenant's publishing
+/// token is taken, so a publisher's mark in flight of an old change cannot move the new
+/// epoch's cursor (its owner gives the tenant up, and the next one starts from the snapshot
+/// after the lease runs out).
+pub async fn resync(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<Option<Resynced>, StoreError> {
+    let mut tx = pool.begin().await?;
+    let owned: Option<TenantId> = sqlx::query_scalar(
+        "SELECT tenant_id FROM webhook_endpoints
+         WHERE id = $1 AND tenant_id = $2 AND status <> 'deleting' FOR SHARE",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if owned.is_none() {
+        return Ok(None);
+    }
+    sqlx::query("SELECT 1 FROM endpoint_fences WHERE endpoint_id = $1 FOR UPDATE")
+        .bind(endpoint)
+        .execute(&mut *tx)
+        .await?;
+    let epoch = next_epoch(&mut tx, endpoint, tenant).await?;
+    sqlx::query(
+        "UPDATE publisher_fences SET token = token + 1, claimed_at = now() WHERE tenant_id = $1",
+    )
+    .bind(tenant)
+    .execute(&mut *tx)
+    .await?;
+    let snapshot_items = crate::copy::open_epoch(&mut tx, endpoint, tenant).await?;
+    tx.commit().await?;
+    Ok(Some(Resynced {
         epoch,
         snapshot_items,
     }))

@@ -24,6 +24,7 @@ pub mod endpoints;
 pub mod quarantine;
 pub mod reads;
 pub mod rewind;
+pub mod stream;
 pub mod tenants;
 
 /// What every handler can reach.
@@ -118,6 +119,8 @@ fn documented() -> OpenApiRouter<AppState> {
         ))
         .routes(routes!(broker::rotate_credentials))
         .routes(routes!(rewind::rewind_track))
+        .routes(routes!(stream::replay))
+        .routes(routes!(stream::resync))
         .routes(routes!(reads::list_copy))
         .routes(routes!(reads::get_copy_item))
         .routes(routes!(reads::endpoint_state))
