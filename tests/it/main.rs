@@ -16,6 +16,7 @@ mod pipeline;
 mod publisher;
 mod registration_changes;
 mod restore;
+mod retention;
 mod scale_out;
 mod sequencer_apply;
 mod sequencer_ownership;

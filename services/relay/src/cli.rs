@@ -347,6 +347,25 @@ pub struct SequencerArgs {
     )]
     pub applied_events_retention_days: u64,
 
+    /// Days applied messages are kept (0: for ever), for the message listing and a quarantined
+    /// message's retry; a message quarantined and not acted on is kept regardless. A restore
+    /// from a backup needs none of them (the upstream's rewind resends what the backup lacks).
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_MESSAGE_RETENTION_DAYS",
+        default_value_t = sequencer::MESSAGE_RETENTION_DAYS
+    )]
+    pub message_retention_days: u64,
+
+    /// Days published changes are kept (0: for ever): how far back `POST .../replay` reaches.
+    /// Unpublished changes are kept regardless.
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_CHANGE_RETENTION_DAYS",
+        default_value_t = sequencer::CHANGE_RETENTION_DAYS
+    )]
+    pub change_retention_days: u64,
+
     /// Timeout, in milliseconds, of each upstream API request (reload pages, refetch reads).
     #[arg(
         long,

@@ -168,6 +168,11 @@ pub async fn ingest_waker(global: &GlobalArgs) -> anyhow::Result<Option<relay_co
     )
 }
 
+/// A retention given in days: `None` (for ever) for 0.
+fn days(days: u64) -> Option<Duration> {
+    (days > 0).then(|| Duration::from_secs(days * 24 * 3600))
+}
+
 impl SequencerArgs {
     pub fn to_config(
         &self,
@@ -186,8 +191,9 @@ impl SequencerArgs {
             messages_per_transaction: self.messages_per_transaction,
             sweep_interval: Duration::from_millis(self.sweep_interval_ms),
             idle_linger: Duration::from_millis(self.idle_linger_ms),
-            applied_events_retention: (self.applied_events_retention_days > 0)
-                .then(|| Duration::from_secs(self.applied_events_retention_days * 24 * 3600)),
+            applied_events_retention: days(self.applied_events_retention_days),
+            message_retention: days(self.message_retention_days),
+            change_retention: days(self.change_retention_days),
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
             outbound: global.outbound.policy(),
             trust: global.trust()?,

@@ -1,7 +1,8 @@
 //! The sequencer's metrics, registered on the registry the process serves at `/metrics`.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
 
 use relay_rules::Outcome;
@@ -61,6 +62,12 @@ pub struct SequencerMetrics {
     pub endpoints_owned: IntGauge,
     pub lock_losses: IntCounter,
     pub applied_events_forgotten: IntCounter,
+    /// Applied messages and published changes deleted after their retention.
+    pub messages_forgotten: IntCounter,
+    pub changes_forgotten: IntCounter,
+    /// What each growing table holds, read by the retention task each round.
+    pub table_bytes: IntGaugeVec,
+    pub table_rows: GaugeVec,
     pub apply_failures: IntCounter,
 }
 
@@ -159,12 +166,38 @@ impl SequencerMetrics {
             "relay_sequencer_applied_events_forgotten_total",
             "Applied event ids deleted after their retention.",
         )?;
+        let messages_forgotten = IntCounter::new(
+            "relay_sequencer_messages_forgotten_total",
+            "Applied messages deleted after their retention (with how they applied).",
+        )?;
+        let changes_forgotten = IntCounter::new(
+            "relay_sequencer_changes_forgotten_total",
+            "Published changes deleted after their retention.",
+        )?;
+        let table_bytes = IntGaugeVec::new(
+            Opts::new(
+                "relay_table_bytes",
+                "Size on disk of each table that grows with traffic, with its indexes and TOAST.",
+            ),
+            &["table"],
+        )?;
+        let table_rows = GaugeVec::new(
+            Opts::new(
+                "relay_table_rows_estimate",
+                "Rows of each table that grows with traffic, as Postgres last estimated them.",
+            ),
+            &["table"],
+        )?;
         let apply_failures = IntCounter::new(
             "relay_sequencer_apply_failures_total",
             "Failed applies of a message alone that its content may have caused (each is one \
              of its tries before quarantine).",
         )?;
         registry.register(Box::new(applied_events_forgotten.clone()))?;
+        registry.register(Box::new(messages_forgotten.clone()))?;
+        registry.register(Box::new(changes_forgotten.clone()))?;
+        registry.register(Box::new(table_bytes.clone()))?;
+        registry.register(Box::new(table_rows.clone()))?;
         registry.register(Box::new(apply_failures.clone()))?;
         registry.register(Box::new(messages.clone()))?;
         registry.register(Box::new(events.clone()))?;
@@ -212,6 +245,10 @@ impl SequencerMetrics {
             endpoints_owned,
             lock_losses,
             applied_events_forgotten,
+            messages_forgotten,
+            changes_forgotten,
+            table_bytes,
+            table_rows,
             apply_failures,
         })
     }

@@ -43,6 +43,14 @@ pub mod defaults {
     /// Applied event ids are kept a month: as long as the oldest backup likely to be restored,
     /// plus a day (see [`super::SequencerConfig::applied_events_retention`]).
     pub const APPLIED_EVENTS_RETENTION_DAYS: u64 = 31;
+    /// Applied messages are kept a week: they are for support (the message listing, a
+    /// quarantined message's retry) and audit, not for correctness. A restore from a backup
+    /// needs none of them: the upstream's rewind resends what the backup lacks, and what it
+    /// resends is recognised by the applied event ids, kept a month.
+    pub const MESSAGE_RETENTION_DAYS: u64 = 7;
+    /// Published changes are kept a week: what `POST .../replay` can send again (a consumer
+    /// that lost more resyncs from the copy).
+    pub const CHANGE_RETENTION_DAYS: u64 = 7;
     pub const UPSTREAM_TIMEOUT_MS: u64 = 10_000;
 }
 
@@ -81,7 +89,13 @@ pub struct SequencerConfig {
     /// backup that may be restored, plus a day: a rewind after a restore resends what was
     /// applied since that backup, and its events must still be recognised.
     pub applied_events_retention: Option<Duration>,
-    /// How often ids past their retention are deleted.
+    /// How long applied messages are kept (`None`: for ever); quarantined ones not acted on
+    /// are kept regardless.
+    pub message_retention: Option<Duration>,
+    /// How long published changes are kept (`None`: for ever); unpublished ones are kept
+    /// regardless.
+    pub change_retention: Option<Duration>,
+    /// How often rows past their retention are deleted (and the tables' sizes read).
     pub retention_interval: Duration,
     /// Timeout of each upstream API request.
     pub upstream_timeout: Duration,
@@ -119,6 +133,12 @@ impl Default for SequencerConfig {
             idle_linger: ms(defaults::IDLE_LINGER_MS),
             applied_events_retention: Some(Duration::from_secs(
                 defaults::APPLIED_EVENTS_RETENTION_DAYS * 24 * 3600,
+            )),
+            message_retention: Some(Duration::from_secs(
+                defaults::MESSAGE_RETENTION_DAYS * 24 * 3600,
+            )),
+            change_retention: Some(Duration::from_secs(
+                defaults::CHANGE_RETENTION_DAYS * 24 * 3600,
             )),
             retention_interval: Duration::from_secs(600),
             upstream_timeout: ms(defaults::UPSTREAM_TIMEOUT_MS),
@@ -212,15 +232,17 @@ async fn schedule(
         wake_tx.clone(),
         stop.clone(),
     ));
-    let retention = config.applied_events_retention.map(|retention| {
-        tokio::spawn(forget_applied_events(
-            pool.clone(),
-            retention,
-            config.retention_interval,
-            metrics.clone(),
-            stop.clone(),
-        ))
-    });
+    let retention_task = tokio::spawn(retention(
+        pool.clone(),
+        Retention {
+            applied_events: config.applied_events_retention,
+            messages: config.message_retention,
+            changes: config.change_retention,
+        },
+        config.retention_interval,
+        metrics.clone(),
+        stop.clone(),
+    ));
     let (changed_tx, mut changed_rx) = mpsc::unbounded_channel::<Option<Uuid>>();
     let registration_listener = tokio::spawn(listen_registration_changes(
         pool.clone(),
@@ -383,39 +405,125 @@ async fn schedule(
     listener.abort();
     registration_listener.abort();
     sweeper.abort();
-    if let Some(retention) = retention {
-        retention.abort();
-    }
+    retention_task.abort();
 }
 
-/// Deletes applied event ids older than `retention`, every `interval`, in batches. Every
-/// sequencer process runs it; deletes of the same rows by two of them simply find less to do.
-async fn forget_applied_events(
+/// How long each kind of row is kept (`None`: for ever).
+#[derive(Debug, Clone, Copy)]
+struct Retention {
+    applied_events: Option<Duration>,
+    messages: Option<Duration>,
+    changes: Option<Duration>,
+}
+
+/// Every `interval`: deletes applied event ids, applied messages and published changes past
+/// their retention, in batches (short statements, so no write of the tiers waits long behind
+/// one), until none is left; then reads the growing tables' sizes into the metrics. Every
+/// sequencer process runs it; two deleting the same rows simply find less to do.
+async fn retention(
     pool: PgPool,
-    retention: Duration,
+    keep: Retention,
     interval: Duration,
     metrics: SequencerMetrics,
     mut stop: watch::Receiver<bool>,
 ) {
     const BATCH: i64 = 10_000;
+    /// Endpoints per message or change statement, and rows of each at most.
+    const ENDPOINTS_PER_STATEMENT: i64 = 50;
+    const ROWS_PER_ENDPOINT: i64 = 500;
     loop {
-        loop {
-            match relay_store::copy::forget_applied_events(&pool, retention, BATCH).await {
-                Ok(deleted) => {
-                    metrics.applied_events_forgotten.inc_by(deleted);
-                    if (deleted as i64) < BATCH || *stop.borrow() {
+        if let Some(retention) = keep.applied_events {
+            loop {
+                match relay_store::copy::forget_applied_events(&pool, retention, BATCH).await {
+                    Ok(deleted) => {
+                        metrics.applied_events_forgotten.inc_by(deleted);
+                        if (deleted as i64) < BATCH || *stop.borrow() {
+                            break;
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "deleting old applied event ids failed");
                         break;
                     }
                 }
-                Err(error) => {
-                    tracing::warn!(%error, "deleting old applied event ids failed");
-                    break;
+            }
+        }
+        if let Some(retention) = keep.messages {
+            let cutoff = time::OffsetDateTime::now_utc() - retention;
+            let forgotten = every_page(&stop, |after| {
+                relay_store::messages::forget_applied(
+                    &pool,
+                    cutoff,
+                    after,
+                    ENDPOINTS_PER_STATEMENT,
+                    ROWS_PER_ENDPOINT,
+                )
+            })
+            .await;
+            match forgotten {
+                Ok(deleted) => metrics.messages_forgotten.inc_by(deleted),
+                Err(error) => tracing::warn!(%error, "deleting old applied messages failed"),
+            }
+        }
+        if let Some(retention) = keep.changes {
+            let cutoff = time::OffsetDateTime::now_utc() - retention;
+            let forgotten = every_page(&stop, |after| {
+                relay_store::changes::forget_published(
+                    &pool,
+                    cutoff,
+                    after,
+                    ENDPOINTS_PER_STATEMENT,
+                    ROWS_PER_ENDPOINT,
+                )
+            })
+            .await;
+            match forgotten {
+                Ok(deleted) => metrics.changes_forgotten.inc_by(deleted),
+                Err(error) => tracing::warn!(%error, "deleting old published changes failed"),
+            }
+        }
+        match relay_store::table_sizes(&pool).await {
+            Ok(sizes) => {
+                for (table, bytes, rows) in sizes {
+                    metrics.table_bytes.with_label_values(&[table]).set(bytes);
+                    metrics.table_rows.with_label_values(&[table]).set(rows);
                 }
             }
+            Err(error) => tracing::warn!(%error, "reading the tables' sizes failed"),
         }
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
             _ = stop.changed() => return,
+        }
+    }
+}
+
+/// Runs `delete` over every page of endpoints (each call takes the last endpoint of the page
+/// before, and answers how many rows went and its own last), passes after passes until a whole
+/// pass deletes nothing (or `stop`): what was past its retention is then gone. Returns how many
+/// rows went.
+async fn every_page<F, Fut>(
+    stop: &watch::Receiver<bool>,
+    mut delete: F,
+) -> Result<u64, relay_store::StoreError>
+where
+    F: FnMut(Option<EndpointId>) -> Fut,
+    Fut: std::future::Future<Output = Result<(u64, Option<EndpointId>), relay_store::StoreError>>,
+{
+    let (mut total, mut pass, mut after) = (0, 0, None);
+    loop {
+        let (deleted, next) = delete(after).await?;
+        total += deleted;
+        pass += deleted;
+        after = next;
+        if after.is_none() {
+            if pass == 0 {
+                return Ok(total);
+            }
+            pass = 0;
+        }
+        if *stop.borrow() {
+            return Ok(total);
         }
     }
 }

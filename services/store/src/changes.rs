@@ -250,6 +250,9 @@ pub enum Replay {
     Replaying { epoch: i64, from: i64, through: i64 },
     /// `from` is past the endpoint's last change (`through`) in `epoch`: nothing to send again.
     Ahead { epoch: i64, through: i64 },
+    /// `from` is before the oldest change kept (`oldest`): older ones were deleted after their
+    /// retention.
+    Gone { epoch: i64, oldest: i64 },
 }
 
 /// Sends the tenant's endpoint's changes again from change `from` of its current epoch: its
@@ -267,8 +270,12 @@ pub async fn replay(
     from: i64,
 ) -> Result<Option<Replay>, StoreError> {
     let mut tx = pool.begin().await?;
-    let position: Option<(i64, i64)> = sqlx::query_as(
-        "SELECT COALESCE(n.epoch, 1), COALESCE(n.last, 0) FROM webhook_endpoints e
+    // The oldest change kept, by the primary key (none kept: the one after the last).
+    let position: Option<(i64, i64, i64)> = sqlx::query_as(
+        "SELECT COALESCE(n.epoch, 1), COALESCE(n.last, 0),
+                COALESCE((SELECT min(c.change_seq) FROM changes c WHERE c.endpoint_id = e.id),
+                         COALESCE(n.last, 0) + 1)
+         FROM webhook_endpoints e
          LEFT JOIN endpoint_change_counters n ON n.endpoint_id = e.id
          WHERE e.id = $1 AND e.tenant_id = $2 AND e.status <> 'deleting'",
     )
@@ -276,11 +283,14 @@ pub async fn replay(
     .bind(tenant)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((epoch, through)) = position else {
+    let Some((epoch, through, oldest)) = position else {
         return Ok(None);
     };
     if from > through {
         return Ok(Some(Replay::Ahead { epoch, through }));
+    }
+    if from < oldest {
+        return Ok(Some(Replay::Gone { epoch, oldest }));
     }
     sqlx::query(
         "UPDATE publisher_fences SET token = token + 1, claimed_at = now() WHERE tenant_id = $1",
@@ -302,4 +312,51 @@ pub async fn replay(
         from,
         through,
     }))
+}
+
+/// Deletes published changes (at or below their endpoint's publish cursor) made before
+/// `cutoff`, at most `per_endpoint` of each of up to `endpoints` endpoints after `after`, as
+/// [`crate::messages::forget_applied`] does for messages: each endpoint's oldest changes first,
+/// by the primary key. Unpublished changes are never deleted. Returns how many went and the
+/// last endpoint looked at (`None` once past the last).
+pub async fn forget_published(
+    pool: &PgPool,
+    cutoff: OffsetDateTime,
+    after: Option<EndpointId>,
+    endpoints: i64,
+    per_endpoint: i64,
+) -> Result<(u64, Option<EndpointId>), StoreError> {
+    let page: Vec<uuid::Uuid> = sqlx::query_scalar(
+        "SELECT endpoint_id FROM endpoint_publish_cursors
+         WHERE $1::uuid IS NULL OR endpoint_id > $1
+         ORDER BY endpoint_id LIMIT $2",
+    )
+    .bind(after)
+    .bind(endpoints)
+    .fetch_all(pool)
+    .await?;
+    let Some(&last) = page.last() else {
+        return Ok((0, None));
+    };
+    let deleted = sqlx::query(
+        "DELETE FROM changes c USING (
+             SELECT w.endpoint_id, w.change_seq
+             FROM endpoint_publish_cursors p
+             CROSS JOIN LATERAL (
+                 SELECT ch.endpoint_id, ch.change_seq, ch.created_at FROM changes ch
+                 WHERE ch.endpoint_id = p.endpoint_id AND ch.change_seq <= p.published_through
+                 ORDER BY ch.change_seq LIMIT $3
+             ) w
+             WHERE p.endpoint_id = ANY($1) AND w.created_at < $2
+         ) old
+         WHERE c.endpoint_id = old.endpoint_id AND c.change_seq = old.change_seq",
+    )
+    .bind(&page)
+    .bind(cutoff)
+    .bind(per_endpoint)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    let next = (page.len() as i64 == endpoints).then_some(EndpointId(last));
+    Ok((deleted, next))
 }

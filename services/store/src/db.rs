@@ -141,3 +141,35 @@ impl KeptConnection {
         self.kept = Some((connection, Instant::now()));
     }
 }
+
+/// The tables that grow with traffic, whose size the operator watches (and retention bounds).
+pub const GROWING_TABLES: [&str; 6] = [
+    "messages",
+    "message_applications",
+    "changes",
+    "applied_events",
+    "copy_items",
+    "quarantined_messages",
+];
+
+/// Each of [`GROWING_TABLES`]' size on disk (with its indexes and TOAST) in bytes, and its row
+/// count as the planner last estimated it (`ANALYZE`, autovacuum): cheap enough to read often.
+pub async fn table_sizes(pool: &PgPool) -> Result<Vec<(&'static str, i64, f64)>, StoreError> {
+    let rows: Vec<(String, i64, f32)> = sqlx::query_as(
+        "SELECT c.relname::text, pg_total_relation_size(c.oid), GREATEST(c.reltuples, 0)
+         FROM pg_class c
+         WHERE c.relname = ANY($1) AND c.relkind = 'r'
+           AND c.relnamespace = 'public'::regnamespace",
+    )
+    .bind(&GROWING_TABLES[..])
+    .fetch_all(pool)
+    .await?;
+    Ok(GROWING_TABLES
+        .iter()
+        .filter_map(|&table| {
+            rows.iter()
+                .find(|(name, _, _)| name == table)
+                .map(|(_, bytes, rows)| (table, *bytes, f64::from(*rows)))
+        })
+        .collect())
+}

@@ -54,7 +54,9 @@ pub mod tenants;
 pub mod tracks;
 pub mod upstream_status;
 
-pub use db::{connect, read_snapshot, KeptConnection, PoolOptions, MIGRATOR};
+pub use db::{
+    connect, read_snapshot, table_sizes, KeptConnection, PoolOptions, GROWING_TABLES, MIGRATOR,
+};
 pub use ids::{EndpointId, TenantId};
 
 /// A store call failed. Callers at the edges add context; this keeps the cause.

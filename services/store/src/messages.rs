@@ -294,3 +294,72 @@ pub async fn list_with_outcomes(
     .fetch_all(pool)
     .await?)
 }
+
+/// Deletes stored messages received before `cutoff` that are applied (at or below their
+/// endpoint's apply cursor), with their `message_applications` rows, at most `per_endpoint` of
+/// each of up to `endpoints` endpoints after `after` (endpoint id order); a message quarantined
+/// and not yet acted on is kept, and with it its quarantine row. Returns how many messages went
+/// and the last endpoint looked at (`None` once past the last: start again from the first).
+///
+/// Each endpoint's window is its first messages in arrival order, read by the primary key: its
+/// arrival numbers follow the order the front tier committed them, so its oldest come first,
+/// and the first window holding none old enough ends the endpoint's share of the round without
+/// reading further.
+pub async fn forget_applied(
+    pool: &PgPool,
+    cutoff: time::OffsetDateTime,
+    after: Option<EndpointId>,
+    endpoints: i64,
+    per_endpoint: i64,
+) -> Result<(u64, Option<EndpointId>), StoreError> {
+    let page: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT endpoint_id FROM endpoint_apply_cursors
+         WHERE $1::uuid IS NULL OR endpoint_id > $1
+         ORDER BY endpoint_id LIMIT $2",
+    )
+    .bind(after)
+    .bind(endpoints)
+    .fetch_all(pool)
+    .await?;
+    let Some(&last) = page.last() else {
+        return Ok((0, None));
+    };
+    let deleted: i64 = sqlx::query_scalar(
+        "WITH window_ AS (
+             SELECT w.endpoint_id, w.arrival_seq
+             FROM endpoint_apply_cursors c
+             CROSS JOIN LATERAL (
+                 SELECT m.endpoint_id, m.arrival_seq, m.received_at FROM messages m
+                 WHERE m.endpoint_id = c.endpoint_id
+                   AND m.arrival_seq <= c.applied_arrival_seq
+                   AND NOT EXISTS (SELECT 1 FROM quarantined_messages q
+                                   WHERE q.endpoint_id = m.endpoint_id
+                                     AND q.arrival_seq = m.arrival_seq
+                                     AND q.status = 'quarantined')
+                 ORDER BY m.arrival_seq LIMIT $3
+             ) w
+             WHERE c.endpoint_id = ANY($1) AND w.received_at < $2
+         ),
+         gone AS (
+             DELETE FROM messages m USING window_ w
+             WHERE m.endpoint_id = w.endpoint_id AND m.arrival_seq = w.arrival_seq
+             RETURNING m.endpoint_id, m.arrival_seq
+         ),
+         applications AS (
+             DELETE FROM message_applications a USING gone g
+             WHERE a.endpoint_id = g.endpoint_id AND a.arrival_seq = g.arrival_seq
+         ),
+         resolved AS (
+             DELETE FROM quarantined_messages q USING gone g
+             WHERE q.endpoint_id = g.endpoint_id AND q.arrival_seq = g.arrival_seq
+         )
+         SELECT count(*) FROM gone",
+    )
+    .bind(&page)
+    .bind(cutoff)
+    .bind(per_endpoint)
+    .fetch_one(pool)
+    .await?;
+    let next = (page.len() as i64 == endpoints).then_some(EndpointId(last));
+    Ok((deleted as u64, next))
+}

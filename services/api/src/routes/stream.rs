@@ -49,8 +49,8 @@ pub struct ReplayView {
     responses(
         (status = 202, body = ReplayView, description = "The changes from `from_change_seq` on \
             go to the tenant's destination again, in order, with their own message ids"),
-        (status = 400, body = ErrorBody, description = "`from_change_seq` below 1, or past the \
-            endpoint's last change"),
+        (status = 400, body = ErrorBody, description = "`from_change_seq` below 1, past the \
+            endpoint's last change, or before the oldest change kept"),
         (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
     )
@@ -70,6 +70,14 @@ pub async fn replay(
         Some(Replay::Ahead { epoch, through }) => Err(ApiError::invalid(
             "from_change_seq",
             format!("past the endpoint's last change, {through} of epoch {epoch}"),
+        )),
+        Some(Replay::Gone { epoch, oldest }) => Err(ApiError::invalid(
+            "from_change_seq",
+            format!(
+                "before the oldest change kept, {oldest} of epoch {epoch} (older ones are \
+                 deleted after RELAY_SEQUENCER_CHANGE_RETENTION_DAYS): replay from there, or \
+                 resync"
+            ),
         )),
         Some(Replay::Replaying {
             epoch,
