@@ -64,6 +64,11 @@ pub struct PipelineBenchArgs {
     /// The front tier's concurrent batch writers, as `relay ingest --writers`.
     #[arg(long, env = "RELAY_INGEST_WRITERS", default_value_t = relay_ingest::defaults::WRITERS)]
     pub ingest_writers: usize,
+    /// Delete applied messages and published changes this many seconds old, every third of it,
+    /// while the load runs (0: keep everything, as the defaults of a week never reach in a
+    /// run). The latencies are then measured over the rows that are left.
+    #[arg(long, default_value_t = 0)]
+    pub retention_s: u64,
     #[command(flatten)]
     pub sequencer: SequencerArgs,
     #[command(flatten)]
@@ -873,9 +878,21 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     let prefix = format!("relay-bench-{}:", Uuid::new_v4().simple());
     let sequencer = Sequencer::start(
         crate::startup::sequencer_pool(global)?,
-        SequencerConfig {
-            key_prefix: prefix.clone(),
-            ..args.sequencer.to_config(global)?
+        {
+            let mut config = SequencerConfig {
+                key_prefix: prefix.clone(),
+                ..args.sequencer.to_config(global)?
+            };
+            if args.retention_s > 0 {
+                let retention = Duration::from_secs(args.retention_s);
+                config.message_retention = Some(retention);
+                config.change_retention = Some(retention);
+                config.retention_interval = retention / 3;
+            } else {
+                config.message_retention = None;
+                config.change_retention = None;
+            }
+            config
         },
         SequencerMetrics::register(&registry)?,
     )
@@ -925,13 +942,33 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     let sampler_pool = pool.clone();
     let samples = Arc::new(std::sync::Mutex::new(Vec::<(i64, i64)>::new()));
     let sampled = samples.clone();
+    // And the growing tables' sizes every 10 s (MB of messages, changes), to see retention
+    // hold them flat.
+    let table_samples = Arc::new(std::sync::Mutex::new(Vec::<(u64, f64, f64)>::new()));
+    let tables_sampled = table_samples.clone();
     let sampler = tokio::spawn(async move {
-        loop {
+        let started = Instant::now();
+        for tick in 1u64.. {
             tokio::time::sleep(Duration::from_secs(1)).await;
             let sample = backlog_sample(&sampler_pool).await;
             match sample {
                 Ok(sample) => sampled.lock().expect("not poisoned").push(sample),
                 Err(error) => tracing::warn!(%error, "backlog sample failed"),
+            }
+            if tick % 10 == 0 {
+                if let Ok(sizes) = relay_store::table_sizes(&sampler_pool).await {
+                    let mb = |table: &str| {
+                        sizes
+                            .iter()
+                            .find(|(name, _, _)| *name == table)
+                            .map_or(0.0, |(_, bytes, _)| (*bytes as f64 / 1e5).round() / 10.0)
+                    };
+                    tables_sampled.lock().expect("not poisoned").push((
+                        started.elapsed().as_secs(),
+                        mb("messages"),
+                        mb("changes"),
+                    ));
+                }
             }
         }
     });
@@ -1028,6 +1065,14 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
                 "unpublished_changes": samples.iter().map(|s| s.1).max(),
             },
             "backlog_last_10_s_of_load": tail,
+            "retention_s": args.retention_s,
+            "table_mb_every_10_s": table_samples
+                .lock()
+                .expect("not poisoned")
+                .iter()
+                .map(|(at, messages, changes)| json!({"at_s": at, "messages": messages,
+                                                    "changes": changes}))
+                .collect::<Vec<_>>(),
             "drain_after_load_s": (drain_s * 10.0).round() / 10.0,
             "steps_ms": steps,
             "per_second_p99_ms": seconds,
