@@ -256,6 +256,12 @@ async fn a_resync_rebuilds_an_empty_consumer_and_a_replay_changes_no_deduplicati
     stop_simulation(&sim, senders).await;
     collector.finish().await;
     publisher.stop().await;
+    // With nothing publishing, a resync's snapshot stays unsent: asking again is refused
+    // rather than writing the whole copy once more.
+    let resync = format!("/v1/endpoints/{replayed}/resync");
+    api.ok(202, "POST", &resync, &token, None).await;
+    let again = api.call("POST", &resync, &token, None).await;
+    assert_eq!(again.status, 409, "{}", again.text);
     sequencer.stop().await;
     let _ = broker.close(200, "done").await;
     app.stop().await;

@@ -173,13 +173,15 @@ async fn next_epoch(
     .await?)
 }
 
-/// A resync as [`resync`] began it.
+/// What [`resync`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Resynced {
-    /// The new epoch of the endpoint's change stream.
-    pub epoch: i64,
-    /// How many items the snapshot that opens it holds.
-    pub snapshot_items: i64,
+pub enum Resync {
+    /// A new epoch began, opened by a snapshot of this many items.
+    Begun { epoch: i64, snapshot_items: i64 },
+    /// The current epoch's snapshot is not all sent yet: nothing done (a consumer gets the
+    /// copy from that one, and a tenant asking again and again cannot make the relay write its
+    /// whole copy again each time).
+    SnapshotUnsent { epoch: i64 },
 }
 
 /// Resyncs the tenant's endpoint while every tier runs: a new epoch of its change stream,
@@ -197,7 +199,7 @@ pub async fn resync(
     pool: &PgPool,
     tenant: TenantId,
     endpoint: EndpointId,
-) -> Result<Option<Resynced>, StoreError> {
+) -> Result<Option<Resync>, StoreError> {
     let mut tx = pool.begin().await?;
     let owned: Option<TenantId> = sqlx::query_scalar(
         "SELECT tenant_id FROM webhook_endpoints
@@ -214,6 +216,20 @@ pub async fn resync(
         .bind(endpoint)
         .execute(&mut *tx)
         .await?;
+    // The current epoch's `snapshot_end`, if it is still past the publish cursor.
+    let unsent: Option<i64> = sqlx::query_scalar(
+        "SELECT n.epoch FROM endpoint_change_counters n
+         JOIN changes c ON c.endpoint_id = n.endpoint_id AND c.operation = 'snapshot_end'
+         LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = n.endpoint_id
+         WHERE n.endpoint_id = $1 AND c.change_seq > COALESCE(p.published_through, 0)
+         LIMIT 1",
+    )
+    .bind(endpoint)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some(epoch) = unsent {
+        return Ok(Some(Resync::SnapshotUnsent { epoch }));
+    }
     let epoch = next_epoch(&mut tx, endpoint, tenant).await?;
     sqlx::query(
         "UPDATE publisher_fences SET token = token + 1, claimed_at = now() WHERE tenant_id = $1",
@@ -223,7 +239,7 @@ pub async fn resync(
     .await?;
     let snapshot_items = crate::copy::open_epoch(&mut tx, endpoint, tenant).await?;
     tx.commit().await?;
-    Ok(Some(Resynced {
+    Ok(Some(Resync::Begun {
         epoch,
         snapshot_items,
     }))

@@ -15,6 +15,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
 use relay_store::changes::{self, Replay};
+use relay_store::restores::Resync;
 use relay_store::EndpointId;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -115,6 +116,8 @@ pub struct ResyncView {
             the copy, goes to the tenant's destination; the live changes follow it"),
         (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody, description = "The last resync's (or restore's) \
+            snapshot is still being sent"),
     )
 )]
 pub async fn resync(
@@ -123,17 +126,28 @@ pub async fn resync(
     Path(endpoint_id): Path<String>,
 ) -> Result<(StatusCode, Json<ResyncView>), ApiError> {
     let id = EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
-    let resynced = relay_store::restores::resync(&state.pool, tenant, id)
-        .await?
-        .ok_or(ApiError::NotFound("webhook endpoint"))?;
-    tracing::info!(%tenant, endpoint = %id, epoch = resynced.epoch,
-                   items = resynced.snapshot_items, "resync begun");
-    Ok((
-        StatusCode::ACCEPTED,
-        Json(ResyncView {
-            webhook_endpoint_id: id.0,
-            epoch: resynced.epoch,
-            snapshot_items: resynced.snapshot_items,
-        }),
-    ))
+    match relay_store::restores::resync(&state.pool, tenant, id).await? {
+        None => Err(ApiError::NotFound("webhook endpoint")),
+        Some(Resync::SnapshotUnsent { epoch }) => Err(ApiError::conflict(
+            None,
+            format!(
+                "epoch {epoch}'s snapshot is still being sent: a consumer rebuilds from it; ask \
+                 again once it is"
+            ),
+        )),
+        Some(Resync::Begun {
+            epoch,
+            snapshot_items,
+        }) => {
+            tracing::info!(%tenant, endpoint = %id, epoch, items = snapshot_items, "resync begun");
+            Ok((
+                StatusCode::ACCEPTED,
+                Json(ResyncView {
+                    webhook_endpoint_id: id.0,
+                    epoch,
+                    snapshot_items,
+                }),
+            ))
+        }
+    }
 }
