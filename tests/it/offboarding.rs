@@ -355,3 +355,102 @@ async fn a_delete_interrupted_half_way_is_finished_by_the_next_control_plane() {
     api.server.stop().await.unwrap();
     app.stop().await;
 }
+
+/// The control plane, a process of its own, SIGKILLed just after it answered a delete (its
+/// purge of 60,000 stored messages in batches has begun or is about to): the endpoint stays
+/// unreachable, and the next control plane to start finishes the delete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_killed_mid_delete_is_finished_by_the_next_one() {
+    use crate::scale_out::{free_address, TierProcess};
+    const KEY: &str = "offboarding-test-signing-key-of-32-bytes-or-more";
+    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
+    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
+    let app = TestApp::spawn().await;
+    let pool = app.db.pool.clone();
+    let tenant = app.db.tenant().await;
+    let (endpoint, secret) = (Uuid::new_v4(), relay_tests::random_secret());
+    app.db.endpoint(tenant, endpoint, &secret).await;
+    // Many stored messages, so the purge takes several batches.
+    sqlx::query(
+        "WITH stored AS (
+             INSERT INTO messages (endpoint_id, arrival_seq, tenant_id, webhook_id, signed_at,
+                                   received_at, body)
+             SELECT $1, n, $2, 'msg_' || n, now(), now(), convert_to(repeat('x', 200), 'UTF8')
+             FROM generate_series(1, 60000) AS n
+             RETURNING 1
+         )
+         UPDATE endpoint_arrival_counters SET last_arrival_seq = (SELECT count(*) FROM stored)
+         WHERE endpoint_id = $1",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let global: Vec<String> = [
+        "--database-url",
+        app.db.url.as_str(),
+        "--redis-url",
+        &redis_url(),
+        "--redis-key-prefix",
+        &prefix.0,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let amqp_url = vhost.url();
+    let client = reqwest::Client::new();
+    let start_api = |address: std::net::SocketAddr| {
+        let listen = address.to_string();
+        TierProcess::start(
+            "api",
+            &global,
+            &[
+                "api",
+                "--api-listen",
+                &listen,
+                "--amqp-url",
+                &amqp_url,
+                "--jwt-secret",
+                KEY,
+            ],
+            free_address(),
+        )
+    };
+    let address = free_address();
+    let api = start_api(address);
+    api.wait_ready(&client).await;
+    let token = crate::stack::token_for(KEY.as_bytes(), &relay_api::Subject::Tenant(tenant));
+    let answer = crate::stack::call_api(
+        &client,
+        &format!("http://{address}"),
+        "DELETE",
+        &format!("/v1/endpoints/{endpoint}"),
+        Some(&token),
+        None,
+    )
+    .await;
+    assert_eq!(answer.status, 202, "{}", answer.text);
+    api.kill().await;
+    let left_at_kill = leftovers(&pool, &[endpoint], None).await;
+    eprintln!("offboarding: left when the control plane was killed: {left_at_kill:?}");
+    // Unreachable meanwhile.
+    let message = Signed::new(std::slice::from_ref(&secret), feed_body(endpoint, 1));
+    assert_eq!(app.post(endpoint, &message).await.status(), 404);
+
+    let address = free_address();
+    let api = start_api(address);
+    api.wait_ready(&client).await;
+    wait_for(
+        "the killed control plane's delete",
+        Duration::from_secs(60),
+        || async {
+            let left = leftovers(&pool, &[endpoint], None).await;
+            (!left.is_empty()).then(|| format!("{left:?}"))
+        },
+    )
+    .await;
+    api.kill().await;
+    app.stop().await;
+}

@@ -42,14 +42,15 @@ async fn tier_child_process() {
 }
 
 /// One tier's process, and where its metrics and probes are served.
-struct TierProcess {
+pub(crate) struct TierProcess {
     name: String,
     metrics: SocketAddr,
-    _child: Child,
+    child: Child,
 }
 
 impl TierProcess {
-    fn start(name: &str, global: &[String], tier: &[&str], metrics: SocketAddr) -> Self {
+    /// `relay <global> <tier> --metrics-listen <metrics>`, in a process of its own.
+    pub(crate) fn start(name: &str, global: &[String], tier: &[&str], metrics: SocketAddr) -> Self {
         let mut command_line: Vec<String> = vec!["relay".into()];
         command_line.extend(global.iter().cloned());
         command_line.extend(tier.iter().map(|s| s.to_string()));
@@ -79,12 +80,17 @@ impl TierProcess {
         Self {
             name: name.to_owned(),
             metrics,
-            _child: child,
+            child,
         }
     }
 
+    /// SIGKILL: nothing in flight finishes.
+    pub(crate) async fn kill(mut self) {
+        self.child.kill().await.unwrap();
+    }
+
     /// Waits for the process's `/readyz` to answer 200: what it needs answers.
-    async fn wait_ready(&self, client: &reqwest::Client) {
+    pub(crate) async fn wait_ready(&self, client: &reqwest::Client) {
         let started = Instant::now();
         loop {
             let answer = client
@@ -126,7 +132,7 @@ impl TierProcess {
 }
 
 /// A free port on 127.0.0.1 (bound, then let go for the child to bind).
-fn free_address() -> SocketAddr {
+pub(crate) fn free_address() -> SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
