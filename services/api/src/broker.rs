@@ -305,8 +305,16 @@ impl BrokerAccess {
             false,
         )
         .await?;
-        // As the publisher declares it (durable, quorum); the same arguments, so neither
-        // declaration refuses the other.
+        self.declare_queue(http, &queue).await?;
+        self.ensure_dead_lettering(http).await?;
+        self.declare_dead_letter_queue(http, tenant).await?;
+        self.close_connections(http, &username).await?;
+        Ok(password)
+    }
+
+    /// Declares `queue` as the publisher declares a tenant's (durable, quorum): the same
+    /// arguments, so neither declaration refuses the other. Idempotent.
+    async fn declare_queue(&self, http: &reqwest::Client, queue: &str) -> Result<(), ApiError> {
         let declaration = json!({
             "durable": true,
             "auto_delete": false,
@@ -315,15 +323,11 @@ impl BrokerAccess {
         self.call(
             http,
             Method::PUT,
-            &["queues", &self.vhost, &queue],
+            &["queues", &self.vhost, queue],
             Some(declaration),
             false,
         )
-        .await?;
-        self.ensure_dead_lettering(http).await?;
-        self.declare_dead_letter_queue(http, tenant).await?;
-        self.close_connections(http, &username).await?;
-        Ok(password)
+        .await
     }
 
     /// Declares the dead-letter exchange and sets the two policies to [`DeadLetters`]'s
@@ -383,19 +387,7 @@ impl BrokerAccess {
         tenant: TenantId,
     ) -> Result<(), ApiError> {
         let queue = dead_letter_queue(tenant);
-        let declaration = json!({
-            "durable": true,
-            "auto_delete": false,
-            "arguments": {"x-queue-type": "quorum"},
-        });
-        self.call(
-            http,
-            Method::PUT,
-            &["queues", &self.vhost, &queue],
-            Some(declaration),
-            false,
-        )
-        .await?;
+        self.declare_queue(http, &queue).await?;
         // Binding an existing binding again changes nothing.
         self.call(
             http,

@@ -460,10 +460,7 @@ async fn retention(
                 )
             })
             .await;
-            match forgotten {
-                Ok(deleted) => metrics.messages_forgotten.inc_by(deleted),
-                Err(error) => tracing::warn!(%error, "deleting old applied messages failed"),
-            }
+            count_forgotten(forgotten, &metrics.messages_forgotten, "applied messages");
         }
         if let Some(retention) = keep.changes {
             let cutoff = time::OffsetDateTime::now_utc() - retention;
@@ -477,10 +474,7 @@ async fn retention(
                 )
             })
             .await;
-            match forgotten {
-                Ok(deleted) => metrics.changes_forgotten.inc_by(deleted),
-                Err(error) => tracing::warn!(%error, "deleting old published changes failed"),
-            }
+            count_forgotten(forgotten, &metrics.changes_forgotten, "published changes");
         }
         match relay_store::table_sizes(&pool).await {
             Ok(sizes) => {
@@ -495,6 +489,18 @@ async fn retention(
             _ = tokio::time::sleep(interval) => {}
             _ = stop.changed() => return,
         }
+    }
+}
+
+/// Counts what a retention pass deleted, or says why it failed (the next round tries again).
+fn count_forgotten(
+    forgotten: Result<u64, relay_store::StoreError>,
+    counter: &prometheus::IntCounter,
+    what: &str,
+) {
+    match forgotten {
+        Ok(deleted) => counter.inc_by(deleted),
+        Err(error) => tracing::warn!(%error, "deleting old {what} failed"),
     }
 }
 
