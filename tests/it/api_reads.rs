@@ -278,8 +278,22 @@ async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
         listed("status=applied&received_from=2000-01-01T00:00:00Z").await,
         [2]
     );
+    sqlx::query(
+        "UPDATE messages SET duplicates = 2, last_duplicate_at = now()
+         WHERE endpoint_id = $1 AND arrival_seq = 2",
+    )
+    .bind(endpoint)
+    .execute(&app.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(listed("status=duplicate").await, [2]);
+    let twice = app
+        .ok(200, "GET", &e("/messages?status=duplicate"), &token, None)
+        .await;
+    assert_eq!(twice["data"][0]["duplicates"], 2, "{twice}");
+    assert!(twice["data"][0]["last_duplicate_at"].is_string(), "{twice}");
     for (query, field) in [
-        ("status=duplicate", "status"),
+        ("status=repeated", "status"),
         ("received_from=yesterday", "received_from"),
         ("received_before=2100-13-01T00:00:00Z", "received_before"),
     ] {

@@ -70,6 +70,15 @@ async fn a_repeated_webhook_id_is_answered_2xx_and_stored_once() {
             .await,
         17.0
     );
+    // Each repeat is counted on the stored message, for the tenant's listing.
+    let (duplicates, last): (i32, Option<time::OffsetDateTime>) =
+        sqlx::query_as("SELECT duplicates, last_duplicate_at FROM messages WHERE endpoint_id = $1")
+            .bind(endpoint)
+            .fetch_one(&app.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(duplicates, 17);
+    assert!(last.is_some());
     app.stop().await;
 }
 

@@ -76,6 +76,14 @@ pub async fn store_batch<'c, E: sqlx::PgExecutor<'c>>(
     }
 
     let fresh: Vec<&IncomingMessage> = unique.iter().map(|&i| &batch[i]).collect();
+    // How many times each unique message repeats later in this batch (counted as duplicates
+    // of it, as a repeat in a later batch is).
+    let mut repeats: Vec<i32> = vec![0; unique.len()];
+    let position_in_unique: HashMap<usize, usize> =
+        unique.iter().enumerate().map(|(u, &i)| (i, u)).collect();
+    for first in repeat_of.iter().flatten() {
+        repeats[position_in_unique[first]] += 1;
+    }
     let mut endpoint_ids: Vec<Uuid> = column(&fresh, |m| m.endpoint_id);
     endpoint_ids.sort_unstable();
     endpoint_ids.dedup();
@@ -85,10 +93,10 @@ pub async fn store_batch<'c, E: sqlx::PgExecutor<'c>>(
         "WITH batch AS MATERIALIZED (
              SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::timestamptz[],
                                   $5::int4[], $6::timestamptz[], $7::text[], $8::int8[],
-                                  $9::bytea[])
+                                  $9::bytea[], $11::int4[])
                  WITH ORDINALITY
                  AS b(endpoint_id, tenant_id, webhook_id, signed_at, attempt, received_at,
-                      track, generation, body, ord)
+                      track, generation, body, repeats, ord)
          ),
          counts AS (
              SELECT endpoint_id, count(*) AS count FROM batch GROUP BY endpoint_id
@@ -114,15 +122,29 @@ pub async fn store_batch<'c, E: sqlx::PgExecutor<'c>>(
          ),
          inserted AS (
              INSERT INTO messages (endpoint_id, arrival_seq, tenant_id, webhook_id, signed_at,
-                                   attempt, received_at, track, generation, body)
+                                   attempt, received_at, track, generation, body, duplicates,
+                                   last_duplicate_at)
              SELECT b.endpoint_id,
                     r.base + row_number() OVER (PARTITION BY b.endpoint_id ORDER BY b.ord),
                     b.tenant_id, b.webhook_id, b.signed_at, b.attempt, b.received_at, b.track,
-                    b.generation, b.body
+                    b.generation, b.body, b.repeats,
+                    CASE WHEN b.repeats > 0 THEN b.received_at END
              FROM batch b JOIN reserved r ON r.endpoint_id = b.endpoint_id
              ORDER BY b.ord
              ON CONFLICT (endpoint_id, webhook_id) DO NOTHING
              RETURNING endpoint_id, webhook_id, arrival_seq
+         ),
+         -- A message stored before: counted once more (and its repeats in this batch), on
+         -- its row. One stored by a batch committed after this statement began is not in its
+         -- snapshot, so not counted: the count is for support, its answer (200) stands.
+         duplicated AS (
+             UPDATE messages m
+             SET duplicates = m.duplicates + 1 + b.repeats, last_duplicate_at = b.received_at
+             FROM batch b JOIN reserved r ON r.endpoint_id = b.endpoint_id
+             WHERE m.endpoint_id = b.endpoint_id AND m.webhook_id = b.webhook_id
+               AND NOT EXISTS (SELECT 1 FROM inserted i
+                               WHERE i.endpoint_id = b.endpoint_id
+                                 AND i.webhook_id = b.webhook_id)
          )
          SELECT b.ord, i.arrival_seq, r.endpoint_id IS NOT NULL,
                 (SELECT e.status FROM webhook_endpoints e WHERE e.id = b.endpoint_id)
@@ -141,6 +163,7 @@ pub async fn store_batch<'c, E: sqlx::PgExecutor<'c>>(
     .bind(column(&fresh, |m| m.generation))
     .bind(column(&fresh, |m| &m.body[..]))
     .bind(&endpoint_ids)
+    .bind(&repeats)
     .fetch_all(executor)
     .await?;
     if rows.len() != unique.len() {
@@ -216,6 +239,9 @@ pub struct MessageRecord {
     pub reason: Option<String>,
     /// What became of it, in a word: one of [`MESSAGE_STATUSES`].
     pub status: String,
+    /// How many times it came again (each answered 200, not stored again), and when last.
+    pub duplicates: i32,
+    pub last_duplicate_at: Option<OffsetDateTime>,
 }
 
 /// What became of a stored message, as the listing says it and filters by it: `waiting` (not
@@ -235,6 +261,8 @@ pub struct MessageQuery {
     pub include_body: bool,
     /// Only messages in this status (one of [`MESSAGE_STATUSES`]).
     pub status: Option<String>,
+    /// Only messages that came more than once.
+    pub duplicated: bool,
     /// Only messages received at or after this.
     pub received_from: Option<OffsetDateTime>,
     /// Only messages received before this.
@@ -260,7 +288,7 @@ pub async fn list_with_outcomes(
                 m.generation, octet_length(m.body) AS body_bytes,
                 CASE WHEN $5 THEN m.body END AS body,
                 a.outcome, a.events_applied, a.events_ignored, a.applied_at,
-                s.passed, q.reason, s.status
+                s.passed, q.reason, s.status, m.duplicates, m.last_duplicate_at
          FROM messages m
          LEFT JOIN message_applications a
            ON a.endpoint_id = m.endpoint_id AND a.arrival_seq = m.arrival_seq
@@ -279,6 +307,7 @@ pub async fn list_with_outcomes(
          ) s
          WHERE m.endpoint_id = $1 AND m.tenant_id = $2 AND {condition}
            AND ($6::text IS NULL OR s.status = $6)
+           AND (NOT $9 OR m.duplicates > 0)
            AND ($7::timestamptz IS NULL OR m.received_at >= $7)
            AND ($8::timestamptz IS NULL OR m.received_at < $8)
          ORDER BY m.arrival_seq {order} LIMIT $4"
@@ -291,6 +320,7 @@ pub async fn list_with_outcomes(
     .bind(&query.status)
     .bind(query.received_from)
     .bind(query.received_before)
+    .bind(query.duplicated)
     .fetch_all(pool)
     .await?)
 }

@@ -382,6 +382,12 @@ pub struct MessageView {
     /// reading rules: another track, an older generation, a superseded reload, a test message)
     /// or `quarantined`.
     pub status: String,
+    /// How many times the upstream sent it again after it was stored (each answered 200 and
+    /// not stored again), and when last.
+    pub duplicates: i32,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub last_duplicate_at: Option<OffsetDateTime>,
     /// How the sequencer applied it; absent while it waits.
     pub applied: Option<ApplicationView>,
     /// The raw body, with `include_body=true` (as text; bytes that are not UTF-8 are replaced).
@@ -405,10 +411,10 @@ pub struct MessagePage {
         ("limit" = Option<i64>, Query, description = "1 to 200, default 50"),
         ("include_body" = Option<bool>, Query, description = "Default false"),
         ("status" = Option<String>, Query,
-         description = "Only messages in this status: waiting, applied, ignored or quarantined. \
-                        A repeat of a stored message's webhook-id is answered 200 and not \
-                        stored, so it is never listed (the front tier counts it in \
-                        relay_ingest_messages_total{outcome=\"duplicate\"})"),
+         description = "Only messages in this status: waiting, applied, ignored or \
+                        quarantined; or `duplicate`: only messages the upstream sent more than \
+                        once (a repeat of a stored message's webhook-id is answered 200 and \
+                        counted on the stored message, not stored again)"),
         ("received_from" = Option<String>, Query,
          description = "Only messages received at or after this time (RFC 3339)"),
         ("received_before" = Option<String>, Query,
@@ -439,13 +445,16 @@ pub async fn list_messages(
             "received_before",
         ],
     )?;
-    let status = match query.text("status") {
-        None => None,
-        Some(status) if messages::MESSAGE_STATUSES.contains(&status) => Some(status.to_owned()),
+    let (status, duplicated) = match query.text("status") {
+        None => (None, false),
+        Some("duplicate") => (None, true),
+        Some(status) if messages::MESSAGE_STATUSES.contains(&status) => {
+            (Some(status.to_owned()), false)
+        }
         Some(_) => {
             return Err(ApiError::invalid(
                 "status",
-                messages::MESSAGE_STATUSES.join(", "),
+                format!("{} or duplicate", messages::MESSAGE_STATUSES.join(", ")),
             ))
         }
     };
@@ -476,6 +485,7 @@ pub async fn list_messages(
         limit,
         include_body,
         status,
+        duplicated,
         received_from,
         received_before,
     };
@@ -496,6 +506,8 @@ pub async fn list_messages(
             body_bytes: m.body_bytes,
             answered: 202,
             status: m.status,
+            duplicates: m.duplicates,
+            last_duplicate_at: m.last_duplicate_at,
             applied: m.passed.then(|| ApplicationView {
                 outcome: m.outcome.unwrap_or_else(|| "unrecorded".to_owned()),
                 reason: m.reason,
