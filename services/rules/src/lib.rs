@@ -32,6 +32,10 @@
 //!   the one way the sequencer drives the rules for messages, documented there.
 //! - [`model`]: [`FeedCopy`], the rows a run is decided against, and [`Endpoint`], a thin
 //!   executor of [`RunPlan`] and [`MergePlan`] in memory, for the property tests.
+//! - [`stories`](mod@stories): the stories source (seed 000): the seed's two writes and what
+//!   each does to its row ([`apply_write`]), the writes an event asks for in either mode, the
+//!   notification it claims, a whole run decided at once ([`decide_stories_run`] →
+//!   [`StoriesPlan`], "How to drive it" there), and [`StoriesCopy`], its executor in memory.
 //!
 //! `RULES.md` beside this crate lists every reading rule of the wire file with its id, the
 //! function that decides it, the statement that carries it out, and its tests.
@@ -47,6 +51,7 @@ mod refetch;
 mod reload;
 mod rewind;
 mod run;
+mod stories;
 mod track;
 
 pub use address::{classify, AddressKind};
@@ -70,5 +75,11 @@ pub use rewind::{
 pub use run::{
     decide_run, event_ids, refetches_wanted, subjects, EventOutcome, MessagePlan, Outcome,
     PlannedChange, PlannedRow, Run, RunPlan, StoredMessage,
+};
+pub use stories::{
+    apply_write, decide_stories_run, fetched_writes, notification_claim, save_wins,
+    snapshot_writes, stories_of, stories_of_run, CopiedStory, HeldStory, PlanMismatch,
+    PlannedClaim, PlannedStoryWrite, StoriesCopy, StoriesMode, StoriesPlan, StoriesRun,
+    StoryChange, StoryOutcome, StoryRead, StoryWrite,
 };
 pub use track::{step, EndpointTrack, MessageDecision, Reload, ReloadCause, ReloadStart};

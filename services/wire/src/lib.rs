@@ -11,11 +11,14 @@
 //! - [`message`]: the v1 message body and its events; unknown types, tracks and fields are kept
 //!   as "ignored" values, never errors.
 //! - [`sequence`]: the feed's `epoch.seq` sequences, long and short forms.
+//! - [`story`]: the stories API's events and story objects (seed 000); types it does not name
+//!   are kept as ignored events, fields it does not name stay in the story's snapshot.
 
 pub mod limits;
 mod message;
 mod sequence;
 mod signature;
+mod story;
 
 pub use message::{
     Event, EventBody, FeedAction, FeedData, FeedItem, ItemKind, Message, MessageError, PartRef,
@@ -24,4 +27,7 @@ pub use message::{
 pub use sequence::{Cursor, CursorError, Sequence};
 pub use signature::{
     sign, verify, SecretError, SignatureHeaders, SigningSecret, VerifyError, SIGNATURE_VERSION,
+};
+pub use story::{
+    Origin, SnapshotKind, Story, StoryEvent, StoryEventBody, StoryEventError, MAX_ID_BYTES,
 };
