@@ -21,7 +21,7 @@ use crate::driver::Simulation;
 use crate::model::{PartKind, Selection};
 use crate::upstream::{ApiError, ItemRead};
 
-/// The API's routes over a simulation.
+/// The API's routes over a simulation: the feed's, and the stories' ([`crate::stories::routes`]).
 pub fn router(sim: Arc<Simulation>) -> Router {
     Router::new()
         .route("/v1/webhook-endpoints/{id}", get(endpoint_view))
@@ -32,6 +32,7 @@ pub fn router(sim: Arc<Simulation>) -> Router {
         .route("/v1/feed", get(feed))
         .route("/v1/feed/since", get(feed_since))
         .route("/v1/feed/items/{feed_item_id}", get(item_read))
+        .merge(crate::stories::routes::routes())
         .with_state(sim)
 }
 
@@ -173,7 +174,7 @@ impl IntoResponse for ApiError {
     }
 }
 
-fn bearer(headers: &HeaderMap) -> Result<String, ApiError> {
+pub(crate) fn bearer(headers: &HeaderMap) -> Result<String, ApiError> {
     headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -184,7 +185,7 @@ fn bearer(headers: &HeaderMap) -> Result<String, ApiError> {
 }
 
 /// Sleeps when the slow-reads fault strikes. The lock is not held while sleeping.
-async fn maybe_slow(sim: &Simulation) {
+pub(crate) async fn maybe_slow(sim: &Simulation) {
     let delay = sim.lock().api_delay_ms();
     if let Some(ms) = delay {
         tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -232,7 +233,7 @@ fn selection_from(query: &HashMap<String, String>) -> Result<Selection, ApiError
     })
 }
 
-fn limit_from(query: &HashMap<String, String>) -> Result<usize, ApiError> {
+pub(crate) fn limit_from(query: &HashMap<String, String>) -> Result<usize, ApiError> {
     match query.get("limit") {
         None => Ok(100),
         Some(text) => text

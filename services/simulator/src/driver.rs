@@ -9,6 +9,7 @@ use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
+use crate::stories::Stories;
 use crate::upstream::{Answer, Outgoing, Upstream};
 use crate::workload::Workload;
 
@@ -44,10 +45,12 @@ impl Default for Clock {
     }
 }
 
-/// A running simulation: the upstream behind a lock, the clock, and the HTTP client.
+/// A running simulation: the upstream (and the stories upstream) behind a lock, the clock, and
+/// the HTTP client.
 #[derive(Debug)]
 pub struct Simulation {
     upstream: Mutex<Upstream>,
+    stories: Mutex<Stories>,
     pub clock: Clock,
     /// Woken on every change, so senders send at once instead of at their next poll.
     pub wake: Notify,
@@ -65,6 +68,11 @@ impl Simulation {
     /// `send_timeout`: how long to wait for an answer (the wire file's send_timeout_s, usually
     /// scaled by the time compression).
     pub fn new(upstream: Upstream, send_timeout: Duration) -> Arc<Self> {
+        Self::with_stories(upstream, Stories::default(), send_timeout)
+    }
+
+    /// A simulation that plays the stories upstream too ([`crate::stories`]).
+    pub fn with_stories(upstream: Upstream, stories: Stories, send_timeout: Duration) -> Arc<Self> {
         let client = reqwest::Client::builder()
             // A redirect is an answer like any other failure: never followed.
             .redirect(reqwest::redirect::Policy::none())
@@ -73,6 +81,7 @@ impl Simulation {
         let (stop_tx, _) = watch::channel(false);
         Arc::new(Self {
             upstream: Mutex::new(upstream),
+            stories: Mutex::new(stories),
             clock: Clock::new(),
             wake: Notify::new(),
             client,
@@ -87,6 +96,26 @@ impl Simulation {
         self.upstream
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The stories upstream. Never hold the guard across an await.
+    pub fn stories(&self) -> MutexGuard<'_, Stories> {
+        self.stories
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Runs `change` on the stories upstream with the current time, then wakes the senders.
+    pub fn change_stories<T>(&self, change: impl FnOnce(&mut Stories, u64) -> T) -> T {
+        let now_ms = self.clock.now_ms();
+        let result = change(&mut self.stories(), now_ms);
+        self.wake.notify_waiters();
+        result
+    }
+
+    /// Changes to true when the simulation shuts down.
+    pub(crate) fn stop_signal(&self) -> watch::Receiver<bool> {
+        self.stop_tx.subscribe()
     }
 
     /// Runs `change` on the upstream with the current time, then wakes the senders.
@@ -236,7 +265,8 @@ impl Simulation {
         steps
     }
 
-    /// Waits until every endpoint has nothing left to send (or is paused). False on timeout.
+    /// Waits until every endpoint, feed and stories, has nothing left to send (or is paused):
+    /// every stories webhook delivered or given up. False on timeout.
     pub async fn wait_idle(&self, timeout: Duration) -> bool {
         let started = Instant::now();
         loop {
@@ -246,7 +276,7 @@ impl Simulation {
                     .endpoint_ids()
                     .into_iter()
                     .all(|id| upstream.is_idle(id) || upstream.is_paused(id))
-            };
+            } && self.stories().is_idle();
             if idle {
                 return true;
             }

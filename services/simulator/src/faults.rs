@@ -33,6 +33,103 @@ pub struct Faults {
     /// A /v1/feed page after the first answers 410 `cursor_expired`: the reader must start the
     /// pass again from the first page.
     pub cursor_expired: f64,
+    /// The stories upstream's faults (its webhooks and its API); named `stories_<knob>` in the
+    /// text form. The feed never reads them.
+    pub stories: StoriesFaults,
+}
+
+/// What can go wrong on the stories side ([`crate::stories`]). Probabilities (0 to 1) are drawn
+/// from the stories upstream's seeded RNGs; durations are real milliseconds of the driver.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoriesFaults {
+    /// After a 2xx, deliver the same webhook (same webhook-id, same body) once more, later.
+    pub duplicate: f64,
+    /// A webhook is held back by a random delay of up to `reorder_delay_ms` when queued, so
+    /// newer ones overtake it.
+    pub reorder: f64,
+    pub reorder_delay_ms: u64,
+    /// Webhooks of one endpoint in flight at once (1: one at a time, in order).
+    pub concurrency: usize,
+    /// A `story.created` webhook is held back until the story's `story.closed` webhook to the
+    /// same endpoint was answered (or given up), or `late_created_max_hold_ms` passed.
+    pub late_created: f64,
+    pub late_created_max_hold_ms: u64,
+    /// GET /v1/stories/{id} of a story changed in the last moments answers, after
+    /// `stale_read_ms`, the snapshot from before that change (for a story just closed, one
+    /// from before its close: a 200).
+    pub stale_reads: f64,
+    pub stale_read_ms: u64,
+    /// GET /v1/stories/{id} answers a load balancer's 404: plain text, no JSON.
+    pub lb_404: f64,
+    /// A stories API read answers 503 `{"error": "unavailable"}`.
+    pub server_error: f64,
+}
+
+impl Default for StoriesFaults {
+    /// None: one webhook in flight at a time, in publication order.
+    fn default() -> Self {
+        Self {
+            duplicate: 0.0,
+            reorder: 0.0,
+            reorder_delay_ms: 0,
+            concurrency: 1,
+            late_created: 0.0,
+            late_created_max_hold_ms: 0,
+            stale_reads: 0.0,
+            stale_read_ms: 0,
+            lb_404: 0.0,
+            server_error: 0.0,
+        }
+    }
+}
+
+impl StoriesFaults {
+    /// Every stories fault at a moderate rate.
+    pub fn all() -> Self {
+        Self {
+            duplicate: 0.1,
+            reorder: 0.2,
+            reorder_delay_ms: 150,
+            concurrency: 4,
+            late_created: 0.2,
+            late_created_max_hold_ms: 1_000,
+            stale_reads: 0.1,
+            stale_read_ms: 100,
+            lb_404: 0.05,
+            server_error: 0.05,
+        }
+    }
+
+    /// Sets the knob `name` (without the `stories_` prefix).
+    fn set(&mut self, name: &str, number: f64) -> Result<(), FaultsError> {
+        let slot = match name {
+            "duplicate" => &mut self.duplicate,
+            "reorder" => &mut self.reorder,
+            "late_created" => &mut self.late_created,
+            "stale_reads" => &mut self.stale_reads,
+            "lb_404" => &mut self.lb_404,
+            "server_error" => &mut self.server_error,
+            "reorder_delay_ms" => {
+                self.reorder_delay_ms = number as u64;
+                return Ok(());
+            }
+            "late_created_max_hold_ms" => {
+                self.late_created_max_hold_ms = number as u64;
+                return Ok(());
+            }
+            "stale_read_ms" => {
+                self.stale_read_ms = number as u64;
+                return Ok(());
+            }
+            "concurrency" => {
+                self.concurrency = number as usize;
+                return Ok(());
+            }
+            other => return Err(FaultsError::UnknownFault(format!("stories_{other}"))),
+        };
+        *slot = number;
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -60,6 +157,7 @@ impl Faults {
             reset_mid_reload: 0.05,
             refetch: 0.2,
             cursor_expired: 0.05,
+            stories: StoriesFaults::all(),
         }
     }
 }
@@ -82,6 +180,10 @@ impl FromStr for Faults {
                     let number: f64 = value
                         .parse()
                         .map_err(|_| FaultsError::NotANumber(value.to_owned()))?;
+                    if let Some(knob) = name.strip_prefix("stories_") {
+                        faults.stories.set(knob, number)?;
+                        continue;
+                    }
                     let slot = match name {
                         "duplicate" => &mut faults.duplicate,
                         "redeliver_old" => &mut faults.redeliver_old,
@@ -121,6 +223,22 @@ mod tests {
         assert_eq!(
             "bogus=1".parse::<Faults>(),
             Err(FaultsError::UnknownFault("bogus".into()))
+        );
+    }
+
+    #[test]
+    fn parses_stories_knobs() {
+        let f: Faults = "stories_duplicate=0.5,stories_concurrency=3,stories_stale_read_ms=9"
+            .parse()
+            .unwrap();
+        assert_eq!(f.stories.duplicate, 0.5);
+        assert_eq!(f.stories.concurrency, 3);
+        assert_eq!(f.stories.stale_read_ms, 9);
+        assert_eq!(f.duplicate, 0.0);
+        assert_eq!(Faults::all().stories, StoriesFaults::all());
+        assert_eq!(
+            "stories_bogus=1".parse::<Faults>(),
+            Err(FaultsError::UnknownFault("stories_bogus".into()))
         );
     }
 }

@@ -8,4 +8,5 @@ mod pages;
 mod replay;
 mod rewind;
 mod sender_http;
+mod stories;
 mod wire_shapes;

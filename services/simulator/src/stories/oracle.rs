@@ -1,0 +1,136 @@
+//! What a receiver of a stories endpoint must end up with: its copy (seed 000's `stories` table)
+//! and the notifications it sends once.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde_json::Value;
+use uuid::Uuid;
+
+use super::events::{Origin, StoryEventType};
+use super::Stories;
+
+/// One story as the oracle expects a receiver's copy to hold it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpectedStory {
+    pub ticker: String,
+    /// The current version; for a closed story, its closing version.
+    pub version: u64,
+    pub closed: bool,
+    /// The exact snapshot GET /v1/stories/{id} answers (no fault); `None` once closed.
+    pub story: Option<Value>,
+}
+
+/// One row of a receiver's copy, for [`Stories::compare_copy`]. A row closed from a 404 alone
+/// may know no ticker, and its version may be 0.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CopyRow {
+    pub ticker: Option<String>,
+    pub version: u64,
+    pub closed: bool,
+    pub story: Option<Value>,
+}
+
+impl Stories {
+    /// For the endpoint's tickers now: every open story with its version and exact snapshot,
+    /// and every closed story (closed, its closing version, no snapshot).
+    pub fn expected_stories(&self, id: Uuid) -> BTreeMap<String, ExpectedStory> {
+        let Some(endpoint) = self.endpoints.get(&id) else {
+            return BTreeMap::new();
+        };
+        let tickers = endpoint.tickers();
+        self.book
+            .stories()
+            .filter(|s| tickers.contains(&s.ticker))
+            .map(|s| {
+                let expected = ExpectedStory {
+                    ticker: s.ticker.clone(),
+                    version: s.version,
+                    closed: s.closed,
+                    story: (!s.closed).then(|| s.snapshot()),
+                };
+                (s.id.clone(), expected)
+            })
+            .collect()
+    }
+
+    /// The stories a correct receiver notifies, each once: those with a `story.became_strong`
+    /// of origin `live` in the endpoint's stream (published while it was subscribed to the
+    /// story's ticker). Counts every event of the stream as received: an event lost from both
+    /// webhooks (given up) and the window (expired) cannot be notified.
+    pub fn expected_notifications(&self, id: Uuid) -> BTreeSet<String> {
+        self.strong_events(id, Origin::Live, true)
+    }
+
+    /// The stories whose only `story.became_strong` was a backfill, of any ticker the endpoint
+    /// ever followed: a receiver must never notify them.
+    pub fn backfill_strong(&self, id: Uuid) -> BTreeSet<String> {
+        self.strong_events(id, Origin::Backfill, false)
+    }
+
+    fn strong_events(&self, id: Uuid, origin: Origin, in_stream: bool) -> BTreeSet<String> {
+        let Some(endpoint) = self.endpoints.get(&id) else {
+            return BTreeSet::new();
+        };
+        let tickers = endpoint.tickers_ever();
+        self.events
+            .iter()
+            .filter(|e| e.event_type == StoryEventType::BecameStrong && e.origin == origin)
+            .filter(|e| {
+                if in_stream {
+                    endpoint.receives(&e.ticker, e.position)
+                } else {
+                    tickers.contains(&e.ticker)
+                }
+            })
+            .map(|e| e.story_id.clone())
+            .collect()
+    }
+
+    /// How a receiver's copy differs from the oracle, one line each (empty: correct). Correct
+    /// means: its open rows are exactly the oracle's open stories (id, version, snapshot), and
+    /// every row it holds closed is closed in the oracle at no newer a version than the closing
+    /// one. It may lack rows for stories that closed before it saw them.
+    pub fn compare_copy(&self, id: Uuid, copy: &BTreeMap<String, CopyRow>) -> Vec<String> {
+        let expected = self.expected_stories(id);
+        let mut differences = Vec::new();
+        for (story_id, want) in expected.iter().filter(|(_, e)| !e.closed) {
+            match copy.get(story_id) {
+                None => differences.push(format!("{story_id}: open v{} missing", want.version)),
+                Some(row) if row.closed => differences.push(format!(
+                    "{story_id}: held closed (v{}), open at v{}",
+                    row.version, want.version
+                )),
+                Some(row) if row.version != want.version || row.story != want.story => differences
+                    .push(format!(
+                        "{story_id}: held v{} {:?}, expected v{} {:?}",
+                        row.version, row.story, want.version, want.story
+                    )),
+                Some(_) => {}
+            }
+        }
+        for (story_id, row) in copy {
+            match expected.get(story_id) {
+                None if row.closed => differences.push(format!(
+                    "{story_id}: held closed, not a story of the endpoint's tickers"
+                )),
+                None => differences.push(format!(
+                    "{story_id}: held open (v{}), not an open story of the endpoint's tickers",
+                    row.version
+                )),
+                Some(want) if row.closed && !want.closed => {} // reported above
+                Some(want) if row.closed && row.version > want.version => {
+                    differences.push(format!(
+                        "{story_id}: held closed at v{}, closed at v{}",
+                        row.version, want.version
+                    ))
+                }
+                Some(want) if !row.closed && want.closed => differences.push(format!(
+                    "{story_id}: held open (v{}), closed at v{}",
+                    row.version, want.version
+                )),
+                Some(_) => {}
+            }
+        }
+        differences
+    }
+}
