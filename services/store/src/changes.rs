@@ -61,22 +61,35 @@ pub struct Unpublished {
     /// is of the current one.
     pub epoch: i64,
     pub change_seq: i64,
-    /// `upsert`, `remove`, `snapshot_begin` or `snapshot_end`.
+    /// Which message the row becomes: `item` (the feed's), `story` or `notification` (a stories
+    /// endpoint's).
+    pub kind: String,
+    /// `upsert`, `remove`, `snapshot_begin` or `snapshot_end` (kind `item`); `saved`, `closed`
+    /// or `dropped` (kind `story`); `notified` (kind `notification`).
     pub operation: String,
+    /// The feed item's subject; a story's id.
     pub subject: String,
     pub item_kind: Option<String>,
     pub generation: i64,
     /// Null for the removals of a reload's drop.
     pub sequence: Option<String>,
     pub event_id: Option<String>,
+    /// The feed's reload generation; a stories endpoint's round (a reload in full, a ticker's
+    /// load or removal).
     pub reload_generation: Option<i64>,
     /// Part of the snapshot that opens the epoch: its markers and its upserts.
     pub snapshot: bool,
-    /// The item stored, on upsert: JSON text.
+    /// The item stored, on upsert; the story's snapshot on saved and notified: JSON text.
     pub item: Option<String>,
     /// JSON text.
     pub parts_diff: String,
     pub created_at: OffsetDateTime,
+    /// A story or notification row's version after its write; null on the feed's rows.
+    pub story_version: Option<i64>,
+    /// A story or notification row's ticker; null on the feed's rows.
+    pub ticker: Option<String>,
+    /// The surviving story's id, on a close by merge.
+    pub merged_into: Option<String>,
 }
 
 /// For each `(endpoint, through, room)`: the endpoint's unpublished changes after change_seq
@@ -96,9 +109,10 @@ pub async fn next_changes(
         rooms.push(*room);
     }
     Ok(sqlx::query_as(
-        "SELECT c.endpoint_id, k.epoch, c.change_seq, c.operation, c.subject, c.item_kind,
-                c.generation, c.sequence, c.event_id, c.reload_generation, c.snapshot,
-                c.item::text AS item, c.parts_diff::text AS parts_diff, c.created_at
+        "SELECT c.endpoint_id, k.epoch, c.change_seq, c.kind, c.operation, c.subject,
+                c.item_kind, c.generation, c.sequence, c.event_id, c.reload_generation,
+                c.snapshot, c.item::text AS item, c.parts_diff::text AS parts_diff, c.created_at,
+                c.story_version, c.ticker, c.merged_into
          FROM unnest($2::uuid[], $3::int8[], $4::int8[]) AS w (endpoint_id, through, room)
          JOIN endpoint_change_counters k ON k.endpoint_id = w.endpoint_id
          CROSS JOIN LATERAL (

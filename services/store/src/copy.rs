@@ -309,8 +309,8 @@ const WITHDRAW: &str = "WITH withdrawn AS (
 /// Opens the endpoint's new change-stream epoch (see [`crate::restores::mark`], which holds the
 /// counter row, the endpoint's writer lock, and set the epoch): the old epoch's changes go, the
 /// snapshot of the copy is appended from change 1 (`snapshot_begin`, one `upsert` per item in
-/// subject order at the item's own position, `snapshot_end`; the markers at the generation the
-/// track holds), the counter is set past it and the publish cursor back to 0. Returns how many
+/// subject order at the item's own position, or for a stories endpoint one `saved` or `closed`
+/// per story in id order, `snapshot_end`; the markers at the generation the track holds), the counter is set past it and the publish cursor back to 0. Returns how many
 /// items the snapshot holds.
 pub(crate) async fn open_epoch(
     conn: &mut PgConnection,
@@ -343,33 +343,44 @@ pub(crate) async fn open_epoch(
 
 /// See [`open_epoch`]: `$1` endpoint, `$2` tenant, `$3` the track's name, `$4` an empty parts
 /// diff. Returns the snapshot's item count.
-const OPEN_EPOCH: &str = "WITH items AS (
-         SELECT subject, item_kind, generation, sequence, item,
-                row_number() OVER (ORDER BY subject COLLATE \"C\") AS n
+const OPEN_EPOCH: &str = "WITH rows AS (
+         SELECT 'item' AS kind, 'upsert' AS operation, subject, item_kind, generation, sequence,
+                item, NULL::int8 AS story_version, NULL::text AS ticker
          FROM copy_items WHERE endpoint_id = $1 AND NOT tombstone
+         UNION ALL
+         -- A stories endpoint's copy: every row, closed ones too, so that the consumer's copy
+         -- holds what the relay's does.
+         SELECT 'story', CASE WHEN closed THEN 'closed' ELSE 'saved' END, id, NULL, 0, NULL,
+                story::json, version, ticker
+         FROM stories WHERE endpoint_id = $1
+     ),
+     items AS (
+         SELECT *, row_number() OVER (ORDER BY kind, subject COLLATE \"C\") AS n FROM rows
      ),
      marker AS (
          SELECT COALESCE((SELECT generation FROM endpoint_tracks
                           WHERE endpoint_id = $1 AND track = $3), 0) AS generation
      ),
      snapshot AS (
-         SELECT 1::int8 AS change_seq, 'snapshot_begin' AS operation, '' AS subject,
-                NULL::text AS item_kind, marker.generation, NULL::text AS sequence,
-                NULL::json AS item
+         SELECT 1::int8 AS change_seq, 'item' AS kind, 'snapshot_begin' AS operation,
+                '' AS subject, NULL::text AS item_kind, marker.generation, NULL::text AS sequence,
+                NULL::json AS item, NULL::int8 AS story_version, NULL::text AS ticker
          FROM marker
          UNION ALL
-         SELECT n + 1, 'upsert', subject, item_kind, generation, sequence, item FROM items
+         SELECT n + 1, kind, operation, subject, item_kind, generation, sequence, item,
+                story_version, ticker
+         FROM items
          UNION ALL
-         SELECT (SELECT count(*) FROM items) + 2, 'snapshot_end', '', NULL, marker.generation,
-                NULL, NULL
+         SELECT (SELECT count(*) FROM items) + 2, 'item', 'snapshot_end', '', NULL,
+                marker.generation, NULL, NULL, NULL, NULL
          FROM marker
      ),
      appended AS (
-         INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject, item_kind,
-                              generation, sequence, event_id, reload_generation, item, parts_diff,
-                              snapshot)
-         SELECT $1, change_seq, $2, operation, subject, item_kind, generation, sequence, NULL,
-                NULL, item, $4::jsonb, true
+         INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation, subject,
+                              item_kind, generation, sequence, event_id, reload_generation, item,
+                              parts_diff, snapshot, story_version, ticker)
+         SELECT $1, change_seq, $2, kind, operation, subject, item_kind, generation, sequence,
+                NULL, NULL, item, $4::jsonb, true, story_version, ticker
          FROM snapshot
          RETURNING 1
      ),

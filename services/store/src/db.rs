@@ -143,12 +143,13 @@ impl KeptConnection {
 }
 
 /// The tables that grow with traffic, whose size the operator watches (and retention bounds).
-pub const GROWING_TABLES: [&str; 6] = [
+pub const GROWING_TABLES: [&str; 7] = [
     "messages",
     "message_applications",
     "changes",
     "applied_events",
     "copy_items",
+    "stories",
     "quarantined_messages",
 ];
 

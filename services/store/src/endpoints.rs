@@ -5,6 +5,8 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use relay_rules::StoriesMode;
+
 use crate::{EndpointId, StoreError, TenantId};
 
 /// The Postgres channel on which every change to an endpoint's row or its secrets is announced
@@ -32,6 +34,54 @@ impl EndpointStatus {
         match text {
             "paused" => EndpointStatus::Paused,
             _ => EndpointStatus::Active,
+        }
+    }
+}
+
+/// Which of the upstream's products an endpoint receives: the feed (the wire file's messages of
+/// events on tracks) or the stories API's events (seed 000). Fixed when it is registered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    Feed,
+    Stories(StoriesSettings),
+}
+
+/// A stories endpoint's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoriesSettings {
+    pub mode: StoriesMode,
+    /// The tickers the endpoint's copy holds, each once, in the order registered.
+    pub tickers: Vec<String>,
+}
+
+impl Source {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Source::Feed => "feed",
+            Source::Stories(_) => "stories",
+        }
+    }
+
+    fn from_db(
+        source: &str,
+        mode: Option<&str>,
+        tickers: Option<Vec<String>>,
+    ) -> Result<Self, StoreError> {
+        match (source, mode, tickers) {
+            ("feed", ..) => Ok(Source::Feed),
+            ("stories", Some(mode), Some(tickers)) => Ok(Source::Stories(StoriesSettings {
+                mode: StoriesMode::parse(mode)
+                    .ok_or_else(|| StoreError::Invalid(format!("stories mode {mode:?}")))?,
+                tickers,
+            })),
+            (other, ..) => Err(StoreError::Invalid(format!("endpoint source {other:?}"))),
+        }
+    }
+
+    fn stories_columns(&self) -> (Option<&'static str>, Option<&[String]>) {
+        match self {
+            Source::Feed => (None, None),
+            Source::Stories(settings) => (Some(settings.mode.as_str()), Some(&settings.tickers)),
         }
     }
 }
@@ -120,6 +170,8 @@ pub struct EndpointAuth {
     pub id: Uuid,
     pub tenant_id: Uuid,
     pub status: EndpointStatus,
+    /// Whether its bodies are stories events (seed 000) rather than feed messages.
+    pub stories: bool,
     /// Every secret not yet expired when loaded; callers filter by their own `now` again.
     pub secrets: Vec<HeldSecret>,
 }
@@ -139,6 +191,7 @@ impl EndpointAuth {
 struct AuthRow {
     tenant_id: Uuid,
     status: String,
+    source: String,
     secret: Option<String>,
     expires_at: Option<OffsetDateTime>,
 }
@@ -146,7 +199,7 @@ struct AuthRow {
 /// Loads an endpoint's status and its unexpired secrets, or `None` for an unknown endpoint.
 pub async fn load_auth(pool: &PgPool, id: Uuid) -> Result<Option<EndpointAuth>, StoreError> {
     let rows: Vec<AuthRow> = sqlx::query_as(
-        "SELECT e.tenant_id, e.status, s.secret, s.expires_at
+        "SELECT e.tenant_id, e.status, e.source, s.secret, s.expires_at
          FROM webhook_endpoints e
          LEFT JOIN endpoint_secrets s
            ON s.endpoint_id = e.id AND (s.expires_at IS NULL OR s.expires_at > now())
@@ -160,6 +213,7 @@ pub async fn load_auth(pool: &PgPool, id: Uuid) -> Result<Option<EndpointAuth>, 
         return Ok(None);
     };
     let (tenant_id, status) = (first.tenant_id, EndpointStatus::from_db(&first.status));
+    let stories = first.source == "stories";
     let mut secrets = Vec::with_capacity(rows.len());
     for row in rows {
         if let Some(text) = row.secret {
@@ -178,6 +232,7 @@ pub async fn load_auth(pool: &PgPool, id: Uuid) -> Result<Option<EndpointAuth>, 
         id,
         tenant_id,
         status,
+        stories,
         secrets,
     }))
 }
@@ -189,25 +244,39 @@ pub struct EndpointRegistration {
     pub tenant_id: TenantId,
     pub upstream_base_url: Option<String>,
     pub upstream_api_key: Option<String>,
+    pub source: Source,
 }
 
 pub async fn load_registration(
     pool: &PgPool,
     endpoint: EndpointId,
 ) -> Result<Option<EndpointRegistration>, StoreError> {
-    let row: Option<(TenantId, Option<String>, Option<String>)> = sqlx::query_as(
-        "SELECT tenant_id, upstream_base_url, upstream_api_key FROM webhook_endpoints
+    type Row = (
+        TenantId,
+        Option<String>,
+        Option<String>,
+        String,
+        Option<String>,
+        Option<Vec<String>>,
+    );
+    let row: Option<Row> = sqlx::query_as(
+        "SELECT tenant_id, upstream_base_url, upstream_api_key, source, stories_mode, tickers
+         FROM webhook_endpoints
          WHERE id = $1 AND status <> 'deleting'",
     )
     .bind(endpoint)
     .fetch_optional(pool)
     .await?;
-    Ok(row.map(|(tenant_id, url, key)| EndpointRegistration {
-        id: endpoint,
-        tenant_id,
-        upstream_base_url: url,
-        upstream_api_key: key,
-    }))
+    row.map(|(tenant_id, url, key, source, mode, tickers)| {
+        Ok(EndpointRegistration {
+            id: endpoint,
+            tenant_id,
+            upstream_base_url: url,
+            upstream_api_key: key,
+            source: Source::from_db(&source, mode.as_deref(), tickers)?,
+        })
+    })
+    .transpose()
 }
 
 // The control plane's reads and writes: each names the tenant as well as the endpoint, so
@@ -221,12 +290,18 @@ pub struct EndpointInfo {
     pub status: String,
     pub upstream_base_url: Option<String>,
     pub upstream_api_key_set: bool,
+    /// `feed` or `stories`.
+    pub source: String,
+    /// A stories endpoint's mode and tickers (null for the feed's).
+    pub stories_mode: Option<String>,
+    pub tickers: Option<Vec<String>>,
     pub created_at: OffsetDateTime,
     pub updated_at: OffsetDateTime,
 }
 
 const INFO_COLUMNS: &str = "id, lang, status, upstream_base_url,
-     upstream_api_key IS NOT NULL AS upstream_api_key_set, created_at, updated_at";
+     upstream_api_key IS NOT NULL AS upstream_api_key_set, source, stories_mode, tickers,
+     created_at, updated_at";
 
 /// A signing secret as its tenant reads it: its id and expiry, never its value.
 #[derive(Debug, Clone, sqlx::FromRow)]
@@ -260,7 +335,9 @@ pub async fn owned(
 /// What a tenant registers.
 pub struct Registration {
     pub id: EndpointId,
-    pub lang: String,
+    pub source: Source,
+    /// The feed's language; `None` for a stories endpoint.
+    pub lang: Option<String>,
     pub upstream_base_url: Option<String>,
     pub upstream_api_key: Option<String>,
     pub secrets: Vec<SigningSecret>,
@@ -277,9 +354,12 @@ pub async fn register(
     new: &Registration,
 ) -> Result<(), StoreError> {
     let mut tx = pool.begin().await?;
+    let (stories_mode, tickers) = new.source.stories_columns();
     let inserted: Option<EndpointId> = sqlx::query_scalar(
-        "INSERT INTO webhook_endpoints (id, tenant_id, lang, upstream_base_url, upstream_api_key)
-         SELECT $1, t.id, $3, $4, $5 FROM tenants t WHERE t.id = $2 AND t.deleting_since IS NULL
+        "INSERT INTO webhook_endpoints (id, tenant_id, lang, upstream_base_url, upstream_api_key,
+                                        source, stories_mode, tickers)
+         SELECT $1, t.id, $3, $4, $5, $6, $7, $8 FROM tenants t
+         WHERE t.id = $2 AND t.deleting_since IS NULL
          ON CONFLICT (id) DO NOTHING
          RETURNING id",
     )
@@ -288,6 +368,9 @@ pub async fn register(
     .bind(&new.lang)
     .bind(&new.upstream_base_url)
     .bind(&new.upstream_api_key)
+    .bind(new.source.kind())
+    .bind(stories_mode)
+    .bind(tickers)
     .fetch_optional(&mut *tx)
     .await?;
     if inserted.is_none() {
@@ -381,6 +464,10 @@ pub struct SettingsChange {
     pub lang: Option<String>,
     pub upstream_base_url: Option<String>,
     pub upstream_api_key: Option<String>,
+    /// A stories endpoint's; a feed endpoint has none to change (the statement leaves them
+    /// null there, which its CHECK requires).
+    pub stories_mode: Option<StoriesMode>,
+    pub tickers: Option<Vec<String>>,
 }
 
 /// Changes the tenant's endpoint's settings. `false`: it is not the tenant's.
@@ -395,6 +482,8 @@ pub async fn change_settings(
          SET lang = COALESCE($3, lang),
              upstream_base_url = COALESCE($4, upstream_base_url),
              upstream_api_key = COALESCE($5, upstream_api_key),
+             stories_mode = CASE WHEN source = 'stories' THEN COALESCE($6, stories_mode) END,
+             tickers = CASE WHEN source = 'stories' THEN COALESCE($7, tickers) END,
              updated_at = now()
          WHERE id = $1 AND tenant_id = $2 AND status <> 'deleting'
          RETURNING id",
@@ -404,6 +493,8 @@ pub async fn change_settings(
     .bind(&change.lang)
     .bind(&change.upstream_base_url)
     .bind(&change.upstream_api_key)
+    .bind(change.stories_mode.map(StoriesMode::as_str))
+    .bind(&change.tickers)
     .fetch_optional(pool)
     .await?;
     Ok(updated.is_some())

@@ -31,6 +31,8 @@
 //!   is answered, and the new epoch of its change stream, opened by a snapshot of the copy.
 //! - [`offboard`]: deleting an endpoint or a tenant: marked in one statement every tier sees,
 //!   then purged in batches; the one module that deletes from every endpoint table.
+//! - [`stories`]: a stories endpoint's copy (seed 000's table and its two writes), its claimed
+//!   notifications, its catch-up cursor and reload state, each write appending its change.
 //! - [`fences`]: the fencing tokens of relay-coord's ownership (an endpoint's, a tenant's):
 //!   claimed by each new owner, checked by its writes.
 //!
@@ -50,6 +52,7 @@ pub mod offboard;
 pub mod quarantine;
 pub mod restores;
 pub mod runs;
+pub mod stories;
 pub mod tenants;
 pub mod tracks;
 pub mod upstream_status;

@@ -300,7 +300,8 @@ pub async fn list_with_outcomes(
                     CASE WHEN NOT p.passed THEN 'waiting'
                          WHEN a.outcome IN ('quarantined', 'malformed') THEN 'quarantined'
                          WHEN a.outcome IN ('ignored_track', 'older_generation',
-                                            'reload_superseded', 'test') THEN 'ignored'
+                                            'reload_superseded', 'test', 'ignored_type')
+                              THEN 'ignored'
                          ELSE 'applied' END AS status
              FROM (SELECT a.outcome IS NOT NULL
                           OR m.arrival_seq <= COALESCE(c.applied_arrival_seq, 0) AS passed) p

@@ -30,12 +30,15 @@ use crate::{EndpointId, StoreError, TenantId};
 
 /// Every table with rows of an endpoint, keyed by `endpoint_id`, in the order the purge
 /// empties them. `webhook_endpoints` itself goes last, in [`finish_endpoint`].
-pub const ENDPOINT_TABLES: [&str; 15] = [
+pub const ENDPOINT_TABLES: [&str; 18] = [
     "messages",
     "message_applications",
     "applied_events",
     "copy_items",
+    "stories",
     "changes",
+    "claimed",
+    "stories_sync",
     "quarantined_messages",
     "endpoint_tracks",
     "endpoint_apply_cursors",
@@ -49,11 +52,12 @@ pub const ENDPOINT_TABLES: [&str; 15] = [
 ];
 
 /// The tables whose rows [`purge_rows`] deletes in batches: the ones that grow with traffic.
-const BULKY_TABLES: [&str; 5] = [
+const BULKY_TABLES: [&str; 6] = [
     "messages",
     "message_applications",
     "applied_events",
     "copy_items",
+    "stories",
     "changes",
 ];
 

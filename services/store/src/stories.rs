@@ -1,0 +1,609 @@
+//! A stories endpoint's copy (seed 000's `stories` table), its claimed notifications
+//! (`claimed`), its catch-up and reload state (`stories_sync`), and the outbox rows its writes
+//! append.
+//!
+//! Every write runs in a [`StoriesWriter`]: one transaction that checked the endpoint's fence and
+//! holds its writer lock (the change counter's row), so a run of webhooks, a catch-up page and a
+//! reload's batch of one endpoint never interleave. Each write is still seed 000's statement,
+//! deciding in itself, and appends its change in the same statement only when the row changed:
+//! the save's `where` passed, the close made an open (or absent) row closed or raised a closed
+//! row's version, the claim's insert returned its key. The sequencer's plan (relay-rules'
+//! `decide_stories_run`) says what it expects each write to do; a write that does otherwise was
+//! raced, and the transaction is rolled back ([`StoreError::Refused`]).
+
+use std::collections::HashMap;
+
+use relay_rules::HeldStory;
+use sqlx::{Postgres, Transaction};
+use time::OffsetDateTime;
+
+use crate::{fences, EndpointId, StoreError, TenantId};
+
+/// What caused a write, named by its change: an event (a webhook's or a catch-up page's), or a
+/// round of the endpoint's (a reload in full, a ticker's first load or its removal).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause<'a> {
+    Event(&'a str),
+    Round(i64),
+}
+
+impl Cause<'_> {
+    fn event_id(self) -> Option<String> {
+        match self {
+            Cause::Event(id) => Some(id.to_owned()),
+            Cause::Round(_) => None,
+        }
+    }
+
+    fn round(self) -> Option<i64> {
+        match self {
+            Cause::Event(_) => None,
+            Cause::Round(round) => Some(round),
+        }
+    }
+}
+
+/// A story as the writes take it: its id, ticker, version and the snapshot's JSON text.
+#[derive(Debug, Clone, Copy)]
+pub struct StoryRow<'a> {
+    pub id: &'a str,
+    pub ticker: Option<&'a str>,
+    pub version: i64,
+    pub snapshot: &'a serde_json::Value,
+}
+
+/// One transaction over a stories endpoint: fence checked, writer lock held.
+pub struct StoriesWriter {
+    tx: Transaction<'static, Postgres>,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    appended: u64,
+}
+
+/// Opens the endpoint's write transaction: `None` when `token` is no longer its fencing token
+/// (another worker owns it now; nothing was written).
+pub async fn open(
+    pool: &sqlx::PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    token: i64,
+) -> Result<Option<StoriesWriter>, StoreError> {
+    let mut tx = pool.begin().await?;
+    if !fences::check_endpoint(&mut tx, endpoint, token).await? {
+        return Ok(None);
+    }
+    // The writer lock every writer of the endpoint takes after its fence: the counter's row.
+    sqlx::query(
+        "INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id) VALUES ($1, $2)
+         ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .execute(&mut *tx)
+    .await?;
+    Ok(Some(StoriesWriter {
+        tx,
+        tenant,
+        endpoint,
+        appended: 0,
+    }))
+}
+
+/// Saves a snapshot (seed 000's first write), appending a `saved` change when it wrote.
+const SAVE: &str = "WITH saved AS (
+         insert into stories (endpoint_id, tenant_id, id, ticker, version, closed, story)
+         values ($1, $2, $3, $4, $5, false, $6)
+         on conflict (endpoint_id, id) do update
+           set ticker = excluded.ticker, version = excluded.version,
+             story = excluded.story
+           where not stories.closed and stories.version < excluded.version
+         returning id, ticker, version, story
+     ),
+     counter AS (
+         UPDATE endpoint_change_counters SET last = last + 1
+         WHERE endpoint_id = $1 AND EXISTS (SELECT 1 FROM saved)
+         RETURNING last
+     )
+     INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation, subject, ticker,
+                          generation, event_id, reload_generation, item, parts_diff,
+                          story_version)
+     SELECT $1, counter.last, $2, 'story', 'saved', saved.id, saved.ticker, 0, $7, $8,
+            saved.story::json, '{}', saved.version
+     FROM saved, counter
+     RETURNING change_seq";
+
+/// Closes a story for good (seed 000's second write), appending a `closed` change when the row
+/// was absent or open, or closed with a smaller version. `prior` is read in the statement's own
+/// snapshot, so it is the row as this transaction left it before the write.
+const CLOSE: &str = "WITH prior AS (
+         SELECT version, closed FROM stories WHERE endpoint_id = $1 AND id = $3
+     ),
+     closed AS (
+         insert into stories (endpoint_id, tenant_id, id, version, closed, story)
+         values ($1, $2, $3, $4, true, null)
+         on conflict (endpoint_id, id) do update
+           set closed = true, story = null,
+             version = greatest(stories.version, excluded.version)
+         returning id, ticker, version
+     ),
+     counter AS (
+         UPDATE endpoint_change_counters SET last = last + 1
+         WHERE endpoint_id = $1 AND EXISTS (
+             SELECT 1 FROM closed c
+             WHERE NOT coalesce((SELECT p.closed AND p.version >= c.version FROM prior p), false))
+         RETURNING last
+     )
+     INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation, subject, ticker,
+                          generation, event_id, reload_generation, parts_diff, story_version,
+                          merged_into)
+     SELECT $1, counter.last, $2, 'story', 'closed', closed.id, closed.ticker, 0, $6, $7, '{}',
+            closed.version, $5
+     FROM closed, counter
+     RETURNING change_seq";
+
+/// Claims a notification (seed 000's single insert), appending a `notified` change only when
+/// the insert returned its key.
+const CLAIM: &str = "WITH claim AS (
+         insert into claimed (endpoint_id, tenant_id, key) values ($1, $2, 'strong:' || $3)
+         on conflict do nothing
+         returning key
+     ),
+     counter AS (
+         UPDATE endpoint_change_counters SET last = last + 1
+         WHERE endpoint_id = $1 AND EXISTS (SELECT 1 FROM claim)
+         RETURNING last
+     )
+     INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation, subject, ticker,
+                          generation, event_id, item, parts_diff, story_version)
+     SELECT $1, counter.last, $2, 'notification', 'notified', $3, $4, 0, $5, $6::json, '{}', $7
+     FROM claim, counter
+     RETURNING change_seq";
+
+impl StoriesWriter {
+    /// What the copy holds of `ids`, locked until the transaction ends.
+    pub async fn held(&mut self, ids: &[String]) -> Result<HashMap<String, HeldStory>, StoreError> {
+        let rows: Vec<(String, i64, bool)> = sqlx::query_as(
+            "SELECT id, version, closed FROM stories
+             WHERE endpoint_id = $1 AND id = ANY($2) ORDER BY id FOR UPDATE",
+        )
+        .bind(self.endpoint)
+        .bind(ids)
+        .fetch_all(&mut *self.tx)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, version, closed)| (id, HeldStory { version, closed }))
+            .collect())
+    }
+
+    /// The save; whether it wrote (and appended its change). `expected`: what the plan said it
+    /// would do; a save that does otherwise was raced.
+    pub async fn save(
+        &mut self,
+        story: StoryRow<'_>,
+        cause: Cause<'_>,
+        expected: bool,
+    ) -> Result<bool, StoreError> {
+        let seq: Option<i64> = sqlx::query_scalar(SAVE)
+            .bind(self.endpoint)
+            .bind(self.tenant)
+            .bind(story.id)
+            .bind(story.ticker)
+            .bind(story.version)
+            .bind(story.snapshot)
+            .bind(cause.event_id())
+            .bind(cause.round())
+            .fetch_optional(&mut *self.tx)
+            .await?;
+        self.check("save", story.id, seq.is_some(), expected)
+    }
+
+    /// The close; whether it changed the row (and appended its change).
+    pub async fn close(
+        &mut self,
+        (id, version, merged_into): (&str, i64, Option<&str>),
+        cause: Cause<'_>,
+        expected: bool,
+    ) -> Result<bool, StoreError> {
+        let seq: Option<i64> = sqlx::query_scalar(CLOSE)
+            .bind(self.endpoint)
+            .bind(self.tenant)
+            .bind(id)
+            .bind(version)
+            .bind(merged_into)
+            .bind(cause.event_id())
+            .bind(cause.round())
+            .fetch_optional(&mut *self.tx)
+            .await?;
+        self.check("close", id, seq.is_some(), expected)
+    }
+
+    /// Claims `strong:<story id>`; whether this call claimed it (and appended the notification,
+    /// with the snapshot of the event that claimed it).
+    pub async fn claim_strong(
+        &mut self,
+        story: StoryRow<'_>,
+        event_id: &str,
+    ) -> Result<bool, StoreError> {
+        let seq: Option<i64> = sqlx::query_scalar(CLAIM)
+            .bind(self.endpoint)
+            .bind(self.tenant)
+            .bind(story.id)
+            .bind(story.ticker)
+            .bind(event_id)
+            .bind(story.snapshot)
+            .bind(story.version)
+            .fetch_optional(&mut *self.tx)
+            .await?;
+        if seq.is_some() {
+            self.appended += 1;
+        }
+        Ok(seq.is_some())
+    }
+
+    fn check(
+        &mut self,
+        what: &str,
+        id: &str,
+        wrote: bool,
+        expected: bool,
+    ) -> Result<bool, StoreError> {
+        if wrote != expected {
+            return Err(StoreError::Refused(format!(
+                "the {what} of story {id:?} {} a change the plan {}",
+                if wrote { "made" } else { "did not make" },
+                if expected {
+                    "expected"
+                } else {
+                    "did not expect"
+                }
+            )));
+        }
+        if wrote {
+            self.appended += 1;
+        }
+        Ok(wrote)
+    }
+
+    /// Takes the open stories of `tickers` out of the copy (their ticker was removed from the
+    /// endpoint), each with a `dropped` change caused by `round`. Closed rows stay: they keep a
+    /// late event from saving a story that closed, should the ticker be added again.
+    pub async fn drop_tickers(
+        &mut self,
+        tickers: &[String],
+        round: i64,
+    ) -> Result<u64, StoreError> {
+        let dropped: i64 = sqlx::query_scalar(
+            "WITH dropped AS (
+                 DELETE FROM stories
+                 WHERE endpoint_id = $1 AND NOT closed AND ticker = ANY($3)
+                 RETURNING id, ticker, version
+             ),
+             numbered AS (
+                 SELECT id, ticker, version, row_number() OVER (ORDER BY id) AS n FROM dropped
+             ),
+             counter AS (
+                 UPDATE endpoint_change_counters SET last = last + (SELECT count(*) FROM dropped)
+                 WHERE endpoint_id = $1
+                 RETURNING last - (SELECT count(*) FROM dropped) AS base
+             ),
+             appended AS (
+                 INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation,
+                                      subject, ticker, generation, reload_generation,
+                                      parts_diff, story_version)
+                 SELECT $1, counter.base + numbered.n, $2, 'story', 'dropped', numbered.id,
+                        numbered.ticker, 0, $4, '{}', numbered.version
+                 FROM numbered, counter
+                 RETURNING 1
+             )
+             SELECT count(*) FROM appended",
+        )
+        .bind(self.endpoint)
+        .bind(self.tenant)
+        .bind(tickers)
+        .bind(round)
+        .fetch_one(&mut *self.tx)
+        .await?;
+        let dropped = u64::try_from(dropped).unwrap_or(0);
+        self.appended += dropped;
+        Ok(dropped)
+    }
+
+    /// Moves the catch-up cursor from `from` to `to`, only if it is still at `from` (a page is
+    /// applied once). `false`: it moved under this writer; roll back.
+    pub async fn move_cursor(
+        &mut self,
+        from: Option<&str>,
+        to: Option<&str>,
+        caught_up: bool,
+    ) -> Result<bool, StoreError> {
+        let moved = sqlx::query(
+            "UPDATE stories_sync
+             SET cursor = $3, updated_at = now(),
+                 caught_up_at = CASE WHEN $4 THEN now() ELSE caught_up_at END
+             WHERE endpoint_id = $1 AND cursor IS NOT DISTINCT FROM $2",
+        )
+        .bind(self.endpoint)
+        .bind(from)
+        .bind(to)
+        .bind(caught_up)
+        .execute(&mut *self.tx)
+        .await?
+        .rows_affected();
+        Ok(moved == 1)
+    }
+
+    /// Notes the tickers now loaded (after their first load's writes, in the same
+    /// transaction), and those removed.
+    pub async fn set_loaded_tickers(&mut self, tickers: &[String]) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE stories_sync SET loaded_tickers = $2, updated_at = now() WHERE endpoint_id = $1",
+        )
+        .bind(self.endpoint)
+        .bind(tickers)
+        .execute(&mut *self.tx)
+        .await?;
+        Ok(())
+    }
+
+    /// A reload's last step: the cursor cleared (catch-up starts again from the window's start)
+    /// and the reload no longer needed, only if no newer need was set since `round` began.
+    pub async fn finish_reload(&mut self, round: i64) -> Result<bool, StoreError> {
+        let finished = sqlx::query(
+            "UPDATE stories_sync
+             SET cursor = NULL, reload_needed = false, reloaded_at = now(), updated_at = now()
+             WHERE endpoint_id = $1 AND rounds = $2",
+        )
+        .bind(self.endpoint)
+        .bind(round)
+        .execute(&mut *self.tx)
+        .await?
+        .rows_affected();
+        Ok(finished == 1)
+    }
+
+    /// The stored messages `(from, to]` applied: the apply cursor moved only from `from`, and
+    /// each message's outcome noted. `false`: the cursor moved under this writer; roll back.
+    pub async fn messages_applied(
+        &mut self,
+        (from, to): (i64, i64),
+        last_received_at: Option<OffsetDateTime>,
+        outcomes: &[(i64, &str, i32)],
+    ) -> Result<bool, StoreError> {
+        if !crate::cursors::advance_cursor(
+            &mut self.tx,
+            self.tenant,
+            self.endpoint,
+            from,
+            to,
+            last_received_at,
+        )
+        .await?
+        {
+            return Ok(false);
+        }
+        let seqs: Vec<i64> = outcomes.iter().map(|o| o.0).collect();
+        let names: Vec<&str> = outcomes.iter().map(|o| o.1).collect();
+        let applied: Vec<i32> = outcomes.iter().map(|o| o.2).collect();
+        sqlx::query(
+            "INSERT INTO message_applications (endpoint_id, arrival_seq, tenant_id, outcome,
+                 events_applied, events_ignored)
+             SELECT $1, seq, $2, outcome, applied, 1 - applied
+             FROM unnest($3::int8[], $4::text[], $5::int4[]) AS o(seq, outcome, applied)
+             ON CONFLICT (endpoint_id, arrival_seq) DO NOTHING",
+        )
+        .bind(self.endpoint)
+        .bind(self.tenant)
+        .bind(&seqs)
+        .bind(&names)
+        .bind(&applied)
+        .execute(&mut *self.tx)
+        .await?;
+        Ok(true)
+    }
+
+    /// Commits; the number of changes appended.
+    pub async fn commit(self) -> Result<u64, StoreError> {
+        self.tx.commit().await?;
+        Ok(self.appended)
+    }
+}
+
+/// A stories endpoint's catch-up and reload state.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct SyncState {
+    pub cursor: Option<String>,
+    pub rounds: i64,
+    pub loaded_tickers: Vec<String>,
+    pub reload_needed: bool,
+    pub caught_up_at: Option<OffsetDateTime>,
+    pub reloaded_at: Option<OffsetDateTime>,
+}
+
+/// The endpoint's state, its row made on first use (a new endpoint needs a reload in full: its
+/// tickers' stories loaded, then catch-up from the window's start).
+pub async fn sync_state(
+    pool: &sqlx::PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<SyncState, StoreError> {
+    Ok(sqlx::query_as(
+        "WITH made AS (
+             INSERT INTO stories_sync (endpoint_id, tenant_id) VALUES ($1, $2)
+             ON CONFLICT (endpoint_id) DO NOTHING
+             RETURNING cursor, rounds, loaded_tickers, reload_needed, caught_up_at, reloaded_at
+         )
+         SELECT * FROM made
+         UNION ALL
+         SELECT cursor, rounds, loaded_tickers, reload_needed, caught_up_at, reloaded_at
+         FROM stories_sync WHERE endpoint_id = $1",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_one(pool)
+    .await?)
+}
+
+/// Begins a round (a reload in full, a ticker's load or removal): its number, which the round's
+/// writes name as their cause. `reload`: the round is a reload in full, needed from now on until
+/// [`StoriesWriter::finish_reload`] of this round clears it.
+pub async fn begin_round(
+    pool: &sqlx::PgPool,
+    endpoint: EndpointId,
+    reload: bool,
+) -> Result<i64, StoreError> {
+    Ok(sqlx::query_scalar(
+        "UPDATE stories_sync
+         SET rounds = rounds + 1, reload_needed = reload_needed OR $2, updated_at = now()
+         WHERE endpoint_id = $1
+         RETURNING rounds",
+    )
+    .bind(endpoint)
+    .bind(reload)
+    .fetch_one(pool)
+    .await?)
+}
+
+/// Marks the endpoint as needing a reload in full (a 410 from catch-up, an operator's resync).
+pub async fn need_reload(pool: &sqlx::PgPool, endpoint: EndpointId) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE stories_sync SET reload_needed = true, updated_at = now() WHERE endpoint_id = $1",
+    )
+    .bind(endpoint)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The ids of the stories the copy holds open, of `tickers` (all when `None`), after `after`
+/// in id order: a reload's second step pages through them.
+pub async fn open_ids(
+    pool: &sqlx::PgPool,
+    endpoint: EndpointId,
+    after: Option<&str>,
+    limit: i64,
+) -> Result<Vec<String>, StoreError> {
+    Ok(sqlx::query_scalar(
+        "SELECT id FROM stories
+         WHERE endpoint_id = $1 AND NOT closed AND ($2::text IS NULL OR id > $2)
+         ORDER BY id LIMIT $3",
+    )
+    .bind(endpoint)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// A story as the tenant reads its copy.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct CopiedStory {
+    pub id: String,
+    pub ticker: Option<String>,
+    pub version: i64,
+    pub closed: bool,
+    pub story: Option<serde_json::Value>,
+}
+
+/// A page of the tenant's endpoint's copy by story id, after `after`: open stories only unless
+/// `include_closed`, of one ticker when given.
+pub async fn list(
+    pool: &sqlx::PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    (ticker, include_closed): (Option<&str>, bool),
+    after: Option<&str>,
+    limit: i64,
+) -> Result<Vec<CopiedStory>, StoreError> {
+    Ok(sqlx::query_as(
+        "SELECT id, ticker, version, closed, story FROM stories
+         WHERE endpoint_id = $1 AND tenant_id = $2
+           AND ($3::text IS NULL OR ticker = $3) AND ($4 OR NOT closed)
+           AND ($5::text IS NULL OR id > $5)
+         ORDER BY id LIMIT $6",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(ticker)
+    .bind(include_closed)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// One story of the tenant's endpoint's copy.
+pub async fn find(
+    pool: &sqlx::PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    id: &str,
+) -> Result<Option<CopiedStory>, StoreError> {
+    Ok(sqlx::query_as(
+        "SELECT id, ticker, version, closed, story FROM stories
+         WHERE endpoint_id = $1 AND tenant_id = $2 AND id = $3",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(id)
+    .fetch_optional(pool)
+    .await?)
+}
+
+/// A claimed notification as the tenant reads it.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Claim {
+    pub key: String,
+    pub claimed_at: OffsetDateTime,
+}
+
+/// A page of the tenant's endpoint's claimed notifications by key, after `after`.
+pub async fn claims(
+    pool: &sqlx::PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    after: Option<&str>,
+    limit: i64,
+) -> Result<Vec<Claim>, StoreError> {
+    Ok(sqlx::query_as(
+        "SELECT key, claimed_at FROM claimed
+         WHERE endpoint_id = $1 AND tenant_id = $2 AND ($3::text IS NULL OR key > $3)
+         ORDER BY key LIMIT $4",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// Stories endpoints whose sync is due: never synced, a reload needed, tickers added or removed
+/// since their last load, or not caught up within `interval` or since `since` (the sequencer's
+/// start: catch-up on start-up and after downtime). Only active endpoints with upstream settings:
+/// a sync reads the upstream.
+pub async fn due(
+    pool: &sqlx::PgPool,
+    interval: std::time::Duration,
+    since: OffsetDateTime,
+    only: Option<EndpointId>,
+    limit: i64,
+) -> Result<Vec<uuid::Uuid>, StoreError> {
+    Ok(sqlx::query_scalar(
+        "SELECT e.id FROM webhook_endpoints e
+         LEFT JOIN stories_sync s ON s.endpoint_id = e.id
+         WHERE e.source = 'stories' AND e.status = 'active'
+           AND e.upstream_base_url IS NOT NULL AND e.upstream_api_key IS NOT NULL
+           AND (s.endpoint_id IS NULL OR s.reload_needed OR s.caught_up_at IS NULL
+                OR s.caught_up_at < greatest(now() - make_interval(secs => $1), $2)
+                OR NOT (s.loaded_tickers @> e.tickers AND e.tickers @> s.loaded_tickers))
+           AND ($4::uuid IS NULL OR e.id = $4)
+         LIMIT $3",
+    )
+    .bind(interval.as_secs_f64())
+    .bind(since)
+    .bind(limit)
+    .bind(only)
+    .fetch_all(pool)
+    .await?)
+}
