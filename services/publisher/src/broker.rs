@@ -460,7 +460,7 @@ pub fn properties(change: &OutboxChange) -> BasicProperties {
     BasicProperties::default()
         .with_message_id(ShortString::from(message.message_id()))
         .with_content_type(ShortString::from(CONTENT_TYPE))
-        .with_type(ShortString::from(message.operation.as_str()))
+        .with_type(ShortString::from(message.amqp_type()))
         .with_timestamp(change.created_at.unix_timestamp().max(0) as u64)
         .with_delivery_mode(2)
         .with_app_id(ShortString::from("relay"))

@@ -6,15 +6,21 @@
 //! then a quorum queue may deliver a later change before an earlier one. So a change ahead of the
 //! next one is held until its predecessors arrive, a change already applied (or held) is dropped
 //! as a repeat, and whatever is still held at the end names changes that never came.
+//!
+//! A stories endpoint's messages ([`StoryMessage`]) follow the same stream rules (they share the
+//! endpoint's change_seq and epochs); they rebuild its copy of the stories (one row per story,
+//! kept closed once the story closed, as seed 000's table) and the set of stories it notified.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::RangeInclusive;
 
 use serde::Serialize;
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::message::{ChangeMessage, DecodeError, Operation};
+use crate::message::{
+    ChangeMessage, DecodeError, Delivered, Operation, StoryMessage, StoryOperation,
+};
 
 /// What the consumer did with one message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +51,17 @@ pub struct ReplicaItem {
     pub item: Value,
 }
 
+/// One story of a stories endpoint's rebuilt copy: seed 000's row (`stories` table).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ReplicaStory {
+    pub ticker: Option<String>,
+    pub version: u64,
+    /// Closed for good: the row stays, with no snapshot.
+    pub closed: bool,
+    /// The snapshot; `None` once closed.
+    pub story: Option<Value>,
+}
+
 /// One endpoint's rebuilt copy.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EndpointReplica {
@@ -52,9 +69,16 @@ pub struct EndpointReplica {
     pub epoch: u64,
     /// The last change_seq applied in it (0: none yet).
     pub last_change_seq: i64,
+    /// A feed endpoint's copy, by subject.
     pub items: BTreeMap<String, ReplicaItem>,
+    /// A stories endpoint's copy, by story id: open and closed rows.
+    pub stories: BTreeMap<String, ReplicaStory>,
+    /// A stories endpoint's notifications applied, by story id: how many (the relay claims
+    /// each story's once, so 1; more is a notification sent twice under distinct change_seqs,
+    /// which no redelivery makes).
+    pub notified: BTreeMap<String, u64>,
     /// Changes of the epoch that came ahead of a predecessor, by change_seq.
-    held: BTreeMap<i64, ChangeMessage>,
+    held: BTreeMap<i64, Delivered>,
 }
 
 /// Counts of what [`ReferenceConsumer::receive`] answered.
@@ -76,6 +100,14 @@ pub struct ConsumerStats {
     pub stale: u64,
     /// Snapshots begun: each replaced what was held of its endpoint.
     pub snapshots: u64,
+    /// Stories endpoints' changes applied (kinds `story` and `notification`; counted in
+    /// `applied` too).
+    pub story_changes: u64,
+    /// Notifications applied.
+    pub notifications: u64,
+    /// Drops of a story the rebuilt copy did not hold open (a consumer resumed from a position
+    /// whose copy it did not keep).
+    pub drops_of_nothing: u64,
 }
 
 /// Rebuilds one tenant's copies from its change messages.
@@ -114,67 +146,101 @@ impl ReferenceConsumer {
         self.receive_with(message, &mut |_| {})
     }
 
-    /// Follows each endpoint's stream as the message contract says: a change of an older epoch
-    /// is dropped ([`Received::Stale`]); a greater epoch starts over at change_seq 1; a
-    /// change_seq applied or held before in the epoch is dropped; the next one is applied, then
-    /// every held one that now follows; one further ahead is held. `snapshot_begin` forgets what
-    /// was held of the endpoint: the snapshot's upserts that follow are the whole copy.
-    /// `on_apply` is called with each change applied, in change_seq order.
+    /// A feed message: [`receive_delivered_with`](Self::receive_delivered_with), `on_apply`
+    /// called with each feed change applied (a feed endpoint's stream holds no other kind).
     pub fn receive_with(
         &mut self,
         message: &ChangeMessage,
         on_apply: &mut dyn FnMut(&ChangeMessage),
     ) -> Received {
+        self.follow(Change::Item(message), &mut |applied| match applied {
+            None => on_apply(message),
+            Some(Delivered::Item(held)) => on_apply(held),
+            Some(Delivered::Story(_)) => {}
+        })
+    }
+
+    /// A stories endpoint's message, without being told what was applied.
+    pub fn receive_story(&mut self, message: &StoryMessage) -> Received {
+        self.follow(Change::Story(message), &mut |_| {})
+    }
+
+    /// A message of either kind, without being told what was applied.
+    pub fn receive_delivered(&mut self, message: &Delivered) -> Received {
+        self.receive_delivered_with(message, &mut |_| {})
+    }
+
+    /// Follows each endpoint's stream as the message contract says, whatever the message's
+    /// kind: a change of an older epoch is dropped ([`Received::Stale`]); a greater epoch starts
+    /// over at change_seq 1; a change_seq applied or held before in the epoch is dropped; the
+    /// next one is applied, then every held one that now follows; one further ahead is held.
+    /// `snapshot_begin` forgets what was held of the endpoint (its items and stories; not the
+    /// notifications, which were acted on): the snapshot's upserts that follow are the whole
+    /// copy. `on_apply` is called with each change applied, in change_seq order.
+    pub fn receive_delivered_with(
+        &mut self,
+        message: &Delivered,
+        on_apply: &mut dyn FnMut(&Delivered),
+    ) -> Received {
+        self.follow(Change::of(message), &mut |applied| {
+            on_apply(applied.unwrap_or(message))
+        })
+    }
+
+    /// The stream rules; `on_apply` is told `None` for `message` itself, and each held change
+    /// applied after it.
+    fn follow(
+        &mut self,
+        message: Change<'_>,
+        on_apply: &mut dyn FnMut(Option<&Delivered>),
+    ) -> Received {
         let stats = &mut self.stats;
         stats.messages += 1;
-        if message.tenant_id != self.tenant {
+        if message.tenant() != self.tenant {
             stats.other_tenant += 1;
             return Received::OtherTenant;
         }
-        let replica = self
-            .endpoints
-            .entry(message.webhook_endpoint_id)
-            .or_default();
-        if message.epoch < replica.epoch {
+        let replica = self.endpoints.entry(message.endpoint()).or_default();
+        let (epoch, change_seq) = (message.epoch(), message.change_seq());
+        if epoch < replica.epoch {
             stats.stale += 1;
             return Received::Stale;
         }
-        if message.epoch > replica.epoch {
+        if epoch > replica.epoch {
             // The older epoch's held changes can never be applied now: its stream is over.
             stats.stale += replica.held.len() as u64;
-            replica.epoch = message.epoch;
+            replica.epoch = epoch;
             replica.last_change_seq = 0;
             replica.held.clear();
         }
-        if message.change_seq <= replica.last_change_seq
-            || replica.held.contains_key(&message.change_seq)
-        {
+        if change_seq <= replica.last_change_seq || replica.held.contains_key(&change_seq) {
             stats.duplicates += 1;
             return Received::Duplicate;
         }
         let expected = replica.last_change_seq + 1;
-        if message.change_seq > expected {
+        if change_seq > expected {
             stats.reordered += 1;
-            replica.held.insert(message.change_seq, message.clone());
+            replica.held.insert(change_seq, message.to_delivered());
             return Received::Held { expected };
         }
         apply(replica, message, stats);
-        on_apply(message);
+        on_apply(None);
         while let Some(next) = replica.held.remove(&(replica.last_change_seq + 1)) {
-            apply(replica, &next, stats);
-            on_apply(&next);
+            apply(replica, Change::of(&next), stats);
+            on_apply(Some(&next));
         }
         Received::Applied
     }
 
-    /// Decodes a message body and receives it ([`receive_with`](Self::receive_with)).
+    /// Decodes a message body of either kind ([`Delivered::decode`]) and receives it
+    /// ([`receive_delivered_with`](Self::receive_delivered_with)).
     pub fn receive_body_with(
         &mut self,
         body: &[u8],
-        on_apply: &mut dyn FnMut(&ChangeMessage),
-    ) -> Result<(ChangeMessage, Received), DecodeError> {
-        let message = ChangeMessage::decode(body)?;
-        let received = self.receive_with(&message, on_apply);
+        on_apply: &mut dyn FnMut(&Delivered),
+    ) -> Result<(Delivered, Received), DecodeError> {
+        let message = Delivered::decode(body)?;
+        let received = self.receive_delivered_with(&message, on_apply);
         Ok((message, received))
     }
 
@@ -218,6 +284,32 @@ impl ReferenceConsumer {
             .unwrap_or_default()
     }
 
+    /// The stories endpoint's copy, story id to its row, open and closed (empty for an
+    /// endpoint never seen).
+    pub fn stories(&self, endpoint: Uuid) -> BTreeMap<String, ReplicaStory> {
+        self.endpoints
+            .get(&endpoint)
+            .map(|r| r.stories.clone())
+            .unwrap_or_default()
+    }
+
+    /// The ids of the stories the endpoint notified.
+    pub fn notifications(&self, endpoint: Uuid) -> BTreeSet<String> {
+        self.endpoints
+            .get(&endpoint)
+            .map(|r| r.notified.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// How many notifications of each story the endpoint sent (repeats of one change_seq
+    /// dropped): every count is 1 when each story was notified at most once.
+    pub fn notification_counts(&self, endpoint: Uuid) -> BTreeMap<String, u64> {
+        self.endpoints
+            .get(&endpoint)
+            .map(|r| r.notified.clone())
+            .unwrap_or_default()
+    }
+
     /// The endpoint's epoch followed and the last change_seq applied in it ((0, 0): none yet).
     pub fn position(&self, endpoint: Uuid) -> (u64, i64) {
         self.endpoints
@@ -226,10 +318,113 @@ impl ReferenceConsumer {
     }
 }
 
+/// A message of either kind, borrowed.
+#[derive(Debug, Clone, Copy)]
+enum Change<'a> {
+    Item(&'a ChangeMessage),
+    Story(&'a StoryMessage),
+}
+
+impl<'a> Change<'a> {
+    fn of(message: &'a Delivered) -> Self {
+        match message {
+            Delivered::Item(m) => Change::Item(m),
+            Delivered::Story(m) => Change::Story(m),
+        }
+    }
+
+    fn to_delivered(self) -> Delivered {
+        match self {
+            Change::Item(m) => Delivered::Item(m.clone()),
+            Change::Story(m) => Delivered::Story(m.clone()),
+        }
+    }
+
+    fn tenant(self) -> Uuid {
+        match self {
+            Change::Item(m) => m.tenant_id,
+            Change::Story(m) => m.tenant_id,
+        }
+    }
+
+    fn endpoint(self) -> Uuid {
+        match self {
+            Change::Item(m) => m.webhook_endpoint_id,
+            Change::Story(m) => m.webhook_endpoint_id,
+        }
+    }
+
+    fn epoch(self) -> u64 {
+        match self {
+            Change::Item(m) => m.epoch,
+            Change::Story(m) => m.epoch,
+        }
+    }
+
+    fn change_seq(self) -> i64 {
+        match self {
+            Change::Item(m) => m.change_seq,
+            Change::Story(m) => m.change_seq,
+        }
+    }
+}
+
 /// Applies the endpoint's next change to its replica.
-fn apply(replica: &mut EndpointReplica, message: &ChangeMessage, stats: &mut ConsumerStats) {
-    replica.last_change_seq = message.change_seq;
+fn apply(replica: &mut EndpointReplica, message: Change<'_>, stats: &mut ConsumerStats) {
+    replica.last_change_seq = message.change_seq();
     stats.applied += 1;
+    match message {
+        Change::Item(message) => apply_item(replica, message, stats),
+        Change::Story(message) => apply_story(replica, message, stats),
+    }
+}
+
+/// A stories endpoint's change, applied as the relay applied it to its copy (in change_seq
+/// order, so each write is what the relay's made: no version check here).
+fn apply_story(replica: &mut EndpointReplica, message: &StoryMessage, stats: &mut ConsumerStats) {
+    stats.story_changes += 1;
+    let id = &message.story_id;
+    match message.operation {
+        StoryOperation::Saved => {
+            replica.stories.insert(
+                id.clone(),
+                ReplicaStory {
+                    ticker: message.ticker.clone(),
+                    version: message.version,
+                    closed: false,
+                    // `StoryMessage::decode` refuses a save without its snapshot.
+                    story: Some(message.story.clone().unwrap_or(Value::Null)),
+                },
+            );
+        }
+        StoryOperation::Closed => {
+            replica.stories.insert(
+                id.clone(),
+                ReplicaStory {
+                    ticker: message.ticker.clone(),
+                    version: message.version,
+                    closed: true,
+                    story: None,
+                },
+            );
+        }
+        StoryOperation::Dropped => {
+            // The relay drops open rows only; a closed row stays, as in its copy.
+            if replica.stories.get(id).is_some_and(|row| !row.closed) {
+                replica.stories.remove(id);
+            } else {
+                stats.drops_of_nothing += 1;
+            }
+        }
+        StoryOperation::Notified => {
+            stats.notifications += 1;
+            *replica.notified.entry(id.clone()).or_default() += 1;
+        }
+    }
+}
+
+/// A feed endpoint's change.
+fn apply_item(replica: &mut EndpointReplica, message: &ChangeMessage, stats: &mut ConsumerStats) {
     match (&message.operation, &message.item) {
         (Operation::Upsert, Some(item)) => {
             replica.items.insert(
@@ -245,6 +440,7 @@ fn apply(replica: &mut EndpointReplica, message: &ChangeMessage, stats: &mut Con
         }
         (Operation::SnapshotBegin, _) => {
             replica.items.clear();
+            replica.stories.clear();
             stats.snapshots += 1;
         }
         (Operation::SnapshotEnd, _) => {}
@@ -470,5 +666,166 @@ mod tests {
             ),
             (2, 1, 1, 0)
         );
+    }
+
+    fn story(seq: i64, id: &str, operation: StoryOperation, version: u64) -> StoryMessage {
+        use crate::message::StoryKind;
+        let has_story = operation.has_story();
+        StoryMessage {
+            v: 1,
+            kind: if operation == StoryOperation::Notified {
+                StoryKind::Notification
+            } else {
+                StoryKind::Story
+            },
+            tenant_id: Uuid::from_u128(1),
+            webhook_endpoint_id: Uuid::from_u128(9),
+            epoch: 1,
+            change_seq: seq,
+            operation,
+            story_id: id.into(),
+            ticker: Some("ALFA B".into()),
+            version,
+            story: has_story.then(|| json!({"id": id, "version": version})),
+            merged_into: None,
+            event_id: (operation != StoryOperation::Dropped).then(|| format!("evt_{seq}")),
+            reload_round: (operation == StoryOperation::Dropped).then_some(1),
+            snapshot: false,
+            changed_at: OffsetDateTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn stories_are_rebuilt_from_changes_out_of_order_and_twice() {
+        use StoryOperation::*;
+        let endpoint = Uuid::from_u128(9);
+        let mut merged = story(4, "a", Closed, 3);
+        merged.merged_into = Some("b".into());
+        let sent = [
+            story(1, "a", Saved, 1),
+            story(2, "b", Saved, 1),
+            story(3, "a", Saved, 2),
+            merged,
+            story(5, "b", Saved, 2),
+            story(6, "b", Notified, 2),
+            story(7, "c", Saved, 1),
+            story(8, "c", Dropped, 1),
+        ];
+        // Through bodies, as a queue delivers them: 5..8 ahead of 2..4, 6 three times, 3 twice.
+        let order = [0, 4, 5, 5, 6, 7, 1, 2, 2, 3, 5];
+        let mut consumer = ReferenceConsumer::new(Uuid::from_u128(1));
+        let mut applied = Vec::new();
+        for &i in &order {
+            let body = sent[i].encode();
+            consumer
+                .receive_body_with(&body, &mut |m| {
+                    applied.push((m.change_seq(), m.operation()))
+                })
+                .unwrap();
+        }
+        let seqs: Vec<i64> = applied.iter().map(|a| a.0).collect();
+        assert_eq!(seqs, (1..=8).collect::<Vec<_>>());
+        assert_eq!(applied[3].1, "closed");
+        assert_eq!(
+            consumer.stories(endpoint),
+            BTreeMap::from([
+                (
+                    "a".to_owned(),
+                    ReplicaStory {
+                        ticker: Some("ALFA B".into()),
+                        version: 3,
+                        closed: true,
+                        story: None
+                    }
+                ),
+                (
+                    "b".to_owned(),
+                    ReplicaStory {
+                        ticker: Some("ALFA B".into()),
+                        version: 2,
+                        closed: false,
+                        story: Some(json!({"id": "b", "version": 2}))
+                    }
+                ),
+            ])
+        );
+        assert_eq!(
+            consumer.notifications(endpoint),
+            BTreeSet::from(["b".to_owned()])
+        );
+        assert_eq!(
+            consumer.notification_counts(endpoint),
+            BTreeMap::from([("b".to_owned(), 1)])
+        );
+        assert!(consumer.items(endpoint).is_empty());
+        assert_eq!(consumer.position(endpoint), (1, 8));
+        let stats = consumer.stats();
+        assert_eq!(
+            (
+                stats.messages,
+                stats.applied,
+                stats.story_changes,
+                stats.duplicates,
+                stats.reordered,
+                stats.notifications,
+                stats.waiting,
+                stats.drops_of_nothing
+            ),
+            (11, 8, 8, 3, 4, 1, 0, 0)
+        );
+        assert!(consumer.missing().is_empty());
+    }
+
+    #[test]
+    fn a_story_notified_twice_under_distinct_change_seqs_is_counted_twice() {
+        let endpoint = Uuid::from_u128(9);
+        let mut consumer = ReferenceConsumer::new(Uuid::from_u128(1));
+        let first = story(1, "a", StoryOperation::Notified, 1);
+        let second = story(2, "a", StoryOperation::Notified, 2);
+        for message in [&first, &second, &first] {
+            consumer.receive_story(message);
+        }
+        assert_eq!(consumer.notification_counts(endpoint)["a"], 2);
+        assert_eq!(consumer.stats().duplicates, 1);
+    }
+
+    #[test]
+    fn a_held_story_change_waits_for_its_predecessor_and_a_missing_one_is_named() {
+        let endpoint = Uuid::from_u128(9);
+        let mut consumer = ReferenceConsumer::new(Uuid::from_u128(1));
+        assert_eq!(
+            consumer.receive_story(&story(2, "a", StoryOperation::Closed, 4)),
+            Received::Held { expected: 1 }
+        );
+        assert!(consumer.stories(endpoint).is_empty());
+        assert_eq!(consumer.missing(), [(endpoint, 1, 1..=1)]);
+        // The feed's `receive_with` tells nothing of a story change it released.
+        let mut told = 0;
+        let first = change(1, 1, "x", true);
+        assert_eq!(
+            consumer.receive_with(&first, &mut |_| told += 1),
+            Received::Applied
+        );
+        assert_eq!(told, 1);
+        assert!(consumer.stories(endpoint)["a"].closed);
+        assert_eq!(consumer.position(endpoint), (1, 2));
+    }
+
+    #[test]
+    fn a_drop_takes_the_open_row_and_leaves_a_closed_one() {
+        use StoryOperation::*;
+        let endpoint = Uuid::from_u128(9);
+        let mut consumer = ReferenceConsumer::new(Uuid::from_u128(1));
+        for message in [
+            story(1, "open", Saved, 1),
+            story(2, "shut", Closed, 2),
+            story(3, "open", Dropped, 1),
+            story(4, "shut", Dropped, 2),
+        ] {
+            assert_eq!(consumer.receive_story(&message), Received::Applied);
+        }
+        let stories = consumer.stories(endpoint);
+        assert_eq!(stories.keys().collect::<Vec<_>>(), ["shut"]);
+        assert_eq!(consumer.stats().drops_of_nothing, 1);
     }
 }

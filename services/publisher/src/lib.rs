@@ -25,8 +25,10 @@
 //! - [`ownership`]: the per-tenant Redis lease and its Postgres fencing token.
 //! - [`outbox`]: the outbox's rows (read through relay-store) checked and made messages.
 //! - [`broker`]: AMQP via lapin on tokio: connections, the tenant queue, confirmed publishes.
-//! - [`message`]: the change message v1 (`docs/change-message.v1.schema.json`).
-//! - [`consumer`]: [`ReferenceConsumer`], the pure rebuild of a copy from the messages.
+//! - [`message`]: the change message v1 (`docs/change-message.v1.schema.json`) and a stories
+//!   endpoint's story message v1 (`docs/story-message.v1.schema.json`); [`Delivered`] is either.
+//! - [`consumer`]: [`ReferenceConsumer`], the pure rebuild of a copy (a feed's items, or a
+//!   stories endpoint's stories and notifications) from the messages.
 //! - [`tail`](mod@tail): `relay tail`, the reference consumer over a queue.
 //! - [`metrics`]: the Prometheus metrics.
 
@@ -46,8 +48,13 @@ pub use config::{
     redact, BeforeMark, DestinationArgs, OnConfirm, PublisherArgs, PublisherConfig,
     DEFAULT_AMQP_URL,
 };
-pub use consumer::{ConsumerStats, Received, ReferenceConsumer};
-pub use message::{message_id, ChangeMessage, Operation, FIRST_EPOCH, SCHEMA};
+pub use consumer::{
+    ConsumerStats, EndpointReplica, Received, ReferenceConsumer, ReplicaItem, ReplicaStory,
+};
+pub use message::{
+    message_id, ChangeMessage, DecodeError, Delivered, Operation, Outbound, PartsDiff, StoryKind,
+    StoryMessage, StoryOperation, FIRST_EPOCH, SCHEMA, STORY_SCHEMA,
+};
 pub use metrics::PublisherMetrics;
 pub use publisher::{Publisher, PublisherError, PublisherHandle};
 pub use tail::{tail, tail_until, TailArgs, TailOutput};

@@ -2,6 +2,10 @@
 //! what it rebuilt, as JSON lines. The reference consumer for users, runnable: changes that come
 //! out of order are held until their predecessors come, repeats are dropped, and changes that
 //! never came are named at the end (and the command fails: the copy printed is not whole).
+//!
+//! A stories endpoint's messages are read the same way: `--output changes` prints each as it is,
+//! `--output copy` prints its copy of the stories (`"kind": "story"` lines, closed rows too) and
+//! the stories it notified (`"kind": "notification"` lines).
 
 use std::future::Future;
 use std::io::Write;
@@ -22,7 +26,8 @@ use relay_netguard::TrustRoots;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum TailOutput {
-    /// At the end, every item of every endpoint's rebuilt copy, one per line.
+    /// At the end, every item of every endpoint's rebuilt copy, one per line (a stories
+    /// endpoint's: every story, open or closed, then every story it notified).
     Copy,
     /// As they arrive, each change applied (repeats dropped), one message per line.
     Changes,
@@ -92,6 +97,28 @@ struct CopyLine<'a> {
     sequence: &'a Option<String>,
     change_seq: i64,
     item: &'a Value,
+}
+
+/// One line of `--output copy` for a stories endpoint's story (`kind` `story`).
+#[derive(Debug, Serialize)]
+struct StoryCopyLine<'a> {
+    kind: &'static str,
+    webhook_endpoint_id: Uuid,
+    story_id: &'a str,
+    ticker: &'a Option<String>,
+    version: u64,
+    closed: bool,
+    story: &'a Option<Value>,
+}
+
+/// One line of `--output copy` for a story a stories endpoint notified (`kind`
+/// `notification`): how many notifications of it came (1, unless one was sent twice).
+#[derive(Debug, Serialize)]
+struct NotifiedLine<'a> {
+    kind: &'static str,
+    webhook_endpoint_id: Uuid,
+    story_id: &'a str,
+    notifications: u64,
 }
 
 /// Runs tail until the queue is idle for `idle_exit_ms` or Ctrl-C, printing to `out`.
@@ -186,6 +213,33 @@ pub async fn tail_until(
                         sequence: &item.sequence,
                         change_seq: item.change_seq,
                         item: &item.item,
+                    },
+                )?;
+                writeln!(out)?;
+            }
+            for (story_id, row) in &replica.stories {
+                serde_json::to_writer(
+                    &mut *out,
+                    &StoryCopyLine {
+                        kind: "story",
+                        webhook_endpoint_id: *endpoint,
+                        story_id,
+                        ticker: &row.ticker,
+                        version: row.version,
+                        closed: row.closed,
+                        story: &row.story,
+                    },
+                )?;
+                writeln!(out)?;
+            }
+            for (story_id, &notifications) in &replica.notified {
+                serde_json::to_writer(
+                    &mut *out,
+                    &NotifiedLine {
+                        kind: "notification",
+                        webhook_endpoint_id: *endpoint,
+                        story_id,
+                        notifications,
                     },
                 )?;
                 writeln!(out)?;
