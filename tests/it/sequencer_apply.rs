@@ -166,6 +166,7 @@ async fn add_endpoint(
             tenant_id: relay_store::TenantId(tenant),
             upstream_api_key: upstream_base_url.as_ref().map(|_| "key".to_owned()),
             upstream_base_url,
+            source: relay_store::endpoints::Source::Feed,
         },
         UpstreamClient::http_client(
             Duration::from_secs(5),

@@ -378,6 +378,7 @@ fn paged(ctx: &EndpointContext, base_url: &str, limit: usize) -> Arc<EndpointCon
         tenant_id: ctx.tenant(),
         upstream_base_url: Some(base_url.to_owned()),
         upstream_api_key: Some("key".to_owned()),
+        source: relay_store::endpoints::Source::Feed,
     };
     let http = UpstreamClient::http_client(
         Duration::from_secs(5),

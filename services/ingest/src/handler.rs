@@ -18,6 +18,10 @@
 //! day while the endpoint's stream waits behind it. The sequencer, which reads every stored
 //! body again, sets it aside and reloads the endpoint's feed.
 //!
+//! A stories endpoint's body is one stories event (seed 000), which names no endpoint: the URL's
+//! id does. It is verified and stored the same way; one that is not a stories event is stored
+//! and answered 202 as above, and the sequencer sets it aside (catch-up reads the event again).
+//!
 //! If the message cannot be committed within the answer deadline (Postgres down or slow), the
 //! answer is 503 with Retry-After: never a 2xx for anything not committed. A 503 says only that
 //! the relay is unavailable; what went wrong is logged, never answered.
@@ -33,7 +37,7 @@ use axum::Json;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use relay_store::endpoints::EndpointStatus;
 use relay_store::messages::{IncomingMessage, StoreOutcome};
-use relay_wire::{Message, MessageError, SignatureHeaders, VerifyError};
+use relay_wire::{Message, SignatureHeaders, StoryEvent, VerifyError};
 use serde_json::json;
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -64,7 +68,8 @@ const UNAVAILABLE_DETAIL: &str = "the relay cannot store messages right now; ret
 enum Answer {
     Accepted,
     /// Verified and stored, but not a v1 message this relay reads.
-    AcceptedUnparsed(MessageError),
+    /// Why the body is not what the endpoint's source reads.
+    AcceptedUnparsed(String),
     Duplicate,
     TooLarge {
         limit: usize,
@@ -289,23 +294,31 @@ async fn take_message(
         return Answer::Malformed(format!("a webhook-id is 1 to {MAX_WEBHOOK_ID_LEN} bytes"));
     }
 
-    let (track, generation, unparsed) = match Message::parse(&body) {
-        Ok(message) if message.webhook_endpoint_id != endpoint_id => {
-            return Answer::EndpointMismatch {
-                named: message.webhook_endpoint_id,
-            }
+    let (track, generation, unparsed) = if endpoint.stories {
+        // One event per body (seed 000); it names no endpoint: the URL's id does.
+        match StoryEvent::parse(&body) {
+            Ok(_) => (None, None, None),
+            Err(error) => (None, None, Some(error.to_string())),
         }
-        Ok(message) => (
-            message.track.as_ref().map(|t| t.as_str().to_owned()),
-            message.generation.map(|g| {
-                i64::try_from(g).expect("Message::parse keeps generations within a bigint")
-            }),
-            None,
-        ),
-        Err(error) => match named_endpoint(&body) {
-            Some(named) if named != endpoint_id => return Answer::EndpointMismatch { named },
-            _ => (None, None, Some(error)),
-        },
+    } else {
+        match Message::parse(&body) {
+            Ok(message) if message.webhook_endpoint_id != endpoint_id => {
+                return Answer::EndpointMismatch {
+                    named: message.webhook_endpoint_id,
+                }
+            }
+            Ok(message) => (
+                message.track.as_ref().map(|t| t.as_str().to_owned()),
+                message.generation.map(|g| {
+                    i64::try_from(g).expect("Message::parse keeps generations within a bigint")
+                }),
+                None,
+            ),
+            Err(error) => match named_endpoint(&body) {
+                Some(named) if named != endpoint_id => return Answer::EndpointMismatch { named },
+                _ => (None, None, Some(error.to_string())),
+            },
+        }
     };
 
     let incoming = IncomingMessage {

@@ -366,6 +366,16 @@ pub struct SequencerArgs {
     )]
     pub change_retention_days: u64,
 
+    /// Seconds between a stories endpoint's catch-ups from `GET /v1/events`, the safety net
+    /// under its webhooks (it also catches up on start-up and after downtime).
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_STORIES_CATCH_UP_INTERVAL_S",
+        default_value_t = sequencer::STORIES_CATCH_UP_INTERVAL_S,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub stories_catch_up_interval_s: u64,
+
     /// Timeout, in milliseconds, of each upstream API request (reload pages, refetch reads).
     #[arg(
         long,

@@ -195,6 +195,7 @@ impl SequencerArgs {
             message_retention: days(self.message_retention_days),
             change_retention: days(self.change_retention_days),
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
+            stories_catch_up_interval: Duration::from_secs(self.stories_catch_up_interval_s),
             outbound: global.outbound.policy(),
             trust: global.trust()?,
             ..relay_sequencer::SequencerConfig::default()

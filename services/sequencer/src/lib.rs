@@ -10,6 +10,9 @@
 //! - [`reload`]: reading `/v1/feed` pass after pass, each merged as relay-rules'
 //!   `decide_merge` says (relay-store's `copy::merge`).
 //! - [`worker`]: one owned endpoint: messages in order, its reload beside them, the lease.
+//! - [`stories`]: one owned stories endpoint (seed 000): its webhooks and catch-up pages through
+//!   one handler, the driver of relay-rules' `decide_stories_run`; ticker loads and the reload
+//!   in full beside them.
 //! - [`service`]: the process: wake-ups, the sweep, a bounded set of workers.
 //! - [`slots`]: how many workers at once, and how many of them for one tenant.
 //! - [`metrics`]: what the sequencer exports.
@@ -17,8 +20,8 @@
 //! Owning an endpoint (the Redis lease, the fencing token) and the wake-ups are relay-coord's,
 //! shared with the front tier and the publisher.
 //!
-//! "Source kind" is a seam here: the feed track is the only source built; a second source (the
-//! stories API) would add its own `step` and apply module beside the feed's.
+//! The endpoint's source kind picks its worker: the feed's ([`worker`]) or the stories API's
+//! ([`stories`]); both own the endpoint the same way and write only under its fence.
 
 mod apply;
 mod batch;
@@ -26,6 +29,7 @@ mod metrics;
 mod reload;
 mod service;
 mod slots;
+mod stories;
 mod upstream;
 mod worker;
 

@@ -69,7 +69,20 @@ pub struct SequencerMetrics {
     pub table_bytes: IntGaugeVec,
     pub table_rows: GaugeVec,
     pub apply_failures: IntCounter,
+    /// A stories endpoint's writes (seed 000's two), by what each did to its row.
+    pub story_writes: IntCounterVec,
+    /// Notifications claimed (each appended once to its tenant's stream).
+    pub stories_notifications: IntCounter,
+    pub stories_catch_up_pages: IntCounter,
+    /// Reloads in full of stories endpoints, by how they ended.
+    pub stories_reloads: IntCounterVec,
 }
+
+/// What a stories write did: a save that wrote or did not, a close that changed the row or
+/// found it closed at that version already.
+pub const STORY_WRITES: [&str; 4] = ["saved", "unchanged", "closed", "already_closed"];
+
+pub const STORIES_RELOAD_OUTCOMES: [&str; 2] = ["finished", "superseded"];
 
 impl SequencerMetrics {
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
@@ -193,6 +206,38 @@ impl SequencerMetrics {
             "Failed applies of a message alone that its content may have caused (each is one \
              of its tries before quarantine).",
         )?;
+        let story_writes = IntCounterVec::new(
+            Opts::new(
+                "relay_sequencer_story_writes_total",
+                "Writes to stories endpoints' copies, by what each did to its row.",
+            ),
+            &["write"],
+        )?;
+        let stories_notifications = IntCounter::new(
+            "relay_sequencer_stories_notifications_total",
+            "Notifications claimed and appended to tenants' streams.",
+        )?;
+        let stories_catch_up_pages = IntCounter::new(
+            "relay_sequencer_stories_catch_up_pages_total",
+            "Pages of GET /v1/events applied by stories endpoints' catch-up.",
+        )?;
+        let stories_reloads = IntCounterVec::new(
+            Opts::new(
+                "relay_sequencer_stories_reloads_total",
+                "Reloads in full of stories endpoints' copies, by how they ended.",
+            ),
+            &["outcome"],
+        )?;
+        registry.register(Box::new(story_writes.clone()))?;
+        registry.register(Box::new(stories_notifications.clone()))?;
+        registry.register(Box::new(stories_catch_up_pages.clone()))?;
+        registry.register(Box::new(stories_reloads.clone()))?;
+        for write in STORY_WRITES {
+            story_writes.with_label_values(&[write]);
+        }
+        for outcome in STORIES_RELOAD_OUTCOMES {
+            stories_reloads.with_label_values(&[outcome]);
+        }
         registry.register(Box::new(applied_events_forgotten.clone()))?;
         registry.register(Box::new(messages_forgotten.clone()))?;
         registry.register(Box::new(changes_forgotten.clone()))?;
@@ -250,6 +295,10 @@ impl SequencerMetrics {
             table_bytes,
             table_rows,
             apply_failures,
+            story_writes,
+            stories_notifications,
+            stories_catch_up_pages,
+            stories_reloads,
         })
     }
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use relay_coord::{listen, wake_channel, Owners, OwnershipConfig, OwnershipError};
 use relay_rules::ApplyBackoff;
+use relay_store::endpoints::Source;
 use relay_store::EndpointId;
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
@@ -18,6 +19,7 @@ use uuid::Uuid;
 use crate::batch::{ApplyBatcher, PendingReader};
 use crate::metrics::SequencerMetrics;
 use crate::slots::Slots;
+use crate::stories::run_stories_worker;
 use crate::upstream::UpstreamClient;
 use crate::worker::{run_worker, WorkerConfig, WorkerExit, WorkerSignal};
 
@@ -52,6 +54,9 @@ pub mod defaults {
     /// that lost more resyncs from the copy).
     pub const CHANGE_RETENTION_DAYS: u64 = 7;
     pub const UPSTREAM_TIMEOUT_MS: u64 = 10_000;
+    /// A stories endpoint catches up from `GET /v1/events` this often as a safety net under its
+    /// webhooks (seed 000: "every few minutes"), besides on start-up and after downtime.
+    pub const STORIES_CATCH_UP_INTERVAL_S: u64 = 300;
 }
 
 /// How the sequencer behaves. The defaults suit one machine with the front tier beside it.
@@ -107,8 +112,11 @@ pub struct SequencerConfig {
     /// Items per `/v1/feed` page a reload asks for: the most the API gives (500) by default, so
     /// a pass makes the fewest reads; tests ask for fewer, so that a pass has several pages.
     pub feed_page_limit: usize,
-    /// Pauses between a reload's passes that cannot merge.
+    /// Pauses between a reload's passes that cannot merge (and, for a stories endpoint,
+    /// before a failed sync runs again).
     pub reload_retry: relay_netguard::RetryPolicy,
+    /// How often each stories endpoint catches up from `GET /v1/events`.
+    pub stories_catch_up_interval: Duration,
 }
 
 impl Default for SequencerConfig {
@@ -146,6 +154,7 @@ impl Default for SequencerConfig {
             trust: relay_netguard::TrustRoots::platform(),
             feed_page_limit: crate::upstream::FEED_PAGE_LIMIT,
             reload_retry: crate::reload::RELOAD_RETRY,
+            stories_catch_up_interval: Duration::from_secs(defaults::STORIES_CATCH_UP_INTERVAL_S),
         }
     }
 }
@@ -249,9 +258,12 @@ async fn schedule(
         changed_tx,
         stop.clone(),
     ));
+    // Catch-up on start-up: every stories endpoint not caught up since this moment is due.
+    let started_at = time::OffsetDateTime::now_utc();
+    let catch_up_interval = config.stories_catch_up_interval;
     let sweeper = tokio::spawn(sweep(
         pool.clone(),
-        config.sweep_interval,
+        (config.sweep_interval, catch_up_interval, started_at),
         wake_tx.clone(),
         stop.clone(),
     ));
@@ -328,6 +340,22 @@ async fn schedule(
             let slot = slots.take_holding(registration.tenant_id, any).await;
             if stopping.load(Ordering::SeqCst) {
                 return gone;
+            }
+            if let Source::Stories(settings) = registration.source.clone() {
+                return run_stories_worker(
+                    pool,
+                    owners,
+                    http,
+                    registration,
+                    settings,
+                    signal,
+                    (config, catch_up_interval, started_at),
+                    metrics,
+                    lease_duration,
+                    stopping,
+                    (slots, slot),
+                )
+                .await;
             }
             run_worker(
                 pool,
@@ -583,20 +611,24 @@ const LISTEN_RETRY: relay_netguard::RetryPolicy = relay_netguard::RetryPolicy {
 
 async fn sweep(
     pool: PgPool,
-    interval: Duration,
+    (interval, catch_up_interval, started_at): (Duration, Duration, time::OffsetDateTime),
     wakes: mpsc::UnboundedSender<Uuid>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
-        match relay_store::cursors::endpoints_with_work(&pool, None, 100_000).await {
-            Ok(endpoints) => {
-                for endpoint in endpoints {
-                    if wakes.send(endpoint).is_err() {
-                        return;
+        let due = relay_store::stories::due(&pool, catch_up_interval, started_at, None, 100_000);
+        let with_work = relay_store::cursors::endpoints_with_work(&pool, None, 100_000);
+        for found in [with_work.await, due.await] {
+            match found {
+                Ok(endpoints) => {
+                    for endpoint in endpoints {
+                        if wakes.send(endpoint).is_err() {
+                            return;
+                        }
                     }
                 }
+                Err(error) => tracing::warn!(%error, "sweep failed"),
             }
-            Err(error) => tracing::warn!(%error, "sweep failed"),
         }
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}

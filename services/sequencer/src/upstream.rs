@@ -7,9 +7,9 @@ use relay_netguard::{
     certificate_failure, error_chain, refusal_in, GuardedClient, OutboundPolicy, Refusal,
     TrustRoots,
 };
-use relay_rules::{ReadItem, RefetchAnswer};
+use relay_rules::{ReadItem, RefetchAnswer, StoryRead};
 use relay_store::{upstream_status, EndpointId, StoreError, TenantId};
-use relay_wire::{FeedItem, ItemKind, Sequence};
+use relay_wire::{FeedItem, ItemKind, Sequence, Story, StoryEvent};
 use reqwest::{Method, StatusCode};
 use serde::Deserialize;
 use serde_json::Value;
@@ -405,6 +405,129 @@ impl UpstreamClient {
                 detail: "no access_version".to_owned(),
             }),
             (status, _) => Err(UpstreamError::Status { url, status }),
+        }
+    }
+}
+
+/// Events per `GET /v1/events` page, and stories per `GET /v1/stories` page: the most the API
+/// gives.
+pub const STORIES_PAGE_LIMIT: usize = 500;
+
+/// One page of `GET /v1/events`: each event parsed, or why it is not a stories event.
+#[derive(Debug)]
+pub struct EventsPage {
+    pub events: Vec<Result<StoryEvent, String>>,
+    pub next_cursor: Option<String>,
+    pub has_more: bool,
+}
+
+#[derive(Deserialize)]
+struct RawPage {
+    data: Vec<Value>,
+    next_cursor: Option<String>,
+    #[serde(default)]
+    has_more: bool,
+}
+
+impl UpstreamClient {
+    async fn read_page(
+        &self,
+        path: &str,
+        mut query: Vec<(&'static str, String)>,
+        cursor: Option<&str>,
+    ) -> Result<RawPage, UpstreamError> {
+        query.push(("limit", self.page_limit.min(STORIES_PAGE_LIMIT).to_string()));
+        if let Some(cursor) = cursor {
+            query.push(("cursor", cursor.to_owned()));
+        }
+        let (status, url, body) = self.get(path, &query).await?;
+        if status == StatusCode::GONE {
+            return Err(UpstreamError::CursorExpired);
+        }
+        if status != StatusCode::OK {
+            return Err(UpstreamError::Status { url, status });
+        }
+        serde_json::from_slice(&body).map_err(|e| UpstreamError::Body {
+            url,
+            detail: e.to_string(),
+        })
+    }
+
+    /// `GET /v1/events` after `cursor` (from the start of the window when `None`): one page of
+    /// every event for the key's tickers, in the order published. `CursorExpired` on a 410: the
+    /// cursor is older than the window, and the copy must be reloaded in full.
+    pub async fn read_events(&self, cursor: Option<&str>) -> Result<EventsPage, UpstreamError> {
+        let page = self.read_page("/v1/events", Vec::new(), cursor).await?;
+        Ok(EventsPage {
+            events: page
+                .data
+                .iter()
+                .map(|event| StoryEvent::from_value(event).map_err(|e| e.to_string()))
+                .collect(),
+            next_cursor: page.next_cursor,
+            has_more: page.has_more,
+        })
+    }
+
+    /// One page of `GET /v1/stories?ticker=`: the ticker's open stories now, and the cursor of
+    /// the next page (`None` after the last).
+    pub async fn list_stories(
+        &self,
+        ticker: &str,
+        cursor: Option<&str>,
+    ) -> Result<(Vec<Story>, Option<String>), UpstreamError> {
+        let page = self
+            .read_page("/v1/stories", vec![("ticker", ticker.to_owned())], cursor)
+            .await?;
+        let stories = page
+            .data
+            .iter()
+            .map(Story::from_value)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| UpstreamError::Body {
+                url: format!("{}/v1/stories", self.base_url),
+                detail: e.to_string(),
+            })?;
+        let next = page.next_cursor.filter(|_| page.has_more);
+        Ok((stories, next))
+    }
+
+    /// `GET /v1/stories/{id}`: the story now, or [`StoryRead::NotFound`] on a 404 whose body says
+    /// `not_found` (closed, or never existed). Any other answer is a read that failed (a 404
+    /// without that body is a load balancer's), returned as the error for the endpoint's state.
+    pub async fn read_story(&self, id: &str) -> Result<StoryRead, UpstreamError> {
+        let path = format!("/v1/stories/{}", urlencode(id));
+        let (status, url, body) = self.get(&path, &[]).await?;
+        let json: Option<Value> = serde_json::from_slice(&body).ok();
+        match status {
+            StatusCode::OK => {
+                let story = json.as_ref().map(Story::from_value);
+                match story {
+                    Some(Ok(story)) if story.id == id => Ok(StoryRead::Found(story)),
+                    Some(Ok(story)) => Err(UpstreamError::Body {
+                        url,
+                        detail: format!("asked for story {id:?}, answered {:?}", story.id),
+                    }),
+                    Some(Err(error)) => Err(UpstreamError::Body {
+                        url,
+                        detail: error.to_string(),
+                    }),
+                    None => Err(UpstreamError::Body {
+                        url,
+                        detail: "not JSON".to_owned(),
+                    }),
+                }
+            }
+            StatusCode::NOT_FOUND
+                if json
+                    .as_ref()
+                    .and_then(|v| v.get("error"))
+                    .and_then(Value::as_str)
+                    == Some("not_found") =>
+            {
+                Ok(StoryRead::NotFound)
+            }
+            status => Err(UpstreamError::Status { url, status }),
         }
     }
 }

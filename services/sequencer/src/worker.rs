@@ -18,7 +18,7 @@ use crate::metrics::SequencerMetrics;
 use crate::reload::{run_reload, ReloadEnd, StopReload};
 use crate::slots::{Slot, Slots};
 use relay_store::endpoints::{self, EndpointRegistration};
-use relay_store::{cursors, tracks};
+use relay_store::{cursors, tracks, EndpointId, TenantId};
 
 /// What the scheduler and the endpoint's worker share.
 #[derive(Default)]
@@ -42,6 +42,11 @@ impl WorkerSignal {
     pub fn registration_changed(&self) {
         self.registration_changed.store(true, Ordering::SeqCst);
         self.wake();
+    }
+
+    /// Whether the registration changed since the last call.
+    pub(crate) fn take_registration_changed(&self) -> bool {
+        self.registration_changed.swap(false, Ordering::SeqCst)
     }
 }
 
@@ -152,7 +157,7 @@ pub async fn run_worker(
             permit = Some(slots.take(tenant).await);
         }
         wakes_seen = signal.wakes.load(Ordering::SeqCst);
-        if signal.registration_changed.swap(false, Ordering::SeqCst) {
+        if signal.take_registration_changed() {
             match endpoints::load_registration(&pool, endpoint).await {
                 Ok(Some(registration)) => {
                     tracing::info!(%endpoint, upstream = registration.upstream_base_url.is_some(),
@@ -505,15 +510,20 @@ async fn apply_from_cursor(
 /// Tells the publisher the endpoint has new changes (committed). Best effort: a lost
 /// announcement only means the publisher's poll finds them instead.
 async fn announce_changes(config: &WorkerConfig, ctx: &EndpointContext) {
+    announce(config, ctx.tenant(), ctx.id()).await
+}
+
+/// [`announce_changes`] for any endpoint's worker.
+pub(crate) async fn announce(config: &WorkerConfig, tenant: TenantId, endpoint: EndpointId) {
     if let Some(waker) = &config.changes_waker {
-        let payload = relay_coord::change_payload(ctx.tenant(), ctx.id());
+        let payload = relay_coord::change_payload(tenant, endpoint);
         if let Err(error) = waker.publish(&[payload]).await {
-            tracing::debug!(endpoint = %ctx.id(), %error, "could not announce new changes");
+            tracing::debug!(%endpoint, %error, "could not announce new changes");
         }
     }
 }
 
-async fn renew_until_lost(
+pub(crate) async fn renew_until_lost(
     owners: Owners,
     lease: Arc<Mutex<Option<Lease>>>,
     lease_duration: Duration,
