@@ -382,6 +382,16 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
     )
     .await;
     store_messages(&app.db, tenant_a, endpoint_a, 1).await;
+    // A story in A's copy (the reads of a stories copy name the endpoint as every read does).
+    sqlx::query(
+        "INSERT INTO stories (endpoint_id, tenant_id, id, ticker, version, story)
+         VALUES ($1, $2, 'st_4242', 'ALFA B', 1, '{\"id\": \"st_4242\"}')",
+    )
+    .bind(endpoint_a)
+    .bind(tenant_a)
+    .execute(&app.db.pool)
+    .await
+    .unwrap();
     // Two of A's messages set aside by the sequencer: one to retry, one to discard.
     let set_aside = store_messages(&app.db, tenant_a, endpoint_a, 2).await;
     sqlx::query(
@@ -404,6 +414,7 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             .replace("{secret_id}", &secret_id.to_string())
             .replace("{track}", "feed")
             .replace("{subject}", "announcement:4242")
+            .replace("{story_id}", "st_4242")
     };
     let secret = || json!({"secret": random_secret().to_whsec()});
     let own_exchange = |exchange: &str| {
@@ -547,6 +558,27 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             200,
         ),
         (
+            "GET /v1/endpoints/{endpoint_id}/stories",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "GET /v1/endpoints/{endpoint_id}/stories/{story_id}",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "GET /v1/endpoints/{endpoint_id}/notifications",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
             "GET /v1/endpoints/{endpoint_id}/quarantine",
             None,
             Tenant,
@@ -675,6 +707,7 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
         endpoint_a.to_string(),
         tenant_a.to_string(),
         "announcement:4242".to_owned(),
+        "st_4242".to_owned(),
         "tenant A".to_owned(),
         "a-exchange".to_owned(),
         secret_a.clone(),

@@ -11,6 +11,7 @@ use std::time::Duration;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
+use relay_rules::StoriesMode;
 use relay_store::endpoints::{self as store, EndpointStatus};
 use relay_store::{EndpointId, StoreError};
 use relay_wire::limits::{ROTATION_OVERLAP_MAX_S, ROTATION_OVERLAP_S};
@@ -36,8 +37,16 @@ const MAX_EXPIRY_S: u64 = 10 * 365 * 86_400;
 pub struct EndpointView {
     /// The upstream's webhook_endpoint_id.
     pub id: Uuid,
-    /// The language the endpoint reads the feed in.
+    /// `feed` (the wire file's messages) or `stories` (the stories API's events, seed 000).
+    pub source: String,
+    /// The language the endpoint reads the feed in (feed endpoints).
     pub lang: Option<String>,
+    /// How a stories endpoint applies its events: `snapshot` or `fetch_on_notify`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stories_mode: Option<String>,
+    /// A stories endpoint's tickers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tickers: Option<Vec<String>>,
     /// `active`, or `paused` (the front tier answers 410).
     pub status: String,
     pub upstream_base_url: Option<String>,
@@ -72,7 +81,10 @@ impl From<store::EndpointInfo> for EndpointView {
     fn from(endpoint: store::EndpointInfo) -> Self {
         Self {
             id: endpoint.id.0,
+            source: endpoint.source,
             lang: endpoint.lang,
+            stories_mode: endpoint.stories_mode,
+            tickers: endpoint.tickers,
             status: endpoint.status,
             upstream_base_url: endpoint.upstream_base_url,
             upstream_api_key_set: endpoint.upstream_api_key_set,
@@ -100,8 +112,21 @@ impl From<store::SecretInfo> for SecretView {
 pub struct NewEndpoint {
     /// The upstream's webhook_endpoint_id (the path the upstream posts to).
     pub id: Uuid,
-    /// The endpoint's language, as set at the upstream (`en`, `sv`, ...).
-    pub lang: String,
+    /// `feed` (the default) or `stories`. Fixed once registered.
+    #[serde(default)]
+    pub source: Option<String>,
+    /// Feed endpoints (required there, refused for stories): the endpoint's language, as set
+    /// at the upstream (`en`, `sv`, ...).
+    #[serde(default)]
+    pub lang: Option<String>,
+    /// Stories endpoints (required there, refused for the feed): the tickers whose stories the
+    /// copy holds, 1 to 100. Each is loaded once when registered (`GET /v1/stories?ticker=`).
+    #[serde(default)]
+    pub tickers: Option<Vec<String>>,
+    /// Stories endpoints: `snapshot` (the default: apply the snapshot in each event) or
+    /// `fetch_on_notify` (read each story an event names and apply what the API answers).
+    #[serde(default)]
+    pub stories_mode: Option<String>,
     /// The upstream API's base URL, for reloads, refetches and rewinds: https, to a public
     /// address (http and non-public addresses only where the operator allows them). Without it
     /// and `upstream_api_key` the endpoint is registered and its messages are stored and
@@ -124,6 +149,7 @@ pub struct NewEndpoint {
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EndpointUpdate {
+    /// Feed endpoints only.
     #[serde(default)]
     pub lang: Option<String>,
     #[serde(default)]
@@ -131,6 +157,55 @@ pub struct EndpointUpdate {
     /// Write-only.
     #[serde(default)]
     pub upstream_api_key: Option<String>,
+    /// Stories endpoints only: the whole new list. An added ticker's stories are loaded once;
+    /// a removed ticker's open stories are taken out of the copy (each a `dropped` change).
+    #[serde(default)]
+    pub tickers: Option<Vec<String>>,
+    /// Stories endpoints only: `snapshot` or `fetch_on_notify`.
+    #[serde(default)]
+    pub stories_mode: Option<String>,
+}
+
+/// The most tickers one stories endpoint holds.
+const MAX_TICKERS: usize = 100;
+/// The longest ticker taken (the upstream's are a few characters: `ALFA B`).
+const MAX_TICKER_LEN: usize = 32;
+
+/// A stories endpoint's tickers: 1 to [`MAX_TICKERS`], each 1 to [`MAX_TICKER_LEN`] bytes of
+/// printable text with no leading or trailing space, none twice.
+fn valid_tickers(field: &str, tickers: &[String]) -> Result<Vec<String>, ApiError> {
+    if tickers.is_empty() || tickers.len() > MAX_TICKERS {
+        return Err(ApiError::invalid(
+            field,
+            format!("1 to {MAX_TICKERS} tickers"),
+        ));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (i, ticker) in tickers.iter().enumerate() {
+        let printable = ticker.chars().all(|c| !c.is_control());
+        if ticker.is_empty()
+            || ticker.len() > MAX_TICKER_LEN
+            || !printable
+            || ticker.trim() != ticker
+        {
+            return Err(ApiError::invalid(
+                format!("{field}[{i}]"),
+                format!("a ticker of 1 to {MAX_TICKER_LEN} printable bytes, not padded"),
+            ));
+        }
+        if !seen.insert(ticker.as_str()) {
+            return Err(ApiError::invalid(
+                format!("{field}[{i}]"),
+                "a ticker named twice",
+            ));
+        }
+    }
+    Ok(tickers.to_vec())
+}
+
+fn valid_stories_mode(field: &str, text: &str) -> Result<StoriesMode, ApiError> {
+    StoriesMode::parse(text)
+        .ok_or_else(|| ApiError::invalid(field, "`snapshot` or `fetch_on_notify`"))
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -326,7 +401,42 @@ pub async fn create_endpoint(
     TenantId(tenant): TenantId,
     JsonBody(body): JsonBody<NewEndpoint>,
 ) -> Result<(StatusCode, Json<EndpointView>), ApiError> {
-    let lang = valid_lang("lang", &body.lang)?;
+    let (source, lang) = match body.source.as_deref().unwrap_or("feed") {
+        "feed" => {
+            if body.tickers.is_some() || body.stories_mode.is_some() {
+                let field = if body.tickers.is_some() {
+                    "tickers"
+                } else {
+                    "stories_mode"
+                };
+                return Err(ApiError::invalid(field, "belongs to stories endpoints"));
+            }
+            let lang = body
+                .lang
+                .as_deref()
+                .ok_or_else(|| ApiError::invalid("lang", "required for a feed endpoint"))?;
+            (store::Source::Feed, Some(valid_lang("lang", lang)?))
+        }
+        "stories" => {
+            if body.lang.is_some() {
+                return Err(ApiError::invalid("lang", "belongs to feed endpoints"));
+            }
+            let tickers = body
+                .tickers
+                .as_deref()
+                .ok_or_else(|| ApiError::invalid("tickers", "required for a stories endpoint"))?;
+            let mode = match body.stories_mode.as_deref() {
+                Some(text) => valid_stories_mode("stories_mode", text)?,
+                None => StoriesMode::default(),
+            };
+            let settings = store::StoriesSettings {
+                mode,
+                tickers: valid_tickers("tickers", tickers)?,
+            };
+            (store::Source::Stories(settings), None)
+        }
+        _ => return Err(ApiError::invalid("source", "`feed` or `stories`")),
+    };
     let base_url = match body.upstream_base_url.as_deref() {
         Some(text) => Some(valid_base_url(&state.http, text).await?),
         None => None,
@@ -352,6 +462,7 @@ pub async fn create_endpoint(
     let id = EndpointId(body.id);
     let registration = store::Registration {
         id,
+        source,
         lang,
         upstream_base_url: base_url,
         upstream_api_key: api_key,
@@ -452,6 +563,31 @@ pub async fn update_endpoint(
     JsonBody(body): JsonBody<EndpointUpdate>,
 ) -> Result<Json<EndpointView>, ApiError> {
     let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
+    let current = store::find(&state.pool, tenant, id)
+        .await?
+        .ok_or(ApiError::NotFound("webhook endpoint"))?;
+    let stories = current.source == "stories";
+    if stories && body.lang.is_some() {
+        return Err(ApiError::invalid("lang", "belongs to feed endpoints"));
+    }
+    if !stories && (body.tickers.is_some() || body.stories_mode.is_some()) {
+        let field = if body.tickers.is_some() {
+            "tickers"
+        } else {
+            "stories_mode"
+        };
+        return Err(ApiError::invalid(field, "belongs to stories endpoints"));
+    }
+    let tickers = body
+        .tickers
+        .as_deref()
+        .map(|t| valid_tickers("tickers", t))
+        .transpose()?;
+    let stories_mode = body
+        .stories_mode
+        .as_deref()
+        .map(|m| valid_stories_mode("stories_mode", m))
+        .transpose()?;
     let lang = body
         .lang
         .as_deref()
@@ -466,16 +602,24 @@ pub async fn update_endpoint(
         .as_deref()
         .map(valid_api_key)
         .transpose()?;
-    if lang.is_none() && base_url.is_none() && api_key.is_none() {
+    if lang.is_none()
+        && base_url.is_none()
+        && api_key.is_none()
+        && tickers.is_none()
+        && stories_mode.is_none()
+    {
         return Err(ApiError::invalid(
             "body",
-            "name at least one of lang, upstream_base_url, upstream_api_key",
+            "name at least one of lang (feed), tickers and stories_mode (stories), \
+             upstream_base_url, upstream_api_key",
         ));
     }
     let change = store::SettingsChange {
         lang,
         upstream_base_url: base_url,
         upstream_api_key: api_key,
+        stories_mode,
+        tickers,
     };
     if !store::change_settings(&state.pool, tenant, id, &change).await? {
         return Err(ApiError::NotFound("webhook endpoint"));

@@ -24,6 +24,7 @@ pub mod endpoints;
 pub mod quarantine;
 pub mod reads;
 pub mod rewind;
+pub mod stories;
 pub mod stream;
 pub mod tenants;
 
@@ -125,6 +126,9 @@ fn documented() -> OpenApiRouter<AppState> {
         .routes(routes!(reads::get_copy_item))
         .routes(routes!(reads::endpoint_state))
         .routes(routes!(reads::list_messages))
+        .routes(routes!(stories::list_stories))
+        .routes(routes!(stories::get_story))
+        .routes(routes!(stories::list_notifications))
         .routes(routes!(quarantine::list_quarantine))
         .routes(routes!(quarantine::retry_quarantined))
         .routes(routes!(quarantine::discard_quarantined))
