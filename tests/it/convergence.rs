@@ -64,17 +64,21 @@ fn child_config(spec: &Value) -> SequencerConfig {
         // The simulator is on 127.0.0.1.
         outbound: OutboundPolicy::ANY,
         feed_page_limit: spec["feed_page_limit"].as_u64().unwrap() as usize,
+        stories_catch_up_interval: spec["stories_catch_up_ms"].as_u64().map_or(
+            SequencerConfig::default().stories_catch_up_interval,
+            Duration::from_millis,
+        ),
         ..SequencerConfig::default()
     }
 }
 
 /// A sequencer in its own OS process.
-struct SequencerProcess {
+pub(crate) struct SequencerProcess {
     child: Child,
 }
 
 impl SequencerProcess {
-    fn start(spec: &Value) -> Self {
+    pub(crate) fn start(spec: &Value) -> Self {
         let exe = std::env::current_exe().unwrap();
         let logs = std::env::var_os("RELAY_TEST_CHILD_LOGS").is_some();
         let child = Command::new(exe)
@@ -103,7 +107,7 @@ impl SequencerProcess {
     }
 
     /// SIGKILL: no transaction finishes, no lock is released.
-    async fn kill(mut self) {
+    pub(crate) async fn kill(mut self) {
         self.child.kill().await.unwrap();
     }
 }
@@ -318,7 +322,7 @@ async fn register(pool: &PgPool, infos: &[relay_simulator::EndpointInfo], api: &
     }
 }
 
-async fn delete_redis_keys(prefix: &str) {
+pub(crate) async fn delete_redis_keys(prefix: &str) {
     let client = redis::Client::open(redis_url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     let keys: Vec<String> = redis::cmd("KEYS")
@@ -491,7 +495,7 @@ async fn converge(run: Run) {
 
 /// The seeds a test runs: `RELAY_TEST_SEED` alone, or `count` seeds from `first`
 /// (`RELAY_TEST_CONVERGENCE_SEEDS` overrides the count, for the long documented run).
-fn seeds(first: u64, count: u64) -> Vec<u64> {
+pub(crate) fn seeds(first: u64, count: u64) -> Vec<u64> {
     if let Some(seed) = std::env::var("RELAY_TEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())

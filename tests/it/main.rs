@@ -24,6 +24,8 @@ mod sequencer_quarantine;
 mod sequencer_reload;
 mod stack;
 mod store_pool;
+mod stories_convergence;
+mod stories_copy;
 mod stream;
 mod tenant_broker;
 mod tls_broker;

@@ -1,0 +1,662 @@
+//! Stories end to end: the simulated stories upstream (seed 000) sends signed webhooks, with
+//! every fault on, over real HTTP to the real front tier; sequencer processes (this test binary
+//! re-run as a child, so a kill is a real SIGKILL) apply them and catch up from the simulator's
+//! `GET /v1/events`; a publisher sends every change to the tenant's RabbitMQ queue. At
+//! quiescence each stories copy, and each copy rebuilt from the queue, must equal the oracle;
+//! every story that became strong (live) must be notified exactly once (the claim and its
+//! notification commit together, so no crash falls between them), and none for backfill.
+//!
+//! Also: an outage of the relay longer than the webhooks' retries, recovered by catch-up alone;
+//! and the catch-up cursor expiring (410), recovered by a reload in full.
+//!
+//! Every run prints its seed; `RELAY_TEST_SEED=<seed>` replays one.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use relay_publisher::{Delivered, ReferenceConsumer};
+use relay_rules::StoriesMode;
+use relay_simulator::model::World;
+use relay_simulator::stories::{CopyRow, StoryEventType};
+use relay_simulator::upstream::{SenderConfig, Upstream};
+use relay_simulator::{
+    Faults, Origin, Simulation, Stories, StoriesConfig, StoriesEndpointInfo, StoriesWorkload,
+    StoriesWorkloadConfig,
+};
+use relay_store::endpoints::{self, Registration, Source, StoriesSettings};
+use relay_store::{EndpointId, TenantId};
+use relay_tests::{redis_url, TestApp, Vhost};
+use relay_wire::SigningSecret;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::convergence::SequencerProcess;
+use crate::stack::{connect_broker, publisher_config, start_publisher};
+
+/// Simulated time runs this much faster than the wire file's: retries back off in
+/// milliseconds, and the 30-day window is about 43 minutes.
+const COMPRESSION: f64 = 60_000.0;
+
+/// One seeded run's shape.
+#[derive(Debug, Clone)]
+struct Run {
+    seed: u64,
+    endpoints: usize,
+    rate: f64,
+    duration: Duration,
+    sequencers: usize,
+    kills: bool,
+}
+
+/// A change of one story: its seq, operation, version, event id and reload round.
+type ChangeReport = (i64, String, Option<i64>, Option<String>, Option<i64>);
+
+/// The relay's copy of a stories endpoint, as the oracle compares it.
+async fn copy_rows(pool: &PgPool, endpoint: Uuid) -> BTreeMap<String, CopyRow> {
+    let rows: Vec<relay_store::stories::CopiedStory> = sqlx::query_as(
+        "SELECT id, ticker, version, closed, story FROM stories WHERE endpoint_id = $1",
+    )
+    .bind(endpoint)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    rows.into_iter()
+        .map(|row| {
+            (
+                row.id,
+                CopyRow {
+                    ticker: row.ticker,
+                    version: row.version as u64,
+                    closed: row.closed,
+                    story: row.story,
+                },
+            )
+        })
+        .collect()
+}
+
+/// Registers each simulated endpoint for one tenant, alternating the two modes.
+async fn register(pool: &PgPool, infos: &[StoriesEndpointInfo], api: &str) -> TenantId {
+    let tenant = TenantId(Uuid::new_v4());
+    relay_store::tenants::create(pool, tenant.0, "stories tenant")
+        .await
+        .unwrap();
+    for (i, info) in infos.iter().enumerate() {
+        let mode = if i % 2 == 0 {
+            StoriesMode::Snapshot
+        } else {
+            StoriesMode::FetchOnNotify
+        };
+        endpoints::register(
+            pool,
+            tenant,
+            &Registration {
+                id: EndpointId(info.id),
+                source: Source::Stories(StoriesSettings {
+                    mode,
+                    tickers: info.tickers.clone(),
+                }),
+                lang: None,
+                upstream_base_url: Some(api.to_owned()),
+                upstream_api_key: Some(info.api_key.clone()),
+                secrets: info
+                    .secrets
+                    .iter()
+                    .map(|s| SigningSecret::parse(s).unwrap())
+                    .collect(),
+            },
+        )
+        .await
+        .unwrap();
+    }
+    tenant
+}
+
+/// What a run stands on: the front tier, the simulator serving the stories API and sending
+/// webhooks, the endpoints registered, sequencer children, a publisher to a vhost of its own.
+struct Stand {
+    app: TestApp,
+    sim: std::sync::Arc<Simulation>,
+    infos: Vec<StoriesEndpointInfo>,
+    tenant: TenantId,
+    spec: serde_json::Value,
+    sequencers: Vec<Option<SequencerProcess>>,
+    vhost: Vhost,
+    publisher: relay_publisher::PublisherHandle,
+    key_prefix: String,
+    sender: tokio::task::JoinHandle<()>,
+}
+
+impl Stand {
+    async fn start(run: &Run, configure: impl FnOnce(&mut StoriesConfig)) -> Self {
+        relay_tests::init_logging();
+        let key_prefix = format!("relay-test-{}:", Uuid::new_v4().simple());
+        let app = TestApp::spawn_waking(&key_prefix).await;
+        let pool = app.db.pool.clone();
+        let api_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let api = format!("http://{}", api_listener.local_addr().unwrap());
+        let faults = Faults::all();
+        let mut config = StoriesConfig::from_wire_limits(COMPRESSION);
+        configure(&mut config);
+        let mut stories = Stories::new(config, faults.stories.clone(), run.seed);
+        let mut workload = StoriesWorkload::new(
+            run.seed,
+            StoriesWorkloadConfig {
+                endpoints: run.endpoints,
+                ..StoriesWorkloadConfig::default()
+            },
+        );
+        let infos = workload.setup(&mut stories, &format!("{}/webhooks/{{id}}", app.base_url));
+        let tenant = register(&pool, &infos, &api).await;
+        let upstream = Upstream::new(
+            World::default(),
+            SenderConfig::from_wire_limits(COMPRESSION),
+            faults,
+            run.seed,
+        );
+        let sim = Simulation::with_stories(upstream, stories, Duration::from_secs(2));
+        relay_simulator::api::serve(api_listener, sim.clone())
+            .await
+            .unwrap();
+        let spec = serde_json::json!({
+            "database_url": app.db.url,
+            "redis_url": redis_url(),
+            "key_prefix": key_prefix,
+            "lease_ms": 1500,
+            "feed_page_limit": 8,
+            "stories_catch_up_ms": 1500,
+        });
+        let sequencers = (0..run.sequencers)
+            .map(|_| Some(SequencerProcess::start(&spec)))
+            .collect();
+        let vhost = Vhost::create();
+        let (publisher, _registry) =
+            start_publisher(&pool, publisher_config(vhost.url(), &key_prefix)).await;
+        let sender = sim.spawn_stories_sender();
+        // The workload is the test's to run.
+        let _ = workload;
+        Self {
+            app,
+            sim,
+            infos,
+            tenant,
+            spec,
+            sequencers,
+            vhost,
+            publisher,
+            key_prefix,
+            sender,
+        }
+    }
+
+    /// For each story whose row differs from the oracle: its events as the upstream published
+    /// them (and whether each was delivered), and the relay's changes of it.
+    async fn explain(&self) -> String {
+        let mut lines = Vec::new();
+        let window_start = self
+            .sim
+            .change_stories(|stories, now| stories.window_start(now));
+        lines.push(format!("window starts at position {window_start}"));
+        for id in self.ids() {
+            let rows = copy_rows(self.pool(), id).await;
+            let (differing, events) = {
+                let stories = self.sim.stories();
+                let expected = stories.expected_stories(id);
+                let delivered: BTreeSet<String> = stories.delivered(id).into_iter().collect();
+                let differing: Vec<String> = expected
+                    .iter()
+                    .filter(|(story, e)| {
+                        rows.get(*story).is_none_or(|r| {
+                            r.closed != e.closed || (!e.closed && r.version != e.version)
+                        })
+                    })
+                    .map(|(story, _)| story.clone())
+                    .take(3)
+                    .collect();
+                let events: Vec<String> = differing
+                    .iter()
+                    .flat_map(|story| {
+                        stories
+                            .events()
+                            .iter()
+                            .filter(|e| {
+                                e.story_id == *story
+                                    || e.json.to_string().contains(&format!("\"{story}\""))
+                            })
+                            .map(|e| {
+                                format!(
+                                    "    {story}: #{} {:?} {:?} {} delivered {}",
+                                    e.position,
+                                    e.event_type,
+                                    e.origin,
+                                    e.event_id,
+                                    delivered.contains(&e.event_id)
+                                )
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                    .collect();
+                (differing, events)
+            };
+            lines.extend(events);
+            for story in &differing {
+                let changes: Vec<ChangeReport> = sqlx::query_as(
+                    "SELECT change_seq, operation, story_version, event_id, reload_generation
+                         FROM changes WHERE endpoint_id = $1 AND subject = $2 ORDER BY change_seq",
+                )
+                .bind(id)
+                .bind(story)
+                .fetch_all(self.pool())
+                .await
+                .unwrap();
+                lines.push(format!("    {story}: relay changes {changes:?}"));
+            }
+        }
+        let sync: Vec<(Uuid, Option<String>, i64, bool)> =
+            sqlx::query_as("SELECT endpoint_id, cursor, rounds, reload_needed FROM stories_sync")
+                .fetch_all(self.pool())
+                .await
+                .unwrap();
+        lines.push(format!("sync: {sync:?}"));
+        lines.join("\n")
+    }
+
+    fn ids(&self) -> Vec<Uuid> {
+        self.infos.iter().map(|i| i.id).collect()
+    }
+
+    fn pool(&self) -> &PgPool {
+        &self.app.db.pool
+    }
+
+    /// Waits until the upstream is idle and every copy equals the oracle, three looks in a row;
+    /// panics with the differences after `limit`.
+    async fn settle(&self, seed: u64, limit: Duration) {
+        let started = Instant::now();
+        let mut steady = 0;
+        loop {
+            let idle = self.sim.wait_idle(Duration::from_millis(10)).await;
+            let mut differences = Vec::new();
+            for id in self.ids() {
+                let rows = copy_rows(self.pool(), id).await;
+                let found = self.sim.stories().compare_copy(id, &rows);
+                if !found.is_empty() {
+                    differences.push(format!("endpoint {id}: {}", found.join("; ")));
+                }
+            }
+            if idle && differences.is_empty() {
+                steady += 1;
+                if steady >= 3 {
+                    return;
+                }
+            } else {
+                steady = 0;
+            }
+            if started.elapsed() > limit {
+                panic!(
+                    "seed {seed}: no convergence within {limit:?} (upstream idle {idle}): {}\n{}",
+                    differences.join(" | "),
+                    self.explain().await
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+
+    /// Every change in the outbox published, then the tenant's queue drained: each endpoint's
+    /// copy rebuilt from it equals the oracle, and the notifications are exactly the oracle's.
+    /// `lost`: positions of the upstream's events that neither a webhook nor catch-up could
+    /// bring (published while both were down, then out of the window before they came back).
+    async fn check_queue(&self, seed: u64, lost: std::ops::Range<usize>) {
+        self.wait_published(seed).await;
+        let broker = connect_broker(&self.vhost.url(), "stories").await;
+        let queue = relay_publisher::tenant_queue(self.tenant.0);
+        let delivered = crate::publisher::drain(&broker, &queue, true).await;
+        let mut consumer = ReferenceConsumer::new(self.tenant.0);
+        let mut notified: HashMap<(Uuid, String), BTreeSet<String>> = HashMap::new();
+        for message in &delivered {
+            let decoded = Delivered::decode(&message.body)
+                .unwrap_or_else(|e| panic!("seed {seed}: an undecodable message: {e}"));
+            assert_eq!(message.message_id, decoded.message_id(), "seed {seed}");
+            if let Delivered::Story(story) = &decoded {
+                if story.kind == relay_publisher::StoryKind::Notification {
+                    notified
+                        .entry((story.webhook_endpoint_id, story.story_id.clone()))
+                        .or_default()
+                        .insert(message.message_id.clone());
+                }
+            }
+            consumer.receive_delivered(&decoded);
+        }
+        let stats = consumer.stats();
+        assert_eq!(stats.waiting, 0, "seed {seed}: changes missing: {stats:?}");
+        let stories = self.sim.stories();
+        for id in self.ids() {
+            let rebuilt: BTreeMap<String, CopyRow> = consumer
+                .stories(id)
+                .into_iter()
+                .map(|(story_id, row)| {
+                    (
+                        story_id,
+                        CopyRow {
+                            ticker: row.ticker,
+                            version: row.version,
+                            closed: row.closed,
+                            story: row.story,
+                        },
+                    )
+                })
+                .collect();
+            let found = stories.compare_copy(id, &rebuilt);
+            assert!(
+                found.is_empty(),
+                "seed {seed}: endpoint {id}'s copy rebuilt from the queue: {}",
+                found.join("; ")
+            );
+            // A story that became strong while the relay could neither receive the webhook nor
+            // read the event before it left the window cannot be notified by anyone: the reload
+            // that follows saves the story, and nothing says it became strong.
+            let delivered: BTreeSet<String> = stories.delivered(id).into_iter().collect();
+            let lost: BTreeSet<String> = stories
+                .expected_notifications(id)
+                .into_iter()
+                .filter(|story| {
+                    stories
+                        .events()
+                        .iter()
+                        .filter(|e| {
+                            e.story_id == *story
+                                && e.event_type == StoryEventType::BecameStrong
+                                && e.origin == Origin::Live
+                        })
+                        .all(|e| lost.contains(&e.position) && !delivered.contains(&e.event_id))
+                })
+                .collect();
+            let expected: BTreeSet<String> = stories
+                .expected_notifications(id)
+                .difference(&lost)
+                .cloned()
+                .collect();
+            let got: BTreeSet<String> = notified
+                .iter()
+                .filter(|((endpoint, _), _)| *endpoint == id)
+                .map(|((_, story), ids)| {
+                    assert_eq!(
+                        ids.len(),
+                        1,
+                        "seed {seed}: story {story} of endpoint {id} notified {} times",
+                        ids.len()
+                    );
+                    story.clone()
+                })
+                .collect();
+            assert_eq!(got, expected, "seed {seed}: endpoint {id}'s notifications");
+            for story in stories.backfill_strong(id) {
+                assert!(
+                    !got.contains(&story),
+                    "seed {seed}: {story} notified for a backfill event"
+                );
+            }
+        }
+    }
+
+    /// Waits until every change in the outbox is published.
+    async fn wait_published(&self, seed: u64) {
+        let started = Instant::now();
+        loop {
+            let (backlog,): (i64,) = sqlx::query_as(
+                "SELECT coalesce(sum(k.last - coalesce(p.published_through, 0)), 0)::int8
+                 FROM endpoint_change_counters k
+                 LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id",
+            )
+            .fetch_one(self.pool())
+            .await
+            .unwrap();
+            if backlog == 0 {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "seed {seed}: {backlog} changes still unpublished"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn stop(self) {
+        for process in self.sequencers.into_iter().flatten() {
+            process.kill().await;
+        }
+        self.publisher.stop().await;
+        self.sim.shutdown();
+        let _ = self.sender.await;
+        crate::convergence::delete_redis_keys(&self.key_prefix).await;
+        self.app.stop().await;
+    }
+}
+
+async fn converge(run: Run) {
+    let seed = run.seed;
+    eprintln!("stories convergence: seed {seed} ({run:?})");
+    let mut stand = Stand::start(&run, |_| {}).await;
+    let workload = StoriesWorkload::new(
+        seed,
+        StoriesWorkloadConfig {
+            endpoints: run.endpoints,
+            ..StoriesWorkloadConfig::default()
+        },
+    );
+    let task = tokio::spawn(stand.sim.clone().run_stories_workload(
+        workload,
+        run.rate,
+        run.duration,
+    ));
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6b696c6c);
+    let mut kills = 0;
+    while !task.is_finished() {
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(300..1200))).await;
+        if run.kills {
+            let slot = rng.gen_range(0..stand.sequencers.len());
+            match stand.sequencers[slot].take() {
+                Some(process) => {
+                    process.kill().await;
+                    kills += 1;
+                }
+                None => stand.sequencers[slot] = Some(SequencerProcess::start(&stand.spec)),
+            }
+        }
+    }
+    let steps = task.await.unwrap();
+    for slot in &mut stand.sequencers {
+        if slot.is_none() {
+            *slot = Some(SequencerProcess::start(&stand.spec));
+        }
+    }
+    stand.settle(seed, Duration::from_secs(90)).await;
+    stand.check_queue(seed, 0..0).await;
+    eprintln!("stories convergence: seed {seed} converged: {steps} changes, {kills} kills");
+    stand.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stories_copies_converge_with_every_fault_and_killed_sequencers() {
+    for seed in crate::convergence::seeds(500_001, 3) {
+        converge(Run {
+            seed,
+            endpoints: 4,
+            rate: 30.0,
+            duration: Duration::from_secs(6),
+            sequencers: 2,
+            kills: true,
+        })
+        .await;
+    }
+}
+
+/// The front tier is down for longer than the upstream keeps retrying: every webhook of that
+/// stretch is given up, and only catch-up can bring its events. Then the window moves past the
+/// relay's cursor: catch-up answers 410, and the reload in full converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn catch_up_recovers_an_outage_longer_than_the_retries_and_a_410_reloads() {
+    let seed = relay_tests::seed();
+    let run = Run {
+        seed,
+        endpoints: 2,
+        rate: 30.0,
+        duration: Duration::from_secs(3),
+        sequencers: 1,
+        kills: false,
+    };
+    let stand = Stand::start(&run, |config| {
+        config.sender.max_attempts = 3;
+    })
+    .await;
+    let workload = |seed| {
+        StoriesWorkload::new(
+            seed,
+            StoriesWorkloadConfig {
+                endpoints: run.endpoints,
+                ..StoriesWorkloadConfig::default()
+            },
+        )
+    };
+    stand
+        .sim
+        .clone()
+        .run_stories_workload(workload(seed), run.rate, run.duration)
+        .await;
+    stand.settle(seed, Duration::from_secs(60)).await;
+
+    // The outage: webhooks now go to a port nothing listens on and are given up after their
+    // retries.
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", listener.local_addr().unwrap())
+    };
+    stand.sim.change_stories(|stories, _| {
+        for info in &stand.infos {
+            stories.set_stories_url(info.id, &format!("{closed}/webhooks/{{id}}"));
+        }
+    });
+    stand
+        .sim
+        .clone()
+        .run_stories_workload(workload(seed + 1), run.rate, run.duration)
+        .await;
+    assert!(
+        stand.sim.wait_idle(Duration::from_secs(30)).await,
+        "seed {seed}"
+    );
+    let given_up: usize = stand
+        .infos
+        .iter()
+        .map(|i| stand.sim.stories().given_up(i.id).len())
+        .sum();
+    assert!(given_up > 0, "seed {seed}: the outage gave up no webhook");
+    stand.settle(seed, Duration::from_secs(60)).await;
+    stand.sim.change_stories(|stories, _| {
+        for info in &stand.infos {
+            stories.set_stories_url(info.id, &info.url);
+        }
+    });
+
+    // Another outage, the upstream's API down too, and meanwhile the window moves past the
+    // relay's cursor: its next catch-up answers 410.
+    let reloads_before = last_reload(stand.pool()).await;
+    let lost_from = stand.sim.change_stories(|stories, _| {
+        stories.set_api_paused(true);
+        for info in &stand.infos {
+            stories.set_stories_url(info.id, &format!("{closed}/webhooks/{{id}}"));
+        }
+        stories.events().len()
+    });
+    stand
+        .sim
+        .clone()
+        .run_stories_workload(workload(seed + 2), run.rate, Duration::from_secs(1))
+        .await;
+    assert!(
+        stand.sim.wait_idle(Duration::from_secs(30)).await,
+        "seed {seed}"
+    );
+    // The window is 30 days: what left it changed long ago, and no read is slow enough to
+    // answer from before such a change. The API stays down past the simulator's horizon for
+    // slow reads, so the reload reads every story as it is.
+    tokio::time::sleep(Duration::from_millis(
+        relay_simulator::stories::STALE_HORIZON_MS + 200,
+    ))
+    .await;
+    let lost_until = stand.sim.change_stories(|stories, now| {
+        stories.advance_window();
+        stories.set_api_paused(false);
+        for info in &stand.infos {
+            stories.set_stories_url(info.id, &info.url);
+        }
+        stories.window_start(now)
+    });
+    let started = Instant::now();
+    while last_reload(stand.pool()).await <= reloads_before {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "seed {seed}: the expired cursor led to no reload in full"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stand.settle(seed, Duration::from_secs(60)).await;
+    stand.check_queue(seed, lost_from..lost_until).await;
+
+    // A resync opens a new epoch with a snapshot of each copy: a consumer that reads only the
+    // new epoch holds exactly the relay's rows, closed ones included.
+    for id in stand.ids() {
+        relay_store::restores::resync(stand.pool(), stand.tenant, EndpointId(id))
+            .await
+            .unwrap()
+            .expect("the tenant's endpoint");
+    }
+    stand.wait_published(seed).await;
+    let broker = connect_broker(&stand.vhost.url(), "stories resync").await;
+    let queue = relay_publisher::tenant_queue(stand.tenant.0);
+    let mut consumer = ReferenceConsumer::new(stand.tenant.0);
+    for message in crate::publisher::drain(&broker, &queue, true).await {
+        let decoded = Delivered::decode(&message.body).unwrap();
+        assert!(
+            decoded.epoch() > 1,
+            "seed {seed}: an old epoch's change after the resync"
+        );
+        consumer.receive_delivered(&decoded);
+    }
+    for id in stand.ids() {
+        let relay: BTreeMap<String, CopyRow> = copy_rows(stand.pool(), id).await;
+        let rebuilt: BTreeMap<String, CopyRow> = consumer
+            .stories(id)
+            .into_iter()
+            .map(|(story, row)| {
+                let row = CopyRow {
+                    ticker: row.ticker,
+                    version: row.version,
+                    closed: row.closed,
+                    story: row.story,
+                };
+                (story, row)
+            })
+            .collect();
+        assert!(
+            rebuilt == relay,
+            "seed {seed}: endpoint {id}: the snapshot rebuilds {} rows, the relay holds {}",
+            rebuilt.len(),
+            relay.len()
+        );
+    }
+    eprintln!("stories catch-up: seed {seed}: {given_up} webhooks given up, recovered");
+    stand.stop().await;
+}
+
+/// When the last reload in full of any endpoint finished.
+async fn last_reload(pool: &PgPool) -> Option<time::OffsetDateTime> {
+    sqlx::query_scalar("SELECT max(reloaded_at) FROM stories_sync")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}

@@ -1,0 +1,521 @@
+//! A stories endpoint's copy (relay-store's `stories` around relay-rules'
+//! `decide_stories_run`) against the in-memory executor of seed 000's two statements
+//! (`relay_rules::StoriesCopy`), and each failure seed 000 names, against a real Postgres.
+//!
+//! The model-based property plays random event streams per story (created, updated,
+//! became_strong with rising versions, a close that may merge into another story, duplicates),
+//! shuffled and cut into runs at random points, once through the production statements and once
+//! through the executor, and finds equal after every run: every row (ticker, version, closed,
+//! snapshot), the outbox (numbered 1..=n; replayed in order it rebuilds the copy) and the
+//! notifications claimed (once per story, none for backfill).
+//!
+//! Seeded: `RELAY_TEST_SEED` replays one seed; every failure message names its seed.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use relay_rules::{
+    decide_stories_run, stories_of, StoriesCopy, StoriesMode, StoriesRun, StoryChange, StoryWrite,
+};
+use relay_store::endpoints::{self, Registration, Source, StoriesSettings};
+use relay_store::stories::{self as store, Cause, StoryRow};
+use relay_store::{EndpointId, TenantId};
+use relay_tests::{random_secret, TestDb};
+use relay_wire::{Story, StoryEvent};
+use serde_json::{json, Value};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// A stories endpoint registered for a new tenant, and its fencing token.
+async fn stories_endpoint(db: &TestDb) -> (TenantId, EndpointId, i64) {
+    let tenant = TenantId(db.tenant().await);
+    let endpoint = EndpointId(Uuid::new_v4());
+    endpoints::register(
+        &db.pool,
+        tenant,
+        &Registration {
+            id: endpoint,
+            source: Source::Stories(StoriesSettings {
+                mode: StoriesMode::Snapshot,
+                tickers: vec!["ALFA B".into(), "BETA".into()],
+            }),
+            lang: None,
+            upstream_base_url: None,
+            upstream_api_key: None,
+            secrets: vec![random_secret()],
+        },
+    )
+    .await
+    .unwrap();
+    let token = db.claim_fence(endpoint.0).await;
+    (tenant, endpoint, token)
+}
+
+fn snapshot(id: &str, ticker: &str, version: i64, headline: &str) -> Value {
+    json!({"id": id, "ticker": ticker, "version": version, "headline": headline,
+           "articles": [{"id": format!("ar_{id}_{version}"), "story_id": id}]})
+}
+
+fn event(id: &str, kind: &str, origin: &str, data: Value) -> StoryEvent {
+    StoryEvent::from_value(&json!({
+        "event_id": id, "type": kind, "origin": origin,
+        "created_at": "2026-10-08T06:40:00.300000Z", "data": data,
+    }))
+    .unwrap()
+}
+
+fn snapshot_event(event_id: &str, kind: &str, story: Value) -> StoryEvent {
+    event(event_id, kind, "live", json!({ "story": story }))
+}
+
+fn closed_event(event_id: &str, id: &str, version: i64, merged_into: Option<Value>) -> StoryEvent {
+    event(
+        event_id,
+        "story.closed",
+        "live",
+        json!({"story_id": id, "version": version, "merged_into": merged_into}),
+    )
+}
+
+/// What the relay's handler does with a run of events (the sequencer's `apply_events`, without
+/// its reads and cursors): held rows under the lock, the rules' plan, each write as seed 000's
+/// statement, each claim as its single insert; the changes appended.
+async fn apply(
+    pool: &PgPool,
+    (tenant, endpoint, token): (TenantId, EndpointId, i64),
+    events: &[StoryEvent],
+) -> u64 {
+    let events: Vec<Result<StoryEvent, String>> = events.iter().cloned().map(Ok).collect();
+    let ids: BTreeSet<String> = events.iter().flatten().flat_map(stories_of).collect();
+    let ids: Vec<String> = ids.into_iter().collect();
+    let mut writer = store::open(pool, tenant, endpoint, token)
+        .await
+        .unwrap()
+        .expect("the fence is ours");
+    let held = writer.held(&ids).await.unwrap();
+    let plan = decide_stories_run(StoriesRun {
+        mode: StoriesMode::Snapshot,
+        events: &events,
+        held: &held,
+        reads: &HashMap::new(),
+    });
+    assert_eq!(plan.applied, events.len());
+    for planned in &plan.writes {
+        let cause = Cause::Event(&planned.event_id);
+        match &planned.write {
+            StoryWrite::Save(story) => {
+                writer
+                    .save(row(story), cause, planned.change.is_some())
+                    .await
+                    .unwrap();
+            }
+            StoryWrite::Close {
+                story_id,
+                version,
+                merged_into,
+            } => {
+                writer
+                    .close(
+                        (story_id, *version, merged_into.as_deref()),
+                        cause,
+                        planned.change.is_some(),
+                    )
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+    for claim in &plan.claims {
+        let story = events
+            .iter()
+            .flatten()
+            .find_map(|e| match &e.body {
+                relay_wire::StoryEventBody::Snapshot { story, .. }
+                    if e.event_id == claim.event_id =>
+                {
+                    Some(story.clone())
+                }
+                _ => None,
+            })
+            .unwrap();
+        writer
+            .claim_strong(row(&story), &claim.event_id)
+            .await
+            .unwrap();
+    }
+    writer.commit().await.unwrap()
+}
+
+fn row(story: &Story) -> StoryRow<'_> {
+    StoryRow {
+        id: &story.id,
+        ticker: story.ticker.as_deref(),
+        version: story.version,
+        snapshot: &story.snapshot,
+    }
+}
+
+/// The copy's rows: id → (ticker, version, closed, snapshot).
+type Rows = BTreeMap<String, (Option<String>, i64, bool, Option<Value>)>;
+
+async fn rows(pool: &PgPool, endpoint: EndpointId) -> Rows {
+    let rows: Vec<store::CopiedStory> = sqlx::query_as(
+        "SELECT id, ticker, version, closed, story FROM stories WHERE endpoint_id = $1",
+    )
+    .bind(endpoint)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    rows.into_iter()
+        .map(|r| (r.id, (r.ticker, r.version, r.closed, r.story)))
+        .collect()
+}
+
+fn model_rows(copy: &StoriesCopy) -> Rows {
+    copy.rows
+        .iter()
+        .map(|(id, row)| {
+            (
+                id.clone(),
+                (
+                    row.ticker.clone(),
+                    row.version,
+                    row.closed,
+                    row.story.clone(),
+                ),
+            )
+        })
+        .collect()
+}
+
+/// The outbox in change_seq order: (seq, kind, operation, subject, version, merged_into, item).
+type OutboxRow = (
+    i64,
+    String,
+    String,
+    String,
+    Option<i64>,
+    Option<String>,
+    Option<Value>,
+);
+
+async fn outbox(pool: &PgPool, endpoint: EndpointId) -> Vec<OutboxRow> {
+    sqlx::query_as(
+        "SELECT change_seq, kind, operation, subject, story_version, merged_into, item::jsonb
+         FROM changes WHERE endpoint_id = $1 ORDER BY change_seq",
+    )
+    .bind(endpoint)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// The copy a consumer rebuilds from the outbox (what `relay tail` does with the queue).
+fn replayed(outbox: &[OutboxRow]) -> StoriesCopy {
+    let mut copy = StoriesCopy::default();
+    for (_, kind, operation, subject, version, merged_into, item) in outbox {
+        if kind != "story" {
+            continue;
+        }
+        let change = match operation.as_str() {
+            "saved" => StoryChange::Saved(Story::from_value(item.as_ref().unwrap()).unwrap()),
+            "closed" => StoryChange::Closed {
+                story_id: subject.clone(),
+                version: version.unwrap(),
+                merged_into: merged_into.clone(),
+            },
+            other => panic!("operation {other} in a stories outbox"),
+        };
+        copy.apply_change(&change);
+    }
+    copy
+}
+
+#[tokio::test]
+async fn a_late_update_does_not_overwrite_a_newer_one() {
+    let db = TestDb::new().await;
+    let at = stories_endpoint(&db).await;
+    let newer = snapshot_event(
+        "evt_2",
+        "story.updated",
+        snapshot("st_1", "BETA", 3, "newer"),
+    );
+    let older = snapshot_event(
+        "evt_1",
+        "story.updated",
+        snapshot("st_1", "BETA", 2, "older"),
+    );
+    assert_eq!(apply(&db.pool, at, &[newer]).await, 1);
+    assert_eq!(
+        apply(&db.pool, at, &[older]).await,
+        0,
+        "the late update changes nothing"
+    );
+    let copy = rows(&db.pool, at.1).await;
+    assert_eq!(copy["st_1"].1, 3);
+    assert_eq!(copy["st_1"].3.as_ref().unwrap()["headline"], "newer");
+}
+
+#[tokio::test]
+async fn a_story_that_merged_away_is_not_saved_again_by_a_late_create() {
+    let db = TestDb::new().await;
+    let at = stories_endpoint(&db).await;
+    let survivor = snapshot("st_b", "BETA", 4, "survivor");
+    apply(
+        &db.pool,
+        at,
+        &[closed_event("evt_close", "st_a", 3, Some(survivor))],
+    )
+    .await;
+    let late = snapshot_event(
+        "evt_create",
+        "story.created",
+        snapshot("st_a", "BETA", 1, "late"),
+    );
+    let late_update = snapshot_event(
+        "evt_upd",
+        "story.updated",
+        snapshot("st_a", "BETA", 2, "late"),
+    );
+    assert_eq!(apply(&db.pool, at, &[late, late_update]).await, 0);
+    let copy = rows(&db.pool, at.1).await;
+    assert_eq!(copy["st_a"], (None, 3, true, None), "closed for good");
+    assert!(!copy["st_b"].2);
+    assert_eq!(copy["st_b"].1, 4);
+    // The outbox says so, merge included.
+    let changes = outbox(&db.pool, at.1).await;
+    assert_eq!(changes.len(), 2);
+    assert_eq!(
+        (changes[0].2.as_str(), changes[0].5.as_deref()),
+        ("closed", Some("st_b"))
+    );
+    assert_eq!(changes[1].2, "saved");
+}
+
+#[tokio::test]
+async fn a_slow_read_from_before_the_close_cannot_reopen_it() {
+    // Fetch-on-notify's slow read: the API read the story (version 2) before it closed, and its
+    // answer is applied after the close. The save is refused by the row, not by the caller.
+    let db = TestDb::new().await;
+    let at = stories_endpoint(&db).await;
+    apply(&db.pool, at, &[closed_event("evt_c", "st_1", 3, None)]).await;
+    let stale = Story::from_value(&snapshot("st_1", "BETA", 2, "read before the close")).unwrap();
+    let mut writer = store::open(&db.pool, at.0, at.1, at.2)
+        .await
+        .unwrap()
+        .unwrap();
+    let held = writer.held(&["st_1".to_owned()]).await.unwrap();
+    let (_, change) =
+        relay_rules::apply_write(held.get("st_1").copied(), &StoryWrite::Save(stale.clone()));
+    assert!(change.is_none(), "the rules refuse it");
+    // Told to expect a change, the statement itself still refuses to write.
+    let refused = writer.save(row(&stale), Cause::Round(1), true).await;
+    assert!(refused.is_err(), "{refused:?}");
+    drop(writer);
+    assert_eq!(rows(&db.pool, at.1).await["st_1"], (None, 3, true, None));
+}
+
+#[tokio::test]
+async fn two_handlers_checking_is_this_newer_at_once_end_with_the_newest() {
+    let seed = relay_tests::seed();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let db = TestDb::new().await;
+    let at = stories_endpoint(&db).await;
+    for round in 0..20 {
+        let id = format!("st_{round}");
+        let mut versions: Vec<i64> = (1..=6).collect();
+        versions.shuffle(&mut rng);
+        let tasks: Vec<_> = versions
+            .iter()
+            .map(|&v| {
+                let pool = db.pool.clone();
+                let story = snapshot(&id, "BETA", v, &format!("v{v}"));
+                tokio::spawn(async move {
+                    let e = snapshot_event(&format!("evt_{v}"), "story.updated", story);
+                    apply(&pool, at, &[e]).await
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let copy = rows(&db.pool, at.1).await;
+        assert_eq!(
+            copy[&id].1, 6,
+            "seed {seed}: story {id} ended at {:?}",
+            copy[&id]
+        );
+    }
+    // Every save that wrote appended one change, numbered without gaps, and replaying them
+    // rebuilds the copy.
+    let changes = outbox(&db.pool, at.1).await;
+    let seqs: Vec<i64> = changes.iter().map(|c| c.0).collect();
+    assert_eq!(
+        seqs,
+        (1..=changes.len() as i64).collect::<Vec<_>>(),
+        "seed {seed}"
+    );
+    assert_eq!(
+        model_rows(&replayed(&changes)),
+        rows(&db.pool, at.1).await,
+        "seed {seed}"
+    );
+}
+
+#[tokio::test]
+async fn a_story_is_notified_once_and_never_for_backfill() {
+    let db = TestDb::new().await;
+    let at = stories_endpoint(&db).await;
+    let strong = |event_id: &str, origin: &str, id: &str, v: i64| {
+        event(
+            event_id,
+            "story.became_strong",
+            origin,
+            json!({ "story": snapshot(id, "BETA", v, "strong") }),
+        )
+    };
+    apply(&db.pool, at, &[strong("evt_1", "live", "st_1", 2)]).await;
+    // The same event again, another live one, and in a run with it twice.
+    apply(&db.pool, at, &[strong("evt_1", "live", "st_1", 2)]).await;
+    apply(
+        &db.pool,
+        at,
+        &[
+            strong("evt_9", "live", "st_1", 3),
+            strong("evt_9", "live", "st_1", 3),
+        ],
+    )
+    .await;
+    apply(&db.pool, at, &[strong("evt_2", "backfill", "st_2", 2)]).await;
+    let claimed: Vec<String> =
+        sqlx::query_scalar("SELECT key FROM claimed WHERE endpoint_id = $1 ORDER BY key")
+            .bind(at.1)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(claimed, vec!["strong:st_1".to_owned()]);
+    let notified: Vec<String> = outbox(&db.pool, at.1)
+        .await
+        .into_iter()
+        .filter(|c| c.1 == "notification")
+        .map(|c| c.3)
+        .collect();
+    assert_eq!(notified, vec!["st_1".to_owned()]);
+    // The backfill event still changed the copy.
+    assert_eq!(rows(&db.pool, at.1).await["st_2"].1, 2);
+}
+
+/// One story's events as the upstream publishes them: created, updates, maybe strong, maybe a
+/// close (merging into `into` when given). Versions rise by one per change.
+fn story_events(rng: &mut ChaCha8Rng, n: usize, into: Option<&str>, start: i64) -> Vec<StoryEvent> {
+    let id = format!("st_{n}");
+    let ticker = if n.is_multiple_of(2) {
+        "ALFA B"
+    } else {
+        "BETA"
+    };
+    let mut events = vec![snapshot_event(
+        &format!("evt_{n}_1"),
+        "story.created",
+        snapshot(&id, ticker, start, "created"),
+    )];
+    let changes = rng.gen_range(0..4);
+    let mut version = start;
+    for _ in 0..changes {
+        version += 1;
+        let kind = if rng.gen_bool(0.3) {
+            "story.became_strong"
+        } else {
+            "story.updated"
+        };
+        let origin = if rng.gen_bool(0.2) {
+            "backfill"
+        } else {
+            "live"
+        };
+        events.push(event(
+            &format!("evt_{n}_{version}"),
+            kind,
+            origin,
+            json!({ "story": snapshot(&id, ticker, version, &format!("v{version}")) }),
+        ));
+    }
+    if rng.gen_bool(0.5) {
+        version += 1;
+        let merged = into.map(|into| snapshot(into, ticker, 100 + version, "merged"));
+        events.push(closed_event(
+            &format!("evt_{n}_close"),
+            &id,
+            version,
+            merged,
+        ));
+    }
+    events
+}
+
+#[tokio::test]
+async fn random_streams_through_the_statements_and_the_rules_give_the_same_copy() {
+    let base = relay_tests::seed();
+    let db = TestDb::new().await;
+    for case in 0..12u64 {
+        let seed = base.wrapping_add(case);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let at = stories_endpoint(&db).await;
+        let mut events = Vec::new();
+        for n in 0..6 {
+            // Stories 0..3 may merge into the next one: chains.
+            let into = (n < 3).then(|| format!("st_{}", n + 1));
+            events.extend(story_events(&mut rng, n, into.as_deref(), 1));
+        }
+        // Duplicates, then any order.
+        let duplicates: Vec<StoryEvent> = events
+            .iter()
+            .filter(|_| rng.gen_bool(0.2))
+            .cloned()
+            .collect();
+        events.extend(duplicates);
+        events.shuffle(&mut rng);
+        let mut model = StoriesCopy::default();
+        let mut notified_model = BTreeSet::new();
+        let mut rest = &events[..];
+        while !rest.is_empty() {
+            let cut = rng.gen_range(1..=rest.len().min(5));
+            let (run, after) = rest.split_at(cut);
+            rest = after;
+            apply(&db.pool, at, run).await;
+            for event in run {
+                for write in relay_rules::snapshot_writes(event) {
+                    model.apply(&write);
+                }
+                if let Some(key) = relay_rules::notification_claim(event) {
+                    notified_model.insert(key);
+                }
+            }
+            assert_eq!(
+                rows(&db.pool, at.1).await,
+                model_rows(&model),
+                "seed {seed}: the copy after a run of {cut}"
+            );
+        }
+        let changes = outbox(&db.pool, at.1).await;
+        let seqs: Vec<i64> = changes.iter().map(|c| c.0).collect();
+        assert_eq!(
+            seqs,
+            (1..=changes.len() as i64).collect::<Vec<_>>(),
+            "seed {seed}"
+        );
+        assert_eq!(
+            model_rows(&replayed(&changes)),
+            model_rows(&model),
+            "seed {seed}: replay"
+        );
+        let notified: BTreeSet<String> = changes
+            .iter()
+            .filter(|c| c.1 == "notification")
+            .map(|c| format!("strong:{}", c.3))
+            .collect();
+        assert_eq!(notified, notified_model, "seed {seed}: notifications");
+    }
+}
