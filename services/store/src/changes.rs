@@ -202,6 +202,9 @@ pub async fn mark_published(
                  SELECT n.last FROM endpoint_change_counters n
                  WHERE n.endpoint_id = k.endpoint_id AND n.tenant_id = $1
                  OFFSET 0
+                 -- Shared with the sequencer's counter updates (no key changes); waits for an
+                 -- endpoint's delete (offboard's finish), after which there is no row to mark.
+                 FOR KEY SHARE
              ) n
              WHERE (SELECT ours FROM fence) AND k.through <= n.last
              ON CONFLICT (endpoint_id) DO UPDATE

@@ -210,6 +210,14 @@ pub async fn finish_endpoint(pool: &PgPool, endpoint: EndpointId) -> Result<bool
         .bind(endpoint)
         .execute(&mut *tx)
         .await?;
+    // Then the change counter (the sequencer's writer lock, which the publisher's mark shares):
+    // a mark in flight commits its cursor before the rows go, or finds the counter gone and
+    // writes none; without it, a mark's insert could bring a publish cursor back after its
+    // delete.
+    sqlx::query("SELECT 1 FROM endpoint_change_counters WHERE endpoint_id = $1 FOR UPDATE")
+        .bind(endpoint)
+        .execute(&mut *tx)
+        .await?;
     for table in ENDPOINT_TABLES {
         sqlx::query(&format!("DELETE FROM {table} WHERE endpoint_id = $1"))
             .bind(endpoint)
