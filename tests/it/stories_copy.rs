@@ -96,6 +96,7 @@ async fn apply(
         .expect("the fence is ours");
     let held = writer.held(&ids).await.unwrap();
     let plan = decide_stories_run(StoriesRun {
+        tickers: None,
         mode: StoriesMode::Snapshot,
         events: &events,
         held: &held,

@@ -344,6 +344,20 @@ pub struct StoriesRun<'a> {
     pub held: &'a HashMap<String, HeldStory>,
     /// Fetch-on-notify reads, by story id (ignored in snapshot mode).
     pub reads: &'a HashMap<String, StoryRead>,
+    /// The endpoint's tickers (`None`: every ticker). A snapshot of a story of another ticker
+    /// is not saved, nor is its notification claimed: its ticker was removed from the endpoint,
+    /// and its event came late, or from catch-up reading what was published before the removal.
+    /// A close is still written: a closed row only keeps the story from coming back.
+    pub tickers: Option<&'a [String]>,
+}
+
+impl StoriesRun<'_> {
+    fn follows(&self, story: &Story) -> bool {
+        match (self.tickers, &story.ticker) {
+            (Some(tickers), Some(ticker)) => tickers.contains(ticker),
+            _ => true,
+        }
+    }
 }
 
 /// One write of a plan, the change it makes (computed against the row as the run's earlier
@@ -452,6 +466,11 @@ pub fn decide_stories_run(run: StoriesRun<'_>) -> StoriesPlan {
             },
         };
         for write in writes {
+            if let StoryWrite::Save(story) = &write {
+                if !run.follows(story) {
+                    continue;
+                }
+            }
             let id = write.story_id().to_owned();
             let (after, change) = apply_write(plan.rows.get(&id).copied(), &write);
             plan.rows.insert(id, after);
@@ -462,7 +481,7 @@ pub fn decide_stories_run(run: StoriesRun<'_>) -> StoriesPlan {
             });
         }
         if let (Some(key), Some(story)) = (notification_claim(event), notified_story(event)) {
-            if claimed.insert(key.clone()) {
+            if run.follows(story) && claimed.insert(key.clone()) {
                 plan.claims.push(PlannedClaim {
                     key,
                     story_id: story.id.clone(),

@@ -136,6 +136,7 @@ fn drive(
     let ids = stories_of_run(events);
     let held = copy.held_of(ids.iter().map(String::as_str));
     let plan = decide_stories_run(StoriesRun {
+        tickers: None,
         mode,
         events,
         held: &held,
@@ -682,6 +683,7 @@ fn a_run_stops_at_the_first_unread_event() {
     assert_eq!(copy.rows["st_2"], open_row(&story("st_2", 3)));
     // Snapshot mode never stops: it reads nothing.
     let plan = decide_stories_run(StoriesRun {
+        tickers: None,
         mode: StoriesMode::Snapshot,
         events: &events,
         held: &HashMap::new(),
@@ -777,6 +779,7 @@ fn the_upstream_api_example_event_is_saved_as_received() {
 fn a_plan_decided_against_other_rows_is_refused_by_the_executor() {
     let events = vec![Ok(updated("e2", &story("st_1", 2)))];
     let plan = decide_stories_run(StoriesRun {
+        tickers: None,
         mode: StoriesMode::Snapshot,
         events: &events,
         held: &HashMap::new(),

@@ -164,6 +164,7 @@ async fn apply_events(
         events,
         held: &held,
         reads: &reads,
+        tickers: Some(&settings.tickers),
     });
     for planned in &plan.writes {
         execute(
