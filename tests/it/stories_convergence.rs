@@ -309,7 +309,9 @@ impl Stand {
     /// copy rebuilt from it equals the oracle, and the notifications are exactly the oracle's.
     /// `lost`: positions of the upstream's events that neither a webhook nor catch-up could
     /// bring (published while both were down, then out of the window before they came back).
-    async fn check_queue(&self, seed: u64, lost: std::ops::Range<usize>) {
+    /// `lost: None`: notifications are not checked (the endpoint's tickers changed: the oracle
+    /// names only those of its tickers now).
+    async fn check_queue(&self, seed: u64, lost: Option<std::ops::Range<usize>>) {
         self.wait_published(seed).await;
         let broker = connect_broker(&self.vhost.url(), "stories").await;
         let queue = relay_publisher::tenant_queue(self.tenant.0);
@@ -355,6 +357,9 @@ impl Stand {
                 "seed {seed}: endpoint {id}'s copy rebuilt from the queue: {}",
                 found.join("; ")
             );
+            let Some(lost) = lost.clone() else {
+                continue;
+            };
             // A story that became strong while the relay could neither receive the webhook nor
             // read the event before it left the window cannot be notified by anyone: the reload
             // that follows saves the story, and nothing says it became strong.
@@ -475,7 +480,7 @@ async fn converge(run: Run) {
         }
     }
     stand.settle(seed, Duration::from_secs(90)).await;
-    stand.check_queue(seed, 0..0).await;
+    stand.check_queue(seed, Some(0..0)).await;
     eprintln!("stories convergence: seed {seed} converged: {steps} changes, {kills} kills");
     stand.stop().await;
 }
@@ -605,7 +610,7 @@ async fn catch_up_recovers_an_outage_longer_than_the_retries_and_a_410_reloads()
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     stand.settle(seed, Duration::from_secs(60)).await;
-    stand.check_queue(seed, lost_from..lost_until).await;
+    stand.check_queue(seed, Some(lost_from..lost_until)).await;
 
     // A resync opens a new epoch with a snapshot of each copy: a consumer that reads only the
     // new epoch holds exactly the relay's rows, closed ones included.
@@ -659,4 +664,123 @@ async fn last_reload(pool: &PgPool) -> Option<time::OffsetDateTime> {
         .fetch_one(pool)
         .await
         .unwrap()
+}
+
+/// A ticker removed from an endpoint takes its open stories out of the copy (each with a
+/// `dropped` change); one added is loaded once from `GET /v1/stories` and kept up to date by its
+/// events from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
+    let seed = relay_tests::seed();
+    let run = Run {
+        seed,
+        endpoints: 1,
+        rate: 30.0,
+        duration: Duration::from_secs(2),
+        sequencers: 1,
+        kills: false,
+    };
+    let stand = Stand::start(&run, |_| {}).await;
+    let workload = |seed| {
+        StoriesWorkload::new(
+            seed,
+            StoriesWorkloadConfig {
+                endpoints: 1,
+                ..StoriesWorkloadConfig::default()
+            },
+        )
+    };
+    stand
+        .sim
+        .clone()
+        .run_stories_workload(workload(seed), run.rate, run.duration)
+        .await;
+    stand.settle(seed, Duration::from_secs(60)).await;
+    let info = &stand.infos[0];
+    let all = info.tickers.clone();
+    assert!(
+        all.len() >= 3,
+        "seed {seed}: the first endpoint follows every ticker"
+    );
+    let on = &stand;
+    let set_tickers = |tickers: Vec<String>| async move {
+        on.sim
+            .change_stories(|stories, _| stories.set_stories_tickers(info.id, tickers.clone()));
+        let changed = endpoints::change_settings(
+            on.pool(),
+            on.tenant,
+            EndpointId(info.id),
+            &endpoints::SettingsChange {
+                lang: None,
+                upstream_base_url: None,
+                upstream_api_key: None,
+                stories_mode: None,
+                tickers: Some(tickers),
+            },
+        )
+        .await
+        .unwrap();
+        assert!(changed);
+    };
+
+    // Two tickers removed: their open stories leave the copy, each with a change.
+    let open_of_removed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM stories WHERE endpoint_id = $1 AND NOT closed AND ticker = ANY($2)",
+    )
+    .bind(info.id)
+    .bind(&all[2..])
+    .fetch_one(stand.pool())
+    .await
+    .unwrap();
+    set_tickers(all[..2].to_vec()).await;
+    stand
+        .sim
+        .clone()
+        .run_stories_workload(workload(seed + 1), run.rate, run.duration)
+        .await;
+    stand.settle(seed, Duration::from_secs(60)).await;
+    let dropped: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM changes WHERE endpoint_id = $1 AND operation = 'dropped'",
+    )
+    .bind(info.id)
+    .fetch_one(stand.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        dropped, open_of_removed,
+        "seed {seed}: one drop per open story removed"
+    );
+
+    // One of them added again: its stories now, created meanwhile too, are loaded.
+    set_tickers(all[..3].to_vec()).await;
+    stand
+        .sim
+        .clone()
+        .run_stories_workload(workload(seed + 2), run.rate, run.duration)
+        .await;
+    stand.settle(seed, Duration::from_secs(60)).await;
+    let loaded: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM stories WHERE endpoint_id = $1 AND NOT closed AND ticker = $2",
+    )
+    .bind(info.id)
+    .bind(&all[2])
+    .fetch_one(stand.pool())
+    .await
+    .unwrap();
+    let expected = stand
+        .sim
+        .stories()
+        .expected_stories(info.id)
+        .values()
+        .filter(|story| !story.closed && story.ticker == all[2])
+        .count() as i64;
+    assert_eq!(
+        loaded, expected,
+        "seed {seed}: the added ticker's open stories"
+    );
+    stand.check_queue(seed, None).await;
+    eprintln!(
+        "stories tickers: seed {seed}: {dropped} dropped, {loaded} loaded with the ticker added"
+    );
+    stand.stop().await;
 }
