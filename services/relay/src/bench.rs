@@ -41,6 +41,9 @@ pub enum BenchCommand {
     /// Tenant B's apply lag in quiet phases and in phases where tenant A sends hostile messages
     /// and a stranger holds slow connections, alternating in one run.
     Isolation(crate::bench_isolation::IsolationBenchArgs),
+    /// Stories endpoints' events applied per second and a reload in full of a large stories
+    /// copy, each beside the feed's figure for the same work, alternating in one run.
+    Stories(crate::bench_stories::StoriesBenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -116,6 +119,7 @@ pub async fn run(global: &GlobalArgs, command: BenchCommand) -> anyhow::Result<(
         BenchCommand::Reload(args) => reload(global, args).await,
         BenchCommand::Pipeline(args) => pipeline(global, args).await,
         BenchCommand::Isolation(args) => crate::bench_isolation::run(global, args).await,
+        BenchCommand::Stories(args) => crate::bench_stories::run(global, args).await,
     }
 }
 
@@ -343,7 +347,10 @@ async fn record_confirms(
     Ok(())
 }
 
-fn sequencer_config(global: &GlobalArgs, args: &SequencerArgs) -> anyhow::Result<SequencerConfig> {
+pub(crate) fn sequencer_config(
+    global: &GlobalArgs,
+    args: &SequencerArgs,
+) -> anyhow::Result<SequencerConfig> {
     Ok(SequencerConfig {
         key_prefix: format!("relay-bench-{}:", Uuid::new_v4().simple()),
         // The benchmark's upstream is its own feed server, on 127.0.0.1 over http.
@@ -352,7 +359,7 @@ fn sequencer_config(global: &GlobalArgs, args: &SequencerArgs) -> anyhow::Result
     })
 }
 
-async fn apply(global: &GlobalArgs, args: ApplyBenchArgs) -> anyhow::Result<()> {
+pub(crate) async fn apply(global: &GlobalArgs, args: ApplyBenchArgs) -> anyhow::Result<()> {
     let pool = fresh_database(global, args.recreate_database).await?;
     let endpoints: Vec<Uuid> = (0..args.endpoints).map(|_| Uuid::new_v4()).collect();
     let tenant = bench_tenant(&pool, &endpoints, None).await;
@@ -449,6 +456,7 @@ async fn apply(global: &GlobalArgs, args: ApplyBenchArgs) -> anyhow::Result<()> 
     println!(
         "{}",
         json!({
+            "bench": "feed_apply",
             "endpoints": args.endpoints,
             "messages": messages_total,
             "events": events_total,
@@ -589,7 +597,7 @@ async fn timed_reload(
     Ok(elapsed)
 }
 
-async fn reload(global: &GlobalArgs, args: ReloadBenchArgs) -> anyhow::Result<()> {
+pub(crate) async fn reload(global: &GlobalArgs, args: ReloadBenchArgs) -> anyhow::Result<()> {
     let pool = fresh_database(global, args.recreate_database).await?;
     let n = args.items as u64;
     // First feed: every item at version 1.
@@ -640,6 +648,7 @@ async fn reload(global: &GlobalArgs, args: ReloadBenchArgs) -> anyhow::Result<()
     println!(
         "{}",
         json!({
+            "bench": "feed_reload",
             "items": n,
             "first_load_s": (load_s * 100.0).round() / 100.0,
             "reload_s": (reload_s * 100.0).round() / 100.0,
