@@ -322,3 +322,135 @@ async fn bad_input_names_the_field_and_writes_nothing() {
     assert_eq!(view["lang"], "en");
     app.stop().await;
 }
+
+/// Stories endpoints: the fields of each kind refused on the other with a 400 naming them, bad
+/// tickers and modes refused, nothing written; a good one registered, read and changed.
+#[tokio::test]
+async fn stories_endpoints_take_their_own_fields_and_refuse_the_others() {
+    let app = ApiApp::spawn().await;
+    let (_, token) = app.tenant("stories").await;
+    let (feed, _) = app.endpoint(&token, json!({})).await;
+    let stories = |extra: Value| {
+        let mut body = json!({"id": Uuid::new_v4(), "source": "stories",
+                              "tickers": ["ALFA B", "BETA"],
+                              "secrets": [random_secret().to_whsec()]});
+        for (k, v) in extra.as_object().unwrap() {
+            if v.is_null() {
+                body.as_object_mut().unwrap().remove(k);
+            } else {
+                body[k] = v.clone();
+            }
+        }
+        body
+    };
+    let long = "X".repeat(33);
+    let too_many: Vec<String> = (0..101).map(|i| format!("T{i}")).collect();
+    let created = [
+        (stories(json!({"source": "news"})), "source"),
+        (stories(json!({"lang": "en"})), "lang"),
+        (stories(json!({"tickers": null})), "tickers"),
+        (stories(json!({"tickers": []})), "tickers"),
+        (stories(json!({"tickers": too_many})), "tickers"),
+        (stories(json!({"tickers": ["ALFA", "ALFA"]})), "tickers[1]"),
+        (stories(json!({"tickers": ["ALFA", long]})), "tickers[1]"),
+        (stories(json!({"tickers": [" ALFA"]})), "tickers[0]"),
+        (stories(json!({"tickers": ["AL\u{1b}FA"]})), "tickers[0]"),
+        (stories(json!({"tickers": [""]})), "tickers[0]"),
+        (stories(json!({"stories_mode": "push"})), "stories_mode"),
+        (
+            json!({"id": Uuid::new_v4(), "lang": "en", "tickers": ["ALFA"],
+                   "secrets": [random_secret().to_whsec()]}),
+            "tickers",
+        ),
+        (
+            json!({"id": Uuid::new_v4(), "lang": "en", "stories_mode": "snapshot",
+                   "secrets": [random_secret().to_whsec()]}),
+            "stories_mode",
+        ),
+    ];
+    let before = app.count("webhook_endpoints").await;
+    for (body, field) in &created {
+        let answer = app
+            .call("POST", "/v1/endpoints", Some(&token), Some(body))
+            .await;
+        assert_eq!(answer.status, 400, "{body}: {}", answer.text);
+        assert_eq!(answer.json["field"], *field, "{body}: {}", answer.text);
+    }
+    assert_eq!(
+        app.count("webhook_endpoints").await,
+        before,
+        "nothing was written"
+    );
+
+    // A good one: its kind, mode and tickers read back; the feed's language is not its.
+    let body = stories(json!({"stories_mode": "fetch_on_notify"}));
+    let view = app
+        .ok(201, "POST", "/v1/endpoints", &token, Some(&body))
+        .await;
+    assert_eq!(view["source"], "stories");
+    assert_eq!(view["stories_mode"], "fetch_on_notify");
+    assert_eq!(view["tickers"], json!(["ALFA B", "BETA"]));
+    assert!(view["lang"].is_null(), "{view}");
+    let id = view["id"].as_str().unwrap().to_owned();
+    let path = format!("/v1/endpoints/{id}");
+    for (change, field) in [
+        (json!({"lang": "en"}), "lang"),
+        (json!({"tickers": []}), "tickers"),
+        (json!({"stories_mode": "sometimes"}), "stories_mode"),
+    ] {
+        let answer = app.call("PATCH", &path, Some(&token), Some(&change)).await;
+        assert_eq!(answer.status, 400, "{change}: {}", answer.text);
+        assert_eq!(answer.json["field"], field, "{}", answer.text);
+    }
+    let changed = app
+        .ok(
+            200,
+            "PATCH",
+            &path,
+            &token,
+            Some(&json!({"tickers": ["GAMMA"], "stories_mode": "snapshot"})),
+        )
+        .await;
+    assert_eq!(changed["tickers"], json!(["GAMMA"]));
+    assert_eq!(changed["stories_mode"], "snapshot");
+    // A feed endpoint has neither.
+    for change in [
+        json!({"tickers": ["ALFA"]}),
+        json!({"stories_mode": "snapshot"}),
+    ] {
+        let answer = app
+            .call(
+                "PATCH",
+                &format!("/v1/endpoints/{feed}"),
+                Some(&token),
+                Some(&change),
+            )
+            .await;
+        assert_eq!(answer.status, 400, "{change}: {}", answer.text);
+    }
+    let feed_view = app
+        .ok(200, "GET", &format!("/v1/endpoints/{feed}"), &token, None)
+        .await;
+    assert_eq!(feed_view["source"], "feed");
+    assert!(feed_view.get("tickers").is_none(), "{feed_view}");
+    // Its copy and notifications read, empty.
+    let copy = app
+        .ok(
+            200,
+            "GET",
+            &format!("{path}/stories?include_closed=true"),
+            &token,
+            None,
+        )
+        .await;
+    assert_eq!(copy["data"], json!([]));
+    let notifications = app
+        .ok(200, "GET", &format!("{path}/notifications"), &token, None)
+        .await;
+    assert_eq!(notifications["data"], json!([]));
+    let missing = app
+        .call("GET", &format!("{path}/stories/st_1"), Some(&token), None)
+        .await;
+    assert_eq!(missing.status, 404, "{}", missing.text);
+    app.stop().await;
+}
