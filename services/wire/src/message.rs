@@ -14,6 +14,7 @@
 use serde_json::{Map, Value};
 use uuid::Uuid;
 
+use crate::limits::MAX_EVENTS;
 use crate::sequence::Sequence;
 
 /// A parsed message body. `ignored` holds the top-level fields version 1 does not name.
@@ -208,6 +209,8 @@ pub enum MessageError {
     UnsupportedVersion(u64),
     #[error("{field} holds a control character (U+{code:04X})")]
     ControlCharacter { field: String, code: u32 },
+    #[error("the message holds {count} events; a message holds at most {max} (the wire file's max_events)")]
+    TooManyEvents { count: usize, max: usize },
 }
 
 /// The largest generation kept: Postgres' bigint.
@@ -257,6 +260,14 @@ impl Message {
             Some(_) => return Err(at.wrong("events", "an array")),
             None => return Err(MessageError::Missing("events".into())),
         };
+        // The upstream never sends more: a message over the limit is not one it sent, and
+        // applying it would let one signed body cost the sequencer without bound.
+        if raw_events.len() > MAX_EVENTS {
+            return Err(MessageError::TooManyEvents {
+                count: raw_events.len(),
+                max: MAX_EVENTS,
+            });
+        }
         let events = raw_events
             .into_iter()
             .enumerate()
@@ -782,6 +793,23 @@ mod tests {
         let mut message = good_feed_message();
         message["events"][0]["subject"] = json!("announcement:é€😀 tab-free");
         assert!(parse(message).is_ok());
+    }
+
+    #[test]
+    fn a_message_of_more_events_than_the_wire_allows_is_refused() {
+        let event = good_feed_message()["events"][0].clone();
+        let mut message = good_feed_message();
+        message["events"] = Value::Array(vec![event.clone(); MAX_EVENTS]);
+        assert_eq!(parse(message).unwrap().events.len(), MAX_EVENTS);
+        let mut message = good_feed_message();
+        message["events"] = Value::Array(vec![event; MAX_EVENTS + 1]);
+        assert_eq!(
+            parse(message).unwrap_err(),
+            MessageError::TooManyEvents {
+                count: MAX_EVENTS + 1,
+                max: MAX_EVENTS
+            }
+        );
     }
 
     #[test]
