@@ -7,7 +7,7 @@ use uuid::Uuid;
 
 use relay_rules::StoriesMode;
 
-use crate::{EndpointId, StoreError, TenantId};
+use crate::{quotas, EndpointId, StoreError, TenantId};
 
 /// The Postgres channel on which every change to an endpoint's row or its secrets is announced
 /// (by the triggers of the first migration), its id as the payload: the front tier drops its
@@ -97,7 +97,9 @@ pub struct NewEndpoint {
     pub upstream_api_key: Option<String>,
 }
 
-/// Registers an endpoint with its first secret and its arrival counter, all or nothing.
+/// Registers an endpoint with its first secret and its arrival counter, all or nothing. For the
+/// operator's own tools (`relay simulate --register`, benchmarks, tests): no quota bounds it.
+/// A tenant registers through the control plane, which calls [`register_within_quota`].
 pub async fn create(pool: &PgPool, new: &NewEndpoint) -> Result<(), StoreError> {
     let mut tx = pool.begin().await?;
     let inserted = sqlx::query(
@@ -348,18 +350,68 @@ pub struct Registration {
 /// the endpoint when its id is taken (by any tenant: the id is the upstream's), `NotFound` for
 /// an unknown tenant, and `AlreadyExists` for a `"secret"` whose `id` is its index in
 /// `secrets` when it repeats an earlier one (the table's unique key).
+///
+/// Not bounded by the tenant's endpoints quota: the operator's own tools (benchmarks) register
+/// through it. A tenant's registration goes through [`register_within_quota`].
 pub async fn register(
     pool: &PgPool,
     tenant: TenantId,
     new: &Registration,
 ) -> Result<(), StoreError> {
+    register_in(pool, tenant, new, None).await
+}
+
+/// [`register`], while the tenant has fewer endpoints than its `max_endpoints` quota in force
+/// (its override, or `defaults`'): `OverQuota` otherwise, with nothing written. Endpoints being
+/// deleted do not count ([`quotas::endpoints_in_use`]).
+///
+/// The tenant's row is locked first, so two registrations of one tenant racing at its limit
+/// decide one after the other, the second counting the first's endpoint: the insert's own
+/// statement counts and compares, on a snapshot taken once the lock was granted.
+pub async fn register_within_quota(
+    pool: &PgPool,
+    tenant: TenantId,
+    new: &Registration,
+    defaults: &quotas::QuotaDefaults,
+) -> Result<(), StoreError> {
+    register_in(pool, tenant, new, Some(defaults)).await
+}
+
+async fn register_in(
+    pool: &PgPool,
+    tenant: TenantId,
+    new: &Registration,
+    quota: Option<&quotas::QuotaDefaults>,
+) -> Result<(), StoreError> {
     let mut tx = pool.begin().await?;
+    if quota.is_some() {
+        // FOR NO KEY UPDATE: registrations of this tenant wait for each other, while the
+        // foreign-key checks of other writes naming the tenant (FOR KEY SHARE) do not.
+        let live: Option<bool> = sqlx::query_scalar(
+            "SELECT deleting_since IS NULL FROM tenants WHERE id = $1 FOR NO KEY UPDATE",
+        )
+        .bind(tenant)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if live != Some(true) {
+            return Err(StoreError::NotFound {
+                what: "tenant",
+                id: tenant.to_string(),
+            });
+        }
+    }
     let (stories_mode, tickers) = new.source.stories_columns();
+    // $9 NULL: no quota. The count is quotas::endpoints_in_use's.
     let inserted: Option<EndpointId> = sqlx::query_scalar(
         "INSERT INTO webhook_endpoints (id, tenant_id, lang, upstream_base_url, upstream_api_key,
                                         source, stories_mode, tickers)
          SELECT $1, t.id, $3, $4, $5, $6, $7, $8 FROM tenants t
          WHERE t.id = $2 AND t.deleting_since IS NULL
+           AND ($9::int4 IS NULL
+                OR (SELECT count(*) FROM webhook_endpoints e
+                    WHERE e.tenant_id = t.id AND e.status <> 'deleting')
+                   < COALESCE((SELECT q.max_endpoints FROM tenant_quotas q
+                               WHERE q.tenant_id = t.id), $9))
          ON CONFLICT (id) DO NOTHING
          RETURNING id",
     )
@@ -371,25 +423,34 @@ pub async fn register(
     .bind(new.source.kind())
     .bind(stories_mode)
     .bind(tickers)
+    .bind(quota.map(|q| q.max_endpoints as i32))
     .fetch_optional(&mut *tx)
     .await?;
     if inserted.is_none() {
-        let tenant_exists: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM tenants WHERE id = $1 AND deleting_since IS NULL)",
+        // Nothing was written: say which condition stopped it.
+        let (tenant_exists, id_taken): (bool, bool) = sqlx::query_as(
+            "SELECT EXISTS (SELECT 1 FROM tenants WHERE id = $1 AND deleting_since IS NULL),
+                    EXISTS (SELECT 1 FROM webhook_endpoints WHERE id = $2)",
         )
         .bind(tenant)
+        .bind(new.id)
         .fetch_one(&mut *tx)
         .await?;
-        return Err(if tenant_exists {
-            StoreError::AlreadyExists {
-                what: "webhook endpoint",
-                id: new.id.to_string(),
-            }
-        } else {
-            StoreError::NotFound {
+        return Err(match (tenant_exists, id_taken, quota) {
+            (false, ..) => StoreError::NotFound {
                 what: "tenant",
                 id: tenant.to_string(),
-            }
+            },
+            (true, false, Some(defaults)) => StoreError::OverQuota {
+                quota: "max_endpoints",
+                limit: quotas::effective(&mut *tx, tenant, defaults)
+                    .await?
+                    .max_endpoints,
+            },
+            (true, ..) => StoreError::AlreadyExists {
+                what: "webhook endpoint",
+                id: new.id.to_string(),
+            },
         });
     }
     sqlx::query("INSERT INTO endpoint_arrival_counters (endpoint_id) VALUES ($1)")

@@ -10,6 +10,7 @@
 //! - [`TenantId`], [`EndpointId`]: the ids every call that names a tenant or an endpoint takes,
 //!   typed so that the two cannot be swapped.
 //! - [`tenants`]: tenant rows.
+//! - [`quotas`]: each tenant's quotas: the operator's defaults, its overrides, what is in force.
 //! - [`broker_users`]: each tenant's user on the relay's broker (the user lives in RabbitMQ).
 //! - [`endpoints`]: webhook endpoints, their status and their signing secrets.
 //! - [`messages`]: the stored webhook messages, written in batches.
@@ -50,6 +51,7 @@ mod ids;
 pub mod messages;
 pub mod offboard;
 pub mod quarantine;
+pub mod quotas;
 pub mod restores;
 pub mod runs;
 pub mod stories;
@@ -73,6 +75,10 @@ pub enum StoreError {
     NotFound { what: &'static str, id: String },
     #[error("{what} {id} already exists")]
     AlreadyExists { what: &'static str, id: String },
+    /// A write a tenant's quota does not leave room for ([`quotas`]): `quota` names it,
+    /// `limit` is its value in force. Nothing was written.
+    #[error("the tenant's {quota} quota ({limit}) is reached")]
+    OverQuota { quota: &'static str, limit: u32 },
     /// A write that decides in its statement refused part of a plan made under the endpoint's
     /// lock: another writer changed a row since it was read. Roll back; open and decide again.
     #[error("a planned write was refused: {0}")]
