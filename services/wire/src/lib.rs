@@ -13,7 +13,10 @@
 //! - [`sequence`]: the feed's `epoch.seq` sequences, long and short forms.
 //! - [`story`]: the stories API's events and story objects (seed 000); types it does not name
 //!   are kept as ignored events, fields it does not name stay in the story's snapshot.
+//! - [`answer`]: what the upstream's REST API answers, parsed against a memory budget and
+//!   checked with the same checks as webhook bodies before anything of it is kept.
 
+pub mod answer;
 pub mod limits;
 mod message;
 mod sequence;

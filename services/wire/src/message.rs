@@ -217,7 +217,10 @@ pub enum MessageError {
 const MAX_GENERATION: u64 = i64::MAX as u64;
 
 /// Refuses `text` when it holds a control character (C0, DEL or C1), naming `field`.
-fn check_identifier(text: &str, field: impl FnOnce() -> String) -> Result<(), MessageError> {
+pub(crate) fn check_identifier(
+    text: &str,
+    field: impl FnOnce() -> String,
+) -> Result<(), MessageError> {
     match text.chars().find(|c| c.is_control()) {
         None => Ok(()),
         Some(c) => Err(MessageError::ControlCharacter {
