@@ -202,6 +202,7 @@ async fn the_operator_setting_allows_http_and_private_addresses() {
         allow_http: true,
         allow_private: false,
         allowed_networks: Vec::new(),
+        ..OutboundPolicy::default()
     })
     .await;
     let (_, token) = http_only.tenant("plain").await;
@@ -286,6 +287,7 @@ async fn a_stored_url_the_policy_refuses_is_refused_again_when_calling() {
         allow_http: true,
         allow_private: false,
         allowed_networks: Vec::new(),
+        ..OutboundPolicy::default()
     })
     .await;
     let (tenant, token) = app.tenant("grandfathered").await;
@@ -342,6 +344,7 @@ async fn the_sequencers_reads_follow_no_redirect_and_reach_no_refused_address() 
         allow_http: true,
         allow_private: false,
         allowed_networks: Vec::new(),
+        ..OutboundPolicy::default()
     };
     let mut urls = vec![upstream.clone()];
     if let Some(alias) = loopback_alias() {

@@ -168,6 +168,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
         allow_http: true,
         allow_private: false,
         allowed_networks: vec![format!("{UPSTREAM_HOST}/32").parse().unwrap()],
+        ..OutboundPolicy::default()
     };
     let api = Api::start(&app.db.url, &vhost.url(), outbound.clone()).await;
     let sequencer = start_sequencer(&app.db.url, &prefix.0, 8, outbound).await;

@@ -44,6 +44,7 @@ fn policy() -> OutboundPolicy {
         allow_http: false,
         allow_private: false,
         allowed_networks: vec!["127.0.0.1/32".parse().unwrap()],
+        ..OutboundPolicy::default()
     }
 }
 

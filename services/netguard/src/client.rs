@@ -1,16 +1,17 @@
 //! The policy carried out on every outbound request: after name resolution (so a name that
 //! resolves to a refused address, now or after a DNS change, reaches nothing), and before sending
-//! to a literal address (reqwest connects to those without asking the resolver).
+//! to a literal address (reqwest connects to those without asking the resolver); and on every
+//! answer: its body read up to the policy's `max_answer_bytes`, never further.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::dns::{Addrs, Name, Resolve, Resolving};
-use reqwest::{Method, RequestBuilder};
+use reqwest::{Method, RequestBuilder, Response};
 
 use crate::policy::{OutboundPolicy, Refusal};
-use crate::tls::TrustRoots;
+use crate::tls::{error_chain, TrustRoots};
 
 /// Resolves with the system's resolver, then keeps only the addresses the policy allows. A name
 /// with none left fails to resolve, so nothing is sent.
@@ -99,7 +100,9 @@ impl Resolve for GuardedResolver {
 /// The HTTP client for requests to where a tenant pointed the relay: names resolved by
 /// [`GuardedResolver`], literal addresses checked before sending, no redirect followed (one
 /// would send the tenant's key wherever it points, past these checks), no proxy (the checks
-/// must see the address connected to), and https only unless the operator allows http.
+/// must see the address connected to), and https only unless the operator allows http. Its
+/// callers read every answer's body with [`GuardedClient::read_body`], which stops at the
+/// policy's `max_answer_bytes`.
 #[derive(Debug, Clone)]
 pub struct GuardedClient {
     http: reqwest::Client,
@@ -135,6 +138,83 @@ impl GuardedClient {
         let url = self.policy.check_url(url)?;
         Ok(self.http.request(method, url))
     }
+
+    /// The most bytes of an answer's body [`GuardedClient::read_body`] reads.
+    pub fn max_answer_bytes(&self) -> u64 {
+        self.policy.max_answer_bytes
+    }
+
+    /// `response`'s body, read chunk by chunk up to the policy's `max_answer_bytes` (see
+    /// [`read_capped`]).
+    pub async fn read_body(&self, response: Response) -> Result<Vec<u8>, BodyError> {
+        read_capped(response, self.policy.max_answer_bytes).await
+    }
+
+    /// [`GuardedClient::read_body`] with a lower cap: `cap` when it is below the policy's.
+    pub async fn read_body_within(
+        &self,
+        response: Response,
+        cap: u64,
+    ) -> Result<Vec<u8>, BodyError> {
+        read_capped(response, cap.min(self.policy.max_answer_bytes)).await
+    }
+}
+
+/// An answer's body that was not read whole.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    /// Longer than the cap: by its declared length (`declared`, nothing read), or by the bytes
+    /// that came (`declared` is `None` when it declared none).
+    #[error("the answer is larger than {cap} bytes{}", match .declared {
+        Some(declared) => format!(" (it declares {declared})"),
+        None => String::new(),
+    })]
+    TooLarge { cap: u64, declared: Option<u64> },
+    /// The connection failed or timed out while the body came.
+    #[error("reading the answer: {}", error_chain(.0))]
+    Read(reqwest::Error),
+}
+
+impl BodyError {
+    /// The failure's name for users: `too_large`, or the read's (`timeout`, `body`, ...).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BodyError::TooLarge { .. } => "too_large",
+            BodyError::Read(error) if error.is_timeout() => "timeout",
+            BodyError::Read(_) => "body",
+        }
+    }
+}
+
+/// Reads `response`'s body whole, at most `cap` bytes: refused at once when its declared length
+/// is over the cap, and as soon as the bytes that came pass it. The buffer grows with what
+/// comes (doubling, never past the cap), never from a length the answer claims, so an answer
+/// costs at most `cap` bytes of memory whatever it says. The client's timeout bounds how long
+/// the body may take.
+pub async fn read_capped(mut response: Response, cap: u64) -> Result<Vec<u8>, BodyError> {
+    if let Some(declared) = response.content_length().filter(|&declared| declared > cap) {
+        return Err(BodyError::TooLarge {
+            cap,
+            declared: Some(declared),
+        });
+    }
+    let limit = usize::try_from(cap).unwrap_or(usize::MAX);
+    let mut body: Vec<u8> = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(BodyError::Read)? {
+        let len = body.len().saturating_add(chunk.len());
+        if len > limit {
+            return Err(BodyError::TooLarge {
+                cap,
+                declared: None,
+            });
+        }
+        if len > body.capacity() {
+            let grown = body.capacity().saturating_mul(2).clamp(len, limit);
+            body.reserve_exact(grown - body.len());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
 }
 
 #[cfg(test)]
@@ -223,7 +303,7 @@ mod tests {
         let policy = OutboundPolicy {
             allow_http: true,
             allow_private: false,
-            allowed_networks: Vec::new(),
+            ..OutboundPolicy::default()
         };
         let client =
             GuardedClient::new(policy, &TrustRoots::platform(), Duration::from_secs(5)).unwrap();
@@ -262,6 +342,192 @@ mod tests {
         assert!(matches!(
             client.request(Method::GET, "http://example.com/"),
             Err(Refusal::HttpsOnly)
+        ));
+    }
+
+    /// Serves one connection on 127.0.0.1 with `head` (status line and headers, without the
+    /// blank line), then writes what `body` gives until it gives `None` or the client leaves.
+    async fn serve_once(
+        head: &str,
+        mut body: impl FnMut() -> Option<Vec<u8>> + Send + 'static,
+    ) -> String {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let head = format!("{head}\r\n\r\n");
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = socket.read(&mut request).await;
+            if socket.write_all(head.as_bytes()).await.is_err() {
+                return;
+            }
+            while let Some(part) = body() {
+                if socket.write_all(&part).await.is_err() {
+                    return;
+                }
+            }
+            // Holds the connection open: the reader must not wait for more.
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        });
+        format!("http://{address}/")
+    }
+
+    async fn answer(url: &str) -> Response {
+        let client = GuardedClient::new(
+            OutboundPolicy::ANY,
+            &TrustRoots::platform(),
+            Duration::from_secs(20),
+        )
+        .unwrap();
+        client
+            .request(Method::GET, url)
+            .unwrap()
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// One chunk of chunked transfer encoding.
+    fn chunk(bytes: &[u8]) -> Vec<u8> {
+        let mut out = format!("{:x}\r\n", bytes.len()).into_bytes();
+        out.extend_from_slice(bytes);
+        out.extend_from_slice(b"\r\n");
+        out
+    }
+
+    #[tokio::test]
+    async fn a_declared_length_over_the_cap_is_refused_before_any_byte_is_read() {
+        let url = serve_once("HTTP/1.1 200 OK\r\nContent-Length: 1000000000000", || None).await;
+        let started = std::time::Instant::now();
+        let error = read_capped(answer(&url).await, 1024).await.unwrap_err();
+        assert!(
+            matches!(
+                error,
+                BodyError::TooLarge {
+                    cap: 1024,
+                    declared: Some(1_000_000_000_000)
+                }
+            ),
+            "{error:?}"
+        );
+        assert_eq!(error.kind(), "too_large");
+        // The server sends nothing and keeps the connection: only the declared length refused it.
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(
+            error.to_string(),
+            "the answer is larger than 1024 bytes (it declares 1000000000000)"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_chunked_body_is_refused_as_soon_as_it_passes_the_cap() {
+        // An endless body: 4 KiB chunks for as long as the client reads.
+        let url = serve_once("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked", || {
+            Some(chunk(&[b'x'; 4096]))
+        })
+        .await;
+        let started = std::time::Instant::now();
+        let error = read_capped(answer(&url).await, 64 * 1024)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                error,
+                BodyError::TooLarge {
+                    cap: 65536,
+                    declared: None
+                }
+            ),
+            "{error:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn a_body_of_exactly_the_cap_is_read_whole_and_one_byte_more_is_not() {
+        let cap = 10_000u64;
+        // Declared, exactly at the cap.
+        let mut whole = Some(vec![b'a'; cap as usize]);
+        let url = serve_once(
+            &format!("HTTP/1.1 200 OK\r\nContent-Length: {cap}"),
+            move || whole.take(),
+        )
+        .await;
+        let body = read_capped(answer(&url).await, cap).await.unwrap();
+        assert_eq!(body, vec![b'a'; cap as usize]);
+        // Chunked, exactly at the cap, in uneven parts; then the end.
+        let mut parts = vec![
+            chunk(&[b'b'; 3000]),
+            chunk(&[b'b'; 7000]),
+            b"0\r\n\r\n".to_vec(),
+        ]
+        .into_iter();
+        let url = serve_once("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked", move || {
+            parts.next()
+        })
+        .await;
+        let body = read_capped(answer(&url).await, cap).await.unwrap();
+        assert_eq!(body, vec![b'b'; cap as usize]);
+        assert!(body.capacity() <= cap as usize, "{}", body.capacity());
+        // One byte past the cap, undeclared.
+        let mut parts = vec![chunk(&[b'c'; 10_001]), b"0\r\n\r\n".to_vec()].into_iter();
+        let url = serve_once("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked", move || {
+            parts.next()
+        })
+        .await;
+        assert!(matches!(
+            read_capped(answer(&url).await, cap).await,
+            Err(BodyError::TooLarge { declared: None, .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn the_client_reads_with_its_policys_cap() {
+        let policy = OutboundPolicy {
+            max_answer_bytes: 100,
+            ..OutboundPolicy::ANY
+        };
+        let client =
+            GuardedClient::new(policy, &TrustRoots::platform(), Duration::from_secs(20)).unwrap();
+        assert_eq!(client.max_answer_bytes(), 100);
+        let url = serve_once("HTTP/1.1 200 OK\r\nContent-Length: 101", || None).await;
+        let response = client
+            .request(Method::GET, &url)
+            .unwrap()
+            .send()
+            .await
+            .unwrap();
+        assert!(matches!(
+            client.read_body(response).await,
+            Err(BodyError::TooLarge { cap: 100, .. })
+        ));
+        // A lower cap of the caller's is taken; a higher one is not.
+        let mut whole = Some(vec![b'd'; 60]);
+        let url = serve_once("HTTP/1.1 200 OK\r\nContent-Length: 60", move || {
+            whole.take()
+        })
+        .await;
+        let response = client
+            .request(Method::GET, &url)
+            .unwrap()
+            .send()
+            .await
+            .unwrap();
+        assert!(matches!(
+            client.read_body_within(response, 50).await,
+            Err(BodyError::TooLarge { cap: 50, .. })
+        ));
+        let url = serve_once("HTTP/1.1 200 OK\r\nContent-Length: 101", || None).await;
+        let response = client
+            .request(Method::GET, &url)
+            .unwrap()
+            .send()
+            .await
+            .unwrap();
+        assert!(matches!(
+            client.read_body_within(response, 1000).await,
+            Err(BodyError::TooLarge { cap: 100, .. })
         ));
     }
 }

@@ -6,7 +6,8 @@
 //!   here) and whether a URL may be registered or requested ([`OutboundPolicy::check_url`]).
 //! - [`client`]: the IO side: a DNS resolver that drops refused addresses after resolution
 //!   ([`GuardedResolver`]), and the HTTP client every outbound call goes through
-//!   ([`GuardedClient`]): the resolver, no redirects, literal addresses checked before sending.
+//!   ([`GuardedClient`]): the resolver, no redirects, literal addresses checked before sending,
+//!   and every answer's body read chunk by chunk up to a cap ([`GuardedClient::read_body`]).
 //! - [`tls`]: whom the relay trusts over TLS ([`TrustRoots`]: the platform's roots and the
 //!   operator's CA file), and what a failed connection says ([`error_chain`],
 //!   [`certificate_failure`]). Every TLS client of the relay's (upstream, brokers, Postgres,
@@ -19,8 +20,10 @@ mod policy;
 mod retry;
 mod tls;
 
-pub use client::{refusal_in, GuardedClient, GuardedResolver, ResolveError};
-pub use policy::{OutboundPolicy, Refusal};
+pub use client::{
+    read_capped, refusal_in, BodyError, GuardedClient, GuardedResolver, ResolveError,
+};
+pub use policy::{OutboundPolicy, Refusal, DEFAULT_MAX_ANSWER_BYTES};
 pub use relay_rules::{classify, AddressKind};
 pub use retry::{Pauses, RetryPolicy};
 pub use tls::{
@@ -28,8 +31,8 @@ pub use tls::{
 };
 
 /// The operator's settings for outbound requests. All off by default: https to public
-/// addresses only.
-#[derive(Debug, Clone, Default, clap::Args)]
+/// addresses only, answers bounded by [`DEFAULT_MAX_ANSWER_BYTES`].
+#[derive(Debug, Clone, clap::Args)]
 pub struct OutboundArgs {
     /// Allow plain http:// upstream URLs (tests and the simulator; never in production: the
     /// tenant's API key would cross the network in the clear).
@@ -49,6 +52,29 @@ pub struct OutboundArgs {
         value_delimiter = ','
     )]
     pub upstream_allow_networks: Vec<ipnet::IpNet>,
+    /// The most bytes of one upstream answer's body the relay reads (32 MiB: a few times the
+    /// largest `/v1/feed` page the contract allows, see `DEFAULT_MAX_ANSWER_BYTES`). Past it
+    /// the read fails as `too_large` (the endpoint's state says so), and what it read is let
+    /// go: a tenant's upstream cannot make the sequencer or the control plane hold more.
+    #[arg(
+        long,
+        env = "RELAY_UPSTREAM_MAX_ANSWER_BYTES",
+        global = true,
+        default_value_t = DEFAULT_MAX_ANSWER_BYTES,
+        value_parser = clap::value_parser!(u64).range(1024..)
+    )]
+    pub upstream_max_answer_bytes: u64,
+}
+
+impl Default for OutboundArgs {
+    fn default() -> Self {
+        Self {
+            upstream_allow_http: false,
+            upstream_allow_private: false,
+            upstream_allow_networks: Vec::new(),
+            upstream_max_answer_bytes: DEFAULT_MAX_ANSWER_BYTES,
+        }
+    }
 }
 
 impl OutboundArgs {
@@ -57,6 +83,7 @@ impl OutboundArgs {
             allow_http: self.upstream_allow_http,
             allow_private: self.upstream_allow_private,
             allowed_networks: self.upstream_allow_networks.clone(),
+            max_answer_bytes: self.upstream_max_answer_bytes,
         }
     }
 }

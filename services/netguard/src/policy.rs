@@ -12,8 +12,9 @@ use std::net::IpAddr;
 
 use url::{Host, Url};
 
-/// What the operator allows beyond https to public addresses.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// What the operator allows beyond https to public addresses, and how much of an answer the
+/// relay reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboundPolicy {
     /// Plain http:// URLs.
     pub allow_http: bool,
@@ -22,6 +23,30 @@ pub struct OutboundPolicy {
     /// Non-public networks allowed one by one, when `allow_private` is off: an upstream (or a
     /// proxy in front of it) on a private network of the operator's, and nothing else there.
     pub allowed_networks: Vec<IpNet>,
+    /// The most bytes of one answer's body the relay reads (see
+    /// [`DEFAULT_MAX_ANSWER_BYTES`]): past it the read fails, so what a tenant's upstream
+    /// answers never costs more memory than this.
+    pub max_answer_bytes: u64,
+}
+
+/// The default bound on one answer's body: 32 MiB. The largest answer the contract allows is
+/// a `/v1/feed` page of 500 items; the simulator's and the benchmarks' items are about 1 KB,
+/// so a page is about 0.5 MB, and an item sent alone in a webhook may reach the wire file's
+/// 1 MiB body. 32 MiB holds a page of 500 items of 64 KB each, or 32 items at that 1 MiB: a
+/// few times what a page can hold in practice, while an answer past it is an upstream that
+/// does not follow the contract, and is read no further.
+pub const DEFAULT_MAX_ANSWER_BYTES: u64 = 32 * 1024 * 1024;
+
+impl Default for OutboundPolicy {
+    /// https to public addresses only, answers bounded by [`DEFAULT_MAX_ANSWER_BYTES`].
+    fn default() -> Self {
+        Self {
+            allow_http: false,
+            allow_private: false,
+            allowed_networks: Vec::new(),
+            max_answer_bytes: DEFAULT_MAX_ANSWER_BYTES,
+        }
+    }
 }
 
 /// Why a URL or an address is refused. The text says why without repeating the URL.
@@ -50,6 +75,7 @@ impl OutboundPolicy {
         allow_http: true,
         allow_private: true,
         allowed_networks: Vec::new(),
+        max_answer_bytes: DEFAULT_MAX_ANSWER_BYTES,
     };
 
     /// Refuses `address` unless it is public, the operator allows non-public ones, or it lies
@@ -117,6 +143,7 @@ mod tests {
                 "127.0.0.2/32".parse().unwrap(),
                 "10.1.2.0/24".parse().unwrap(),
             ],
+            ..OutboundPolicy::default()
         };
         for allowed in [
             "http://127.0.0.2:9700/",
@@ -198,7 +225,7 @@ mod tests {
         let http = OutboundPolicy {
             allow_http: true,
             allow_private: false,
-            allowed_networks: Vec::new(),
+            ..OutboundPolicy::default()
         };
         http.check_url("http://api.quanor.com").unwrap();
         assert!(matches!(
@@ -213,7 +240,7 @@ mod tests {
         let private = OutboundPolicy {
             allow_http: false,
             allow_private: true,
-            allowed_networks: Vec::new(),
+            ..OutboundPolicy::default()
         };
         private.check_url("https://127.0.0.1:9700").unwrap();
         assert_eq!(
