@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::FromRequestParts;
-use axum::http::header;
 use axum::http::request::Parts;
+use axum::http::{header, HeaderMap};
 use jsonwebtoken::errors::ErrorKind;
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
@@ -60,13 +60,56 @@ pub enum Subject {
 #[derive(Clone)]
 pub struct JwtKeys {
     signing: Vec<u8>,
-    previous: Option<Vec<u8>>,
+    previous: Option<PreviousKey>,
+}
+
+/// The key signing before a rotation, and when the rotation began.
+#[derive(Clone)]
+struct PreviousKey {
+    key: Vec<u8>,
+    rotation: Rotation,
+}
+
+/// A key rotation: when the new key began signing, and how long the previous key keeps
+/// verifying after that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rotation {
+    pub started_at: OffsetDateTime,
+    pub overlap: Duration,
+}
+
+impl Rotation {
+    /// When the previous key stops verifying altogether.
+    pub fn ends_at(&self) -> OffsetDateTime {
+        self.started_at + self.overlap
+    }
+
+    /// Whether a token the previous key signed, issued at `iat` (Unix seconds), is taken at
+    /// `now`: only one issued before the rotation began, and only until the overlap ends.
+    ///
+    /// `iat` is the token's own word: whoever holds the previous key (a leaked key is the
+    /// usual reason to rotate) can write any `iat` into a token it signs, back-dated to before
+    /// the rotation. The `iat` check stops the relay's own tools that still sign with the old
+    /// key by mistake; only the end of the overlap stops a holder of a leaked key, so keep the
+    /// overlap as short as the tokens handed out allow.
+    pub fn accepts(&self, iat: i64, now: OffsetDateTime) -> Result<(), &'static str> {
+        if now >= self.ends_at() {
+            return Err("the token is signed with the previous key, which no longer verifies");
+        }
+        if iat >= self.started_at.unix_timestamp() {
+            return Err(
+                "the token is signed with the previous key but issued after the key \
+                        rotation began",
+            );
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for JwtKeys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("JwtKeys")
-            .field("previous", &self.previous.is_some())
+            .field("previous", &self.previous.as_ref().map(|p| p.rotation))
             .finish_non_exhaustive()
     }
 }
@@ -86,11 +129,24 @@ impl JwtKeys {
         })
     }
 
-    /// Also accepts tokens signed with `previous`, so tokens minted before a key rotation keep
-    /// working until they expire.
-    pub fn with_previous(mut self, previous: impl Into<Vec<u8>>) -> Result<Self, KeyError> {
-        self.previous = Some(checked(previous.into())?);
+    /// Also accepts tokens signed with `previous` and issued before `rotation` began, until
+    /// its overlap ends ([`Rotation::accepts`]), so tokens handed out before a key rotation
+    /// keep working for a while. The relay never signs with it.
+    pub fn with_previous(
+        mut self,
+        previous: impl Into<Vec<u8>>,
+        rotation: Rotation,
+    ) -> Result<Self, KeyError> {
+        self.previous = Some(PreviousKey {
+            key: checked(previous.into())?,
+            rotation,
+        });
         Ok(self)
+    }
+
+    /// The rotation under way, when a previous key is held.
+    pub fn rotation(&self) -> Option<Rotation> {
+        self.previous.as_ref().map(|p| p.rotation)
     }
 }
 
@@ -190,36 +246,60 @@ impl Verifier {
         &self.audience
     }
 
-    /// The claims of a valid token: signed by the signing key or the previous one, unexpired,
-    /// for this audience.
-    pub fn verify(&self, token: &str) -> Result<Claims, ApiError> {
-        let keys = std::iter::once(&self.keys.signing).chain(self.keys.previous.as_ref());
-        let mut last = ApiError::Unauthorized("the token is not valid");
-        for key in keys {
-            match jsonwebtoken::decode::<Claims>(
-                token,
-                &DecodingKey::from_secret(key),
-                &self.validation,
-            ) {
-                Ok(data) => return Ok(data.claims),
-                // Another key may have signed it: try the next.
-                Err(e) if *e.kind() == ErrorKind::InvalidSignature => {}
-                Err(e) => {
-                    last = match e.kind() {
-                        ErrorKind::ExpiredSignature => {
-                            ApiError::Unauthorized("the token has expired")
-                        }
-                        ErrorKind::InvalidAudience => {
-                            ApiError::Unauthorized("the token is for another audience")
-                        }
-                        _ => ApiError::Unauthorized("the token is not valid"),
-                    };
-                    // Only the signature depends on the key: any other failure is final.
-                    break;
-                }
-            }
+    /// The claims of a valid token, now: [`Verifier::verify_at`] by the system's clock.
+    pub fn verify(&self, token: &str) -> Result<Claims, &'static str> {
+        self.verify_at(token, OffsetDateTime::now_utc())
+    }
+
+    /// The claims of a valid token at `now`: unexpired, for this audience, and signed by the
+    /// signing key, or by the previous one while [`Rotation::accepts`] it. The error is what
+    /// a 401 says.
+    pub fn verify_at(&self, token: &str, now: OffsetDateTime) -> Result<Claims, &'static str> {
+        match self.decode(token, &self.keys.signing) {
+            // Another key may have signed it.
+            Err(Failure::Signature) => {}
+            other => return other.map_err(Failure::detail),
         }
-        Err(last)
+        let Some(previous) = &self.keys.previous else {
+            return Err(Failure::Signature.detail());
+        };
+        if now >= previous.rotation.ends_at() {
+            // The overlap is over: the previous key verifies nothing.
+            return Err(Failure::Signature.detail());
+        }
+        let claims = self.decode(token, &previous.key).map_err(Failure::detail)?;
+        previous.rotation.accepts(claims.iat, now)?;
+        Ok(claims)
+    }
+
+    fn decode(&self, token: &str, key: &[u8]) -> Result<Claims, Failure> {
+        jsonwebtoken::decode::<Claims>(token, &DecodingKey::from_secret(key), &self.validation)
+            .map(|data| data.claims)
+            .map_err(|e| match e.kind() {
+                ErrorKind::InvalidSignature => Failure::Signature,
+                ErrorKind::ExpiredSignature => Failure::Expired,
+                ErrorKind::InvalidAudience => Failure::Audience,
+                _ => Failure::Invalid,
+            })
+    }
+}
+
+/// Why a key did not verify a token. Only the signature depends on the key: any other failure
+/// is final.
+enum Failure {
+    Signature,
+    Expired,
+    Audience,
+    Invalid,
+}
+
+impl Failure {
+    fn detail(self) -> &'static str {
+        match self {
+            Failure::Expired => "the token has expired",
+            Failure::Audience => "the token is for another audience",
+            Failure::Signature | Failure::Invalid => "the token is not valid",
+        }
     }
 }
 
@@ -228,23 +308,58 @@ pub trait HasVerifier {
     fn verifier(&self) -> &Arc<Verifier>;
 }
 
-fn claims_of<S: HasVerifier>(parts: &Parts, state: &S) -> Result<Claims, ApiError> {
-    let value = parts
-        .headers
+/// Who sent a request, found once per request by the control plane's first middleware and kept
+/// in its extensions: the claims of its valid token, or what a 401 says about the token. The
+/// extractors below read it rather than verify the token again.
+#[derive(Debug, Clone)]
+pub struct Authenticated(pub Result<Claims, &'static str>);
+
+impl Authenticated {
+    /// The bearer token of `headers`, verified.
+    pub fn of(headers: &HeaderMap, verifier: &Verifier) -> Self {
+        Self(bearer_token(headers).and_then(|token| verifier.verify(token)))
+    }
+
+    /// Whose share of the control plane the request takes, when its token is valid.
+    pub fn caller(&self) -> Option<Caller> {
+        let claims = self.0.as_ref().ok()?;
+        match (claims.role, claims.tenant) {
+            (Role::Tenant, Some(tenant)) => Some(Caller::Tenant(relay_store::TenantId(tenant))),
+            (Role::Tenant, None) => None,
+            (Role::Operator, _) => Some(Caller::Operators),
+        }
+    }
+}
+
+/// Whom a bound on requests in flight counts against: each tenant, and the operators together
+/// (an operator's name is whatever the token's minter wrote, so counting each name apart would
+/// let one key open as many shares as it mints names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Caller {
+    Tenant(relay_store::TenantId),
+    Operators,
+}
+
+fn bearer_token(headers: &HeaderMap) -> Result<&str, &'static str> {
+    let value = headers
         .get(header::AUTHORIZATION)
-        .ok_or(ApiError::Unauthorized(
-            "an Authorization: Bearer <token> header is required",
-        ))?;
-    let token = value
+        .ok_or("an Authorization: Bearer <token> header is required")?;
+    value
         .to_str()
         .ok()
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim)
         .filter(|t| !t.is_empty())
-        .ok_or(ApiError::Unauthorized(
-            "the Authorization header is not `Bearer <token>`",
-        ))?;
-    state.verifier().verify(token)
+        .ok_or("the Authorization header is not `Bearer <token>`")
+}
+
+fn claims_of<S: HasVerifier>(parts: &Parts, state: &S) -> Result<Claims, ApiError> {
+    let result = match parts.extensions.get::<Authenticated>() {
+        Some(Authenticated(result)) => result.clone(),
+        // A router without the middleware (none serves today) still checks every token.
+        None => Authenticated::of(&parts.headers, state.verifier()).0,
+    };
+    result.map_err(ApiError::Unauthorized)
 }
 
 /// The tenant a tenant token names. Operator tokens are refused (403): an operator manages
@@ -342,20 +457,98 @@ mod tests {
         assert!(verifier.verify(&other_key.token).is_err());
     }
 
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    /// Key 2 signs since an hour ago; key 1, the previous one, verifies for two hours after
+    /// that.
+    fn rotated(now: OffsetDateTime) -> (Verifier, Rotation) {
+        let rotation = Rotation {
+            started_at: now - HOUR,
+            overlap: 2 * HOUR,
+        };
+        let keys = keys(2).with_previous(vec![1; 32], rotation).unwrap();
+        (Verifier::new(keys, "relay"), rotation)
+    }
+
+    /// A token of `subject` signed with key `byte`, issued at `iat`, expiring in an hour from
+    /// the real clock's now (the library checks `exp` by it).
+    fn token_at(byte: u8, subject: Subject, iat: OffsetDateTime) -> String {
+        let ttl = OffsetDateTime::now_utc() + HOUR - iat;
+        mint(&keys(byte), "relay", &subject, ttl.unsigned_abs(), iat)
+            .unwrap()
+            .token
+    }
+
+    fn operator() -> Subject {
+        Subject::Operator { name: "ops".into() }
+    }
+
     #[test]
-    fn tokens_of_the_previous_key_verify_during_a_rotation() {
+    fn a_previous_key_token_issued_before_the_rotation_verifies_until_the_overlap_ends() {
         let now = OffsetDateTime::now_utc();
-        let old = mint(
-            &keys(1),
+        let (verifier, rotation) = rotated(now);
+        for subject in [operator(), Subject::Tenant(Uuid::new_v4())] {
+            let old = token_at(1, subject, rotation.started_at - HOUR);
+            assert!(verifier.verify_at(&old, now).is_ok());
+            assert!(verifier
+                .verify_at(&old, rotation.ends_at() - Duration::from_secs(1))
+                .is_ok());
+            assert_eq!(
+                verifier.verify_at(&old, rotation.ends_at()).unwrap_err(),
+                "the token is not valid",
+                "the overlap is over: the previous key verifies nothing"
+            );
+            // Without the previous key, it never verified.
+            assert!(Verifier::new(keys(2), "relay").verify(&old).is_err());
+        }
+    }
+
+    #[test]
+    fn a_previous_key_token_issued_after_the_rotation_began_is_refused() {
+        let now = OffsetDateTime::now_utc();
+        let (verifier, rotation) = rotated(now);
+        for subject in [operator(), Subject::Tenant(Uuid::new_v4())] {
+            for issued in [rotation.started_at, now] {
+                let minted_since = token_at(1, subject.clone(), issued);
+                let refusal = verifier.verify_at(&minted_since, now).unwrap_err();
+                assert!(
+                    refusal.contains("after the key rotation began"),
+                    "{refusal}"
+                );
+            }
+        }
+        let verified = Verifier::new(keys(2), "relay");
+        assert!(verified
+            .verify(&token_at(1, operator(), rotation.started_at))
+            .is_err());
+    }
+
+    #[test]
+    fn the_signing_keys_tokens_always_verify_and_mint_signs_with_it_alone() {
+        let now = OffsetDateTime::now_utc();
+        let (verifier, rotation) = rotated(now);
+        let tenant = Uuid::new_v4();
+        for issued in [rotation.started_at - HOUR, rotation.started_at, now] {
+            let token = token_at(2, Subject::Tenant(tenant), issued);
+            for at in [now, rotation.ends_at(), rotation.ends_at() + 100 * HOUR] {
+                assert_eq!(verifier.verify_at(&token, at).unwrap().tenant, Some(tenant));
+            }
+        }
+        // Minting with the rotated keys signs with key 2: key 1 alone does not verify it.
+        let minted = mint(
+            verifier.keys(),
             "relay",
-            &Subject::Operator { name: "ops".into() },
-            Duration::from_secs(60),
+            &Subject::Tenant(tenant),
+            HOUR,
             now,
         )
         .unwrap();
-        let rotated = Verifier::new(keys(2).with_previous(vec![1; 32]).unwrap(), "relay");
-        assert_eq!(rotated.verify(&old.token).unwrap().role, Role::Operator);
-        assert!(Verifier::new(keys(2), "relay").verify(&old.token).is_err());
+        assert!(Verifier::new(keys(2), "relay")
+            .verify(&minted.token)
+            .is_ok());
+        assert!(Verifier::new(keys(1), "relay")
+            .verify(&minted.token)
+            .is_err());
     }
 
     #[test]

@@ -13,11 +13,13 @@ use uuid::Uuid;
 
 use relay_publisher::DEFAULT_AMQP_URL;
 use relay_rules::DestinationPolicy;
+use relay_store::quotas::QuotaDefaults;
 
-use crate::auth::{self, IssuedToken, JwtKeys, KeyError, Subject, TokenError};
+use crate::auth::{self, IssuedToken, JwtKeys, KeyError, Rotation, Subject, TokenError};
 use crate::broker::{
     BrokerAccess, DeadLetters, ManagementSettings, DEAD_LETTER_RETENTION_HOURS, DELIVERY_LIMIT,
 };
+use crate::envelope::{EnvelopeLimits, ENVELOPE_LIMITS};
 
 /// Where the JWT signing key comes from. Shared by `relay api` and `relay token issue`, which
 /// must use the same key.
@@ -30,10 +32,22 @@ pub struct JwtKeyArgs {
     /// A file holding the HS256 signing key (surrounding whitespace is ignored).
     #[arg(long, env = "RELAY_API_JWT_SECRET_FILE", conflicts_with = "jwt_secret")]
     pub jwt_secret_file: Option<PathBuf>,
-    /// A file holding the previous signing key: tokens it signed keep verifying (never signed
-    /// with), so a key can be rotated without cutting off tokens already handed out.
+    /// A file holding the previous signing key during a rotation (never signed with): tokens
+    /// it signed and issued before the rotation began keep verifying until the overlap ends,
+    /// so a key can be rotated without cutting off tokens already handed out.
     #[arg(long, env = "RELAY_API_JWT_PREVIOUS_SECRET_FILE")]
     pub jwt_previous_secret_file: Option<PathBuf>,
+    /// When the rotation began (the new key began signing): RFC 3339 or Unix seconds. Required
+    /// with a previous key; a token the previous key signed is refused when its `iat` is not
+    /// before it. Whoever holds the previous key can back-date `iat`: only the overlap's end
+    /// stops a leaked key.
+    #[arg(long, env = "RELAY_API_JWT_ROTATION_STARTED_AT", value_parser = parse_instant)]
+    pub jwt_rotation_started_at: Option<OffsetDateTime>,
+    /// Seconds after the rotation began that the previous key stops verifying altogether.
+    #[arg(long, env = "RELAY_API_JWT_PREVIOUS_KEY_OVERLAP_S",
+          default_value_t = PREVIOUS_KEY_OVERLAP_S,
+          value_parser = clap::value_parser!(u64).range(1..=auth::MAX_TTL.as_secs()))]
+    pub jwt_previous_key_overlap_s: u64,
     /// The audience tokens are minted for and must name.
     #[arg(long, env = "RELAY_API_AUDIENCE", default_value = "relay")]
     pub jwt_audience: String,
@@ -46,9 +60,32 @@ impl std::fmt::Debug for JwtKeyArgs {
             .field("jwt_secret", &self.jwt_secret.as_ref().map(|_| "<set>"))
             .field("jwt_secret_file", &self.jwt_secret_file)
             .field("jwt_previous_secret_file", &self.jwt_previous_secret_file)
+            .field("jwt_rotation_started_at", &self.jwt_rotation_started_at)
+            .field(
+                "jwt_previous_key_overlap_s",
+                &self.jwt_previous_key_overlap_s,
+            )
             .field("jwt_audience", &self.jwt_audience)
             .finish()
     }
+}
+
+/// How long the previous key verifies after a rotation began, by default: a day, for tools
+/// holding tokens of the old key to be given new ones.
+pub const PREVIOUS_KEY_OVERLAP_S: u64 = 86_400;
+
+/// How far ahead of this machine's clock a rotation's start may be: a clock's skew, no more.
+/// A start in the future would let the previous key mint tokens until then.
+const ROTATION_START_SKEW: Duration = Duration::from_secs(300);
+
+/// An instant given as RFC 3339 (`2026-12-03T10:00:00Z`) or as Unix seconds.
+fn parse_instant(text: &str) -> Result<OffsetDateTime, String> {
+    let text = text.trim();
+    if let Ok(seconds) = text.parse::<i64>() {
+        return OffsetDateTime::from_unix_timestamp(seconds).map_err(|e| e.to_string());
+    }
+    OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
+        .map_err(|_| "RFC 3339 (2026-12-03T10:00:00Z) or Unix seconds".to_owned())
 }
 
 /// Configuration that cannot be used.
@@ -56,6 +93,17 @@ impl std::fmt::Debug for JwtKeyArgs {
 pub enum ConfigError {
     #[error("no JWT signing key: set RELAY_API_JWT_SECRET_FILE (or RELAY_API_JWT_SECRET)")]
     NoKey,
+    #[error(
+        "RELAY_API_JWT_PREVIOUS_SECRET_FILE is set without RELAY_API_JWT_ROTATION_STARTED_AT: \
+         set it to when the new key began signing (RFC 3339 or Unix seconds); tokens the \
+         previous key signs after it are refused"
+    )]
+    NoRotationStart,
+    #[error(
+        "RELAY_API_JWT_ROTATION_STARTED_AT ({0}) is in the future: it is when the new key \
+         began signing, and until then the previous key could still mint tokens"
+    )]
+    RotationStartAhead(OffsetDateTime),
     #[error("reading {path}: {source}")]
     Read {
         path: PathBuf,
@@ -90,10 +138,20 @@ impl JwtKeyArgs {
             (None, None) => return Err(ConfigError::NoKey),
         };
         let keys = JwtKeys::new(signing)?;
-        Ok(match &self.jwt_previous_secret_file {
-            Some(path) => keys.with_previous(read_key(path)?)?,
-            None => keys,
-        })
+        let Some(path) = &self.jwt_previous_secret_file else {
+            return Ok(keys);
+        };
+        let started_at = self
+            .jwt_rotation_started_at
+            .ok_or(ConfigError::NoRotationStart)?;
+        if started_at > OffsetDateTime::now_utc() + ROTATION_START_SKEW {
+            return Err(ConfigError::RotationStartAhead(started_at));
+        }
+        let rotation = Rotation {
+            started_at,
+            overlap: Duration::from_secs(self.jwt_previous_key_overlap_s),
+        };
+        Ok(keys.with_previous(read_key(path)?, rotation)?)
     }
 
     fn audience(&self) -> Result<String, ConfigError> {
@@ -125,6 +183,24 @@ pub struct ApiArgs {
     /// How long a call to the upstream's API (a rewind) may take, in seconds.
     #[arg(long, env = "RELAY_API_UPSTREAM_TIMEOUT_S", default_value_t = 10)]
     pub api_upstream_timeout_s: u64,
+    /// Requests one tenant may have in flight at once (the operators' tokens, together, the
+    /// same); one more is answered 429 with Retry-After before its handler runs.
+    #[arg(long, env = "RELAY_API_MAX_REQUESTS_PER_TENANT",
+          default_value_t = ENVELOPE_LIMITS.max_requests_per_tenant,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub api_max_requests_per_tenant: u32,
+    /// Rewinds one tenant may have in flight at once (each waits on the tenant's upstream);
+    /// one more is answered 429 with Retry-After.
+    #[arg(long, env = "RELAY_API_MAX_REWINDS_PER_TENANT",
+          default_value_t = ENVELOPE_LIMITS.max_rewinds_per_tenant,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub api_max_rewinds_per_tenant: u32,
+    /// Seconds a rewind may take, its call to the upstream included; then it is answered 502
+    /// `upstream_failed` (timed out). Keep it under RELAY_API_UPSTREAM_TIMEOUT_S.
+    #[arg(long, env = "RELAY_API_REWIND_TIMEOUT_S",
+          default_value_t = ENVELOPE_LIMITS.rewind_timeout.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub api_rewind_timeout_s: u64,
     /// Milliseconds a request's head may take to arrive (from the connection's opening or its
     /// previous answer); a slower connection is closed.
     #[arg(long, env = "RELAY_API_HEADER_READ_TIMEOUT_MS",
@@ -181,6 +257,10 @@ pub struct ApiArgs {
     /// binary sets it from RELAY_DESTINATION_*, which the publisher reads too.
     #[arg(skip)]
     pub destination_policy: DestinationPolicy,
+    /// The operator's default quotas. Not flags of their own: the `relay` binary sets them
+    /// from RELAY_QUOTA_*, which every tier reads.
+    #[arg(skip)]
+    pub quota_defaults: QuotaDefaults,
 }
 
 // By hand: the derived form would print the management password.
@@ -190,6 +270,15 @@ impl std::fmt::Debug for ApiArgs {
             .field("api_listen", &self.api_listen)
             .field("jwt", &self.jwt)
             .field("api_upstream_timeout_s", &self.api_upstream_timeout_s)
+            .field(
+                "api_max_requests_per_tenant",
+                &self.api_max_requests_per_tenant,
+            )
+            .field(
+                "api_max_rewinds_per_tenant",
+                &self.api_max_rewinds_per_tenant,
+            )
+            .field("api_rewind_timeout_s", &self.api_rewind_timeout_s)
             .field("amqp_management_url", &self.amqp_management_url)
             .field("amqp_management_user", &self.amqp_management_user)
             .field("amqp_tenant_address", &self.amqp_tenant_address)
@@ -202,6 +291,7 @@ impl std::fmt::Debug for ApiArgs {
                 &self.dead_letter_retention_hours,
             )
             .field("destination_policy", &self.destination_policy)
+            .field("quota_defaults", &self.quota_defaults)
             .finish_non_exhaustive()
     }
 }
@@ -215,6 +305,10 @@ pub struct ApiConfig {
     pub upstream_timeout: Duration,
     /// Header and body read timeouts and the bound on open connections.
     pub listener: ListenerLimits,
+    /// Each caller's share: requests and rewinds in flight, the rewind's deadline.
+    pub envelope: EnvelopeLimits,
+    /// The operator's default quotas, which a tenant's overrides replace.
+    pub quotas: QuotaDefaults,
     /// The relay's own broker: destinations are refused there, and tenants' users are made
     /// there.
     pub broker: BrokerAccess,
@@ -237,6 +331,8 @@ impl ApiConfig {
             audience: "relay".to_owned(),
             upstream_timeout: Duration::from_secs(10),
             listener: LISTENER_LIMITS,
+            envelope: ENVELOPE_LIMITS,
+            quotas: QuotaDefaults::default(),
             broker: BrokerAccess::new(
                 DEFAULT_AMQP_URL,
                 &ManagementSettings::default(),
@@ -284,6 +380,12 @@ impl ApiArgs {
                 max_connections: self.api_max_connections,
                 max_headless_per_address: self.api_max_headless_per_address,
             },
+            envelope: EnvelopeLimits {
+                max_requests_per_tenant: self.api_max_requests_per_tenant,
+                max_rewinds_per_tenant: self.api_max_rewinds_per_tenant,
+                rewind_timeout: Duration::from_secs(self.api_rewind_timeout_s),
+            },
+            quotas: self.quota_defaults,
             broker,
             outbound,
             trust,
@@ -394,6 +496,9 @@ mod tests {
         assert_eq!(config.audience, "relay");
         assert_eq!(config.upstream_timeout, Duration::from_secs(10));
         assert_eq!(config.listener, LISTENER_LIMITS);
+        assert_eq!(config.envelope, ENVELOPE_LIMITS);
+        assert!(config.envelope.rewind_timeout < config.upstream_timeout);
+        assert_eq!(config.quotas, QuotaDefaults::default());
         let short = Serve::try_parse_from(["relay", "--jwt-secret", "short"]).unwrap();
         assert!(matches!(
             short
@@ -401,6 +506,59 @@ mod tests {
                 .to_config(Default::default(), relay_netguard::TrustRoots::platform()),
             Err(ConfigError::Key(KeyError::TooShort(5)))
         ));
+    }
+
+    #[test]
+    fn a_previous_key_needs_when_the_rotation_began() {
+        let dir = std::env::temp_dir().join(format!("relay-api-{}", Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let previous = dir.join("previous.key");
+        std::fs::write(&previous, "p".repeat(32)).unwrap();
+        let secret = "k".repeat(32);
+        let keys = |extra: &[&str]| {
+            let mut args = vec![
+                "relay",
+                "--tenant",
+                "00000000-0000-0000-0000-000000000001",
+                "--jwt-secret",
+                &secret,
+                "--jwt-previous-secret-file",
+                previous.to_str().unwrap(),
+            ];
+            args.extend_from_slice(extra);
+            Cli::try_parse_from(args).map(|cli| cli.token.jwt.keys())
+        };
+        let refused = keys(&[]).unwrap();
+        assert!(
+            matches!(refused, Err(ConfigError::NoRotationStart)),
+            "{refused:?}"
+        );
+        let rfc3339 = keys(&["--jwt-rotation-started-at", "2026-01-01T00:00:00Z"]);
+        let rotation = rfc3339.unwrap().unwrap().rotation().unwrap();
+        assert_eq!(rotation.started_at.unix_timestamp(), 1_767_225_600);
+        assert_eq!(
+            rotation.overlap,
+            Duration::from_secs(PREVIOUS_KEY_OVERLAP_S)
+        );
+        let unix = keys(&[
+            "--jwt-rotation-started-at",
+            "1767225600",
+            "--jwt-previous-key-overlap-s",
+            "600",
+        ]);
+        let rotation = unix.unwrap().unwrap().rotation().unwrap();
+        assert_eq!(rotation.started_at.unix_timestamp(), 1_767_225_600);
+        assert_eq!(rotation.overlap, Duration::from_secs(600));
+        let ahead = (OffsetDateTime::now_utc() + Duration::from_secs(3600))
+            .unix_timestamp()
+            .to_string();
+        let ahead = keys(&["--jwt-rotation-started-at", &ahead]).unwrap();
+        assert!(
+            matches!(ahead, Err(ConfigError::RotationStartAhead(_))),
+            "{ahead:?}"
+        );
+        assert!(keys(&["--jwt-rotation-started-at", "yesterday"]).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -39,6 +39,14 @@ pub enum ApiError {
         field: Option<String>,
         detail: String,
     },
+    /// 429: the caller has as many requests of this kind in flight as it may (its share of the
+    /// control plane); nothing was done. Answered with Retry-After, and the connection closed
+    /// so that a refused caller holds none of the listener's connections.
+    #[error("too many requests: {detail}")]
+    TooManyRequests {
+        detail: String,
+        retry_after: std::time::Duration,
+    },
     /// 502: the upstream's API failed or answered something version 1 does not describe.
     #[error("upstream: {0}")]
     Upstream(String),
@@ -75,6 +83,9 @@ impl ApiError {
             ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
             ApiError::Conflict { .. } => (StatusCode::CONFLICT, "conflict"),
+            ApiError::TooManyRequests { .. } => {
+                (StatusCode::TOO_MANY_REQUESTS, "too_many_requests")
+            }
             ApiError::Upstream(_) => (StatusCode::BAD_GATEWAY, "upstream_failed"),
             ApiError::Unavailable(_) | ApiError::BrokerUnavailable(_) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
@@ -112,8 +123,8 @@ impl From<relay_store::StoreError> for ApiError {
 /// The body of every error answer.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
-    /// invalid_request, unauthorized, forbidden, not_found, conflict, upstream_failed,
-    /// unavailable or internal.
+    /// invalid_request, unauthorized, forbidden, not_found, conflict, too_many_requests,
+    /// upstream_failed, unavailable or internal.
     pub error: &'static str,
     /// The request field at fault (`secrets[1]`, `upstream_base_url`, `limit`, ...), when one is.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -127,6 +138,7 @@ impl IntoResponse for ApiError {
         let (field, detail) = match &self {
             ApiError::Invalid { field, detail } => (Some(field.clone()), detail.clone()),
             ApiError::Conflict { field, detail } => (field.clone(), detail.clone()),
+            ApiError::TooManyRequests { detail, .. } => (None, detail.clone()),
             ApiError::Unauthorized(d) | ApiError::Forbidden(d) => (None, (*d).to_owned()),
             ApiError::NotFound(what) => (None, format!("no such {what}")),
             ApiError::Upstream(detail) => (None, detail.clone()),
@@ -155,10 +167,23 @@ impl IntoResponse for ApiError {
             }),
         )
             .into_response();
+        let headers = response.headers_mut();
         if status == StatusCode::UNAUTHORIZED {
-            response.headers_mut().insert(
+            headers.insert(
                 header::WWW_AUTHENTICATE,
                 header::HeaderValue::from_static("Bearer"),
+            );
+        }
+        if let ApiError::TooManyRequests { retry_after, .. } = &self {
+            // Whole seconds, rounded up: sooner would only be refused again.
+            let seconds = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+            headers.insert(
+                header::RETRY_AFTER,
+                header::HeaderValue::from(seconds.max(1)),
+            );
+            headers.insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
             );
         }
         response

@@ -6,8 +6,11 @@
 //! # Layout
 //! - [`config`]: `relay api` and `relay token issue` flags ([`ApiArgs`], [`TokenArgs`]), the
 //!   validated [`ApiConfig`], and [`issue_token`].
-//! - [`auth`]: HS256 JWTs: minting, verifying (with a previous key during a rotation), and the
-//!   [`auth::TenantId`] and [`auth::Operator`] extractors every handler starts with.
+//! - [`auth`]: HS256 JWTs: minting, verifying (with a previous key during a rotation, only
+//!   tokens issued before it began, until its overlap ends), and the [`auth::TenantId`] and
+//!   [`auth::Operator`] extractors every handler starts with.
+//! - [`envelope`]: each caller's share of the control plane: the middleware that identifies the
+//!   caller once and bounds its requests in flight, and the bound on each tenant's rewinds.
 //! - [`broker`]: the relay's own broker: where it is (destinations there are refused) and its
 //!   management API, where each tenant's user is made.
 //! - [`error`]: [`ApiError`], its JSON form (`{"error", "field", "detail"}`), and the JSON body
@@ -15,7 +18,8 @@
 //! - [`routes`]: one module per resource; each query is scoped by the caller's tenant.
 //! - [`upstream`]: the upstream's rewind call.
 //! - [`metrics`]: `relay_api_requests_total`, `relay_api_request_duration_seconds`,
-//!   `relay_api_rewinds_total`, registered on [`ApiConfig::registry`].
+//!   `relay_api_rewinds_total`, `relay_api_throttled_total`, `relay_api_quota_refusals_total`,
+//!   registered on [`ApiConfig::registry`].
 //! - `offboarding`: the purge that finishes each delete of an endpoint or a tenant.
 //! - [`server`]: [`ApiServer`]: bind, serve, stop gracefully.
 //!
@@ -25,6 +29,7 @@
 mod auth;
 mod broker;
 mod config;
+mod envelope;
 mod error;
 mod metrics;
 mod offboarding;
@@ -32,9 +37,10 @@ mod routes;
 mod server;
 mod upstream;
 
-pub use auth::{mint, JwtKeys, Subject};
+pub use auth::{mint, JwtKeys, Rotation, Subject};
 pub use broker::{dead_letter_queue, BrokerAccess, DeadLetters, ManagementSettings};
 pub use config::{issue_token, ApiArgs, ApiConfig, ConfigError, JwtKeyArgs, TokenArgs};
+pub use envelope::{EnvelopeLimits, ENVELOPE_LIMITS};
 pub use error::ApiError;
 pub use routes::openapi;
 pub use server::{ApiServer, ServeError};

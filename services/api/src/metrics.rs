@@ -8,6 +8,11 @@ pub struct ApiMetrics {
     pub requests: IntCounterVec,
     pub request_seconds: HistogramVec,
     pub rewinds: IntCounterVec,
+    /// Requests answered 429 by a caller's bound, by bound: `requests` (requests in flight per
+    /// tenant, or the operators') or `rewinds` (rewinds in flight per tenant).
+    pub throttled: IntCounterVec,
+    /// Writes refused by a tenant's quota, by quota (`max_endpoints`).
+    pub quota_refusals: IntCounterVec,
 }
 
 impl ApiMetrics {
@@ -35,13 +40,32 @@ impl ApiMetrics {
             ),
             &["outcome"],
         )?;
+        let throttled = IntCounterVec::new(
+            Opts::new(
+                "relay_api_throttled_total",
+                "Requests answered 429 because their caller had as many in flight as it may, \
+                 by bound: requests, rewinds.",
+            ),
+            &["bound"],
+        )?;
+        let quota_refusals = IntCounterVec::new(
+            Opts::new(
+                "relay_api_quota_refusals_total",
+                "Writes refused because the tenant's quota was reached, by quota: max_endpoints.",
+            ),
+            &["quota"],
+        )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(request_seconds.clone()))?;
         registry.register(Box::new(rewinds.clone()))?;
+        registry.register(Box::new(throttled.clone()))?;
+        registry.register(Box::new(quota_refusals.clone()))?;
         Ok(Self {
             requests,
             request_seconds,
             rewinds,
+            throttled,
+            quota_refusals,
         })
     }
 }

@@ -16,6 +16,7 @@ use tokio::task::JoinHandle;
 use crate::auth::Verifier;
 use crate::broker::BrokerAccess;
 use crate::config::ApiConfig;
+use crate::envelope::{self, Envelope};
 use crate::metrics::ApiMetrics;
 use crate::routes::{self, AppState};
 
@@ -58,8 +59,13 @@ fn build(pool: PgPool, config: &ApiConfig, purge: Arc<Notify>) -> Result<Router,
         management,
         metrics: metrics.clone(),
         broker: Arc::new(config.broker.clone()),
+        envelope: Arc::new(Envelope::new(&config.envelope)),
+        quotas: config.quotas,
     };
-    Ok(routes::router(state).layer(middleware::from_fn_with_state(metrics, observe)))
+    // Inside `observe`, so that a request refused 429 is counted and timed like any other.
+    Ok(routes::router(state.clone())
+        .layer(middleware::from_fn_with_state(state, envelope::admit))
+        .layer(middleware::from_fn_with_state(metrics, observe)))
 }
 
 /// A client for the relay's own broker's management API: an address the operator configured,

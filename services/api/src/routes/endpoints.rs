@@ -393,7 +393,9 @@ async fn secrets_of(
             operator allows it; text with control characters (NUL, line breaks, ESC) or over its \
             length; a secret over 200 characters"),
         (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
-        (status = 409, body = ErrorBody, description = "The id is registered already"),
+        (status = 409, body = ErrorBody, description = "The id is registered already (field \
+            `id`), or the tenant has as many endpoints as its `max_endpoints` quota allows (no \
+            field; the detail names the quota and its value): nothing created"),
     )
 )]
 pub async fn create_endpoint(
@@ -468,9 +470,24 @@ pub async fn create_endpoint(
         upstream_api_key: api_key,
         secrets,
     };
-    store::register(&state.pool, tenant, &registration)
+    store::register_within_quota(&state.pool, tenant, &registration, &state.quotas)
         .await
         .map_err(|error| match error {
+            StoreError::OverQuota { quota, limit } => {
+                state
+                    .metrics
+                    .quota_refusals
+                    .with_label_values(&[quota])
+                    .inc();
+                tracing::info!(%tenant, quota, limit, "endpoint refused by the tenant's quota");
+                ApiError::conflict(
+                    None,
+                    format!(
+                        "the tenant has reached its {quota} quota ({limit} endpoints): delete \
+                         one or ask the operator for more; nothing was created"
+                    ),
+                )
+            }
             // The id is the upstream's and unique across tenants: say it is taken, and nothing
             // else about whose it is.
             StoreError::AlreadyExists {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use axum::routing::get;
 use axum::{Json, Router};
+use relay_store::quotas::QuotaDefaults;
 use sqlx::PgPool;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::OpenApi;
@@ -15,6 +16,7 @@ use uuid::Uuid;
 
 use crate::auth::{HasVerifier, Verifier};
 use crate::broker::BrokerAccess;
+use crate::envelope::Envelope;
 use crate::error::{check_text, ApiError};
 use crate::metrics::ApiMetrics;
 
@@ -22,6 +24,7 @@ pub mod broker;
 pub mod destinations;
 pub mod endpoints;
 pub mod quarantine;
+pub mod quotas;
 pub mod reads;
 pub mod rewind;
 pub mod stories;
@@ -43,6 +46,10 @@ pub struct AppState {
     pub broker: Arc<BrokerAccess>,
     /// Wakes the purge that finishes a delete.
     pub purge: Arc<tokio::sync::Notify>,
+    /// Each caller's share of the control plane: its requests and rewinds in flight.
+    pub envelope: Arc<Envelope>,
+    /// The operator's default quotas.
+    pub quotas: QuotaDefaults,
 }
 
 impl HasVerifier for AppState {
@@ -63,7 +70,11 @@ impl HasVerifier for AppState {
                        503 `too_many_connections` with Retry-After (the listener serves as many \
                        connections as it allows, or as many from this address that have not \
                        sent a request head); a request head that does not arrive within \
-                       RELAY_API_HEADER_READ_TIMEOUT_MS has its connection closed unanswered."
+                       RELAY_API_HEADER_READ_TIMEOUT_MS has its connection closed unanswered. \
+                       Any route taking a valid token may answer 429 `too_many_requests` with \
+                       Retry-After, before anything is done, the connection then closed: the \
+                       caller (a tenant, or the operators together) has \
+                       RELAY_API_MAX_REQUESTS_PER_TENANT requests in flight already."
     ),
     modifiers(&BearerAuth),
     components(schemas(crate::error::ErrorBody))
@@ -93,6 +104,7 @@ fn documented() -> OpenApiRouter<AppState> {
         .routes(routes!(tenants::create_tenant, tenants::list_tenants))
         .routes(routes!(tenants::get_tenant, tenants::delete_tenant))
         .routes(routes!(tenants::mint_tenant_token))
+        .routes(routes!(quotas::get_quotas, quotas::put_quotas))
         .routes(routes!(tenants::own_tenant))
         .routes(routes!(
             endpoints::create_endpoint,
@@ -259,6 +271,15 @@ mod tests {
                 );
             }
         }
+        // Any route may answer 429: said once for all, and on the rewind, which has a bound
+        // of its own.
+        let description = doc["info"]["description"].as_str().unwrap();
+        assert!(
+            description.contains("429 `too_many_requests`"),
+            "{description}"
+        );
+        let rewind = &paths["/v1/endpoints/{endpoint_id}/tracks/{track}/rewind"]["post"];
+        assert_ne!(rewind["responses"]["429"], Value::Null);
         let schemes = &doc["components"]["securitySchemes"]["bearer"];
         assert_eq!(schemes["scheme"], "bearer");
         for schema in [
@@ -267,6 +288,8 @@ mod tests {
             "CopyPage",
             "StateView",
             "RewindView",
+            "TenantQuotasView",
+            "OwnTenantView",
         ] {
             assert_ne!(
                 doc["components"]["schemas"][schema],

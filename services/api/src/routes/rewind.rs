@@ -93,8 +93,13 @@ fn valid_track(track: &str) -> Result<(), ApiError> {
         (status = 409, body = ErrorBody, description = "The endpoint has no upstream URL or key, \
             or its upstream_base_url (or an address its name resolves to) is one the operator's \
             policy refuses (field `upstream_base_url`): nothing was sent"),
-        (status = 502, body = ErrorBody, description = "The upstream failed, or answered a \
-            redirect (never followed): nothing changed"),
+        (status = 429, body = ErrorBody, description = "The tenant has \
+            RELAY_API_MAX_REWINDS_PER_TENANT rewinds in flight already (or \
+            RELAY_API_MAX_REQUESTS_PER_TENANT requests): nothing was asked; retry after the \
+            Retry-After seconds"),
+        (status = 502, body = ErrorBody, description = "The upstream failed, answered a \
+            redirect (never followed), or did not answer within RELAY_API_REWIND_TIMEOUT_S \
+            (`timed out`): nothing changed"),
     )
 )]
 pub async fn rewind_track(
@@ -102,6 +107,26 @@ pub async fn rewind_track(
     TenantId(tenant): TenantId,
     Path((endpoint_id, track)): Path<(String, String)>,
 ) -> Result<Json<RewindView>, ApiError> {
+    // A rewind waits on the tenant's own upstream: its share of rewinds, and a deadline, keep
+    // a slow upstream from holding the connections every tenant shares.
+    let deadline = state.envelope.rewind_deadline;
+    let _rewinding = state.envelope.rewinds.try_enter(tenant).ok_or_else(|| {
+        state
+            .metrics
+            .throttled
+            .with_label_values(&["rewinds"])
+            .inc();
+        ApiError::TooManyRequests {
+            detail: format!(
+                "this tenant has {} rewinds in flight, as many as it may \
+                 (RELAY_API_MAX_REWINDS_PER_TENANT); each ends within {} s",
+                state.envelope.rewinds.limit(),
+                deadline.as_secs_f64()
+            ),
+            retry_after: deadline,
+        }
+    })?;
+    let ends_at = tokio::time::Instant::now() + deadline;
     let id = relay_store::EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
     valid_track(&track)?;
     if track != FEED_TRACK {
@@ -129,8 +154,19 @@ pub async fn rewind_track(
                      upstream_api_key first",
                 ));
             };
-            let answer = upstream::rewind(&state.http, base_url, api_key, id, &track, since)
+            let call = upstream::rewind(&state.http, base_url, api_key, id, &track, since);
+            let answer = tokio::time::timeout_at(ends_at, call)
                 .await
+                .unwrap_or_else(|_| {
+                    Err(upstream::UpstreamError::Unreachable {
+                        kind: "timeout",
+                        detail: format!(
+                            "no answer within the rewind's {} s (RELAY_API_REWIND_TIMEOUT_S): \
+                             timed out",
+                            deadline.as_secs_f64()
+                        ),
+                    })
+                })
                 .map_err(|e| {
                     state
                         .metrics

@@ -1,5 +1,5 @@
 //! Tenants: created and listed by operators, who also mint a tenant's tokens; a tenant reads its
-//! own row.
+//! own row, with its quotas in force and its usage (operators set quotas: `quotas`).
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -221,10 +221,36 @@ pub async fn mint_tenant_token(
     Ok((StatusCode::CREATED, Json(issued)))
 }
 
+/// A tenant's limits in force.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OwnQuotasView {
+    /// Endpoints registered at once (those being deleted do not count); one more is refused
+    /// 409.
+    pub max_endpoints: u32,
+    /// Messages per second the front tier takes for the tenant's endpoints together.
+    pub max_messages_per_second: u32,
+    /// Events in one webhook message: the wire format's `max_events`, the same for every
+    /// tenant (not a quota an operator sets).
+    pub max_events_per_message: u32,
+}
+
+/// The caller's own tenant, its quotas in force and what it uses of them.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OwnTenantView {
+    pub id: Uuid,
+    pub name: String,
+    #[serde(with = "time::serde::rfc3339")]
+    #[schema(value_type = String, format = DateTime)]
+    pub created_at: OffsetDateTime,
+    pub quotas: OwnQuotasView,
+    pub usage: super::quotas::UsageView,
+}
+
 #[utoipa::path(
     get, path = "/v1/tenant", tag = "tenants", security(("bearer" = [])),
     responses(
-        (status = 200, body = TenantView, description = "The caller's own tenant"),
+        (status = 200, body = OwnTenantView, description = "The caller's own tenant, its \
+            quotas in force and its usage"),
         (status = 401, body = ErrorBody), (status = 403, body = ErrorBody),
         (status = 404, body = ErrorBody),
     )
@@ -232,6 +258,18 @@ pub async fn mint_tenant_token(
 pub async fn own_tenant(
     State(state): State<AppState>,
     TenantId(tenant): TenantId,
-) -> Result<Json<TenantView>, ApiError> {
-    Ok(Json(load_tenant(&state, tenant).await?))
+) -> Result<Json<OwnTenantView>, ApiError> {
+    let view = load_tenant(&state, tenant).await?;
+    let quotas = relay_store::quotas::effective(&state.pool, tenant, &state.quotas).await?;
+    Ok(Json(OwnTenantView {
+        id: view.id,
+        name: view.name,
+        created_at: view.created_at,
+        quotas: OwnQuotasView {
+            max_endpoints: quotas.max_endpoints,
+            max_messages_per_second: quotas.messages_per_second,
+            max_events_per_message: relay_wire::limits::MAX_EVENTS as u32,
+        },
+        usage: super::quotas::usage(&state, tenant).await?,
+    }))
 }
