@@ -70,6 +70,28 @@ pub struct GlobalArgs {
     #[arg(long, env = "RELAY_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
     pub log_format: LogFormat,
 
+    /// Endpoints a tenant may register, unless the operator set its own
+    /// (`PUT /v1/tenants/{id}/quotas`).
+    #[arg(
+        long,
+        env = "RELAY_QUOTA_MAX_ENDPOINTS",
+        default_value_t = relay_store::quotas::DEFAULT_MAX_ENDPOINTS,
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(relay_store::quotas::MAX_QUOTA)),
+        global = true
+    )]
+    pub quota_max_endpoints: u32,
+
+    /// Messages per second the front tier takes for one tenant's endpoints together, unless the
+    /// operator set the tenant's own (`PUT /v1/tenants/{id}/quotas`).
+    #[arg(
+        long,
+        env = "RELAY_QUOTA_MESSAGES_PER_SECOND",
+        default_value_t = relay_store::quotas::DEFAULT_MESSAGES_PER_SECOND,
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(relay_store::quotas::MAX_QUOTA)),
+        global = true
+    )]
+    pub quota_messages_per_second: u32,
+
     /// Where the sequencer and the control plane may send requests on a tenant's behalf.
     #[command(flatten)]
     pub outbound: relay_netguard::OutboundArgs,
@@ -84,6 +106,15 @@ impl GlobalArgs {
     pub fn trust(&self) -> anyhow::Result<relay_netguard::TrustRoots> {
         self.tls.trust().map_err(anyhow::Error::from)
     }
+
+    /// The operator's default quotas, which every tier reads (a tenant's overrides replace
+    /// them).
+    pub fn quota_defaults(&self) -> relay_store::quotas::QuotaDefaults {
+        relay_store::quotas::QuotaDefaults {
+            max_endpoints: self.quota_max_endpoints,
+            messages_per_second: self.quota_messages_per_second,
+        }
+    }
 }
 
 // By hand: the URLs may hold passwords.
@@ -96,6 +127,8 @@ impl std::fmt::Debug for GlobalArgs {
             .field("redis_url", &redact(&self.redis_url))
             .field("redis_key_prefix", &self.redis_key_prefix)
             .field("log_format", &self.log_format)
+            .field("quota_max_endpoints", &self.quota_max_endpoints)
+            .field("quota_messages_per_second", &self.quota_messages_per_second)
             .field("outbound", &self.outbound)
             .field("tls", &self.tls)
             .finish()

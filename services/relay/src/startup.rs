@@ -306,6 +306,7 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
     let mut args = command.args.clone();
     args.relay_amqp_url = command.amqp_url.clone();
     args.destination_policy = command.destinations.policy();
+    args.quota_defaults = global.quota_defaults();
     let mut config = args.to_config(global.outbound.policy(), global.trust()?)?;
     config.registry = registry.clone();
     let pool = service_pool(global)?;
@@ -386,6 +387,7 @@ impl AllTiers {
         let mut api_args = args.api.clone();
         api_args.relay_amqp_url = args.publisher.amqp_url.clone();
         api_args.destination_policy = args.publisher.destinations.policy();
+        api_args.quota_defaults = global.quota_defaults();
         let api = match api_args.to_config(global.outbound.policy(), global.trust()?) {
             Ok(mut config) => {
                 config.registry = registry.clone();
@@ -393,10 +395,13 @@ impl AllTiers {
                 tracing::info!(address = %server.address, "control plane running");
                 Some(server)
             }
-            Err(error) => {
-                tracing::warn!(%error, "control plane not started (set RELAY_API_JWT_SECRET_FILE)");
+            Err(relay_api::ConfigError::NoKey) => {
+                tracing::warn!("control plane not started (set RELAY_API_JWT_SECRET_FILE)");
                 None
             }
+            // A key given but not usable (too short, a previous key without when its rotation
+            // began) is a mistake to fix, not a control plane to do without.
+            Err(error) => return Err(error.into()),
         };
 
         let mut config = args.ingest.to_config();
