@@ -31,6 +31,7 @@ use time::OffsetDateTime;
 use tokio::sync::watch;
 
 use crate::metrics::SequencerMetrics;
+use crate::reload::ReloadLimits;
 use crate::upstream::{self, FeedSelection, UpstreamClient, UpstreamError};
 
 #[derive(Debug, thiserror::Error)]
@@ -115,6 +116,8 @@ pub struct EndpointContext {
     /// `None`: the registration names no upstream base URL or key; nothing is read until it does.
     upstream: std::sync::RwLock<Option<UpstreamClient>>,
     changed: watch::Sender<u64>,
+    /// The process's bounds on reload passes, shared by every endpoint's.
+    reloads: ReloadLimits,
 }
 
 impl EndpointContext {
@@ -126,6 +129,7 @@ impl EndpointContext {
             feed_page_limit: crate::upstream::FEED_PAGE_LIMIT,
             upstream: std::sync::RwLock::new(None),
             changed: watch::channel(0).0,
+            reloads: ReloadLimits::default(),
         };
         context.set_client(&registration);
         context
@@ -146,6 +150,17 @@ impl EndpointContext {
         *self.upstream.get_mut().expect("not poisoned") =
             client.map(|client| client.with_page_limit(limit));
         self
+    }
+
+    /// Runs this endpoint's reload passes under `limits` (the process's, shared with every
+    /// other endpoint) instead of bounds of its own.
+    pub(crate) fn with_reloads(mut self, limits: ReloadLimits) -> Self {
+        self.reloads = limits;
+        self
+    }
+
+    pub(crate) fn reloads(&self) -> &ReloadLimits {
+        &self.reloads
     }
 
     fn set_client(&self, registration: &EndpointRegistration) {
@@ -231,7 +246,13 @@ async fn prefetch(
             match &read {
                 // Without settings nothing was tried: the state says so without a failure.
                 Err(UpstreamError::NotConfigured) | Ok(_) => {}
-                Err(error) => upstream::record_failure(pool, ctx.tenant(), ctx.id(), error).await?,
+                Err(error) => {
+                    metrics
+                        .upstream_failures
+                        .with_label_values(&["endpoint", error.kind()])
+                        .inc();
+                    upstream::record_failure(pool, ctx.tenant(), ctx.id(), error).await?;
+                }
             }
             selection = Some(read.ok());
         }
@@ -260,12 +281,13 @@ async fn prefetch(
                     answer
                 }
                 Err(error) => {
-                    tracing::debug!(endpoint = %ctx.id(), %error, "refetch read failed");
                     metrics
                         .upstream_failures
                         .with_label_values(&["refetch", error.kind()])
                         .inc();
-                    upstream::record_failure(pool, ctx.tenant(), ctx.id(), &error).await?;
+                    let failures =
+                        upstream::record_failure(pool, ctx.tenant(), ctx.id(), &error).await?;
+                    tracing::debug!(endpoint = %ctx.id(), %error, failures, "refetch read failed");
                     RefetchAnswer::Failed
                 }
             };

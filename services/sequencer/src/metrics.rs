@@ -59,6 +59,13 @@ pub struct SequencerMetrics {
     /// status), by the call that made them and why: what an operator alerts on before any copy
     /// lags.
     pub upstream_failures: IntCounterVec,
+    /// Tasks pausing now after a failure (a reload, a stories sync, a stories read), by call:
+    /// each pause longer than the one before, to the retry policy's cap.
+    pub upstream_backing_off: IntGaugeVec,
+    /// Reload passes (and stories syncs) holding one of the process's reload slots now.
+    pub reload_passes_reading: IntGauge,
+    /// What each reload pass read: its answers' bytes, or their parsed weight when more.
+    pub reload_pass_bytes: Histogram,
     pub endpoints_owned: IntGauge,
     pub lock_losses: IntCounter,
     pub applied_events_forgotten: IntCounter,
@@ -161,11 +168,32 @@ impl SequencerMetrics {
         let upstream_failures = IntCounterVec::new(
             Opts::new(
                 "relay_sequencer_upstream_failures_total",
-                "Upstream API reads that failed, by call (reload, refetch) and kind (as the \
-                 endpoint's state names it: connect, timeout, status, certificate_unknown_issuer, \
-                 load_balancer_404, ...).",
+                "Upstream API reads that failed, by call (reload, refetch, endpoint, events, \
+                 stories, story, stories_sync) and kind (as the endpoint's state names it: \
+                 connect, timeout, status, certificate_unknown_issuer, load_balancer_404, \
+                 too_large, invalid, body, store, ...).",
             ),
             &["call", "kind"],
+        )?;
+        let upstream_backing_off = IntGaugeVec::new(
+            Opts::new(
+                "relay_sequencer_upstream_backing_off",
+                "Tasks pausing after a failure now, by call (reload, stories_sync, story).",
+            ),
+            &["call"],
+        )?;
+        let reload_passes_reading = IntGauge::new(
+            "relay_sequencer_reload_passes_reading",
+            "Reload passes and stories syncs holding one of this process's reload slots \
+             (RELAY_SEQUENCER_MAX_CONCURRENT_RELOADS).",
+        )?;
+        let reload_pass_bytes = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_sequencer_reload_pass_bytes",
+                "What each reload pass read: its answers' bytes, or the memory their parsed \
+                 values take when more (bounded by RELAY_SEQUENCER_MAX_RELOAD_BYTES).",
+            )
+            .buckets(prometheus::exponential_buckets(65_536.0, 4.0, 10)?),
         )?;
         let endpoints_owned = IntGauge::new(
             "relay_sequencer_endpoints_owned",
@@ -255,6 +283,12 @@ impl SequencerMetrics {
         registry.register(Box::new(reload_duration.clone()))?;
         registry.register(Box::new(refetches.clone()))?;
         registry.register(Box::new(upstream_failures.clone()))?;
+        registry.register(Box::new(upstream_backing_off.clone()))?;
+        registry.register(Box::new(reload_passes_reading.clone()))?;
+        registry.register(Box::new(reload_pass_bytes.clone()))?;
+        for call in ["reload", "stories_sync", "story"] {
+            upstream_backing_off.with_label_values(&[call]);
+        }
         registry.register(Box::new(endpoints_owned.clone()))?;
         registry.register(Box::new(lock_losses.clone()))?;
         for outcome in Outcome::ALL {
@@ -287,6 +321,9 @@ impl SequencerMetrics {
             reload_duration,
             refetches,
             upstream_failures,
+            upstream_backing_off,
+            reload_passes_reading,
+            reload_pass_bytes,
             endpoints_owned,
             lock_losses,
             applied_events_forgotten,

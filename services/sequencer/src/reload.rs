@@ -20,7 +20,9 @@ use tokio::sync::watch;
 
 use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::{SequencerMetrics, RELOAD_READ, RELOAD_TOTAL};
-use crate::upstream::{self, UpstreamError};
+use crate::service::defaults;
+use crate::slots::{Slot, Slots};
+use crate::upstream::{self, PassBudget, UpstreamError};
 
 /// How a reload ended in this process.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +33,89 @@ pub enum ReloadEnd {
     Superseded,
     /// The fence moved on: another worker owns the endpoint and runs the reload there.
     Fenced,
+}
+
+/// What reload passes may hold at once in this process: at most `slots`' passes read and merge
+/// at a time (a tenant at most its share of them, as with endpoint slots), each reading at most
+/// `max_pass_bytes` ([`PassBudget`]). A stories endpoint's sync takes a slot and a budget too.
+/// Together they bound what reloads hold: README, "Memory".
+#[derive(Clone)]
+pub(crate) struct ReloadLimits {
+    pub slots: Arc<Slots>,
+    pub max_pass_bytes: u64,
+}
+
+impl ReloadLimits {
+    pub fn new(max_concurrent: usize, tenant_share: f64, max_pass_bytes: u64) -> Self {
+        Self {
+            slots: Slots::new(max_concurrent, tenant_share),
+            max_pass_bytes,
+        }
+    }
+
+    /// A slot for a pass of `tenant`'s, its budget, and the gauge of passes reading.
+    pub async fn take(
+        &self,
+        tenant: relay_store::TenantId,
+        metrics: &SequencerMetrics,
+    ) -> (Reading, Arc<PassBudget>) {
+        let slot = self.slots.take(tenant).await;
+        metrics.reload_passes_reading.inc();
+        let reading = Reading {
+            _slot: slot,
+            gauge: metrics.reload_passes_reading.clone(),
+        };
+        (reading, PassBudget::new(self.max_pass_bytes))
+    }
+}
+
+impl Default for ReloadLimits {
+    fn default() -> Self {
+        Self::new(
+            defaults::MAX_CONCURRENT_RELOADS,
+            defaults::MAX_TENANT_SHARE,
+            defaults::MAX_RELOAD_BYTES,
+        )
+    }
+}
+
+impl std::fmt::Debug for ReloadLimits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReloadLimits")
+            .field("max_pass_bytes", &self.max_pass_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A pass's hold on a reload slot; counted in `relay_sequencer_reload_passes_reading` while
+/// held.
+pub(crate) struct Reading {
+    _slot: Slot,
+    gauge: prometheus::IntGauge,
+}
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
+}
+
+/// Counts a task in `relay_sequencer_upstream_backing_off{call}` while it pauses after a
+/// failure.
+pub(crate) struct BackingOff(prometheus::IntGauge);
+
+impl BackingOff {
+    pub fn new(metrics: &SequencerMetrics, call: &str) -> Self {
+        let gauge = metrics.upstream_backing_off.with_label_values(&[call]);
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for BackingOff {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// Pauses between passes that cannot merge (a failed read, pages that disagree), by default.
@@ -60,12 +145,31 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|stop| *stop).await;
 }
 
+/// What one look at the reload did: what comes before the next.
+enum Step {
+    /// Look again at once (a pass merged, or the reload was re-aimed).
+    Again,
+    /// Pause, then read again: the pages could not merge, nothing failed.
+    Pause,
+    /// Something failed (a read, the answer's checks, the merge): pause, longer each time.
+    Failed,
+    /// Nothing can be read until the registration names an upstream.
+    WaitForSettings,
+}
+
 /// Runs `reload` until the track no longer runs it (merged, and no further pass asked for; or
-/// replaced), or until `stop`. Errors of the upstream are retried with `retry`'s pauses for as
-/// long as the reload is the track's: a reload is never given up, since the copy cannot be right
-/// without it. A change of the endpoint's registration ends the pause at once (a rotated key or
-/// a moved URL is tried without waiting out the backoff); while the registration names no
-/// upstream, nothing is read until one does.
+/// replaced), or until `stop`. Whatever fails (a read, an answer the checks refuse or over its
+/// bound, a merge Postgres refuses, Postgres out of reach) is retried with `retry`'s pauses,
+/// growing with jitter to its cap, for as long as the reload is the track's: a reload is never
+/// given up, since the copy cannot be right without it, and never retried at once. Each failure
+/// is counted in the endpoint's upstream status (its state shows the reason and the failures
+/// in a row) and in `relay_sequencer_upstream_failures_total{call="reload"}`.
+///
+/// Each pass reads and merges under one of the process's reload slots ([`ReloadLimits`]),
+/// taken before it reads and given back before any pause, and reads at most the limits' bytes.
+/// A change of the endpoint's registration ends the pause at once (a rotated key or a moved URL
+/// is tried without waiting out the backoff); while the registration names no upstream, nothing
+/// is read until one does.
 pub async fn run_reload(
     pool: &PgPool,
     ctx: &Arc<EndpointContext>,
@@ -88,61 +192,109 @@ pub async fn run_reload(
     // What the passes merged here: `None` until one is.
     let mut merged: Option<(usize, usize)> = None;
     loop {
-        let track = tracks::peek(pool, endpoint).await?;
-        let Some(running) = track.reload.filter(|r| r.is(reload)) else {
-            return Ok(match merged {
-                Some((items, removed)) => ReloadEnd::Merged { items, removed },
-                None => ReloadEnd::Superseded,
-            });
-        };
-        passes += 1;
-        let read = tokio::select! {
-            read = read_pass(ctx, running.read_again) => read,
-            _ = stopped(&mut stop) => return Ok(ReloadEnd::Superseded),
-        };
-        match read {
-            Ok(pass) => {
-                upstream::record_success(pool, ctx.tenant(), endpoint).await?;
-                let read_s = started.elapsed().as_secs_f64();
-                match copy::merge(pool, claim, reload, &pass).await? {
-                    Merged::Merged { written, removed } => {
-                        metrics
-                            .reload_duration
-                            .with_label_values(&[RELOAD_READ])
-                            .observe(read_s);
-                        metrics
-                            .reload_duration
-                            .with_label_values(&[RELOAD_TOTAL])
-                            .observe(started.elapsed().as_secs_f64());
-                        tracing::info!(%endpoint, generation = reload.generation, written,
-                            removed, passes, read_s, "reload pass merged");
-                        let (items, gone) = merged.unwrap_or_default();
-                        merged = Some((items + written, gone + removed));
-                        // The track says whether another pass follows (asked while this one
-                        // was read): the loop's check reads it.
-                        pauses = retry.pauses();
-                        continue;
-                    }
-                    Merged::Fenced => return Ok(ReloadEnd::Fenced),
-                    Merged::NotMerged(MergePlan::Superseded) => continue,
-                    Merged::NotMerged(MergePlan::ReadAgain(PagesCheck::OtherAccessVersion {
-                        pages,
-                    })) => {
-                        // The access changed again after the message that began this reload: the
-                        // upstream sends a message (or reset) under the new one, which replaces
-                        // or re-aims this reload. Until then, keep reading.
-                        tracing::info!(%endpoint, passes, pages,
-                            wanted = ?reload.access_version, "pages under another access_version");
-                    }
-                    Merged::NotMerged(_) => {
-                        tracing::debug!(%endpoint, passes, "pages disagree: reading again");
-                    }
+        let step = 'pass: {
+            let track = match tracks::peek(pool, endpoint).await {
+                Ok(track) => track,
+                Err(error) => {
+                    tracing::warn!(%endpoint, %error, "reading the reload's track failed");
+                    break 'pass Step::Failed;
+                }
+            };
+            let Some(running) = track.reload.filter(|r| r.is(reload)) else {
+                return Ok(match merged {
+                    Some((items, removed)) => ReloadEnd::Merged { items, removed },
+                    None => ReloadEnd::Superseded,
+                });
+            };
+            if !ctx.has_upstream() {
+                break 'pass Step::WaitForSettings;
+            }
+            passes += 1;
+            // Held until the pass is merged (its items are in memory until then), given back
+            // before any pause.
+            let (_reading, budget) = tokio::select! {
+                taken = ctx.reloads().take(ctx.tenant(), metrics) => taken,
+                _ = stopped(&mut stop) => return Ok(ReloadEnd::Superseded),
+            };
+            let read = tokio::select! {
+                read = read_pass(ctx, running.read_again, budget.clone()) => read,
+                _ = stopped(&mut stop) => return Ok(ReloadEnd::Superseded),
+            };
+            let pass = match read {
+                Ok(pass) => pass,
+                Err(UpstreamError::CursorExpired) => {
+                    tracing::debug!(%endpoint, passes, "feed cursor expired: reading again");
+                    break 'pass Step::Pause;
+                }
+                Err(UpstreamError::NotConfigured) => break 'pass Step::WaitForSettings,
+                Err(error) => {
+                    metrics
+                        .upstream_failures
+                        .with_label_values(&["reload", error.kind()])
+                        .inc();
+                    let failures =
+                        upstream::record_failure(pool, ctx.tenant(), endpoint, &error).await;
+                    tracing::warn!(%endpoint, passes, %error, kind = error.kind(),
+                        failures = failures.as_ref().ok(), "reload read failed");
+                    break 'pass Step::Failed;
+                }
+            };
+            let bytes = budget.used();
+            metrics.reload_pass_bytes.observe(bytes as f64);
+            let read_s = started.elapsed().as_secs_f64();
+            let merge = match copy::merge(pool, claim, reload, &pass).await {
+                Ok(merge) => merge,
+                Err(error) => {
+                    merge_failed(pool, ctx, ApplyError::Store(error), metrics).await;
+                    break 'pass Step::Failed;
+                }
+            };
+            if !matches!(merge, Merged::Fenced) {
+                // The pass was read and taken: whatever failed before is over.
+                if let Err(error) = upstream::record_success(pool, ctx.tenant(), endpoint).await {
+                    tracing::debug!(%endpoint, %error, "could not record the upstream's success");
                 }
             }
-            Err(UpstreamError::CursorExpired) => {
-                tracing::debug!(%endpoint, passes, "feed cursor expired: reading again");
+            match merge {
+                Merged::Merged { written, removed } => {
+                    metrics
+                        .reload_duration
+                        .with_label_values(&[RELOAD_READ])
+                        .observe(read_s);
+                    metrics
+                        .reload_duration
+                        .with_label_values(&[RELOAD_TOTAL])
+                        .observe(started.elapsed().as_secs_f64());
+                    tracing::info!(%endpoint, generation = reload.generation, written,
+                        removed, passes, read_s, bytes, "reload pass merged");
+                    let (items, gone) = merged.unwrap_or_default();
+                    merged = Some((items + written, gone + removed));
+                    // The track says whether another pass follows (asked while this one
+                    // was read): the loop's check reads it.
+                    pauses = retry.pauses();
+                    Step::Again
+                }
+                Merged::Fenced => return Ok(ReloadEnd::Fenced),
+                Merged::NotMerged(MergePlan::Superseded) => Step::Again,
+                Merged::NotMerged(MergePlan::ReadAgain(PagesCheck::OtherAccessVersion {
+                    pages,
+                })) => {
+                    // The access changed again after the message that began this reload: the
+                    // upstream sends a message (or reset) under the new one, which replaces
+                    // or re-aims this reload. Until then, keep reading.
+                    tracing::info!(%endpoint, passes, pages,
+                        wanted = ?reload.access_version, "pages under another access_version");
+                    Step::Pause
+                }
+                Merged::NotMerged(_) => {
+                    tracing::debug!(%endpoint, passes, "pages disagree: reading again");
+                    Step::Pause
+                }
             }
-            Err(UpstreamError::NotConfigured) => {
+        };
+        let _backing_off = match step {
+            Step::Again => continue,
+            Step::WaitForSettings => {
                 // Every read would fail the same way: wait for the registration to change.
                 tracing::info!(%endpoint, "the reload waits for the endpoint's upstream settings");
                 tokio::select! {
@@ -154,15 +306,9 @@ pub async fn run_reload(
                 pauses = retry.pauses();
                 continue;
             }
-            Err(error) => {
-                metrics
-                    .upstream_failures
-                    .with_label_values(&["reload", error.kind()])
-                    .inc();
-                tracing::warn!(%endpoint, passes, %error, kind = error.kind(), "reload read failed");
-                upstream::record_failure(pool, ctx.tenant(), endpoint, &error).await?;
-            }
-        }
+            Step::Pause => None,
+            Step::Failed => Some(BackingOff::new(metrics, "reload")),
+        };
         tokio::select! {
             _ = tokio::time::sleep(pauses.next_pause()) => {}
             _ = stopped(&mut stop) => return Ok(ReloadEnd::Superseded),
@@ -176,11 +322,47 @@ pub async fn run_reload(
     }
 }
 
+/// A merge that failed: when Postgres refused what the pass read (a value it cannot hold, a
+/// constraint), the upstream's answer is why, and the endpoint's state says so (`store`); when
+/// Postgres could not be reached or was busy, nothing is recorded (and the recording would
+/// fail too). Either way the reload pauses before reading again.
+async fn merge_failed(
+    pool: &PgPool,
+    ctx: &EndpointContext,
+    error: ApplyError,
+    metrics: &SequencerMetrics,
+) {
+    let endpoint = ctx.id();
+    if !error.may_be_the_message() {
+        tracing::warn!(%endpoint, %error, "the reload's merge failed; it is read again");
+        return;
+    }
+    metrics
+        .upstream_failures
+        .with_label_values(&["reload", upstream::STORE_REFUSED])
+        .inc();
+    let detail = format!("the reload's merge was refused: {error}");
+    let failures = relay_store::upstream_status::record_failure(
+        pool,
+        ctx.tenant(),
+        endpoint,
+        upstream::STORE_REFUSED,
+        &detail,
+    )
+    .await;
+    tracing::warn!(%endpoint, %error, failures = failures.as_ref().ok(),
+        "the reload's merge was refused; it is read again");
+}
+
 /// One pass: the endpoint read as it is now ("read the endpoint's filter and language as they
-/// are now"), then every page of `/v1/feed` with its selection. `read_again` is the reload's
-/// count of asks when the pass began.
-async fn read_pass(ctx: &EndpointContext, read_again: u32) -> Result<Pass, UpstreamError> {
-    let upstream = ctx.upstream()?;
+/// are now"), then every page of `/v1/feed` with its selection, all within `budget`.
+/// `read_again` is the reload's count of asks when the pass began.
+async fn read_pass(
+    ctx: &EndpointContext,
+    read_again: u32,
+    budget: Arc<PassBudget>,
+) -> Result<Pass, UpstreamError> {
+    let upstream = ctx.upstream()?.with_budget(budget);
     let selection = upstream.selection(ctx.id()).await?;
     let feed = upstream.read_feed(&selection).await?;
     Ok(Pass {

@@ -18,6 +18,7 @@ use uuid::Uuid;
 
 use crate::batch::{ApplyBatcher, PendingReader};
 use crate::metrics::SequencerMetrics;
+use crate::reload::ReloadLimits;
 use crate::slots::Slots;
 use crate::stories::run_stories_worker;
 use crate::upstream::UpstreamClient;
@@ -57,6 +58,16 @@ pub mod defaults {
     /// A stories endpoint catches up from `GET /v1/events` this often as a safety net under its
     /// webhooks (seed 000: "every few minutes"), besides on start-up and after downtime.
     pub const STORIES_CATCH_UP_INTERVAL_S: u64 = 300;
+    /// Reload passes (and stories endpoints' syncs) reading at once in one process, each tenant
+    /// at most `MAX_TENANT_SHARE` of them: two, one a tenant, so a hostile or huge tenant holds
+    /// one while another tenant's reload runs; with `MAX_RELOAD_BYTES` the bound on what
+    /// reloads hold (README, "Memory").
+    pub const MAX_CONCURRENT_RELOADS: usize = 2;
+    /// The most one reload pass (or one stories sync) reads: its answers' bytes, or the memory
+    /// their values take when more. 256 MiB: the 100,000-item benchmark's pass weighs 170 MB
+    /// (its items about 1 KB each), so a pass of about 150,000 such items fits; measured, a pass
+    /// costs the process about 1.6 times its weight while it is merged (README, "Memory").
+    pub const MAX_RELOAD_BYTES: u64 = 256 * 1024 * 1024;
 }
 
 /// How the sequencer behaves. The defaults suit one machine with the front tier beside it.
@@ -117,6 +128,11 @@ pub struct SequencerConfig {
     pub reload_retry: relay_netguard::RetryPolicy,
     /// How often each stories endpoint catches up from `GET /v1/events`.
     pub stories_catch_up_interval: Duration,
+    /// Reload passes (and stories syncs) reading at once in this process; a tenant holds at
+    /// most `max_tenant_share` of them.
+    pub max_concurrent_reloads: usize,
+    /// The most one reload pass (or stories sync) reads (see [`defaults::MAX_RELOAD_BYTES`]).
+    pub max_reload_bytes: u64,
 }
 
 impl Default for SequencerConfig {
@@ -155,6 +171,8 @@ impl Default for SequencerConfig {
             feed_page_limit: crate::upstream::FEED_PAGE_LIMIT,
             reload_retry: crate::reload::RELOAD_RETRY,
             stories_catch_up_interval: Duration::from_secs(defaults::STORIES_CATCH_UP_INTERVAL_S),
+            max_concurrent_reloads: defaults::MAX_CONCURRENT_RELOADS,
+            max_reload_bytes: defaults::MAX_RELOAD_BYTES,
         }
     }
 }
@@ -288,6 +306,11 @@ async fn schedule(
         messages_per_read: config.messages_per_read,
         idle_linger: config.idle_linger,
         reload_retry: config.reload_retry,
+        reloads: ReloadLimits::new(
+            config.max_concurrent_reloads,
+            config.max_tenant_share,
+            config.max_reload_bytes,
+        ),
         error_pause: Duration::from_millis(200),
         feed_page_limit: config.feed_page_limit,
         apply_attempts: config.apply_attempts,

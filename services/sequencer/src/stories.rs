@@ -29,9 +29,12 @@ use tokio::task::JoinHandle;
 
 use crate::apply::ApplyError;
 use crate::metrics::SequencerMetrics;
+use crate::reload::BackingOff;
 use crate::slots::{Slot, Slots};
 use crate::upstream::{self, UpstreamClient, UpstreamError};
-use crate::worker::{announce, renew_until_lost, WorkerConfig, WorkerExit, WorkerSignal};
+use crate::worker::{
+    announce, renew_until_lost, wait_or_stop, WorkerConfig, WorkerExit, WorkerSignal,
+};
 
 /// One owned stories endpoint: its settings as last read, and its upstream client.
 pub(crate) struct StoriesContext {
@@ -416,7 +419,10 @@ enum SyncEnd {
 }
 
 /// One sync: removed tickers dropped, a reload in full if needed, added tickers loaded, then
-/// catch-up to the end of `GET /v1/events`.
+/// catch-up to the end of `GET /v1/events`. It runs under one of the process's reload slots
+/// and reads within one pass's budget (`RELAY_SEQUENCER_MAX_RELOAD_BYTES`), as a feed reload's
+/// pass does: a reload in full holds its listing until it is done, and a catch-up past the
+/// budget ends as `too_large`, its pages so far applied, to go on from there after a pause.
 async fn sync(
     pool: PgPool,
     ctx: Arc<StoriesContext>,
@@ -425,6 +431,8 @@ async fn sync(
     metrics: SequencerMetrics,
 ) -> Result<SyncEnd, ApplyError> {
     let client = ctx.upstream().map_err(ApplyError::Upstream)?;
+    let (_reading, budget) = config.reloads.take(ctx.tenant, &metrics).await;
+    let client = client.with_budget(budget);
     let state = store::sync_state(&pool, ctx.tenant, ctx.id).await?;
     let tickers = ctx.settings().tickers;
     let wanted: HashSet<&String> = tickers.iter().collect();
@@ -672,6 +680,36 @@ fn written_id(write: &StoryWrite) -> &str {
     }
 }
 
+/// A sync that failed other than by an upstream read (each of those is recorded where it
+/// failed): when Postgres refused what the upstream answered (a write of its stories), the
+/// endpoint's state says so (`store`), as for a feed reload's merge.
+async fn sync_failed(
+    pool: &PgPool,
+    ctx: &StoriesContext,
+    error: &ApplyError,
+    metrics: &SequencerMetrics,
+) {
+    if matches!(error, ApplyError::Upstream(_)) || !error.may_be_the_message() {
+        return;
+    }
+    metrics
+        .upstream_failures
+        .with_label_values(&["stories_sync", upstream::STORE_REFUSED])
+        .inc();
+    let detail = format!("the stories sync's writes were refused: {error}");
+    if let Err(store_error) = relay_store::upstream_status::record_failure(
+        pool,
+        ctx.tenant,
+        ctx.id,
+        upstream::STORE_REFUSED,
+        &detail,
+    )
+    .await
+    {
+        tracing::debug!(endpoint = %ctx.id, %store_error, "could not record the failure");
+    }
+}
+
 /// Owns the stories endpoint if nobody else does, and works it until idle: messages as they
 /// come, a sync at once when one is due (the sweep wakes endpoints whose catch-up is due) and
 /// every `catch_up_interval` while it stays owned.
@@ -734,6 +772,11 @@ pub(crate) async fn run_stories_worker(
             Duration::ZERO
         };
     let mut last_message = Instant::now();
+    // Failing syncs and failing reads each wait longer every time, with jitter, to the retry
+    // policy's cap; a success starts them over.
+    let mut sync_pauses = config.reload_retry.pauses();
+    let mut read_pauses = config.reload_retry.pauses();
+    let mut sync_backing_off: Option<BackingOff> = None;
 
     loop {
         if lost.load(Ordering::SeqCst) || stopping.load(Ordering::SeqCst) {
@@ -760,11 +803,26 @@ pub(crate) async fn run_stories_worker(
             }
         }
         match apply_messages(&pool, &ctx, token, &mut cursor, &config, &metrics).await {
-            Ok(0) => {}
-            Ok(_) => last_message = Instant::now(),
+            Ok(applied) => {
+                read_pauses = config.reload_retry.pauses();
+                if applied > 0 {
+                    last_message = Instant::now();
+                }
+            }
             Err(ApplyError::Fenced | ApplyError::CursorMoved) => {
                 metrics.lock_losses.inc();
                 break;
+            }
+            Err(error @ (ApplyError::Unread | ApplyError::Upstream(_))) => {
+                // A story read failed (recorded in the endpoint's state): its message waits,
+                // and is tried again after a pause that grows while the reads keep failing. The
+                // wait holds no slot, and new messages do not cut it short.
+                let pause = read_pauses.next_pause();
+                tracing::info!(%endpoint, %error, ?pause, "a stories message waits for its read");
+                permit = None;
+                let _backing_off = BackingOff::new(&metrics, "story");
+                wait_or_stop(&signal, &stopping, &lost, pause).await;
+                continue;
             }
             Err(error) => {
                 tracing::info!(%endpoint, %error, "applying stories messages failed; retrying");
@@ -777,6 +835,8 @@ pub(crate) async fn run_stories_worker(
             let task = syncing.take().expect("checked above");
             match task.await {
                 Ok(Ok(SyncEnd::CaughtUp)) => {
+                    sync_pauses = config.reload_retry.pauses();
+                    sync_backing_off = None;
                     next_sync = tokio::time::Instant::now() + catch_up_interval
                 }
                 Ok(Err(ApplyError::Fenced | ApplyError::CursorMoved)) => {
@@ -784,10 +844,19 @@ pub(crate) async fn run_stories_worker(
                     break;
                 }
                 Ok(Err(error)) => {
-                    tracing::info!(%endpoint, %error, "the stories sync failed; it runs again");
-                    next_sync = tokio::time::Instant::now() + config.reload_retry.first;
+                    let pause = sync_pauses.next_pause();
+                    sync_failed(&pool, &ctx, &error, &metrics).await;
+                    tracing::info!(%endpoint, %error, ?pause,
+                        "the stories sync failed; it runs again after a pause");
+                    sync_backing_off
+                        .get_or_insert_with(|| BackingOff::new(&metrics, "stories_sync"));
+                    next_sync = tokio::time::Instant::now() + pause;
                 }
-                Err(_) => next_sync = tokio::time::Instant::now() + config.reload_retry.first,
+                Err(error) => {
+                    let pause = sync_pauses.next_pause();
+                    tracing::error!(%endpoint, %error, ?pause, "the stories sync ended abnormally");
+                    next_sync = tokio::time::Instant::now() + pause;
+                }
             }
         }
         if syncing.is_none() && ctx.has_upstream() && tokio::time::Instant::now() >= next_sync {

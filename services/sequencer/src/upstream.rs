@@ -1,17 +1,26 @@
 //! The upstream's REST API, as the sequencer reads it (shapes: upstream-api.md): the endpoint's
 //! filter and language, the pages of `/v1/feed`, and one item for a refetch.
+//!
+//! Every answer is bounded before anything of it is kept: its body is read up to a cap
+//! (relay-netguard's [`GuardedClient::read_body_within`]: the operator's
+//! `RELAY_UPSTREAM_MAX_ANSWER_BYTES` for pages, the wire file's largest body for answers of one
+//! object), parsed against a budget of the memory its value may take, and checked by
+//! relay-wire's [`answer`] module with the checks webhook bodies go through. A reload pass, or a
+//! stories endpoint's sync, also has a budget for everything it reads ([`PassBudget`]).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use relay_netguard::{
-    certificate_failure, error_chain, refusal_in, GuardedClient, OutboundPolicy, Refusal,
-    TrustRoots,
+    certificate_failure, error_chain, refusal_in, BodyError, GuardedClient, OutboundPolicy,
+    Refusal, TrustRoots,
 };
 use relay_rules::{ReadItem, RefetchAnswer, StoryRead};
 use relay_store::{upstream_status, EndpointId, StoreError, TenantId};
-use relay_wire::{FeedItem, ItemKind, Sequence, Story, StoryEvent};
+use relay_wire::answer::{self, AnswerError};
+use relay_wire::{ItemKind, Story, StoryEvent};
 use reqwest::{Method, StatusCode};
-use serde::Deserialize;
 use serde_json::Value;
 use sqlx::PgPool;
 
@@ -28,8 +37,17 @@ pub enum UpstreamError {
     },
     #[error("{url} answered {status}")]
     Status { url: String, status: StatusCode },
+    /// The body is not JSON.
     #[error("{url} answered something unreadable: {detail}")]
     Body { url: String, detail: String },
+    /// The answer, or the pass it belongs to, is over its bound: read no further.
+    #[error("{url} answered too much: {detail}")]
+    TooLarge { url: String, detail: String },
+    /// JSON the relay refuses to keep: the wrong shape, or a value the checks of webhook bodies
+    /// refuse (a control character in a subject, U+0000 in a story, an overlong id, ...). The
+    /// detail names the field.
+    #[error("{url} answered something the relay refuses to keep: {detail}")]
+    Invalid { url: String, detail: String },
     /// The base URL, or what its name resolves to, is not where the operator lets the relay
     /// send requests.
     #[error("request to {url} refused: {refusal}")]
@@ -42,7 +60,9 @@ pub enum UpstreamError {
 impl UpstreamError {
     /// The failure's name for users (the endpoint's state): `certificate_<check>` (unknown_issuer,
     /// name_mismatch, expired, ...) when the upstream's certificate was refused, `refused` (the
-    /// operator's outbound policy), `timeout`, `connect`, `request`, `status`, `body`,
+    /// operator's outbound policy), `timeout`, `connect`, `request`, `status`, `body` (not
+    /// JSON), `too_large` (an answer over `RELAY_UPSTREAM_MAX_ANSWER_BYTES`, or a pass over
+    /// `RELAY_SEQUENCER_MAX_RELOAD_BYTES`), `invalid` (JSON the relay refuses to keep),
     /// `not_configured`, `cursor_expired`.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -56,20 +76,100 @@ impl UpstreamError {
             },
             Self::Status { .. } => "status",
             Self::Body { .. } => "body",
+            Self::TooLarge { .. } => "too_large",
+            Self::Invalid { .. } => "invalid",
             Self::Refused { .. } => "refused",
             Self::CursorExpired => "cursor_expired",
         }
     }
+
+    /// What relay-wire's checks refused in the answer from `url`, as the failure of its kind.
+    fn refused(url: &str, error: AnswerError) -> Self {
+        let (url, detail) = (url.to_owned(), error.to_string());
+        match error.kind() {
+            "body" => Self::Body { url, detail },
+            "too_large" => Self::TooLarge { url, detail },
+            _ => Self::Invalid { url, detail },
+        }
+    }
 }
 
-/// Records `error` as the endpoint's last upstream failure (its state shows it).
+/// Records `error` as the endpoint's last upstream failure (its state shows it, with the
+/// failures in a row, which this returns).
 pub async fn record_failure(
     pool: &PgPool,
     tenant: TenantId,
     endpoint: EndpointId,
     error: &UpstreamError,
-) -> Result<(), StoreError> {
+) -> Result<i32, StoreError> {
     upstream_status::record_failure(pool, tenant, endpoint, error.kind(), &error.to_string()).await
+}
+
+/// The failure's name when Postgres refused to keep what the upstream answered (a reload's
+/// merge, a stories endpoint's writes): the endpoint's state shows it as the upstream's.
+pub const STORE_REFUSED: &str = "store";
+
+/// What one read, a reload pass or a stories endpoint's sync, may still read: its answers'
+/// bytes, or the memory their values take once parsed when that is more
+/// (`RELAY_SEQUENCER_MAX_RELOAD_BYTES`). Every answer is read with at most what is left as its
+/// cap, so the whole never holds more than the budget.
+#[derive(Debug)]
+pub struct PassBudget {
+    max: u64,
+    left: AtomicU64,
+}
+
+impl PassBudget {
+    pub fn new(max: u64) -> Arc<Self> {
+        Arc::new(Self {
+            max,
+            left: AtomicU64::new(max),
+        })
+    }
+
+    /// What was read so far.
+    pub fn used(&self) -> u64 {
+        self.max - self.left.load(Ordering::SeqCst)
+    }
+
+    fn left(&self) -> u64 {
+        self.left.load(Ordering::SeqCst)
+    }
+
+    fn charge(&self, cost: u64) {
+        let _ = self
+            .left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+                Some(left.saturating_sub(cost))
+            });
+    }
+}
+
+/// What an answer holds: one page of a listing, or one object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holds {
+    /// A page of `/v1/feed`, `/v1/events` or `/v1/stories`: up to the operator's cap.
+    Page,
+    /// An endpoint, an item or a story: up to [`MAX_OBJECT_ANSWER_BYTES`].
+    Object,
+}
+
+/// The most an answer of one object (an endpoint, an item, a story) is read: the wire file's
+/// largest body. The upstream sends any item or story in a webhook of at most that size (an
+/// item larger than a message's share is sent alone), so a read of one is no larger; a worker
+/// holds at most one such answer at a time.
+pub const MAX_OBJECT_ANSWER_BYTES: u64 = relay_wire::limits::MAX_BODY_BYTES as u64;
+
+/// What an answer's value may take once parsed, per byte of its cap: the benchmark's items
+/// take 1.3 times their JSON text (`relay bench reload`, README "Memory"); an answer that would
+/// take more is shaped to swell (many tiny arrays or objects), and is refused as too large.
+const WEIGHT_PER_BYTE: u64 = 2;
+
+/// One answer: its status, where it came from, and its body as JSON (`None`: not JSON).
+struct Answered {
+    status: StatusCode,
+    url: String,
+    json: Option<Value>,
 }
 
 /// Records that the endpoint's upstream answered well: ends a failing stretch, if one runs.
@@ -89,6 +189,9 @@ pub struct UpstreamClient {
     api_key: String,
     /// Items asked for per `/v1/feed` page.
     page_limit: usize,
+    /// What the pass this client reads for may still read (`None`: one answer at a time is
+    /// bounded, nothing more).
+    budget: Option<Arc<PassBudget>>,
 }
 
 impl std::fmt::Debug for UpstreamClient {
@@ -141,55 +244,11 @@ impl FeedSelection {
     }
 }
 
-#[derive(Deserialize)]
-struct EndpointView {
-    lang: String,
-    #[serde(default)]
-    filter: Option<Filter>,
-    #[serde(default)]
-    tracks: Option<TrackViews>,
-}
-
-#[derive(Deserialize, Default)]
-struct TrackViews {
-    feed: Option<TrackView>,
-}
-
-#[derive(Deserialize)]
-struct TrackView {
-    generation: Option<u64>,
-}
-
-#[derive(Deserialize, Default)]
-struct Filter {
-    companies: Option<Vec<i64>>,
-    markets: Option<Vec<String>>,
-    part_kinds: Option<Vec<String>>,
-    teasers: Option<bool>,
-    event_types: Option<Vec<String>>,
-}
-
 /// One pass over `/v1/feed`: every item, and the access_version of each page.
 #[derive(Debug, Clone, Default)]
 pub struct FeedPass {
     pub items: Vec<ReadItem>,
     pub page_access_versions: Vec<String>,
-}
-
-#[derive(Deserialize)]
-struct Page {
-    access_version: String,
-    data: Vec<PageItem>,
-    next_cursor: Option<String>,
-    #[serde(default)]
-    has_more: bool,
-}
-
-#[derive(Deserialize)]
-struct PageItem {
-    subject: String,
-    sequence: String,
-    item: Value,
 }
 
 /// Items per `/v1/feed` page by default: the most the API gives, so a pass makes the fewest
@@ -208,6 +267,7 @@ impl UpstreamClient {
                 base_url: base.trim_end_matches('/').to_owned(),
                 api_key: key.to_owned(),
                 page_limit: FEED_PAGE_LIMIT,
+                budget: None,
             }),
             _ => Err(UpstreamError::NotConfigured),
         }
@@ -220,8 +280,16 @@ impl UpstreamClient {
         self
     }
 
+    /// This client, reading for a pass that may read `budget`'s bytes at most (its answers fail
+    /// as [`UpstreamError::TooLarge`] past it).
+    pub fn with_budget(mut self, budget: Arc<PassBudget>) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
     /// A client for this crate's reads: every request bounded by `timeout`, sent only where
-    /// `policy` allows, and no redirect followed (see [`GuardedClient`]).
+    /// `policy` allows, no redirect followed, and every answer read up to the policy's
+    /// `max_answer_bytes` (see [`GuardedClient`]).
     pub fn http_client(
         timeout: Duration,
         policy: OutboundPolicy,
@@ -231,12 +299,33 @@ impl UpstreamClient {
             .expect("a reqwest client with a resolver and timeouts")
     }
 
+    /// `GET {path}`: the answer's body read up to what it may hold (and what the pass has
+    /// left), then parsed against the same bound on the memory its value takes. Both count
+    /// against the pass's budget.
     async fn get(
         &self,
         path: &str,
         query: &[(&str, String)],
-    ) -> Result<(StatusCode, String, bytes::Bytes), UpstreamError> {
+        holds: Holds,
+    ) -> Result<Answered, UpstreamError> {
         let url = format!("{}{path}", self.base_url);
+        let cap = match holds {
+            Holds::Page => self.http.max_answer_bytes(),
+            Holds::Object => MAX_OBJECT_ANSWER_BYTES.min(self.http.max_answer_bytes()),
+        };
+        let left = self.budget.as_ref().map_or(u64::MAX, |b| b.left());
+        let pass_bound = |budget: &PassBudget| UpstreamError::TooLarge {
+            url: url.clone(),
+            detail: format!(
+                "the pass read {} bytes, past its bound of {} \
+                 (RELAY_SEQUENCER_MAX_RELOAD_BYTES)",
+                budget.used(),
+                budget.max
+            ),
+        };
+        if let Some(budget) = self.budget.as_ref().filter(|b| b.left() == 0) {
+            return Err(pass_bound(budget));
+        }
         let refused = |url: &str, refusal: Refusal| UpstreamError::Refused {
             url: url.to_owned(),
             refusal,
@@ -258,31 +347,80 @@ impl UpstreamClient {
                 },
             })?;
         let status = answer.status();
-        let body = answer
-            .bytes()
+        // Past what the pass has left, the pass's bound is what refused it.
+        let by_pass = left < cap;
+        let body = self
+            .http
+            .read_body_within(answer, cap.min(left))
             .await
-            .map_err(|cause| UpstreamError::Request {
-                url: url.clone(),
-                cause: cause.without_url(),
+            .map_err(|error| match error {
+                BodyError::TooLarge { .. } if by_pass => {
+                    pass_bound(self.budget.as_deref().expect("a pass bound"))
+                }
+                BodyError::TooLarge { .. } => UpstreamError::TooLarge {
+                    url: url.clone(),
+                    detail: format!("{error} (RELAY_UPSTREAM_MAX_ANSWER_BYTES, or one object's)"),
+                },
+                BodyError::Read(cause) => UpstreamError::Request {
+                    url: url.clone(),
+                    cause: cause.without_url(),
+                },
             })?;
-        Ok((status, url, body))
+        let weight_cap = cap.saturating_mul(WEIGHT_PER_BYTE).min(left);
+        let json = match answer::parse(&body, weight_cap) {
+            Ok(parsed) => {
+                if let Some(budget) = &self.budget {
+                    budget.charge(parsed.weight.max(body.len() as u64));
+                }
+                Some(parsed.value)
+            }
+            Err(AnswerError::TooLarge { .. }) if weight_cap == left => {
+                return Err(pass_bound(self.budget.as_deref().expect("a pass bound")))
+            }
+            Err(error @ AnswerError::TooLarge { .. }) => {
+                return Err(UpstreamError::refused(&url, error))
+            }
+            Err(_) => {
+                if let Some(budget) = &self.budget {
+                    budget.charge(body.len() as u64);
+                }
+                None
+            }
+        };
+        Ok(Answered { status, url, json })
+    }
+
+    /// The JSON of an answer that must be JSON.
+    fn json(answered: Answered) -> Result<(String, Value), UpstreamError> {
+        match answered.json {
+            Some(json) => Ok((answered.url, json)),
+            None => Err(UpstreamError::Body {
+                url: answered.url,
+                detail: "not JSON".to_owned(),
+            }),
+        }
     }
 
     /// `GET /v1/webhook-endpoints/{id}`: the filter and language as they are now, as the
     /// selection `/v1/feed` takes.
     pub async fn selection(&self, endpoint: EndpointId) -> Result<FeedSelection, UpstreamError> {
-        let (status, url, body) = self
-            .get(&format!("/v1/webhook-endpoints/{endpoint}"), &[])
+        let answered = self
+            .get(
+                &format!("/v1/webhook-endpoints/{endpoint}"),
+                &[],
+                Holds::Object,
+            )
             .await?;
-        if status != StatusCode::OK {
-            return Err(UpstreamError::Status { url, status });
+        if answered.status != StatusCode::OK {
+            return Err(UpstreamError::Status {
+                url: answered.url,
+                status: answered.status,
+            });
         }
-        let view: EndpointView =
-            serde_json::from_slice(&body).map_err(|e| UpstreamError::Body {
-                url,
-                detail: e.to_string(),
-            })?;
-        let filter = view.filter.unwrap_or_default();
+        let (url, json) = Self::json(answered)?;
+        let view = answer::EndpointAnswer::from_value(&json)
+            .map_err(|e| UpstreamError::refused(&url, e))?;
+        let filter = view.filter;
         // "the item kinds its event_types name": `announcement.updated` names `announcement`.
         let item_kinds = filter.event_types.map(|types| {
             let mut kinds: Vec<ItemKind> = types
@@ -303,11 +441,12 @@ impl UpstreamClient {
             part_kinds: filter.part_kinds,
             teasers: filter.teasers,
             item_kinds,
-            generation: view.tracks.and_then(|t| t.feed).and_then(|f| f.generation),
+            generation: view.feed_generation,
         })
     }
 
-    /// Reads every page of `/v1/feed` for `selection`, once.
+    /// Reads every page of `/v1/feed` for `selection`, once. Each page is checked whole
+    /// (relay-wire's [`answer::FeedPage`]) before any of it joins the pass.
     pub async fn read_feed(&self, selection: &FeedSelection) -> Result<FeedPass, UpstreamError> {
         let mut pass = FeedPass::default();
         let mut cursor: Option<String> = None;
@@ -317,35 +456,29 @@ impl UpstreamClient {
             if let Some(cursor) = &cursor {
                 query.push(("cursor", cursor.clone()));
             }
-            let (status, url, body) = self.get("/v1/feed", &query).await?;
-            if status == StatusCode::GONE {
+            let answered = self.get("/v1/feed", &query, Holds::Page).await?;
+            if answered.status == StatusCode::GONE {
                 return Err(UpstreamError::CursorExpired);
             }
-            if status != StatusCode::OK {
-                return Err(UpstreamError::Status { url, status });
-            }
-            let page: Page = serde_json::from_slice(&body).map_err(|e| UpstreamError::Body {
-                url: url.clone(),
-                detail: e.to_string(),
-            })?;
-            for (i, entry) in page.data.into_iter().enumerate() {
-                let item =
-                    FeedItem::from_value(entry.item, &format!("data[{i}].item")).map_err(|e| {
-                        UpstreamError::Body {
-                            url: url.clone(),
-                            detail: e.to_string(),
-                        }
-                    })?;
-                pass.items.push(ReadItem {
-                    subject: entry.subject,
-                    sequence: Sequence::new(entry.sequence),
-                    item,
+            if answered.status != StatusCode::OK {
+                return Err(UpstreamError::Status {
+                    url: answered.url,
+                    status: answered.status,
                 });
             }
+            let (url, json) = Self::json(answered)?;
+            let page =
+                answer::FeedPage::from_value(json).map_err(|e| UpstreamError::refused(&url, e))?;
+            pass.items
+                .extend(page.entries.into_iter().map(|entry| ReadItem {
+                    subject: entry.subject,
+                    sequence: entry.sequence,
+                    item: entry.item,
+                }));
             pass.page_access_versions.push(page.access_version);
             match page.next_cursor {
-                Some(next) if page.has_more => cursor = Some(next),
-                _ => return Ok(pass),
+                Some(next) => cursor = Some(next),
+                None => return Ok(pass),
             }
         }
     }
@@ -364,45 +497,33 @@ impl UpstreamClient {
             query.push(("part_kinds", kinds.join(",")));
         }
         let path = format!("/v1/feed/items/{}", urlencode(feed_item_id));
-        let (status, url, body) = self.get(&path, &query).await?;
-        let json: Option<Value> = serde_json::from_slice(&body).ok();
-        let access_version = json
-            .as_ref()
-            .and_then(|v| v.get("access_version"))
-            .and_then(Value::as_str)
-            .map(str::to_owned);
+        let answered = self.get(&path, &query, Holds::Object).await?;
+        let (status, url) = (answered.status, answered.url);
+        let access_version = match &answered.json {
+            Some(json) => {
+                answer::access_version(json).map_err(|e| UpstreamError::refused(&url, e))?
+            }
+            None => None,
+        };
         match (status, access_version) {
-            (StatusCode::OK, Some(access_version)) => {
-                let json = json.unwrap_or_default();
-                let sequence = json.get("sequence").and_then(Value::as_str);
-                let item = json
-                    .get("item")
-                    .cloned()
-                    .map(|item| FeedItem::from_value(item, "item"));
-                match (sequence, item) {
-                    (Some(sequence), Some(Ok(item))) => Ok(RefetchAnswer::Found {
-                        access_version,
-                        sequence: Sequence::new(sequence.to_owned()),
-                        item,
-                    }),
-                    (_, Some(Err(error))) => Err(UpstreamError::Body {
-                        url,
-                        detail: error.to_string(),
-                    }),
-                    _ => Err(UpstreamError::Body {
-                        url,
-                        detail: "no sequence or item".to_owned(),
-                    }),
-                }
+            (StatusCode::OK, Some(_)) => {
+                let json = answered.json.unwrap_or_default();
+                let found = answer::ItemAnswer::from_value(json)
+                    .map_err(|e| UpstreamError::refused(&url, e))?;
+                Ok(RefetchAnswer::Found {
+                    access_version: found.access_version,
+                    sequence: found.sequence,
+                    item: found.item,
+                })
             }
             (StatusCode::NOT_FOUND, Some(access_version)) => {
                 Ok(RefetchAnswer::NotFound { access_version })
             }
             // "a 404 that carries none (a load balancer's) is a read that failed".
             (StatusCode::NOT_FOUND, None) => Ok(RefetchAnswer::LoadBalancer404),
-            (StatusCode::OK, None) => Err(UpstreamError::Body {
+            (StatusCode::OK, None) => Err(UpstreamError::Invalid {
                 url,
-                detail: "no access_version".to_owned(),
+                detail: "access_version is missing".to_owned(),
             }),
             (status, _) => Err(UpstreamError::Status { url, status }),
         }
@@ -421,49 +542,40 @@ pub struct EventsPage {
     pub has_more: bool,
 }
 
-#[derive(Deserialize)]
-struct RawPage {
-    data: Vec<Value>,
-    next_cursor: Option<String>,
-    #[serde(default)]
-    has_more: bool,
-}
-
 impl UpstreamClient {
+    /// One page of a listing at `path` (`limit` and `cursor` added to `query`), as JSON.
     async fn read_page(
         &self,
         path: &str,
         mut query: Vec<(&'static str, String)>,
         cursor: Option<&str>,
-    ) -> Result<RawPage, UpstreamError> {
+    ) -> Result<(String, Value), UpstreamError> {
         query.push(("limit", self.page_limit.min(STORIES_PAGE_LIMIT).to_string()));
         if let Some(cursor) = cursor {
             query.push(("cursor", cursor.to_owned()));
         }
-        let (status, url, body) = self.get(path, &query).await?;
-        if status == StatusCode::GONE {
+        let answered = self.get(path, &query, Holds::Page).await?;
+        if answered.status == StatusCode::GONE {
             return Err(UpstreamError::CursorExpired);
         }
-        if status != StatusCode::OK {
-            return Err(UpstreamError::Status { url, status });
+        if answered.status != StatusCode::OK {
+            return Err(UpstreamError::Status {
+                url: answered.url,
+                status: answered.status,
+            });
         }
-        serde_json::from_slice(&body).map_err(|e| UpstreamError::Body {
-            url,
-            detail: e.to_string(),
-        })
+        Self::json(answered)
     }
 
     /// `GET /v1/events` after `cursor` (from the start of the window when `None`): one page of
     /// every event for the key's tickers, in the order published. `CursorExpired` on a 410: the
     /// cursor is older than the window, and the copy must be reloaded in full.
     pub async fn read_events(&self, cursor: Option<&str>) -> Result<EventsPage, UpstreamError> {
-        let page = self.read_page("/v1/events", Vec::new(), cursor).await?;
+        let (url, json) = self.read_page("/v1/events", Vec::new(), cursor).await?;
+        let page =
+            answer::EventsAnswer::from_value(&json).map_err(|e| UpstreamError::refused(&url, e))?;
         Ok(EventsPage {
-            events: page
-                .data
-                .iter()
-                .map(|event| StoryEvent::from_value(event).map_err(|e| e.to_string()))
-                .collect(),
+            events: page.events,
             next_cursor: page.next_cursor,
             has_more: page.has_more,
         })
@@ -476,20 +588,12 @@ impl UpstreamClient {
         ticker: &str,
         cursor: Option<&str>,
     ) -> Result<(Vec<Story>, Option<String>), UpstreamError> {
-        let page = self
+        let (url, json) = self
             .read_page("/v1/stories", vec![("ticker", ticker.to_owned())], cursor)
             .await?;
-        let stories = page
-            .data
-            .iter()
-            .map(Story::from_value)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| UpstreamError::Body {
-                url: format!("{}/v1/stories", self.base_url),
-                detail: e.to_string(),
-            })?;
-        let next = page.next_cursor.filter(|_| page.has_more);
-        Ok((stories, next))
+        let page = answer::StoriesAnswer::from_value(&json)
+            .map_err(|e| UpstreamError::refused(&url, e))?;
+        Ok((page.stories, page.next_cursor))
     }
 
     /// `GET /v1/stories/{id}`: the story now, or [`StoryRead::NotFound`] on a 404 whose body says
@@ -497,37 +601,30 @@ impl UpstreamClient {
     /// without that body is a load balancer's), returned as the error for the endpoint's state.
     pub async fn read_story(&self, id: &str) -> Result<StoryRead, UpstreamError> {
         let path = format!("/v1/stories/{}", urlencode(id));
-        let (status, url, body) = self.get(&path, &[]).await?;
-        let json: Option<Value> = serde_json::from_slice(&body).ok();
-        match status {
-            StatusCode::OK => {
-                let story = json.as_ref().map(Story::from_value);
-                match story {
-                    Some(Ok(story)) if story.id == id => Ok(StoryRead::Found(story)),
-                    Some(Ok(story)) => Err(UpstreamError::Body {
-                        url,
-                        detail: format!("asked for story {id:?}, answered {:?}", story.id),
-                    }),
-                    Some(Err(error)) => Err(UpstreamError::Body {
-                        url,
-                        detail: error.to_string(),
-                    }),
-                    None => Err(UpstreamError::Body {
-                        url,
-                        detail: "not JSON".to_owned(),
-                    }),
-                }
-            }
-            StatusCode::NOT_FOUND
-                if json
-                    .as_ref()
-                    .and_then(|v| v.get("error"))
-                    .and_then(Value::as_str)
+        let answered = self.get(&path, &[], Holds::Object).await?;
+        let (status, url) = (answered.status, answered.url);
+        match (status, answered.json) {
+            (StatusCode::OK, Some(json)) => match Story::from_value(&json) {
+                Ok(story) if story.id == id => Ok(StoryRead::Found(story)),
+                Ok(story) => Err(UpstreamError::Invalid {
+                    url,
+                    detail: format!("asked for story {id:?}, answered {:?}", story.id),
+                }),
+                Err(error) => Err(UpstreamError::refused(&url, error.into())),
+            },
+            (StatusCode::OK, None) => Err(UpstreamError::Body {
+                url,
+                detail: "not JSON".to_owned(),
+            }),
+            (StatusCode::NOT_FOUND, Some(json))
+                if answer::error_code(&json)
+                    .map_err(|e| UpstreamError::refused(&url, e))?
+                    .as_deref()
                     == Some("not_found") =>
             {
                 Ok(StoryRead::NotFound)
             }
-            status => Err(UpstreamError::Status { url, status }),
+            (status, _) => Err(UpstreamError::Status { url, status }),
         }
     }
 }

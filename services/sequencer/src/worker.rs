@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::SequencerMetrics;
-use crate::reload::{run_reload, ReloadEnd, StopReload};
+use crate::reload::{run_reload, ReloadEnd, ReloadLimits, StopReload};
 use crate::slots::{Slot, Slots};
 use relay_store::endpoints::{self, EndpointRegistration};
 use relay_store::{cursors, tracks, EndpointId, TenantId};
@@ -63,6 +63,9 @@ pub struct WorkerConfig {
     pub messages_per_read: i64,
     pub idle_linger: Duration,
     pub reload_retry: RetryPolicy,
+    /// The process's bounds on reload passes (and stories endpoints' syncs), shared by every
+    /// worker.
+    pub(crate) reloads: ReloadLimits,
     pub error_pause: Duration,
     /// Items per `/v1/feed` page a reload asks for.
     pub feed_page_limit: usize,
@@ -140,9 +143,17 @@ pub async fn run_worker(
         return finish(renewer, &lease, None, &owners, &metrics, exit(wakes_seen)).await;
     }
     let ctx = Arc::new(
-        EndpointContext::new(registration, http).with_feed_page_limit(config.feed_page_limit),
+        EndpointContext::new(registration, http)
+            .with_feed_page_limit(config.feed_page_limit)
+            .with_reloads(config.reloads.clone()),
     );
     let mut reload: Option<RunningReload> = None;
+    // A reload task retries its own failures; one that ends in an error anyway (or panics) is
+    // started again only after a pause, growing while that repeats, so it never spins. Until
+    // then the worker waits for the pause rather than letting go (the sweep would start a new
+    // worker, and the reload, at once).
+    let mut reload_pauses = config.reload_retry.pauses();
+    let mut reload_after: Option<tokio::time::Instant> = None;
     let mut cursor: Option<i64> = None;
     // After a run failed in a way its messages may have caused: apply the next message alone,
     // so that a failure is that message's (and the messages before it still apply).
@@ -296,6 +307,7 @@ pub async fn run_worker(
                 match running.task.await {
                     Ok(Ok(ReloadEnd::Merged { .. })) => {
                         metrics.reloads.with_label_values(&["merged"]).inc();
+                        reload_pauses = config.reload_retry.pauses();
                         announce_changes(&config, &ctx).await;
                     }
                     Ok(Ok(ReloadEnd::Fenced)) => {
@@ -303,21 +315,35 @@ pub async fn run_worker(
                         metrics.lock_losses.inc();
                         break;
                     }
-                    Ok(Ok(ReloadEnd::Superseded)) | Err(_) => {
+                    Ok(Ok(ReloadEnd::Superseded)) => {
                         metrics.reloads.with_label_values(&["abandoned"]).inc()
                     }
                     Ok(Err(error)) => {
-                        tracing::warn!(%endpoint, %error, "reload failed; it starts again");
+                        let pause = reload_pauses.next_pause();
+                        tracing::warn!(%endpoint, %error, ?pause,
+                            "reload failed; it starts again after a pause");
                         metrics.reloads.with_label_values(&["abandoned"]).inc();
+                        reload_after = Some(tokio::time::Instant::now() + pause);
+                    }
+                    Err(error) => {
+                        let pause = reload_pauses.next_pause();
+                        tracing::error!(%endpoint, %error, ?pause,
+                            "the reload task ended abnormally; it starts again after a pause");
+                        metrics.reloads.with_label_values(&["abandoned"]).inc();
+                        reload_after = Some(tokio::time::Instant::now() + pause);
                     }
                 }
                 metrics.reloads_running.dec();
             }
         }
+        let mut reload_delayed = false;
         if reload.is_none() {
+            let due = reload_after.is_none_or(|after| tokio::time::Instant::now() >= after);
+            reload_delayed = !due && wanted.is_some();
             // Without upstream settings the reload waits for them, started by the registration
             // change that gives them (the sweep leaves such endpoints alone meanwhile).
-            if let Some(wanted) = wanted.filter(|_| ctx.has_upstream()) {
+            if let Some(wanted) = wanted.filter(|_| ctx.has_upstream() && due) {
+                reload_after = None;
                 // Also the path by which a reload begun and not merged starts again after a
                 // restart: the row says one is running, and nothing here runs it.
                 metrics.reloads_running.inc();
@@ -349,12 +375,20 @@ pub async fn run_worker(
                     _ = tokio::time::sleep(config.idle_linger * 4) => {}
                 }
             }
-            None => {
-                tokio::select! {
-                    _ = signal.notify.notified() => {}
-                    _ = linger => break,
+            None => match reload_after.filter(|_| reload_delayed) {
+                Some(after) => {
+                    tokio::select! {
+                        _ = signal.notify.notified() => {}
+                        _ = tokio::time::sleep_until(after) => {}
+                    }
                 }
-            }
+                None => {
+                    tokio::select! {
+                        _ = signal.notify.notified() => {}
+                        _ = linger => break,
+                    }
+                }
+            },
         }
     }
     finish(renewer, &lease, reload, &owners, &metrics, exit(wakes_seen)).await
@@ -362,7 +396,7 @@ pub async fn run_worker(
 
 /// Waits `wait`, or less when the sequencer stops or the lease is lost (a stopping scheduler
 /// wakes every worker).
-async fn wait_or_stop(
+pub(crate) async fn wait_or_stop(
     signal: &WorkerSignal,
     stopping: &AtomicBool,
     lost: &AtomicBool,
