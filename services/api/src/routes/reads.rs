@@ -170,19 +170,27 @@ pub struct TrackView {
     pub reload_begun_at: Option<OffsetDateTime>,
 }
 
-/// How the relay's calls to the endpoint's upstream fare (its reloads and refetches).
+/// How the relay's calls to the endpoint's upstream fare (its reloads, refetches, and a stories
+/// endpoint's syncs and reads).
 #[derive(Debug, Serialize, ToSchema)]
 pub struct UpstreamStateView {
     /// `needs_settings` (no upstream_base_url or upstream_api_key registered: no call is
-    /// made), `failing` (the last call failed), or `ok`.
+    /// made), `failing` (the last call failed: it is tried again after a pause that grows with
+    /// each failure in a row, see `consecutive_failures`), or `ok`.
     pub status: String,
     /// The last failure's name: `certificate_unknown_issuer`, `certificate_name_mismatch`,
     /// `certificate_expired` (and other `certificate_*`), `connect`, `timeout`, `refused` (the
-    /// operator's outbound policy), `status` (an unexpected HTTP status), `body`, `request`,
-    /// `not_configured`.
+    /// operator's outbound policy), `status` (an unexpected HTTP status), `body` (not JSON),
+    /// `too_large` (an answer past RELAY_UPSTREAM_MAX_ANSWER_BYTES, or a reload pass past
+    /// RELAY_SEQUENCER_MAX_RELOAD_BYTES: read no further), `invalid` (JSON the relay refuses to
+    /// keep: the wrong shape, or a value the checks of webhook messages refuse, such as a
+    /// control character in a subject; `last_error` names the field), `store` (Postgres
+    /// refused to keep what the upstream answered), `request`, `not_configured`.
     pub last_error_kind: Option<String>,
     /// The last failure with its causes.
     pub last_error: Option<String>,
+    /// Calls failed in a row since the last that answered well; 0 when none failed since.
+    pub consecutive_failures: i32,
     /// When the calls began failing; null when the last call answered well.
     #[serde(with = "time::serde::rfc3339::option")]
     #[schema(value_type = Option<String>, format = DateTime)]
@@ -320,6 +328,7 @@ pub async fn endpoint_state(
         .to_owned(),
         last_error_kind: upstream.as_ref().map(|u| u.last_error_kind.clone()),
         last_error: upstream.as_ref().map(|u| u.last_error.clone()),
+        consecutive_failures: upstream.as_ref().map_or(0, |u| u.consecutive_failures),
         failing_since: upstream.as_ref().and_then(|u| u.failing_since),
         last_failure_at: upstream.as_ref().map(|u| u.last_failure_at),
         last_success_at: upstream.as_ref().and_then(|u| u.last_success_at),

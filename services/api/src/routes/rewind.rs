@@ -98,8 +98,11 @@ fn valid_track(track: &str) -> Result<(), ApiError> {
             RELAY_API_MAX_REQUESTS_PER_TENANT requests): nothing was asked; retry after the \
             Retry-After seconds"),
         (status = 502, body = ErrorBody, description = "The upstream failed, answered a \
-            redirect (never followed), or did not answer within RELAY_API_REWIND_TIMEOUT_S \
-            (`timed out`): nothing changed"),
+            redirect (never followed), did not answer within RELAY_API_REWIND_TIMEOUT_S \
+            (`timed out`), or answered what the relay does not take: a body past the largest \
+            an answer of one object may be, or past RELAY_UPSTREAM_MAX_ANSWER_BYTES \
+            (`too_large`), or JSON it refuses to keep (`invalid`). The detail starts with the \
+            failure's kind. Nothing changed"),
     )
 )]
 pub async fn rewind_track(
@@ -180,7 +183,9 @@ pub async fn rewind_track(
                             Some("upstream_base_url"),
                             format!("the stored upstream_base_url is refused: {refusal}"),
                         ),
-                        e => ApiError::Upstream(e.to_string()),
+                        // The kind first (`too_large`, `invalid`, `timeout`, ...), as the
+                        // endpoint's state names a failure.
+                        e => ApiError::Upstream(format!("{}: {e}", e.kind())),
                     }
                 })?;
             (Some(since.clone()), Some(answer))
