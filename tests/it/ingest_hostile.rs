@@ -512,6 +512,7 @@ async fn past_the_connection_bound_slow_clients_are_refused_503_and_good_message
             body_read_timeout: Duration::from_secs(3),
             max_connections: 8,
             max_headless_per_address: 8,
+            ..relay_ingest::LISTENER_LIMITS
         },
         ..test_config()
     };
@@ -555,6 +556,7 @@ async fn a_head_that_trickles_in_is_cut_at_the_header_read_timeout_and_a_slow_bo
             body_read_timeout: Duration::from_secs(1),
             max_connections: 64,
             max_headless_per_address: 64,
+            ..relay_ingest::LISTENER_LIMITS
         },
         ..test_config()
     };
@@ -626,6 +628,7 @@ async fn the_control_plane_refuses_past_its_bound_and_cuts_slow_bodies() {
         body_read_timeout: Duration::from_secs(1),
         max_connections: 4,
         max_headless_per_address: 4,
+        ..ListenerLimits::METRICS
     };
     let server = relay_api::ApiServer::start(db.pool.clone(), config)
         .await

@@ -8,6 +8,7 @@ mod demo;
 mod hostile_tenant;
 mod ingest_answers;
 mod ingest_hostile;
+mod ingest_envelope;
 mod ingest_outage;
 mod ingest_replicas;
 mod ingest_vector;

@@ -51,6 +51,18 @@ pub(crate) struct TierProcess {
 impl TierProcess {
     /// `relay <global> <tier> --metrics-listen <metrics>`, in a process of its own.
     pub(crate) fn start(name: &str, global: &[String], tier: &[&str], metrics: SocketAddr) -> Self {
+        Self::start_limited(name, global, tier, metrics, None)
+    }
+
+    /// As [`TierProcess::start`], with the process's open-file limit (soft and hard) set to
+    /// `open_files` when given, as `ulimit -n` would.
+    pub(crate) fn start_limited(
+        name: &str,
+        global: &[String],
+        tier: &[&str],
+        metrics: SocketAddr,
+        open_files: Option<u64>,
+    ) -> Self {
         let mut command_line: Vec<String> = vec!["relay".into()];
         command_line.extend(global.iter().cloned());
         command_line.extend(tier.iter().map(|s| s.to_string()));
@@ -63,7 +75,8 @@ impl TierProcess {
                 Stdio::null()
             }
         };
-        let child = Command::new(std::env::current_exe().unwrap())
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command
             .args([
                 "--ignored",
                 "--exact",
@@ -74,9 +87,24 @@ impl TierProcess {
             .env(CHILD_ENV, serde_json::to_string(&command_line).unwrap())
             .stdout(output())
             .stderr(output())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
+            .kill_on_drop(true);
+        if let Some(open_files) = open_files {
+            // SAFETY: setrlimit is async-signal-safe, and nothing else runs between fork and
+            // exec here.
+            unsafe {
+                command.pre_exec(move || {
+                    let limit = libc::rlimit {
+                        rlim_cur: open_files,
+                        rlim_max: open_files,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = command.spawn().unwrap();
         Self {
             name: name.to_owned(),
             metrics,
@@ -112,7 +140,7 @@ impl TierProcess {
     }
 
     /// The sum of the metric family `name`'s series (counters), as the process serves them.
-    async fn metric_sum(&self, client: &reqwest::Client, name: &str) -> f64 {
+    pub(crate) async fn metric_sum(&self, client: &reqwest::Client, name: &str) -> f64 {
         let text = client
             .get(format!("http://{}/metrics", self.metrics))
             .send()

@@ -164,11 +164,15 @@ impl JwtKeyArgs {
 }
 
 /// The control plane listener's bounds: its clients are a few tenants' tools and the operators'.
+/// One client holds at most a quarter of the connections, whatever they do.
 pub const LISTENER_LIMITS: ListenerLimits = ListenerLimits {
     header_read_timeout: Duration::from_secs(5),
     body_read_timeout: Duration::from_secs(10),
+    idle_timeout: Duration::from_secs(5),
     max_connections: 256,
     max_headless_per_address: 64,
+    max_connections_per_client: 64,
+    client_address: relay_listener::ClientAddressFrom::Peer,
 };
 
 /// `relay api`: serve the control plane. Every flag is prefixed (`--api-...`, `--jwt-...`) so
@@ -224,6 +228,22 @@ pub struct ApiArgs {
           default_value_t = LISTENER_LIMITS.max_headless_per_address,
           value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
     pub api_max_headless_per_address: usize,
+    /// Connections one client holds at once, whatever they do; one more from it is answered
+    /// 503 with Retry-After and closed. With `x-forwarded-for`, the client's requests in flight
+    /// instead (429 past it).
+    #[arg(long, env = "RELAY_API_MAX_CONNECTIONS_PER_CLIENT",
+          default_value_t = LISTENER_LIMITS.max_connections_per_client,
+          value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
+    pub api_max_connections_per_client: usize,
+    /// Milliseconds a kept-alive connection waits with no request before it is closed.
+    #[arg(long, env = "RELAY_API_IDLE_TIMEOUT_MS",
+          default_value_t = LISTENER_LIMITS.idle_timeout.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub api_idle_timeout_ms: u64,
+    /// Where a client's address comes from: `peer`, `proxy-protocol` or `x-forwarded-for`
+    /// (from a proxy in RELAY_TRUSTED_PROXIES), as RELAY_INGEST_CLIENT_ADDRESS.
+    #[arg(long, env = "RELAY_API_CLIENT_ADDRESS", default_value = "peer")]
+    pub api_client_address: relay_listener::ClientAddressFrom,
     /// The RabbitMQ management API of the relay's broker (plugin rabbitmq_management), where
     /// tenants' users are made. Default: http://<RELAY_AMQP_URL's host>:15672.
     #[arg(long, env = "RELAY_AMQP_MANAGEMENT_URL")]
@@ -309,6 +329,9 @@ pub struct ApiConfig {
     pub envelope: EnvelopeLimits,
     /// The operator's default quotas, which a tenant's overrides replace.
     pub quotas: QuotaDefaults,
+    /// What the process's listeners share: the body budget, the trusted proxies, the metrics
+    /// (registered in `registry` when none are given).
+    pub shared: relay_listener::Shared,
     /// The relay's own broker: destinations are refused there, and tenants' users are made
     /// there.
     pub broker: BrokerAccess,
@@ -333,6 +356,7 @@ impl ApiConfig {
             listener: LISTENER_LIMITS,
             envelope: ENVELOPE_LIMITS,
             quotas: QuotaDefaults::default(),
+            shared: relay_listener::Shared::default(),
             broker: BrokerAccess::new(
                 DEFAULT_AMQP_URL,
                 &ManagementSettings::default(),
@@ -379,6 +403,9 @@ impl ApiArgs {
                 body_read_timeout: Duration::from_millis(self.api_body_read_timeout_ms),
                 max_connections: self.api_max_connections,
                 max_headless_per_address: self.api_max_headless_per_address,
+                max_connections_per_client: self.api_max_connections_per_client,
+                idle_timeout: Duration::from_millis(self.api_idle_timeout_ms),
+                client_address: self.api_client_address,
             },
             envelope: EnvelopeLimits {
                 max_requests_per_tenant: self.api_max_requests_per_tenant,
@@ -386,6 +413,7 @@ impl ApiArgs {
                 rewind_timeout: Duration::from_secs(self.api_rewind_timeout_s),
             },
             quotas: self.quota_defaults,
+            shared: relay_listener::Shared::default(),
             broker,
             outbound,
             trust,

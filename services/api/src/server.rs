@@ -188,8 +188,13 @@ impl ApiServer {
         let app = build(pool, config, purge)?;
         let (stop, stopped) = oneshot::channel::<()>();
         let limits = config.listener;
+        let shared = config
+            .shared
+            .clone()
+            .with_metrics_in(&config.registry)
+            .map_err(ServeError::Metrics)?;
         let done = tokio::spawn(async move {
-            relay_listener::serve(listener, app, limits, async move {
+            relay_listener::serve(listener, app, limits, shared, "api", async move {
                 let _ = stopped.await;
             })
             .await;

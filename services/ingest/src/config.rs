@@ -7,16 +7,21 @@ use relay_listener::ListenerLimits;
 
 /// The webhook listener's bounds. A head takes the upstream one write; a 1 MiB body at 5 s
 /// still needs only 200 kB/s; past 4,096 connections at once (the upstream holds one per message
-/// in flight) a new one is answered 503 rather than taking a file descriptor. One address holds
-/// at most 256 connections that have not sent their head yet: the upstream sends its head the
-/// moment it connects, so only a burst of that many new connections in the same instant meets
-/// the bound (and is retried after Retry-After), while a slow client from one address can hold
-/// no more than a sixteenth of the listener.
+/// in flight) a new one is answered 503 rather than taking a file descriptor. One client holds
+/// at most 1,024 connections, a quarter of the listener, whatever they do (the upstream holds
+/// one per endpoint it is sending to, and a 503 with Retry-After only delays its message), and
+/// at most 256 that have not sent their head yet: the upstream sends its head the moment it
+/// connects, so only a burst of that many new connections in the same instant meets the bound,
+/// while a slow client can hold no more than a sixteenth of the listener. A kept-alive
+/// connection waits 5 s idle.
 pub const LISTENER_LIMITS: ListenerLimits = ListenerLimits {
     header_read_timeout: Duration::from_secs(5),
     body_read_timeout: Duration::from_secs(5),
+    idle_timeout: Duration::from_secs(5),
     max_connections: 4096,
     max_headless_per_address: 256,
+    max_connections_per_client: 1024,
+    client_address: relay_listener::ClientAddressFrom::Peer,
 };
 
 /// Each setting's default, written once: [`IngestConfig::default`] and relay's command line both
@@ -61,6 +66,10 @@ pub struct IngestConfig {
     /// Header and body read timeouts and the bound on open connections of the webhook listener.
     /// The body's timeout counts within the answer deadline, so keep it shorter.
     pub listener: ListenerLimits,
+    /// What the process's listeners share: the body budget, the trusted proxies, the metrics.
+    pub shared: relay_listener::Shared,
+    /// The operator's default quotas; the messages per second is this tier's to apply.
+    pub quotas: relay_store::quotas::QuotaDefaults,
 }
 
 impl Default for IngestConfig {
@@ -77,6 +86,8 @@ impl Default for IngestConfig {
             endpoint_cache_max_entries: defaults::ENDPOINT_CACHE_MAX_ENTRIES,
             waker: None,
             listener: LISTENER_LIMITS,
+            shared: relay_listener::Shared::default(),
+            quotas: relay_store::quotas::QuotaDefaults::default(),
         }
     }
 }

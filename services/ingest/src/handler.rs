@@ -2,14 +2,18 @@
 //!
 //! The checks run in this order, and each refusal stores nothing:
 //! 1. a declared Content-Length over the limit: 413, without reading the body;
-//! 2. the endpoint: 404 when unknown, 410 when paused (the upstream then holds its messages
-//!    until the endpoint is resumed);
-//! 3. the body, read up to the limit: 413 once it passes it (408 when it does not arrive within
-//!    the listener's body read timeout);
+//! 2. the endpoint: 404 when unknown (and the connection closed after the answer: a client
+//!    whose requests name no endpoint has no reason to keep one), 410 when paused (the upstream
+//!    then holds its messages until the endpoint is resumed);
+//! 3. the body, read up to the limit as it arrives: 413 once it passes it, 408 when it does not
+//!    arrive within the listener's body read timeout, 503 with Retry-After when it does not fit
+//!    in the process's body budget or its client's share (relay-listener's `BodyBudget`);
 //! 4. the signature over the raw bytes with the endpoint's secrets, then the timestamp: 401;
 //! 5. a webhook-id header of 1 to 256 bytes, and a body that does not name another endpoint in
 //!    its `webhook_endpoint_id`: 400;
-//! 6. stored, committed: 202 (or 200 for a webhook-id stored before).
+//! 6. the tenant's quota of messages per second ([`crate::rates`]): 429 with Retry-After past
+//!    it, which the upstream honours; only verified messages count against it;
+//! 7. stored, committed: 202 (or 200 for a webhook-id stored before).
 //!
 //! A verified body that is not a v1 message this relay reads (not JSON, a field of v1 in a shape
 //! v1 does not have, an unknown `data.type`, a control character in an id) is still stored, as
@@ -46,8 +50,9 @@ use crate::clock::Clock;
 use crate::config::IngestConfig;
 use crate::endpoint_cache::EndpointCache;
 use crate::metrics::{IngestMetrics, Outcome};
+use crate::rates::{TenantRates, Throttled};
 use crate::writer::BatchWriter;
-use relay_listener::BodyReadTimeout;
+use relay_listener::{BodyBudgetSpent, BodyReadTimeout};
 
 /// The longest webhook-id stored; the upstream's are `msg_` and 32 hex digits.
 const MAX_WEBHOOK_ID_LEN: usize = 256;
@@ -58,6 +63,7 @@ pub struct AppState {
     pub writer: BatchWriter,
     pub metrics: Arc<IngestMetrics>,
     pub clock: Arc<dyn Clock>,
+    pub rates: TenantRates,
 }
 
 /// What a 503 answers, whatever the cause (which goes to the log).
@@ -82,6 +88,10 @@ enum Answer {
     },
     Malformed(String),
     BodyTimeout(String),
+    /// The body did not fit in the body budget (the listener's).
+    BodyBudgetSpent,
+    /// Past the tenant's quota of messages per second.
+    RateLimited(Throttled),
     EndpointMismatch {
         named: Uuid,
     },
@@ -102,6 +112,8 @@ impl Answer {
             Answer::StaleTimestamp { .. } => Outcome::StaleTimestamp,
             Answer::Malformed(_) => Outcome::Malformed,
             Answer::BodyTimeout(_) => Outcome::BodyTimeout,
+            Answer::BodyBudgetSpent => Outcome::BodyBudgetSpent,
+            Answer::RateLimited(_) => Outcome::RateLimited,
             Answer::EndpointMismatch { .. } => Outcome::EndpointMismatch,
             Answer::Unavailable(_) => Outcome::Unavailable,
         }
@@ -128,10 +140,20 @@ impl Answer {
                 StatusCode::PAYLOAD_TOO_LARGE,
                 format!("the body is larger than {limit} bytes"),
             ),
-            Answer::UnknownEndpoint => (
-                StatusCode::NOT_FOUND,
-                "no webhook endpoint with this id is registered with the relay".to_owned(),
-            ),
+            Answer::UnknownEndpoint => {
+                let mut response = (
+                    StatusCode::NOT_FOUND,
+                    Json(json!({"error": outcome,
+                        "detail": "no webhook endpoint with this id is registered with the relay"})),
+                )
+                    .into_response();
+                // Nothing this connection sends can be for an endpoint: it goes, and its slot
+                // with it.
+                response
+                    .headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                return response;
+            }
             Answer::Paused => (
                 StatusCode::GONE,
                 "this webhook endpoint is paused; resume it to receive messages".to_owned(),
@@ -147,6 +169,26 @@ impl Answer {
                 StatusCode::BAD_REQUEST,
                 format!("the body names webhook endpoint {named}, not the one in the URL"),
             ),
+            Answer::BodyBudgetSpent => {
+                return retry_later(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    outcome,
+                    format!("{BodyBudgetSpent}; retry later"),
+                    retry_after_s,
+                )
+            }
+            Answer::RateLimited(throttled) => {
+                return retry_later(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    outcome,
+                    format!(
+                        "this endpoint's tenant may send {} messages a second; send it again \
+                         after Retry-After",
+                        throttled.messages_per_second
+                    ),
+                    throttled.retry_after.as_secs_f64().ceil().max(1.0) as u64,
+                )
+            }
             Answer::Unavailable(_) => {
                 let mut response = (
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -202,6 +244,15 @@ pub async fn receive(
         .metrics
         .answered(outcome, started.elapsed().as_secs_f64());
     answer.into_response(state.config.retry_after.as_secs().max(1))
+}
+
+/// An error answer the client may try again after `retry_after_s`.
+fn retry_later(status: StatusCode, outcome: &str, detail: String, retry_after_s: u64) -> Response {
+    let mut response = (status, Json(json!({"error": outcome, "detail": detail}))).into_response();
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+    response
 }
 
 /// The URL's endpoint id as logs show it: the UUID when it is one; otherwise the decoded text,
@@ -266,6 +317,7 @@ async fn take_message(
         Err(error) if BodyReadTimeout::is_cause_of(&*error) => {
             return Answer::BodyTimeout(error.to_string())
         }
+        Err(error) if BodyBudgetSpent::is_cause_of(&*error) => return Answer::BodyBudgetSpent,
         Err(error) => return Answer::Malformed(format!("the body could not be read: {error}")),
     };
     state.metrics.body_read(body.len());
@@ -320,6 +372,14 @@ async fn take_message(
             },
         }
     };
+
+    if let Err(throttled) = state
+        .rates
+        .admit(relay_store::TenantId(endpoint.tenant_id))
+        .await
+    {
+        return Answer::RateLimited(throttled);
+    }
 
     let incoming = IncomingMessage {
         endpoint_id,

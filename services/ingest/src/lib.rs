@@ -7,6 +7,7 @@
 //! - [`endpoint_cache`]: endpoints and secrets held in memory, dropped when Postgres says
 //!   (LISTEN/NOTIFY) that one changed.
 //! - [`writer`]: groups concurrent messages into shared transactions (group commit).
+//! - [`rates`]: each tenant's quota of messages per second.
 //! - [`handler`]: the HTTP route and the order of its checks.
 //! - [`metrics`]: the tier's Prometheus metrics.
 
@@ -15,6 +16,7 @@ mod config;
 mod endpoint_cache;
 mod handler;
 mod metrics;
+mod rates;
 mod writer;
 
 use std::sync::Arc;
@@ -53,6 +55,7 @@ pub fn build(
         config.endpoint_cache_max_entries,
         metrics.clone(),
     );
+    let rates = rates::TenantRates::new(pool.clone(), config.quotas);
     let (writer, writers) = writer::BatchWriter::start(pool, &config, metrics.clone());
     let state = Arc::new(handler::AppState {
         config,
@@ -60,6 +63,7 @@ pub fn build(
         writer,
         metrics,
         clock,
+        rates,
     });
     let router = Router::new()
         .route("/webhooks/{webhook_endpoint_id}", post(handler::receive))

@@ -18,12 +18,14 @@ pub enum Outcome {
     Paused,
     Malformed,
     BodyTimeout,
+    BodyBudgetSpent,
+    RateLimited,
     EndpointMismatch,
     Unavailable,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 12] = [
+    pub const ALL: [Outcome; 14] = [
         Outcome::Accepted,
         Outcome::AcceptedUnparsed,
         Outcome::Duplicate,
@@ -34,6 +36,8 @@ impl Outcome {
         Outcome::Paused,
         Outcome::Malformed,
         Outcome::BodyTimeout,
+        Outcome::BodyBudgetSpent,
+        Outcome::RateLimited,
         Outcome::EndpointMismatch,
         Outcome::Unavailable,
     ];
@@ -50,6 +54,8 @@ impl Outcome {
             Outcome::Paused => "paused",
             Outcome::Malformed => "malformed",
             Outcome::BodyTimeout => "body_timeout",
+            Outcome::BodyBudgetSpent => "body_budget_spent",
+            Outcome::RateLimited => "rate_limited",
             Outcome::EndpointMismatch => "endpoint_mismatch",
             Outcome::Unavailable => "unavailable",
         }

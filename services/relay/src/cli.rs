@@ -99,6 +99,10 @@ pub struct GlobalArgs {
     /// Whom every TLS connection trusts (upstream, brokers, Postgres, Redis).
     #[command(flatten)]
     pub tls: relay_netguard::TlsArgs,
+
+    /// What the process's listeners share: the trusted proxies and the body budget.
+    #[command(flatten)]
+    pub listeners: relay_listener::SharedArgs,
 }
 
 impl GlobalArgs {
@@ -131,6 +135,7 @@ impl std::fmt::Debug for GlobalArgs {
             .field("quota_messages_per_second", &self.quota_messages_per_second)
             .field("outbound", &self.outbound)
             .field("tls", &self.tls)
+            .field("listeners", &self.listeners)
             .finish()
     }
 }
@@ -284,13 +289,33 @@ pub struct IngestArgs {
           value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
     pub max_connections: usize,
 
-    /// Webhook connections from one address that have not sent a complete request head yet;
-    /// one more from that address is answered 503 with Retry-After and closed. The upstream
+    /// Webhook connections from one client that have not sent a complete request head yet;
+    /// one more from that client is answered 503 with Retry-After and closed. The upstream
     /// sends its head at once, so this bounds only slow clients.
     #[arg(long, env = "RELAY_INGEST_MAX_HEADLESS_PER_ADDRESS",
           default_value_t = relay_ingest::LISTENER_LIMITS.max_headless_per_address,
           value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
     pub max_headless_per_address: usize,
+
+    /// Webhook connections one client holds at once, whatever they do; one more from it is
+    /// answered 503 with Retry-After and closed. With `x-forwarded-for`, the client's requests
+    /// in flight instead (429 past it).
+    #[arg(long, env = "RELAY_INGEST_MAX_CONNECTIONS_PER_CLIENT",
+          default_value_t = relay_ingest::LISTENER_LIMITS.max_connections_per_client,
+          value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
+    pub max_connections_per_client: usize,
+
+    /// Milliseconds a kept-alive webhook connection waits with no request before it is closed.
+    #[arg(long, env = "RELAY_INGEST_IDLE_TIMEOUT_MS",
+          default_value_t = relay_ingest::LISTENER_LIMITS.idle_timeout.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_timeout_ms: u64,
+
+    /// Where a webhook client's address comes from: `peer` (who connected), `proxy-protocol`
+    /// (a PROXY protocol v2 header from a proxy in RELAY_TRUSTED_PROXIES) or `x-forwarded-for`
+    /// (that header, from a proxy in RELAY_TRUSTED_PROXIES).
+    #[arg(long, env = "RELAY_INGEST_CLIENT_ADDRESS", default_value = "peer")]
+    pub client_address: relay_listener::ClientAddressFrom,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -33,8 +33,66 @@ impl IngestArgs {
                 body_read_timeout: Duration::from_millis(self.body_read_timeout_ms),
                 max_connections: self.max_connections,
                 max_headless_per_address: self.max_headless_per_address,
+                max_connections_per_client: self.max_connections_per_client,
+                idle_timeout: Duration::from_millis(self.idle_timeout_ms),
+                client_address: self.client_address,
             },
             ..IngestConfig::default()
+        }
+    }
+}
+
+/// Descriptors the front tier needs besides its connections: its pool, its Redis wake-ups.
+const INGEST_DESCRIPTORS: usize = 8;
+/// Descriptors the publisher needs: its pool aside, the relay's broker and tenants' own.
+const PUBLISHER_DESCRIPTORS: usize = 32;
+/// Descriptors the control plane needs besides its connections: the calls it makes (rewinds to
+/// tenants' upstreams, the broker's management API), its background purge.
+const API_DESCRIPTORS: usize = 64;
+
+/// Raises the open-file limit to the hard one and cuts each of `listeners`' bounds on
+/// connections (in proportion) so that they fit under it beside `reserved` descriptors the
+/// process needs otherwise and its `/metrics` listener; logs what each listener may hold. A
+/// bound above the limit would make `accept` fail with EMFILE before the bound is reached.
+fn fit_listeners(
+    global: &GlobalArgs,
+    pools: usize,
+    reserved: usize,
+    listeners: &mut [(&'static str, &mut ListenerLimits)],
+) {
+    let Some(open_files) = relay_listener::raise_open_file_limit() else {
+        tracing::warn!("the open-file limit cannot be read: connection bounds are as configured");
+        return;
+    };
+    let reserved = relay_listener::BASE_DESCRIPTORS
+        + pools * global.database_max_connections as usize
+        + ListenerLimits::METRICS.max_connections
+        + relay_listener::PER_LISTENER_OVERHEAD
+        + reserved;
+    let mut limits: Vec<&mut ListenerLimits> = listeners
+        .iter_mut()
+        .map(|(_, limits)| &mut **limits)
+        .collect();
+    let plan = relay_listener::fit_connections(open_files, reserved, &mut limits);
+    for ((name, _), (configured, bound)) in listeners.iter().zip(plan.bounds) {
+        if bound < configured {
+            tracing::warn!(
+                listener = name,
+                open_files,
+                reserved,
+                configured,
+                bound,
+                "the open-file limit is too low for the configured connections: bound lowered \
+                 (raise LimitNOFILE / ulimit -n)"
+            );
+        } else {
+            tracing::info!(
+                listener = name,
+                open_files,
+                reserved,
+                bound,
+                "connection bound"
+            );
         }
     }
 }
@@ -101,6 +159,7 @@ impl IngestServer {
         let address = listener.local_addr()?;
         let metrics_address = metrics_listener.local_addr()?;
         let limits = config.listener;
+        let shared = config.shared.clone().with_metrics_in(&registry)?;
         let readiness = readiness.postgres(&pool);
         let ingest = relay_ingest::build(pool, config, &registry, clock)?;
         let (stop, stopped) = oneshot::channel::<()>();
@@ -109,10 +168,18 @@ impl IngestServer {
                 metrics_listener,
                 registry,
                 readiness,
+                shared.clone(),
             ));
-            relay_listener::serve(listener, ingest.router, limits, async move {
-                let _ = stopped.await;
-            })
+            relay_listener::serve(
+                listener,
+                ingest.router,
+                limits,
+                shared,
+                "webhook",
+                async move {
+                    let _ = stopped.await;
+                },
+            )
             .await;
             metrics.abort();
             ingest.cache_listener.abort();
@@ -229,10 +296,18 @@ pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> a
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
     let serve_metrics = tokio::spawn(telemetry::serve_metrics(
         metrics_listener,
+    fit_listeners(
+        global,
+        1,
+        2 * command.args.max_concurrent_endpoints,
+        &mut [],
+    );
+    let shared = global.listeners.shared().with_metrics_in(&registry)?;
         registry,
         readiness,
     ));
     let sequencer =
+        shared,
         relay_sequencer::Sequencer::start(pool, command.args.to_config(global)?, metrics)
             .await
             .context("starting the sequencer (is Redis up?)")?;
@@ -289,10 +364,13 @@ pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> a
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
     let serve_metrics = tokio::spawn(telemetry::serve_metrics(
         metrics_listener,
+    fit_listeners(global, 1, PUBLISHER_DESCRIPTORS, &mut []);
+    let shared = global.listeners.shared().with_metrics_in(&registry)?;
         registry,
         readiness,
     ));
     tracing::info!("publisher running");
+        shared,
     shutdown_signal().await;
     tracing::info!("shutting down: finishing the rounds in flight");
     publisher.stop().await;
@@ -311,8 +389,16 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
     config.registry = registry.clone();
     let pool = service_pool(global)?;
     let readiness = Readiness::default().postgres(&pool);
+    config.shared = global.listeners.shared().with_metrics_in(&registry)?;
+    fit_listeners(
+        global,
+        1,
+        API_DESCRIPTORS,
+        &mut [("api", &mut config.listener)],
+    );
     let mut server = relay_api::ApiServer::start(pool, config).await?;
     tracing::info!(address = %server.address, "control plane running");
+    let config_shared = config.shared.clone();
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
     let serve_metrics = tokio::spawn(telemetry::serve_metrics(
         metrics_listener,
@@ -320,6 +406,7 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
         readiness,
     ));
     let result = tokio::select! {
+        config_shared,
         result = server.wait() => result.map_err(anyhow::Error::from),
         () = shutdown_signal() => server.stop().await.map_err(anyhow::Error::from),
     };
@@ -332,6 +419,14 @@ pub async fn run_ingest(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Resul
     let mut config = args.to_config();
     config.waker = ingest_waker(global).await?;
     // Statements must end before the answer deadline, leaving time to answer.
+    config.shared = global.listeners.shared();
+    config.quotas = global.quota_defaults();
+    fit_listeners(
+        global,
+        1,
+        INGEST_DESCRIPTORS,
+        &mut [("webhook", &mut config.listener)],
+    );
     let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
     let listener = telemetry::bind(args.listen, "webhook").await?;
     let metrics_listener = telemetry::bind(args.metrics_listen, "metrics").await?;
@@ -386,12 +481,41 @@ impl AllTiers {
         // The control plane refuses destinations by the publisher's broker and policy.
         let mut api_args = args.api.clone();
         api_args.relay_amqp_url = args.publisher.amqp_url.clone();
+        let shared = global.listeners.shared().with_metrics_in(&registry)?;
         api_args.destination_policy = args.publisher.destinations.policy();
         api_args.quota_defaults = global.quota_defaults();
-        let api = match api_args.to_config(global.outbound.policy(), global.trust()?) {
-            Ok(mut config) => {
-                config.registry = registry.clone();
-                let server = relay_api::ApiServer::start(service_pool(global)?, config).await?;
+        let mut api_config = api_args.to_config(global.outbound.policy(), global.trust()?);
+        let mut config = args.ingest.to_config();
+        config.shared = shared.clone();
+        config.quotas = global.quota_defaults();
+        // Four pools; the sequencer's upstream reads (one or two per endpoint worked), the
+        // publisher's brokers, and both listeners' own needs.
+        let reserved = INGEST_DESCRIPTORS
+            + API_DESCRIPTORS
+            + 2 * args.sequencer.max_concurrent_endpoints
+            + PUBLISHER_DESCRIPTORS;
+        match &mut api_config {
+            Ok(api) => fit_listeners(
+                global,
+                4,
+                reserved,
+                &mut [
+                    ("webhook", &mut config.listener),
+                    ("api", &mut api.listener),
+                ],
+            ),
+            Err(_) => fit_listeners(
+                global,
+                4,
+                reserved,
+                &mut [("webhook", &mut config.listener)],
+            ),
+        }
+        let api = match api_config {
+            Ok(mut api_config) => {
+                api_config.registry = registry.clone();
+                api_config.shared = shared;
+                let server = relay_api::ApiServer::start(service_pool(global)?, api_config).await?;
                 tracing::info!(address = %server.address, "control plane running");
                 Some(server)
             }
@@ -404,7 +528,6 @@ impl AllTiers {
             Err(error) => return Err(error.into()),
         };
 
-        let mut config = args.ingest.to_config();
         config.waker = ingest_waker(global).await?;
         let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
         let listener = telemetry::bind(args.ingest.listen, "webhook").await?;

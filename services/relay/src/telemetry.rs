@@ -104,11 +104,18 @@ pub fn metrics_router(registry: Registry, readiness: Readiness) -> Router {
 }
 
 /// Serves [`metrics_router`] on `listener` until the task is aborted.
-pub async fn serve_metrics(listener: TcpListener, registry: Registry, readiness: Readiness) {
+pub async fn serve_metrics(
+    listener: TcpListener,
+    registry: Registry,
+    readiness: Readiness,
+    shared: relay_listener::Shared,
+) {
     relay_listener::serve(
         listener,
         metrics_router(registry, readiness),
         relay_listener::ListenerLimits::METRICS,
+        shared,
+        "metrics",
         std::future::pending(),
     )
     .await

@@ -1,0 +1,94 @@
+//! The listeners' metrics: connections held and bounded, what was refused and why, and the body
+//! bytes in flight.
+
+use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+
+/// Registered once per registry; every listener of the process labels its series by name.
+#[derive(Clone)]
+pub struct ListenerMetrics {
+    pub(crate) connections: IntGaugeVec,
+    pub(crate) max_connections: IntGaugeVec,
+    pub(crate) refused: IntCounterVec,
+    pub(crate) accept_failures: IntCounterVec,
+    pub(crate) body_bytes_in_flight: IntGauge,
+}
+
+/// Why a connection or request was refused, as `relay_listener_refused_total{reason}` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// The listener serves `max_connections` already.
+    TooManyConnections,
+    /// The client holds `max_connections_per_client` connections already.
+    ClientConnections,
+    /// The client holds `max_headless_per_address` connections without a request head.
+    Headless,
+    /// The client (named by X-Forwarded-For) has `max_connections_per_client` requests in flight.
+    ClientRequests,
+    /// The body did not fit in the body budget.
+    BodyBudget,
+    /// A trusted proxy's connection did not begin with a readable PROXY protocol v2 header.
+    ProxyHeader,
+}
+
+impl Refusal {
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Refusal::TooManyConnections => "too_many_connections",
+            Refusal::ClientConnections => "client_connections",
+            Refusal::Headless => "headless",
+            Refusal::ClientRequests => "client_requests",
+            Refusal::BodyBudget => "body_budget",
+            Refusal::ProxyHeader => "proxy_header",
+        }
+    }
+}
+
+impl ListenerMetrics {
+    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+        let connections = IntGaugeVec::new(
+            Opts::new(
+                "relay_listener_connections",
+                "Connections each listener serves now",
+            ),
+            &["listener"],
+        )?;
+        let max_connections = IntGaugeVec::new(
+            Opts::new(
+                "relay_listener_max_connections",
+                "Each listener's bound on connections, as fitted to the open-file limit",
+            ),
+            &["listener"],
+        )?;
+        let refused = IntCounterVec::new(
+            Opts::new(
+                "relay_listener_refused_total",
+                "Connections and requests refused by a listener's bounds, by reason",
+            ),
+            &["listener", "reason"],
+        )?;
+        let accept_failures = IntCounterVec::new(
+            Opts::new(
+                "relay_listener_accept_failures_total",
+                "Connections a listener could not accept (out of file descriptors: EMFILE), by \
+                 error",
+            ),
+            &["listener", "error"],
+        )?;
+        let body_bytes_in_flight = IntGauge::new(
+            "relay_listener_body_bytes_in_flight",
+            "Request body bytes the process holds while reading them (all listeners)",
+        )?;
+        registry.register(Box::new(connections.clone()))?;
+        registry.register(Box::new(max_connections.clone()))?;
+        registry.register(Box::new(refused.clone()))?;
+        registry.register(Box::new(accept_failures.clone()))?;
+        registry.register(Box::new(body_bytes_in_flight.clone()))?;
+        Ok(Self {
+            connections,
+            max_connections,
+            refused,
+            accept_failures,
+            body_bytes_in_flight,
+        })
+    }
+}
