@@ -87,6 +87,18 @@ pub async fn provision(global: &GlobalArgs, args: &LoadgenArgs) -> anyhow::Resul
         Ok(_) | Err(StoreError::AlreadyExists { .. }) => {}
         Err(error) => return Err(error).context("creating the loadgen tenant"),
     }
+    // The load generator's one tenant stands for the whole load: no quota of a tenant's may
+    // shape what a benchmark measures.
+    relay_store::quotas::set_overrides(
+        &pool,
+        relay_store::TenantId(tenant_id),
+        &relay_store::quotas::QuotaOverrides {
+            max_endpoints: Some(relay_store::quotas::MAX_QUOTA),
+            messages_per_second: Some(relay_store::quotas::MAX_QUOTA),
+        },
+    )
+    .await
+    .context("lifting the loadgen tenant's quotas")?;
     let mut created = 0;
     for (id, secret) in loadgen_endpoints(args.seed, args.endpoints) {
         let new = NewEndpoint {
