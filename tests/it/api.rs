@@ -436,6 +436,14 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             NA,
             201,
         ),
+        ("GET /v1/tenants/{tenant_id}/quotas", None, Op, NA, 200),
+        (
+            "PUT /v1/tenants/{tenant_id}/quotas",
+            Some(json!({"max_endpoints": 50})),
+            Op,
+            NA,
+            200,
+        ),
         ("GET /v1/tenant", None, Tenant, OwnOnly, 200),
         ("GET /v1/endpoints", None, Tenant, OwnOnly, 200),
         (

@@ -1,6 +1,7 @@
 //! Cross-crate tests, one binary (faster to link than one per file).
 
 mod api;
+mod api_envelope;
 mod api_hostile;
 mod convergence;
 mod copy;
