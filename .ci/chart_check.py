@@ -41,6 +41,7 @@ MUST_FAIL = [
     ({"sequencer": {"extraEnv": [{"name": "RELAY_SEQUENCER_METRICS_LISTEN", "value": "x"}]}},
      "is set by the chart"),
     ({"api": {"extraEnv": [{"name": "RELAY_API_JWT_SECRET", "value": "x"}]}}, "cannot be set"),
+    ({"jwt": {"previousSecretKey": "previous-key"}}, "set jwt.rotationStartedAt too"),
     ({"ingest": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
      "minReplicas is above maxReplicas"),
     ({"ingest": {"podDisruptionBudget": {"enabled": True, "minAvailable": "half"}}},

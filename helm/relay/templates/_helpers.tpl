@@ -81,7 +81,12 @@ follow them.
 {{- $_ := set $owned "RELAY_API_METRICS_LISTEN" (printf "0.0.0.0:%v" (include "relay.envValue" $t.metricsPort)) -}}
 {{- $_ := set $owned "RELAY_API_JWT_SECRET_FILE" "/etc/relay/jwt/key" -}}
 {{- if $v.jwt.previousSecretKey -}}
+{{- if not $v.jwt.rotationStartedAt -}}
+{{- fail "jwt.previousSecretKey is set: set jwt.rotationStartedAt too (when the current key began signing, RFC 3339 or Unix seconds); the relay refuses a previous key without it" -}}
+{{- end -}}
 {{- $_ := set $owned "RELAY_API_JWT_PREVIOUS_SECRET_FILE" "/etc/relay/jwt/previous-key" -}}
+{{- $_ := set $owned "RELAY_API_JWT_ROTATION_STARTED_AT" (include "relay.envValue" $v.jwt.rotationStartedAt) -}}
+{{- $_ := set $owned "RELAY_API_JWT_PREVIOUS_KEY_OVERLAP_S" (include "relay.envValue" $v.jwt.previousKeyOverlapSeconds) -}}
 {{- end -}}
 {{- else if ne $tier "migrate" -}}
 {{- $_ := set $owned (printf "RELAY_%s_METRICS_LISTEN" (upper $tier)) (printf "0.0.0.0:%v" (include "relay.envValue" $t.metricsPort)) -}}
@@ -131,6 +136,9 @@ follow them.
 {{- if $v.redis.keyPrefix -}}
 {{- $_ := set $defaults "RELAY_REDIS_KEY_PREFIX" $v.redis.keyPrefix -}}
 {{- end -}}
+{{- /* Every tier reads the defaults: the front tier applies one, the control plane shows both. */ -}}
+{{- $_ := set $defaults "RELAY_QUOTA_MAX_ENDPOINTS" $v.quotas.maxEndpoints -}}
+{{- $_ := set $defaults "RELAY_QUOTA_MESSAGES_PER_SECOND" $v.quotas.messagesPerSecond -}}
 {{- end -}}
 {{- if or (eq $tier "publisher") (eq $tier "api") -}}
 {{- $_ := set $secrets "RELAY_AMQP_URL" (dict "name" $v.amqp.secretName "key" $v.amqp.secretKey) -}}
