@@ -98,8 +98,8 @@ impl Rotation {
         }
         if iat >= self.started_at.unix_timestamp() {
             return Err(
-                "the token is signed with the previous key but issued after the key \
-                        rotation began",
+                "the token is signed with the previous key but issued after the key rotation \
+                 began",
             );
         }
         Ok(())

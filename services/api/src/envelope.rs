@@ -157,7 +157,7 @@ pub async fn admit(State(state): State<AppState>, mut request: Request, next: Ne
                 };
                 return ApiError::TooManyRequests {
                     detail: format!(
-                        "{who} {} requests in flight, as many as it may \
+                        "{who} {} requests in flight already, the most allowed \
                          (RELAY_API_MAX_REQUESTS_PER_TENANT); retry once some are answered",
                         state.envelope.requests.limit()
                     ),

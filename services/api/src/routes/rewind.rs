@@ -121,7 +121,7 @@ pub async fn rewind_track(
             .inc();
         ApiError::TooManyRequests {
             detail: format!(
-                "this tenant has {} rewinds in flight, as many as it may \
+                "this tenant has {} rewinds in flight already, the most allowed \
                  (RELAY_API_MAX_REWINDS_PER_TENANT); each ends within {} s",
                 state.envelope.rewinds.limit(),
                 deadline.as_secs_f64()
