@@ -39,6 +39,36 @@ pub(crate) fn resident_bytes() -> u64 {
     kib * 1024
 }
 
+/// The most this process's resident memory reached while it was being watched (sampled every
+/// 50 ms): what another test running beside this one holds counts too, so bounds read from it
+/// are generous.
+pub(crate) struct ResidentPeak {
+    watching: Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<u64>,
+}
+
+impl ResidentPeak {
+    pub(crate) fn watch() -> Self {
+        let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let going = watching.clone();
+        let task = tokio::spawn(async move {
+            let mut peak = resident_bytes();
+            while going.load(std::sync::atomic::Ordering::SeqCst) {
+                peak = peak.max(resident_bytes());
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            peak.max(resident_bytes())
+        });
+        Self { watching, task }
+    }
+
+    pub(crate) async fn peak(self) -> u64 {
+        self.watching
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        self.task.await.unwrap()
+    }
+}
+
 /// How a connection that sent a body's head and all but its last byte ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ShortBody {
@@ -46,6 +76,11 @@ pub(crate) enum ShortBody {
     Refused,
     /// Answered 408: its body was taken into memory until the read timeout.
     TimedOut,
+    /// Answered 503 `too_many_connections`: its client held as many connections as it may.
+    ConnectionRefused,
+    /// Closed unanswered: refused past the bound while the listener was already writing as
+    /// many refusals as it writes at once.
+    Dropped,
     /// Answered anything else, or nothing.
     Other,
 }
@@ -75,8 +110,12 @@ pub(crate) async fn short_body(
     let mut answer = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut answer)).await;
     let answer = String::from_utf8_lossy(&answer);
-    if answer.starts_with("HTTP/1.1 503") && answer.contains("body_budget_spent") {
+    if answer.is_empty() {
+        ShortBody::Dropped
+    } else if answer.starts_with("HTTP/1.1 503") && answer.contains("body_budget_spent") {
         ShortBody::Refused
+    } else if answer.starts_with("HTTP/1.1 503") && answer.contains("too_many_connections") {
+        ShortBody::ConnectionRefused
     } else if answer.starts_with("HTTP/1.1 408") {
         ShortBody::TimedOut
     } else {
@@ -167,7 +206,10 @@ async fn bodies_that_stop_short_hold_at_most_the_budget_and_a_clients_share() {
 
 /// Sends a request on a kept-alive connection and reads one answer: its status and whether the
 /// server closed the connection after it.
-async fn keep_alive_exchange(stream: &mut TcpStream, request: &[u8]) -> Option<(u16, bool)> {
+pub(crate) async fn keep_alive_exchange(
+    stream: &mut TcpStream,
+    request: &[u8],
+) -> Option<(u16, bool)> {
     stream.write_all(request).await.ok()?;
     let mut answer = Vec::new();
     let mut buffer = [0u8; 4096];
