@@ -139,6 +139,16 @@ follow them.
 {{- /* Every tier reads the defaults: the front tier applies one, the control plane shows both. */ -}}
 {{- $_ := set $defaults "RELAY_QUOTA_MAX_ENDPOINTS" $v.quotas.maxEndpoints -}}
 {{- $_ := set $defaults "RELAY_QUOTA_MESSAGES_PER_SECOND" $v.quotas.messagesPerSecond -}}
+{{- $_ := set $defaults "RELAY_BODY_BYTES_IN_FLIGHT" $v.bodies.bytesInFlight -}}
+{{- $_ := set $defaults "RELAY_BODY_BYTES_PER_CLIENT" $v.bodies.bytesPerClient -}}
+{{- if $v.trustedProxies -}}
+{{- $_ := set $defaults "RELAY_TRUSTED_PROXIES" (join "," $v.trustedProxies) -}}
+{{- end -}}
+{{- if eq $tier "ingest" -}}
+{{- $_ := set $defaults "RELAY_INGEST_CLIENT_ADDRESS" $t.clientAddress -}}
+{{- else if eq $tier "api" -}}
+{{- $_ := set $defaults "RELAY_API_CLIENT_ADDRESS" $t.clientAddress -}}
+{{- end -}}
 {{- end -}}
 {{- if or (eq $tier "publisher") (eq $tier "api") -}}
 {{- $_ := set $secrets "RELAY_AMQP_URL" (dict "name" $v.amqp.secretName "key" $v.amqp.secretKey) -}}
