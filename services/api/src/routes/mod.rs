@@ -67,10 +67,19 @@ impl HasVerifier for AppState {
                        bearer JWT: an operator's for /v1/tenants, a tenant's for the rest. \
                        Any route may also answer 408 `body_timeout` (the body did not arrive \
                        within RELAY_API_BODY_READ_TIMEOUT_MS; the connection is closed) and \
-                       503 `too_many_connections` with Retry-After (the listener serves as many \
-                       connections as it allows, or as many from this address that have not \
-                       sent a request head); a request head that does not arrive within \
-                       RELAY_API_HEADER_READ_TIMEOUT_MS has its connection closed unanswered. \
+                       503 `too_many_connections` with Retry-After, the connection closed (the \
+                       listener serves as many connections as it allows, or this client holds \
+                       RELAY_API_MAX_CONNECTIONS_PER_CLIENT connections, or as many that have \
+                       not sent a request head as RELAY_API_MAX_HEADLESS_PER_ADDRESS), and 503 \
+                       `body_budget_spent` with Retry-After, the connection closed (the body \
+                       does not fit in the process's RELAY_BODY_BYTES_IN_FLIGHT, or this \
+                       client's RELAY_BODY_BYTES_PER_CLIENT; nothing of it was read or done); \
+                       behind a proxy naming clients by X-Forwarded-For, 429 \
+                       `too_many_requests` when this client has \
+                       RELAY_API_MAX_CONNECTIONS_PER_CLIENT requests in flight. A request head \
+                       that does not arrive within RELAY_API_HEADER_READ_TIMEOUT_MS, or a \
+                       kept-alive connection idle for RELAY_API_IDLE_TIMEOUT_MS, has its \
+                       connection closed unanswered. \
                        Any route taking a valid token may answer 429 `too_many_requests` with \
                        Retry-After, before anything is done, the connection then closed: the \
                        caller (a tenant, or the operators together) has \
