@@ -294,8 +294,6 @@ pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> a
         .postgres(&pool)
         .redis(&global.redis_url, &global.trust()?);
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
-    let serve_metrics = tokio::spawn(telemetry::serve_metrics(
-        metrics_listener,
     fit_listeners(
         global,
         1,
@@ -303,11 +301,13 @@ pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> a
         &mut [],
     );
     let shared = global.listeners.shared().with_metrics_in(&registry)?;
+    let serve_metrics = tokio::spawn(telemetry::serve_metrics(
+        metrics_listener,
         registry,
         readiness,
+        shared,
     ));
     let sequencer =
-        shared,
         relay_sequencer::Sequencer::start(pool, command.args.to_config(global)?, metrics)
             .await
             .context("starting the sequencer (is Redis up?)")?;
@@ -362,15 +362,15 @@ pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> a
     .await
     .context("starting the publisher (is Redis up?)")?;
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
-    let serve_metrics = tokio::spawn(telemetry::serve_metrics(
-        metrics_listener,
     fit_listeners(global, 1, PUBLISHER_DESCRIPTORS, &mut []);
     let shared = global.listeners.shared().with_metrics_in(&registry)?;
+    let serve_metrics = tokio::spawn(telemetry::serve_metrics(
+        metrics_listener,
         registry,
         readiness,
+        shared,
     ));
     tracing::info!("publisher running");
-        shared,
     shutdown_signal().await;
     tracing::info!("shutting down: finishing the rounds in flight");
     publisher.stop().await;
@@ -387,8 +387,6 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
     args.quota_defaults = global.quota_defaults();
     let mut config = args.to_config(global.outbound.policy(), global.trust()?)?;
     config.registry = registry.clone();
-    let pool = service_pool(global)?;
-    let readiness = Readiness::default().postgres(&pool);
     config.shared = global.listeners.shared().with_metrics_in(&registry)?;
     fit_listeners(
         global,
@@ -396,17 +394,19 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
         API_DESCRIPTORS,
         &mut [("api", &mut config.listener)],
     );
+    let pool = service_pool(global)?;
+    let readiness = Readiness::default().postgres(&pool);
+    let config_shared = config.shared.clone();
     let mut server = relay_api::ApiServer::start(pool, config).await?;
     tracing::info!(address = %server.address, "control plane running");
-    let config_shared = config.shared.clone();
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
     let serve_metrics = tokio::spawn(telemetry::serve_metrics(
         metrics_listener,
         registry,
         readiness,
+        config_shared,
     ));
     let result = tokio::select! {
-        config_shared,
         result = server.wait() => result.map_err(anyhow::Error::from),
         () = shutdown_signal() => server.stop().await.map_err(anyhow::Error::from),
     };
@@ -417,8 +417,6 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
 /// `relay ingest`: serve until SIGINT or SIGTERM.
 pub async fn run_ingest(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Result<()> {
     let mut config = args.to_config();
-    config.waker = ingest_waker(global).await?;
-    // Statements must end before the answer deadline, leaving time to answer.
     config.shared = global.listeners.shared();
     config.quotas = global.quota_defaults();
     fit_listeners(
@@ -427,6 +425,8 @@ pub async fn run_ingest(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Resul
         INGEST_DESCRIPTORS,
         &mut [("webhook", &mut config.listener)],
     );
+    config.waker = ingest_waker(global).await?;
+    // Statements must end before the answer deadline, leaving time to answer.
     let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
     let listener = telemetry::bind(args.listen, "webhook").await?;
     let metrics_listener = telemetry::bind(args.metrics_listen, "metrics").await?;
@@ -479,9 +479,9 @@ impl AllTiers {
         .context("starting the publisher (is Redis up?)")?;
         // The control plane needs a signing key; without one the other tiers still run.
         // The control plane refuses destinations by the publisher's broker and policy.
+        let shared = global.listeners.shared().with_metrics_in(&registry)?;
         let mut api_args = args.api.clone();
         api_args.relay_amqp_url = args.publisher.amqp_url.clone();
-        let shared = global.listeners.shared().with_metrics_in(&registry)?;
         api_args.destination_policy = args.publisher.destinations.policy();
         api_args.quota_defaults = global.quota_defaults();
         let mut api_config = api_args.to_config(global.outbound.policy(), global.trust()?);
