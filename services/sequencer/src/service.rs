@@ -63,11 +63,12 @@ pub mod defaults {
     /// one while another tenant's reload runs; with `MAX_RELOAD_BYTES` the bound on what
     /// reloads hold (README, "Memory").
     pub const MAX_CONCURRENT_RELOADS: usize = 2;
-    /// The most one reload pass (or one stories sync) reads: its answers' bytes, or the memory
-    /// their values take when more. 256 MiB: the 100,000-item benchmark's pass weighs 170 MB
-    /// (its items about 1 KB each), so a pass of about 150,000 such items fits; measured, a pass
-    /// costs the process about 1.6 times its weight while it is merged (README, "Memory").
-    pub const MAX_RELOAD_BYTES: u64 = 256 * 1024 * 1024;
+    /// The most one reload pass (or one stories sync) reads: the memory its answers' values
+    /// take once parsed, as estimated while parsing (or their bytes, when more). 1 GiB: the
+    /// 100,000-item benchmark's pass (items of about 1 KB, 6.5 KB each once parsed) is
+    /// estimated at 814 MB, so a pass of about 130,000 such items fits; measured, a pass costs
+    /// the process at most 1.6 times its estimate until it is merged (README, "Memory").
+    pub const MAX_RELOAD_BYTES: u64 = 1024 * 1024 * 1024;
 }
 
 /// How the sequencer behaves. The defaults suit one machine with the front tier beside it.

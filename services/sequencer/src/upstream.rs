@@ -160,10 +160,13 @@ enum Holds {
 /// holds at most one such answer at a time.
 pub const MAX_OBJECT_ANSWER_BYTES: u64 = relay_wire::limits::MAX_BODY_BYTES as u64;
 
-/// What an answer's value may take once parsed, per byte of its cap: the benchmark's items
-/// take 1.3 times their JSON text (`relay bench reload`, README "Memory"); an answer that would
-/// take more is shaped to swell (many tiny arrays or objects), and is refused as too large.
-const WEIGHT_PER_BYTE: u64 = 2;
+/// What an answer's value may take once parsed (as relay-wire's `answer::parse` estimates it),
+/// per byte of its cap. A large answer is large for its text, which takes about its own size
+/// once parsed; what takes more is small objects and arrays (the benchmark's 1 KB items are
+/// estimated at 8 KB each), and four times the cap holds a page of 500 of them many times over.
+/// Past it the answer is refused as too large, however few bytes it was read from. A reload
+/// pass's answers are bounded by what the pass has left too.
+const WEIGHT_PER_BYTE: u64 = 4;
 
 /// One answer: its status, where it came from, and its body as JSON (`None`: not JSON).
 struct Answered {
@@ -359,7 +362,10 @@ impl UpstreamClient {
                 }
                 BodyError::TooLarge { .. } => UpstreamError::TooLarge {
                     url: url.clone(),
-                    detail: format!("{error} (RELAY_UPSTREAM_MAX_ANSWER_BYTES, or one object's)"),
+                    detail: match holds {
+                        Holds::Page => format!("{error} (RELAY_UPSTREAM_MAX_ANSWER_BYTES)"),
+                        Holds::Object => format!("{error}, the most an answer of one object is"),
+                    },
                 },
                 BodyError::Read(cause) => UpstreamError::Request {
                     url: url.clone(),
