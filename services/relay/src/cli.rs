@@ -441,6 +441,29 @@ pub struct SequencerArgs {
         default_value_t = sequencer::UPSTREAM_TIMEOUT_MS
     )]
     pub upstream_timeout_ms: u64,
+
+    /// Reload passes (and stories endpoints' syncs) reading at once in this process; one tenant
+    /// holds at most RELAY_SEQUENCER_MAX_TENANT_SHARE of them. With the next setting, what
+    /// bounds the memory reloads hold (README, "Memory").
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_MAX_CONCURRENT_RELOADS",
+        default_value_t = sequencer::MAX_CONCURRENT_RELOADS,
+        value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize)
+    )]
+    pub max_concurrent_reloads: usize,
+
+    /// The most one reload pass (or stories sync) reads, in bytes: the memory its answers'
+    /// values take once parsed, as estimated while parsing (or their bytes, when more). Past it
+    /// the pass fails as `too_large` and is read again after a pause. The default (1 GiB) holds
+    /// about 130,000 items of the benchmark's 1 KB.
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_MAX_RELOAD_BYTES",
+        default_value_t = sequencer::MAX_RELOAD_BYTES,
+        value_parser = clap::value_parser!(u64).range(1024..)
+    )]
+    pub max_reload_bytes: u64,
 }
 
 #[derive(Debug, Clone, Args)]
