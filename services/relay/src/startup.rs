@@ -263,6 +263,8 @@ impl SequencerArgs {
             change_retention: days(self.change_retention_days),
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
             stories_catch_up_interval: Duration::from_secs(self.stories_catch_up_interval_s),
+            max_concurrent_reloads: self.max_concurrent_reloads,
+            max_reload_bytes: self.max_reload_bytes,
             outbound: global.outbound.policy(),
             trust: global.trust()?,
             ..relay_sequencer::SequencerConfig::default()
