@@ -32,4 +32,5 @@ mod stream;
 mod tenant_broker;
 mod tls_broker;
 mod tls_support;
+mod upstream_hostile;
 mod upstream_tls;
