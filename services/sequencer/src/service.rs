@@ -318,6 +318,7 @@ async fn schedule(
         apply_backoff: config.apply_backoff,
     };
     let slots = Slots::new(config.max_concurrent_endpoints, config.max_tenant_share);
+    let reload_slots = worker_config.reloads.slots.clone();
     let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let lease_duration = config.lease;
     let mut active: HashMap<Uuid, Arc<WorkerSignal>> = HashMap::new();
@@ -432,6 +433,7 @@ async fn schedule(
             },
             Some(done) = workers.join_next(), if !workers.is_empty() => {
                 slots.forget_idle();
+                reload_slots.forget_idle();
                 let Ok(exit) = done else { continue };
                 if let Some(signal) = active.remove(&exit.endpoint) {
                     if signal.wakes.load(Ordering::SeqCst) > exit.wakes_seen
