@@ -9,7 +9,8 @@
 //!   (kept in `jsonb`), fail as `invalid` naming the field, the failures in a row grow, the
 //!   metric counts them; once the upstream answers good pages the reload merges and the state
 //!   is `ok` again;
-//! - a feed that answers `has_more: true` for ever fails as `too_large` at the pass's bound.
+//! - a feed that answers `has_more: true` for ever fails as `too_large` at the pass's bound;
+//! - the control plane's rewind reads its answer within the cap of one object, and checks it.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -20,7 +21,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use relay_api::{ApiConfig, ApiServer, JwtKeys, Subject};
 use relay_netguard::OutboundPolicy;
@@ -93,6 +94,10 @@ impl Upstream {
         let app = Router::new()
             .route("/v1/webhook-endpoints/{id}", get(endpoint_view))
             .route("/v1/feed", get(feed_page))
+            .route(
+                "/v1/webhook-endpoints/{id}/tracks/{track}/rewind",
+                post(rewind_answer),
+            )
             .with_state(self.clone());
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
@@ -167,17 +172,11 @@ async fn feed_page(
         Json(page(entries, None)).into_response()
     };
     match feed {
-        Some(Feed::Endless) => {
-            let start = futures::stream::once(async {
-                Ok::<_, Infallible>(Bytes::from_static(
-                    b"{\"access_version\": \"av1\", \"data\": [",
-                ))
-            });
-            let rest =
-                futures::stream::repeat_with(|| Ok::<_, Infallible>(Bytes::from_static(&SPACES)));
-            let body = Body::from_stream(futures::StreamExt::chain(start, rest));
-            ([(header::CONTENT_TYPE, "application/json")], body).into_response()
-        }
+        Some(Feed::Endless) => (
+            [(header::CONTENT_TYPE, "application/json")],
+            endless(b"{\"access_version\": \"av1\", \"data\": ["),
+        )
+            .into_response(),
         Some(Feed::Good) => Json(page(good(), None)).into_response(),
         Some(Feed::NulInSubject) => bad(&|e| e["subject"] = json!("announcement:2\u{0}")),
         Some(Feed::LineFeedInSequence) => {
@@ -192,6 +191,33 @@ async fn feed_page(
             Json(page(entries, Some(n + 1))).into_response()
         }
         None => (axum::http::StatusCode::NOT_FOUND, "no such key").into_response(),
+    }
+}
+
+/// A body of `start` and then whitespace for ever, from static memory.
+fn endless(start: &'static [u8]) -> Body {
+    let start =
+        futures::stream::once(async move { Ok::<_, Infallible>(Bytes::from_static(start)) });
+    let rest = futures::stream::repeat_with(|| Ok::<_, Infallible>(Bytes::from_static(&SPACES)));
+    Body::from_stream(futures::StreamExt::chain(start, rest))
+}
+
+/// A rewind's answer: `202` with a body that never ends to an endpoint whose feed is endless,
+/// `409` with an escape sequence as its refusal's code to any other.
+async fn rewind_answer(State(up): State<Upstream>, headers: HeaderMap) -> Response {
+    let feed = up.feeds.lock().unwrap().get(&key_of(&headers)).copied();
+    match feed {
+        Some(Feed::Endless) => (
+            axum::http::StatusCode::ACCEPTED,
+            [(header::CONTENT_TYPE, "application/json")],
+            endless(b"{\"generation\": 5"),
+        )
+            .into_response(),
+        _ => (
+            axum::http::StatusCode::CONFLICT,
+            Json(json!({"error": "cursor_ahead\u{1b}[2J"})),
+        )
+            .into_response(),
     }
 }
 
@@ -632,5 +658,49 @@ async fn a_feed_that_always_has_more_fails_at_the_passs_bound() {
         peak.saturating_sub(before) < 300 * 1024 * 1024,
         "resident memory went from {before} to {peak} bytes"
     );
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rewinds_answer_is_read_within_the_cap_of_one_object_and_checked() {
+    relay_tests::init_logging();
+    let relay = Relay::start(|_| {}).await;
+    let endless = relay.endpoint(None, Feed::Endless).await;
+    let escaped = relay.endpoint(None, Feed::Good).await;
+    for (endpoint, kind) in [(&endless, "too_large"), (&escaped, "invalid")] {
+        // The backup kept the track through 1.990: a rewind asks the upstream to resend.
+        sqlx::query(
+            "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation,
+                                          access_version, through)
+             VALUES ($1, 'feed', $2, 3, 'av1', '1.990')",
+        )
+        .bind(endpoint.id)
+        .bind(endpoint.tenant)
+        .execute(&relay.app.db.pool)
+        .await
+        .unwrap();
+        let token = token_for(KEY, &Subject::Tenant(endpoint.tenant));
+        let answer = relay
+            .api
+            .call(
+                "POST",
+                &format!("/v1/endpoints/{}/tracks/feed/rewind", endpoint.id),
+                &token,
+                None,
+            )
+            .await;
+        assert_eq!(answer.status, 502, "{}", answer.text);
+        assert_eq!(answer.json["error"], "upstream_failed", "{}", answer.text);
+        let detail = answer.json["detail"].as_str().unwrap();
+        assert!(detail.starts_with(&format!("{kind}: ")), "{detail}");
+        // Nothing of the answer was taken: no reload begun.
+        let reload: Option<String> =
+            sqlx::query_scalar("SELECT reload::text FROM endpoint_tracks WHERE endpoint_id = $1")
+                .bind(endpoint.id)
+                .fetch_one(&relay.app.db.pool)
+                .await
+                .unwrap();
+        assert_eq!(reload, None);
+    }
     relay.stop().await;
 }
