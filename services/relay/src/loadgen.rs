@@ -191,15 +191,42 @@ fn prose(len: usize, seed: u64) -> String {
     text
 }
 
-#[derive(Default)]
-struct Tally {
-    latencies_us: Vec<u64>,
-    by_status: BTreeMap<String, u64>,
+/// How a message's request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answered {
+    /// Answered with this HTTP status.
+    Status(u16),
+    /// No answer within the client's timeout.
+    Timeout,
+    /// No answer: the connection failed or was closed.
+    Error,
 }
 
-pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
+impl std::fmt::Display for Answered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Answered::Status(status) => write!(f, "{status}"),
+            Answered::Timeout => f.write_str("timeout"),
+            Answered::Error => f.write_str("error"),
+        }
+    }
+}
+
+/// One message sent after the warm-up: when it was due (when it was sent, in a closed loop),
+/// how long from then its answer took, and the answer.
+#[derive(Debug, Clone, Copy)]
+pub struct Sample {
+    pub due: Instant,
+    pub latency: Duration,
+    pub answered: Answered,
+}
+
+/// Sends the load `args` describe (registering its endpoints first with `--provision`) and
+/// returns every message due after the warm-up, in no particular order: a benchmark that cuts
+/// the run into phases places each message by its `due`.
+pub async fn samples(global: &GlobalArgs, args: &LoadgenArgs) -> anyhow::Result<Vec<Sample>> {
     if args.provision {
-        provision(global, &args).await?;
+        provision(global, args).await?;
     }
     let endpoints = Arc::new(loadgen_endpoints(args.seed, args.endpoints.max(1)));
     // The envelope is about 850 bytes; pad the rest with text that compresses like prose does,
@@ -228,7 +255,7 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
             .wrapping_add(worker as u64);
         tokio::spawn(async move {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-            let mut tally = Tally::default();
+            let mut samples = Vec::new();
             let mut n = (worker as u64) << 32;
             // On a schedule, worker w sends the messages due at w, w + c, w + 2c, ... in units
             // of 1/rate seconds (c senders), so together they keep the rate.
@@ -251,7 +278,7 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
                     None => Instant::now(),
                 };
                 if Instant::now() >= ends {
-                    return tally;
+                    return samples;
                 }
                 let (id, secret) = &endpoints[rng.gen_range(0..endpoints.len())];
                 n += 1;
@@ -267,48 +294,60 @@ pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
                     .body(body)
                     .send()
                     .await;
-                let status = match result {
+                let answered = match result {
                     Ok(response) => {
-                        let status = response.status().as_u16().to_string();
+                        let status = response.status().as_u16();
                         let _ = response.bytes().await;
-                        status
+                        Answered::Status(status)
                     }
-                    Err(error) if error.is_timeout() => "timeout".to_owned(),
-                    Err(_) => "error".to_owned(),
+                    Err(error) if error.is_timeout() => Answered::Timeout,
+                    Err(_) => Answered::Error,
                 };
                 if due >= warmup_ends {
-                    tally.latencies_us.push(due.elapsed().as_micros() as u64);
-                    *tally.by_status.entry(status).or_default() += 1;
+                    samples.push(Sample {
+                        due,
+                        latency: due.elapsed(),
+                        answered,
+                    });
                 }
             }
         })
     });
-    let mut total = Tally::default();
+    let mut all = Vec::new();
     for sender in futures::future::join_all(senders).await {
-        let tally = sender.context("a sender panicked")?;
-        total.latencies_us.extend(tally.latencies_us);
-        for (status, count) in tally.by_status {
-            *total.by_status.entry(status).or_default() += count;
-        }
+        all.extend(sender.context("a sender panicked")?);
     }
-    total.latencies_us.sort_unstable();
+    Ok(all)
+}
+
+pub async fn run(global: &GlobalArgs, args: LoadgenArgs) -> anyhow::Result<()> {
+    let samples = samples(global, &args).await?;
+    let mut latencies_us: Vec<u64> = samples
+        .iter()
+        .map(|s| s.latency.as_micros() as u64)
+        .collect();
+    let mut by_status: BTreeMap<String, u64> = BTreeMap::new();
+    for sample in &samples {
+        *by_status.entry(sample.answered.to_string()).or_default() += 1;
+    }
+    latencies_us.sort_unstable();
     let quantile = |q: f64| -> f64 {
-        if total.latencies_us.is_empty() {
+        if latencies_us.is_empty() {
             return 0.0;
         }
-        let at = ((total.latencies_us.len() as f64 * q).ceil() as usize).saturating_sub(1);
-        total.latencies_us[at.min(total.latencies_us.len() - 1)] as f64 / 1000.0
+        let at = ((latencies_us.len() as f64 * q).ceil() as usize).saturating_sub(1);
+        latencies_us[at.min(latencies_us.len() - 1)] as f64 / 1000.0
     };
     let seconds = args.duration_s.max(1) as f64;
-    let accepted = total.by_status.get("202").copied().unwrap_or(0);
+    let accepted = by_status.get("202").copied().unwrap_or(0);
     let summary = json!({
         "endpoints": args.endpoints,
         "concurrency": args.concurrency,
         "rate": args.rate,
         "body_bytes": args.body_bytes,
         "duration_s": args.duration_s,
-        "requests": total.latencies_us.len(),
-        "by_status": total.by_status,
+        "requests": latencies_us.len(),
+        "by_status": by_status,
         "accepted_per_s": (accepted as f64 / seconds).round(),
         "latency_ms": {"p50": quantile(0.50), "p90": quantile(0.90), "p99": quantile(0.99),
                        "max": quantile(1.0)},
