@@ -235,7 +235,8 @@ pub struct ApiArgs {
           default_value_t = LISTENER_LIMITS.max_connections_per_client,
           value_parser = clap::value_parser!(u32).range(1..).map(|n| n as usize))]
     pub api_max_connections_per_client: usize,
-    /// Milliseconds a kept-alive connection waits with no request before it is closed.
+    /// Milliseconds a kept-alive connection waits for its next request (a new one for its
+    /// first) before it is closed; the head read timeout, when shorter, closes it too.
     #[arg(long, env = "RELAY_API_IDLE_TIMEOUT_MS",
           default_value_t = LISTENER_LIMITS.idle_timeout.as_millis() as u64,
           value_parser = clap::value_parser!(u64).range(1..))]

@@ -9,7 +9,7 @@
 //!   arrive within [`ListenerLimits::header_read_timeout`], or hyper closes the connection; the
 //!   body within [`ListenerLimits::body_read_timeout`] of its head (the reader gets a
 //!   [`BodyReadTimeout`] error, the client a 408 with the connection closed); a kept-alive
-//!   connection with nothing in flight is closed after [`ListenerLimits::idle_timeout`];
+//!   connection waits at most [`ListenerLimits::idle_timeout`] for its next request;
 //! - connections: at most [`ListenerLimits::max_connections`] at once (fitted under the
 //!   open-file limit at start-up: [`fit_connections`]), at most
 //!   [`ListenerLimits::max_connections_per_client`] of one client's, and at most
@@ -43,7 +43,7 @@ use std::error::Error as StdError;
 use std::future::Future;
 use std::net::IpAddr;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -82,8 +82,8 @@ pub struct ListenerLimits {
     pub header_read_timeout: Duration,
     /// A request's body must arrive within this long of its head.
     pub body_read_timeout: Duration,
-    /// A kept-alive connection with no request in flight is closed after this long (the head
-    /// timeout closes it too, whichever is shorter).
+    /// A kept-alive connection waits this long for its next request head (and a new one for
+    /// its first) before it is closed: the head timeout, when that is shorter, closes it too.
     pub idle_timeout: Duration,
     /// Connections served at once; more are answered 503 and closed.
     pub max_connections: usize,
@@ -397,30 +397,6 @@ async fn proxied_client(
     }
 }
 
-/// Whether a connection has a request in flight, and since when it has none.
-struct Activity {
-    in_flight: AtomicUsize,
-    idle_since: Mutex<Instant>,
-}
-
-/// One request in flight on a connection; ends with the request's answer (or when the
-/// connection drops it).
-struct InFlight(Arc<Activity>);
-
-impl InFlight {
-    fn begin(activity: &Arc<Activity>) -> Self {
-        activity.in_flight.fetch_add(1, Ordering::AcqRel);
-        Self(activity.clone())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        *self.0.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 /// Why a request's body failed, for its answer.
 const BODY_OK: u8 = 0;
 const BODY_TIMED_OUT: u8 = 1;
@@ -446,62 +422,33 @@ async fn serve_connection(
     } = slots;
     // Given back with the first request head (or when the connection ends before one).
     let headless = Arc::new(Mutex::new(headless));
-    let activity = Arc::new(Activity {
-        in_flight: AtomicUsize::new(0),
-        idle_since: Mutex::new(Instant::now()),
-    });
     let limits = served.limits;
     let service = {
-        let (served, activity) = (served.clone(), activity.clone());
+        let served = served.clone();
         service_fn(move |request: Request<Incoming>| {
             headless.lock().unwrap_or_else(|p| p.into_inner()).take();
-            let in_flight = InFlight::begin(&activity);
-            answer(served.clone(), client, peer, request, in_flight)
+            answer(served.clone(), client, peer, request)
         })
     };
     let mut builder = http1::Builder::new();
+    // hyper's head timer runs from the connection's opening and from each answer: it is the
+    // idle timeout too. hyper reads what arrived before it looks at the timer, so a request sent
+    // just before the deadline is answered, never cut.
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
+        .header_read_timeout(limits.header_read_timeout.min(limits.idle_timeout))
         .max_buf_size(MAX_READ_BUFFER);
     let mut connection = pin!(builder.serve_connection(TokioIo::new(stream), service));
     let mut stopping = false;
-    loop {
-        let idle_check = {
-            let since = *activity
-                .idle_since
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            since + limits.idle_timeout
-        };
-        tokio::select! {
-            result = connection.as_mut() => {
-                if let Err(error) = result {
-                    tracing::debug!(%error, "connection ended");
-                }
-                break;
+    tokio::select! {
+        result = connection.as_mut() => {
+            if let Err(error) = result {
+                tracing::debug!(%error, "connection ended");
             }
-            _ = stop_seen.wait_for(|stopping| *stopping) => {
-                connection.as_mut().graceful_shutdown();
-                stopping = true;
-                break;
-            }
-            () = tokio::time::sleep_until(idle_check) => {
-                let idle = activity.in_flight.load(Ordering::Acquire) == 0
-                    && activity.idle_since.lock().unwrap_or_else(|p| p.into_inner()).elapsed()
-                        >= limits.idle_timeout;
-                if idle {
-                    // Nothing in flight: hyper closes it at once.
-                    connection.as_mut().graceful_shutdown();
-                    stopping = true;
-                    break;
-                }
-                if activity.in_flight.load(Ordering::Acquire) > 0 {
-                    // Checked again a timeout after the request ends, at the earliest.
-                    *activity.idle_since.lock().unwrap_or_else(|p| p.into_inner()) =
-                        Instant::now();
-                }
-            }
+        }
+        _ = stop_seen.wait_for(|stopping| *stopping) => {
+            connection.as_mut().graceful_shutdown();
+            stopping = true;
         }
     }
     if stopping {
@@ -519,7 +466,6 @@ async fn answer(
     connection_client: Option<IpAddr>,
     peer: IpAddr,
     mut request: Request<Incoming>,
-    in_flight: InFlight,
 ) -> Result<Response<axum::body::Body>, std::convert::Infallible> {
     let limits = served.limits;
     let (client, _request_slot) = match connection_client {
@@ -575,7 +521,7 @@ async fn answer(
         }
         _ => response,
     };
-    drop((charge, in_flight));
+    drop(charge);
     Ok(response)
 }
 
@@ -733,10 +679,7 @@ impl Body for GuardedBody {
     type Data = Bytes;
     type Error = Box<dyn StdError + Send + Sync>;
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> FramePoll {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> FramePoll {
         let this = &mut *self;
         if this.refused {
             return this.fail(BODY_OVER_BUDGET);
