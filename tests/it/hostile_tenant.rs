@@ -287,17 +287,46 @@ async fn post_signed(
         std::slice::from_ref(secret),
         serde_json::to_vec(body).unwrap(),
     );
+    post(client, base_url, endpoint, &signed).await
+}
+
+async fn post(client: &reqwest::Client, base_url: &str, endpoint: Uuid, signed: &Signed) -> u16 {
     client
         .post(format!("{base_url}/webhooks/{endpoint}"))
         .header("webhook-id", &signed.webhook_id)
         .header("webhook-timestamp", signed.timestamp.to_string())
         .header("webhook-signature", &signed.signature)
         .header("content-type", "application/json")
-        .body(signed.body)
+        .body(signed.body.clone())
         .send()
         .await
         .map(|r| r.status().as_u16())
         .unwrap_or(0)
+}
+
+/// Signs `body` once and posts it, then again, as the upstream sends a message again, while the
+/// answer is one it takes as "later" (429, 503) or none came: the last answer. A 200 says an
+/// earlier try was stored after all.
+async fn post_until_taken(
+    client: &reqwest::Client,
+    base_url: &str,
+    endpoint: Uuid,
+    secret: &relay_wire::SigningSecret,
+    body: &Value,
+) -> u16 {
+    let signed = Signed::new(
+        std::slice::from_ref(secret),
+        serde_json::to_vec(body).unwrap(),
+    );
+    let mut status = 0;
+    for _ in 0..20 {
+        status = post(client, base_url, endpoint, &signed).await;
+        if ![0, 429, 503].contains(&status) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    status
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -512,7 +541,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
                 sends.push(tokio::spawn(async move {
                     (
                         label,
-                        post_signed(&client, &base_url, endpoint, &secret, &body).await,
+                        post_until_taken(&client, &base_url, endpoint, &secret, &body).await,
                     )
                 }));
                 poison_sent += 1;
@@ -577,15 +606,11 @@ async fn a_hostile_tenant_cannot_hurt_another() {
     for (i, (endpoint, secret)) in a_endpoints.iter().enumerate() {
         let body: Value = serde_json::from_slice(&feed_body(*endpoint, 7_000 + i as u64)).unwrap();
         // Sent again after a 429, as the upstream does: the flood may have spent A's quota.
-        let mut status = 429;
-        for _ in 0..20 {
-            status = post_signed(&client, &app.base_url, *endpoint, secret, &body).await;
-            if status != 429 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        assert_eq!(status, 202, "seed {seed}: A's good message");
+        let status = post_until_taken(&client, &app.base_url, *endpoint, secret, &body).await;
+        assert!(
+            [200, 202].contains(&status),
+            "seed {seed}: A's good message: {status}"
+        );
     }
 
     // 4. The control plane: A's upstreams at private addresses, and A's destination at the
@@ -642,7 +667,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
 
     for (label, answers) in &poison_answers {
         assert!(
-            answers.iter().all(|s| *s == 202),
+            answers.iter().all(|s| [200, 202].contains(s)),
             "seed {seed}: A's {label} answered {answers:?}"
         );
     }
