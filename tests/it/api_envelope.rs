@@ -272,6 +272,7 @@ async fn a_tenants_rewinds_against_its_slow_upstream_leave_another_tenants_reads
         config.envelope = EnvelopeLimits {
             max_requests_per_tenant: 32,
             max_rewinds_per_tenant: 2,
+            max_rewinds: 16,
             rewind_timeout: REWIND_DEADLINE,
         };
         // The HTTP client's own timeout is longer: the rewind's deadline is what ends it.
@@ -398,13 +399,83 @@ async fn a_tenants_rewinds_against_its_slow_upstream_leave_another_tenants_reads
 }
 
 #[tokio::test]
+async fn all_tenants_rewinds_together_are_bounded_so_their_answers_memory_is() {
+    let (upstream, upstream_url) = SlowUpstream::start(Duration::from_secs(60)).await;
+    let app = App::spawn(|config| {
+        config.envelope = EnvelopeLimits {
+            max_requests_per_tenant: 32,
+            max_rewinds_per_tenant: 2,
+            max_rewinds: 3,
+            rewind_timeout: REWIND_DEADLINE,
+        };
+        config.upstream_timeout = Duration::from_secs(30);
+    })
+    .await;
+    let mut rewind_urls = Vec::new();
+    let mut tokens = Vec::new();
+    for name in ["A", "B"] {
+        let (tenant, token) = app.tenant(name).await;
+        let endpoint = app
+            .ok(
+                201,
+                "POST",
+                "/v1/endpoints",
+                &token,
+                Some(&App::new_endpoint(Some(&upstream_url))),
+            )
+            .await["id"]
+            .as_str()
+            .unwrap()
+            .parse::<Uuid>()
+            .unwrap();
+        keep_track(&app.db, tenant, endpoint).await;
+        rewind_urls.push(format!(
+            "{}/v1/endpoints/{endpoint}/tracks/feed/rewind",
+            app.base_url
+        ));
+        tokens.push(token);
+    }
+    // A's two rewinds wait on the upstream; then B's two, of which only one finds room.
+    let mut rewinds = Vec::new();
+    for (i, delay) in [0u64, 0, 300, 300].into_iter().enumerate() {
+        let (url, token) = (rewind_urls[i / 2].clone(), tokens[i / 2].clone());
+        rewinds.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+            timed(&client(), url, reqwest::Method::POST, &token).await
+        }));
+    }
+    let mut answers = Vec::new();
+    for rewind in rewinds {
+        answers.push(rewind.await.unwrap());
+    }
+    assert_eq!(upstream.asked(), 3);
+    assert!(upstream.most_held.load(Ordering::SeqCst) <= 3);
+    let refused: Vec<&Timed> = answers.iter().filter(|a| a.status == 429).collect();
+    assert_eq!(
+        refused.len(),
+        1,
+        "{:?}",
+        answers.iter().map(|a| a.status).collect::<Vec<_>>()
+    );
+    let detail = refused[0].json["detail"].as_str().unwrap();
+    assert!(detail.contains("RELAY_API_MAX_REWINDS"), "{detail}");
+    assert_eq!(refused[0].retry_after, Some(REWIND_DEADLINE.as_secs()));
+    assert_eq!(
+        app.counter("relay_api_throttled_total", "bound", "all_rewinds"),
+        1
+    );
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn each_caller_has_its_own_bound_on_requests_in_flight() {
     let (upstream, upstream_url) = SlowUpstream::start(Duration::from_secs(60)).await;
     let app = App::spawn(|config| {
         config.envelope = EnvelopeLimits {
             max_requests_per_tenant: 4,
-            // The rewinds' own bound is not the one met here.
+            // The rewinds' own bounds are not the ones met here.
             max_rewinds_per_tenant: 100,
+            max_rewinds: 100,
             rewind_timeout: REWIND_DEADLINE,
         };
     })

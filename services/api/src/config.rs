@@ -199,6 +199,12 @@ pub struct ApiArgs {
           default_value_t = ENVELOPE_LIMITS.max_rewinds_per_tenant,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub api_max_rewinds_per_tenant: u32,
+    /// Rewinds all tenants together may have in flight at once (each holds an upstream answer
+    /// of up to 1 MiB); one more is answered 429 with Retry-After.
+    #[arg(long, env = "RELAY_API_MAX_REWINDS",
+          default_value_t = ENVELOPE_LIMITS.max_rewinds,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub api_max_rewinds: u32,
     /// Seconds a rewind may take, its call to the upstream included; then it is answered 502
     /// `upstream_failed` (timed out). Keep it under RELAY_API_UPSTREAM_TIMEOUT_S.
     #[arg(long, env = "RELAY_API_REWIND_TIMEOUT_S",
@@ -411,6 +417,7 @@ impl ApiArgs {
             envelope: EnvelopeLimits {
                 max_requests_per_tenant: self.api_max_requests_per_tenant,
                 max_rewinds_per_tenant: self.api_max_rewinds_per_tenant,
+                max_rewinds: self.api_max_rewinds,
                 rewind_timeout: Duration::from_secs(self.api_rewind_timeout_s),
             },
             quotas: self.quota_defaults,

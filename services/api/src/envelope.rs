@@ -103,6 +103,10 @@ pub struct EnvelopeLimits {
     pub max_requests_per_tenant: u32,
     /// Rewinds one tenant may have in flight.
     pub max_rewinds_per_tenant: u32,
+    /// Rewinds all tenants together may have in flight: each holds an upstream answer of up to
+    /// the wire file's largest body, so this bounds the control plane's memory however many
+    /// tenants rewind at once.
+    pub max_rewinds: u32,
     /// The longest a rewind waits on the tenant's upstream before it is answered 502.
     pub rewind_timeout: Duration,
 }
@@ -113,6 +117,7 @@ pub struct EnvelopeLimits {
 pub const ENVELOPE_LIMITS: EnvelopeLimits = EnvelopeLimits {
     max_requests_per_tenant: 32,
     max_rewinds_per_tenant: 2,
+    max_rewinds: 16,
     rewind_timeout: Duration::from_secs(3),
 };
 
@@ -120,6 +125,8 @@ pub const ENVELOPE_LIMITS: EnvelopeLimits = EnvelopeLimits {
 pub struct Envelope {
     pub requests: InFlight<Caller>,
     pub rewinds: InFlight<relay_store::TenantId>,
+    /// Every tenant's rewinds together (one key).
+    pub all_rewinds: InFlight<()>,
     pub rewind_deadline: Duration,
 }
 
@@ -128,6 +135,7 @@ impl Envelope {
         Self {
             requests: InFlight::new(limits.max_requests_per_tenant),
             rewinds: InFlight::new(limits.max_rewinds_per_tenant),
+            all_rewinds: InFlight::new(limits.max_rewinds),
             rewind_deadline: limits.rewind_timeout,
         }
     }

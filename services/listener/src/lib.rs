@@ -115,7 +115,7 @@ impl ListenerLimits {
 /// hyper's read buffer per connection at most (its smallest allowed is 8 KiB): a request head
 /// must fit in it, and a body is read through it in pieces of at most this size. Bounds what a
 /// connection that sends a huge head, slowly, holds.
-pub const MAX_READ_BUFFER: usize = 32 * 1024;
+pub const MAX_READ_BUFFER: usize = 16 * 1024;
 
 /// Connections past the bound that are answered (written to, then drained briefly) at once;
 /// further ones are closed unanswered. Keeps a flood of refusals from costing descriptors.

@@ -95,8 +95,8 @@ fn valid_track(track: &str) -> Result<(), ApiError> {
             policy refuses (field `upstream_base_url`): nothing was sent"),
         (status = 429, body = ErrorBody, description = "The tenant has \
             RELAY_API_MAX_REWINDS_PER_TENANT rewinds in flight already (or \
-            RELAY_API_MAX_REQUESTS_PER_TENANT requests): nothing was asked; retry after the \
-            Retry-After seconds"),
+            RELAY_API_MAX_REQUESTS_PER_TENANT requests), or all tenants together \
+            RELAY_API_MAX_REWINDS: nothing was asked; retry after the Retry-After seconds"),
         (status = 502, body = ErrorBody, description = "The upstream failed, answered a \
             redirect (never followed), did not answer within RELAY_API_REWIND_TIMEOUT_S \
             (`timed out`), or answered what the relay does not take: a body past the largest \
@@ -124,6 +124,22 @@ pub async fn rewind_track(
                 "this tenant has {} rewinds in flight already, the most allowed \
                  (RELAY_API_MAX_REWINDS_PER_TENANT); each ends within {} s",
                 state.envelope.rewinds.limit(),
+                deadline.as_secs_f64()
+            ),
+            retry_after: deadline,
+        }
+    })?;
+    let _one_of_all = state.envelope.all_rewinds.try_enter(()).ok_or_else(|| {
+        state
+            .metrics
+            .throttled
+            .with_label_values(&["all_rewinds"])
+            .inc();
+        ApiError::TooManyRequests {
+            detail: format!(
+                "the relay has {} rewinds in flight already, the most it allows at once \
+                 (RELAY_API_MAX_REWINDS); each ends within {} s",
+                state.envelope.all_rewinds.limit(),
                 deadline.as_secs_f64()
             ),
             retry_after: deadline,
