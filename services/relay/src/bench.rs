@@ -38,8 +38,10 @@ pub enum BenchCommand {
     /// applied by the sequencer, published to RabbitMQ and confirmed; receipt-to-confirm
     /// latency and backlogs.
     Pipeline(PipelineBenchArgs),
-    /// Tenant B's apply lag in quiet phases and in phases where tenant A sends hostile messages
-    /// and a stranger holds slow connections, alternating in one run.
+    /// Tenant B's answer and apply latency, and the process's resident memory, in quiet phases
+    /// and in phases of each class of attack (hostile messages and slow heads, bodies that stop
+    /// short, kept-alive hogs, hostile upstream pages, a flood past a quota), alternating in
+    /// one run.
     Isolation(crate::bench_isolation::IsolationBenchArgs),
     /// Stories endpoints' events applied per second and a reload in full of a large stories
     /// copy, each beside the feed's figure for the same work, alternating in one run.
