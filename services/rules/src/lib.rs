@@ -36,6 +36,10 @@
 //!   each does to its row ([`apply_write`]), the writes an event asks for in either mode, the
 //!   notification it claims, a whole run decided at once ([`decide_stories_run`] →
 //!   [`StoriesPlan`], "How to drive it" there), and [`StoriesCopy`], its executor in memory.
+//! - [`ticker_sync`]: a stories sync's steps before its catch-up: removed tickers dropped, a
+//!   reload in full, added tickers loaded once ([`decide_ticker_sync`] → [`TickerSync`]).
+//! - [`notify`]: which claimed notifications a stories endpoint sends: only those of events
+//!   created since its registration ([`decide_notify`]).
 //!
 //! `RULES.md` beside this crate lists every reading rule of the wire file with its id, the
 //! function that decides it, the statement that carries it out, and its tests.
@@ -44,6 +48,7 @@ mod address;
 mod destination;
 mod event;
 mod model;
+mod notify;
 mod parts;
 mod precedence;
 mod quarantine;
@@ -52,12 +57,14 @@ mod reload;
 mod rewind;
 mod run;
 mod stories;
+mod ticker_sync;
 mod track;
 
 pub use address::{classify, AddressKind};
 pub use destination::{canonical, is_public, same_listener, DestinationPolicy, Refusal};
 pub use event::{decide_event, feed_subject, Decision, IgnoreReason};
 pub use model::{Endpoint, FeedCopy, ModelChange};
+pub use notify::{decide_notify, NotifyDecision};
 pub use parts::{diff_parts, PartsDiff};
 pub use precedence::{precedence, Held, HeldContent, Precedence};
 pub use quarantine::{decide_failed_apply, quarantine, ApplyBackoff, FailedApply, Unapplicable};
@@ -82,4 +89,5 @@ pub use stories::{
     PlannedClaim, PlannedStoryWrite, StoriesCopy, StoriesMode, StoriesPlan, StoriesRun,
     StoryChange, StoryOutcome, StoryRead, StoryWrite,
 };
+pub use ticker_sync::{decide_ticker_sync, TickerStep, TickerSync, TickerSyncInput};
 pub use track::{step, EndpointTrack, MessageDecision, Reload, ReloadCause, ReloadStart};
