@@ -194,7 +194,10 @@ fn start(
     }
 }
 
-fn sync_input() -> impl Strategy<Value = (Vec<u8>, Vec<u8>, bool, Vec<u8>, Vec<(u8, u8)>)> {
+/// (wanted, loaded, reload_needed, each ticker's listing as a bit mask, extra stories held).
+type SyncCase = (Vec<u8>, Vec<u8>, bool, Vec<u8>, Vec<(u8, u8)>);
+
+fn sync_input() -> impl Strategy<Value = SyncCase> {
     (
         prop::collection::vec(0..TICKERS, 0..6),
         prop::collection::vec(0..TICKERS, 0..6),
