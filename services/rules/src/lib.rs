@@ -84,7 +84,7 @@ pub use run::{
     PlannedChange, PlannedRow, Run, RunPlan, StoredMessage,
 };
 pub use stories::{
-    apply_write, decide_stories_run, fetched_writes, notification_claim, save_wins,
+    apply_write, decide_stories_run, fetched_write, notification_claim, save_wins,
     snapshot_writes, stories_of, stories_of_run, CopiedStory, HeldStory, PlanMismatch,
     PlannedClaim, PlannedStoryWrite, StoriesCopy, StoriesMode, StoriesPlan, StoriesRun,
     StoryChange, StoryOutcome, StoryRead, StoryWrite,

@@ -24,9 +24,11 @@
 //!    `insert into claimed ... on conflict do nothing returning key`, a notification appended
 //!    only when a row came back. Under the lock a statement always does what the plan says; one
 //!    that does not means another writer, and the transaction must roll back.
-//! 5. Move the endpoint's apply cursor past [`StoriesPlan::applied`] events and commit. An event
-//!    whose read failed ([`StoryOutcome::Unread`]) and those after it stay for the next run,
-//!    which reads again.
+//!    Record each of [`StoriesPlan::owed`] as a read owed, in the same transaction.
+//! 5. Move the endpoint's apply cursor past the run's events and commit. A read that failed
+//!    does not hold the run back: its event is applied for its other effects (its claim uses the
+//!    event's own snapshot) and the story is owed a read ([`StoryOutcome::ReadOwed`]), which the
+//!    endpoint's sync makes later and carries out as [`apply_write`] decides.
 //!
 //! [`StoriesCopy::execute`] carries out a plan the same way in memory, so the property tests
 //! check the plan production writes.
@@ -286,28 +288,20 @@ pub fn stories_of_run(events: &[Result<StoryEvent, String>]) -> Vec<String> {
 }
 
 /// Fetch-on-notify, the seed's `fetchOnNotify`: "Each event means 'these stories changed'; ask
-/// the API for their current state. A 404 means closed." For each of [`stories_of`]: a story
-/// found is saved, a 404 closes it at version 0 (`closeStory(id, null)`).
-///
-/// `Err(id)` names the first story whose read failed or was not made: the event cannot be
-/// applied now, and the caller reads again later. A found story that is not the one asked for
-/// is taken as a failed read (see [`StoryRead::from_answer`]).
-pub fn fetched_writes(
-    event: &StoryEvent,
-    reads: &HashMap<String, StoryRead>,
-) -> Result<Vec<StoryWrite>, String> {
-    stories_of(event)
-        .into_iter()
-        .map(|id| match reads.get(&id) {
-            Some(StoryRead::Found(story)) if story.id == id => Ok(StoryWrite::Save(story.clone())),
-            Some(StoryRead::NotFound) => Ok(StoryWrite::Close {
-                story_id: id,
-                version: 0,
-                merged_into: None,
-            }),
-            _ => Err(id),
-        })
-        .collect()
+/// the API for their current state. A 404 means closed." The write a read of one of
+/// [`stories_of`] asks for: a story found is saved, a 404 closes it at version 0
+/// (`closeStory(id, null)`). `Err(id)` when the read failed or was not made; a found story that
+/// is not the one asked for is taken as a failed read (see [`StoryRead::from_answer`]).
+pub fn fetched_write(id: String, reads: &HashMap<String, StoryRead>) -> Result<StoryWrite, String> {
+    match reads.get(&id) {
+        Some(StoryRead::Found(story)) if story.id == id => Ok(StoryWrite::Save(story.clone())),
+        Some(StoryRead::NotFound) => Ok(StoryWrite::Close {
+            story_id: id,
+            version: 0,
+            merged_into: None,
+        }),
+        _ => Err(id),
+    }
 }
 
 /// The notification an event claims. Seed: "Claim them with a single insert: insert into
@@ -387,8 +381,9 @@ pub enum StoryOutcome {
     Ignored,
     /// Not a stories event: why.
     Malformed(String),
-    /// Fetch-on-notify: the read of this story failed; the run stops here.
-    Unread(String),
+    /// Fetch-on-notify: applied, but the read of this story (the first of the event's that
+    /// failed) is owed: the story is in [`StoriesPlan::owed`].
+    ReadOwed(String),
 }
 
 impl StoryOutcome {
@@ -397,26 +392,33 @@ impl StoryOutcome {
             StoryOutcome::Applied => "applied",
             StoryOutcome::Ignored => "ignored_type",
             StoryOutcome::Malformed(_) => "malformed",
-            StoryOutcome::Unread(_) => "unread",
+            StoryOutcome::ReadOwed(_) => "read_owed",
         }
+    }
+
+    /// Whether the event's effects are in the plan (an event with a read owed is: what it could
+    /// do without the read).
+    pub fn applied(&self) -> bool {
+        matches!(self, StoryOutcome::Applied | StoryOutcome::ReadOwed(_))
     }
 }
 
 /// Everything a run writes, in the order to write it (one transaction; see the module doc):
 /// 1. [`writes`](Self::writes), in order, each as its statement, its change to the outbox;
 /// 2. [`claims`](Self::claims), in event order, a notification for each that returns a row;
-/// 3. the apply cursor moved past [`applied`](Self::applied) events.
+/// 3. [`owed`](Self::owed) recorded as reads owed;
+/// 4. the apply cursor moved past every event of the run.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct StoriesPlan {
     pub writes: Vec<PlannedStoryWrite>,
     /// Once per key in a run (a second insert of a key could never return a row).
     pub claims: Vec<PlannedClaim>,
-    /// One per event the plan covers, then, when the run stopped, the [`StoryOutcome::Unread`]
-    /// event's: `outcomes.len()` is `applied` or `applied + 1`.
+    /// One per event of the run, in order: a run never stops (a failed read is owed instead).
     pub outcomes: Vec<StoryOutcome>,
-    /// The run stops at the first Unread event (nothing of it or after it is planned): how many
-    /// events of the run, from the first, the plan covers.
-    pub applied: usize,
+    /// Fetch-on-notify: the stories whose read failed (or was not made), sorted, once each: the
+    /// reads owed, recorded with the cursor's move. A story also read well in the run is still
+    /// owed: the failed read was another event's, and may have been the newer.
+    pub owed: Vec<String>,
     /// The rows after the plan: every row read for the run, and every row it writes.
     pub rows: HashMap<String, HeldStory>,
 }
@@ -431,7 +433,8 @@ impl StoriesPlan {
 /// Decides a whole run of one endpoint's events (see the module doc for how to drive it).
 ///
 /// Each event is taken in order: its writes are [`snapshot_writes`] or, in fetch-on-notify mode,
-/// [`fetched_writes`] from the reads made before the run; each write's change is
+/// [`fetched_write`] of each of its stories read before the run (one whose read failed is
+/// owed, and its event still claims what it claims); each write's change is
 /// [`apply_write`] against the row as the run's earlier writes left it; its claim is
 /// [`notification_claim`]. Seed: "With these two writes, applying an event twice changes
 /// nothing, and the order events arrive in doesn't matter", so nothing here looks at event ids.
@@ -441,29 +444,37 @@ pub fn decide_stories_run(run: StoriesRun<'_>) -> StoriesPlan {
         ..StoriesPlan::default()
     };
     let mut claimed: HashSet<String> = HashSet::new();
+    let mut owed: BTreeSet<String> = BTreeSet::new();
     for event in run.events {
         let event = match event {
             Err(reason) => {
                 plan.outcomes.push(StoryOutcome::Malformed(reason.clone()));
-                plan.applied += 1;
                 continue;
             }
             Ok(event) => event,
         };
         if let StoryEventBody::Ignored { .. } = event.body {
             plan.outcomes.push(StoryOutcome::Ignored);
-            plan.applied += 1;
             continue;
         }
+        let mut outcome = StoryOutcome::Applied;
         let writes = match run.mode {
             StoriesMode::Snapshot => snapshot_writes(event),
-            StoriesMode::FetchOnNotify => match fetched_writes(event, run.reads) {
-                Ok(writes) => writes,
-                Err(story_id) => {
-                    plan.outcomes.push(StoryOutcome::Unread(story_id));
-                    break;
+            StoriesMode::FetchOnNotify => {
+                let mut writes = Vec::new();
+                for id in stories_of(event) {
+                    match fetched_write(id, run.reads) {
+                        Ok(write) => writes.push(write),
+                        Err(id) => {
+                            if outcome == StoryOutcome::Applied {
+                                outcome = StoryOutcome::ReadOwed(id.clone());
+                            }
+                            owed.insert(id);
+                        }
+                    }
                 }
-            },
+                writes
+            }
         };
         for write in writes {
             if let StoryWrite::Save(story) = &write {
@@ -489,9 +500,9 @@ pub fn decide_stories_run(run: StoriesRun<'_>) -> StoriesPlan {
                 });
             }
         }
-        plan.outcomes.push(StoryOutcome::Applied);
-        plan.applied += 1;
+        plan.outcomes.push(outcome);
     }
+    plan.owed = owed.into_iter().collect();
     plan
 }
 

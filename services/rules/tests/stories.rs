@@ -29,9 +29,9 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::Config as ProptestConfig;
 use relay_rules::{
-    apply_write, decide_stories_run, fetched_writes, notification_claim, save_wins,
-    snapshot_writes, stories_of, stories_of_run, CopiedStory, HeldStory, PlannedClaim, StoriesCopy,
-    StoriesMode, StoriesPlan, StoriesRun, StoryChange, StoryOutcome, StoryRead, StoryWrite,
+    apply_write, decide_stories_run, fetched_write, notification_claim, save_wins, snapshot_writes,
+    stories_of, stories_of_run, CopiedStory, HeldStory, PlannedClaim, StoriesCopy, StoriesMode,
+    StoriesPlan, StoriesRun, StoryChange, StoryOutcome, StoryRead, StoryWrite,
 };
 use relay_wire::{Story, StoryEvent};
 use serde_json::{json, Value};
@@ -155,6 +155,17 @@ fn drive(
 fn apply(copy: &mut StoriesCopy, events: &[StoryEvent]) -> StoriesPlan {
     let events: Vec<_> = events.iter().cloned().map(Ok).collect();
     drive(copy, StoriesMode::Snapshot, &events, &HashMap::new()).0
+}
+
+/// The writes an event's reads ask for, or the first story whose read failed.
+fn fetched_writes(
+    event: &StoryEvent,
+    reads: &HashMap<String, StoryRead>,
+) -> Result<Vec<StoryWrite>, String> {
+    stories_of(event)
+        .into_iter()
+        .map(|id| fetched_write(id, reads))
+        .collect()
 }
 
 fn reads(answers: &[(&str, StoryRead)]) -> HashMap<String, StoryRead> {
@@ -639,21 +650,24 @@ fn a_not_found_read_closes_at_version_0() {
     );
 }
 
-/// A run stops at the first event whose read failed: nothing of it or after it is planned, and
-/// the next run (reading again) starts there.
+/// A read that failed does not stop the run: its event is applied for what it can do without
+/// the read (a claim uses the event's own snapshot), the story is owed, and every later event
+/// is applied. Paying the read later (as the sync does) leaves the copy as reading it then would.
 #[test]
-fn a_run_stops_at_the_first_unread_event() {
+fn a_failed_read_is_owed_and_the_run_goes_on() {
     let events = vec![
         Ok(updated("e1", &story("st_1", 2))),
         Err("not a stories event".to_owned()),
         Ok(event("e2", "story.promoted", "live", json!({}))),
         Ok(strong("e3", "live", &story("st_2", 3))),
         Ok(updated("e4", &story("st_1", 3))),
+        Ok(closed("e5", "st_3", 2, Some(&story("st_2", 4)))),
     ];
     let mut copy = StoriesCopy::default();
     let failed = reads(&[
         ("st_1", StoryRead::Found(story("st_1", 3))),
         ("st_2", StoryRead::Failed),
+        ("st_3", StoryRead::NotFound),
     ]);
     let (plan, notified) = drive(&mut copy, StoriesMode::FetchOnNotify, &events, &failed);
     assert_eq!(
@@ -662,26 +676,45 @@ fn a_run_stops_at_the_first_unread_event() {
             StoryOutcome::Applied,
             StoryOutcome::Malformed("not a stories event".into()),
             StoryOutcome::Ignored,
-            StoryOutcome::Unread("st_2".into()),
+            StoryOutcome::ReadOwed("st_2".into()),
+            StoryOutcome::Applied,
+            StoryOutcome::ReadOwed("st_2".into()),
         ]
     );
-    assert_eq!(plan.applied, 3);
-    assert!(plan.claims.is_empty() && notified.is_empty());
-    assert_eq!(plan.writes.len(), 1);
-    assert_eq!(copy.rows["st_1"], open_row(&story("st_1", 3)));
-    assert!(!copy.rows.contains_key("st_2"));
-
-    let rest = &events[plan.applied..];
-    let answered = reads(&[
-        ("st_1", StoryRead::Found(story("st_1", 3))),
-        ("st_2", StoryRead::Found(story("st_2", 3))),
-    ]);
-    let (plan, notified) = drive(&mut copy, StoriesMode::FetchOnNotify, rest, &answered);
-    assert_eq!(plan.applied, 2);
-    assert_eq!(plan.outcomes, vec![StoryOutcome::Applied; 2]);
+    assert_eq!(
+        plan.outcomes.iter().filter(|o| o.applied()).count(),
+        4,
+        "every event of the stories source is applied"
+    );
+    assert_eq!(plan.owed, vec!["st_2".to_owned()], "once, however many ask");
+    // The claim is the event's: it names the story and its snapshot without a read.
     assert_eq!(notified.len(), 1);
-    assert_eq!(copy.rows["st_2"], open_row(&story("st_2", 3)));
-    // Snapshot mode never stops: it reads nothing.
+    assert_eq!(notified[0].story_id, "st_2");
+    assert!(
+        !copy.rows.contains_key("st_2"),
+        "nothing saved of an unread story"
+    );
+    assert_eq!(copy.rows["st_1"], open_row(&story("st_1", 3)));
+    assert!(copy.rows["st_3"].closed, "the merge's close was read");
+
+    // The owed read, paid later: the story as the API answers it then.
+    let paid = reads(&[("st_2", StoryRead::Found(story("st_2", 4)))]);
+    let write = fetched_write("st_2".to_owned(), &paid).unwrap();
+    let (_, change) = apply_write(copy.held("st_2"), &write);
+    assert_eq!(copy.apply(&write), change);
+    assert_eq!(copy.rows["st_2"], open_row(&story("st_2", 4)));
+    // A read not made is owed as a failed one is.
+    let plan = decide_stories_run(StoriesRun {
+        tickers: None,
+        mode: StoriesMode::FetchOnNotify,
+        events: &events,
+        held: &HashMap::new(),
+        reads: &HashMap::new(),
+    });
+    assert_eq!(plan.owed, vec!["st_1", "st_2", "st_3"]);
+    assert!(plan.writes.is_empty());
+    assert_eq!(plan.claims.len(), 1);
+    // Snapshot mode reads nothing, and owes nothing.
     let plan = decide_stories_run(StoriesRun {
         tickers: None,
         mode: StoriesMode::Snapshot,
@@ -689,7 +722,8 @@ fn a_run_stops_at_the_first_unread_event() {
         held: &HashMap::new(),
         reads: &HashMap::new(),
     });
-    assert_eq!(plan.applied, events.len());
+    assert!(plan.owed.is_empty());
+    assert_eq!(plan.outcomes.len(), events.len());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1041,7 +1075,8 @@ proptest! {
             }
             let run = &arrivals[at..(at + len).min(arrivals.len())];
             let (plan, claims) = drive(&mut any_order, mode, run, &none);
-            prop_assert_eq!(plan.applied, run.len());
+            prop_assert_eq!(plan.outcomes.len(), run.len());
+            prop_assert!(plan.owed.is_empty());
             prop_assert_eq!(plan.outcomes.len(), run.len());
             changes.extend(plan.changes().cloned());
             notified.extend(claims.into_iter().map(|c| c.key));
@@ -1078,8 +1113,9 @@ proptest! {
         }
     }
 
-    /// Fetch-on-notify: any order of arrival, runs of any lengths, reads that fail (the run stops
-    /// and the next reads again) and reads as stale as the run's own events allow (older than
+    /// Fetch-on-notify: any order of arrival, runs of any lengths, reads that fail (the story is
+    /// owed, and read again after the arrivals, as the sync does) and reads as stale as the
+    /// run's own events allow (older than
     /// what earlier runs applied): every story ends as the API's last state of it. Seed: "A
     /// response that is slow because it read the story before a change can't undo that change".
     #[test]
@@ -1098,7 +1134,7 @@ proptest! {
         let mut changes = Vec::new();
         let mut at = 0;
         let mut draws = staleness.iter().cycle();
-        let mut failed_at = None;
+        let mut owed = BTreeSet::new();
         for len in cuts.iter().cycle() {
             if at == arrivals.len() {
                 break;
@@ -1112,8 +1148,7 @@ proptest! {
             let mut answers = HashMap::new();
             for id in stories_of_run(&events) {
                 let (when, fail) = draws.next().unwrap();
-                // A read fails at most once per place in the arrivals, so the runs progress.
-                let read = if *fail == 0 && failed_at != Some(at) {
+                let read = if *fail == 0 {
                     StoryRead::Failed
                 } else {
                     timeline.read(floor + when.index(n - floor), &id)
@@ -1121,13 +1156,26 @@ proptest! {
                 answers.insert(id, read);
             }
             let (plan, _) = drive(&mut copy, StoriesMode::FetchOnNotify, &events, &answers);
-            if plan.applied < run.len() {
-                prop_assert!(matches!(plan.outcomes.last(), Some(StoryOutcome::Unread(_))));
-                prop_assert_eq!(plan.outcomes.len(), plan.applied + 1);
-                failed_at = Some(at + plan.applied);
+            prop_assert_eq!(plan.outcomes.len(), run.len());
+            for (outcome, (_, event)) in plan.outcomes.iter().zip(run) {
+                if let StoryOutcome::ReadOwed(id) = outcome {
+                    prop_assert!(plan.owed.contains(id));
+                    prop_assert!(stories_of(event.as_ref().unwrap()).contains(id));
+                }
             }
+            owed.extend(plan.owed.iter().cloned());
             changes.extend(plan.changes().cloned());
-            at += plan.applied;
+            at += run.len();
+        }
+        // The reads owed, made after every arrival: each as the API answers then, decided by
+        // `apply_write` against the row as it is.
+        let now = reads(&owed.iter().map(|id| (id.as_str(), timeline.read(n.saturating_sub(1), id))).collect::<Vec<_>>());
+        for id in owed {
+            let write = fetched_write(id, &now).unwrap();
+            let (_, planned) = apply_write(copy.held(write.story_id()), &write);
+            let made = copy.apply(&write);
+            prop_assert_eq!(&made, &planned);
+            changes.extend(made);
         }
         prop_assert_eq!(&rebuilt(&changes).rows, &copy.rows);
         for (id, api) in &timeline.last() {
