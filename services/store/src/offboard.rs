@@ -30,7 +30,7 @@ use crate::{EndpointId, StoreError, TenantId};
 
 /// Every table with rows of an endpoint, keyed by `endpoint_id`, in the order the purge
 /// empties them. `webhook_endpoints` itself goes last, in [`finish_endpoint`].
-pub const ENDPOINT_TABLES: [&str; 18] = [
+pub const ENDPOINT_TABLES: [&str; 19] = [
     "messages",
     "message_applications",
     "applied_events",
@@ -39,6 +39,7 @@ pub const ENDPOINT_TABLES: [&str; 18] = [
     "changes",
     "claimed",
     "stories_sync",
+    "story_reads_owed",
     "quarantined_messages",
     "endpoint_tracks",
     "endpoint_apply_cursors",

@@ -1,6 +1,6 @@
 //! A stories endpoint's copy (seed 000's `stories` table), its claimed notifications
-//! (`claimed`), its catch-up and reload state (`stories_sync`), and the outbox rows its writes
-//! append.
+//! (`claimed`), its catch-up and reload state (`stories_sync`), its reads owed
+//! (`story_reads_owed`), and the outbox rows its writes append.
 //!
 //! Every write runs in a [`StoriesWriter`]: one transaction that checked the endpoint's fence and
 //! holds its writer lock (the change counter's row), so a run of webhooks, a catch-up page and a
@@ -407,6 +407,46 @@ impl StoriesWriter {
         self.tx.commit().await?;
         Ok(self.appended)
     }
+    /// Records `stories` as reads owed (their fetch-on-notify reads failed), in the transaction
+    /// that moves the cursor past the events that asked for them. A story owed already keeps its
+    /// first `owed_since` and its backoff, and counts one more recording (so a retry that read it
+    /// before this one does not pay it).
+    pub async fn owe_reads(&mut self, stories: &[String], error: &str) -> Result<(), StoreError> {
+        if stories.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(
+            "INSERT INTO story_reads_owed AS o (endpoint_id, story_id, tenant_id, last_error)
+             SELECT $1, unnest($3::text[]), $2, $4
+             ON CONFLICT (endpoint_id, story_id) DO UPDATE
+               SET recorded = o.recorded + 1, last_error = excluded.last_error,
+                   owed_since = least(o.owed_since, excluded.owed_since)",
+        )
+        .bind(self.endpoint)
+        .bind(self.tenant)
+        .bind(stories)
+        .bind(error)
+        .execute(&mut *self.tx)
+        .await?;
+        Ok(())
+    }
+
+    /// An owed read made: its row deleted only if no failed read recorded the story again since
+    /// `recorded` was read (that one may have been for a newer change). Whether it was deleted.
+    pub async fn pay_read(&mut self, owed: &OwedRead) -> Result<bool, StoreError> {
+        let deleted = sqlx::query(
+            "DELETE FROM story_reads_owed
+             WHERE endpoint_id = $1 AND story_id = $2 AND recorded = $3",
+        )
+        .bind(self.endpoint)
+        .bind(&owed.story_id)
+        .bind(owed.recorded)
+        .execute(&mut *self.tx)
+        .await?
+        .rows_affected();
+        Ok(deleted == 1)
+    }
+
 }
 
 /// A stories endpoint's catch-up and reload state.
@@ -481,6 +521,58 @@ pub async fn open_ids(
     pool: &sqlx::PgPool,
     endpoint: EndpointId,
     after: Option<&str>,
+/// A story owed a read (see [`StoriesWriter::owe_reads`]).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct OwedRead {
+    pub story_id: String,
+    /// The recordings so far: [`StoriesWriter::pay_read`] deletes the row only at this count.
+    pub recorded: i64,
+    pub attempts: i32,
+}
+
+/// The endpoint's owed reads whose time has come, the longest waiting first, at most `limit`.
+pub async fn owed_reads_due(
+    pool: &sqlx::PgPool,
+    endpoint: EndpointId,
+    limit: i64,
+) -> Result<Vec<OwedRead>, StoreError> {
+    Ok(sqlx::query_as(
+        "SELECT story_id, recorded, attempts FROM story_reads_owed
+         WHERE endpoint_id = $1 AND next_attempt_at <= now()
+         ORDER BY next_attempt_at, story_id LIMIT $2",
+    )
+    .bind(endpoint)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?)
+}
+
+/// An owed read that failed again: tried next after `first` doubled per attempt before this
+/// one, at most `max`, plus a random part of itself (as `RetryPolicy`'s pauses).
+pub async fn owed_read_failed(
+    pool: &sqlx::PgPool,
+    endpoint: EndpointId,
+    story_id: &str,
+    error: &str,
+    (first, max): (std::time::Duration, std::time::Duration),
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE story_reads_owed
+         SET attempts = attempts + 1, last_error = $3,
+             next_attempt_at = now() + make_interval(
+                 secs => least($5, $4 * power(2, least(attempts, 30))) * (1 + random()))
+         WHERE endpoint_id = $1 AND story_id = $2",
+    )
+    .bind(endpoint)
+    .bind(story_id)
+    .bind(error)
+    .bind(first.as_secs_f64())
+    .bind(max.as_secs_f64())
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
     limit: i64,
 ) -> Result<Vec<String>, StoreError> {
     Ok(sqlx::query_scalar(
@@ -579,9 +671,10 @@ pub async fn claims(
 }
 
 /// Stories endpoints whose sync is due: never synced, a reload needed, tickers added or removed
-/// since their last load, or not caught up within `interval` or since `since` (the sequencer's
-/// start: catch-up on start-up and after downtime). Only active endpoints with upstream settings:
-/// a sync reads the upstream.
+/// since their last load, not caught up within `interval` or since `since` (the sequencer's
+/// start: catch-up on start-up and after downtime), or an owed read's time come (so an idle
+/// endpoint's debts are paid). Only active endpoints with upstream settings: a sync reads the
+/// upstream.
 pub async fn due(
     pool: &sqlx::PgPool,
     interval: std::time::Duration,
@@ -596,7 +689,9 @@ pub async fn due(
            AND e.upstream_base_url IS NOT NULL AND e.upstream_api_key IS NOT NULL
            AND (s.endpoint_id IS NULL OR s.reload_needed OR s.caught_up_at IS NULL
                 OR s.caught_up_at < greatest(now() - make_interval(secs => $1), $2)
-                OR NOT (s.loaded_tickers @> e.tickers AND e.tickers @> s.loaded_tickers))
+                OR NOT (s.loaded_tickers @> e.tickers AND e.tickers @> s.loaded_tickers)
+                OR EXISTS (SELECT 1 FROM story_reads_owed o
+                           WHERE o.endpoint_id = e.id AND o.next_attempt_at <= now()))
            AND ($4::uuid IS NULL OR e.id = $4)
          LIMIT $3",
     )
