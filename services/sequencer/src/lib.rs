@@ -37,4 +37,5 @@ pub use apply::{apply_runs, prepare_run, ApplyError, BatchReport, EndpointContex
 pub use metrics::{SequencerMetrics, APPLY_STEPS};
 pub use reload::{run_reload, ReloadEnd, StopReload};
 pub use service::{defaults, Sequencer, SequencerConfig, SequencerError};
+pub use stories::{StoryReadRetry, STORY_READ_RETRY};
 pub use upstream::{UpstreamClient, UpstreamError};

@@ -81,6 +81,13 @@ pub struct SequencerMetrics {
     /// Notifications claimed (each appended once to its tenant's stream).
     pub stories_notifications: IntCounter,
     pub stories_catch_up_pages: IntCounter,
+    /// Fetch-on-notify story reads, by answer (`failed`: each try that failed).
+    pub story_reads: IntCounterVec,
+    /// Story reads tried again at once after a failure.
+    pub story_reads_retried: IntCounter,
+    /// Reads owed (a story whose read still failed after its tries): `recorded` with a cursor's
+    /// move, `done` by a later sync, `failing` again at a sync (tried later still).
+    pub story_reads_owed: IntCounterVec,
     /// Reloads in full of stories endpoints, by how they ended.
     pub stories_reloads: IntCounterVec,
 }
@@ -90,6 +97,12 @@ pub struct SequencerMetrics {
 pub const STORY_WRITES: [&str; 4] = ["saved", "unchanged", "closed", "already_closed"];
 
 pub const STORIES_RELOAD_OUTCOMES: [&str; 2] = ["finished", "superseded"];
+
+/// What a story read answered.
+pub const STORY_READ_ANSWERS: [&str; 3] = ["found", "not_found", "failed"];
+
+/// What became of reads owed.
+pub const STORY_READS_OWED: [&str; 3] = ["recorded", "done", "failing"];
 
 impl SequencerMetrics {
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
@@ -256,6 +269,35 @@ impl SequencerMetrics {
             ),
             &["outcome"],
         )?;
+        let story_reads = IntCounterVec::new(
+            Opts::new(
+                "relay_sequencer_story_reads_total",
+                "GET /v1/stories/{id} reads of stories endpoints, by answer (found, not_found, \
+                 failed: each try that failed).",
+            ),
+            &["answer"],
+        )?;
+        let story_reads_retried = IntCounter::new(
+            "relay_sequencer_story_reads_retried_total",
+            "Story reads tried again at once after a failed try.",
+        )?;
+        let story_reads_owed = IntCounterVec::new(
+            Opts::new(
+                "relay_sequencer_story_reads_owed_total",
+                "Story reads owed after their tries failed: recorded (with the cursor's move), \
+                 done (by a later sync), failing (again, at a sync).",
+            ),
+            &["what"],
+        )?;
+        registry.register(Box::new(story_reads.clone()))?;
+        registry.register(Box::new(story_reads_retried.clone()))?;
+        registry.register(Box::new(story_reads_owed.clone()))?;
+        for answer in STORY_READ_ANSWERS {
+            story_reads.with_label_values(&[answer]);
+        }
+        for what in STORY_READS_OWED {
+            story_reads_owed.with_label_values(&[what]);
+        }
         registry.register(Box::new(story_writes.clone()))?;
         registry.register(Box::new(stories_notifications.clone()))?;
         registry.register(Box::new(stories_catch_up_pages.clone()))?;
@@ -335,6 +377,9 @@ impl SequencerMetrics {
             story_writes,
             stories_notifications,
             stories_catch_up_pages,
+            story_reads,
+            story_reads_retried,
+            story_reads_owed,
             stories_reloads,
         })
     }

@@ -129,6 +129,8 @@ pub struct SequencerConfig {
     pub reload_retry: relay_netguard::RetryPolicy,
     /// How often each stories endpoint catches up from `GET /v1/events`.
     pub stories_catch_up_interval: Duration,
+    /// Tries of a stories endpoint's story read, and the backoff of its reads owed.
+    pub story_read_retry: crate::stories::StoryReadRetry,
     /// Reload passes (and stories syncs) reading at once in this process; a tenant holds at
     /// most `max_tenant_share` of them.
     pub max_concurrent_reloads: usize,
@@ -172,6 +174,7 @@ impl Default for SequencerConfig {
             feed_page_limit: crate::upstream::FEED_PAGE_LIMIT,
             reload_retry: crate::reload::RELOAD_RETRY,
             stories_catch_up_interval: Duration::from_secs(defaults::STORIES_CATCH_UP_INTERVAL_S),
+            story_read_retry: crate::stories::STORY_READ_RETRY,
             max_concurrent_reloads: defaults::MAX_CONCURRENT_RELOADS,
             max_reload_bytes: defaults::MAX_RELOAD_BYTES,
         }
@@ -316,6 +319,7 @@ async fn schedule(
         feed_page_limit: config.feed_page_limit,
         apply_attempts: config.apply_attempts,
         apply_backoff: config.apply_backoff,
+        story_reads: config.story_read_retry,
     };
     let slots = Slots::new(config.max_concurrent_endpoints, config.max_tenant_share);
     let reload_slots = worker_config.reloads.slots.clone();

@@ -8,6 +8,10 @@
 //! held, held rows locked) in which the plan's writes run as seed 000's statements and the
 //! message cursor, or the catch-up cursor, moves only from where it was read. A reload's writes
 //! take the same writer lock, batch by batch, so webhooks keep being applied between them.
+//!
+//! A story read is tried a few times ([`StoryReadRetry`]); one that still fails does not hold
+//! the cursor: the story is owed a read, recorded in the transaction that moves the cursor, and
+//! each sync first reads the endpoint's owed stories whose time has come ([`pay_owed_reads`]).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,8 +19,9 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use relay_coord::Owners;
+use relay_netguard::RetryPolicy;
 use relay_rules::{
-    apply_write, decide_stories_run, stories_of, HeldStory, StoriesMode, StoriesRun, StoryOutcome,
+    apply_write, decide_stories_run, fetched_write, stories_of, HeldStory, StoriesMode, StoriesRun,
     StoryRead, StoryWrite,
 };
 use relay_store::endpoints::{self, EndpointRegistration, Source, StoriesSettings};
@@ -35,6 +40,34 @@ use crate::upstream::{self, UpstreamClient, UpstreamError};
 use crate::worker::{
     announce, renew_until_lost, wait_or_stop, WorkerConfig, WorkerExit, WorkerSignal,
 };
+
+/// How a stories endpoint reads a story: `tries` reads at most, `pauses` between them, before
+/// the story is owed a read; an owed read that fails again waits as `owed` says, from its first
+/// pause to its longest (plus jitter), so a story the upstream keeps failing is asked for rarely.
+#[derive(Debug, Clone, Copy)]
+pub struct StoryReadRetry {
+    pub tries: u32,
+    pub pauses: RetryPolicy,
+    pub owed: RetryPolicy,
+}
+
+/// Three tries in well under a second (a load balancer's 404 is usually one bad hop), then an
+/// owed read retried by the sync from a second on, at most every five minutes (the default
+/// catch-up interval).
+pub const STORY_READ_RETRY: StoryReadRetry = StoryReadRetry {
+    tries: 3,
+    pauses: RetryPolicy {
+        first: Duration::from_millis(25),
+        max: Duration::from_millis(250),
+    },
+    owed: RetryPolicy {
+        first: Duration::from_secs(1),
+        max: Duration::from_secs(300),
+    },
+};
+
+/// Owed reads one sync makes at most, the longest waiting first; the rest wait for the next.
+const OWED_READS_PER_SYNC: i64 = 500;
 
 /// One owned stories endpoint: its settings as last read, and its upstream client.
 pub(crate) struct StoriesContext {
@@ -133,8 +166,6 @@ enum Moves<'a> {
 
 /// What [`apply_events`] did.
 struct EventsApplied {
-    /// Events of the run covered by the commit (all unless a fetch-on-notify read failed).
-    applied: usize,
     changes: u64,
 }
 
@@ -146,7 +177,7 @@ async fn apply_events(
     token: i64,
     events: &[Result<StoryEvent, String>],
     moves: Moves<'_>,
-    metrics: &SequencerMetrics,
+    (config, metrics): (&WorkerConfig, &SequencerMetrics),
 ) -> Result<EventsApplied, ApplyError> {
     let settings = ctx.settings();
     let mut ids: BTreeSet<String> = BTreeSet::new();
@@ -154,9 +185,20 @@ async fn apply_events(
         ids.extend(stories_of(event));
     }
     let mut reads = HashMap::new();
+    let mut last_error = String::new();
     if settings.mode == StoriesMode::FetchOnNotify {
-        for id in &ids {
-            reads.insert(id.clone(), read_story(pool, ctx, id, metrics).await);
+        match ctx.upstream() {
+            Ok(client) => {
+                for id in &ids {
+                    match read_story(pool, ctx, &client, id, config, metrics).await {
+                        Ok(read) => {
+                            reads.insert(id.clone(), read);
+                        }
+                        Err(error) => last_error = error.to_string(),
+                    }
+                }
+            }
+            Err(error) => last_error = error.to_string(),
         }
     }
     let ids: Vec<String> = ids.into_iter().collect();
@@ -191,6 +233,8 @@ async fn apply_events(
             notified += 1;
         }
     }
+    // The reads that failed are owed with the cursor's move: the cursor never waits on a read.
+    writer.owe_reads(&plan.owed, &last_error).await?;
     let moved = match moves {
         Moves::Messages {
             from,
@@ -198,26 +242,11 @@ async fn apply_events(
             seqs,
             last_received_at,
         } => {
-            let covered = plan.applied.min(seqs.len());
-            let to = if covered == seqs.len() {
-                to
-            } else if covered == 0 {
-                from
-            } else {
-                seqs[covered - 1]
-            };
             let outcomes: Vec<(i64, &str, i32)> = plan
                 .outcomes
                 .iter()
-                .take(covered)
                 .zip(seqs)
-                .map(|(outcome, seq)| {
-                    (
-                        *seq,
-                        outcome.as_str(),
-                        i32::from(matches!(outcome, StoryOutcome::Applied)),
-                    )
-                })
+                .map(|(outcome, seq)| (*seq, outcome.as_str(), i32::from(outcome.applied())))
                 .collect();
             to == from
                 || writer
@@ -228,21 +257,18 @@ async fn apply_events(
             from,
             to,
             caught_up,
-        } => {
-            // A page is saved only once all of it is applied; a page cut short by a failed read
-            // keeps the cursor where it was, and is read again (its writes are safe to repeat).
-            plan.applied < events.len() || writer.move_cursor(from, to, caught_up).await?
-        }
+        } => writer.move_cursor(from, to, caught_up).await?,
     };
     if !moved {
         return Err(ApplyError::CursorMoved);
     }
     let changes = writer.commit().await?;
     metrics.stories_notifications.inc_by(notified);
-    Ok(EventsApplied {
-        applied: plan.applied,
-        changes,
-    })
+    metrics
+        .story_reads_owed
+        .with_label_values(&["recorded"])
+        .inc_by(plan.owed.len() as u64);
+    Ok(EventsApplied { changes })
 }
 
 /// The snapshot a claim's event carries of its story (a `story.became_strong`'s `data.story`).
@@ -307,29 +333,118 @@ async fn execute(
     Ok(())
 }
 
-/// `GET /v1/stories/{id}` as the rules take it: a failure is [`StoryRead::Failed`], recorded.
+/// `GET /v1/stories/{id}`, tried up to `config.story_reads.tries` times with jittered pauses
+/// between: a read that failed is usually one bad hop, and retrying the read costs one request
+/// where failing its run would cost the run. Each failure is recorded in the endpoint's state;
+/// the last one is returned (the story is then owed a read).
 async fn read_story(
     pool: &PgPool,
     ctx: &StoriesContext,
+    client: &UpstreamClient,
     id: &str,
+    config: &WorkerConfig,
     metrics: &SequencerMetrics,
-) -> StoryRead {
-    let read = match ctx.upstream() {
-        Ok(client) => client.read_story(id).await,
-        Err(error) => Err(error),
-    };
-    match read {
-        Ok(read) => read,
-        Err(error) => {
-            tracing::info!(endpoint = %ctx.id, story = id, %error, "reading a story failed");
-            ctx.failed(pool, "story", &error, metrics).await;
-            StoryRead::Failed
+) -> Result<StoryRead, UpstreamError> {
+    let mut pauses = config.story_reads.pauses.pauses();
+    let mut tries = 1;
+    loop {
+        match client.read_story(id).await {
+            Ok(read) => {
+                let answer = match read {
+                    StoryRead::Found(_) => "found",
+                    StoryRead::NotFound => "not_found",
+                    StoryRead::Failed => "failed",
+                };
+                metrics.story_reads.with_label_values(&[answer]).inc();
+                return Ok(read);
+            }
+            Err(error) => {
+                metrics.story_reads.with_label_values(&["failed"]).inc();
+                tracing::info!(endpoint = %ctx.id, story = id, tries, %error,
+                    "reading a story failed");
+                ctx.failed(pool, "story", &error, metrics).await;
+                if tries >= config.story_reads.tries
+                    || matches!(error, UpstreamError::TooLarge { .. })
+                {
+                    return Err(error);
+                }
+                tries += 1;
+                metrics.story_reads_retried.inc();
+                tokio::time::sleep(pauses.next_pause()).await;
+            }
         }
     }
 }
 
-/// Applies every stored message available now, in arrival order. Stops early (an error) when a
-/// fetch-on-notify read failed: the message is applied when its story can be read.
+/// The endpoint's owed reads whose time has come (at most [`OWED_READS_PER_SYNC`]), read again:
+/// each story read is saved or closed as `apply_write` decides against its row under the lock,
+/// and its owed row deleted, all in one transaction named by a round of its own; one that fails
+/// again waits longer (`config.story_reads.owed`).
+async fn pay_owed_reads(
+    pool: &PgPool,
+    ctx: &StoriesContext,
+    client: &UpstreamClient,
+    token: i64,
+    config: &WorkerConfig,
+    metrics: &SequencerMetrics,
+) -> Result<(), ApplyError> {
+    let due = store::owed_reads_due(pool, ctx.id, OWED_READS_PER_SYNC).await?;
+    let mut paid = Vec::with_capacity(due.len());
+    for owed in due {
+        let id = owed.story_id.clone();
+        let (reads, error) = match read_story(pool, ctx, client, &id, config, metrics).await {
+            Ok(read) => (HashMap::from([(id.clone(), read)]), String::new()),
+            Err(error @ UpstreamError::TooLarge { .. }) => return Err(ApplyError::Upstream(error)),
+            Err(error) => (HashMap::new(), error.to_string()),
+        };
+        match fetched_write(id, &reads) {
+            Ok(write) => paid.push((owed, write)),
+            Err(id) => {
+                let retry = config.story_reads.owed;
+                store::owed_read_failed(pool, ctx.id, &id, &error, (retry.first, retry.max))
+                    .await?;
+                metrics
+                    .story_reads_owed
+                    .with_label_values(&["failing"])
+                    .inc();
+            }
+        }
+    }
+    if paid.is_empty() {
+        return Ok(());
+    }
+    let round = store::begin_round(pool, ctx.id, false).await?;
+    let ids: Vec<String> = paid.iter().map(|(owed, _)| owed.story_id.clone()).collect();
+    let mut writer = ctx.writer(pool, token).await?;
+    let mut held: HashMap<String, HeldStory> = writer.held(&ids).await?;
+    let mut done = 0;
+    for (owed, write) in &paid {
+        let (after, change) = apply_write(held.get(&owed.story_id).copied(), write);
+        execute(
+            &mut writer,
+            write,
+            change.is_some(),
+            Cause::Round(round),
+            metrics,
+        )
+        .await?;
+        held.insert(owed.story_id.clone(), after);
+        if writer.pay_read(owed).await? {
+            done += 1;
+        }
+    }
+    if writer.commit().await? > 0 {
+        announce(config, ctx.tenant, ctx.id).await;
+    }
+    metrics
+        .story_reads_owed
+        .with_label_values(&["done"])
+        .inc_by(done);
+    Ok(())
+}
+
+/// Applies every stored message available now, in arrival order (a fetch-on-notify read that
+/// failed is owed, and does not hold the messages after it).
 async fn apply_messages(
     pool: &PgPool,
     ctx: &StoriesContext,
@@ -381,7 +496,7 @@ async fn apply_messages(
                 seqs: &seqs,
                 last_received_at: pending.last().map(|m| m.received_at),
             },
-            metrics,
+            (config, metrics),
         )
         .await;
         let done = match result {
@@ -394,16 +509,7 @@ async fn apply_messages(
         if done.changes > 0 {
             announce(config, ctx.tenant, ctx.id).await;
         }
-        total += done.applied;
-        if done.applied < events.len() {
-            applied = if done.applied == 0 {
-                applied
-            } else {
-                seqs[done.applied - 1]
-            };
-            *cursor = Some(applied);
-            return Err(ApplyError::Unread);
-        }
+        total += events.len();
         applied = through;
         *cursor = Some(applied);
         if complete {
@@ -433,6 +539,7 @@ async fn sync(
     let client = ctx.upstream().map_err(ApplyError::Upstream)?;
     let (_reading, budget) = config.reloads.take(ctx.tenant, &metrics).await;
     let client = client.with_budget(budget);
+    pay_owed_reads(&pool, &ctx, &client, token, &config, &metrics).await?;
     let state = store::sync_state(&pool, ctx.tenant, ctx.id).await?;
     let tickers = ctx.settings().tickers;
     let wanted: HashSet<&String> = tickers.iter().collect();
@@ -524,14 +631,11 @@ async fn catch_up(
                 to: next.as_deref(),
                 caught_up: !page.has_more,
             },
-            metrics,
+            (config, metrics),
         )
         .await?;
         if done.changes > 0 {
             announce(config, ctx.tenant, ctx.id).await;
-        }
-        if done.applied < page.events.len() {
-            return Err(ApplyError::Unread);
         }
         cursor = next;
         if !page.has_more {
@@ -546,6 +650,7 @@ async fn catch_up(
 /// Seed 000's reload in full: 1. each ticker's stories listed and saved; 2. each story the
 /// copy holds open that the listing did not return fetched (saved, or closed on 404); 3. the
 /// cursor cleared (catch-up then starts from the window's start). Closed rows and claims stay.
+/// A step-two read that still fails after its tries is owed, recorded with the reload's end.
 async fn reload_in_full(
     pool: &PgPool,
     ctx: &Arc<StoriesContext>,
@@ -558,6 +663,7 @@ async fn reload_in_full(
     let round = store::begin_round(pool, ctx.id, true).await?;
     let tickers = ctx.settings().tickers;
     let mut listed = HashSet::new();
+    let (mut owed, mut last_error) = (Vec::new(), String::new());
     for ticker in &tickers {
         listed
             .extend(list_and_save(pool, ctx, client, token, ticker, round, config, metrics).await?);
@@ -570,19 +676,23 @@ async fn reload_in_full(
         };
         let unlisted: Vec<String> = open.into_iter().filter(|id| !listed.contains(id)).collect();
         let mut writes = Vec::with_capacity(unlisted.len());
+        let mut reads = HashMap::with_capacity(unlisted.len());
         for id in &unlisted {
-            match client.read_story(id).await {
-                Ok(StoryRead::Found(story)) => writes.push(StoryWrite::Save(story)),
-                Ok(StoryRead::NotFound) => writes.push(StoryWrite::Close {
-                    story_id: id.clone(),
-                    version: 0,
-                    merged_into: None,
-                }),
-                Ok(StoryRead::Failed) => unreachable!("read_story answers failures as errors"),
-                Err(error) => {
-                    ctx.failed(pool, "story", &error, metrics).await;
-                    return Err(ApplyError::Upstream(error));
+            match read_story(pool, ctx, client, id, config, metrics).await {
+                Ok(read) => {
+                    reads.insert(id.clone(), read);
                 }
+                // The pass's budget is spent: the reload stops, as a listing's would.
+                Err(error @ UpstreamError::TooLarge { .. }) => {
+                    return Err(ApplyError::Upstream(error))
+                }
+                Err(error) => last_error = error.to_string(),
+            }
+        }
+        for id in unlisted {
+            match fetched_write(id, &reads) {
+                Ok(write) => writes.push(write),
+                Err(id) => owed.push(id),
             }
         }
         write_round(pool, ctx, token, round, &writes, config, metrics).await?;
@@ -590,8 +700,13 @@ async fn reload_in_full(
     }
     let mut writer = ctx.writer(pool, token).await?;
     writer.set_loaded_tickers(&tickers).await?;
+    writer.owe_reads(&owed, &last_error).await?;
     let finished = writer.finish_reload(round).await?;
     writer.commit().await?;
+    metrics
+        .story_reads_owed
+        .with_label_values(&["recorded"])
+        .inc_by(owed.len() as u64);
     metrics
         .stories_reloads
         .with_label_values(&[if finished { "finished" } else { "superseded" }])

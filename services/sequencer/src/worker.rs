@@ -72,6 +72,8 @@ pub struct WorkerConfig {
     /// Tries of a message whose apply fails before it is quarantined, and the waits between.
     pub apply_attempts: u32,
     pub apply_backoff: ApplyBackoff,
+    /// A stories endpoint's story reads: tries, and reads owed.
+    pub story_reads: crate::stories::StoryReadRetry,
 }
 
 /// How a worker ended: the wake count it had seen last (the scheduler starts it again when more
