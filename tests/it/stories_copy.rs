@@ -102,7 +102,8 @@ async fn apply(
         held: &held,
         reads: &HashMap::new(),
     });
-    assert_eq!(plan.applied, events.len());
+    assert_eq!(plan.outcomes.len(), events.len());
+    assert!(plan.owed.is_empty(), "snapshot mode reads nothing");
     for planned in &plan.writes {
         let cause = Cause::Event(&planned.event_id);
         match &planned.write {
@@ -519,4 +520,103 @@ async fn random_streams_through_the_statements_and_the_rules_give_the_same_copy(
             .collect();
         assert_eq!(notified, notified_model, "seed {seed}: notifications");
     }
+}
+
+/// The stories owed a read, with how many times each was recorded.
+async fn owed(pool: &PgPool, endpoint: EndpointId) -> Vec<(String, i64)> {
+    sqlx::query_as(
+        "SELECT story_id, recorded FROM story_reads_owed WHERE endpoint_id = $1 ORDER BY story_id",
+    )
+    .bind(endpoint)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// A read owed is written in the transaction that moves the cursor: both commit, or neither
+/// (the cursor moved under the writer, and it rolled back); a fenced writer opens nothing. An
+/// owed read is paid only at the recording count it was read at: a failed read recorded since
+/// (perhaps for a newer change) keeps the debt.
+#[tokio::test]
+async fn a_read_owed_commits_with_the_cursors_move_or_not_at_all() {
+    let db = TestDb::new().await;
+    let (tenant, endpoint, token) = stories_endpoint(&db).await;
+    store::sync_state(&db.pool, tenant, endpoint).await.unwrap();
+    let owe = |stories: Vec<&str>| stories.into_iter().map(str::to_owned).collect::<Vec<_>>();
+
+    let mut writer = store::open(&db.pool, tenant, endpoint, token)
+        .await
+        .unwrap()
+        .expect("the fence is ours");
+    writer
+        .owe_reads(&owe(vec!["st_1", "st_2"]), "404")
+        .await
+        .unwrap();
+    assert!(writer
+        .move_cursor(None, Some("evc_8"), false)
+        .await
+        .unwrap());
+    writer.commit().await.unwrap();
+    assert_eq!(
+        owed(&db.pool, endpoint).await,
+        vec![("st_1".to_owned(), 1), ("st_2".to_owned(), 1)]
+    );
+
+    // The cursor is no longer where this writer read it: it rolls back, its debt with it.
+    let mut writer = store::open(&db.pool, tenant, endpoint, token)
+        .await
+        .unwrap()
+        .expect("the fence is ours");
+    writer
+        .owe_reads(&owe(vec!["st_2", "st_3"]), "404")
+        .await
+        .unwrap();
+    assert!(!writer
+        .move_cursor(None, Some("evc_9"), false)
+        .await
+        .unwrap());
+    drop(writer);
+    assert_eq!(
+        owed(&db.pool, endpoint).await,
+        vec![("st_1".to_owned(), 1), ("st_2".to_owned(), 1)]
+    );
+
+    // Another worker took the endpoint: the old token opens no writer, and writes nothing.
+    let newer = db.claim_fence(endpoint.0).await;
+    assert!(newer > token);
+    assert!(store::open(&db.pool, tenant, endpoint, token)
+        .await
+        .unwrap()
+        .is_none());
+
+    // Paying: the row read at recording 1 of st_1 goes; st_2, recorded again since, stays.
+    let due = store::owed_reads_due(&db.pool, endpoint, 10).await.unwrap();
+    assert_eq!(due.len(), 2);
+    let mut writer = store::open(&db.pool, tenant, endpoint, newer)
+        .await
+        .unwrap()
+        .expect("the fence is ours");
+    writer.owe_reads(&owe(vec!["st_2"]), "503").await.unwrap();
+    assert!(writer.pay_read(&due[0]).await.unwrap());
+    assert!(!writer.pay_read(&due[1]).await.unwrap());
+    writer.commit().await.unwrap();
+    assert_eq!(owed(&db.pool, endpoint).await, vec![("st_2".to_owned(), 2)]);
+
+    // A read that fails again waits: nothing is due until its backoff passes.
+    store::owed_read_failed(
+        &db.pool,
+        endpoint,
+        "st_2",
+        "503",
+        (
+            std::time::Duration::from_secs(60),
+            std::time::Duration::from_secs(300),
+        ),
+    )
+    .await
+    .unwrap();
+    assert!(store::owed_reads_due(&db.pool, endpoint, 10)
+        .await
+        .unwrap()
+        .is_empty());
 }
