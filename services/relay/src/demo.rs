@@ -6,15 +6,20 @@
 //! starts the simulator. Then, as a user would, it registers a tenant and its endpoints and
 //! asks for the tenant's broker credentials through the control plane's API, and reads the
 //! tenant's queue with them, rebuilding each copy from the change messages
-//! ([`ReferenceConsumer`]) and acknowledging them as a real consumer does. Once the upstream
-//! has stopped changing and the relay has settled, the verdict: each endpoint's copy read
-//! through the API, and each copy rebuilt from the queue, against the simulator's truth.
+//! ([`ReferenceConsumer`]) and acknowledging them as a real consumer does. Beside the feed
+//! endpoints it registers one stories endpoint in `fetch_on_notify` mode: every event is then
+//! followed by a read of the story, so the stories API's faults (stale reads, load balancer
+//! 404s, 503s) meet the relay on every event and not only at catch-up and reloads. Once the
+//! upstream has stopped changing and the relay has settled, the verdict: each endpoint's copy
+//! read through the API, and each copy rebuilt from the queue, against the simulator's truth,
+//! and the stories endpoint's notifications (each live strong story once).
 //!
 //! Progress goes to stderr; stdout carries JSON lines (`started`, `verdict`, and with `--keep`
 //! `explore`), for scripts. Without `--keep` everything it made is removed at the end: the
-//! tenant's broker user and queues, and the database.
+//! tenant's broker user and queues, and the database. Ctrl-C or SIGTERM ends it early, every
+//! tier stopped as `relay all` stops them, and it exits 0 with no verdict.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{IsTerminal as _, Write as _};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -28,7 +33,11 @@ use relay_publisher::lapin::options::{BasicAckOptions, BasicConsumeOptions, Basi
 use relay_publisher::lapin::types::FieldTable;
 use relay_publisher::{redact, ReferenceConsumer};
 use relay_simulator::cli::SimulateArgs;
-use relay_simulator::Simulation;
+use relay_simulator::stories::CopyRow;
+use relay_simulator::{
+    Faults, Simulation, Stories, StoriesConfig, StoriesEndpointInfo, StoriesWorkload,
+    StoriesWorkloadConfig,
+};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -42,6 +51,8 @@ const TIME_COMPRESSION: f64 = 3600.0;
 const SETTLED_LOOKS: u32 = 3;
 /// How long the tokens the demo mints (and prints with `--keep`) live.
 const TOKEN_TTL_S: u64 = 7 * 24 * 3600;
+/// How the stories endpoint applies its events (see the module's comment for why this one).
+const STORIES_MODE: &str = "fetch_on_notify";
 
 /// Run every tier and the simulated upstream with faults on this machine, and check the copies.
 #[derive(Debug, Clone, Args)]
@@ -57,6 +68,10 @@ pub struct DemoArgs {
     /// Feed changes per second.
     #[arg(long, default_value_t = 20.0)]
     pub rate: f64,
+    /// Story changes per second (creations, updates, strong stories, closes, merges), over
+    /// the same `--duration-s`.
+    #[arg(long, default_value_t = 5.0)]
+    pub stories_rate: f64,
     /// What goes wrong upstream: `all`, `none`, or `name=probability,...` (as `relay simulate
     /// --faults`: duplicates, old messages redelivered, rewinds, slow and stale reads, load
     /// balancer 404s, resets and access changes mid-reload, refetches, expired cursors).
@@ -80,6 +95,7 @@ struct Registered {
     operator_token: String,
     tenant_token: String,
     endpoints: Vec<Uuid>,
+    stories_endpoint: Uuid,
     queue: String,
     /// The tenant's broker URL with its password: what its consumer connects with.
     tenant_amqp_url: String,
@@ -89,6 +105,15 @@ struct Registered {
 struct ApiClient {
     http: reqwest::Client,
     base_url: String,
+}
+
+impl Registered {
+    /// The feed endpoints, then the stories endpoint.
+    fn all_endpoints(&self) -> impl Iterator<Item = &Uuid> {
+        self.endpoints
+            .iter()
+            .chain(std::iter::once(&self.stories_endpoint))
+    }
 }
 
 impl ApiClient {
@@ -124,6 +149,7 @@ impl ApiClient {
         operator_token: String,
         simulator_api: &str,
         infos: &[relay_simulator::EndpointInfo],
+        stories: &StoriesEndpointInfo,
     ) -> anyhow::Result<Registered> {
         use reqwest::Method;
         let tenant = self
@@ -159,6 +185,21 @@ impl ApiClient {
             )
             .await?;
         }
+        self.call(
+            Method::POST,
+            "/v1/endpoints",
+            &tenant_token,
+            Some(json!({
+                "id": stories.id,
+                "source": "stories",
+                "tickers": stories.tickers,
+                "stories_mode": STORIES_MODE,
+                "upstream_base_url": simulator_api,
+                "upstream_api_key": stories.api_key,
+                "secrets": stories.secrets,
+            })),
+        )
+        .await?;
         let credentials = self
             .call(Method::POST, "/v1/broker/credentials", &tenant_token, None)
             .await
@@ -175,6 +216,7 @@ impl ApiClient {
             operator_token,
             tenant_token,
             endpoints: infos.iter().map(|info| info.id).collect(),
+            stories_endpoint: stories.id,
             queue: credentials["queue"].as_str().context("a queue")?.to_owned(),
             tenant_amqp_url: format!("{scheme}://{user}:{password}@{rest}"),
         })
@@ -211,6 +253,79 @@ impl ApiClient {
                 None => return Ok(items),
             }
         }
+    }
+
+    /// Every page of `path` (a list answering `data` and `next_cursor`), with `query`.
+    async fn pages(
+        &self,
+        token: &str,
+        path: &str,
+        query: &[(&str, &str)],
+    ) -> anyhow::Result<Vec<Value>> {
+        let mut rows = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let mut request = self
+                .http
+                .get(format!("{}{path}", self.base_url))
+                .bearer_auth(token)
+                .query(&[("limit", "500")])
+                .query(query);
+            if let Some(after) = &after {
+                request = request.query(&[("after", after)]);
+            }
+            let page: Value = request.send().await?.error_for_status()?.json().await?;
+            rows.extend(
+                page["data"]
+                    .as_array()
+                    .with_context(|| format!("a page of {path}"))?
+                    .iter()
+                    .cloned(),
+            );
+            match page["next_cursor"].as_str() {
+                Some(cursor) => after = Some(cursor.to_owned()),
+                None => return Ok(rows),
+            }
+        }
+    }
+
+    /// The stories endpoint's copy, open and closed rows, as the oracle compares it.
+    async fn stories(
+        &self,
+        token: &str,
+        endpoint: Uuid,
+    ) -> anyhow::Result<BTreeMap<String, CopyRow>> {
+        let path = format!("/v1/endpoints/{endpoint}/stories");
+        let mut rows = BTreeMap::new();
+        for row in self
+            .pages(token, &path, &[("include_closed", "true")])
+            .await?
+        {
+            let id = row["id"].as_str().context("a story id")?.to_owned();
+            rows.insert(
+                id,
+                CopyRow {
+                    ticker: row["ticker"].as_str().map(str::to_owned),
+                    version: row["version"].as_u64().context("a story version")?,
+                    closed: row["closed"] == true,
+                    story: row.get("story").cloned(),
+                },
+            );
+        }
+        Ok(rows)
+    }
+
+    /// The stories the endpoint claimed a notification for (keys `strong:<story id>`).
+    async fn notifications(&self, token: &str, endpoint: Uuid) -> anyhow::Result<Vec<String>> {
+        let path = format!("/v1/endpoints/{endpoint}/notifications");
+        self.pages(token, &path, &[])
+            .await?
+            .iter()
+            .map(|row| {
+                let key = row["key"].as_str().context("a notification key")?;
+                Ok(key.strip_prefix("strong:").unwrap_or(key).to_owned())
+            })
+            .collect()
     }
 
     async fn state(&self, token: &str, endpoint: Uuid) -> anyhow::Result<Value> {
@@ -316,6 +431,65 @@ struct EndpointVerdict {
     last_change_seq: i64,
 }
 
+/// The stories endpoint's verdict line.
+#[derive(Debug, serde::Serialize)]
+struct StoriesVerdict {
+    webhook_endpoint_id: Uuid,
+    stories_mode: &'static str,
+    /// Open stories the simulator says the copy must hold (closed ones aside).
+    expected_open: usize,
+    /// `"equal"`, or what differs (as the oracle compares copies).
+    api_copy: String,
+    queue_copy: String,
+    /// Stories that became strong live, each to be notified once.
+    expected_notifications: usize,
+    /// `"equal"`, or what differs: the claims read through the API, the notifications read
+    /// from the queue.
+    api_notifications: String,
+    queue_notifications: String,
+    /// Webhooks the relay answered 2xx, duplicates included.
+    events_delivered: usize,
+}
+
+impl StoriesVerdict {
+    fn ok(&self) -> bool {
+        [
+            &self.api_copy,
+            &self.queue_copy,
+            &self.api_notifications,
+            &self.queue_notifications,
+        ]
+        .iter()
+        .all(|v| *v == "equal")
+    }
+}
+
+/// The oracle's differences, in a few words: `"equal"`, or how many and the first.
+fn story_difference(found: &[String]) -> String {
+    match found {
+        [] => "equal".to_owned(),
+        [first, ..] => format!("{} differ, first {first}", found.len()),
+    }
+}
+
+/// Notifications against the oracle's, each story once: `"equal"`, or what differs.
+fn notification_difference(
+    notified: &BTreeMap<String, u64>,
+    expected: &BTreeSet<String>,
+) -> String {
+    let missing = expected
+        .iter()
+        .filter(|s| !notified.contains_key(*s))
+        .count();
+    let extra = notified.keys().filter(|s| !expected.contains(*s)).count();
+    let repeated = notified.values().filter(|&&n| n > 1).count();
+    if missing + extra + repeated == 0 {
+        "equal".to_owned()
+    } else {
+        format!("{missing} missing, {extra} not owed, {repeated} more than once")
+    }
+}
+
 /// What differs between a copy and the truth, in a few words; `"equal"` when nothing does.
 fn difference<V: PartialEq>(copy: &BTreeMap<String, V>, truth: &BTreeMap<String, V>) -> String {
     let missing = truth.keys().filter(|s| !copy.contains_key(*s)).count();
@@ -359,13 +533,18 @@ struct Progress {
     lag_s: f64,
     reloads: f64,
     reloading: usize,
+    stories_received: usize,
+    story_writes: f64,
+    notifications: f64,
+    notifications_from_queue: u64,
 }
 
 impl Progress {
     fn line(&self, elapsed: Duration, phase: &str) -> String {
         format!(
             "{:>4}s {phase:<9} received {:.0} (duplicates {:.0}) | applied {:.0} | published {:.0} \
-             | read from queue {} | waiting {} | unpublished {} | lag {:.1}s | reloads {:.0} ({} running)",
+             | read from queue {} | waiting {} | unpublished {} | lag {:.1}s | reloads {:.0} ({} running) \
+             | stories: received {} | written {:.0} | notified {:.0} (read from queue {})",
             elapsed.as_secs(),
             self.received,
             self.duplicates,
@@ -377,6 +556,10 @@ impl Progress {
             self.lag_s,
             self.reloads,
             self.reloading,
+            self.stories_received,
+            self.story_writes,
+            self.notifications,
+            self.notifications_from_queue,
         )
     }
 }
@@ -393,6 +576,13 @@ struct Running<'a> {
 impl Running<'_> {
     async fn progress(&self) -> anyhow::Result<Progress> {
         let registry = &self.tiers.registry;
+        // Taken apart from the literal below: its temporaries' guards live to its end.
+        let queue_stats = self.consumer.lock().unwrap().stats();
+        let stories_received = self
+            .sim
+            .stories()
+            .delivered(self.registered.stories_endpoint)
+            .len();
         let mut progress = Progress {
             received: metric_sum(registry, "relay_ingest_messages_total"),
             duplicates: metric_with(
@@ -403,7 +593,7 @@ impl Running<'_> {
             ),
             applied: metric_sum(registry, "relay_sequencer_messages_total"),
             published: metric_sum(registry, "relay_publisher_messages_confirmed_total"),
-            from_queue: self.consumer.lock().unwrap().stats().messages,
+            from_queue: queue_stats.messages,
             waiting: 0,
             unpublished: 0,
             lag_s: 0.0,
@@ -414,8 +604,12 @@ impl Running<'_> {
                 "started",
             ),
             reloading: 0,
+            stories_received,
+            story_writes: metric_sum(registry, "relay_sequencer_story_writes_total"),
+            notifications: metric_sum(registry, "relay_sequencer_stories_notifications_total"),
+            notifications_from_queue: queue_stats.notifications,
         };
-        for &endpoint in &self.registered.endpoints {
+        for &endpoint in self.registered.all_endpoints() {
             let state = self
                 .api
                 .state(&self.registered.tenant_token, endpoint)
@@ -454,7 +648,60 @@ impl Running<'_> {
                 return Ok(false);
             }
         }
-        Ok(true)
+        Ok(self.stories_verdict().await?.ok())
+    }
+
+    /// The stories endpoint's copy and notifications, through the API and from the queue,
+    /// against the simulator's oracle.
+    async fn stories_verdict(&self) -> anyhow::Result<StoriesVerdict> {
+        let (token, endpoint) = (
+            &self.registered.tenant_token,
+            self.registered.stories_endpoint,
+        );
+        let api_copy = self.api.stories(token, endpoint).await?;
+        let mut api_notified = BTreeMap::new();
+        for story in self.api.notifications(token, endpoint).await? {
+            *api_notified.entry(story).or_insert(0) += 1;
+        }
+        let (queue_copy, queue_notified) = {
+            let consumer = self.consumer.lock().unwrap();
+            let rows = consumer
+                .stories(endpoint)
+                .into_iter()
+                .map(|(id, row)| {
+                    let row = CopyRow {
+                        ticker: row.ticker,
+                        version: row.version,
+                        closed: row.closed,
+                        story: row.story,
+                    };
+                    (id, row)
+                })
+                .collect();
+            let notified = consumer
+                .endpoints()
+                .get(&endpoint)
+                .map(|replica| replica.notified.clone())
+                .unwrap_or_default();
+            (rows, notified)
+        };
+        let stories = self.sim.stories();
+        let expected = stories.expected_notifications(endpoint);
+        Ok(StoriesVerdict {
+            webhook_endpoint_id: endpoint,
+            stories_mode: STORIES_MODE,
+            expected_open: stories
+                .expected_stories(endpoint)
+                .values()
+                .filter(|story| !story.closed)
+                .count(),
+            api_copy: story_difference(&stories.compare_copy(endpoint, &api_copy)),
+            queue_copy: story_difference(&stories.compare_copy(endpoint, &queue_copy)),
+            expected_notifications: expected.len(),
+            api_notifications: notification_difference(&api_notified, &expected),
+            queue_notifications: notification_difference(&queue_notified, &expected),
+            events_delivered: stories.delivered(endpoint).len(),
+        })
     }
 
     async fn verdict(&self) -> anyhow::Result<Vec<EndpointVerdict>> {
@@ -534,13 +781,24 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> anyhow::Result<()> {
     all.api.jwt.jwt_secret_file = None;
     let tiers = AllTiers::start(&global, &all).await?;
     let outcome = demonstrate(&global, &all, &args, &tiers).await;
-    let cleanup = match &outcome {
-        Ok(demonstrated) if !args.keep => {
-            remove_broker_objects(&global, &all, &tiers, &demonstrated.registered).await
-        }
-        _ => Ok(()),
+    let remove = match &outcome {
+        Ok(demonstrated) if !args.keep => Some(&demonstrated.registered),
+        _ => None,
+    };
+    let credentials_removed = match remove {
+        Some(registered) => remove_broker_user(&tiers, registered).await,
+        None => Ok(()),
     };
     tiers.stop(None).await?;
+    // Only once the publisher has stopped: a queue deleted under its confirms makes the broker
+    // close its connection with INTERNAL_ERROR.
+    let cleanup = match remove {
+        Some(registered) => match credentials_removed {
+            Ok(()) => remove_queues(&global, &all, registered).await,
+            Err(error) => Err(error),
+        },
+        None => Ok(()),
+    };
     if args.keep {
         eprintln!(
             "kept the database {database}; drop it with: psql {} -c 'DROP DATABASE {database}'",
@@ -552,7 +810,8 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> anyhow::Result<()> {
             eprintln!("could not remove the demo tenant's broker user and queues: {error:#}");
         }
     }
-    if !outcome?.ok {
+    let outcome = outcome?;
+    if !outcome.ok && !outcome.interrupted {
         bail!("the copies are not the simulator's truth (the verdict line says how)");
     }
     Ok(())
@@ -562,6 +821,8 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> anyhow::Result<()> {
 struct Demonstrated {
     registered: Registered,
     ok: bool,
+    /// Ctrl-C or SIGTERM came before the verdict: not a failure, the user asked to stop.
+    interrupted: bool,
 }
 
 /// The demo once the tiers run: register, run the upstream, settle, take the verdict.
@@ -600,8 +861,29 @@ async fn demonstrate(
         quiet: true,
     };
     let (upstream, workload, infos) = relay_simulator::cli::prepare(&simulate)?;
-    let sim = Simulation::new(
+    let faults: Faults = args.faults.parse().context("--faults")?;
+    let mut stories = Stories::new(
+        StoriesConfig::from_wire_limits(TIME_COMPRESSION),
+        faults.stories,
+        args.seed,
+    );
+    let mut stories_workload = StoriesWorkload::new(
+        args.seed,
+        StoriesWorkloadConfig {
+            endpoints: 1,
+            ..StoriesWorkloadConfig::default()
+        },
+    );
+    let stories_info = stories_workload
+        .setup(
+            &mut stories,
+            &relay_simulator::cli::url_template(&simulate.receiver_url),
+        )
+        .pop()
+        .context("the stories workload made no endpoint")?;
+    let sim = Simulation::with_stories(
         upstream,
+        stories,
         relay_simulator::cli::send_timeout(TIME_COMPRESSION),
     );
     let simulator_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -618,7 +900,9 @@ async fn demonstrate(
         jwt: all.api.jwt.clone(),
     })?
     .token;
-    let registered = api.register(operator_token, &simulator_api, &infos).await?;
+    let registered = api
+        .register(operator_token, &simulator_api, &infos, &stories_info)
+        .await?;
     print_line(&json!({
         "event": "started",
         "database_url": redact(&global.database_url),
@@ -629,13 +913,20 @@ async fn demonstrate(
         "tenant_id": registered.tenant,
         "queue": registered.queue,
         "webhook_endpoint_ids": registered.endpoints,
+        "stories_endpoint_id": registered.stories_endpoint,
+        "stories_mode": STORIES_MODE,
         "faults": args.faults,
         "seed": args.seed,
     }));
     eprintln!(
-        "relay demo: every tier is running; tenant {} has {} endpoints; the simulated upstream \
-         changes its feed for {} s with faults `{}`",
-        registered.tenant, args.endpoints, args.duration_s, args.faults
+        "relay demo: every tier is running; tenant {} has {} feed endpoints and a stories \
+         endpoint ({STORIES_MODE}, tickers {}); the simulated upstream changes its feed and its \
+         stories for {} s with faults `{}`",
+        registered.tenant,
+        args.endpoints,
+        stories_info.tickers.join(", "),
+        args.duration_s,
+        args.faults
     );
 
     let consumer = Arc::new(Mutex::new(ReferenceConsumer::new(registered.tenant)));
@@ -647,12 +938,14 @@ async fn demonstrate(
         consumer.clone(),
         consumer_stop,
     ));
-    let senders = sim.spawn_senders();
-    let mut workload = tokio::spawn(sim.clone().run_workload(
-        workload,
-        args.rate,
-        Duration::from_secs(args.duration_s),
-    ));
+    let mut senders = sim.spawn_senders();
+    senders.push(sim.spawn_stories_sender());
+    let duration = Duration::from_secs(args.duration_s);
+    let feed_changes = sim.clone().run_workload(workload, args.rate, duration);
+    let story_changes =
+        sim.clone()
+            .run_stories_workload(stories_workload, args.stories_rate, duration);
+    let mut workload = tokio::spawn(async move { tokio::join!(feed_changes, story_changes) });
 
     let running = Running {
         tiers,
@@ -716,7 +1009,9 @@ async fn demonstrate(
     };
 
     let verdicts = running.verdict().await?;
+    let stories_verdict = running.stories_verdict().await?;
     let ok = settled.is_some()
+        && stories_verdict.ok()
         && verdicts
             .iter()
             .all(|v| v.api_copy == "equal" && v.queue_copy == "equal");
@@ -726,8 +1021,10 @@ async fn demonstrate(
         "ok": ok,
         "interrupted": interrupted,
         "settled_in_s": settled.map(|d| d.as_secs_f64()),
-        "feed_changes": changes_done,
+        "feed_changes": changes_done.map(|(feed, _)| feed),
+        "story_changes": changes_done.map(|(_, stories)| stories),
         "endpoints": verdicts,
+        "stories_endpoint": stories_verdict,
         "queue_consumer": stats,
     }));
     for verdict in &verdicts {
@@ -740,9 +1037,21 @@ async fn demonstrate(
         );
     }
     eprintln!(
+        "stories endpoint {}: {} open stories, {} to notify; copy through the API: {}; copy \
+         rebuilt from the queue: {}; notifications claimed: {}; notifications from the queue: {}",
+        stories_verdict.webhook_endpoint_id,
+        stories_verdict.expected_open,
+        stories_verdict.expected_notifications,
+        stories_verdict.api_copy,
+        stories_verdict.queue_copy,
+        stories_verdict.api_notifications,
+        stories_verdict.queue_notifications,
+    );
+    eprintln!(
         "verdict: {}",
         if ok {
-            "every copy, and every copy rebuilt from the tenant's queue, is the simulator's truth"
+            "every copy, and every copy rebuilt from the tenant's queue, is the simulator's \
+             truth, and each strong story was notified once"
         } else if interrupted {
             "none: interrupted before the relay settled"
         } else if settled.is_none() {
@@ -764,7 +1073,11 @@ async fn demonstrate(
     for sender in senders {
         let _ = sender.await;
     }
-    Ok(Demonstrated { registered, ok })
+    Ok(Demonstrated {
+        registered,
+        ok,
+        interrupted,
+    })
 }
 
 /// With `--keep`: how to look around, on stdout as JSON and on stderr in words.
@@ -811,14 +1124,8 @@ fn loopback(address: SocketAddr) -> SocketAddr {
     }
 }
 
-/// The tenant's broker user (through the API, as a tenant would) and its queues (through the
-/// management API: the publisher is stopping and no one else reads them).
-async fn remove_broker_objects(
-    global: &GlobalArgs,
-    all: &AllArgs,
-    tiers: &AllTiers,
-    registered: &Registered,
-) -> anyhow::Result<()> {
+/// The tenant's broker user, through the API as a tenant would remove it.
+async fn remove_broker_user(tiers: &AllTiers, registered: &Registered) -> anyhow::Result<()> {
     let api_address = tiers.api.as_ref().context("no control plane")?.address;
     let api = ApiClient {
         http: reqwest::Client::new(),
@@ -831,6 +1138,16 @@ async fn remove_broker_objects(
         None,
     )
     .await?;
+    Ok(())
+}
+
+/// The tenant's queues, through the management API: the publisher has stopped and no one else
+/// reads them.
+async fn remove_queues(
+    global: &GlobalArgs,
+    all: &AllArgs,
+    registered: &Registered,
+) -> anyhow::Result<()> {
     let mut api_args = all.api.clone();
     api_args.relay_amqp_url = all.publisher.amqp_url.clone();
     let config = api_args.to_config(global.outbound.policy(), global.trust()?)?;
