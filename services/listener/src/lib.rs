@@ -285,10 +285,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) {
     if let Some(metrics) = &shared.metrics {
-        metrics
-            .max_connections
-            .with_label_values(&[name])
-            .set(limits.max_connections as i64);
+        metrics.show_listener(name, limits.max_connections);
         shared
             .body_budget
             .show_in(metrics.body_bytes_in_flight.clone());
@@ -632,14 +629,9 @@ impl Served {
             return;
         }
         if let Some(metrics) = &self.shared.metrics {
-            let name = match error.raw_os_error() {
-                Some(libc::EMFILE) => "emfile",
-                Some(libc::ENFILE) => "enfile",
-                _ => "other",
-            };
             metrics
                 .accept_failures
-                .with_label_values(&[self.name, name])
+                .with_label_values(&[self.name, metrics::accept_failure_label(&error)])
                 .inc();
         }
         tracing::error!(listener = self.name, %error, "accepting a connection failed");

@@ -31,6 +31,15 @@ pub(crate) enum Refusal {
 }
 
 impl Refusal {
+    const ALL: [Refusal; 6] = [
+        Refusal::TooManyConnections,
+        Refusal::ClientConnections,
+        Refusal::Headless,
+        Refusal::ClientRequests,
+        Refusal::BodyBudget,
+        Refusal::ProxyHeader,
+    ];
+
     pub(crate) fn label(self) -> &'static str {
         match self {
             Refusal::TooManyConnections => "too_many_connections",
@@ -43,7 +52,33 @@ impl Refusal {
     }
 }
 
+/// How `accept` failed, as `relay_listener_accept_failures_total{error}` says.
+pub(crate) fn accept_failure_label(error: &std::io::Error) -> &'static str {
+    match error.raw_os_error() {
+        Some(libc::EMFILE) => "emfile",
+        Some(libc::ENFILE) => "enfile",
+        _ => "other",
+    }
+}
+
+const ACCEPT_FAILURE_LABELS: [&str; 3] = ["emfile", "enfile", "other"];
+
 impl ListenerMetrics {
+    /// Shows the listener `name` with its bound, and every refusal and accept failure it can
+    /// count at zero, so that a rate over them is 0 rather than absent before the first one.
+    pub(crate) fn show_listener(&self, name: &str, max_connections: usize) {
+        self.max_connections
+            .with_label_values(&[name])
+            .set(i64::try_from(max_connections).unwrap_or(i64::MAX));
+        self.connections.with_label_values(&[name]);
+        for refusal in Refusal::ALL {
+            self.refused.with_label_values(&[name, refusal.label()]);
+        }
+        for error in ACCEPT_FAILURE_LABELS {
+            self.accept_failures.with_label_values(&[name, error]);
+        }
+    }
+
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
         let connections = IntGaugeVec::new(
             Opts::new(
