@@ -114,16 +114,19 @@ const SAVE: &str = "WITH saved AS (
 
 /// Closes a story for good (seed 000's second write), appending a `closed` change when the row
 /// was absent or open, or closed with a smaller version. `prior` is read in the statement's own
-/// snapshot, so it is the row as this transaction left it before the write.
+/// snapshot, so it is the row as this transaction left it before the write. The row keeps the
+/// `merged_into` of the close that appended its change, so a read says what the queue said.
 const CLOSE: &str = "WITH prior AS (
          SELECT version, closed FROM stories WHERE endpoint_id = $1 AND id = $3
      ),
      closed AS (
-         insert into stories (endpoint_id, tenant_id, id, version, closed, story)
-         values ($1, $2, $3, $4, true, null)
+         insert into stories (endpoint_id, tenant_id, id, version, closed, story, merged_into)
+         values ($1, $2, $3, $4, true, null, $5)
          on conflict (endpoint_id, id) do update
            set closed = true, story = null,
-             version = greatest(stories.version, excluded.version)
+             version = greatest(stories.version, excluded.version),
+             merged_into = CASE WHEN stories.closed AND stories.version >= excluded.version
+                                THEN stories.merged_into ELSE excluded.merged_into END
          returning id, ticker, version
      ),
      counter AS (
@@ -144,7 +147,8 @@ const CLOSE: &str = "WITH prior AS (
 /// Claims a notification (seed 000's single insert), appending a `notified` change only when
 /// the insert returned its key.
 const CLAIM: &str = "WITH claim AS (
-         insert into claimed (endpoint_id, tenant_id, key) values ($1, $2, 'strong:' || $3)
+         insert into claimed (endpoint_id, tenant_id, key, story_id, ticker, event_id)
+         values ($1, $2, 'strong:' || $3, $3, $4, $5)
          on conflict do nothing
          returning key
      ),
@@ -351,7 +355,8 @@ impl StoriesWriter {
     pub async fn finish_reload(&mut self, round: i64) -> Result<bool, StoreError> {
         let finished = sqlx::query(
             "UPDATE stories_sync
-             SET cursor = NULL, reload_needed = false, reloaded_at = now(), updated_at = now()
+             SET cursor = NULL, reload_needed = false, reload_round = NULL, reloaded_at = now(),
+                 updated_at = now()
              WHERE endpoint_id = $1 AND rounds = $2",
         )
         .bind(self.endpoint)
@@ -485,8 +490,8 @@ pub async fn sync_state(
 }
 
 /// Begins a round (a reload in full, a ticker's load or removal): its number, which the round's
-/// writes name as their cause. `reload`: the round is a reload in full, needed from now on until
-/// [`StoriesWriter::finish_reload`] of this round clears it.
+/// writes name as their cause. `reload`: the round is a reload in full, needed (and shown
+/// running) from now on until [`StoriesWriter::finish_reload`] of this round clears it.
 pub async fn begin_round(
     pool: &sqlx::PgPool,
     endpoint: EndpointId,
@@ -494,7 +499,8 @@ pub async fn begin_round(
 ) -> Result<i64, StoreError> {
     Ok(sqlx::query_scalar(
         "UPDATE stories_sync
-         SET rounds = rounds + 1, reload_needed = reload_needed OR $2, updated_at = now()
+         SET rounds = rounds + 1, reload_needed = reload_needed OR $2, updated_at = now(),
+             reload_round = CASE WHEN $2 THEN rounds + 1 ELSE reload_round END
          WHERE endpoint_id = $1
          RETURNING rounds",
     )
@@ -595,6 +601,10 @@ pub struct CopiedStory {
     pub version: i64,
     pub closed: bool,
     pub story: Option<serde_json::Value>,
+    /// The story a merge closed it into; `None` for an open row or one closed otherwise
+    /// (defaulted for queries that do not select it).
+    #[sqlx(default)]
+    pub merged_into: Option<String>,
 }
 
 /// A page of the tenant's endpoint's copy by story id, after `after`: open stories only unless
@@ -608,7 +618,7 @@ pub async fn list(
     limit: i64,
 ) -> Result<Vec<CopiedStory>, StoreError> {
     Ok(sqlx::query_as(
-        "SELECT id, ticker, version, closed, story FROM stories
+        "SELECT id, ticker, version, closed, story, merged_into FROM stories
          WHERE endpoint_id = $1 AND tenant_id = $2
            AND ($3::text IS NULL OR ticker = $3) AND ($4 OR NOT closed)
            AND ($5::text IS NULL OR id > $5)
@@ -632,7 +642,7 @@ pub async fn find(
     id: &str,
 ) -> Result<Option<CopiedStory>, StoreError> {
     Ok(sqlx::query_as(
-        "SELECT id, ticker, version, closed, story FROM stories
+        "SELECT id, ticker, version, closed, story, merged_into FROM stories
          WHERE endpoint_id = $1 AND tenant_id = $2 AND id = $3",
     )
     .bind(endpoint)
@@ -646,6 +656,11 @@ pub async fn find(
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Claim {
     pub key: String,
+    pub story_id: String,
+    pub ticker: Option<String>,
+    /// The event that claimed it; `None` only for a claim made before it was kept whose
+    /// change was forgotten since.
+    pub event_id: Option<String>,
     pub claimed_at: OffsetDateTime,
 }
 
@@ -658,7 +673,7 @@ pub async fn claims(
     limit: i64,
 ) -> Result<Vec<Claim>, StoreError> {
     Ok(sqlx::query_as(
-        "SELECT key, claimed_at FROM claimed
+        "SELECT key, story_id, ticker, event_id, claimed_at FROM claimed
          WHERE endpoint_id = $1 AND tenant_id = $2 AND ($3::text IS NULL OR key > $3)
          ORDER BY key LIMIT $4",
     )
@@ -701,4 +716,121 @@ pub async fn due(
     .bind(only)
     .fetch_all(pool)
     .await?)
+}
+
+/// A stories endpoint's sync as its state shows it: the sync's row beside the registration's
+/// tickers. Before the sequencer first looks at the endpoint there is no row, and everything is
+/// owed: a reload in full, every ticker's load, the first catch-up.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct SyncView {
+    pub cursor: Option<String>,
+    pub caught_up_at: Option<OffsetDateTime>,
+    pub rounds: i64,
+    pub reload_needed: bool,
+    /// The round of the reload in full begun and not finished.
+    pub reload_round: Option<i64>,
+    pub reloaded_at: Option<OffsetDateTime>,
+    /// Registered and not loaded yet, in the registration's order.
+    pub tickers_loading: Vec<String>,
+    /// Loaded and no longer registered: their open stories not dropped yet.
+    pub tickers_dropping: Vec<String>,
+}
+
+/// Where a stories endpoint's reload in full stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReloadStatus {
+    /// Begun (in this round) and not finished.
+    Running(i64),
+    /// Needed and not begun: the next sync begins it.
+    Owed,
+}
+
+impl SyncView {
+    pub fn reload(&self) -> Option<ReloadStatus> {
+        match (self.reload_round, self.reload_needed) {
+            (Some(round), _) => Some(ReloadStatus::Running(round)),
+            (None, true) => Some(ReloadStatus::Owed),
+            (None, false) => None,
+        }
+    }
+}
+
+/// The tenant's stories endpoint's sync; `None` when the endpoint is not a stories endpoint
+/// (or not the tenant's).
+pub async fn sync_view<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    tenant: TenantId,
+    endpoint: EndpointId,
+) -> Result<Option<SyncView>, StoreError> {
+    Ok(sqlx::query_as(
+        "SELECT s.cursor, s.caught_up_at, coalesce(s.rounds, 0) AS rounds,
+                coalesce(s.reload_needed, true) AS reload_needed, s.reload_round, s.reloaded_at,
+                ARRAY(SELECT t FROM unnest(e.tickers) WITH ORDINALITY AS r(t, n)
+                      WHERE t <> ALL(coalesce(s.loaded_tickers, '{}')) ORDER BY n)
+                    AS tickers_loading,
+                ARRAY(SELECT t FROM unnest(coalesce(s.loaded_tickers, '{}')) WITH ORDINALITY
+                          AS r(t, n)
+                      WHERE t <> ALL(e.tickers) ORDER BY n) AS tickers_dropping
+         FROM webhook_endpoints e LEFT JOIN stories_sync s ON s.endpoint_id = e.id
+         WHERE e.id = $1 AND e.tenant_id = $2 AND e.source = 'stories'",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .fetch_optional(db)
+    .await?)
+}
+
+/// How long ago active stories endpoints last caught up, as the sequencer's gauge counts them:
+/// each label with the age it reaches up to (seconds), the last for those never caught up.
+pub const CATCH_UP_AGES: [(&str, Option<f64>); 5] = [
+    ("within_1m", Some(60.0)),
+    ("within_5m", Some(300.0)),
+    ("within_1h", Some(3600.0)),
+    ("older", None),
+    ("never", None),
+];
+
+/// Every active stories endpoint's sync, counted: no endpoint named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SyncSummary {
+    pub reloads_running: i64,
+    pub reloads_owed: i64,
+    /// Tickers registered and not loaded yet, over all endpoints.
+    pub tickers_loading: i64,
+    /// Endpoints per [`CATCH_UP_AGES`] label, in its order.
+    pub catch_up_ages: [i64; 5],
+}
+
+/// Counts every active stories endpoint's sync, in one statement.
+pub async fn sync_summary(pool: &sqlx::PgPool) -> Result<SyncSummary, StoreError> {
+    let bounds: Vec<f64> = CATCH_UP_AGES.iter().filter_map(|(_, s)| *s).collect();
+    let row: (i64, i64, i64, i64, i64, i64, i64, i64) = sqlx::query_as(
+        "WITH synced AS (
+             SELECT s.reload_round, coalesce(s.reload_needed, true) AS reload_needed,
+                    cardinality(ARRAY(SELECT unnest(e.tickers)
+                                      EXCEPT SELECT unnest(coalesce(s.loaded_tickers, '{}'))))
+                        AS loading,
+                    extract(epoch FROM now() - s.caught_up_at) AS age
+             FROM webhook_endpoints e LEFT JOIN stories_sync s ON s.endpoint_id = e.id
+             WHERE e.source = 'stories' AND e.status = 'active'
+         )
+         SELECT count(*) FILTER (WHERE reload_round IS NOT NULL),
+                count(*) FILTER (WHERE reload_round IS NULL AND reload_needed),
+                coalesce(sum(loading), 0)::int8,
+                count(*) FILTER (WHERE age <= $1[1]),
+                count(*) FILTER (WHERE age > $1[1] AND age <= $1[2]),
+                count(*) FILTER (WHERE age > $1[2] AND age <= $1[3]),
+                count(*) FILTER (WHERE age > $1[3]),
+                count(*) FILTER (WHERE age IS NULL)
+         FROM synced",
+    )
+    .bind(&bounds)
+    .fetch_one(pool)
+    .await?;
+    Ok(SyncSummary {
+        reloads_running: row.0,
+        reloads_owed: row.1,
+        tickers_loading: row.2,
+        catch_up_ages: [row.3, row.4, row.5, row.6, row.7],
+    })
 }
