@@ -90,6 +90,12 @@ pub struct SequencerMetrics {
     pub story_reads_owed: IntCounterVec,
     /// Reloads in full of stories endpoints, by how they ended.
     pub stories_reloads: IntCounterVec,
+    /// Active stories endpoints whose reload in full runs or is owed, by which.
+    pub stories_reloads_pending: IntGaugeVec,
+    /// Tickers of active stories endpoints registered and not loaded yet.
+    pub stories_tickers_loading: IntGauge,
+    /// Active stories endpoints by how long ago they last caught up.
+    pub stories_catch_up_age: IntGaugeVec,
 }
 
 /// What a stories write did: a save that wrote or did not, a close that changed the row or
@@ -103,6 +109,9 @@ pub const STORY_READ_ANSWERS: [&str; 3] = ["found", "not_found", "failed"];
 
 /// What became of reads owed.
 pub const STORY_READS_OWED: [&str; 3] = ["recorded", "done", "failing"];
+
+/// Where a pending reload in full of a stories endpoint stands.
+pub const STORIES_RELOADS_PENDING: [&str; 2] = ["running", "owed"];
 
 impl SequencerMetrics {
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
@@ -269,6 +278,36 @@ impl SequencerMetrics {
             ),
             &["outcome"],
         )?;
+        let stories_reloads_pending = IntGaugeVec::new(
+            Opts::new(
+                "relay_sequencer_stories_reloads_pending",
+                "Active stories endpoints whose reload in full is running or owed, as the \
+                 retention task last counted them.",
+            ),
+            &["reload"],
+        )?;
+        let stories_tickers_loading = IntGauge::new(
+            "relay_sequencer_stories_tickers_loading",
+            "Tickers of active stories endpoints registered and not loaded yet, as the \
+             retention task last counted them.",
+        )?;
+        let stories_catch_up_age = IntGaugeVec::new(
+            Opts::new(
+                "relay_sequencer_stories_catch_up_age_endpoints",
+                "Active stories endpoints by how long ago they last caught up (within_1m, \
+                 within_5m, within_1h, older, never), as the retention task last counted them.",
+            ),
+            &["age"],
+        )?;
+        registry.register(Box::new(stories_reloads_pending.clone()))?;
+        registry.register(Box::new(stories_tickers_loading.clone()))?;
+        registry.register(Box::new(stories_catch_up_age.clone()))?;
+        for reload in STORIES_RELOADS_PENDING {
+            stories_reloads_pending.with_label_values(&[reload]);
+        }
+        for (age, _) in relay_store::stories::CATCH_UP_AGES {
+            stories_catch_up_age.with_label_values(&[age]);
+        }
         let story_reads = IntCounterVec::new(
             Opts::new(
                 "relay_sequencer_story_reads_total",
@@ -381,7 +420,29 @@ impl SequencerMetrics {
             story_reads_retried,
             story_reads_owed,
             stories_reloads,
+            stories_reloads_pending,
+            stories_tickers_loading,
+            stories_catch_up_age,
         })
+    }
+
+    /// Sets the stories gauges from one count of every active stories endpoint's sync.
+    pub fn observe_stories(&self, summary: &relay_store::stories::SyncSummary) {
+        let [running, owed] = STORIES_RELOADS_PENDING;
+        let pending = &self.stories_reloads_pending;
+        pending
+            .with_label_values(&[running])
+            .set(summary.reloads_running);
+        pending.with_label_values(&[owed]).set(summary.reloads_owed);
+        self.stories_tickers_loading.set(summary.tickers_loading);
+        for ((age, _), endpoints) in relay_store::stories::CATCH_UP_AGES
+            .iter()
+            .zip(summary.catch_up_ages)
+        {
+            self.stories_catch_up_age
+                .with_label_values(&[age])
+                .set(endpoints);
+        }
     }
 
     /// Metrics on a private registry: for tests and tools that do not serve them.

@@ -476,8 +476,9 @@ struct Retention {
 
 /// Every `interval`: deletes applied event ids, applied messages and published changes past
 /// their retention, in batches (short statements, so no write of the tiers waits long behind
-/// one), until none is left; then reads the growing tables' sizes into the metrics. Every
-/// sequencer process runs it; two deleting the same rows simply find less to do.
+/// one), until none is left; then reads the growing tables' sizes and the stories endpoints'
+/// syncs (counted, no endpoint named) into the metrics. Every sequencer process runs it; two
+/// deleting the same rows simply find less to do.
 async fn retention(
     pool: PgPool,
     keep: Retention,
@@ -542,6 +543,10 @@ async fn retention(
                 }
             }
             Err(error) => tracing::warn!(%error, "reading the tables' sizes failed"),
+        }
+        match relay_store::stories::sync_summary(&pool).await {
+            Ok(summary) => metrics.observe_stories(&summary),
+            Err(error) => tracing::warn!(%error, "counting the stories endpoints' syncs failed"),
         }
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
