@@ -3,6 +3,7 @@
 mod api;
 mod api_envelope;
 mod api_hostile;
+mod api_stories;
 mod convergence;
 mod copy;
 mod demo;

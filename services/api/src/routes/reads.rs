@@ -1,6 +1,6 @@
 //! Reads for the tenant and for support: the endpoint's copy of the feed, one item of it, the
-//! endpoint's state (tracks, apply progress, outbox backlog), and the stored messages with how
-//! each was answered and applied.
+//! endpoint's state (a feed endpoint's tracks or a stories endpoint's sync, apply progress,
+//! outbox backlog), and the stored messages with how each was answered and applied.
 //!
 //! Every query names the tenant as well as the endpoint, and runs only after the endpoint is
 //! found to be the tenant's, so another tenant's endpoint is a 404 and never an empty page.
@@ -9,7 +9,8 @@ use std::collections::HashMap;
 
 use axum::extract::{Path, Query, State};
 use axum::Json;
-use relay_store::{copy, cursors, endpoints, messages, tracks, EndpointId};
+use relay_store::stories::{ReloadStatus, SyncView};
+use relay_store::{copy, cursors, endpoints, messages, stories, tracks, EndpointId};
 use relay_wire::ItemKind;
 use serde::Serialize;
 use serde_json::Value;
@@ -229,13 +230,79 @@ impl From<relay_store::restores::Restore> for RestoreView {
     }
 }
 
+/// A stories endpoint's reload in full (seed 000's: each ticker's stories listed and saved, the
+/// open stories the listing missed read, then catch-up from the window's start).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StoriesReloadView {
+    /// `running` (begun, not finished), `owed` (needed: a new endpoint, an expired catch-up
+    /// cursor, a resync; the next sync begins it) or `none`.
+    pub status: String,
+    /// The round of the running reload: its writes name it as their cause in the stream.
+    pub round: Option<i64>,
+    /// When the last reload in full finished; null: none has.
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub reloaded_at: Option<OffsetDateTime>,
+}
+
+/// A stories endpoint's sync: how its copy was loaded and how far catch-up has read.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StoriesStateView {
+    /// The copy holds every registered ticker's stories: no reload in full runs or is owed,
+    /// and no ticker is loading.
+    pub loaded: bool,
+    /// The `GET /v1/events` cursor after the last page applied; null: the next catch-up reads
+    /// from the window's start.
+    pub catch_up_cursor: Option<String>,
+    /// When catch-up last read to the end of `GET /v1/events`; null: never.
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub caught_up_at: Option<OffsetDateTime>,
+    pub reload: StoriesReloadView,
+    /// Tickers registered whose stories are not loaded yet (the next sync loads them).
+    pub tickers_loading: Vec<String>,
+    /// Tickers no longer registered whose open stories are not dropped yet.
+    pub tickers_dropping: Vec<String>,
+    /// Reloads in full and ticker loads or removals begun.
+    pub rounds: i64,
+}
+
+impl From<SyncView> for StoriesStateView {
+    fn from(sync: SyncView) -> Self {
+        let (status, round) = match sync.reload() {
+            Some(ReloadStatus::Running(round)) => ("running", Some(round)),
+            Some(ReloadStatus::Owed) => ("owed", None),
+            None => ("none", None),
+        };
+        Self {
+            loaded: status == "none" && sync.tickers_loading.is_empty(),
+            catch_up_cursor: sync.cursor,
+            caught_up_at: sync.caught_up_at,
+            reload: StoriesReloadView {
+                status: status.to_owned(),
+                round,
+                reloaded_at: sync.reloaded_at,
+            },
+            tickers_loading: sync.tickers_loading,
+            tickers_dropping: sync.tickers_dropping,
+            rounds: sync.rounds,
+        }
+    }
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct StateView {
     pub endpoint_id: Uuid,
     pub status: String,
-    pub tracks: Vec<TrackView>,
-    /// True when any track's reload runs.
-    pub reload_running: bool,
+    /// `feed` or `stories`: which of `tracks` and `stories` describes the endpoint.
+    pub source: String,
+    /// A feed endpoint's tracks; null for a stories endpoint (it has none).
+    pub tracks: Option<Vec<TrackView>>,
+    /// A feed endpoint's: true when any track's reload runs; null for a stories endpoint (see
+    /// `stories.reload`).
+    pub reload_running: Option<bool>,
+    /// A stories endpoint's sync; null for a feed endpoint.
+    pub stories: Option<StoriesStateView>,
     /// The arrival number of the last message stored.
     pub last_arrival_seq: i64,
     /// Every message at or below it is applied.
@@ -290,6 +357,7 @@ pub async fn endpoint_state(
     let (status, upstream_configured) = endpoints::status_and_settings(&mut *tx, tenant, id)
         .await?
         .ok_or(ApiError::NotFound("webhook endpoint"))?;
+    let stories = stories::sync_view(&mut *tx, tenant, id).await?;
     let tracks = tracks::states(&mut *tx, tenant, id)
         .await?
         .into_iter()
@@ -333,11 +401,17 @@ pub async fn endpoint_state(
         last_failure_at: upstream.as_ref().map(|u| u.last_failure_at),
         last_success_at: upstream.as_ref().and_then(|u| u.last_success_at),
     };
+    // A stories endpoint has no tracks: its sync says what the feed's tracks would.
+    let tracks = stories.is_none().then_some(tracks);
     Ok(Json(StateView {
         endpoint_id: id.0,
         status,
-        reload_running: tracks.iter().any(|t| t.reload_running),
+        source: if stories.is_some() { "stories" } else { "feed" }.to_owned(),
+        reload_running: tracks
+            .as_ref()
+            .map(|tracks| tracks.iter().any(|t| t.reload_running)),
         tracks,
+        stories: stories.map(StoriesStateView::from),
         last_arrival_seq: progress.last_arrival_seq,
         applied_arrival_seq: progress.applied_arrival_seq,
         messages_waiting: progress.waiting,

@@ -30,6 +30,8 @@ pub struct StoryView {
     pub version: i64,
     /// Closed for good: kept so that a late event cannot bring it back.
     pub closed: bool,
+    /// The story it merged into, as the `closed` message said; null unless closed by a merge.
+    pub merged_into: Option<String>,
     /// The snapshot; absent once closed.
     #[schema(value_type = Option<Object>)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -43,6 +45,7 @@ impl From<stories::CopiedStory> for StoryView {
             ticker: row.ticker,
             version: row.version,
             closed: row.closed,
+            merged_into: row.merged_into,
             story: row.story,
         }
     }
@@ -128,6 +131,13 @@ pub async fn get_story(
 pub struct NotificationView {
     /// `strong:<story id>`: claimed once, whatever arrives after.
     pub key: String,
+    pub story_id: String,
+    /// The story's ticker when claimed; null for a story with none.
+    pub ticker: Option<String>,
+    /// The id of the event that claimed it; null only for a claim made before the relay kept
+    /// it whose message was forgotten since.
+    pub event_id: Option<String>,
+    /// When it was claimed (and appended to the tenant's stream, in the same transaction).
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub claimed_at: OffsetDateTime,
@@ -171,6 +181,9 @@ pub async fn list_notifications(
             .into_iter()
             .map(|claim| NotificationView {
                 key: claim.key,
+                story_id: claim.story_id,
+                ticker: claim.ticker,
+                event_id: claim.event_id,
                 claimed_at: claim.claimed_at,
             })
             .collect();
