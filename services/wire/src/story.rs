@@ -19,6 +19,8 @@
 //!   and one such story would fail every write it shares a transaction with.
 
 use serde_json::{Map, Value};
+use time::format_description::well_known::Rfc3339;
+use time::OffsetDateTime;
 
 /// The longest id (event or story) the relay keeps, in bytes.
 pub const MAX_ID_BYTES: usize = 200;
@@ -112,6 +114,10 @@ pub struct StoryEvent {
     /// The `type` exactly as sent.
     pub event_type: String,
     pub origin: Origin,
+    /// When the upstream created the event (`created_at`, RFC 3339); `None` when it is missing
+    /// or unreadable. Only a notification's policy looks at it, and an event without one is
+    /// still applied rather than set aside.
+    pub created_at: Option<OffsetDateTime>,
     pub body: StoryEventBody,
 }
 
@@ -156,6 +162,10 @@ impl StoryEvent {
         let origin = at.required_str("origin")?;
         let origin =
             Origin::parse(origin).ok_or_else(|| at.wrong("origin", "\"live\" or \"backfill\""))?;
+        let created_at = match at.fields.get("created_at") {
+            Some(Value::String(text)) => OffsetDateTime::parse(text, &Rfc3339).ok(),
+            _ => None,
+        };
         let body = match (SnapshotKind::parse(&event_type), event_type.as_str()) {
             (Some(kind), _) => {
                 let data = at.required_object("data")?;
@@ -194,6 +204,7 @@ impl StoryEvent {
             event_id,
             event_type,
             origin,
+            created_at,
             body,
         })
     }
@@ -410,6 +421,35 @@ mod tests {
             Story::from_value(&raw["data"]["story"]).unwrap(),
             story.clone()
         );
+    }
+
+    #[test]
+    fn created_at_is_read_as_rfc_3339_and_none_when_missing_or_unreadable() {
+        // 2026-10-08T06:40:00Z.
+        let at = OffsetDateTime::from_unix_timestamp(1_791_441_600).unwrap();
+        let event = StoryEvent::parse(EXAMPLE.as_bytes()).unwrap();
+        assert_eq!(
+            event.created_at,
+            Some(at + time::Duration::milliseconds(300))
+        );
+        let base = json!({"event_id": "e", "type": "story.promoted", "origin": "live"});
+        for created_at in [
+            None,
+            Some(Value::Null),
+            Some(json!("yesterday")),
+            Some(json!(1_760_000_000)),
+            Some(json!("2026-10-08 06:40:00")),
+        ] {
+            let mut value = base.clone();
+            if let Some(created_at) = &created_at {
+                value["created_at"] = created_at.clone();
+            }
+            let event = parse(value).unwrap();
+            assert_eq!(event.created_at, None, "created_at {created_at:?}");
+        }
+        let mut offset = base.clone();
+        offset["created_at"] = json!("2026-10-08T08:40:00+02:00");
+        assert_eq!(parse(offset).unwrap().created_at, Some(at));
     }
 
     #[test]
