@@ -1,13 +1,27 @@
 //! `relay demo`, as the README's first command runs it (in this process, on a vhost and a
 //! Redis prefix of the test's own): it must reach a right verdict against the simulator with
-//! every fault on, and leave neither its database nor its tenant's broker user behind.
+//! every fault on, its feed endpoints and its stories endpoint, and leave neither its database
+//! nor its tenant's broker user behind.
+//!
+//! SIGTERM in the middle of `relay demo` (every tier under load) and of `relay all`, each in a
+//! process of its own as the binary runs it: the process exits 0 and no line of its log is at
+//! ERROR.
 
 use std::collections::BTreeSet;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 use clap::Parser as _;
 use relay::cli::{Cli, Command};
-use relay_tests::{redis_url, server_url, RedisPrefix, Vhost};
+use relay_tests::{redis_url, server_url, RedisPrefix, TestDb, Vhost};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
+use tokio::process::{Child, Command as Process};
 use uuid::Uuid;
+
+use crate::scale_out::free_address;
+
+/// Set in a child process's environment: the `relay` command line it runs.
+const CHILD_ENV: &str = "RELAY_TEST_SIGTERM_CHILD";
 
 async fn demo_databases() -> BTreeSet<String> {
     let pool = sqlx::PgPool::connect(&server_url()).await.unwrap();
@@ -76,4 +90,233 @@ async fn the_demo_reaches_a_right_verdict_with_every_fault_and_cleans_up() {
         tenant_users().is_subset(&users),
         "the demo's broker user is left behind"
     );
+}
+
+/// `relay::run` on the command line in [`CHILD_ENV`], logging as the binary's `main` does.
+/// Runs only when started by a SIGTERM test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "started as a child process by the SIGTERM tests"]
+async fn sigterm_child_process() {
+    let Ok(command_line) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let command_line: Vec<String> = serde_json::from_str(&command_line).unwrap();
+    let cli = Cli::try_parse_from(command_line).unwrap();
+    relay::telemetry::init_logging(cli.global.log_format, "warn");
+    relay::run(cli).await.unwrap();
+}
+
+/// A `relay` command in a process of its own, its stderr (JSON logs, progress) read line by
+/// line.
+struct RelayProcess {
+    child: Child,
+    stderr: tokio::sync::mpsc::UnboundedReceiver<String>,
+    stdout: tokio::task::JoinHandle<Vec<String>>,
+    lines: Vec<String>,
+}
+
+impl RelayProcess {
+    fn start(args: &[&str]) -> Self {
+        let mut command_line = vec!["relay", "--log-format", "json"];
+        command_line.extend(args);
+        let mut child = Process::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "demo::sigterm_child_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD_ENV, serde_json::to_string(&command_line).unwrap())
+            // Warnings and errors only, whatever the test's own RUST_LOG says.
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let (send, stderr) = tokio::sync::mpsc::unbounded_channel();
+        let mut errors = BufReader::new(child.stderr.take().unwrap()).lines();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = errors.next_line().await {
+                let _ = send.send(line);
+            }
+        });
+        let mut output = BufReader::new(child.stdout.take().unwrap()).lines();
+        let stdout = tokio::spawn(async move {
+            let mut lines = Vec::new();
+            while let Ok(Some(line)) = output.next_line().await {
+                lines.push(line);
+            }
+            lines
+        });
+        Self {
+            child,
+            stderr,
+            stdout,
+            lines: Vec::new(),
+        }
+    }
+
+    /// Reads stderr until a line contains `text`; panics with what was read if the process
+    /// ends first or `limit` passes.
+    async fn wait_for(&mut self, text: &str, limit: Duration) {
+        let started = Instant::now();
+        while !self.lines.iter().any(|line| line.contains(text)) {
+            let left = limit.saturating_sub(started.elapsed());
+            match tokio::time::timeout(left, self.stderr.recv()).await {
+                Ok(Some(line)) => self.lines.push(line),
+                _ => panic!(
+                    "no line with {text:?} within {limit:?}; stderr so far:\n{}",
+                    self.lines.join("\n")
+                ),
+            }
+        }
+    }
+
+    /// SIGTERM, then the exit status, every stderr line and every stdout line.
+    async fn terminate(mut self) -> (std::process::ExitStatus, Vec<String>, Vec<String>) {
+        let pid = self.child.id().expect("the process is running") as libc::pid_t;
+        // SAFETY: kill(2) with the pid of our own child, which has not been waited for.
+        assert_eq!(
+            unsafe { libc::kill(pid, libc::SIGTERM) },
+            0,
+            "sending SIGTERM"
+        );
+        // A bound for a process that hangs, not a timing claim: it must end cleanly at all.
+        let status = tokio::time::timeout(Duration::from_secs(240), self.child.wait())
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "the process did not end within 4 minutes of SIGTERM; stderr:\n{}",
+                    self.lines.join("\n")
+                )
+            })
+            .unwrap();
+        while let Some(line) = self.stderr.recv().await {
+            self.lines.push(line);
+        }
+        (status, self.lines, self.stdout.await.unwrap())
+    }
+}
+
+/// The log lines at ERROR: JSON lines whose `level` is ERROR, and anything else that names it
+/// (a line the JSON layer did not write).
+fn error_lines(lines: &[String]) -> Vec<&String> {
+    lines
+        .iter()
+        .filter(
+            |line| match serde_json::from_str::<serde_json::Value>(line) {
+                Ok(value) => value["level"] == "ERROR",
+                Err(_) => line.contains(" ERROR ") || line.contains("panicked"),
+            },
+        )
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_in_the_middle_of_the_demo_ends_every_tier_without_an_error() {
+    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
+    let prefix = RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
+    let (databases, users) = (demo_databases().await, tenant_users());
+    let (server, redis, amqp) = (server_url(), redis_url(), vhost.url());
+    let mut demo = RelayProcess::start(&[
+        "--database-url",
+        &server,
+        "--redis-url",
+        &redis,
+        "--redis-key-prefix",
+        &prefix.0,
+        "demo",
+        "--duration-s",
+        "60",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--api-listen",
+        "127.0.0.1:0",
+        "--amqp-url",
+        &amqp,
+    ]);
+    // The first progress line: every tier is running and the upstream is changing.
+    demo.wait_for(" changing ", Duration::from_secs(180)).await;
+    let (status, lines, stdout) = demo.terminate().await;
+    let log = lines.join("\n");
+    assert!(status.success(), "the demo ended {status}:\n{log}");
+    let errors = error_lines(&lines);
+    assert!(errors.is_empty(), "ERROR lines at shutdown: {errors:#?}");
+    let verdict: serde_json::Value = stdout
+        .iter()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find(|line| line["event"] == "verdict")
+        .unwrap_or_else(|| panic!("no verdict line; stdout: {stdout:?}\n{log}"));
+    assert_eq!(verdict["interrupted"], true, "{verdict}");
+    assert!(
+        verdict["stories_endpoint"]["webhook_endpoint_id"].is_string(),
+        "the stories endpoint is in the verdict: {verdict}"
+    );
+    assert!(
+        demo_databases().await.is_subset(&databases),
+        "the demo's database is left behind after SIGTERM"
+    );
+    assert!(
+        tenant_users().is_subset(&users),
+        "the demo's broker user is left behind after SIGTERM"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_relay_all_without_an_error() {
+    let db = TestDb::new().await;
+    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
+    let prefix = RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
+    let (redis, amqp) = (redis_url(), vhost.url());
+    let metrics = free_address().to_string();
+    let all = RelayProcess::start(&[
+        "--database-url",
+        &db.url,
+        "--redis-url",
+        &redis,
+        "--redis-key-prefix",
+        &prefix.0,
+        "all",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        &metrics,
+        "--api-listen",
+        "127.0.0.1:0",
+        "--amqp-url",
+        &amqp,
+        "--jwt-secret",
+        "sigterm-test-signing-key-of-at-least-32-bytes",
+    ]);
+    // Every tier is up once the front tier's probe says what they need answers.
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    loop {
+        let ready = client
+            .get(format!("http://{metrics}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|answer| answer.status() == 200);
+        if ready {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "relay all is not ready after two minutes"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, lines, _) = all.terminate().await;
+    assert!(
+        status.success(),
+        "relay all ended {status}:\n{}",
+        lines.join("\n")
+    );
+    let errors = error_lines(&lines);
+    assert!(errors.is_empty(), "ERROR lines at shutdown: {errors:#?}");
 }
