@@ -96,6 +96,8 @@ pub struct SequencerMetrics {
     pub stories_tickers_loading: IntGauge,
     /// Active stories endpoints by how long ago they last caught up.
     pub stories_catch_up_age: IntGaugeVec,
+    /// Stories of active stories endpoints owed a read now.
+    pub stories_reads_owed: IntGauge,
 }
 
 /// What a stories write did: a save that wrote or did not, a close that changed the row or
@@ -299,6 +301,12 @@ impl SequencerMetrics {
             ),
             &["age"],
         )?;
+        let stories_reads_owed = IntGauge::new(
+            "relay_sequencer_stories_reads_owed",
+            "Stories of active stories endpoints owed a read (their fetch-on-notify read still \
+             failed after its tries), as the retention task last counted them.",
+        )?;
+        registry.register(Box::new(stories_reads_owed.clone()))?;
         registry.register(Box::new(stories_reloads_pending.clone()))?;
         registry.register(Box::new(stories_tickers_loading.clone()))?;
         registry.register(Box::new(stories_catch_up_age.clone()))?;
@@ -423,6 +431,7 @@ impl SequencerMetrics {
             stories_reloads_pending,
             stories_tickers_loading,
             stories_catch_up_age,
+            stories_reads_owed,
         })
     }
 
@@ -435,6 +444,7 @@ impl SequencerMetrics {
             .set(summary.reloads_running);
         pending.with_label_values(&[owed]).set(summary.reloads_owed);
         self.stories_tickers_loading.set(summary.tickers_loading);
+        self.stories_reads_owed.set(summary.reads_owed);
         for ((age, _), endpoints) in relay_store::stories::CATCH_UP_AGES
             .iter()
             .zip(summary.catch_up_ages)

@@ -734,6 +734,9 @@ pub struct SyncView {
     pub tickers_loading: Vec<String>,
     /// Loaded and no longer registered: their open stories not dropped yet.
     pub tickers_dropping: Vec<String>,
+    /// Stories owed a read (`story_reads_owed`), and since when the oldest is.
+    pub reads_owed: i64,
+    pub reads_owed_since: Option<OffsetDateTime>,
 }
 
 /// Where a stories endpoint's reload in full stands.
@@ -770,8 +773,13 @@ pub async fn sync_view<'e>(
                     AS tickers_loading,
                 ARRAY(SELECT t FROM unnest(coalesce(s.loaded_tickers, '{}')) WITH ORDINALITY
                           AS r(t, n)
-                      WHERE t <> ALL(e.tickers) ORDER BY n) AS tickers_dropping
+                      WHERE t <> ALL(e.tickers) ORDER BY n) AS tickers_dropping,
+                o.reads_owed, o.reads_owed_since
          FROM webhook_endpoints e LEFT JOIN stories_sync s ON s.endpoint_id = e.id
+         CROSS JOIN LATERAL (
+             SELECT count(*) AS reads_owed, min(owed_since) AS reads_owed_since
+             FROM story_reads_owed WHERE endpoint_id = e.id
+         ) o
          WHERE e.id = $1 AND e.tenant_id = $2 AND e.source = 'stories'",
     )
     .bind(endpoint)
@@ -799,18 +807,21 @@ pub struct SyncSummary {
     pub tickers_loading: i64,
     /// Endpoints per [`CATCH_UP_AGES`] label, in its order.
     pub catch_up_ages: [i64; 5],
+    /// Stories owed a read, over all endpoints.
+    pub reads_owed: i64,
 }
 
 /// Counts every active stories endpoint's sync, in one statement.
 pub async fn sync_summary(pool: &sqlx::PgPool) -> Result<SyncSummary, StoreError> {
     let bounds: Vec<f64> = CATCH_UP_AGES.iter().filter_map(|(_, s)| *s).collect();
-    let row: (i64, i64, i64, i64, i64, i64, i64, i64) = sqlx::query_as(
+    let row: (i64, i64, i64, i64, i64, i64, i64, i64, i64) = sqlx::query_as(
         "WITH synced AS (
              SELECT s.reload_round, coalesce(s.reload_needed, true) AS reload_needed,
                     cardinality(ARRAY(SELECT unnest(e.tickers)
                                       EXCEPT SELECT unnest(coalesce(s.loaded_tickers, '{}'))))
                         AS loading,
-                    extract(epoch FROM now() - s.caught_up_at) AS age
+                    extract(epoch FROM now() - s.caught_up_at) AS age,
+                    (SELECT count(*) FROM story_reads_owed o WHERE o.endpoint_id = e.id) AS owed
              FROM webhook_endpoints e LEFT JOIN stories_sync s ON s.endpoint_id = e.id
              WHERE e.source = 'stories' AND e.status = 'active'
          )
@@ -821,7 +832,8 @@ pub async fn sync_summary(pool: &sqlx::PgPool) -> Result<SyncSummary, StoreError
                 count(*) FILTER (WHERE age > $1[1] AND age <= $1[2]),
                 count(*) FILTER (WHERE age > $1[2] AND age <= $1[3]),
                 count(*) FILTER (WHERE age > $1[3]),
-                count(*) FILTER (WHERE age IS NULL)
+                count(*) FILTER (WHERE age IS NULL),
+                coalesce(sum(owed), 0)::int8
          FROM synced",
     )
     .bind(&bounds)
@@ -832,5 +844,6 @@ pub async fn sync_summary(pool: &sqlx::PgPool) -> Result<SyncSummary, StoreError
         reloads_owed: row.1,
         tickers_loading: row.2,
         catch_up_ages: [row.3, row.4, row.5, row.6, row.7],
+        reads_owed: row.8,
     })
 }

@@ -265,6 +265,12 @@ pub struct StoriesStateView {
     pub tickers_dropping: Vec<String>,
     /// Reloads in full and ticker loads or removals begun.
     pub rounds: i64,
+    /// Stories owed a read (a fetch-on-notify read that still failed after its tries: the
+    /// endpoint's syncs read them again), and since when the oldest is owed.
+    pub reads_owed: i64,
+    #[serde(with = "time::serde::rfc3339::option")]
+    #[schema(value_type = Option<String>, format = DateTime)]
+    pub reads_owed_since: Option<OffsetDateTime>,
 }
 
 impl From<SyncView> for StoriesStateView {
@@ -286,6 +292,8 @@ impl From<SyncView> for StoriesStateView {
             tickers_loading: sync.tickers_loading,
             tickers_dropping: sync.tickers_dropping,
             rounds: sync.rounds,
+            reads_owed: sync.reads_owed,
+            reads_owed_since: sync.reads_owed_since,
         }
     }
 }
