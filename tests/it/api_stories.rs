@@ -105,7 +105,8 @@ async fn a_stories_endpoint_shows_its_sync_rows_and_notifications_to_its_tenant_
         before["stories"],
         json!({"loaded": false, "catch_up_cursor": null, "caught_up_at": null,
                "reload": {"status": "owed", "round": null, "reloaded_at": null},
-               "tickers_loading": ["ALFA B", "BETA"], "tickers_dropping": [], "rounds": 0}),
+               "tickers_loading": ["ALFA B", "BETA"], "tickers_dropping": [], "rounds": 0,
+               "reads_owed": 0, "reads_owed_since": null}),
         "{before}"
     );
     assert_eq!(gauges(&app.db.pool).await, (0, 1, 2, 1, 0));
@@ -190,8 +191,28 @@ async fn a_stories_endpoint_shows_its_sync_rows_and_notifications_to_its_tenant_
     assert!(synced["reload"]["reloaded_at"].is_string(), "{after}");
     assert_eq!(synced["tickers_loading"], json!([]), "{after}");
     assert_eq!(synced["rounds"], round, "{after}");
+    assert_eq!(synced["reads_owed"], 0, "{after}");
     assert_eq!(after["tracks"], Value::Null, "{after}");
     assert_eq!(gauges(&app.db.pool).await, (0, 0, 0, 0, 1));
+
+    // A read owed (a fetch-on-notify read that still failed), shown until a sync pays it.
+    let mut writer = store::open(&app.db.pool, tenant, id, fence)
+        .await
+        .unwrap()
+        .expect("the fence is ours");
+    writer
+        .owe_reads(&["st_1".to_owned()], "timeout")
+        .await
+        .unwrap();
+    writer.commit().await.unwrap();
+    let owing = app.ok(200, "GET", &e("/state"), &token, None).await;
+    assert_eq!(owing["stories"]["reads_owed"], 1, "{owing}");
+    assert!(owing["stories"]["reads_owed_since"].is_string(), "{owing}");
+    let summary = store::sync_summary(&app.db.pool).await.unwrap();
+    assert_eq!(summary.reads_owed, 1, "{summary:?}");
+    let metrics = SequencerMetrics::unregistered();
+    metrics.observe_stories(&summary);
+    assert_eq!(metrics.stories_reads_owed.get(), 1);
 
     // Rows: the merge read back on the row, null elsewhere.
     let merged = app.ok(200, "GET", &e("/stories/st_2"), &token, None).await;
