@@ -126,6 +126,10 @@ pub struct StoriesEndpoint {
     pub api_key: String,
     /// A 410 answer pauses the endpoint (its webhooks wait) until resumed.
     pub paused: bool,
+    /// When its receiver registered it, as the receiver records it (the relay's
+    /// `webhook_endpoints.created_at`): a receiver notifies only of `story.became_strong`
+    /// events created since. `None`: registered before every event.
+    pub registered_at: Option<time::OffsetDateTime>,
     subscriptions: BTreeMap<String, Vec<Subscription>>,
     queue: sender::Queue,
     rng: ChaCha8Rng,
@@ -265,6 +269,7 @@ impl Stories {
                 secrets: spec.secrets,
                 api_key: spec.api_key,
                 paused: false,
+                registered_at: None,
                 subscriptions,
                 queue: sender::Queue::default(),
                 rng: ChaCha8Rng::seed_from_u64(rng_seed),
@@ -280,6 +285,23 @@ impl Stories {
 
     pub fn stories_endpoint_ids(&self) -> Vec<Uuid> {
         self.endpoints.keys().copied().collect()
+    }
+
+    /// Records when the endpoint's receiver registered it (the instant it compares events'
+    /// `created_at` with), for the oracle's notifications. Events are created at
+    /// [`StoriesConfig::start_unix_ms`] plus the driver's time: a test whose receiver registers
+    /// at the wall clock's now starts the upstream's time there, or every event predates it.
+    pub fn set_registered_at(&mut self, id: Uuid, at: time::OffsetDateTime) {
+        if let Some(endpoint) = self.endpoints.get_mut(&id) {
+            endpoint.registered_at = Some(at);
+        }
+    }
+
+    /// The event's `created_at`, as its JSON carries it.
+    pub fn created_at(&self, event: &LoggedEvent) -> time::OffsetDateTime {
+        let ms = self.config.start_unix_ms + event.published_ms as UnixMs;
+        time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+            .unwrap_or(time::OffsetDateTime::UNIX_EPOCH)
     }
 
     /// Replaces the endpoint's tickers: a new ticker's events reach it from now on; a dropped

@@ -55,33 +55,40 @@ impl Stories {
 
     /// The stories a correct receiver notifies, each once: those with a `story.became_strong`
     /// of origin `live` in the endpoint's stream (published while it was subscribed to the
-    /// story's ticker). Counts every event of the stream as received: an event lost from both
-    /// webhooks (given up) and the window (expired) cannot be notified.
+    /// story's ticker) created at or after the endpoint's registration
+    /// ([`Stories::set_registered_at`]; one created before it is claimed silently, and a story
+    /// becomes strong once). Counts every event of the stream as received: an event lost from
+    /// both webhooks (given up) and the window (expired) cannot be notified.
     pub fn expected_notifications(&self, id: Uuid) -> BTreeSet<String> {
-        self.strong_events(id, Origin::Live, true)
+        let Some(endpoint) = self.endpoints.get(&id) else {
+            return BTreeSet::new();
+        };
+        self.events
+            .iter()
+            .filter(|e| e.event_type == StoryEventType::BecameStrong && e.origin == Origin::Live)
+            .filter(|e| endpoint.receives(&e.ticker, e.position))
+            .filter(|e| {
+                endpoint
+                    .registered_at
+                    .is_none_or(|registered| self.created_at(e) >= registered)
+            })
+            .map(|e| e.story_id.clone())
+            .collect()
     }
 
     /// The stories whose only `story.became_strong` was a backfill, of any ticker the endpoint
     /// ever followed: a receiver must never notify them.
     pub fn backfill_strong(&self, id: Uuid) -> BTreeSet<String> {
-        self.strong_events(id, Origin::Backfill, false)
-    }
-
-    fn strong_events(&self, id: Uuid, origin: Origin, in_stream: bool) -> BTreeSet<String> {
         let Some(endpoint) = self.endpoints.get(&id) else {
             return BTreeSet::new();
         };
         let tickers = endpoint.tickers_ever();
         self.events
             .iter()
-            .filter(|e| e.event_type == StoryEventType::BecameStrong && e.origin == origin)
             .filter(|e| {
-                if in_stream {
-                    endpoint.receives(&e.ticker, e.position)
-                } else {
-                    tickers.contains(&e.ticker)
-                }
+                e.event_type == StoryEventType::BecameStrong && e.origin == Origin::Backfill
             })
+            .filter(|e| tickers.contains(&e.ticker))
             .map(|e| e.story_id.clone())
             .collect()
     }
@@ -145,5 +152,52 @@ impl Stories {
             }
         }
         differences
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::faults::StoriesFaults;
+    use crate::stories::{StoriesConfig, StoriesEndpointSpec};
+
+    #[test]
+    fn a_story_strong_before_the_registration_is_not_expected_notified() {
+        let mut st = Stories::new(StoriesConfig::default(), StoriesFaults::default(), 5);
+        let ep = st.add_stories_endpoint(StoriesEndpointSpec {
+            id: None,
+            url: "http://x/{id}".to_owned(),
+            secrets: Vec::new(),
+            api_key: "key".to_owned(),
+            tickers: ["ALFA".to_owned()].into(),
+        });
+        let early = st.create_story("ALFA", "early", Origin::Live, 1_000);
+        st.make_strong(&early, Origin::Live, 1_000).unwrap();
+        let on_time = st.create_story("ALFA", "on time", Origin::Live, 2_000);
+        st.make_strong(&on_time, Origin::Live, 2_000).unwrap();
+        let late = st.create_story("ALFA", "late", Origin::Live, 3_000);
+        st.make_strong(&late, Origin::Live, 3_000).unwrap();
+        let all: BTreeSet<String> = [early.clone(), on_time.clone(), late.clone()].into();
+        assert_eq!(st.expected_notifications(ep), all, "no registration known");
+
+        // Registered at the instant `on_time` became strong: an event created then notifies.
+        let strong_at = |st: &Stories, story: &str| {
+            let event = st
+                .events()
+                .iter()
+                .find(|e| e.story_id == story && e.event_type == StoryEventType::BecameStrong)
+                .unwrap();
+            (st.created_at(event), event.json["created_at"].clone())
+        };
+        let (registered, rendered) = strong_at(&st, &on_time);
+        assert_eq!(rendered, "2026-10-08T06:00:02.000000Z");
+        st.set_registered_at(ep, registered);
+        assert_eq!(
+            st.expected_notifications(ep),
+            [on_time.clone(), late.clone()].into()
+        );
+        // A microsecond later, and `on_time` predates it.
+        st.set_registered_at(ep, registered + time::Duration::microseconds(1));
+        assert_eq!(st.expected_notifications(ep), [late].into());
     }
 }
