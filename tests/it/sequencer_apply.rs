@@ -167,6 +167,8 @@ async fn add_endpoint(
             upstream_api_key: upstream_base_url.as_ref().map(|_| "key".to_owned()),
             upstream_base_url,
             source: relay_store::endpoints::Source::Feed,
+            // A feed endpoint's registration instant decides nothing.
+            created_at: time::OffsetDateTime::UNIX_EPOCH,
         },
         UpstreamClient::http_client(
             Duration::from_secs(5),

@@ -379,6 +379,8 @@ fn paged(ctx: &EndpointContext, base_url: &str, limit: usize) -> Arc<EndpointCon
         upstream_base_url: Some(base_url.to_owned()),
         upstream_api_key: Some("key".to_owned()),
         source: relay_store::endpoints::Source::Feed,
+        // A feed endpoint's registration instant decides nothing.
+        created_at: time::OffsetDateTime::UNIX_EPOCH,
     };
     let http = UpstreamClient::http_client(
         Duration::from_secs(5),

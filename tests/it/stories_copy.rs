@@ -143,7 +143,7 @@ async fn apply(
             })
             .unwrap();
         writer
-            .claim_strong(row(&story), &claim.event_id)
+            .claim_strong(row(&story), &claim.event_id, true)
             .await
             .unwrap();
     }

@@ -247,6 +247,9 @@ pub struct EndpointRegistration {
     pub upstream_base_url: Option<String>,
     pub upstream_api_key: Option<String>,
     pub source: Source,
+    /// When the endpoint was registered (`webhook_endpoints.created_at`): a stories endpoint
+    /// notifies only of events created since.
+    pub created_at: OffsetDateTime,
 }
 
 pub async fn load_registration(
@@ -260,22 +263,25 @@ pub async fn load_registration(
         String,
         Option<String>,
         Option<Vec<String>>,
+        OffsetDateTime,
     );
     let row: Option<Row> = sqlx::query_as(
-        "SELECT tenant_id, upstream_base_url, upstream_api_key, source, stories_mode, tickers
+        "SELECT tenant_id, upstream_base_url, upstream_api_key, source, stories_mode, tickers,
+                created_at
          FROM webhook_endpoints
          WHERE id = $1 AND status <> 'deleting'",
     )
     .bind(endpoint)
     .fetch_optional(pool)
     .await?;
-    row.map(|(tenant_id, url, key, source, mode, tickers)| {
+    row.map(|(tenant_id, url, key, source, mode, tickers, created_at)| {
         Ok(EndpointRegistration {
             id: endpoint,
             tenant_id,
             upstream_base_url: url,
             upstream_api_key: key,
             source: Source::from_db(&source, mode.as_deref(), tickers)?,
+            created_at,
         })
     })
     .transpose()

@@ -145,7 +145,9 @@ const CLOSE: &str = "WITH prior AS (
      RETURNING change_seq";
 
 /// Claims a notification (seed 000's single insert), appending a `notified` change only when
-/// the insert returned its key.
+/// the insert returned its key and `$8` (notify) holds: a silent claim takes the key all the
+/// same, so no later event of the story notifies. Whether the key came back, and whether a
+/// change was appended.
 const CLAIM: &str = "WITH claim AS (
          insert into claimed (endpoint_id, tenant_id, key, story_id, ticker, event_id)
          values ($1, $2, 'strong:' || $3, $3, $4, $5)
@@ -154,14 +156,29 @@ const CLAIM: &str = "WITH claim AS (
      ),
      counter AS (
          UPDATE endpoint_change_counters SET last = last + 1
-         WHERE endpoint_id = $1 AND EXISTS (SELECT 1 FROM claim)
+         WHERE endpoint_id = $1 AND $8 AND EXISTS (SELECT 1 FROM claim)
          RETURNING last
+     ),
+     notified AS (
+         INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation, subject,
+                              ticker, generation, event_id, item, parts_diff, story_version)
+         SELECT $1, counter.last, $2, 'notification', 'notified', $3, $4, 0, $5, $6::json, '{}',
+                $7
+         FROM claim, counter
+         RETURNING change_seq
      )
-     INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation, subject, ticker,
-                          generation, event_id, item, parts_diff, story_version)
-     SELECT $1, counter.last, $2, 'notification', 'notified', $3, $4, 0, $5, $6::json, '{}', $7
-     FROM claim, counter
-     RETURNING change_seq";
+     SELECT EXISTS (SELECT 1 FROM claim), EXISTS (SELECT 1 FROM notified)";
+
+/// What [`StoriesWriter::claim_strong`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claimed {
+    /// The key was claimed and the notification appended.
+    Notified,
+    /// The key was claimed and nothing sent (the caller said not to notify).
+    Silently,
+    /// The key was claimed before: nothing done.
+    Already,
+}
 
 impl StoriesWriter {
     /// What the copy holds of `ids`, locked until the transaction ends.
@@ -222,14 +239,15 @@ impl StoriesWriter {
         self.check("close", id, seq.is_some(), expected)
     }
 
-    /// Claims `strong:<story id>`; whether this call claimed it (and appended the notification,
-    /// with the snapshot of the event that claimed it).
+    /// Claims `strong:<story id>`, and when this call claimed it and `notify` holds appends
+    /// the notification, with the snapshot of the event that claimed it.
     pub async fn claim_strong(
         &mut self,
         story: StoryRow<'_>,
         event_id: &str,
-    ) -> Result<bool, StoreError> {
-        let seq: Option<i64> = sqlx::query_scalar(CLAIM)
+        notify: bool,
+    ) -> Result<Claimed, StoreError> {
+        let (claimed, notified): (bool, bool) = sqlx::query_as(CLAIM)
             .bind(self.endpoint)
             .bind(self.tenant)
             .bind(story.id)
@@ -237,12 +255,17 @@ impl StoriesWriter {
             .bind(event_id)
             .bind(story.snapshot)
             .bind(story.version)
-            .fetch_optional(&mut *self.tx)
+            .bind(notify)
+            .fetch_one(&mut *self.tx)
             .await?;
-        if seq.is_some() {
-            self.appended += 1;
-        }
-        Ok(seq.is_some())
+        Ok(match (claimed, notified) {
+            (true, true) => {
+                self.appended += 1;
+                Claimed::Notified
+            }
+            (true, false) => Claimed::Silently,
+            (false, _) => Claimed::Already,
+        })
     }
 
     fn check(
