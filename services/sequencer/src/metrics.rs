@@ -80,6 +80,9 @@ pub struct SequencerMetrics {
     pub story_writes: IntCounterVec,
     /// Notifications claimed (each appended once to its tenant's stream).
     pub stories_notifications: IntCounter,
+    /// Notifications claimed silently: their event was created before the endpoint's
+    /// registration (relay-rules' `decide_notify`).
+    pub stories_claims_silent: IntCounter,
     pub stories_catch_up_pages: IntCounter,
     /// Fetch-on-notify story reads, by answer (`failed`: each try that failed).
     pub story_reads: IntCounterVec,
@@ -269,6 +272,11 @@ impl SequencerMetrics {
             "relay_sequencer_stories_notifications_total",
             "Notifications claimed and appended to tenants' streams.",
         )?;
+        let stories_claims_silent = IntCounter::new(
+            "relay_sequencer_stories_claims_silent_total",
+            "Notifications claimed and not sent: their event was created before the endpoint \
+             was registered.",
+        )?;
         let stories_catch_up_pages = IntCounter::new(
             "relay_sequencer_stories_catch_up_pages_total",
             "Pages of GET /v1/events applied by stories endpoints' catch-up.",
@@ -347,6 +355,7 @@ impl SequencerMetrics {
         }
         registry.register(Box::new(story_writes.clone()))?;
         registry.register(Box::new(stories_notifications.clone()))?;
+        registry.register(Box::new(stories_claims_silent.clone()))?;
         registry.register(Box::new(stories_catch_up_pages.clone()))?;
         registry.register(Box::new(stories_reloads.clone()))?;
         for write in STORY_WRITES {
@@ -423,6 +432,7 @@ impl SequencerMetrics {
             apply_failures,
             story_writes,
             stories_notifications,
+            stories_claims_silent,
             stories_catch_up_pages,
             story_reads,
             story_reads_retried,

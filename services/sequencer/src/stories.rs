@@ -21,11 +21,12 @@ use std::time::{Duration, Instant};
 use relay_coord::Owners;
 use relay_netguard::RetryPolicy;
 use relay_rules::{
-    apply_write, decide_stories_run, fetched_write, stories_of, HeldStory, StoriesMode, StoriesRun,
-    StoryRead, StoryWrite,
+    apply_write, decide_notify, decide_stories_run, decide_ticker_sync, fetched_write, stories_of,
+    HeldStory, NotifyDecision, StoriesMode, StoriesRun, StoryRead, StoryWrite, TickerStep,
+    TickerSyncInput,
 };
 use relay_store::endpoints::{self, EndpointRegistration, Source, StoriesSettings};
-use relay_store::stories::{self as store, Cause, StoriesWriter, StoryRow};
+use relay_store::stories::{self as store, Cause, Claimed, StoriesWriter, StoryRow};
 use relay_store::{cursors, EndpointId, TenantId};
 use relay_wire::{Story, StoryEvent};
 use sqlx::PgPool;
@@ -73,6 +74,8 @@ const OWED_READS_PER_SYNC: i64 = 500;
 pub(crate) struct StoriesContext {
     id: EndpointId,
     tenant: TenantId,
+    /// When the endpoint was registered: its claims notify only of events created since.
+    registered_at: time::OffsetDateTime,
     http: relay_netguard::GuardedClient,
     page_limit: usize,
     state: RwLock<(StoriesSettings, Option<UpstreamClient>)>,
@@ -88,6 +91,7 @@ impl StoriesContext {
         let context = Self {
             id: registration.id,
             tenant: registration.tenant_id,
+            registered_at: registration.created_at,
             http,
             page_limit,
             state: RwLock::new((settings, None)),
@@ -221,16 +225,23 @@ async fn apply_events(
         )
         .await?;
     }
-    let mut notified = 0;
+    let (mut notified, mut silent) = (0, 0);
     for claim in &plan.claims {
-        let story = claimed_story(events, &claim.event_id, &claim.story_id).ok_or_else(|| {
-            ApplyError::Store(relay_store::StoreError::Invalid(format!(
-                "claim {} names no story of its event",
-                claim.key
-            )))
-        })?;
-        if writer.claim_strong(row(story), &claim.event_id).await? {
-            notified += 1;
+        let (event, story) =
+            claimed_story(events, &claim.event_id, &claim.story_id).ok_or_else(|| {
+                ApplyError::Store(relay_store::StoreError::Invalid(format!(
+                    "claim {} names no story of its event",
+                    claim.key
+                )))
+            })?;
+        let notify = decide_notify(event.created_at, ctx.registered_at) == NotifyDecision::Notify;
+        match writer
+            .claim_strong(row(story), &claim.event_id, notify)
+            .await?
+        {
+            Claimed::Notified => notified += 1,
+            Claimed::Silently => silent += 1,
+            Claimed::Already => {}
         }
     }
     // The reads that failed are owed with the cursor's move: the cursor never waits on a read.
@@ -264,6 +275,7 @@ async fn apply_events(
     }
     let changes = writer.commit().await?;
     metrics.stories_notifications.inc_by(notified);
+    metrics.stories_claims_silent.inc_by(silent);
     metrics
         .story_reads_owed
         .with_label_values(&["recorded"])
@@ -271,17 +283,18 @@ async fn apply_events(
     Ok(EventsApplied { changes })
 }
 
-/// The snapshot a claim's event carries of its story (a `story.became_strong`'s `data.story`).
+/// A claim's event and the snapshot it carries of its story (a `story.became_strong`'s
+/// `data.story`).
 fn claimed_story<'a>(
     events: &'a [Result<StoryEvent, String>],
     event_id: &str,
     story_id: &str,
-) -> Option<&'a Story> {
+) -> Option<(&'a StoryEvent, &'a Story)> {
     events.iter().flatten().find_map(|event| match &event.body {
         relay_wire::StoryEventBody::Snapshot { story, .. }
             if event.event_id == event_id && story.id == story_id =>
         {
-            Some(story)
+            Some((event, story))
         }
         _ => None,
     })
@@ -524,8 +537,8 @@ enum SyncEnd {
     CaughtUp,
 }
 
-/// One sync: removed tickers dropped, a reload in full if needed, added tickers loaded, then
-/// catch-up to the end of `GET /v1/events`. It runs under one of the process's reload slots
+/// One sync: owed reads paid, then relay-rules' `decide_ticker_sync` steps in order (removed
+/// tickers dropped, a reload in full if needed, else added tickers loaded), then catch-up to the end of `GET /v1/events`. It runs under one of the process's reload slots
 /// and reads within one pass's budget (`RELAY_SEQUENCER_MAX_RELOAD_BYTES`), as a feed reload's
 /// pass does: a reload in full holds its listing until it is done, and a catch-up past the
 /// budget ends as `too_large`, its pages so far applied, to go on from there after a pause.
@@ -542,50 +555,38 @@ async fn sync(
     pay_owed_reads(&pool, &ctx, &client, token, &config, &metrics).await?;
     let state = store::sync_state(&pool, ctx.tenant, ctx.id).await?;
     let tickers = ctx.settings().tickers;
-    let wanted: HashSet<&String> = tickers.iter().collect();
-    let removed: Vec<String> = state
-        .loaded_tickers
-        .iter()
-        .filter(|t| !wanted.contains(t))
-        .cloned()
-        .collect();
-    let mut loaded: Vec<String> = state
-        .loaded_tickers
-        .iter()
-        .filter(|t| wanted.contains(t))
-        .cloned()
-        .collect();
-    if !removed.is_empty() {
-        let round = store::begin_round(&pool, ctx.id, false).await?;
-        let mut writer = ctx.writer(&pool, token).await?;
-        writer.drop_tickers(&removed, round).await?;
-        writer.set_loaded_tickers(&loaded).await?;
-        if writer.commit().await? > 0 {
-            announce(&config, ctx.tenant, ctx.id).await;
-        }
-    }
-    if state.reload_needed {
-        reload_in_full(&pool, &ctx, &client, token, &config, &metrics).await?;
-    } else {
-        let added: Vec<String> = tickers
-            .iter()
-            .filter(|t| !loaded.contains(t))
-            .cloned()
-            .collect();
-        if !added.is_empty() {
-            // "When you add a ticker, load its current stories once": events keep it up to
-            // date from there.
-            let round = store::begin_round(&pool, ctx.id, false).await?;
-            for ticker in &added {
-                list_and_save(
-                    &pool, &ctx, &client, token, ticker, round, &config, &metrics,
-                )
-                .await?;
+    let steps = decide_ticker_sync(TickerSyncInput {
+        wanted: &tickers,
+        loaded: &state.loaded_tickers,
+        reload_needed: state.reload_needed,
+    })
+    .steps;
+    for step in &steps {
+        match step {
+            TickerStep::Drop { tickers, loaded } => {
+                let round = store::begin_round(&pool, ctx.id, false).await?;
+                let mut writer = ctx.writer(&pool, token).await?;
+                writer.drop_tickers(tickers, round).await?;
+                writer.set_loaded_tickers(loaded).await?;
+                if writer.commit().await? > 0 {
+                    announce(&config, ctx.tenant, ctx.id).await;
+                }
             }
-            loaded.extend(added);
-            let mut writer = ctx.writer(&pool, token).await?;
-            writer.set_loaded_tickers(&loaded).await?;
-            writer.commit().await?;
+            TickerStep::ReloadInFull { tickers } => {
+                reload_in_full(&pool, &ctx, &client, token, tickers, &config, &metrics).await?;
+            }
+            TickerStep::Load { tickers, loaded } => {
+                let round = store::begin_round(&pool, ctx.id, false).await?;
+                for ticker in tickers {
+                    list_and_save(
+                        &pool, &ctx, &client, token, ticker, round, &config, &metrics,
+                    )
+                    .await?;
+                }
+                let mut writer = ctx.writer(&pool, token).await?;
+                writer.set_loaded_tickers(loaded).await?;
+                writer.commit().await?;
+            }
         }
     }
     catch_up(&pool, &ctx, &client, token, &config, &metrics).await
@@ -609,7 +610,8 @@ async fn catch_up(
             Err(UpstreamError::CursorExpired) => {
                 tracing::info!(endpoint = %ctx.id, "the catch-up cursor expired: reloading in full");
                 store::need_reload(pool, ctx.id).await?;
-                reload_in_full(pool, ctx, client, token, config, metrics).await?;
+                let tickers = ctx.settings().tickers;
+                reload_in_full(pool, ctx, client, token, &tickers, config, metrics).await?;
                 cursor = None;
                 continue;
             }
@@ -647,24 +649,25 @@ async fn catch_up(
     }
 }
 
-/// Seed 000's reload in full: 1. each ticker's stories listed and saved; 2. each story the
-/// copy holds open that the listing did not return fetched (saved, or closed on 404); 3. the
-/// cursor cleared (catch-up then starts from the window's start). Closed rows and claims stay.
+/// Seed 000's reload in full over `tickers`, recorded as loaded when it finishes: 1. each
+/// ticker's stories listed and saved; 2. each story the copy holds open that the listing did
+/// not return fetched (saved, or closed on 404); 3. the cursor cleared (catch-up then starts
+/// from the window's start). Closed rows and claims stay.
 /// A step-two read that still fails after its tries is owed, recorded with the reload's end.
 async fn reload_in_full(
     pool: &PgPool,
     ctx: &Arc<StoriesContext>,
     client: &UpstreamClient,
     token: i64,
+    tickers: &[String],
     config: &WorkerConfig,
     metrics: &SequencerMetrics,
 ) -> Result<(), ApplyError> {
     let started = Instant::now();
     let round = store::begin_round(pool, ctx.id, true).await?;
-    let tickers = ctx.settings().tickers;
     let mut listed = HashSet::new();
     let (mut owed, mut last_error) = (Vec::new(), String::new());
-    for ticker in &tickers {
+    for ticker in tickers {
         listed
             .extend(list_and_save(pool, ctx, client, token, ticker, round, config, metrics).await?);
     }
@@ -699,7 +702,7 @@ async fn reload_in_full(
         after = Some(last);
     }
     let mut writer = ctx.writer(pool, token).await?;
-    writer.set_loaded_tickers(&tickers).await?;
+    writer.set_loaded_tickers(tickers).await?;
     writer.owe_reads(&owed, &last_error).await?;
     let finished = writer.finish_reload(round).await?;
     writer.commit().await?;
