@@ -16,14 +16,16 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use relay_netguard::OutboundPolicy;
 use relay_publisher::{Delivered, ReferenceConsumer};
 use relay_rules::StoriesMode;
+use relay_sequencer::{SequencerConfig, SequencerMetrics};
 use relay_simulator::model::World;
 use relay_simulator::stories::{CopyRow, StoryEventType};
 use relay_simulator::upstream::{SenderConfig, Upstream};
 use relay_simulator::{
-    Faults, Origin, Simulation, Stories, StoriesConfig, StoriesEndpointInfo, StoriesWorkload,
-    StoriesWorkloadConfig,
+    Faults, Origin, Simulation, Stories, StoriesConfig, StoriesEndpointInfo, StoriesFaults,
+    StoriesWorkload, StoriesWorkloadConfig,
 };
 use relay_store::endpoints::{self, Registration, Source, StoriesSettings};
 use relay_store::{EndpointId, TenantId};
@@ -48,6 +50,8 @@ struct Run {
     duration: Duration,
     sequencers: usize,
     kills: bool,
+    /// Every endpoint in `fetch_on_notify` mode (otherwise the modes alternate).
+    fetch_on_notify_only: bool,
 }
 
 /// A change of one story: its seq, operation, version, event id and reload round.
@@ -77,14 +81,20 @@ async fn copy_rows(pool: &PgPool, endpoint: Uuid) -> BTreeMap<String, CopyRow> {
         .collect()
 }
 
-/// Registers each simulated endpoint for one tenant, alternating the two modes.
-async fn register(pool: &PgPool, infos: &[StoriesEndpointInfo], api: &str) -> TenantId {
+/// Registers each simulated endpoint for one tenant, alternating the two modes unless
+/// `fetch_on_notify_only`.
+async fn register(
+    pool: &PgPool,
+    infos: &[StoriesEndpointInfo],
+    api: &str,
+    fetch_on_notify_only: bool,
+) -> TenantId {
     let tenant = TenantId(Uuid::new_v4());
     relay_store::tenants::create(pool, tenant.0, "stories tenant")
         .await
         .unwrap();
     for (i, info) in infos.iter().enumerate() {
-        let mode = if i % 2 == 0 {
+        let mode = if i % 2 == 0 && !fetch_on_notify_only {
             StoriesMode::Snapshot
         } else {
             StoriesMode::FetchOnNotify
@@ -149,7 +159,7 @@ impl Stand {
             },
         );
         let infos = workload.setup(&mut stories, &format!("{}/webhooks/{{id}}", app.base_url));
-        let tenant = register(&pool, &infos, &api).await;
+        let tenant = register(&pool, &infos, &api, run.fetch_on_notify_only).await;
         let upstream = Upstream::new(
             World::default(),
             SenderConfig::from_wire_limits(COMPRESSION),
@@ -310,8 +320,8 @@ impl Stand {
     /// `lost`: positions of the upstream's events that neither a webhook nor catch-up could
     /// bring (published while both were down, then out of the window before they came back).
     /// `lost: None`: notifications are not checked (the endpoint's tickers changed: the oracle
-    /// names only those of its tickers now).
-    async fn check_queue(&self, seed: u64, lost: Option<std::ops::Range<usize>>) {
+    /// names only those of its tickers now). Returns how many notifications the queue held.
+    async fn check_queue(&self, seed: u64, lost: Option<std::ops::Range<usize>>) -> usize {
         self.wait_published(seed).await;
         let broker = connect_broker(&self.vhost.url(), "stories").await;
         let queue = relay_publisher::tenant_queue(self.tenant.0);
@@ -405,6 +415,7 @@ impl Stand {
                 );
             }
         }
+        notified.values().map(BTreeSet::len).sum()
     }
 
     /// Waits until every change in the outbox is published.
@@ -495,6 +506,7 @@ async fn stories_copies_converge_with_every_fault_and_killed_sequencers() {
             duration: Duration::from_secs(6),
             sequencers: 2,
             kills: true,
+            fetch_on_notify_only: false,
         })
         .await;
     }
@@ -513,6 +525,7 @@ async fn catch_up_recovers_an_outage_longer_than_the_retries_and_a_410_reloads()
         duration: Duration::from_secs(3),
         sequencers: 1,
         kills: false,
+        fetch_on_notify_only: false,
     };
     let stand = Stand::start(&run, |config| {
         config.sender.max_attempts = 3;
@@ -679,6 +692,7 @@ async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
         duration: Duration::from_secs(2),
         sequencers: 1,
         kills: false,
+        fetch_on_notify_only: false,
     };
     let stand = Stand::start(&run, |_| {}).await;
     let workload = |seed| {
@@ -783,4 +797,182 @@ async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
         "stories tickers: seed {seed}: {dropped} dropped, {loaded} loaded with the ticker added"
     );
     stand.stop().await;
+}
+
+/// Failed story reads at several rates, every endpoint reading what it is notified of. Half the
+/// webhooks lead nowhere and are given up at their first failure, so catch-up pages carry much
+/// of the stream; a page whose read fails after its tries moves the cursor on and owes the read,
+/// which a later sync pays. Every rate converges: the copy, the queue's rebuilt copy and the
+/// notifications (each strong story once) equal the oracle, and no read stays owed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stories_converge_with_failed_reads_at_several_rates() {
+    let seed = relay_tests::seed();
+    for lb_404 in [0.03, 0.10, 0.20] {
+        converge_with_failed_reads(seed, lb_404).await;
+    }
+}
+
+/// Story events per catch-up page: larger than a reload's pages, so one page names many reads.
+const CATCH_UP_PAGE: usize = 100;
+
+/// The chance that, for one stretch, an endpoint's webhooks lead nowhere.
+const LOST_SHARE: f64 = 0.5;
+
+async fn converge_with_failed_reads(seed: u64, lb_404: f64) {
+    let run = Run {
+        seed,
+        endpoints: 4,
+        rate: 40.0,
+        duration: Duration::from_secs(4),
+        sequencers: 0,
+        kills: false,
+        fetch_on_notify_only: true,
+    };
+    eprintln!("stories failed reads: seed {seed}, lb_404 {lb_404} ({run:?})");
+    // One attempt: a webhook sent while its endpoint's url leads nowhere is given up at once.
+    let stand = Stand::start(&run, |config| config.sender.max_attempts = 1).await;
+    // The 503s off, so that every failed read is the load balancer's 404 at the rate named.
+    stand.sim.change_stories(|stories, _| {
+        stories.set_faults(StoriesFaults {
+            lb_404,
+            server_error: 0.0,
+            ..StoriesFaults::all()
+        })
+    });
+    // The sequencer in this process, so its registry can be read.
+    let registry = prometheus::Registry::new();
+    let config = SequencerConfig {
+        feed_page_limit: CATCH_UP_PAGE,
+        stories_catch_up_interval: Duration::from_millis(1500),
+        ..crate::stack::sequencer_config(&stand.key_prefix, 16, OutboundPolicy::ANY)
+    };
+    let sequencer = crate::stack::start_sequencer_with(
+        &stand.app.db.url,
+        config,
+        SequencerMetrics::register(&registry).unwrap(),
+    )
+    .await;
+
+    let nowhere = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}/webhooks/{{id}}", listener.local_addr().unwrap())
+    };
+    let workload = StoriesWorkload::new(
+        seed,
+        StoriesWorkloadConfig {
+            endpoints: run.endpoints,
+            ..StoriesWorkloadConfig::default()
+        },
+    );
+    let task = tokio::spawn(stand.sim.clone().run_stories_workload(
+        workload,
+        run.rate,
+        run.duration,
+    ));
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6c6f7374);
+    while !task.is_finished() {
+        stand.sim.change_stories(|stories, _| {
+            for info in &stand.infos {
+                let url = if rng.gen_bool(LOST_SHARE) {
+                    &nowhere
+                } else {
+                    &info.url
+                };
+                stories.set_stories_url(info.id, url);
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(100..400))).await;
+    }
+    stand.sim.change_stories(|stories, _| {
+        for info in &stand.infos {
+            stories.set_stories_url(info.id, &info.url);
+        }
+    });
+    let steps = task.await.unwrap();
+    let ended = Instant::now();
+    stand.settle(seed, Duration::from_secs(90)).await;
+    let owed_left = wait_owed_paid(stand.pool(), seed, Duration::from_secs(60)).await;
+    let settled = ended.elapsed();
+    let notified = stand.check_queue(seed, Some(0..0)).await;
+
+    let (delivered, given_up) = {
+        let stories = stand.sim.stories();
+        stand.ids().iter().fold((0, 0), |(d, g), &id| {
+            (
+                d + stories.delivered(id).len(),
+                g + stories.given_up(id).len(),
+            )
+        })
+    };
+    let pages = crate::publisher::metric(&registry, "relay_sequencer_stories_catch_up_pages_total");
+    let reads = |answer| labelled_counter(&registry, "relay_sequencer_story_reads_total", answer);
+    let owed = |what| labelled_counter(&registry, "relay_sequencer_story_reads_owed_total", what);
+    let retried = crate::publisher::metric(&registry, "relay_sequencer_story_reads_retried_total");
+    let claimed =
+        crate::publisher::metric(&registry, "relay_sequencer_stories_notifications_total");
+    eprintln!(
+        "stories failed reads: seed {seed}, lb_404 {lb_404}: {steps} changes; webhooks \
+         {delivered} delivered, {given_up} given up; {pages} catch-up pages; story reads \
+         {} found, {} not_found, {} failed, {retried} retried; reads owed {} recorded, {} done, \
+         {} failing again, {owed_left} left; notifications {claimed} claimed, {notified} in the \
+         queue; settled in {settled:.1?}",
+        reads("found"),
+        reads("not_found"),
+        reads("failed"),
+        owed("recorded"),
+        owed("done"),
+        owed("failing"),
+    );
+    assert!(
+        given_up > 0,
+        "seed {seed}, lb_404 {lb_404}: no webhook was lost"
+    );
+    assert!(
+        pages > 0.0,
+        "seed {seed}, lb_404 {lb_404}: no catch-up page was read"
+    );
+    assert!(
+        reads("failed") > 0.0,
+        "seed {seed}, lb_404 {lb_404}: no story read failed"
+    );
+    assert!(
+        owed("done") <= owed("recorded"),
+        "seed {seed}, lb_404 {lb_404}: more reads paid ({}) than owed ({})",
+        owed("done"),
+        owed("recorded")
+    );
+    sequencer.stop().await;
+    stand.stop().await;
+}
+
+/// Waits until no story read is owed; panics with what is still owed after `limit`. Returns the
+/// rows left (none).
+async fn wait_owed_paid(pool: &PgPool, seed: u64, limit: Duration) -> i64 {
+    let started = Instant::now();
+    loop {
+        let left: Vec<(Uuid, String, i32)> =
+            sqlx::query_as("SELECT endpoint_id, story_id, attempts FROM story_reads_owed")
+                .fetch_all(pool)
+                .await
+                .unwrap();
+        if left.is_empty() {
+            return 0;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "seed {seed}: reads still owed after {limit:?}: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// The value of a counter's series whose one label has `value`.
+fn labelled_counter(registry: &prometheus::Registry, name: &str, value: &str) -> f64 {
+    registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == name)
+        .flat_map(|f| f.get_metric().iter())
+        .find(|m| m.get_label().iter().any(|l| l.value() == value))
+        .map_or(0.0, |m| m.get_counter().get_value())
 }
