@@ -409,6 +409,53 @@ async fn a_story_is_notified_once_and_never_for_backfill() {
     assert_eq!(rows(&db.pool, at.1).await["st_2"].1, 2);
 }
 
+/// A claim told not to notify (its event predates the endpoint's registration) takes the key
+/// and appends nothing; the story's later claims, notifying or not, find the key taken.
+#[tokio::test]
+async fn a_silent_claim_takes_the_key_and_a_later_one_notifies_nothing() {
+    let db = TestDb::new().await;
+    let (tenant, endpoint, token) = stories_endpoint(&db).await;
+    let old = Story::from_value(&snapshot("st_old", "BETA", 2, "strong before")).unwrap();
+    let new = Story::from_value(&snapshot("st_new", "BETA", 2, "strong since")).unwrap();
+    let mut writer = store::open(&db.pool, tenant, endpoint, token)
+        .await
+        .unwrap()
+        .expect("the fence is ours");
+    let claims = [
+        (&old, "evt_old", false, store::Claimed::Silently),
+        (&old, "evt_old_again", true, store::Claimed::Already),
+        (&new, "evt_new", true, store::Claimed::Notified),
+        (&new, "evt_new_again", false, store::Claimed::Already),
+    ];
+    for (story, event_id, notify, expected) in claims {
+        let claimed = writer
+            .claim_strong(row(story), event_id, notify)
+            .await
+            .unwrap();
+        assert_eq!(claimed, expected, "{event_id} (notify {notify})");
+    }
+    assert_eq!(writer.commit().await.unwrap(), 1, "one change appended");
+    let claimed: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT key, event_id FROM claimed WHERE endpoint_id = $1 ORDER BY key")
+            .bind(endpoint)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        claimed,
+        vec![
+            ("strong:st_new".to_owned(), Some("evt_new".to_owned())),
+            ("strong:st_old".to_owned(), Some("evt_old".to_owned())),
+        ]
+    );
+    let notified: Vec<(i64, String)> = outbox(&db.pool, endpoint)
+        .await
+        .into_iter()
+        .map(|c| (c.0, c.3))
+        .collect();
+    assert_eq!(notified, vec![(1, "st_new".to_owned())]);
+}
+
 /// One story's events as the upstream publishes them: created, updates, maybe strong, maybe a
 /// close (merging into `into` when given). Versions rise by one per change.
 fn story_events(rng: &mut ChaCha8Rng, n: usize, into: Option<&str>, start: i64) -> Vec<StoryEvent> {
