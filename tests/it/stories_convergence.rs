@@ -839,9 +839,12 @@ async fn converge_with_failed_reads(seed: u64, lb_404: f64) {
             ..StoriesFaults::all()
         })
     });
-    // The sequencer in this process, so its registry can be read.
+    // The sequencer in this process, so its registry can be read. It shares the test's two
+    // runtime threads with the front tier, the simulator and the publisher: a longer lease than
+    // the child processes' keeps a late renewal from losing its endpoints.
     let registry = prometheus::Registry::new();
     let config = SequencerConfig {
+        lease: Duration::from_secs(5),
         feed_page_limit: CATCH_UP_PAGE,
         stories_catch_up_interval: Duration::from_millis(1500),
         ..crate::stack::sequencer_config(&stand.key_prefix, 16, OutboundPolicy::ANY)
