@@ -1282,9 +1282,9 @@ async fn assert_tail_printed_the_copies(pool: &PgPool, out: Vec<u8>, feeds: &[Fe
     );
 }
 
-/// A publisher that stalls between a confirm and its mark, past its lease (a long GC pause, a frozen VM) while another
-/// takes the tenant over: its late mark is refused by the fence, it gives the tenant up, and the
-/// queue still holds every change in order.
+/// A publisher that stalls between a confirm and its mark, past its lease (a long GC pause, a
+/// frozen VM) while another takes the tenant over: its late mark is refused by the fence, it
+/// gives the tenant up, and the queue still holds every change in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_stalled_past_its_lease_is_fenced_out() {
     let (env, mut rng) = Env::seeded().await;
@@ -1294,8 +1294,9 @@ async fn a_publisher_stalled_past_its_lease_is_fenced_out() {
     write(pool, &mut feeds, &mut rng, 60).await;
 
     // The first publisher's task freezes at its second mark (the hook blocks its thread, as a
-    // long GC pause or a frozen VM would: no renewal, no sending) until the tenant's fence has
-    // moved on (another publisher claimed it).
+    // long GC pause or a frozen VM would: no sending) until the tenant's fence has moved on
+    // (another publisher claimed it). A frozen VM renews nothing either: its lock runs out,
+    // which the test stands for by removing it.
     let (moved_tx, moved_rx) = std::sync::mpsc::channel::<()>();
     let moved_rx = Arc::new(Mutex::new(moved_rx));
     let (stalled_tx, stalled_rx) = tokio::sync::oneshot::channel::<()>();
@@ -1333,6 +1334,7 @@ async fn a_publisher_stalled_past_its_lease_is_fenced_out() {
         .await
         .expect("the first publisher reached its second round")
         .unwrap();
+    crate::convergence::delete_redis_keys(&env.prefix.0).await;
     let (second, _) = env.start(env.config(env.vhost.url())).await;
     wait_until(
         &format!("the second publisher claiming the tenant (seed {seed})"),

@@ -191,3 +191,57 @@ async fn tokens_keep_rising_when_redis_forgets_every_lock() {
     tx.rollback().await.unwrap();
     assert!(b.release(second).await.unwrap());
 }
+
+/// The held lock the sequencer's workers and the publisher's tasks both use: renewed by its own
+/// task for as long as it is held, given back by a release, and reported lost once another owner
+/// took it.
+#[tokio::test]
+async fn a_held_lock_is_renewed_past_its_lease_and_reports_its_loss() {
+    let setup = setup().await;
+    let lease = Duration::from_millis(600);
+    let (a, b) = (owners(&setup, lease).await, owners(&setup, lease).await);
+    let held = a.hold(setup.endpoint).await.unwrap().expect("free");
+    assert_eq!(held.key(), setup.endpoint);
+
+    // Three leases later it is still A's: renewed by its own task.
+    tokio::time::sleep(lease * 3).await;
+    assert!(!held.is_lost(), "renewed in time");
+    assert!(b.hold(setup.endpoint).await.unwrap().is_none());
+
+    // Released, B takes it with a higher token.
+    assert!(held.release().await);
+    let taken = b.hold(setup.endpoint).await.unwrap().expect("released");
+    assert!(taken.token() > 1);
+
+    // The lock is taken from B behind its back (as when its lease ran out during a stall and a
+    // successor took it): B's next renewal finds it gone, and B learns of the loss.
+    let mut redis = redis::Client::open(redis_url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = format!("{}lock:{}", setup.prefix, setup.endpoint);
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("someone else")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    tokio::time::timeout(lease * 10, taken.lost())
+        .await
+        .expect("the loss is reported within a few leases");
+    assert!(taken.is_lost());
+    // Its release leaves the successor's lock alone.
+    assert!(!taken.release().await);
+    let value: Option<String> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(value.as_deref(), Some("someone else"));
+    let _: () = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+}

@@ -6,7 +6,7 @@
 //!
 //! # Layout
 //! - `ownership`: one owner at a time (an endpoint's worker in the sequencer, a tenant's task in
-//!   the publisher): a Redis lock with a lease ([`Owners`], [`Lease`]), and a fencing token in
+//!   the publisher): a Redis lock with a lease ([`Owners`], held and renewed as a [`Held`]), and a fencing token in
 //!   Postgres that the owner's writes check (an endpoint's with [`check_fence`]; the publisher's
 //!   mark checks its tenant's in its own statement), so a lost lock is harmless. The tokens'
 //!   statements are relay-store's (`relay_store::fences`).
@@ -24,7 +24,9 @@ mod redis_client;
 mod wake;
 
 pub use gather::{Gather, GatherLimits};
-pub use ownership::{check_fence, Fence, Lease, Owned, Owners, OwnershipConfig, OwnershipError};
+pub use ownership::{
+    check_fence, Fence, Held, Lease, Owned, Owners, OwnershipConfig, OwnershipError,
+};
 pub use redis_client::{open_redis, redis_answers, DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL};
 pub use wake::{
     change_payload, changes_channel, listen, listen_parsed, parse_change_payload, wake_channel,

@@ -16,12 +16,15 @@
 //! disk: after a restart a counter would start again below the tokens already handed out, and
 //! every new owner would be fenced out.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 use relay_store::{fences, EndpointId, StoreError, TenantId};
 use sqlx::{PgConnection, PgPool};
+use tokio::sync::{watch, Mutex};
+use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 #[derive(Debug, thiserror::Error)]
@@ -202,6 +205,26 @@ impl Owners {
         }
     }
 
+    /// Takes the endpoint (tenant) if nobody holds it, and keeps it renewed: `None` when another
+    /// worker holds it.
+    pub async fn hold(&self, key: Uuid) -> Result<Option<Held>, OwnershipError> {
+        let Some(lease) = self.try_acquire(key).await? else {
+            return Ok(None);
+        };
+        let token = lease.token;
+        let (valid_sender, valid_until) = watch::channel(Some(lease.valid_until));
+        let lease = Arc::new(Mutex::new(Some(lease)));
+        let renewer = tokio::spawn(renew_until_lost(self.clone(), lease.clone(), valid_sender));
+        Ok(Some(Held {
+            key,
+            token,
+            valid_until,
+            lease,
+            renewer,
+            owners: self.clone(),
+        }))
+    }
+
     /// Gives the endpoint up. `false` when it was no longer ours anyway.
     pub async fn release(&self, lease: Lease) -> Result<bool, OwnershipError> {
         let released: i64 = Script::new(RELEASE)
@@ -211,6 +234,129 @@ impl Owners {
             .await?;
         Ok(released == 1)
     }
+}
+
+/// One owned thing (an endpoint, a tenant) held for as long as its owner works on it: taken with
+/// [`Owners::hold`], renewed by a task of its own every third of the lease, given back with
+/// [`Held::release`]. The owner asks [`Held::is_lost`] before each step that writes or sends (or
+/// waits on [`Held::lost`]) and stops once it is: not renewed in time by its own clock, or taken.
+/// Its writes carry [`Held::token`], which the fence checks, so a loss noticed late is harmless.
+/// Dropped without a release, the renewal stops and the lock expires within a lease.
+pub struct Held {
+    key: Uuid,
+    token: i64,
+    /// Until when the lock is certainly ours; `None` once it is lost.
+    valid_until: watch::Receiver<Option<Instant>>,
+    lease: Arc<Mutex<Option<Lease>>>,
+    renewer: JoinHandle<()>,
+    owners: Owners,
+}
+
+impl Held {
+    /// What is held: the endpoint's id, or the tenant's.
+    pub fn key(&self) -> Uuid {
+        self.key
+    }
+
+    /// The fencing token every write of this owner checks.
+    pub fn token(&self) -> i64 {
+        self.token
+    }
+
+    /// Whether the lock may no longer be ours: stop working on what it held.
+    pub fn is_lost(&self) -> bool {
+        self.valid_until
+            .borrow()
+            .is_none_or(|until| Instant::now() >= until)
+    }
+
+    /// Completes once the lock may no longer be ours (never, while it is renewed in time).
+    pub async fn lost(&self) {
+        let mut valid_until = self.valid_until.clone();
+        loop {
+            let Some(until) = *valid_until.borrow_and_update() else {
+                return;
+            };
+            tokio::select! {
+                () = tokio::time::sleep_until(until.into()) => {
+                    if self.is_lost() {
+                        return;
+                    }
+                }
+                changed = valid_until.changed() => {
+                    // The renewal task ended: it does only once the lock is lost.
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Gives the lock back. `false` when it was no longer ours anyway.
+    pub async fn release(self) -> bool {
+        self.renewer.abort();
+        let lease = self.lease.lock().await.take();
+        match lease {
+            Some(lease) => match self.owners.release(lease).await {
+                Ok(released) => released,
+                Err(error) => {
+                    // It expires by itself within a lease.
+                    tracing::debug!(key = %self.key, %error, "could not release the lock");
+                    false
+                }
+            },
+            None => false,
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.renewer.abort();
+    }
+}
+
+/// Renews `lease` every third of its duration until it is lost: not ours any more, or not
+/// renewed before it ran out (a failed renewal is tried again sooner meanwhile).
+async fn renew_until_lost(
+    owners: Owners,
+    lease: Arc<Mutex<Option<Lease>>>,
+    valid_until: watch::Sender<Option<Instant>>,
+) {
+    let period = owners.config.lease / 3;
+    let retry = (owners.config.lease / 10).max(Duration::from_millis(50));
+    let mut wait = period;
+    loop {
+        tokio::time::sleep(wait).await;
+        let mut held = lease.lock().await;
+        let Some(current) = held.as_mut() else {
+            break;
+        };
+        let key = current.key;
+        match owners.renew(current).await {
+            Ok(true) => {
+                valid_until.send_replace(Some(current.valid_until));
+                wait = period;
+            }
+            Ok(false) => {
+                tracing::warn!(%key, "the lock expired before its renewal: letting go");
+                *held = None;
+                break;
+            }
+            Err(error) => {
+                if !current.is_valid(Instant::now()) {
+                    tracing::warn!(%key, error = %relay_netguard::error_chain(&error),
+                        "could not renew the lock before it ran out: letting go");
+                    *held = None;
+                    break;
+                }
+                tracing::debug!(%key, %error, "renewing the lock failed; trying again soon");
+                wait = retry;
+            }
+        }
+    }
+    valid_until.send_replace(None);
 }
 
 /// Claims the next fencing token of `key` (an endpoint's or a tenant's id, as `fence` says):

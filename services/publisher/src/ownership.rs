@@ -20,7 +20,7 @@ use std::time::Duration;
 use relay_coord::{Fence, Owned, OwnershipConfig};
 use sqlx::PgPool;
 
-pub use relay_coord::{Lease as TenantLease, Owners as TenantOwners, OwnershipError};
+pub use relay_coord::{Held as TenantHeld, Owners as TenantOwners, OwnershipError};
 
 /// The publisher's: one owner per tenant, fenced by `publisher_fences`.
 pub const TENANTS: Owned = Owned {

@@ -222,13 +222,13 @@ impl Coordinator {
         {
             return;
         }
-        match self.shared.owners.try_acquire(tenant).await {
-            Ok(Some(lease)) => {
-                tracing::info!(%tenant, token = lease.token, "publisher takes the tenant");
+        match self.shared.owners.hold(tenant).await {
+            Ok(Some(held)) => {
+                tracing::info!(%tenant, token = held.token(), "publisher takes the tenant");
                 let signal = Arc::new(TenantSignal::default());
                 let handle = self.tasks.spawn(crate::tenant::run(
                     self.shared.clone(),
-                    lease,
+                    held,
                     signal.clone(),
                     self.stopped.clone(),
                 ));

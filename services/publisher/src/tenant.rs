@@ -48,7 +48,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt as _, StreamExt as _};
@@ -62,7 +62,7 @@ use relay_store::{destinations, EndpointId, TenantId};
 
 use crate::broker::{classify, publish, BrokerError, Link, Outcome, Target};
 use crate::outbox::{OutboxChange, OutboxError};
-use crate::ownership::TenantLease;
+use crate::ownership::TenantHeld;
 use crate::publisher::Shared;
 
 /// Most changes read ahead per endpoint (one is in flight, the rest wait behind it).
@@ -112,17 +112,17 @@ enum End {
 /// Runs one owned tenant until it is idle, lost, or the publisher stops.
 pub(crate) async fn run(
     shared: Arc<Shared>,
-    lease: TenantLease,
+    held: TenantHeld,
     signal: Arc<TenantSignal>,
     shutdown: watch::Receiver<bool>,
 ) {
-    let tenant = lease.key;
+    let tenant = held.key();
     let pauses = shared.config.retry().pauses();
     let mut worker = Worker {
         label: tenant.to_string(),
         tenant,
         shared,
-        lease,
+        held,
         signal,
         shutdown,
         link: None,
@@ -146,7 +146,7 @@ pub(crate) async fn run(
     }
     let Worker {
         shared,
-        lease,
+        held,
         link,
         label,
         ..
@@ -157,9 +157,8 @@ pub(crate) async fn run(
     shared.metrics.forget_tenant(&label);
     if end == End::Lost {
         shared.metrics.ownership_losses.inc();
-    } else if let Err(error) = shared.owners.release(lease).await {
-        // It runs out by itself within a lease.
-        tracing::warn!(%tenant, error = %relay_netguard::error_chain(&error), "could not release the tenant's lease");
+    } else {
+        held.release().await;
     }
 }
 
@@ -301,7 +300,7 @@ struct Worker {
     tenant: Uuid,
     label: String,
     shared: Arc<Shared>,
-    lease: TenantLease,
+    held: TenantHeld,
     signal: Arc<TenantSignal>,
     shutdown: watch::Receiver<bool>,
     link: Option<Link>,
@@ -334,7 +333,6 @@ impl Worker {
     async fn run(&mut self) -> End {
         let config = self.shared.config.clone();
         let now = Instant::now();
-        let mut next_renew = now + config.lease / 3;
         let mut next_metrics = now;
         let mut next_destination = now;
         let mut idle_since = now;
@@ -343,7 +341,7 @@ impl Worker {
             if *self.shutdown.borrow() {
                 return self.wind_down().await;
             }
-            if !self.keep_lease(&mut next_renew).await {
+            if self.held.is_lost() {
                 return End::Lost;
             }
             let now = Instant::now();
@@ -400,7 +398,7 @@ impl Worker {
                 self.start_mark();
             }
 
-            let mut deadline = next_renew.min(next_metrics);
+            let mut deadline = next_metrics;
             if let Some(until) = self.hold_until {
                 deadline = deadline.min(until);
             }
@@ -409,7 +407,7 @@ impl Worker {
             }
             let (confirms, marking, reading) =
                 (&mut self.confirms, &mut self.marking, &mut self.reading);
-            let (notify, shutdown) = (&self.signal.notify, &mut self.shutdown);
+            let (notify, shutdown, held) = (&self.signal.notify, &mut self.shutdown, &self.held);
             let woke = tokio::select! {
                 Some((endpoint, seq, confirmed)) = confirms.next(), if !confirms.is_empty() => {
                     Woke::Confirm(endpoint, seq, confirmed)
@@ -421,6 +419,7 @@ impl Worker {
                 _ = notify.notified() => Woke::Other,
                 _ = tokio::time::sleep_until(deadline.into()) => Woke::Other,
                 _ = shutdown.changed() => Woke::Other,
+                () = held.lost() => Woke::Other,
             };
             match woke {
                 Woke::Confirm(endpoint, seq, confirmed) => {
@@ -517,7 +516,7 @@ impl Worker {
         while self.stream.in_flight.len() < config.max_in_flight {
             // Checked before every publish: a task that stalled past its lease (and may have a
             // successor) sends nothing more.
-            if !self.lease.is_valid(Instant::now()) {
+            if self.held.is_lost() {
                 break;
             }
             let Some(change) = self.stream.next_to_send() else {
@@ -646,7 +645,7 @@ impl Worker {
     fn start_mark(&mut self) {
         let keys = std::mem::take(&mut self.stream.confirmed);
         let pool = self.shared.pool.clone();
-        let (tenant, token) = (self.tenant, self.lease.token);
+        let (tenant, token) = (self.tenant, self.held.token());
         let hook = self.shared.config.before_mark.clone();
         self.marking = Some(Box::pin(async move {
             if let Some(hook) = hook {
@@ -681,7 +680,7 @@ impl Worker {
                 true
             }
             Ok(Marked::FencedOut) => {
-                tracing::warn!(tenant = %self.tenant, token = self.lease.token,
+                tracing::warn!(tenant = %self.tenant, token = self.held.token(),
                                "another publisher took the tenant over");
                 false
             }
@@ -811,24 +810,6 @@ impl Worker {
         self.postgres_trouble("read");
         tracing::warn!(tenant = %self.tenant, error = %failed, "reading the outbox failed");
         self.hold();
-    }
-
-    /// Renews the lease when due; `false` once it is lost (not renewed in time, or taken).
-    async fn keep_lease(&mut self, next_renew: &mut Instant) -> bool {
-        let lease = self.shared.config.lease;
-        let now = Instant::now();
-        if now >= *next_renew {
-            match self.shared.owners.renew(&mut self.lease).await {
-                Ok(true) => *next_renew = now + lease / 3,
-                Ok(false) => return false,
-                Err(error) => {
-                    // Try again soon; the validity check below stops us if it lasts.
-                    tracing::warn!(tenant = %self.tenant, error = %relay_netguard::error_chain(&error), "lease renewal failed");
-                    *next_renew = now + (lease / 10).max(Duration::from_millis(50));
-                }
-            }
-        }
-        self.lease.is_valid(Instant::now())
     }
 
     async fn refresh_target(&mut self) -> Result<(), relay_store::StoreError> {

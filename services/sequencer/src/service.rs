@@ -324,7 +324,6 @@ async fn schedule(
     let slots = Slots::new(config.max_concurrent_endpoints, config.max_tenant_share);
     let reload_slots = worker_config.reloads.slots.clone();
     let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let lease_duration = config.lease;
     let mut active: HashMap<Uuid, Arc<WorkerSignal>> = HashMap::new();
     // Workers abort with the set when the scheduler itself is aborted (`Sequencer::abort`).
     let mut workers: JoinSet<WorkerExit> = JoinSet::new();
@@ -380,7 +379,6 @@ async fn schedule(
                     signal,
                     (config, catch_up_interval, started_at),
                     metrics,
-                    lease_duration,
                     stopping,
                     (slots, slot),
                 )
@@ -394,7 +392,6 @@ async fn schedule(
                 signal,
                 config,
                 metrics,
-                lease_duration,
                 stopping,
                 (slots, slot),
             )

@@ -30,7 +30,6 @@ use relay_store::stories::{self as store, Cause, Claimed, StoriesWriter, StoryRo
 use relay_store::{cursors, EndpointId, TenantId};
 use relay_wire::{Story, StoryEvent};
 use sqlx::PgPool;
-use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
 use crate::apply::ApplyError;
@@ -38,9 +37,7 @@ use crate::metrics::SequencerMetrics;
 use crate::reload::BackingOff;
 use crate::slots::{Slot, Slots};
 use crate::upstream::{self, UpstreamClient, UpstreamError};
-use crate::worker::{
-    announce, renew_until_lost, wait_or_stop, WorkerConfig, WorkerExit, WorkerSignal,
-};
+use crate::worker::{announce, wait_or_stop, WorkerConfig, WorkerExit, WorkerSignal};
 
 /// How a stories endpoint reads a story: `tries` reads at most, `pauses` between them, before
 /// the story is owed a read; an owed read that fails again waits as `owed` says, from its first
@@ -841,7 +838,6 @@ pub(crate) async fn run_stories_worker(
     signal: Arc<WorkerSignal>,
     (config, catch_up_interval, started_at): (WorkerConfig, Duration, time::OffsetDateTime),
     metrics: SequencerMetrics,
-    lease_duration: Duration,
     stopping: Arc<AtomicBool>,
     (slots, slot): (Arc<Slots>, Slot),
 ) -> WorkerExit {
@@ -853,8 +849,8 @@ pub(crate) async fn run_stories_worker(
         endpoint: endpoint.0,
         wakes_seen,
     };
-    let lease = match owners.try_acquire(endpoint.0).await {
-        Ok(Some(lease)) => lease,
+    let held = match owners.hold(endpoint.0).await {
+        Ok(Some(held)) => held,
         Ok(None) => return exit(wakes_seen),
         Err(error) => {
             tracing::warn!(%endpoint, %error, "could not take the endpoint's lock");
@@ -862,16 +858,7 @@ pub(crate) async fn run_stories_worker(
         }
     };
     metrics.endpoints_owned.inc();
-    let token = lease.token;
-    let lost = Arc::new(AtomicBool::new(false));
-    let lease = Arc::new(Mutex::new(Some(lease)));
-    let renewer = tokio::spawn(renew_until_lost(
-        owners.clone(),
-        lease.clone(),
-        lease_duration,
-        lost.clone(),
-        metrics.clone(),
-    ));
+    let token = held.token();
     let ctx = Arc::new(StoriesContext::new(
         &registration,
         settings,
@@ -897,7 +884,12 @@ pub(crate) async fn run_stories_worker(
     let mut sync_backing_off: Option<BackingOff> = None;
 
     loop {
-        if lost.load(Ordering::SeqCst) || stopping.load(Ordering::SeqCst) {
+        if held.is_lost() {
+            metrics.lock_losses.inc();
+            tracing::warn!(%endpoint, "the endpoint's lock was lost: stopping");
+            break;
+        }
+        if stopping.load(Ordering::SeqCst) {
             break;
         }
         if permit.is_none() {
@@ -939,7 +931,7 @@ pub(crate) async fn run_stories_worker(
                 tracing::info!(%endpoint, %error, ?pause, "a stories message waits for its read");
                 permit = None;
                 let _backing_off = BackingOff::new(&metrics, "story");
-                wait_or_stop(&signal, &stopping, &lost, pause).await;
+                wait_or_stop(&signal, &stopping, &held, pause).await;
                 continue;
             }
             Err(error) => {
@@ -1014,13 +1006,7 @@ pub(crate) async fn run_stories_worker(
         task.abort();
         let _ = task.await;
     }
-    renewer.abort();
-    let _ = renewer.await;
-    if let Some(lease) = lease.lock().await.take() {
-        if let Err(error) = owners.release(lease).await {
-            tracing::debug!(%endpoint, %error, "could not release the lease");
-        }
-    }
+    held.release().await;
     metrics.endpoints_owned.dec();
     exit(wakes_seen)
 }

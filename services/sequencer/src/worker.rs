@@ -3,13 +3,13 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use relay_coord::{Lease, Owners};
+use relay_coord::{Held, Owners};
 use relay_netguard::RetryPolicy;
 use relay_rules::{decide_failed_apply, ApplyBackoff, FailedApply, Reload};
 use sqlx::PgPool;
-use tokio::sync::{Mutex, Notify};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
@@ -105,7 +105,6 @@ pub async fn run_worker(
     signal: Arc<WorkerSignal>,
     config: WorkerConfig,
     metrics: SequencerMetrics,
-    lease_duration: Duration,
     stopping: Arc<AtomicBool>,
     (slots, slot): (Arc<Slots>, Slot),
 ) -> WorkerExit {
@@ -120,8 +119,8 @@ pub async fn run_worker(
         endpoint: endpoint.0,
         wakes_seen,
     };
-    let lease = match owners.try_acquire(endpoint.0).await {
-        Ok(Some(lease)) => lease,
+    let held = match owners.hold(endpoint.0).await {
+        Ok(Some(held)) => held,
         Ok(None) => return exit(wakes_seen),
         Err(error) => {
             tracing::warn!(%endpoint, %error, "could not take the endpoint's lock");
@@ -129,20 +128,11 @@ pub async fn run_worker(
         }
     };
     metrics.endpoints_owned.inc();
-    let token = lease.token;
-    let lost = Arc::new(AtomicBool::new(false));
-    let lease = Arc::new(Mutex::new(Some(lease)));
-    let renewer = tokio::spawn(renew_until_lost(
-        owners.clone(),
-        lease.clone(),
-        lease_duration,
-        lost.clone(),
-        metrics.clone(),
-    ));
+    let token = held.token();
 
     if let Err(error) = tracks::ensure(&pool, registration.tenant_id, endpoint).await {
         tracing::warn!(%endpoint, %error, "could not create the track row");
-        return finish(renewer, &lease, None, &owners, &metrics, exit(wakes_seen)).await;
+        return finish(held, None, &metrics, exit(wakes_seen)).await;
     }
     let ctx = Arc::new(
         EndpointContext::new(registration, http)
@@ -163,7 +153,12 @@ pub async fn run_worker(
     let mut failing: Option<NextFailing> = None;
 
     loop {
-        if lost.load(Ordering::SeqCst) || stopping.load(Ordering::SeqCst) {
+        if held.is_lost() {
+            metrics.lock_losses.inc();
+            tracing::warn!(%endpoint, "the endpoint's lock was lost: stopping");
+            break;
+        }
+        if stopping.load(Ordering::SeqCst) {
             break;
         }
         if permit.is_none() {
@@ -242,7 +237,7 @@ pub async fn run_worker(
                             "applying the message failed; it is tried again");
                         // Waits holding only the lock: the slot goes to endpoints with work.
                         permit = None;
-                        wait_or_stop(&signal, &stopping, &lost, wait).await;
+                        wait_or_stop(&signal, &stopping, &held, wait).await;
                     }
                     FailedApply::Quarantine => {
                         let quarantined = crate::apply::quarantine_failing(
@@ -393,7 +388,7 @@ pub async fn run_worker(
             },
         }
     }
-    finish(renewer, &lease, reload, &owners, &metrics, exit(wakes_seen)).await
+    finish(held, reload, &metrics, exit(wakes_seen)).await
 }
 
 /// Waits `wait`, or less when the sequencer stops or the lease is lost (a stopping scheduler
@@ -401,15 +396,16 @@ pub async fn run_worker(
 pub(crate) async fn wait_or_stop(
     signal: &WorkerSignal,
     stopping: &AtomicBool,
-    lost: &AtomicBool,
+    held: &Held,
     wait: Duration,
 ) {
     let until = tokio::time::Instant::now() + wait;
     loop {
         tokio::select! {
             _ = tokio::time::sleep_until(until) => return,
+            () = held.lost() => return,
             _ = signal.notify.notified() => {
-                if stopping.load(Ordering::SeqCst) || lost.load(Ordering::SeqCst) {
+                if stopping.load(Ordering::SeqCst) {
                     return;
                 }
             }
@@ -559,48 +555,9 @@ pub(crate) async fn announce(config: &WorkerConfig, tenant: TenantId, endpoint: 
     }
 }
 
-pub(crate) async fn renew_until_lost(
-    owners: Owners,
-    lease: Arc<Mutex<Option<Lease>>>,
-    lease_duration: Duration,
-    lost: Arc<AtomicBool>,
-    metrics: SequencerMetrics,
-) {
-    loop {
-        tokio::time::sleep(lease_duration / 3).await;
-        let mut held = lease.lock().await;
-        let Some(current) = held.as_mut() else {
-            return;
-        };
-        let endpoint = current.key;
-        match owners.renew(current).await {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!(%endpoint, "lease expired before renewal: stopping");
-                metrics.lock_losses.inc();
-                lost.store(true, Ordering::SeqCst);
-                *held = None;
-                return;
-            }
-            Err(error) => {
-                // Keep trying while the lease may still be ours; past it, stop.
-                if !current.is_valid(Instant::now()) {
-                    tracing::warn!(%endpoint, %error, "could not renew the lease: stopping");
-                    metrics.lock_losses.inc();
-                    lost.store(true, Ordering::SeqCst);
-                    *held = None;
-                    return;
-                }
-            }
-        }
-    }
-}
-
 async fn finish(
-    renewer: JoinHandle<()>,
-    lease: &Mutex<Option<Lease>>,
+    held: Held,
     reload: Option<RunningReload>,
-    owners: &Owners,
     metrics: &SequencerMetrics,
     exit: WorkerExit,
 ) -> WorkerExit {
@@ -610,15 +567,7 @@ async fn finish(
         metrics.reloads.with_label_values(&["abandoned"]).inc();
         metrics.reloads_running.dec();
     }
-    renewer.abort();
-    let _ = renewer.await;
-    if let Some(lease) = lease.lock().await.take() {
-        let endpoint = lease.key;
-        if let Err(error) = owners.release(lease).await {
-            // It expires by itself within a lease.
-            tracing::debug!(%endpoint, %error, "could not release the lease");
-        }
-    }
+    held.release().await;
     metrics.endpoints_owned.dec();
     exit
 }
