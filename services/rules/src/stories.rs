@@ -304,6 +304,27 @@ pub fn fetched_write(id: String, reads: &HashMap<String, StoryRead>) -> Result<S
     }
 }
 
+/// What `event` itself says of story `id`, as snapshot mode writes it: its snapshot, or its
+/// close. `None` when the event carries no state of the story (article.shortlisted).
+fn event_write(event: &StoryEvent, id: &str) -> Option<StoryWrite> {
+    snapshot_writes(event)
+        .into_iter()
+        .find(|write| write.story_id() == id)
+}
+
+/// Whether a fetch-on-notify read answered a state older than the event that asked for it: a
+/// story found open where the event closed it, or found at a version before the event's. Seed
+/// 000: "a slow API response that read the story before it closed". Saving such a read changes
+/// nothing (the version check), but the change the event announced would then never be
+/// written: the event's own state is written instead.
+fn read_is_older(read: &StoryWrite, own: &StoryWrite) -> bool {
+    match (read, own) {
+        (StoryWrite::Save(_), StoryWrite::Close { .. }) => true,
+        (StoryWrite::Save(read), StoryWrite::Save(own)) => read.version < own.version,
+        (StoryWrite::Close { .. }, _) => false,
+    }
+}
+
 /// The notification an event claims. Seed: "Claim them with a single insert: insert into
 /// claimed (key) values ('strong:' || $1)", and "Skip notifications for events whose origin is
 /// backfill". `Some("strong:<story id>")` for a live story.became_strong; `None` for anything
@@ -463,9 +484,16 @@ pub fn decide_stories_run(run: StoriesRun<'_>) -> StoriesPlan {
             StoriesMode::FetchOnNotify => {
                 let mut writes = Vec::new();
                 for id in stories_of(event) {
+                    let own = event_write(event, &id);
                     match fetched_write(id, run.reads) {
-                        Ok(write) => writes.push(write),
+                        Ok(read) => writes.push(match own {
+                            Some(own) if read_is_older(&read, &own) => own,
+                            _ => read,
+                        }),
                         Err(id) => {
+                            // What the event itself says is written now; the read, owed, may
+                            // bring a newer state later.
+                            writes.extend(own);
                             if outcome == StoryOutcome::Applied {
                                 outcome = StoryOutcome::ReadOwed(id.clone());
                             }
