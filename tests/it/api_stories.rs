@@ -169,10 +169,21 @@ async fn a_stories_endpoint_shows_its_sync_rows_and_notifications_to_its_tenant_
         .close(("st_2", 1, None), Cause::Event("ev_close_2_late"), false)
         .await
         .unwrap();
-    assert!(writer
-        .claim_strong(row(&alfa, "st_1", "ALFA B", 3), "ev_strong_1")
-        .await
-        .unwrap());
+    assert_eq!(
+        writer
+            .claim_strong(row(&alfa, "st_1", "ALFA B", 3), "ev_strong_1", true)
+            .await
+            .unwrap(),
+        store::Claimed::Notified
+    );
+    // Strong before the endpoint was registered: claimed, and listed as not sent.
+    assert_eq!(
+        writer
+            .claim_strong(row(&alfa, "st_9", "ALFA B", 1), "ev_strong_9", false)
+            .await
+            .unwrap(),
+        store::Claimed::Silently
+    );
     assert!(writer
         .move_cursor(None, Some("cur_after_ev_strong_1"), true)
         .await
@@ -241,12 +252,15 @@ async fn a_stories_endpoint_shows_its_sync_rows_and_notifications_to_its_tenant_
     // Notifications: the story, its ticker, the event that claimed it and when.
     let notifications = app.ok(200, "GET", &e("/notifications"), &token, None).await;
     let data = notifications["data"].as_array().unwrap();
-    assert_eq!(data.len(), 1, "{notifications}");
+    assert_eq!(data.len(), 2, "{notifications}");
+    assert_eq!(data[1]["key"], "strong:st_9", "{notifications}");
+    assert_eq!(data[1]["notified"], false, "{notifications}");
     assert_eq!(data[0]["key"], "strong:st_1", "{notifications}");
     assert_eq!(data[0]["story_id"], "st_1", "{notifications}");
     assert_eq!(data[0]["ticker"], "ALFA B", "{notifications}");
     assert_eq!(data[0]["event_id"], "ev_strong_1", "{notifications}");
     assert!(data[0]["claimed_at"].is_string(), "{notifications}");
+    assert_eq!(data[0]["notified"], true, "{notifications}");
 
     // A ticker swapped: one to load, one whose stories are still to drop.
     app.ok(

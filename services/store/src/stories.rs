@@ -149,8 +149,8 @@ const CLOSE: &str = "WITH prior AS (
 /// same, so no later event of the story notifies. Whether the key came back, and whether a
 /// change was appended.
 const CLAIM: &str = "WITH claim AS (
-         insert into claimed (endpoint_id, tenant_id, key, story_id, ticker, event_id)
-         values ($1, $2, 'strong:' || $3, $3, $4, $5)
+         insert into claimed (endpoint_id, tenant_id, key, story_id, ticker, event_id, notified)
+         values ($1, $2, 'strong:' || $3, $3, $4, $5, $8)
          on conflict do nothing
          returning key
      ),
@@ -430,11 +430,6 @@ impl StoriesWriter {
         Ok(true)
     }
 
-    /// Commits; the number of changes appended.
-    pub async fn commit(self) -> Result<u64, StoreError> {
-        self.tx.commit().await?;
-        Ok(self.appended)
-    }
     /// Records `stories` as reads owed (their fetch-on-notify reads failed), in the transaction
     /// that moves the cursor past the events that asked for them. A story owed already keeps its
     /// first `owed_since` and its backoff, and counts one more recording (so a retry that read it
@@ -475,6 +470,11 @@ impl StoriesWriter {
         Ok(deleted == 1)
     }
 
+    /// Commits; the number of changes appended.
+    pub async fn commit(self) -> Result<u64, StoreError> {
+        self.tx.commit().await?;
+        Ok(self.appended)
+    }
 }
 
 /// A stories endpoint's catch-up and reload state.
@@ -544,12 +544,6 @@ pub async fn need_reload(pool: &sqlx::PgPool, endpoint: EndpointId) -> Result<()
     Ok(())
 }
 
-/// The ids of the stories the copy holds open, of `tickers` (all when `None`), after `after`
-/// in id order: a reload's second step pages through them.
-pub async fn open_ids(
-    pool: &sqlx::PgPool,
-    endpoint: EndpointId,
-    after: Option<&str>,
 /// A story owed a read (see [`StoriesWriter::owe_reads`]).
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct OwedRead {
@@ -602,6 +596,12 @@ pub async fn owed_read_failed(
     Ok(())
 }
 
+/// The ids of the stories the copy holds open, of `tickers` (all when `None`), after `after`
+/// in id order: a reload's second step pages through them.
+pub async fn open_ids(
+    pool: &sqlx::PgPool,
+    endpoint: EndpointId,
+    after: Option<&str>,
     limit: i64,
 ) -> Result<Vec<String>, StoreError> {
     Ok(sqlx::query_scalar(
@@ -685,6 +685,8 @@ pub struct Claim {
     /// change was forgotten since.
     pub event_id: Option<String>,
     pub claimed_at: OffsetDateTime,
+    /// Whether the claim appended its notification (false: claimed silently).
+    pub notified: bool,
 }
 
 /// A page of the tenant's endpoint's claimed notifications by key, after `after`.
@@ -696,7 +698,7 @@ pub async fn claims(
     limit: i64,
 ) -> Result<Vec<Claim>, StoreError> {
     Ok(sqlx::query_as(
-        "SELECT key, story_id, ticker, event_id, claimed_at FROM claimed
+        "SELECT key, story_id, ticker, event_id, claimed_at, notified FROM claimed
          WHERE endpoint_id = $1 AND tenant_id = $2 AND ($3::text IS NULL OR key > $3)
          ORDER BY key LIMIT $4",
     )

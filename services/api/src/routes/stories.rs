@@ -141,6 +141,10 @@ pub struct NotificationView {
     #[serde(with = "time::serde::rfc3339")]
     #[schema(value_type = String, format = DateTime)]
     pub claimed_at: OffsetDateTime,
+    /// Whether the notification was sent to the tenant's queue. False for a story that became
+    /// strong before the endpoint was registered: claimed, so never notified later, but not sent
+    /// (docs/stories.md, "What a new endpoint notifies").
+    pub notified: bool,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -185,6 +189,7 @@ pub async fn list_notifications(
                 ticker: claim.ticker,
                 event_id: claim.event_id,
                 claimed_at: claim.claimed_at,
+                notified: claim.notified,
             })
             .collect();
     let next_cursor = (data.len() as i64 == limit)
