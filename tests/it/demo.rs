@@ -23,6 +23,10 @@ use crate::scale_out::free_address;
 /// Set in a child process's environment: the `relay` command line it runs.
 const CHILD_ENV: &str = "RELAY_TEST_SIGTERM_CHILD";
 
+/// Held by each test that runs a demo: a demo's database and broker user are told apart from
+/// those before it by name pattern only, so two demos at once would each see the other's.
+static ONE_DEMO_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn demo_databases() -> BTreeSet<String> {
     let pool = sqlx::PgPool::connect(&server_url()).await.unwrap();
     let names: Vec<String> =
@@ -48,6 +52,7 @@ fn tenant_users() -> BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_demo_reaches_a_right_verdict_with_every_fault_and_cleans_up() {
+    let _alone = ONE_DEMO_AT_A_TIME.lock().await;
     let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
     let prefix = RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
     let (databases, users) = (demo_databases().await, tenant_users());
@@ -217,6 +222,7 @@ fn error_lines(lines: &[String]) -> Vec<&String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_in_the_middle_of_the_demo_ends_every_tier_without_an_error() {
+    let _alone = ONE_DEMO_AT_A_TIME.lock().await;
     let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
     let prefix = RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
     let (databases, users) = (demo_databases().await, tenant_users());

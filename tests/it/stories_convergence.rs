@@ -149,6 +149,10 @@ impl Stand {
         let api = format!("http://{}", api_listener.local_addr().unwrap());
         let faults = Faults::all();
         let mut config = StoriesConfig::from_wire_limits(COMPRESSION);
+        // The upstream's time starts at the wall clock's now, as the relay's registrations do:
+        // events created before an endpoint's registration notify nothing (decide_notify).
+        config.start_unix_ms =
+            (time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000) as i64;
         configure(&mut config);
         let mut stories = Stories::new(config, faults.stories.clone(), run.seed);
         let mut workload = StoriesWorkload::new(
@@ -160,6 +164,15 @@ impl Stand {
         );
         let infos = workload.setup(&mut stories, &format!("{}/webhooks/{{id}}", app.base_url));
         let tenant = register(&pool, &infos, &api, run.fetch_on_notify_only).await;
+        for info in &infos {
+            let registered: time::OffsetDateTime =
+                sqlx::query_scalar("SELECT created_at FROM webhook_endpoints WHERE id = $1")
+                    .bind(info.id)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            stories.set_registered_at(info.id, registered);
+        }
         let upstream = Upstream::new(
             World::default(),
             SenderConfig::from_wire_limits(COMPRESSION),

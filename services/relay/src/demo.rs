@@ -96,6 +96,8 @@ struct Registered {
     tenant_token: String,
     endpoints: Vec<Uuid>,
     stories_endpoint: Uuid,
+    /// When the relay registered the stories endpoint: it notifies only of events since.
+    stories_registered_at: time::OffsetDateTime,
     queue: String,
     /// The tenant's broker URL with its password: what its consumer connects with.
     tenant_amqp_url: String,
@@ -185,21 +187,28 @@ impl ApiClient {
             )
             .await?;
         }
-        self.call(
-            Method::POST,
-            "/v1/endpoints",
-            &tenant_token,
-            Some(json!({
-                "id": stories.id,
-                "source": "stories",
-                "tickers": stories.tickers,
-                "stories_mode": STORIES_MODE,
-                "upstream_base_url": simulator_api,
-                "upstream_api_key": stories.api_key,
-                "secrets": stories.secrets,
-            })),
-        )
-        .await?;
+        let stories_endpoint = self
+            .call(
+                Method::POST,
+                "/v1/endpoints",
+                &tenant_token,
+                Some(json!({
+                    "id": stories.id,
+                    "source": "stories",
+                    "tickers": stories.tickers,
+                    "stories_mode": STORIES_MODE,
+                    "upstream_base_url": simulator_api,
+                    "upstream_api_key": stories.api_key,
+                    "secrets": stories.secrets,
+                })),
+            )
+            .await?;
+        let stories_registered_at = time::OffsetDateTime::parse(
+            stories_endpoint["created_at"]
+                .as_str()
+                .context("a created_at")?,
+            &time::format_description::well_known::Rfc3339,
+        )?;
         let credentials = self
             .call(Method::POST, "/v1/broker/credentials", &tenant_token, None)
             .await
@@ -217,6 +226,7 @@ impl ApiClient {
             tenant_token,
             endpoints: infos.iter().map(|info| info.id).collect(),
             stories_endpoint: stories.id,
+            stories_registered_at,
             queue: credentials["queue"].as_str().context("a queue")?.to_owned(),
             tenant_amqp_url: format!("{scheme}://{user}:{password}@{rest}"),
         })
@@ -862,11 +872,12 @@ async fn demonstrate(
     };
     let (upstream, workload, infos) = relay_simulator::cli::prepare(&simulate)?;
     let faults: Faults = args.faults.parse().context("--faults")?;
-    let mut stories = Stories::new(
-        StoriesConfig::from_wire_limits(TIME_COMPRESSION),
-        faults.stories,
-        args.seed,
-    );
+    // The upstream's time starts at the wall clock's now, as the relay's registration does.
+    let stories_config = StoriesConfig {
+        start_unix_ms: (time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000) as i64,
+        ..StoriesConfig::from_wire_limits(TIME_COMPRESSION)
+    };
+    let mut stories = Stories::new(stories_config, faults.stories, args.seed);
     let mut stories_workload = StoriesWorkload::new(
         args.seed,
         StoriesWorkloadConfig {
@@ -903,6 +914,10 @@ async fn demonstrate(
     let registered = api
         .register(operator_token, &simulator_api, &infos, &stories_info)
         .await?;
+    sim.stories().set_registered_at(
+        registered.stories_endpoint,
+        registered.stories_registered_at,
+    );
     print_line(&json!({
         "event": "started",
         "database_url": redact(&global.database_url),
