@@ -328,8 +328,14 @@ async fn schedule(
     // Workers abort with the set when the scheduler itself is aborted (`Sequencer::abort`).
     let mut workers: JoinSet<WorkerExit> = JoinSet::new();
 
+    // Which endpoint each worker task works: a task that panicked says only its id.
+    let mut tasks: HashMap<tokio::task::Id, Uuid> = HashMap::new();
+
     let spawn = |workers: &mut JoinSet<WorkerExit>,
-                 active: &mut HashMap<Uuid, Arc<WorkerSignal>>,
+                 (active, tasks): (
+        &mut HashMap<Uuid, Arc<WorkerSignal>>,
+        &mut HashMap<tokio::task::Id, Uuid>,
+    ),
                  endpoint: Uuid| {
         let signal = Arc::new(WorkerSignal::default());
         active.insert(endpoint, signal.clone());
@@ -337,7 +343,7 @@ async fn schedule(
         let (config, metrics) = (worker_config.clone(), metrics.clone());
         let slots = slots.clone();
         let stopping = stopping.clone();
-        workers.spawn(async move {
+        let task = workers.spawn(async move {
             let gone = WorkerExit {
                 endpoint,
                 wakes_seen: 0,
@@ -397,6 +403,7 @@ async fn schedule(
             )
             .await
         });
+        tasks.insert(task.id(), endpoint);
     };
 
     loop {
@@ -404,7 +411,7 @@ async fn schedule(
             Some(endpoint) = wake_rx.recv() => {
                 match active.get(&endpoint) {
                     Some(signal) => signal.wake(),
-                    None => spawn(&mut workers, &mut active, endpoint),
+                    None => spawn(&mut workers, (&mut active, &mut tasks), endpoint),
                 }
             }
             Some(change) = changed_rx.recv() => match change {
@@ -432,16 +439,31 @@ async fn schedule(
                     }
                 }
             },
-            Some(done) = workers.join_next(), if !workers.is_empty() => {
+            Some(done) = workers.join_next_with_id(), if !workers.is_empty() => {
                 slots.forget_idle();
                 reload_slots.forget_idle();
-                let Ok(exit) = done else { continue };
+                let exit = match done {
+                    Ok((task, exit)) => {
+                        tasks.remove(&task);
+                        exit
+                    }
+                    Err(error) => {
+                        // A worker that panicked: its endpoint is free for the next wake-up
+                        // (the sweep's, when it has work), not started again at once, which
+                        // could repeat the panic in a loop.
+                        if let Some(endpoint) = tasks.remove(&error.id()) {
+                            tracing::error!(%endpoint, %error, "an endpoint's worker ended abnormally");
+                            active.remove(&endpoint);
+                        }
+                        continue;
+                    }
+                };
                 if let Some(signal) = active.remove(&exit.endpoint) {
                     if signal.wakes.load(Ordering::SeqCst) > exit.wakes_seen
                         && !stopping.load(Ordering::SeqCst)
                     {
                         // Woken after its last look: look again.
-                        spawn(&mut workers, &mut active, exit.endpoint);
+                        spawn(&mut workers, (&mut active, &mut tasks), exit.endpoint);
                     }
                 }
             }
