@@ -294,11 +294,16 @@ impl Stand {
         &self.app.db.pool
     }
 
-    /// Waits until the upstream is idle and every copy equals the oracle, three looks in a row;
-    /// panics with the differences after `limit`.
+    /// Waits until the upstream is idle, every copy equals the oracle and every endpoint has
+    /// caught up since, three looks in a row; panics with the differences after `limit`.
     async fn settle(&self, seed: u64, limit: Duration) {
         let started = Instant::now();
         let mut steady = 0;
+        // When the upstream was first seen idle with the copies right: a copy can be right
+        // (owed reads paid) before catch-up has read the events whose webhooks were lost, and
+        // only those events claim their notifications. So every endpoint must also have
+        // caught up since then.
+        let mut idle_since: Option<time::OffsetDateTime> = None;
         loop {
             let idle = self.sim.wait_idle(Duration::from_millis(10)).await;
             let mut differences = Vec::new();
@@ -310,12 +315,38 @@ impl Stand {
                 }
             }
             if idle && differences.is_empty() {
-                steady += 1;
+                let since = match idle_since {
+                    Some(since) => since,
+                    None => *idle_since.insert(
+                        sqlx::query_scalar("SELECT now()")
+                            .fetch_one(self.pool())
+                            .await
+                            .unwrap(),
+                    ),
+                };
+                let caught_up: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM stories_sync
+                      WHERE endpoint_id = ANY($1) AND caught_up_at >= $2",
+                )
+                .bind(self.ids())
+                .bind(since)
+                .fetch_one(self.pool())
+                .await
+                .unwrap();
+                if caught_up == self.ids().len() as i64 {
+                    steady += 1;
+                } else {
+                    differences.push(format!(
+                        "{caught_up} of {} endpoints caught up since the upstream went idle",
+                        self.ids().len()
+                    ));
+                }
                 if steady >= 3 {
                     return;
                 }
             } else {
                 steady = 0;
+                idle_since = None;
             }
             if started.elapsed() > limit {
                 panic!(
