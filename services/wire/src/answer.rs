@@ -26,6 +26,7 @@ use std::fmt;
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
 
+use crate::fields::{self, FieldError};
 use crate::message::{check_identifier, FeedItem, MessageError};
 use crate::sequence::Sequence;
 use crate::story::{Story, StoryEvent, StoryEventError, MAX_ID_BYTES};
@@ -242,49 +243,25 @@ impl<'de> Visitor<'de> for Weighed<'_> {
 
 // ---- Fields ----
 
-/// Reads named fields of an answer's object, naming the full path in every error.
-struct Fields<'a> {
-    fields: &'a Map<String, Value>,
-    prefix: String,
+type Fields<'a> = fields::Fields<'a, AnswerError>;
+
+/// An answer's fields are named as a message's are.
+impl FieldError for AnswerError {
+    fn missing(field: String) -> Self {
+        MessageError::missing(field).into()
+    }
+
+    fn wrong(field: String, expected: &'static str) -> Self {
+        MessageError::wrong(field, expected).into()
+    }
+
+    fn not_an_object(what: String) -> Self {
+        MessageError::not_an_object(what).into()
+    }
 }
 
+/// The checks of what the relay keeps of an answer, or sends back.
 impl<'a> Fields<'a> {
-    /// The fields of `value`, named under `prefix` (`what` when it is not an object).
-    fn of(value: &'a Value, what: &str, prefix: &str) -> Result<Self, AnswerError> {
-        match value {
-            Value::Object(fields) => Ok(Self {
-                fields,
-                prefix: prefix.to_owned(),
-            }),
-            _ => Err(wrong(what.to_owned(), "an object")),
-        }
-    }
-
-    fn path(&self, name: &str) -> String {
-        if self.prefix.is_empty() {
-            name.to_owned()
-        } else {
-            format!("{}.{name}", self.prefix)
-        }
-    }
-
-    fn get(&self, name: &str) -> Option<&'a Value> {
-        self.fields.get(name).filter(|v| !v.is_null())
-    }
-
-    fn required(&self, name: &str) -> Result<&'a Value, AnswerError> {
-        self.get(name)
-            .ok_or_else(|| MessageError::Missing(self.path(name)).into())
-    }
-
-    fn optional_str(&self, name: &str) -> Result<Option<&'a str>, AnswerError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(Value::String(text)) => Ok(Some(text)),
-            Some(_) => Err(wrong(self.path(name), "a string")),
-        }
-    }
-
     /// A string the relay keeps or sends back: no control character, at most `max` bytes.
     fn optional_text(&self, name: &str, max: usize) -> Result<Option<String>, AnswerError> {
         let Some(text) = self.optional_str(name)? else {
@@ -296,32 +273,15 @@ impl<'a> Fields<'a> {
 
     fn required_text(&self, name: &str, max: usize) -> Result<String, AnswerError> {
         self.optional_text(name, max)?
-            .ok_or_else(|| MessageError::Missing(self.path(name)).into())
-    }
-
-    fn optional_bool(&self, name: &str) -> Result<Option<bool>, AnswerError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(_) => Err(wrong(self.path(name), "true or false")),
-        }
+            .ok_or_else(|| self.missing(name))
     }
 
     /// A generation: a whole number that fits the bigint it is stored in.
     fn optional_generation(&self, name: &str) -> Result<Option<u64>, AnswerError> {
-        match self.get(name) {
+        match self.get(name).map(|value| value.as_u64()) {
             None => Ok(None),
-            Some(Value::Number(n)) => match n.as_u64() {
-                Some(g) if g <= MAX_GENERATION => Ok(Some(g)),
-                _ => Err(wrong(
-                    self.path(name),
-                    "a whole number from 0 to 9223372036854775807",
-                )),
-            },
-            Some(_) => Err(wrong(
-                self.path(name),
-                "a whole number from 0 to 9223372036854775807",
-            )),
+            Some(Some(g)) if g <= MAX_GENERATION => Ok(Some(g)),
+            Some(_) => Err(self.wrong(name, "a whole number from 0 to 9223372036854775807")),
         }
     }
 
@@ -335,8 +295,33 @@ impl<'a> Fields<'a> {
                 max,
             }),
             Some(Value::Array(items)) => Ok(Some(items)),
-            Some(_) => Err(wrong(self.path(name), "an array")),
+            Some(_) => Err(self.wrong(name, "an array")),
         }
+    }
+
+    fn required_array(&self, name: &str, max: usize) -> Result<&'a [Value], AnswerError> {
+        self.optional_array(name, max)?
+            .ok_or_else(|| self.missing(name))
+    }
+
+    /// An array of at most `max_entries` entries, each read by `read` (given the entry and its
+    /// path, made only when an error needs it).
+    fn optional_list<T>(
+        &self,
+        name: &str,
+        max_entries: usize,
+        read: impl Fn(&'a Value, &dyn Fn() -> String) -> Result<T, AnswerError>,
+    ) -> Result<Option<Vec<T>>, AnswerError> {
+        let Some(items) = self.optional_array(name, max_entries)? else {
+            return Ok(None);
+        };
+        let path = self.path(name);
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| read(item, &|| format!("{path}[{i}]")))
+            .collect::<Result<_, _>>()
+            .map(Some)
     }
 
     /// A list of strings kept or sent back, each checked as [`check_text`] checks one.
@@ -346,22 +331,13 @@ impl<'a> Fields<'a> {
         max_entries: usize,
         max_bytes: usize,
     ) -> Result<Option<Vec<String>>, AnswerError> {
-        let Some(items) = self.optional_array(name, max_entries)? else {
-            return Ok(None);
-        };
-        let path = self.path(name);
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| match item {
-                Value::String(text) => {
-                    check_text(text, max_bytes, || format!("{path}[{i}]"))?;
-                    Ok(text.clone())
-                }
-                _ => Err(wrong(format!("{path}[{i}]"), "a string")),
-            })
-            .collect::<Result<_, _>>()
-            .map(Some)
+        self.optional_list(name, max_entries, |item, path| match item {
+            Value::String(text) => {
+                check_text(text, max_bytes, path)?;
+                Ok(text.clone())
+            }
+            _ => Err(AnswerError::wrong(path(), "a string")),
+        })
     }
 
     fn optional_ids(
@@ -369,24 +345,11 @@ impl<'a> Fields<'a> {
         name: &str,
         max_entries: usize,
     ) -> Result<Option<Vec<i64>>, AnswerError> {
-        let Some(items) = self.optional_array(name, max_entries)? else {
-            return Ok(None);
-        };
-        let path = self.path(name);
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| {
-                item.as_i64()
-                    .ok_or_else(|| wrong(format!("{path}[{i}]"), "a whole number"))
-            })
-            .collect::<Result<_, _>>()
-            .map(Some)
+        self.optional_list(name, max_entries, |item, path| {
+            item.as_i64()
+                .ok_or_else(|| AnswerError::wrong(path(), "a whole number"))
+        })
     }
-}
-
-fn wrong(field: String, expected: &'static str) -> AnswerError {
-    MessageError::WrongShape { field, expected }.into()
 }
 
 /// Refuses `text` when it holds a control character (the identifier rule of webhook messages)
@@ -578,9 +541,7 @@ pub struct EventsAnswer {
 impl EventsAnswer {
     pub fn from_value(value: &Value) -> Result<Self, AnswerError> {
         let at = Fields::of(value, "the page", "")?;
-        let data = at
-            .optional_array("data", MAX_PAGE_ENTRIES)?
-            .ok_or_else(|| MessageError::Missing("data".to_owned()))?;
+        let data = at.required_array("data", MAX_PAGE_ENTRIES)?;
         Ok(EventsAnswer {
             events: data
                 .iter()
@@ -603,9 +564,7 @@ pub struct StoriesAnswer {
 impl StoriesAnswer {
     pub fn from_value(value: &Value) -> Result<Self, AnswerError> {
         let at = Fields::of(value, "the page", "")?;
-        let data = at
-            .optional_array("data", MAX_PAGE_ENTRIES)?
-            .ok_or_else(|| MessageError::Missing("data".to_owned()))?;
+        let data = at.required_array("data", MAX_PAGE_ENTRIES)?;
         let stories = data
             .iter()
             .map(Story::from_value)

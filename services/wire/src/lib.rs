@@ -15,8 +15,11 @@
 //!   are kept as ignored events, fields it does not name stay in the story's snapshot.
 //! - [`answer`]: what the upstream's REST API answers, parsed against a memory budget and
 //!   checked with the same checks as webhook bodies before anything of it is kept.
+//! - `fields`: the reader of a JSON object's named fields that feed items, stories events and
+//!   answers share, each with its own errors.
 
 pub mod answer;
+mod fields;
 pub mod limits;
 mod message;
 mod sequence;

@@ -14,6 +14,7 @@
 use serde_json::{Map, Value};
 use uuid::Uuid;
 
+use crate::fields::{self, join};
 use crate::limits::MAX_EVENTS;
 use crate::sequence::Sequence;
 
@@ -371,42 +372,26 @@ impl FeedData {
 impl FeedItem {
     /// Reads a feed item object (from an event's data or an API page), keeping it whole in `raw`.
     pub fn from_value(raw: Value, path: &str) -> Result<Self, MessageError> {
-        let Value::Object(object) = &raw else {
-            return Err(MessageError::WrongShape {
-                field: path.to_owned(),
-                expected: "an object",
-            });
-        };
         // Read by reference: `raw` keeps every field, known or not, without a copy.
-        let at = FieldsRef {
-            fields: object,
-            prefix: path,
-        };
+        let at = FieldsRef::of(&raw, path, path)?;
         let feed_item_id = at.required_id("feed_item_id")?.to_owned();
         let kind_text = at.required_str("item_kind")?;
-        let item_kind = ItemKind::parse(kind_text).ok_or_else(|| MessageError::WrongShape {
-            field: at.path("item_kind"),
-            expected: "announcement or pre_earnings_analysis",
-        })?;
+        let item_kind = ItemKind::parse(kind_text)
+            .ok_or_else(|| at.wrong("item_kind", "announcement or pre_earnings_analysis"))?;
         let seq = at.required_u64("seq")?;
         let lang = at.optional_str("lang")?.map(str::to_owned);
-        let company_id = object
+        let company_id = at
             .get("company")
             .and_then(|company| company.get("company_id"))
             .and_then(Value::as_i64);
-        let parts = match object.get("parts") {
-            None | Some(Value::Null) => Vec::new(),
+        let parts = match at.get("parts") {
+            None => Vec::new(),
             Some(Value::Array(parts)) => parts
                 .iter()
                 .enumerate()
                 .map(|(i, part)| PartRef::parse(part, &format!("{}[{i}]", at.path("parts"))))
                 .collect::<Result<_, _>>()?,
-            Some(_) => {
-                return Err(MessageError::WrongShape {
-                    field: at.path("parts"),
-                    expected: "an array",
-                })
-            }
+            Some(_) => return Err(at.wrong("parts", "an array")),
         };
         Ok(FeedItem {
             feed_item_id,
@@ -422,29 +407,11 @@ impl FeedItem {
 
 impl PartRef {
     fn parse(value: &Value, path: &str) -> Result<Self, MessageError> {
-        let Value::Object(fields) = value else {
-            return Err(MessageError::WrongShape {
-                field: path.to_owned(),
-                expected: "an object",
-            });
-        };
-        let at = FieldsRef {
-            fields,
-            prefix: path,
-        };
-        let part_version = match fields.get("part_version") {
-            Some(Value::Number(n)) => n.as_i64().ok_or_else(|| MessageError::WrongShape {
-                field: at.path("part_version"),
-                expected: "an integer",
-            })?,
-            None | Some(Value::Null) => return Err(MessageError::Missing(at.path("part_version"))),
-            Some(_) => {
-                return Err(MessageError::WrongShape {
-                    field: at.path("part_version"),
-                    expected: "an integer",
-                })
-            }
-        };
+        let at = FieldsRef::of(value, path, path)?;
+        let part_version = at
+            .required("part_version")?
+            .as_i64()
+            .ok_or_else(|| at.wrong("part_version", "an integer"))?;
         Ok(PartRef {
             part_id: at.required_id("part_id")?.to_owned(),
             part_version,
@@ -480,36 +447,12 @@ impl TestedData {
 }
 
 /// Reads named fields of a JSON object in place, naming the full path in every error.
-struct FieldsRef<'a> {
-    fields: &'a Map<String, Value>,
-    prefix: &'a str,
-}
+type FieldsRef<'a> = fields::Fields<'a, MessageError>;
 
+fields::field_error!(MessageError, "an object");
+
+/// The checks of what a message's feed item keeps.
 impl<'a> FieldsRef<'a> {
-    fn path(&self, name: &str) -> String {
-        if self.prefix.is_empty() {
-            name.to_owned()
-        } else {
-            format!("{}.{name}", self.prefix)
-        }
-    }
-
-    fn optional_str(&self, name: &str) -> Result<Option<&'a str>, MessageError> {
-        match self.fields.get(name) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s)),
-            Some(_) => Err(MessageError::WrongShape {
-                field: self.path(name),
-                expected: "a string",
-            }),
-        }
-    }
-
-    fn required_str(&self, name: &str) -> Result<&'a str, MessageError> {
-        self.optional_str(name)?
-            .ok_or_else(|| MessageError::Missing(self.path(name)))
-    }
-
     /// A string kept as an identifier: no control characters.
     fn required_id(&self, name: &str) -> Result<&'a str, MessageError> {
         let text = self.required_str(name)?;
@@ -518,17 +461,9 @@ impl<'a> FieldsRef<'a> {
     }
 
     fn required_u64(&self, name: &str) -> Result<u64, MessageError> {
-        match self.fields.get(name) {
-            Some(Value::Number(n)) => n.as_u64().ok_or_else(|| MessageError::WrongShape {
-                field: self.path(name),
-                expected: "a whole number of at least 0",
-            }),
-            None | Some(Value::Null) => Err(MessageError::Missing(self.path(name))),
-            Some(_) => Err(MessageError::WrongShape {
-                field: self.path(name),
-                expected: "a whole number of at least 0",
-            }),
-        }
+        self.required(name)?
+            .as_u64()
+            .ok_or_else(|| self.wrong(name, "a whole number of at least 0"))
     }
 }
 
@@ -555,11 +490,7 @@ impl<'a> Fields<'a> {
     }
 
     fn path(&self, name: &str) -> String {
-        if self.prefix.is_empty() {
-            name.to_owned()
-        } else {
-            format!("{}.{name}", self.prefix)
-        }
+        join(self.prefix, name)
     }
 
     fn wrong(&self, name: &str, expected: &'static str) -> MessageError {

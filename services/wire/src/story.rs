@@ -18,9 +18,11 @@
 //! - a snapshot holds no U+0000 in any string or key: it is stored as `jsonb`, which refuses it,
 //!   and one such story would fail every write it shares a transaction with.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
+
+use crate::fields::{self, join};
 
 /// The longest id (event or story) the relay keeps, in bytes.
 pub const MAX_ID_BYTES: usize = 200;
@@ -162,7 +164,7 @@ impl StoryEvent {
         let origin = at.required_str("origin")?;
         let origin =
             Origin::parse(origin).ok_or_else(|| at.wrong("origin", "\"live\" or \"backfill\""))?;
-        let created_at = match at.fields.get("created_at") {
+        let created_at = match at.get("created_at") {
             Some(Value::String(text)) => OffsetDateTime::parse(text, &Rfc3339).ok(),
             _ => None,
         };
@@ -177,8 +179,8 @@ impl StoryEvent {
             }
             (None, "story.closed") => {
                 let data = at.required_object("data")?;
-                let merged_into = match data.fields.get("merged_into") {
-                    None | Some(Value::Null) => None,
+                let merged_into = match data.get("merged_into") {
+                    None => None,
                     Some(story) => {
                         Some(Story::read(story, "data.merged_into", "data.merged_into")?)
                     }
@@ -279,78 +281,12 @@ fn check_no_nul(value: &Value, path: &str) -> Result<(), StoryEventError> {
     Ok(())
 }
 
-/// `name` under `prefix` (`prefix.name`, or `name` at the top).
-fn join(prefix: &str, name: &str) -> String {
-    if prefix.is_empty() {
-        name.to_owned()
-    } else {
-        format!("{prefix}.{name}")
-    }
-}
+type Fields<'a> = fields::Fields<'a, StoryEventError>;
 
-/// Reads named fields of a JSON object in place, naming the full path in every error.
-struct Fields<'a> {
-    fields: &'a Map<String, Value>,
-    prefix: String,
-}
+fields::field_error!(StoryEventError, "a JSON object");
 
-impl<'a> Fields<'a> {
-    /// The fields of `value`, which is called `what` when it is not an object; `prefix` is the
-    /// path its fields are named under.
-    fn of(value: &'a Value, what: &str, prefix: &str) -> Result<Self, StoryEventError> {
-        match value {
-            Value::Object(fields) => Ok(Fields {
-                fields,
-                prefix: prefix.to_owned(),
-            }),
-            _ => Err(StoryEventError::WrongShape {
-                field: what.to_owned(),
-                expected: "a JSON object",
-            }),
-        }
-    }
-
-    fn path(&self, name: &str) -> String {
-        join(&self.prefix, name)
-    }
-
-    fn wrong(&self, name: &str, expected: &'static str) -> StoryEventError {
-        StoryEventError::WrongShape {
-            field: self.path(name),
-            expected,
-        }
-    }
-
-    fn required(&self, name: &str) -> Result<&'a Value, StoryEventError> {
-        match self.fields.get(name) {
-            None | Some(Value::Null) => Err(StoryEventError::Missing(self.path(name))),
-            Some(value) => Ok(value),
-        }
-    }
-
-    fn required_object(&self, name: &str) -> Result<Fields<'a>, StoryEventError> {
-        match self.required(name)? {
-            Value::Object(fields) => Ok(Fields {
-                fields,
-                prefix: self.path(name),
-            }),
-            _ => Err(self.wrong(name, "an object")),
-        }
-    }
-
-    fn optional_str(&self, name: &str) -> Result<Option<&'a str>, StoryEventError> {
-        match self.fields.get(name) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::String(text)) => Ok(Some(text)),
-            Some(_) => Err(self.wrong(name, "a string")),
-        }
-    }
-
-    fn required_str(&self, name: &str) -> Result<&'a str, StoryEventError> {
-        self.optional_str(name)?
-            .ok_or_else(|| StoryEventError::Missing(self.path(name)))
-    }
-
+/// The checks of what a stories event keeps.
+impl Fields<'_> {
     /// A string kept as text the relay decides by: no control characters.
     fn required_text(&self, name: &str) -> Result<String, StoryEventError> {
         let text = self.required_str(name)?;
