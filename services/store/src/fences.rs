@@ -8,48 +8,78 @@
 //! waits for the previous owner's write in flight, and a stale owner writes nothing.
 
 use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
 
 use crate::{EndpointId, StoreError, TenantId};
+
+/// One kind of fenced thing: its fence table, keyed by `key`, and the rows that may be claimed
+/// (`live`: registered and not being deleted).
+struct Fence {
+    table: &'static str,
+    key: &'static str,
+    /// The owned things' table and the condition that leaves one claimable.
+    owners: &'static str,
+    live: &'static str,
+    what: &'static str,
+}
+
+const ENDPOINT: Fence = Fence {
+    table: "endpoint_fences",
+    key: "endpoint_id",
+    owners: "webhook_endpoints",
+    live: "status <> 'deleting'",
+    what: "webhook endpoint",
+};
+
+const TENANT: Fence = Fence {
+    table: "publisher_fences",
+    key: "tenant_id",
+    owners: "tenants",
+    live: "deleting_since IS NULL",
+    what: "tenant",
+};
+
+impl Fence {
+    /// Claims `id`'s next token: one more than the last, whoever held it; `NotFound` when it is
+    /// not claimable.
+    async fn claim(&self, pool: &PgPool, id: Uuid) -> Result<i64, StoreError> {
+        let Fence {
+            table,
+            key,
+            owners,
+            live,
+            what,
+        } = *self;
+        let token: Option<i64> = sqlx::query_scalar(&format!(
+            "INSERT INTO {table} ({key}, token)
+             SELECT id, 1 FROM {owners} WHERE id = $1 AND {live}
+             ON CONFLICT ({key})
+             DO UPDATE SET token = {table}.token + 1, claimed_at = now()
+             RETURNING token"
+        ))
+        .bind(id)
+        .fetch_optional(pool)
+        .await?;
+        token.ok_or_else(|| StoreError::NotFound {
+            what,
+            id: id.to_string(),
+        })
+    }
+}
 
 /// Claims the endpoint's next fencing token: one more than the last, whoever held it. Waits
 /// while another owner's apply transaction holds the token's row (see [`check_endpoint`]).
 /// `NotFound` for an endpoint that is not registered or is being deleted: nothing may write
 /// for it any more.
 pub async fn claim_endpoint(pool: &PgPool, endpoint: EndpointId) -> Result<i64, StoreError> {
-    let token: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO endpoint_fences (endpoint_id, token)
-         SELECT id, 1 FROM webhook_endpoints WHERE id = $1 AND status <> 'deleting'
-         ON CONFLICT (endpoint_id)
-         DO UPDATE SET token = endpoint_fences.token + 1, claimed_at = now()
-         RETURNING token",
-    )
-    .bind(endpoint)
-    .fetch_optional(pool)
-    .await?;
-    token.ok_or_else(|| StoreError::NotFound {
-        what: "webhook endpoint",
-        id: endpoint.to_string(),
-    })
+    ENDPOINT.claim(pool, endpoint.0).await
 }
 
 /// Claims the tenant's next publishing token: one more than the last, whoever held it. Waits
 /// while another owner's mark holds the token's row.
 /// `NotFound` for a tenant that does not exist or is being deleted.
 pub async fn claim_tenant(pool: &PgPool, tenant: TenantId) -> Result<i64, StoreError> {
-    let token: Option<i64> = sqlx::query_scalar(
-        "INSERT INTO publisher_fences (tenant_id, token)
-         SELECT id, 1 FROM tenants WHERE id = $1 AND deleting_since IS NULL
-         ON CONFLICT (tenant_id)
-         DO UPDATE SET token = publisher_fences.token + 1, claimed_at = now()
-         RETURNING token",
-    )
-    .bind(tenant)
-    .fetch_optional(pool)
-    .await?;
-    token.ok_or_else(|| StoreError::NotFound {
-        what: "tenant",
-        id: tenant.to_string(),
-    })
+    TENANT.claim(pool, tenant.0).await
 }
 
 /// In an apply transaction, before any write: whether `token` is still the endpoint's current

@@ -29,7 +29,8 @@ use uuid::Uuid;
 use crate::{EndpointId, StoreError, TenantId};
 
 /// Every table with rows of an endpoint, keyed by `endpoint_id`, in the order the purge
-/// empties them. `webhook_endpoints` itself goes last, in [`finish_endpoint`].
+/// empties them, those that grow with traffic first. `webhook_endpoints` itself goes last, in
+/// [`finish_endpoint`].
 pub const ENDPOINT_TABLES: [&str; 19] = [
     "messages",
     "message_applications",
@@ -52,15 +53,9 @@ pub const ENDPOINT_TABLES: [&str; 19] = [
     "endpoint_arrival_counters",
 ];
 
-/// The tables whose rows [`purge_rows`] deletes in batches: the ones that grow with traffic.
-const BULKY_TABLES: [&str; 6] = [
-    "messages",
-    "message_applications",
-    "applied_events",
-    "copy_items",
-    "stories",
-    "changes",
-];
+/// How many of [`ENDPOINT_TABLES`], from the first, are the tables whose rows [`purge_rows`]
+/// deletes in batches: the ones that grow with traffic.
+const BULKY_TABLES: usize = 6;
 
 /// What marking an endpoint found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,7 +161,7 @@ pub async fn purge_rows(
     batch: i64,
 ) -> Result<u64, StoreError> {
     let mut deleted = 0;
-    for table in BULKY_TABLES {
+    for table in &ENDPOINT_TABLES[..BULKY_TABLES] {
         // Only while the endpoint is still marked: a purger that lost a race to a finished
         // delete and a new registration of the id deletes nothing of the new one.
         let done = sqlx::query(&format!(

@@ -137,6 +137,30 @@ pub enum Resolution {
     NotFound,
 }
 
+/// Gives the quarantined message its resolution `status` (`retried` or `discarded`), unless it
+/// has one already: whether this call is the one that resolved it.
+async fn resolve<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    arrival_seq: i64,
+    status: &str,
+) -> Result<bool, StoreError> {
+    let resolved = sqlx::query(
+        "UPDATE quarantined_messages SET status = $4, resolved_at = now()
+         WHERE endpoint_id = $1 AND tenant_id = $2 AND arrival_seq = $3
+           AND status = 'quarantined'",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(arrival_seq)
+    .bind(status)
+    .execute(db)
+    .await?
+    .rows_affected();
+    Ok(resolved == 1)
+}
+
 /// Stores the quarantined message again as a new arrival, at the end of the endpoint's order:
 /// its `messages` row takes the endpoint's next arrival number (the counter row locked and
 /// moved in this transaction, as the front tier takes numbers, so numbers still follow commit
@@ -156,18 +180,7 @@ pub async fn retry(
 ) -> Result<Resolution, StoreError> {
     let mut tx = pool.begin().await?;
     // Decides, under the row's lock, that this call is the one resolving it.
-    let resolved = sqlx::query(
-        "UPDATE quarantined_messages SET status = 'retried', resolved_at = now()
-         WHERE endpoint_id = $1 AND tenant_id = $2 AND arrival_seq = $3
-           AND status = 'quarantined'",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .bind(arrival_seq)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    if resolved == 0 {
+    if !resolve(&mut *tx, tenant, endpoint, arrival_seq, "retried").await? {
         drop(tx);
         return Ok(match get(pool, tenant, endpoint, arrival_seq).await? {
             Some(found) => Resolution::AlreadyResolved(found),
@@ -219,19 +232,9 @@ pub async fn discard(
     endpoint: EndpointId,
     arrival_seq: i64,
 ) -> Result<Resolution, StoreError> {
-    let resolved = sqlx::query(
-        "UPDATE quarantined_messages SET status = 'discarded', resolved_at = now()
-         WHERE endpoint_id = $1 AND tenant_id = $2 AND arrival_seq = $3
-           AND status = 'quarantined'",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .bind(arrival_seq)
-    .execute(pool)
-    .await?
-    .rows_affected();
+    let resolved = resolve(pool, tenant, endpoint, arrival_seq, "discarded").await?;
     Ok(match get(pool, tenant, endpoint, arrival_seq).await? {
-        Some(found) if resolved == 1 => Resolution::Done(found),
+        Some(found) if resolved => Resolution::Done(found),
         Some(found) => Resolution::AlreadyResolved(found),
         None => Resolution::NotFound,
     })
