@@ -147,6 +147,8 @@ mod defaults {
     pub const MAX_TENANTS: usize = 1024;
     pub const CONNECT_TIMEOUT_MS: u64 = 5_000;
     pub const CONFIRM_TIMEOUT_MS: u64 = 5_000;
+    /// The first pause after broker trouble (the longest pause, when shorter, replaces it).
+    pub const RETRY_MIN_MS: u64 = 100;
     pub const RETRY_MAX_MS: u64 = 5_000;
     pub const IDLE_RELEASE_MS: u64 = 30_000;
 }
@@ -167,7 +169,7 @@ impl Default for PublisherConfig {
             max_tenants: defaults::MAX_TENANTS,
             connect_timeout: ms(defaults::CONNECT_TIMEOUT_MS),
             confirm_timeout: ms(defaults::CONFIRM_TIMEOUT_MS),
-            retry_min: ms(100),
+            retry_min: ms(defaults::RETRY_MIN_MS),
             retry_max: ms(defaults::RETRY_MAX_MS),
             idle_release: ms(defaults::IDLE_RELEASE_MS),
             metrics_interval: Duration::from_secs(1),
@@ -298,7 +300,7 @@ impl PublisherArgs {
             max_tenants: self.publisher_max_tenants.max(1),
             connect_timeout: ms(self.publisher_connect_timeout_ms),
             confirm_timeout: ms(self.publisher_confirm_timeout_ms),
-            retry_min: ms(100).min(ms(self.publisher_retry_max_ms)),
+            retry_min: ms(defaults::RETRY_MIN_MS.min(self.publisher_retry_max_ms)),
             retry_max: ms(self.publisher_retry_max_ms),
             idle_release: ms(self.publisher_idle_release_ms),
             ..PublisherConfig::default()
