@@ -64,6 +64,15 @@ pub struct Simulation {
 /// How long a sender sleeps at most before looking again, when nothing wakes it.
 const IDLE_POLL: Duration = Duration::from_millis(25);
 
+/// How long a sender with nothing to send now sleeps: until `next_at`, its next send, within
+/// 1 ms and [`IDLE_POLL`].
+pub(crate) fn idle_wait(now_ms: u64, next_at: Option<u64>) -> Duration {
+    next_at
+        .map(|at| Duration::from_millis(at.saturating_sub(now_ms)))
+        .unwrap_or(IDLE_POLL)
+        .clamp(Duration::from_millis(1), IDLE_POLL)
+}
+
 impl Simulation {
     /// `send_timeout`: how long to wait for an answer (the wire file's send_timeout_s, usually
     /// scaled by the time compression).
@@ -159,18 +168,7 @@ impl Simulation {
             match outgoing {
                 Some(outgoing) => {
                     let answer = self.post(&outgoing).await;
-                    if self.print_traffic.load(Ordering::Relaxed) {
-                        println!(
-                            "{}",
-                            serde_json::json!({
-                                "event": "answer",
-                                "webhook_id": outgoing.webhook_id,
-                                "attempt": outgoing.attempt,
-                                "webhook_endpoint_id": outgoing.endpoint_id,
-                                "answer": answer.to_json(),
-                            })
-                        );
-                    }
+                    self.trace_answer(&outgoing, &answer, "webhook_endpoint_id");
                     let now_ms = self.clock.now_ms();
                     self.lock().on_answer(
                         id,
@@ -181,12 +179,8 @@ impl Simulation {
                     );
                 }
                 None => {
-                    let wait = next_at
-                        .map(|at| Duration::from_millis(at.saturating_sub(now_ms)))
-                        .unwrap_or(IDLE_POLL)
-                        .clamp(Duration::from_millis(1), IDLE_POLL);
                     tokio::select! {
-                        _ = tokio::time::sleep(wait) => {}
+                        _ = tokio::time::sleep(idle_wait(now_ms, next_at)) => {}
                         _ = self.wake.notified() => {}
                         _ = stop.changed() => {}
                     }
@@ -197,24 +191,21 @@ impl Simulation {
 
     /// POSTs one message and reads how it was answered.
     pub async fn post(&self, outgoing: &Outgoing) -> Answer {
-        if self.print_traffic.load(Ordering::Relaxed) {
+        self.trace(|| {
             // The body is the wire file's JSON; shown as such when it parses.
             let body = serde_json::from_slice::<serde_json::Value>(&outgoing.body)
                 .unwrap_or_else(|_| String::from_utf8_lossy(&outgoing.body).into());
-            println!(
-                "{}",
-                serde_json::json!({
-                    "event": "send",
-                    "kind": outgoing.kind,
-                    "webhook_id": outgoing.webhook_id,
-                    "attempt": outgoing.attempt,
-                    "webhook_endpoint_id": outgoing.endpoint_id,
-                    "url": outgoing.url,
-                    "bytes": outgoing.body.len(),
-                    "body": body,
-                })
-            );
-        }
+            serde_json::json!({
+                "event": "send",
+                "kind": outgoing.kind,
+                "webhook_id": outgoing.webhook_id,
+                "attempt": outgoing.attempt,
+                "webhook_endpoint_id": outgoing.endpoint_id,
+                "url": outgoing.url,
+                "bytes": outgoing.body.len(),
+                "body": body,
+            })
+        });
         let mut request = self
             .client
             .post(&outgoing.url)
@@ -247,15 +238,28 @@ impl Simulation {
         rate_per_s: f64,
         duration: Duration,
     ) -> usize {
-        let mut stop = self.stop_tx.subscribe();
+        self.run_steps(rate_per_s, duration, "change", || {
+            self.change(|upstream, now_ms| workload.step(upstream, now_ms))
+        })
+        .await
+    }
+
+    /// Takes `step` `rate_per_s` times a second for `duration`, or until stopped, each printed
+    /// as an `event` line; how many were taken.
+    pub(crate) async fn run_steps<S: serde::Serialize>(
+        &self,
+        rate_per_s: f64,
+        duration: Duration,
+        event: &str,
+        mut step: impl FnMut() -> S,
+    ) -> usize {
+        let mut stop = self.stop_signal();
         let interval = Duration::from_secs_f64(1.0 / rate_per_s.max(0.001));
         let started = Instant::now();
         let mut steps = 0;
         while started.elapsed() < duration && !*stop.borrow() {
-            let step = self.change(|upstream, now_ms| workload.step(upstream, now_ms));
-            if self.print_traffic.load(Ordering::Relaxed) {
-                println!("{}", serde_json::json!({"event": "change", "step": step}));
-            }
+            let step = step();
+            self.trace(|| serde_json::json!({"event": event, "step": step}));
             steps += 1;
             tokio::select! {
                 _ = tokio::time::sleep(interval) => {}
@@ -263,6 +267,26 @@ impl Simulation {
             }
         }
         steps
+    }
+
+    /// Prints the traffic line `line()` makes, when traffic is printed.
+    pub(crate) fn trace(&self, line: impl FnOnce() -> serde_json::Value) {
+        if self.print_traffic.load(Ordering::Relaxed) {
+            println!("{}", line());
+        }
+    }
+
+    /// Traces the receiver's answer to `outgoing`, its endpoint named as `endpoint_field`.
+    pub(crate) fn trace_answer(&self, outgoing: &Outgoing, answer: &Answer, endpoint_field: &str) {
+        self.trace(|| {
+            serde_json::json!({
+                "event": "answer",
+                "webhook_id": outgoing.webhook_id,
+                "attempt": outgoing.attempt,
+                endpoint_field: outgoing.endpoint_id,
+                "answer": answer.to_json(),
+            })
+        });
     }
 
     /// Waits until every endpoint, feed and stories, has nothing left to send (or is paused):

@@ -44,7 +44,7 @@ impl SenderConfig {
     pub fn from_wire_limits(time_compression: f64) -> Self {
         use relay_wire::limits::*;
         let compression = time_compression.max(1e-9);
-        let ms = |s: u64| ((s as f64 * 1000.0) / compression).round() as u64;
+        let ms = |s: u64| upstream_seconds_to_ms(s, compression);
         Self {
             message_bytes: MESSAGE_BYTES,
             max_events: MAX_EVENTS,
@@ -56,10 +56,20 @@ impl SenderConfig {
             time_compression: compression,
         }
     }
+}
 
-    fn upstream_seconds_to_ms(&self, seconds: u64) -> u64 {
-        ((seconds as f64 * 1000.0) / self.time_compression).round() as u64
-    }
+/// `seconds` of the upstream's time in milliseconds of the driver's clock, which runs
+/// `time_compression` upstream seconds per second.
+pub(crate) fn upstream_seconds_to_ms(seconds: u64, time_compression: f64) -> u64 {
+    ((seconds as f64 * 1000.0) / time_compression).round() as u64
+}
+
+/// The ceiling of the wire file's full-jitter backoff after `attempts` attempts: `base_ms`,
+/// doubled for each further failure, up to `max_ms`.
+pub(crate) fn backoff_ceiling(base_ms: u64, max_ms: u64, attempts: u32) -> u64 {
+    base_ms
+        .saturating_mul(1u64 << attempts.min(40).saturating_sub(1))
+        .min(max_ms)
 }
 
 impl Default for SenderConfig {
@@ -95,6 +105,44 @@ pub struct Outgoing {
     pub headers: Vec<(&'static str, String)>,
 }
 
+impl Outgoing {
+    /// Attempt `attempt` (numbered `serial`) of the message `webhook_id` to the endpoint
+    /// `endpoint_id` at `url`, signed with every one of `secrets` at `wall_unix_s`, with the
+    /// upstream's headers.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn signed(
+        endpoint_id: Uuid,
+        url: &str,
+        secrets: &[SigningSecret],
+        serial: u64,
+        kind: MessageKind,
+        webhook_id: String,
+        attempt: u32,
+        body: Arc<Vec<u8>>,
+        wall_unix_s: i64,
+    ) -> Self {
+        let signature = relay_wire::sign(&webhook_id, wall_unix_s, &body, secrets);
+        let headers = vec![
+            ("webhook-id", webhook_id.clone()),
+            ("webhook-timestamp", wall_unix_s.to_string()),
+            ("webhook-signature", signature),
+            ("quanor-webhook-attempt", attempt.to_string()),
+            ("content-type", "application/json".to_owned()),
+            ("user-agent", "Quanor-Webhooks/1".to_owned()),
+        ];
+        Outgoing {
+            endpoint_id,
+            serial,
+            kind,
+            webhook_id,
+            attempt,
+            body,
+            url: url.to_owned(),
+            headers,
+        }
+    }
+}
+
 /// How an attempt was answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
@@ -108,6 +156,27 @@ pub enum Answer {
 }
 
 impl Answer {
+    /// The status code of an answer that came, and the delay its Retry-After asks for in
+    /// milliseconds of the driver's clock (which runs `time_compression` upstream seconds per
+    /// second), at most `max_ms`.
+    pub(crate) fn code_and_retry_after(
+        &self,
+        wall_unix_s: i64,
+        time_compression: f64,
+        max_ms: u64,
+    ) -> (Option<u16>, Option<u64>) {
+        match self {
+            Answer::Status { code, retry_after } => (
+                Some(*code),
+                retry_after
+                    .as_deref()
+                    .and_then(|v| parse_retry_after(v, wall_unix_s))
+                    .map(|s| upstream_seconds_to_ms(s, time_compression).min(max_ms)),
+            ),
+            Answer::NoAnswer => (None, None),
+        }
+    }
+
     /// The answer as a JSON object: `{"status": code, "retry_after": ...}`, or
     /// `{"status": null}` when none came.
     pub fn to_json(&self) -> serde_json::Value {
@@ -660,15 +729,6 @@ impl Upstream {
             extra,
             webhook_id: webhook_id.clone(),
         });
-        let signature = relay_wire::sign(&webhook_id, wall_unix_s, &body, &endpoint.secrets);
-        let headers = vec![
-            ("webhook-id", webhook_id.clone()),
-            ("webhook-timestamp", wall_unix_s.to_string()),
-            ("webhook-signature", signature),
-            ("quanor-webhook-attempt", attempt.to_string()),
-            ("content-type", "application/json".to_owned()),
-            ("user-agent", "Quanor-Webhooks/1".to_owned()),
-        ];
         self.push_log(
             endpoint.id,
             LogEntry::Sent {
@@ -680,16 +740,17 @@ impl Upstream {
                 body: body.clone(),
             },
         );
-        Outgoing {
-            endpoint_id: endpoint.id,
+        Outgoing::signed(
+            endpoint.id,
+            &endpoint.url,
+            &endpoint.secrets,
             serial,
             kind,
             webhook_id,
             attempt,
             body,
-            url: endpoint.url.clone(),
-            headers,
-        }
+            wall_unix_s,
+        )
     }
 
     fn build_reset(&self, endpoint: &Endpoint, reason: &str) -> Option<Built> {
@@ -822,20 +883,11 @@ impl Upstream {
         let faults = self.faults.clone();
         let track = self.tracks.get_mut(&id).expect("checked by on_answer");
         let built = track.current.clone().expect("checked by on_answer");
-        let (code, retry_after) = match &answer {
-            Answer::Status { code, retry_after } => (
-                Some(*code),
-                retry_after
-                    .as_deref()
-                    .and_then(|v| parse_retry_after(v, wall_unix_s))
-                    .map(|s| {
-                        config
-                            .upstream_seconds_to_ms(s)
-                            .min(config.retry_after_max_ms)
-                    }),
-            ),
-            Answer::NoAnswer => (None, None),
-        };
+        let (code, retry_after) = answer.code_and_retry_after(
+            wall_unix_s,
+            config.time_compression,
+            config.retry_after_max_ms,
+        );
         match code {
             Some(200..=299) => {
                 track.current = None;
@@ -933,10 +985,11 @@ impl Upstream {
                 decision
             }
             _ => {
-                let ceiling = config
-                    .backoff_base_ms
-                    .saturating_mul(1u64 << track.attempts.min(40).saturating_sub(1))
-                    .min(config.backoff_max_ms);
+                let ceiling = backoff_ceiling(
+                    config.backoff_base_ms,
+                    config.backoff_max_ms,
+                    track.attempts,
+                );
                 let jitter = track.rng.gen_range(0..=ceiling);
                 let delay = jitter.max(retry_after.unwrap_or(0));
                 Self::failed(track, &built, now_ms, delay);

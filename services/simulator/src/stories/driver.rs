@@ -1,18 +1,14 @@
 //! The tokio side of the stories upstream: one task sends every stories endpoint's webhooks
 //! (several at once when the concurrency fault allows), and the workload loop.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::task::{JoinHandle, JoinSet};
 
 use super::workload::StoriesWorkload;
-use crate::driver::Simulation;
+use crate::driver::{idle_wait, Simulation};
 use crate::upstream::{Answer, Outgoing};
-
-/// How long the sender sleeps at most before looking again, when nothing wakes it.
-const IDLE_POLL: Duration = Duration::from_millis(25);
 
 impl Simulation {
     /// Starts the stories sender: one task for every stories endpoint, now and added later. It
@@ -42,17 +38,13 @@ impl Simulation {
                     (outgoing, answer)
                 });
             }
-            let wait = next_at
-                .map(|at| Duration::from_millis(at.saturating_sub(now_ms)))
-                .unwrap_or(IDLE_POLL)
-                .clamp(Duration::from_millis(1), IDLE_POLL);
             tokio::select! {
                 Some(done) = in_flight.join_next(), if !in_flight.is_empty() => {
                     if let Ok((outgoing, answer)) = done {
                         self.take_stories_answer(&outgoing, answer);
                     }
                 }
-                _ = tokio::time::sleep(wait) => {}
+                _ = tokio::time::sleep(idle_wait(now_ms, next_at)) => {}
                 _ = self.wake.notified() => {}
                 _ = stop.changed() => {}
             }
@@ -60,18 +52,7 @@ impl Simulation {
     }
 
     fn take_stories_answer(&self, outgoing: &Outgoing, answer: Answer) {
-        if self.print_traffic.load(Ordering::Relaxed) {
-            println!(
-                "{}",
-                serde_json::json!({
-                    "event": "answer",
-                    "webhook_id": outgoing.webhook_id,
-                    "attempt": outgoing.attempt,
-                    "stories_endpoint_id": outgoing.endpoint_id,
-                    "answer": answer.to_json(),
-                })
-            );
-        }
+        self.trace_answer(outgoing, &answer, "stories_endpoint_id");
         let now_ms = self.clock.now_ms();
         self.stories().on_answer(
             outgoing.endpoint_id,
@@ -90,24 +71,9 @@ impl Simulation {
         rate_per_s: f64,
         duration: Duration,
     ) -> usize {
-        let mut stop = self.stop_signal();
-        let interval = Duration::from_secs_f64(1.0 / rate_per_s.max(0.001));
-        let started = Instant::now();
-        let mut steps = 0;
-        while started.elapsed() < duration && !*stop.borrow() {
-            let step = self.change_stories(|stories, now_ms| workload.step(stories, now_ms));
-            if self.print_traffic.load(Ordering::Relaxed) {
-                println!(
-                    "{}",
-                    serde_json::json!({"event": "story_change", "step": step})
-                );
-            }
-            steps += 1;
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                _ = stop.changed() => {}
-            }
-        }
-        steps
+        self.run_steps(rate_per_s, duration, "story_change", || {
+            self.change_stories(|stories, now_ms| workload.step(stories, now_ms))
+        })
+        .await
     }
 }

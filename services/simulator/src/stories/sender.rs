@@ -22,7 +22,7 @@ use uuid::Uuid;
 use super::events::{LoggedEvent, StoryEventType};
 use super::{Stories, StoriesEndpoint};
 use crate::faults::StoriesFaults;
-use crate::upstream::{parse_retry_after, Answer, MessageKind, Outgoing, SenderConfig};
+use crate::upstream::{backoff_ceiling, Answer, MessageKind, Outgoing, SenderConfig};
 
 /// The stories sender's timings, in milliseconds of the driver's clock.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,10 +57,6 @@ impl StoriesSenderConfig {
             max_attempts: MAX_ATTEMPTS,
             give_up_after_ms: feed.reset_after_failing_ms,
         }
-    }
-
-    fn upstream_seconds_to_ms(&self, seconds: u64) -> u64 {
-        ((seconds as f64 * 1000.0) / self.time_compression).round() as u64
     }
 }
 
@@ -208,27 +204,6 @@ pub(super) fn enqueue(
     });
 }
 
-/// The headers a webhook is sent with: the feed's, signed by every secret.
-fn headers(
-    endpoint: &StoriesEndpoint,
-    webhook_id: &str,
-    body: &[u8],
-    attempt: u32,
-    wall_unix_s: i64,
-) -> Vec<(&'static str, String)> {
-    vec![
-        ("webhook-id", webhook_id.to_owned()),
-        ("webhook-timestamp", wall_unix_s.to_string()),
-        (
-            "webhook-signature",
-            relay_wire::sign(webhook_id, wall_unix_s, body, &endpoint.secrets),
-        ),
-        ("quanor-webhook-attempt", attempt.to_string()),
-        ("content-type", "application/json".to_owned()),
-        ("user-agent", "Quanor-Webhooks/1".to_owned()),
-    ]
-}
-
 impl Stories {
     /// Every webhook due at `now_ms`, over every endpoint that is not paused, as many per
     /// endpoint as its free slots allow (`StoriesFaults::concurrency`). Report each answer with
@@ -261,7 +236,6 @@ impl Stories {
                     delivery.body.clone(),
                 );
                 let event_id = delivery.event_id.clone();
-                let headers = headers(endpoint, &webhook_id, &body, attempt, wall_unix_s);
                 endpoint.log.push(StoriesLogEntry::Sent {
                     at_ms: now_ms,
                     serial,
@@ -270,16 +244,17 @@ impl Stories {
                     event_id,
                     attempt,
                 });
-                sends.push(Outgoing {
-                    endpoint_id: endpoint.id,
+                sends.push(Outgoing::signed(
+                    endpoint.id,
+                    &endpoint.url,
+                    &endpoint.secrets,
                     serial,
                     kind,
                     webhook_id,
                     attempt,
                     body,
-                    url: endpoint.url.clone(),
-                    headers,
-                });
+                    wall_unix_s,
+                ));
                 free -= 1;
             }
         }
@@ -324,20 +299,11 @@ impl Stories {
         let delivery = queue.deliveries.get_mut(&key).expect("found above");
         delivery.in_flight = None;
         let (webhook_id, event_id) = (delivery.webhook_id.clone(), delivery.event_id.clone());
-        let (code, retry_after) = match &answer {
-            Answer::Status { code, retry_after } => (
-                Some(*code),
-                retry_after
-                    .as_deref()
-                    .and_then(|v| parse_retry_after(v, wall_unix_s))
-                    .map(|s| {
-                        config
-                            .upstream_seconds_to_ms(s)
-                            .min(config.retry_after_max_ms)
-                    }),
-            ),
-            Answer::NoAnswer => (None, None),
-        };
+        let (code, retry_after) = answer.code_and_retry_after(
+            wall_unix_s,
+            config.time_compression,
+            config.retry_after_max_ms,
+        );
         let mut gave_up = None;
         let decision = if delivery.kind == MessageKind::Duplicate {
             queue.deliveries.remove(&key);
@@ -375,10 +341,11 @@ impl Stories {
                     let delay = match (code, retry_after) {
                         (Some(429) | Some(503), Some(delay)) => delay,
                         _ => {
-                            let ceiling = config
-                                .backoff_base_ms
-                                .saturating_mul(1u64 << delivery.attempts.min(40).saturating_sub(1))
-                                .min(config.backoff_max_ms);
+                            let ceiling = backoff_ceiling(
+                                config.backoff_base_ms,
+                                config.backoff_max_ms,
+                                delivery.attempts,
+                            );
                             endpoint
                                 .rng
                                 .gen_range(0..=ceiling)
