@@ -373,6 +373,17 @@ mod tests {
         format!("http://{address}/")
     }
 
+    /// The answer to a GET of `url` through `client`.
+    async fn get(client: &GuardedClient, url: &str) -> Response {
+        client
+            .request(Method::GET, url)
+            .unwrap()
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// The answer to a GET of `url` through a client that may reach anything.
     async fn answer(url: &str) -> Response {
         let client = GuardedClient::new(
             OutboundPolicy::ANY,
@@ -380,12 +391,7 @@ mod tests {
             Duration::from_secs(20),
         )
         .unwrap();
-        client
-            .request(Method::GET, url)
-            .unwrap()
-            .send()
-            .await
-            .unwrap()
+        get(&client, url).await
     }
 
     /// One chunk of chunked transfer encoding.
@@ -492,12 +498,7 @@ mod tests {
             GuardedClient::new(policy, &TrustRoots::platform(), Duration::from_secs(20)).unwrap();
         assert_eq!(client.max_answer_bytes(), 100);
         let url = serve_once("HTTP/1.1 200 OK\r\nContent-Length: 101", || None).await;
-        let response = client
-            .request(Method::GET, &url)
-            .unwrap()
-            .send()
-            .await
-            .unwrap();
+        let response = get(&client, &url).await;
         assert!(matches!(
             client.read_body(response).await,
             Err(BodyError::TooLarge { cap: 100, .. })
@@ -508,23 +509,13 @@ mod tests {
             whole.take()
         })
         .await;
-        let response = client
-            .request(Method::GET, &url)
-            .unwrap()
-            .send()
-            .await
-            .unwrap();
+        let response = get(&client, &url).await;
         assert!(matches!(
             client.read_body_within(response, 50).await,
             Err(BodyError::TooLarge { cap: 50, .. })
         ));
         let url = serve_once("HTTP/1.1 200 OK\r\nContent-Length: 101", || None).await;
-        let response = client
-            .request(Method::GET, &url)
-            .unwrap()
-            .send()
-            .await
-            .unwrap();
+        let response = get(&client, &url).await;
         assert!(matches!(
             client.read_body_within(response, 1000).await,
             Err(BodyError::TooLarge { cap: 100, .. })
