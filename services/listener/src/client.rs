@@ -168,27 +168,18 @@ fn proxy_v2_preamble(head: &[u8; 16]) -> Result<(bool, u8, usize), ProxyHeaderEr
 /// the connection's peer stands for the client then.
 fn proxy_v2_source(family: u8, rest: &[u8]) -> Result<Option<IpAddr>, ProxyHeaderError> {
     match family >> 4 {
-        1 => {
-            let bytes: [u8; 4] = rest
-                .get(..4)
-                .and_then(|b| b.try_into().ok())
-                .ok_or(ProxyHeaderError::Truncated)?;
-            if rest.len() < 12 {
-                return Err(ProxyHeaderError::Truncated);
-            }
-            Ok(Some(IpAddr::V4(Ipv4Addr::from(bytes))))
-        }
-        2 => {
-            let bytes: [u8; 16] = rest
-                .get(..16)
-                .and_then(|b| b.try_into().ok())
-                .ok_or(ProxyHeaderError::Truncated)?;
-            if rest.len() < 36 {
-                return Err(ProxyHeaderError::Truncated);
-            }
-            Ok(Some(IpAddr::V6(Ipv6Addr::from(bytes))))
-        }
+        1 => Ok(Some(IpAddr::V4(Ipv4Addr::from(source::<4>(rest, 12)?)))),
+        2 => Ok(Some(IpAddr::V6(Ipv6Addr::from(source::<16>(rest, 36)?)))),
         _ => Ok(None),
+    }
+}
+
+/// The source address's `N` bytes, first of an address block of `block` bytes (source and
+/// destination addresses and ports), which `rest` must hold whole.
+fn source<const N: usize>(rest: &[u8], block: usize) -> Result<[u8; N], ProxyHeaderError> {
+    match (rest.get(..N), rest.len() >= block) {
+        (Some(bytes), true) => Ok(bytes.try_into().expect("N bytes")),
+        _ => Err(ProxyHeaderError::Truncated),
     }
 }
 
