@@ -17,7 +17,7 @@ use clap::{Args, Subcommand};
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::messages::{store_batch, IncomingMessage};
-use relay_store::{tenants, PoolOptions};
+use relay_store::tenants;
 use relay_wire::{Sequence, SigningSecret};
 use serde_json::{json, Value};
 use sqlx::{Connection, PgPool};
@@ -147,18 +147,120 @@ pub(crate) async fn fresh_database(global: &GlobalArgs, recreate: bool) -> anyho
         .execute(&mut admin)
         .await?;
     crate::commands::migrate(global).await?;
-    let pool = relay_store::connect(
-        &global.database_url,
-        &PoolOptions {
-            max_connections: global.database_max_connections,
-            acquire_timeout: Duration::from_secs(60),
-            statement_timeout: Some(Duration::from_secs(600)),
-            generic_plans: false,
-            ca_file: global.trust()?.ca_file().map(std::path::Path::to_path_buf),
-            ..PoolOptions::default()
-        },
-    )?;
-    Ok(pool)
+    crate::startup::tier_pool(
+        global,
+        Duration::from_secs(60),
+        Duration::from_secs(600),
+        false,
+    )
+}
+
+/// A message stored as the front tier stores one, received now: of the feed track at
+/// `feed_generation`, or with neither track nor generation (a stories endpoint's).
+pub(crate) fn stored_message(
+    endpoint: Uuid,
+    tenant: Uuid,
+    feed_generation: Option<i64>,
+    body: &Value,
+) -> anyhow::Result<IncomingMessage> {
+    Ok(IncomingMessage {
+        endpoint_id: endpoint,
+        tenant_id: tenant,
+        webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
+        signed_at: OffsetDateTime::now_utc(),
+        attempt: Some(1),
+        received_at: OffsetDateTime::now_utc(),
+        track: feed_generation.map(|_| "feed".into()),
+        generation: feed_generation,
+        body: Bytes::from(serde_json::to_vec(body)?),
+    })
+}
+
+/// Stores the messages pushed into it, in batches as the front tier would.
+pub(crate) struct Batches<'a> {
+    pool: &'a PgPool,
+    batch: Vec<IncomingMessage>,
+    pushed: i64,
+}
+
+impl<'a> Batches<'a> {
+    const SIZE: usize = 500;
+
+    pub(crate) fn new(pool: &'a PgPool) -> Self {
+        Self {
+            pool,
+            batch: Vec::with_capacity(Self::SIZE),
+            pushed: 0,
+        }
+    }
+
+    pub(crate) async fn push(&mut self, message: IncomingMessage) -> anyhow::Result<()> {
+        self.batch.push(message);
+        self.pushed += 1;
+        if self.batch.len() >= Self::SIZE {
+            store_batch(self.pool, &self.batch).await?;
+            self.batch.clear();
+        }
+        Ok(())
+    }
+
+    /// Stores what is left; how many messages were pushed in all.
+    async fn finish(self) -> anyhow::Result<i64> {
+        store_batch(self.pool, &self.batch).await?;
+        Ok(self.pushed)
+    }
+}
+
+/// The sequencer as `relay sequencer` runs it, with the bench's settings and its own pool (as
+/// `relay sequencer` makes it: generic plans; the bench's pool plans every statement anew,
+/// which is not what production runs).
+pub(crate) async fn start_sequencer(
+    global: &GlobalArgs,
+    args: &SequencerArgs,
+) -> anyhow::Result<Sequencer> {
+    Ok(Sequencer::start(
+        crate::startup::sequencer_pool(global)?,
+        sequencer_config(global, args)?,
+        SequencerMetrics::unregistered(),
+    )
+    .await?)
+}
+
+/// Stores the rest of `batches` (`what` they hold, stored since `started`), then starts the
+/// sequencer and times it until every message is applied: the seconds it took and how many
+/// changes the copies took in all.
+pub(crate) async fn apply_stored(
+    global: &GlobalArgs,
+    args: &SequencerArgs,
+    batches: Batches<'_>,
+    started: Instant,
+    what: &str,
+) -> anyhow::Result<(f64, i64)> {
+    let pool = batches.pool;
+    let messages = batches.finish().await?;
+    eprintln!(
+        "stored {what} in {:.1} s; applying",
+        started.elapsed().as_secs_f64()
+    );
+    let started = Instant::now();
+    let sequencer = start_sequencer(global, args).await?;
+    loop {
+        let applied: i64 = sqlx::query_scalar(
+            "SELECT coalesce(sum(applied_arrival_seq), 0)::int8 FROM endpoint_apply_cursors",
+        )
+        .fetch_one(pool)
+        .await?;
+        if applied >= messages {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    sequencer.stop().await;
+    let changes: i64 = sqlx::query_scalar("SELECT count(*) FROM changes")
+        .fetch_one(pool)
+        .await?;
+    Ok((elapsed, changes))
 }
 
 fn item_json(subject_n: u64, seq: u64, version: u64) -> Value {
@@ -377,7 +479,7 @@ pub(crate) async fn apply(global: &GlobalArgs, args: ApplyBenchArgs) -> anyhow::
     .await?;
 
     let started = Instant::now();
-    let mut batch: Vec<IncomingMessage> = Vec::new();
+    let mut batches = Batches::new(&pool);
     let mut events_total = 0u64;
     for m in 0..args.messages_per_endpoint {
         for &endpoint in &endpoints {
@@ -405,56 +507,14 @@ pub(crate) async fn apply(global: &GlobalArgs, args: ApplyBenchArgs) -> anyhow::
                 "through": format!("1.{}", 1_000 + (m + 1) * args.events_per_message),
                 "events": events,
             });
-            batch.push(IncomingMessage {
-                endpoint_id: endpoint,
-                tenant_id: tenant,
-                webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
-                signed_at: OffsetDateTime::now_utc(),
-                attempt: Some(1),
-                received_at: OffsetDateTime::now_utc(),
-                track: Some("feed".into()),
-                generation: Some(1),
-                body: Bytes::from(serde_json::to_vec(&body)?),
-            });
-            if batch.len() >= 500 {
-                store_batch(&pool, &batch).await?;
-                batch.clear();
-            }
+            batches
+                .push(stored_message(endpoint, tenant, Some(1), &body)?)
+                .await?;
         }
     }
-    store_batch(&pool, &batch).await?;
     let messages_total = (args.endpoints * args.messages_per_endpoint) as i64;
-    eprintln!(
-        "stored {messages_total} messages ({events_total} events) in {:.1} s; applying",
-        started.elapsed().as_secs_f64()
-    );
-
-    let metrics = SequencerMetrics::unregistered();
-    let started = Instant::now();
-    // The sequencer's own pool, as `relay sequencer` makes it (generic plans): the bench's
-    // pool plans every statement anew, which is not what production runs.
-    let sequencer = Sequencer::start(
-        crate::startup::sequencer_pool(global)?,
-        sequencer_config(global, &args.sequencer)?,
-        metrics.clone(),
-    )
-    .await?;
-    loop {
-        let applied: i64 = sqlx::query_scalar(
-            "SELECT coalesce(sum(applied_arrival_seq), 0)::int8 FROM endpoint_apply_cursors",
-        )
-        .fetch_one(&pool)
-        .await?;
-        if applied >= messages_total {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    sequencer.stop().await;
-    let changes: i64 = sqlx::query_scalar("SELECT count(*) FROM changes")
-        .fetch_one(&pool)
-        .await?;
+    let what = format!("{messages_total} messages ({events_total} events)");
+    let (elapsed, changes) = apply_stored(global, &args.sequencer, batches, started, &what).await?;
     println!(
         "{}",
         json!({
@@ -549,17 +609,7 @@ fn reset_message(endpoint: Uuid, tenant: Uuid, generation: u64) -> anyhow::Resul
                      "resume_from": "1.1000", "track": "feed"},
         }],
     });
-    Ok(IncomingMessage {
-        endpoint_id: endpoint,
-        tenant_id: tenant,
-        webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
-        signed_at: OffsetDateTime::now_utc(),
-        attempt: Some(1),
-        received_at: OffsetDateTime::now_utc(),
-        track: Some("feed".into()),
-        generation: Some(generation as i64),
-        body: Bytes::from(serde_json::to_vec(&body)?),
-    })
+    stored_message(endpoint, tenant, Some(generation as i64), &body)
 }
 
 /// Stores a reset of `generation` and times the sequencer until the reload it begins is merged.
@@ -573,12 +623,7 @@ async fn timed_reload(
 ) -> anyhow::Result<f64> {
     store_batch(pool, &[reset_message(endpoint, tenant, generation)?]).await?;
     let started = Instant::now();
-    let sequencer = Sequencer::start(
-        crate::startup::sequencer_pool(global)?,
-        sequencer_config(global, args)?,
-        SequencerMetrics::unregistered(),
-    )
-    .await?;
+    let sequencer = start_sequencer(global, args).await?;
     loop {
         let merged: Option<bool> = sqlx::query_scalar(
             // The track row exists before the reset is applied, with no generation yet.
@@ -669,8 +714,8 @@ async fn drain_queue(
     queue: String,
 ) -> anyhow::Result<()> {
     use futures::StreamExt;
-    use relay_publisher::lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
-    use relay_publisher::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+    use relay_publisher::lapin::options::BasicConsumeOptions;
+    use relay_publisher::lapin::types::FieldTable;
     let connection = relay_publisher::connect(
         &amqp_url,
         "relay-bench-drain",
@@ -679,21 +724,7 @@ async fn drain_queue(
     )
     .await?;
     let channel = connection.create_channel().await?;
-    let mut arguments = FieldTable::default();
-    arguments.insert(
-        ShortString::from("x-queue-type"),
-        AMQPValue::LongString(LongString::from("quorum")),
-    );
-    channel
-        .queue_declare(
-            &queue,
-            QueueDeclareOptions {
-                durable: true,
-                ..QueueDeclareOptions::default()
-            },
-            arguments,
-        )
-        .await?;
+    relay_publisher::declare_tenant_queue(&channel, &queue).await?;
     let mut consumer = channel
         .basic_consume(
             &queue,
@@ -863,6 +894,25 @@ pub(crate) async fn provision_in_sync(
     Ok(crate::loadgen::loadgen_tenant(loadgen.seed))
 }
 
+/// The front tier on 127.0.0.1 (its webhooks and its metrics each on a port of their own), its
+/// statements ended after 8 s.
+pub(crate) async fn start_ingest(
+    global: &GlobalArgs,
+    config: relay_ingest::IngestConfig,
+) -> anyhow::Result<crate::startup::IngestServer> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    crate::startup::IngestServer::start_with_registry(
+        crate::startup::ingest_pool(global, Duration::from_secs(8))?,
+        config,
+        listener,
+        metrics_listener,
+        Arc::new(relay_ingest::SystemClock),
+        prometheus::Registry::new(),
+        crate::telemetry::Readiness::default(),
+    )
+}
+
 async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Result<()> {
     let pool = fresh_database(global, args.recreate_database).await?;
     let probe_before = machine_probe_ms().await?;
@@ -937,17 +987,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
     };
     ingest_config.answer_deadline = Duration::from_secs(10);
     ingest_config.writers = args.ingest_writers;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let ingest = crate::startup::IngestServer::start_with_registry(
-        crate::startup::ingest_pool(global, Duration::from_secs(8))?,
-        ingest_config,
-        listener,
-        metrics_listener,
-        Arc::new(relay_ingest::SystemClock),
-        prometheus::Registry::new(),
-        crate::telemetry::Readiness::default(),
-    )?;
+    let ingest = start_ingest(global, ingest_config).await?;
 
     // Backlogs once a second while the load runs: stored-not-applied and applied-not-confirmed.
     let sampler_pool = pool.clone();

@@ -968,17 +968,7 @@ pub async fn run(global: &GlobalArgs, args: IsolationBenchArgs) -> anyhow::Resul
         ),
         ..relay_ingest::IngestConfig::default()
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let ingest = crate::startup::IngestServer::start_with_registry(
-        crate::startup::ingest_pool(global, Duration::from_secs(8))?,
-        ingest_config,
-        listener,
-        metrics_listener,
-        Arc::new(relay_ingest::SystemClock),
-        prometheus::Registry::new(),
-        crate::telemetry::Readiness::default(),
-    )?;
+    let ingest = crate::bench::start_ingest(global, ingest_config).await?;
     let attackers = Attackers {
         relay: ingest.address,
         pool: pool.clone(),

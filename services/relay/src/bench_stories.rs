@@ -13,12 +13,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use bytes::Bytes;
 use clap::Args;
 use relay_rules::StoriesMode;
-use relay_sequencer::{Sequencer, SequencerMetrics};
 use relay_store::endpoints::{self, Registration, Source, StoriesSettings};
-use relay_store::messages::{store_batch, IncomingMessage};
 use relay_store::{tenants, EndpointId, TenantId};
 use relay_wire::SigningSecret;
 use serde_json::{json, Value};
@@ -26,7 +23,10 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::bench::{fresh_database, sequencer_config, ApplyBenchArgs, ReloadBenchArgs};
+use crate::bench::{
+    apply_stored, fresh_database, start_sequencer, stored_message, ApplyBenchArgs, Batches,
+    ReloadBenchArgs,
+};
 use crate::cli::{GlobalArgs, SequencerArgs};
 
 #[derive(Debug, Args)]
@@ -145,7 +145,7 @@ async fn apply(global: &GlobalArgs, args: &StoriesBenchArgs) -> anyhow::Result<(
     // No upstream settings: the endpoints never sync, so only webhooks are timed.
     let tenant = stories_tenant(&pool, &endpoints, vec!["ALFA B".into()], None).await?;
     let started = Instant::now();
-    let mut batch = Vec::new();
+    let mut batches = Batches::new(&pool);
     for k in 0..args.events_per_endpoint {
         let story = k % args.stories_per_endpoint;
         let version = (k / args.stories_per_endpoint + 1) as u64;
@@ -161,47 +161,14 @@ async fn apply(global: &GlobalArgs, args: &StoriesBenchArgs) -> anyhow::Result<(
                 "origin": "live", "created_at": "2026-10-08T06:40:00.300000Z",
                 "data": {"story": story_json(&id, "ALFA B", version)},
             });
-            batch.push(IncomingMessage {
-                endpoint_id: endpoint,
-                tenant_id: tenant,
-                webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
-                signed_at: OffsetDateTime::now_utc(),
-                attempt: Some(1),
-                received_at: OffsetDateTime::now_utc(),
-                track: None,
-                generation: None,
-                body: Bytes::from(serde_json::to_vec(&body)?),
-            });
-            if batch.len() >= 500 {
-                store_batch(&pool, &batch).await?;
-                batch.clear();
-            }
+            batches
+                .push(stored_message(endpoint, tenant, None, &body)?)
+                .await?;
         }
     }
-    store_batch(&pool, &batch).await?;
     let events = (args.endpoints * args.events_per_endpoint) as i64;
-    eprintln!(
-        "stored {events} stories webhooks in {:.1} s; applying",
-        started.elapsed().as_secs_f64()
-    );
-    let started = Instant::now();
-    let sequencer = start_sequencer(global, &args.sequencer).await?;
-    loop {
-        let applied: i64 = sqlx::query_scalar(
-            "SELECT coalesce(sum(applied_arrival_seq), 0)::int8 FROM endpoint_apply_cursors",
-        )
-        .fetch_one(&pool)
-        .await?;
-        if applied >= events {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let elapsed = started.elapsed().as_secs_f64();
-    sequencer.stop().await;
-    let changes: i64 = sqlx::query_scalar("SELECT count(*) FROM changes")
-        .fetch_one(&pool)
-        .await?;
+    let what = format!("{events} stories webhooks");
+    let (elapsed, changes) = apply_stored(global, &args.sequencer, batches, started, &what).await?;
     if changes != events {
         bail!("{events} events changed the copies {changes} times: each should have once");
     }
@@ -218,15 +185,6 @@ async fn apply(global: &GlobalArgs, args: &StoriesBenchArgs) -> anyhow::Result<(
     );
     pool.close().await;
     Ok(())
-}
-
-async fn start_sequencer(global: &GlobalArgs, args: &SequencerArgs) -> anyhow::Result<Sequencer> {
-    Ok(Sequencer::start(
-        crate::startup::sequencer_pool(global)?,
-        sequencer_config(global, args)?,
-        SequencerMetrics::unregistered(),
-    )
-    .await?)
 }
 
 /// The stories API a reload reads: each ticker's open stories in pages of 500, no events, and
