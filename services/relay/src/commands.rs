@@ -16,15 +16,13 @@ use crate::cli::{GlobalArgs, SimulateCommand};
 
 /// A small pool on RELAY_DATABASE_URL for one-off statements.
 pub(crate) fn admin_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
-    relay_store::connect(
-        &global.database_url,
-        &PoolOptions {
+    crate::startup::connect(
+        global,
+        PoolOptions {
             max_connections: 2,
-            ca_file: global.trust()?.ca_file().map(std::path::Path::to_path_buf),
             ..PoolOptions::default()
         },
     )
-    .context("reading RELAY_DATABASE_URL")
 }
 
 /// Creates the database when missing, then applies pending migrations.

@@ -97,23 +97,41 @@ fn fit_listeners(
     }
 }
 
-/// The operator's CA file, for the pools (checked as every TLS client's roots are).
-fn ca_file(global: &GlobalArgs) -> anyhow::Result<Option<std::path::PathBuf>> {
-    Ok(global.trust()?.ca_file().map(std::path::Path::to_path_buf))
+/// A pool on RELAY_DATABASE_URL with `options`, trusting the operator's CA file (checked as
+/// every TLS client's roots are).
+pub fn connect(global: &GlobalArgs, options: PoolOptions) -> anyhow::Result<PgPool> {
+    let options = PoolOptions {
+        ca_file: global.trust()?.ca_file().map(std::path::Path::to_path_buf),
+        ..options
+    };
+    relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
+}
+
+/// A tier's pool of RELAY_DATABASE_MAX_CONNECTIONS: it waits `acquire_timeout` for a
+/// connection, its statements end server-side after `statement_timeout`, and with
+/// `generic_plans` each statement is planned once.
+pub fn tier_pool(
+    global: &GlobalArgs,
+    acquire_timeout: Duration,
+    statement_timeout: Duration,
+    generic_plans: bool,
+) -> anyhow::Result<PgPool> {
+    connect(
+        global,
+        PoolOptions {
+            max_connections: global.database_max_connections,
+            acquire_timeout,
+            statement_timeout: Some(statement_timeout),
+            generic_plans,
+            ..PoolOptions::default()
+        },
+    )
 }
 
 /// The front tier's pool: its statements end server-side before the answer deadline, and its
 /// few fixed statements are planned once.
 pub fn ingest_pool(global: &GlobalArgs, statement_timeout: Duration) -> anyhow::Result<PgPool> {
-    let options = PoolOptions {
-        max_connections: global.database_max_connections,
-        acquire_timeout: statement_timeout,
-        statement_timeout: Some(statement_timeout),
-        generic_plans: true,
-        ca_file: ca_file(global)?,
-        ..PoolOptions::default()
-    };
-    relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
+    tier_pool(global, statement_timeout, statement_timeout, true)
 }
 
 /// A front tier serving on its listeners, stopped by [`IngestServer::stop`].
@@ -275,15 +293,26 @@ impl SequencerArgs {
 /// The sequencer's pool: no statement timeout shorter than a large reload's merge statements
 /// need, and plans made once.
 pub fn sequencer_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
-    let options = PoolOptions {
-        max_connections: global.database_max_connections,
-        acquire_timeout: Duration::from_secs(30),
-        statement_timeout: Some(Duration::from_secs(300)),
-        generic_plans: true,
-        ca_file: ca_file(global)?,
-        ..PoolOptions::default()
-    };
-    relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
+    tier_pool(
+        global,
+        Duration::from_secs(30),
+        Duration::from_secs(300),
+        true,
+    )
+}
+
+/// Serves a tier's `/metrics` and readiness on `listener`, under the process's listener
+/// settings (whose own metrics go into `registry` too): the task, to abort when the tier stops.
+fn spawn_metrics(
+    global: &GlobalArgs,
+    listener: TcpListener,
+    registry: prometheus::Registry,
+    readiness: Readiness,
+) -> anyhow::Result<JoinHandle<()>> {
+    let shared = global.listeners.shared().with_metrics_in(&registry)?;
+    Ok(tokio::spawn(telemetry::serve_metrics(
+        listener, registry, readiness, shared,
+    )))
 }
 
 /// `relay sequencer`: apply until SIGINT or SIGTERM, then let every worker finish its
@@ -302,13 +331,7 @@ pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> a
         2 * command.args.max_concurrent_endpoints,
         &mut [],
     );
-    let shared = global.listeners.shared().with_metrics_in(&registry)?;
-    let serve_metrics = tokio::spawn(telemetry::serve_metrics(
-        metrics_listener,
-        registry,
-        readiness,
-        shared,
-    ));
+    let serve_metrics = spawn_metrics(global, metrics_listener, registry, readiness)?;
     let sequencer =
         relay_sequencer::Sequencer::start(pool, command.args.to_config(global)?, metrics)
             .await
@@ -323,15 +346,12 @@ pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> a
 
 /// A pool for the publisher and the control plane: short statements, plans made once.
 fn service_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
-    let options = PoolOptions {
-        max_connections: global.database_max_connections,
-        acquire_timeout: Duration::from_secs(10),
-        statement_timeout: Some(Duration::from_secs(30)),
-        generic_plans: false,
-        ca_file: ca_file(global)?,
-        ..PoolOptions::default()
-    };
-    relay_store::connect(&global.database_url, &options).context("reading RELAY_DATABASE_URL")
+    tier_pool(
+        global,
+        Duration::from_secs(10),
+        Duration::from_secs(30),
+        false,
+    )
 }
 
 fn publisher_config(
@@ -365,13 +385,7 @@ pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> a
     .context("starting the publisher (is Redis up?)")?;
     let metrics_listener = telemetry::bind(command.metrics_listen, "metrics").await?;
     fit_listeners(global, 1, PUBLISHER_DESCRIPTORS, &mut []);
-    let shared = global.listeners.shared().with_metrics_in(&registry)?;
-    let serve_metrics = tokio::spawn(telemetry::serve_metrics(
-        metrics_listener,
-        registry,
-        readiness,
-        shared,
-    ));
+    let serve_metrics = spawn_metrics(global, metrics_listener, registry, readiness)?;
     tracing::info!("publisher running");
     shutdown_signal().await;
     tracing::info!("shutting down: finishing the rounds in flight");
