@@ -238,31 +238,17 @@ impl ApiClient {
         token: &str,
         endpoint: Uuid,
     ) -> anyhow::Result<BTreeMap<String, (String, Value)>> {
+        let path = format!("/v1/endpoints/{endpoint}/copy");
         let mut items = BTreeMap::new();
-        let mut after: Option<String> = None;
-        loop {
-            let mut request = self
-                .http
-                .get(format!("{}/v1/endpoints/{endpoint}/copy", self.base_url))
-                .bearer_auth(token)
-                .query(&[("limit", "500")]);
-            if let Some(after) = &after {
-                request = request.query(&[("after", after)]);
+        for row in self.pages(token, &path, &[]).await? {
+            if row["tombstone"] == true {
+                continue;
             }
-            let page: Value = request.send().await?.error_for_status()?.json().await?;
-            for row in page["data"].as_array().context("a page of the copy")? {
-                if row["tombstone"] == true {
-                    continue;
-                }
-                let subject = row["subject"].as_str().context("a subject")?.to_owned();
-                let sequence = row["sequence"].as_str().unwrap_or_default().to_owned();
-                items.insert(subject, (sequence, row["item"].clone()));
-            }
-            match page["next_cursor"].as_str() {
-                Some(cursor) => after = Some(cursor.to_owned()),
-                None => return Ok(items),
-            }
+            let subject = row["subject"].as_str().context("a subject")?.to_owned();
+            let sequence = row["sequence"].as_str().unwrap_or_default().to_owned();
+            items.insert(subject, (sequence, row["item"].clone()));
         }
+        Ok(items)
     }
 
     /// Every page of `path` (a list answering `data` and `next_cursor`), with `query`.
