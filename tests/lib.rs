@@ -201,6 +201,16 @@ impl TestDb {
     }
 }
 
+/// Runs `sql` on `db`, a statement about one endpoint: `$1` is `endpoint`, `$2` its `tenant`.
+pub async fn execute_for(db: &TestDb, sql: &str, endpoint: Uuid, tenant: Uuid) {
+    sqlx::query(sql)
+        .bind(endpoint)
+        .bind(tenant)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
 impl Drop for TestDb {
     fn drop(&mut self) {
         let name = self.name.clone();
@@ -278,6 +288,51 @@ pub fn feed_body(endpoint: Uuid, n: u64) -> Vec<u8> {
     .unwrap()
 }
 
+/// A front tier on 127.0.0.1, port 0 (its metrics on another port), its pool on `database_url`
+/// sized and timed by `config`'s answer deadline.
+pub async fn start_front_tier(
+    database_url: &str,
+    config: IngestConfig,
+    clock: Arc<dyn Clock>,
+) -> IngestServer {
+    let pool = relay_store::connect(
+        database_url,
+        &PoolOptions {
+            max_connections: 8,
+            acquire_timeout: config.answer_deadline,
+            statement_timeout: Some(config.answer_deadline),
+            generic_plans: true,
+            ..PoolOptions::default()
+        },
+    )
+    .unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    IngestServer::start(pool, config, listener, metrics_listener, clock).unwrap()
+}
+
+/// Posts `message` with `client` to the front tier at `base_url` as the upstream does; an error
+/// when no answer came (connection closed).
+pub async fn post_to(
+    client: &reqwest::Client,
+    base_url: &str,
+    endpoint: impl std::fmt::Display,
+    message: &Signed,
+) -> reqwest::Result<reqwest::Response> {
+    let mut request = client
+        .post(format!("{base_url}/webhooks/{endpoint}"))
+        .header("content-type", "application/json")
+        .header("user-agent", "Quanor-Webhooks/1")
+        .header("webhook-id", &message.webhook_id)
+        .header("webhook-timestamp", message.timestamp.to_string())
+        .header("webhook-signature", &message.signature)
+        .body(message.body.clone());
+    if let Some(attempt) = &message.attempt {
+        request = request.header("quanor-webhook-attempt", attempt);
+    }
+    request.send().await
+}
+
 /// The real front tier on 127.0.0.1, port 0, against a database of its own.
 pub struct TestApp {
     pub db: TestDb,
@@ -344,20 +399,7 @@ impl TestApp {
             Some(proxy) => format!("postgres://postgres@{proxy}/{}", db.name),
             None => db.url.clone(),
         };
-        let pool = relay_store::connect(
-            &url,
-            &PoolOptions {
-                max_connections: 8,
-                acquire_timeout: config.answer_deadline,
-                statement_timeout: Some(config.answer_deadline),
-                generic_plans: true,
-                ..PoolOptions::default()
-            },
-        )
-        .unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let server = IngestServer::start(pool, config, listener, metrics_listener, clock).unwrap();
+        let server = start_front_tier(&url, config, clock).await;
         let base_url = format!("http://{}", server.address);
         let metrics_url = format!("http://{}/metrics", server.metrics_address);
         Self {
@@ -375,27 +417,7 @@ impl TestApp {
     /// Another front tier on the same database, as a second replica behind a load balancer
     /// would be. Its base URL is `http://{address}`.
     pub async fn replica(&self, config: IngestConfig) -> IngestServer {
-        let pool = relay_store::connect(
-            &self.db.url,
-            &PoolOptions {
-                max_connections: 8,
-                acquire_timeout: config.answer_deadline,
-                statement_timeout: Some(config.answer_deadline),
-                generic_plans: true,
-                ..PoolOptions::default()
-            },
-        )
-        .unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        IngestServer::start(
-            pool,
-            config,
-            listener,
-            metrics_listener,
-            Arc::new(SystemClock),
-        )
-        .unwrap()
+        start_front_tier(&self.db.url, config, Arc::new(SystemClock)).await
     }
 
     /// A tenant and one endpoint with one fresh secret.
@@ -424,33 +446,13 @@ impl TestApp {
         endpoint: impl std::fmt::Display,
         message: &Signed,
     ) -> reqwest::Result<reqwest::Response> {
-        let mut request = self
-            .client
-            .post(format!("{base_url}/webhooks/{endpoint}"))
-            .header("content-type", "application/json")
-            .header("user-agent", "Quanor-Webhooks/1")
-            .header("webhook-id", &message.webhook_id)
-            .header("webhook-timestamp", message.timestamp.to_string())
-            .header("webhook-signature", &message.signature)
-            .body(message.body.clone());
-        if let Some(attempt) = &message.attempt {
-            request = request.header("quanor-webhook-attempt", attempt);
-        }
-        request.send().await
+        post_to(&self.client, base_url, endpoint, message).await
     }
 
     /// The value of one series of `/metrics`, e.g.
     /// `relay_ingest_messages_total{outcome="accepted"}`.
     pub async fn metric(&self, series: &str) -> f64 {
-        let text = self
-            .client
-            .get(&self.metrics_url)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = metrics_text(&self.client, &self.metrics_url).await;
         text.lines()
             .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
             .unwrap_or_else(|| panic!("{series} is not in /metrics:\n{text}"))
@@ -470,6 +472,45 @@ impl TestApp {
             server.stop().await.unwrap();
         }
     }
+}
+
+/// The metrics a process serves at `url`, as text.
+pub async fn metrics_text(client: &reqwest::Client, url: &str) -> String {
+    client.get(url).send().await.unwrap().text().await.unwrap()
+}
+
+/// The log lines written on this thread while the guard [`capture_logs`] gave with it is held.
+#[derive(Clone, Default)]
+pub struct CapturedLogs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for CapturedLogs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl CapturedLogs {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// Captures every crate's log lines at `level` and above written on this thread (a
+/// current-thread runtime's tasks included) until the guard drops.
+pub fn capture_logs(level: tracing::Level) -> (CapturedLogs, tracing::subscriber::DefaultGuard) {
+    let logs = CapturedLogs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    (logs, tracing::subscriber::set_default(subscriber))
 }
 
 /// What the proxy does with connections.
@@ -641,4 +682,11 @@ pub fn seed() -> u64 {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(rand::random)
+}
+
+/// [`seed`], printed for `test` with how to replay it.
+pub fn printed_seed(test: &str) -> u64 {
+    let seed = seed();
+    eprintln!("{test}: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    seed
 }

@@ -7,25 +7,22 @@
 //! answering as the API's writes say) and `api_rewind.rs` (rewinds against the simulator).
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use relay_api::{mint, JwtKeys, Subject};
-use relay_api::{ApiConfig, ApiServer};
-use relay_api::{BrokerAccess, ManagementSettings};
 use relay_netguard::OutboundPolicy;
 use relay_rules::{DestinationPolicy, EndpointTrack};
 use relay_store::cursors;
 use relay_store::messages::{store_batch, IncomingMessage};
 use relay_store::runs::{self, RunWrite};
 use relay_store::tracks::{self, TrackClaim};
-use relay_tests::{random_secret, TestDb, Vhost};
+use relay_tests::{capture_logs, execute_for, random_secret, TestDb, Vhost};
 use relay_wire::{Message, Sequence};
 use serde_json::{json, Value};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::stack::{call_api, open_and_decide};
+use crate::stack::{open_and_decide, relay_broker, Api, KEY};
 
 #[path = "api_input.rs"]
 mod input;
@@ -36,18 +33,22 @@ mod reads;
 #[path = "api_rewind.rs"]
 mod rewind;
 
-const KEY: &[u8] = b"test-signing-key-of-the-control-plane";
 const AUDIENCE: &str = "relay";
 
-/// The API on 127.0.0.1, port 0, against a database of its own.
-pub struct ApiApp {
+/// The API on 127.0.0.1, port 0, against a database of its own; calls go through its [`Api`].
+pub(crate) struct ApiApp {
     pub db: TestDb,
     /// The relay broker's vhost, when the test makes broker users (deleted with the app).
     _vhost: Option<Vhost>,
-    server: Option<ApiServer>,
-    registry: prometheus::Registry,
-    pub base_url: String,
-    client: reqwest::Client,
+    api: Api,
+}
+
+impl std::ops::Deref for ApiApp {
+    type Target = Api;
+
+    fn deref(&self) -> &Api {
+        &self.api
+    }
 }
 
 /// One answer: its status and body.
@@ -73,122 +74,38 @@ impl ApiApp {
 
     async fn spawn_on(vhost: Option<Vhost>, outbound: OutboundPolicy) -> Self {
         let db = TestDb::new().await;
-        let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
-        config.upstream_timeout = Duration::from_secs(5);
-        config.outbound = outbound;
-        if let Some(vhost) = &vhost {
-            config.broker = BrokerAccess::new(
-                &vhost.url(),
-                &ManagementSettings::default(),
-                None,
-                DestinationPolicy::default(),
-            )
-            .unwrap();
-        }
-        let registry = config.registry.clone();
-        let server = ApiServer::start(db.pool.clone(), config).await.unwrap();
-        let base_url = format!("http://{}", server.address);
+        let api = Api::serve(db.pool.clone(), |config| {
+            config.upstream_timeout = Duration::from_secs(5);
+            config.outbound = outbound;
+            if let Some(vhost) = &vhost {
+                config.broker = relay_broker(&vhost.url(), DestinationPolicy::default());
+            }
+        })
+        .await;
         Self {
             db,
             _vhost: vhost,
-            server: Some(server),
-            registry,
-            base_url,
-            client: reqwest::Client::builder()
-                .timeout(Duration::from_secs(30))
-                .build()
-                .unwrap(),
+            api,
         }
-    }
-
-    pub fn token(subject: Subject) -> String {
-        mint(
-            &JwtKeys::new(KEY).unwrap(),
-            AUDIENCE,
-            &subject,
-            Duration::from_secs(600),
-            OffsetDateTime::now_utc(),
-        )
-        .unwrap()
-        .token
-    }
-
-    pub fn operator() -> String {
-        Self::token(Subject::Operator {
-            name: "test".into(),
-        })
-    }
-
-    pub fn tenant_token(tenant: Uuid) -> String {
-        Self::token(Subject::Tenant(tenant))
-    }
-
-    pub async fn call(
-        &self,
-        method: &str,
-        path: &str,
-        token: Option<&str>,
-        body: Option<&Value>,
-    ) -> Answer {
-        call_api(&self.client, &self.base_url, method, path, token, body).await
-    }
-
-    /// A call that must succeed with `expect`.
-    pub async fn ok(
-        &self,
-        expect: u16,
-        method: &str,
-        path: &str,
-        token: &str,
-        body: Option<&Value>,
-    ) -> Value {
-        let answer = self.call(method, path, Some(token), body).await;
-        assert_eq!(answer.status, expect, "{method} {path}: {}", answer.text);
-        answer.json
-    }
-
-    /// A tenant made through the API, and a token for it.
-    pub async fn tenant(&self, name: &str) -> (Uuid, String) {
-        let created = self
-            .ok(
-                201,
-                "POST",
-                "/v1/tenants",
-                &Self::operator(),
-                Some(&json!({"name": name})),
-            )
-            .await;
-        let id: Uuid = created["id"].as_str().unwrap().parse().unwrap();
-        (id, Self::tenant_token(id))
     }
 
     /// An endpoint registered through the API with one fresh secret; returns its id and secret.
     pub async fn endpoint(&self, token: &str, extra: Value) -> (Uuid, String) {
         let id = Uuid::new_v4();
         let secret = random_secret().to_whsec();
-        let mut body = json!({"id": id, "lang": "en", "secrets": [secret]});
-        for (k, v) in extra.as_object().unwrap() {
-            body[k] = v.clone();
-        }
+        let body = merged(json!({"id": id, "lang": "en", "secrets": [secret]}), extra);
         self.ok(201, "POST", "/v1/endpoints", token, Some(&body))
             .await;
         (id, secret)
     }
 
-    /// A counter of the API's registry: `name` with the label `label` set to `value`.
-    pub fn counter(&self, name: &str, label: &str, value: &str) -> u64 {
-        self.registry
-            .gather()
-            .iter()
-            .filter(|family| family.name() == name)
-            .flat_map(|family| family.get_metric())
-            .filter(|m| {
-                m.get_label()
-                    .iter()
-                    .any(|l| l.name() == label && l.value() == value)
-            })
-            .map(|m| m.get_counter().get_value() as u64)
-            .sum()
+    /// The rows of each of `tables`, with its name.
+    pub async fn counts<'t>(&self, tables: &[&'t str]) -> Vec<(&'t str, i64)> {
+        let mut counts = Vec::new();
+        for &table in tables {
+            counts.push((table, self.count(table).await));
+        }
+        counts
     }
 
     pub async fn count(&self, table: &str) -> i64 {
@@ -198,12 +115,47 @@ impl ApiApp {
             .unwrap()
     }
 
-    pub async fn stop(mut self) {
-        if let Some(server) = self.server.take() {
-            server.stop().await.unwrap();
-        }
+    pub async fn stop(self) {
+        self.api.stop().await;
         self.db.pool.close().await;
     }
+}
+
+/// The endpoint's feed track as the sequencer keeps it with the copy (and a backup holds it),
+/// through `through`, so that a rewind asks the upstream to resend from there (or, after a
+/// reset, reads the feed again).
+pub(crate) async fn keep_track(
+    db: &TestDb,
+    tenant: Uuid,
+    endpoint: Uuid,
+    through: &str,
+    last_was_reset: bool,
+) {
+    sqlx::query(
+        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version,
+                                      through, last_was_reset)
+         VALUES ($1, 'feed', $2, 3, 'av1', $3, $4)",
+    )
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(through)
+    .bind(last_was_reset)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+/// `body` with the fields of `extra` set in it, those null in `extra` taken out.
+pub(crate) fn merged(mut body: Value, extra: Value) -> Value {
+    let fields = body.as_object_mut().unwrap();
+    for (k, v) in extra.as_object().unwrap() {
+        if v.is_null() {
+            fields.remove(k);
+        } else {
+            fields.insert(k.clone(), v.clone());
+        }
+    }
+    body
 }
 
 // ---- copy rows and messages written as the sequencer and the front tier write them ----------
@@ -709,7 +661,7 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
     )
     .unwrap()
     .token;
-    let operator = ApiApp::operator();
+    let operator = Api::operator_token();
     // Nothing of A's may show in an answer to anyone else.
     let a_data = [
         endpoint_a.to_string(),
@@ -729,10 +681,7 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
         "tenant_destinations",
         "endpoint_tracks",
     ];
-    let mut before = Vec::new();
-    for table in tables {
-        before.push(app.count(table).await);
-    }
+    let before = app.counts(&tables).await;
 
     for r in &routes {
         let what = format!("{} {}", r.method, r.path);
@@ -835,9 +784,7 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
     assert_eq!(a_secret_expiry, None, "A's secret keeps verifying");
 
     // None of those calls changed anything.
-    for (table, count) in tables.iter().zip(&before) {
-        assert_eq!(app.count(table).await, *count, "{table} changed");
-    }
+    assert_eq!(app.counts(&tables).await, before, "a table changed");
     let a = app
         .ok(
             200,
@@ -899,33 +846,12 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
 
 // ---- secrets and keys in no answer and no log line -------------------------------------------
 
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// Every answer and every log line (at TRACE, of every crate, this thread's tasks included:
 /// the test's runtime runs the server on this one thread) is free of every secret, API key and
 /// broker URL given to the API, including those given in bad requests.
 #[tokio::test(flavor = "current_thread")]
 async fn secrets_and_keys_appear_in_no_answer_and_no_log_line() {
-    let logs = Captured::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::TRACE)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = capture_logs(tracing::Level::TRACE);
 
     let app = ApiApp::spawn().await;
     let upstream = rewind::SimUpstream::start(&[]).await;
@@ -1040,15 +966,14 @@ async fn secrets_and_keys_appear_in_no_answer_and_no_log_line() {
         answers.push(answer);
     }
     // A rewind sends the key to the upstream (and a failing one, a wrong key).
-    sqlx::query(
+    execute_for(
+        &app.db,
         "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, through)
          VALUES ($1, 'feed', $2, 1, '1.1000')",
+        endpoint,
+        tenant,
     )
-    .bind(endpoint)
-    .bind(tenant)
-    .execute(&app.db.pool)
-    .await
-    .unwrap();
+    .await;
     let rewound = app
         .call("POST", &path("/tracks/feed/rewind"), Some(&token), None)
         .await;
@@ -1078,7 +1003,7 @@ async fn secrets_and_keys_appear_in_no_answer_and_no_log_line() {
         }
     }
     app.stop().await;
-    let logs = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let logs = logs.text();
     assert!(
         logs.contains("endpoint registered") && logs.contains("rewind after restore"),
         "the logs were captured"

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
-use relay_api::{mint, ApiConfig, ApiServer, EnvelopeLimits, JwtKeys, Rotation, Subject};
+use relay_api::{mint, ApiConfig, EnvelopeLimits, JwtKeys, Rotation, Subject};
 use relay_netguard::OutboundPolicy;
 use relay_store::quotas::QuotaDefaults;
 use relay_tests::{random_secret, TestDb};
@@ -21,80 +21,51 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 use uuid::Uuid;
 
-use crate::stack::{call_api, Answer};
+use crate::api::keep_track;
+use crate::stack::{call_api, Api, KEY};
 
-const KEY: &[u8] = b"the-control-planes-signing-key-now-in-use";
 const OLD_KEY: &[u8] = b"the-control-planes-signing-key-of-before";
 
 /// The control plane on 127.0.0.1, port 0, against a database of its own, with `configure`'s
-/// settings.
+/// settings; calls go through its [`Api`].
 struct App {
     db: TestDb,
-    server: Option<ApiServer>,
-    registry: prometheus::Registry,
-    base_url: String,
-    client: reqwest::Client,
+    api: Api,
+}
+
+impl std::ops::Deref for App {
+    type Target = Api;
+
+    fn deref(&self) -> &Api {
+        &self.api
+    }
 }
 
 impl App {
     async fn spawn(configure: impl FnOnce(&mut ApiConfig)) -> Self {
         let db = TestDb::new().await;
-        let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
-        // The tests' upstreams are on 127.0.0.1.
-        config.outbound = OutboundPolicy::ANY;
-        configure(&mut config);
-        let registry = config.registry.clone();
-        let server = ApiServer::start(db.pool.clone(), config).await.unwrap();
-        let base_url = format!("http://{}", server.address);
-        Self {
-            db,
-            server: Some(server),
-            registry,
-            base_url,
-            client: client(),
-        }
+        let mut api = Api::serve(db.pool.clone(), |config| {
+            // The tests' upstreams are on 127.0.0.1.
+            config.outbound = OutboundPolicy::ANY;
+            configure(config);
+        })
+        .await;
+        api.client = client();
+        Self { db, api }
     }
 
-    async fn call(&self, method: &str, path: &str, token: &str, body: Option<&Value>) -> Answer {
-        call_api(
-            &self.client,
-            &self.base_url,
-            method,
-            path,
-            Some(token),
-            body,
-        )
-        .await
-    }
-
-    async fn ok(
-        &self,
-        expect: u16,
-        method: &str,
-        path: &str,
-        token: &str,
-        body: Option<&Value>,
-    ) -> Value {
-        let answer = self.call(method, path, token, body).await;
-        assert_eq!(answer.status, expect, "{method} {path}: {}", answer.text);
-        answer.json
-    }
-
-    /// A tenant made through the API, and a token for it signed with the signing key.
-    async fn tenant(&self, name: &str) -> (Uuid, String) {
+    /// An endpoint of `tenant` (whose token is `token`) reading `upstream`, with the track the
+    /// sequencer keeps, so that a rewind asks the upstream: the URL of its rewind.
+    async fn rewindable(&self, tenant: Uuid, token: &str, upstream: &str) -> String {
+        let body = Self::new_endpoint(Some(upstream));
         let created = self
-            .ok(
-                201,
-                "POST",
-                "/v1/tenants",
-                &operator(),
-                Some(&json!({"name": name})),
-            )
+            .ok(201, "POST", "/v1/endpoints", token, Some(&body))
             .await;
-        let id: Uuid = created["id"].as_str().unwrap().parse().unwrap();
-        (
-            id,
-            token(KEY, Subject::Tenant(id), OffsetDateTime::now_utc()),
+        let endpoint: Uuid = created["id"].as_str().unwrap().parse().unwrap();
+        keep_track(&self.db, tenant, endpoint, "1.990", false).await;
+        format!(
+            "{}/v1/endpoints/{endpoint}/tracks/feed/rewind",
+            self.base_url
         )
     }
 
@@ -109,26 +80,20 @@ impl App {
         body
     }
 
-    fn counter(&self, name: &str, label: &str, value: &str) -> u64 {
-        self.registry
-            .gather()
-            .iter()
-            .filter(|family| family.name() == name)
-            .flat_map(|family| family.get_metric())
-            .filter(|m| {
-                m.get_label()
-                    .iter()
-                    .any(|l| l.name() == label && l.value() == value)
-            })
-            .map(|m| m.get_counter().get_value() as u64)
-            .sum()
-    }
-
-    async fn stop(mut self) {
-        if let Some(server) = self.server.take() {
-            server.stop().await.unwrap();
-        }
+    async fn stop(self) {
+        self.api.stop().await;
         self.db.pool.close().await;
+    }
+}
+
+/// The bounds of the tests: `requests` per tenant in flight, `rewinds` per tenant and
+/// `all_rewinds` over every tenant, each rewind ending by [`REWIND_DEADLINE`].
+fn envelope(requests: u32, rewinds: u32, all_rewinds: u32) -> EnvelopeLimits {
+    EnvelopeLimits {
+        max_requests_per_tenant: requests,
+        max_rewinds_per_tenant: rewinds,
+        max_rewinds: all_rewinds,
+        rewind_timeout: REWIND_DEADLINE,
     }
 }
 
@@ -247,20 +212,6 @@ impl SlowUpstream {
     }
 }
 
-/// The endpoint's track as the sequencer keeps it, so that a rewind asks the upstream.
-async fn keep_track(db: &TestDb, tenant: Uuid, endpoint: Uuid) {
-    sqlx::query(
-        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version,
-                                      through, last_was_reset)
-         VALUES ($1, 'feed', $2, 3, 'av1', '1.990', false)",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .execute(&db.pool)
-    .await
-    .unwrap();
-}
-
 const REWIND_DEADLINE: Duration = Duration::from_secs(2);
 /// What a timely answer may take beyond its deadline on a loaded test machine.
 const SLACK: Duration = Duration::from_millis(1500);
@@ -269,12 +220,7 @@ const SLACK: Duration = Duration::from_millis(1500);
 async fn a_tenants_rewinds_against_its_slow_upstream_leave_another_tenants_reads_answered() {
     let (upstream, upstream_url) = SlowUpstream::start(Duration::from_secs(60)).await;
     let app = App::spawn(|config| {
-        config.envelope = EnvelopeLimits {
-            max_requests_per_tenant: 32,
-            max_rewinds_per_tenant: 2,
-            max_rewinds: 16,
-            rewind_timeout: REWIND_DEADLINE,
-        };
+        config.envelope = envelope(32, 2, 16);
         // The HTTP client's own timeout is longer: the rewind's deadline is what ends it.
         config.upstream_timeout = Duration::from_secs(30);
         // Few enough that A's waves of rewinds would hold every connection if they were let
@@ -284,20 +230,7 @@ async fn a_tenants_rewinds_against_its_slow_upstream_leave_another_tenants_reads
     .await;
     let (tenant_a, token_a) = app.tenant("A, hostile").await;
     let (_tenant_b, token_b) = app.tenant("B, good").await;
-    let endpoint_a = app
-        .ok(
-            201,
-            "POST",
-            "/v1/endpoints",
-            &token_a,
-            Some(&App::new_endpoint(Some(&upstream_url))),
-        )
-        .await["id"]
-        .as_str()
-        .unwrap()
-        .parse::<Uuid>()
-        .unwrap();
-    keep_track(&app.db, tenant_a, endpoint_a).await;
+    let rewind_url = app.rewindable(tenant_a, &token_a, &upstream_url).await;
     let endpoint_b = app
         .ok(
             201,
@@ -312,10 +245,6 @@ async fn a_tenants_rewinds_against_its_slow_upstream_leave_another_tenants_reads
         .to_owned();
 
     // A: three waves of 24 rewinds at once, 300 ms apart, each on a connection of its own.
-    let rewind_url = format!(
-        "{}/v1/endpoints/{endpoint_a}/tracks/feed/rewind",
-        app.base_url
-    );
     let mut rewinds = Vec::new();
     for wave in 0..3u64 {
         for _ in 0..24 {
@@ -402,12 +331,7 @@ async fn a_tenants_rewinds_against_its_slow_upstream_leave_another_tenants_reads
 async fn all_tenants_rewinds_together_are_bounded_so_their_answers_memory_is() {
     let (upstream, upstream_url) = SlowUpstream::start(Duration::from_secs(60)).await;
     let app = App::spawn(|config| {
-        config.envelope = EnvelopeLimits {
-            max_requests_per_tenant: 32,
-            max_rewinds_per_tenant: 2,
-            max_rewinds: 3,
-            rewind_timeout: REWIND_DEADLINE,
-        };
+        config.envelope = envelope(32, 2, 3);
         config.upstream_timeout = Duration::from_secs(30);
     })
     .await;
@@ -415,24 +339,7 @@ async fn all_tenants_rewinds_together_are_bounded_so_their_answers_memory_is() {
     let mut tokens = Vec::new();
     for name in ["A", "B"] {
         let (tenant, token) = app.tenant(name).await;
-        let endpoint = app
-            .ok(
-                201,
-                "POST",
-                "/v1/endpoints",
-                &token,
-                Some(&App::new_endpoint(Some(&upstream_url))),
-            )
-            .await["id"]
-            .as_str()
-            .unwrap()
-            .parse::<Uuid>()
-            .unwrap();
-        keep_track(&app.db, tenant, endpoint).await;
-        rewind_urls.push(format!(
-            "{}/v1/endpoints/{endpoint}/tracks/feed/rewind",
-            app.base_url
-        ));
+        rewind_urls.push(app.rewindable(tenant, &token, &upstream_url).await);
         tokens.push(token);
     }
     // A's two rewinds wait on the upstream; then B's two, of which only one finds room.
@@ -471,37 +378,15 @@ async fn all_tenants_rewinds_together_are_bounded_so_their_answers_memory_is() {
 async fn each_caller_has_its_own_bound_on_requests_in_flight() {
     let (upstream, upstream_url) = SlowUpstream::start(Duration::from_secs(60)).await;
     let app = App::spawn(|config| {
-        config.envelope = EnvelopeLimits {
-            max_requests_per_tenant: 4,
-            // The rewinds' own bounds are not the ones met here.
-            max_rewinds_per_tenant: 100,
-            max_rewinds: 100,
-            rewind_timeout: REWIND_DEADLINE,
-        };
+        // The rewinds' own bounds are not the ones met here.
+        config.envelope = envelope(4, 100, 100);
     })
     .await;
     let (tenant_a, token_a) = app.tenant("A").await;
     let (_, token_b) = app.tenant("B").await;
-    let endpoint_a: Uuid = app
-        .ok(
-            201,
-            "POST",
-            "/v1/endpoints",
-            &token_a,
-            Some(&App::new_endpoint(Some(&upstream_url))),
-        )
-        .await["id"]
-        .as_str()
-        .unwrap()
-        .parse()
-        .unwrap();
-    keep_track(&app.db, tenant_a, endpoint_a).await;
+    let url = app.rewindable(tenant_a, &token_a, &upstream_url).await;
 
     // A's 4 slow rewinds hold its 4 places until their deadline.
-    let url = format!(
-        "{}/v1/endpoints/{endpoint_a}/tracks/feed/rewind",
-        app.base_url
-    );
     let held: Vec<_> = (0..4)
         .map(|_| {
             let (url, token) = (url.clone(), token_a.clone());
@@ -536,7 +421,7 @@ async fn each_caller_has_its_own_bound_on_requests_in_flight() {
         .call(
             "POST",
             "/v1/endpoints",
-            &token_a,
+            Some(&token_a),
             Some(&App::new_endpoint(None)),
         )
         .await;
@@ -571,7 +456,7 @@ async fn each_caller_has_its_own_bound_on_requests_in_flight() {
     app.ok(200, "GET", "/v1/tenant", &token_b, None).await;
     app.ok(200, "GET", "/v1/tenants", &operator(), None).await;
     // A token that does not verify is no one's: a 401, whatever A holds.
-    let forged = app.call("GET", "/v1/tenant", "not-a-jwt", None).await;
+    let forged = app.call("GET", "/v1/tenant", Some("not-a-jwt"), None).await;
     assert_eq!(forged.status, 401);
 
     for answer in held {
@@ -729,7 +614,7 @@ async fn the_endpoints_quota_holds_under_concurrent_creates_and_the_operator_set
         .call(
             "POST",
             "/v1/endpoints",
-            &token_b,
+            Some(&token_b),
             Some(&App::new_endpoint(None)),
         )
         .await;
@@ -762,7 +647,7 @@ async fn the_endpoints_quota_holds_under_concurrent_creates_and_the_operator_set
         (json!({"max_endpoints": "3"}), "max_endpoints"),
         (json!({"max_endpints": 3}), "max_endpints"),
     ] {
-        let answer = app.call("PUT", &quotas_a, &op, Some(&body)).await;
+        let answer = app.call("PUT", &quotas_a, Some(&op), Some(&body)).await;
         assert_eq!(answer.status, 400, "{body}: {}", answer.text);
         assert_eq!(answer.json["field"], field, "{body}: {}", answer.text);
     }
@@ -772,7 +657,7 @@ async fn the_endpoints_quota_holds_under_concurrent_creates_and_the_operator_set
         .call(
             "PUT",
             &format!("/v1/tenants/{}/quotas", Uuid::new_v4()),
-            &op,
+            Some(&op),
             Some(&json!({"max_endpoints": 3})),
         )
         .await;
@@ -781,7 +666,7 @@ async fn the_endpoints_quota_holds_under_concurrent_creates_and_the_operator_set
         .call(
             "PUT",
             &quotas_a,
-            &token_a,
+            Some(&token_a),
             Some(&json!({"max_endpoints": 100})),
         )
         .await;
@@ -855,7 +740,7 @@ async fn a_previous_key_verifies_only_tokens_issued_before_the_rotation_until_th
         ("/v1/tenants", ops()),
     ] {
         let minted_now = token(OLD_KEY, subject, OffsetDateTime::now_utc());
-        let answer = app.call("GET", path, &minted_now, None).await;
+        let answer = app.call("GET", path, Some(&minted_now), None).await;
         assert_eq!(answer.status, 401, "{path}: {}", answer.text);
         assert!(
             answer.text.contains("after the key rotation began"),
@@ -894,7 +779,7 @@ async fn a_previous_key_verifies_only_tokens_issued_before_the_rotation_until_th
         .call(
             "GET",
             "/v1/tenant",
-            &token(OLD_KEY, Subject::Tenant(tenant), long_ago),
+            Some(&token(OLD_KEY, Subject::Tenant(tenant), long_ago)),
             None,
         )
         .await;

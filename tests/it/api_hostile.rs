@@ -17,7 +17,8 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
-use crate::api::{Answer, ApiApp};
+use crate::api::{keep_track, Answer, ApiApp};
+use crate::stack::Api;
 
 /// A name other than `localhost` that this machine's hosts file maps to a loopback address (its
 /// own name, usually): a name only resolution can tell is loopback.
@@ -196,15 +197,19 @@ async fn upstream_urls_that_reach_inside_are_refused_at_registration_and_patch()
     app.stop().await;
 }
 
-#[tokio::test]
-async fn the_operator_setting_allows_http_and_private_addresses() {
-    let http_only = ApiApp::spawn_with(OutboundPolicy {
+/// The operator's policy allowing plain http, and public addresses only.
+fn http_allowed() -> OutboundPolicy {
+    OutboundPolicy {
         allow_http: true,
         allow_private: false,
         allowed_networks: Vec::new(),
         ..OutboundPolicy::default()
-    })
-    .await;
+    }
+}
+
+#[tokio::test]
+async fn the_operator_setting_allows_http_and_private_addresses() {
+    let http_only = ApiApp::spawn_with(http_allowed()).await;
     let (_, token) = http_only.tenant("plain").await;
     http_only
         .endpoint(&token, json!({"upstream_base_url": "http://8.8.8.8"}))
@@ -237,20 +242,6 @@ async fn the_operator_setting_allows_http_and_private_addresses() {
     open.stop().await;
 }
 
-/// The track's row as a backup holds it, so that a rewind calls the upstream.
-async fn keep_track(app: &ApiApp, tenant: Uuid, endpoint: Uuid) {
-    sqlx::query(
-        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version,
-                                      through, last_was_reset)
-         VALUES ($1, 'feed', $2, 3, 'av1', '1.990', false)",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .execute(&app.db.pool)
-    .await
-    .unwrap();
-}
-
 #[tokio::test]
 async fn the_apis_rewind_follows_no_redirect() {
     let (redirecting, redirect_hits, _, target_hits) = redirect_pair().await;
@@ -262,7 +253,7 @@ async fn the_apis_rewind_follows_no_redirect() {
             json!({"upstream_base_url": redirecting, "upstream_api_key": "qk_secret_key"}),
         )
         .await;
-    keep_track(&app, tenant, endpoint).await;
+    keep_track(&app.db, tenant, endpoint, "1.990", false).await;
     let answer = call_rewind(&app, &token, endpoint).await;
     assert_eq!(answer.status, 502, "{}", answer.text);
     assert_eq!(answer.json["error"], "upstream_failed", "{}", answer.text);
@@ -283,13 +274,7 @@ async fn a_stored_url_the_policy_refuses_is_refused_again_when_calling() {
     let (upstream, hits) =
         serve(|| (StatusCode::ACCEPTED, r#"{"generation": 4}"#).into_response()).await;
     // http allowed, so only the address (literal, or resolved) can refuse.
-    let app = ApiApp::spawn_with(OutboundPolicy {
-        allow_http: true,
-        allow_private: false,
-        allowed_networks: Vec::new(),
-        ..OutboundPolicy::default()
-    })
-    .await;
+    let app = ApiApp::spawn_with(http_allowed()).await;
     let (tenant, token) = app.tenant("grandfathered").await;
     let (endpoint, _) = app
         .endpoint(&token, json!({"upstream_api_key": "qk_key"}))
@@ -298,7 +283,7 @@ async fn a_stored_url_the_policy_refuses_is_refused_again_when_calling() {
     if let Some(alias) = loopback_alias() {
         urls.push(upstream.replace("127.0.0.1", &alias));
     }
-    keep_track(&app, tenant, endpoint).await;
+    keep_track(&app.db, tenant, endpoint, "1.990", false).await;
     for url in urls {
         sqlx::query("UPDATE webhook_endpoints SET upstream_base_url = $2 WHERE id = $1")
             .bind(endpoint)
@@ -370,7 +355,7 @@ async fn the_sequencers_reads_follow_no_redirect_and_reach_no_refused_address() 
 #[tokio::test]
 async fn nul_control_characters_and_oversized_text_are_400s_naming_the_field() {
     let app = ApiApp::spawn().await;
-    let operator = ApiApp::operator();
+    let operator = Api::operator_token();
     let (_, token) = app.tenant("careless").await;
     let (endpoint, _) = app.endpoint(&token, json!({})).await;
     let secret = || random_secret().to_whsec();
@@ -453,10 +438,7 @@ async fn nul_control_characters_and_oversized_text_are_400s_naming_the_field() {
         "endpoint_secrets",
         "tenant_destinations",
     ];
-    let mut before = Vec::new();
-    for table in tables {
-        before.push(app.count(table).await);
-    }
+    let before = app.counts(&tables).await;
     for (method, path, as_operator, body, field) in &cases {
         let who = if *as_operator { &operator } else { &token };
         let answer = app.call(method, path, Some(who), body.as_ref()).await;
@@ -468,9 +450,7 @@ async fn nul_control_characters_and_oversized_text_are_400s_naming_the_field() {
         );
         assert!(!answer.text.contains("AAAAAAAA"), "{what}: {}", answer.text);
     }
-    for (table, count) in tables.iter().zip(before) {
-        assert_eq!(app.count(table).await, count, "{table}: nothing written");
-    }
+    assert_eq!(app.counts(&tables).await, before, "nothing written");
     assert_eq!(
         app.counter("relay_api_requests_total", "status", "500"),
         0,

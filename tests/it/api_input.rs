@@ -6,26 +6,20 @@ use serde_json::{json, Value};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::ApiApp;
+use super::{merged, ApiApp};
+use crate::stack::Api;
 
 #[tokio::test]
 async fn bad_input_names_the_field_and_writes_nothing() {
     let app = ApiApp::spawn().await;
-    let operator = ApiApp::operator();
+    let operator = Api::operator_token();
     let (tenant, token) = app.tenant("careful").await;
     let (endpoint, _) = app.endpoint(&token, json!({})).await;
     let secret = random_secret().to_whsec();
     let new = |extra: Value| {
-        let mut body = json!({"id": Uuid::new_v4(), "lang": "en",
-                              "secrets": [random_secret().to_whsec()]});
-        for (k, v) in extra.as_object().unwrap() {
-            if v.is_null() {
-                body.as_object_mut().unwrap().remove(k);
-            } else {
-                body[k] = v.clone();
-            }
-        }
-        body
+        let body = json!({"id": Uuid::new_v4(), "lang": "en",
+                          "secrets": [random_secret().to_whsec()]});
+        merged(body, extra)
     };
     let e = |suffix: &str| format!("/v1/endpoints/{endpoint}{suffix}");
     let cases: Vec<(&str, String, &str, Option<Value>, &str)> = vec![
@@ -261,10 +255,7 @@ async fn bad_input_names_the_field_and_writes_nothing() {
         "tenant_destinations",
         "endpoint_tracks",
     ];
-    let mut before = Vec::new();
-    for table in tables {
-        before.push(app.count(table).await);
-    }
+    let before = app.counts(&tables).await;
     let secret_rows: Vec<(i64, Option<OffsetDateTime>)> =
         sqlx::query_as("SELECT id, expires_at FROM endpoint_secrets ORDER BY id")
             .fetch_all(&app.db.pool)
@@ -305,13 +296,7 @@ async fn bad_input_names_the_field_and_writes_nothing() {
     let answer: Value = response.json().await.unwrap();
     assert_eq!(answer["field"], "body", "{answer}");
 
-    for (table, count) in tables.iter().zip(&before) {
-        assert_eq!(
-            app.count(table).await,
-            *count,
-            "{table}: something was written"
-        );
-    }
+    assert_eq!(app.counts(&tables).await, before, "something was written");
     let after: Vec<(i64, Option<OffsetDateTime>)> =
         sqlx::query_as("SELECT id, expires_at FROM endpoint_secrets ORDER BY id")
             .fetch_all(&app.db.pool)
@@ -331,17 +316,10 @@ async fn stories_endpoints_take_their_own_fields_and_refuse_the_others() {
     let (_, token) = app.tenant("stories").await;
     let (feed, _) = app.endpoint(&token, json!({})).await;
     let stories = |extra: Value| {
-        let mut body = json!({"id": Uuid::new_v4(), "source": "stories",
-                              "tickers": ["ALFA B", "BETA"],
-                              "secrets": [random_secret().to_whsec()]});
-        for (k, v) in extra.as_object().unwrap() {
-            if v.is_null() {
-                body.as_object_mut().unwrap().remove(k);
-            } else {
-                body[k] = v.clone();
-            }
-        }
-        body
+        let body = json!({"id": Uuid::new_v4(), "source": "stories",
+                          "tickers": ["ALFA B", "BETA"],
+                          "secrets": [random_secret().to_whsec()]});
+        merged(body, extra)
     };
     let long = "X".repeat(33);
     let too_many: Vec<String> = (0..101).map(|i| format!("T{i}")).collect();

@@ -10,6 +10,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::ApiApp;
+use crate::stack::Api;
 
 #[tokio::test]
 async fn secrets_rotate_with_an_overlap_and_pause_writes_the_status_the_front_tier_reads() {
@@ -120,7 +121,7 @@ async fn secrets_rotate_with_an_overlap_and_pause_writes_the_status_the_front_ti
             201,
             "POST",
             &format!("/v1/tenants/{tenant2}/tokens"),
-            &ApiApp::operator(),
+            &Api::operator_token(),
             Some(&json!({"ttl_s": 60})),
         )
         .await;
@@ -144,7 +145,8 @@ async fn secrets_rotate_with_an_overlap_and_pause_writes_the_status_the_front_ti
 /// resumed, and a secret rotated in verifies the next message.
 #[tokio::test]
 async fn the_front_tier_follows_pause_resume_and_rotation_made_through_the_api() {
-    use relay_tests::{feed_body, test_config, Signed};
+    use relay_tests::{feed_body, post_to, start_front_tier, test_config, Signed};
+    use relay_wire::SigningSecret;
 
     let app = ApiApp::spawn().await;
     let (_, token) = app.tenant("front").await;
@@ -158,71 +160,33 @@ async fn the_front_tier_follows_pause_resume_and_rotation_made_through_the_api()
         Some(&json!({"id": endpoint, "lang": "en", "secrets": [first.to_whsec()]})),
     )
     .await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let ingest = relay::startup::IngestServer::start(
-        app.db.pool.clone(),
+    let ingest = start_front_tier(
+        &app.db.url,
         test_config(),
-        listener,
-        metrics_listener,
         Arc::new(relay_ingest::SystemClock),
     )
-    .unwrap();
-    let client = reqwest::Client::new();
-    let post = |message: Signed| {
-        let client = client.clone();
-        let url = format!("http://{}/webhooks/{endpoint}", ingest.address);
+    .await;
+    let (client, base_url) = (reqwest::Client::new(), format!("http://{}", ingest.address));
+    // The endpoint's message `n`, signed with `secret`, posted: the answer's status.
+    let post = |secret: &SigningSecret, n: u64| {
+        let (client, base_url) = (client.clone(), base_url.clone());
+        let message = Signed::new(std::slice::from_ref(secret), feed_body(endpoint, n));
         async move {
-            client
-                .post(url)
-                .header("content-type", "application/json")
-                .header("webhook-id", &message.webhook_id)
-                .header("webhook-timestamp", message.timestamp.to_string())
-                .header("webhook-signature", &message.signature)
-                .body(message.body)
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
+            let answer = post_to(&client, &base_url, endpoint, &message).await;
+            answer.unwrap().status().as_u16()
         }
     };
     let e = |suffix: &str| format!("/v1/endpoints/{endpoint}{suffix}");
-    assert_eq!(
-        post(Signed::new(
-            std::slice::from_ref(&first),
-            feed_body(endpoint, 1)
-        ))
-        .await,
-        202
-    );
+    assert_eq!(post(&first, 1).await, 202);
 
     app.ok(200, "POST", &e("/pause"), &token, None).await;
-    let paused = wait_for_answer(
-        || {
-            post(Signed::new(
-                std::slice::from_ref(&first),
-                feed_body(endpoint, 2),
-            ))
-        },
-        410,
-    )
-    .await;
+    let paused = wait_for_answer(|| post(&first, 2), 410).await;
     assert_eq!(
         paused, 410,
         "paused through the API: the front tier answers 410"
     );
     app.ok(200, "POST", &e("/resume"), &token, None).await;
-    let resumed = wait_for_answer(
-        || {
-            post(Signed::new(
-                std::slice::from_ref(&first),
-                feed_body(endpoint, 3),
-            ))
-        },
-        202,
-    )
-    .await;
+    let resumed = wait_for_answer(|| post(&first, 3), 202).await;
     assert_eq!(resumed, 202);
 
     // A secret rotated in through the API verifies; so does the old one, for the overlap.
@@ -235,25 +199,9 @@ async fn the_front_tier_follows_pause_resume_and_rotation_made_through_the_api()
         Some(&json!({"secret": second.to_whsec(), "overlap_s": 600})),
     )
     .await;
-    let rotated = wait_for_answer(
-        || {
-            post(Signed::new(
-                std::slice::from_ref(&second),
-                feed_body(endpoint, 4),
-            ))
-        },
-        202,
-    )
-    .await;
+    let rotated = wait_for_answer(|| post(&second, 4), 202).await;
     assert_eq!(rotated, 202);
-    assert_eq!(
-        post(Signed::new(
-            std::slice::from_ref(&first),
-            feed_body(endpoint, 5)
-        ))
-        .await,
-        202
-    );
+    assert_eq!(post(&first, 5).await, 202);
     // Expired through the API: the old secret no longer verifies.
     let secrets = app.ok(200, "GET", &e("/secrets"), &token, None).await;
     let first_id = secrets[0]["id"].as_i64().unwrap();
@@ -265,16 +213,7 @@ async fn the_front_tier_follows_pause_resume_and_rotation_made_through_the_api()
         None,
     )
     .await;
-    let refused = wait_for_answer(
-        || {
-            post(Signed::new(
-                std::slice::from_ref(&first),
-                feed_body(endpoint, 6),
-            ))
-        },
-        401,
-    )
-    .await;
+    let refused = wait_for_answer(|| post(&first, 6), 401).await;
     assert_eq!(refused, 401);
 
     let state = app.ok(200, "GET", &e("/state"), &token, None).await;

@@ -1,6 +1,7 @@
 //! Reads of a copy, its state and its stored messages, written through relay_store as the
 //! sequencer and the front tier write them.
 
+use relay_tests::execute_for;
 use relay_wire::Sequence;
 use serde_json::{json, Value};
 
@@ -134,8 +135,9 @@ async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
     let seqs = store_messages(&app.db, tenant, endpoint, 3).await;
     assert_eq!(seqs, [1, 2, 3]);
     // The events above were written as the sequencer writes them, which keeps a cursor and a
-    // track row: set both as the messages would have left them.
-    sqlx::query(
+    // track row: set both as the messages would have left them, with message 2's outcome; and
+    // two of the outbox's changes are published.
+    for statement in [
         "INSERT INTO endpoint_apply_cursors
              (endpoint_id, tenant_id, applied_arrival_seq, last_received_at, last_applied_at)
          VALUES ($1, $2, 2, now() - interval '59 s', now())
@@ -143,45 +145,20 @@ async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
          SET applied_arrival_seq = excluded.applied_arrival_seq,
              last_received_at = excluded.last_received_at,
              last_applied_at = excluded.last_applied_at",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .execute(&app.db.pool)
-    .await
-    .unwrap();
-    sqlx::query(
         "INSERT INTO message_applications (endpoint_id, arrival_seq, tenant_id, outcome,
                                            events_applied, events_ignored)
          VALUES ($1, 2, $2, 'applied', 1, 0)",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .execute(&app.db.pool)
-    .await
-    .unwrap();
-    sqlx::query(
         "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version,
                                       through, last_was_reset)
          VALUES ($1, 'feed', $2, 1, 'av1', '1.16', false)
          ON CONFLICT (endpoint_id, track) DO UPDATE
          SET generation = excluded.generation, access_version = excluded.access_version,
              through = excluded.through, last_was_reset = excluded.last_was_reset",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .execute(&app.db.pool)
-    .await
-    .unwrap();
-    // Two of the outbox's changes are published.
-    sqlx::query(
         "INSERT INTO endpoint_publish_cursors (endpoint_id, tenant_id, published_through)
          VALUES ($1, $2, 2)",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .execute(&app.db.pool)
-    .await
-    .unwrap();
+    ] {
+        execute_for(&app.db, statement, endpoint, tenant).await;
+    }
     let changes = relay_tests::readback::list_changes(&app.db.pool, endpoint)
         .await
         .unwrap();
@@ -241,15 +218,14 @@ async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
     // Each message says what became of it, and the listing filters by that and by time.
     let statuses: Vec<&str> = data.iter().map(|m| m["status"].as_str().unwrap()).collect();
     assert_eq!(statuses, ["waiting", "applied", "applied"]);
-    sqlx::query(
+    execute_for(
+        &app.db,
         "INSERT INTO message_applications (endpoint_id, arrival_seq, tenant_id, outcome)
          VALUES ($1, 1, $2, 'older_generation')",
+        endpoint,
+        tenant,
     )
-    .bind(endpoint)
-    .bind(tenant)
-    .execute(&app.db.pool)
-    .await
-    .unwrap();
+    .await;
     let listed = |query: &'static str| {
         let (app, token, path) = (&app, &token, e(&format!("/messages?order=arrival&{query}")));
         async move {

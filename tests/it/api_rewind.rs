@@ -11,12 +11,12 @@ use relay_simulator::model::{Filter, World};
 use relay_simulator::{
     Answer as SimAnswer, EndpointSpec, Faults, LogEntry, SenderConfig, Simulation, Upstream,
 };
-use relay_tests::random_secret;
+use relay_tests::{execute_for, random_secret};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
-use super::{Answer, ApiApp};
+use super::{keep_track, Answer, ApiApp};
 
 /// The simulator's API on 127.0.0.1, port 0, with one API key for every endpoint it holds. Its
 /// feed's head is 1.1000 (the simulator's default world), and it sends no messages: no sender
@@ -115,28 +115,6 @@ async fn add_endpoint(app: &ApiApp, token: &str, id: Uuid, upstream: Option<(&st
         .await;
 }
 
-/// The track's row as the sequencer keeps it with the copy (restored with it from the backup).
-async fn keep_track(
-    app: &ApiApp,
-    tenant: Uuid,
-    endpoint: Uuid,
-    through: &str,
-    last_was_reset: bool,
-) {
-    sqlx::query(
-        "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version,
-                                      through, last_was_reset)
-         VALUES ($1, 'feed', $2, 3, 'av1', $3, $4)",
-    )
-    .bind(endpoint)
-    .bind(tenant)
-    .bind(through)
-    .bind(last_was_reset)
-    .execute(&app.db.pool)
-    .await
-    .unwrap();
-}
-
 async fn stored_reload(app: &ApiApp, endpoint: Uuid) -> Option<Value> {
     let text: Option<Option<String>> = sqlx::query_scalar(
         "SELECT reload::text FROM endpoint_tracks WHERE endpoint_id = $1 AND track = 'feed'",
@@ -177,7 +155,7 @@ async fn an_accepted_rewind_resends_from_the_kept_through_and_changes_nothing_he
     let endpoint = Uuid::new_v4();
     let upstream = SimUpstream::start(&[endpoint]).await;
     let (tenant, token) = register(&app, &upstream, &[endpoint]).await;
-    keep_track(&app, tenant, endpoint, "1.990", false).await;
+    keep_track(&app.db, tenant, endpoint, "1.990", false).await;
 
     let answer = rewind(&app, &token, endpoint).await;
     assert_eq!(answer["plan"], "rewind");
@@ -215,17 +193,17 @@ async fn each_refusal_is_handled_as_the_wire_file_says() {
     .await;
 
     // cursor_ahead: the backup's position is past the upstream's head. Nothing to do.
-    keep_track(&app, tenant, ahead, "1.2000", false).await;
+    keep_track(&app.db, tenant, ahead, "1.2000", false).await;
     // reset_pending: a reset is queued; it will read everything again. Nothing to do.
-    keep_track(&app, tenant, pending, "1.990", false).await;
+    keep_track(&app.db, tenant, pending, "1.990", false).await;
     upstream
         .sim
         .change(|up, now| up.queue_reset(pending, "access_changed", now));
     // before_reset: a reset delivered after the backup's position. Read /v1/feed again.
-    keep_track(&app, tenant, before_reset, "1.990", false).await;
+    keep_track(&app.db, tenant, before_reset, "1.990", false).await;
     upstream.deliver_reset(before_reset);
     // cursor_not_in_epoch: the upstream restored its feed since. Read /v1/feed again.
-    keep_track(&app, tenant, not_in_epoch, "1.990", false).await;
+    keep_track(&app.db, tenant, not_in_epoch, "1.990", false).await;
     restored.sim.change(|up, now| up.restore_feed(now));
 
     for (endpoint, refusal, outcome) in [
@@ -301,7 +279,7 @@ async fn after_a_reset_or_with_no_track_kept_the_feed_is_read_again_without_a_ca
     let (after_reset, no_track) = (Uuid::new_v4(), Uuid::new_v4());
     let upstream = SimUpstream::start(&[after_reset, no_track]).await;
     let (tenant, token) = register(&app, &upstream, &[after_reset, no_track]).await;
-    keep_track(&app, tenant, after_reset, "1.990", true).await;
+    keep_track(&app.db, tenant, after_reset, "1.990", true).await;
 
     let answer = rewind(&app, &token, after_reset).await;
     assert_eq!(answer["plan"], "read_feed_again");
@@ -343,7 +321,7 @@ async fn a_failed_rewind_call_changes_nothing() {
         Some(&json!({"upstream_api_key": "qk_not_the_key"})),
     )
     .await;
-    keep_track(&app, tenant, wrong_key, "1.990", false).await;
+    keep_track(&app.db, tenant, wrong_key, "1.990", false).await;
     let answer = call_rewind(&app, &token, wrong_key).await;
     assert_eq!(answer.status, 502, "{}", answer.text);
     assert_eq!(answer.json["error"], "upstream_failed");
@@ -352,7 +330,7 @@ async fn a_failed_rewind_call_changes_nothing() {
 
     // No upstream settings: the rewind cannot be asked for.
     add_endpoint(&app, &token, no_upstream, None).await;
-    keep_track(&app, tenant, no_upstream, "1.990", false).await;
+    keep_track(&app.db, tenant, no_upstream, "1.990", false).await;
     let answer = call_rewind(&app, &token, no_upstream).await;
     assert_eq!(answer.status, 409, "{}", answer.text);
     assert_eq!(answer.json["field"], "upstream_base_url");
@@ -362,7 +340,7 @@ async fn a_failed_rewind_call_changes_nothing() {
     let closed_url = format!("http://{}", closed.local_addr().unwrap());
     drop(closed);
     add_endpoint(&app, &token, gone, Some((&closed_url, "qk_x"))).await;
-    keep_track(&app, tenant, gone, "1.990", false).await;
+    keep_track(&app.db, tenant, gone, "1.990", false).await;
     let answer = call_rewind(&app, &token, gone).await;
     assert_eq!(answer.status, 502, "{}", answer.text);
     assert_eq!(stored_reload(&app, gone).await, None);
@@ -386,17 +364,16 @@ async fn a_restore_is_held_until_the_rewind_is_answered_whatever_came_since() {
     let endpoint = Uuid::new_v4();
     let upstream = SimUpstream::start(&[endpoint]).await;
     let (tenant, token) = register(&app, &upstream, &[endpoint]).await;
-    keep_track(&app, tenant, endpoint, "1.990", false).await;
+    keep_track(&app.db, tenant, endpoint, "1.990", false).await;
     // An event the backup applied (an hour before the restore).
-    sqlx::query(
+    execute_for(
+        &app.db,
         "INSERT INTO applied_events (endpoint_id, event_id, tenant_id, applied_at)
          VALUES ($1, 'evt_in_the_backup', $2, now() - interval '1 hour')",
+        endpoint,
+        tenant,
     )
-    .bind(endpoint)
-    .bind(tenant)
-    .execute(&app.db.pool)
-    .await
-    .unwrap();
+    .await;
 
     // `relay restored`, then a message taken before the rewind: the track moves on, an event
     // id is applied.
@@ -415,15 +392,14 @@ async fn a_restore_is_held_until_the_rewind_is_answered_whatever_came_since() {
         .execute(&app.db.pool)
         .await
         .unwrap();
-    sqlx::query(
+    execute_for(
+        &app.db,
         "INSERT INTO applied_events (endpoint_id, event_id, tenant_id)
          VALUES ($1, 'evt_after_the_restore', $2)",
+        endpoint,
+        tenant,
     )
-    .bind(endpoint)
-    .bind(tenant)
-    .execute(&app.db.pool)
-    .await
-    .unwrap();
+    .await;
     let state_path = format!("/v1/endpoints/{endpoint}/state");
     let state = app.ok(200, "GET", &state_path, &token, None).await;
     assert_eq!(state["restore"]["through"], "1.990", "{state}");

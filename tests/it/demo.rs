@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 
 use clap::Parser as _;
 use relay::cli::{Cli, Command};
-use relay_tests::{redis_url, server_url, RedisPrefix, TestDb, Vhost};
+use relay_tests::{server_url, RedisPrefix, TestDb, Vhost};
 use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command as Process};
 use uuid::Uuid;
 
-use crate::scale_out::free_address;
+use crate::scale_out::{free_address, global_options, wait_ready};
 
 /// Set in a child process's environment: the `relay` command line it runs.
 const CHILD_ENV: &str = "RELAY_TEST_SIGTERM_CHILD";
@@ -26,6 +26,62 @@ const CHILD_ENV: &str = "RELAY_TEST_SIGTERM_CHILD";
 /// Held by each test that runs a demo: a demo's database and broker user are told apart from
 /// those before it by name pattern only, so two demos at once would each see the other's.
 static ONE_DEMO_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// What was there before a demo ran: the demos' databases and the tenants' broker users.
+struct Before {
+    databases: BTreeSet<String>,
+    users: BTreeSet<String>,
+}
+
+impl Before {
+    async fn now() -> Self {
+        Self {
+            databases: demo_databases().await,
+            users: tenant_users(),
+        }
+    }
+
+    /// Panics when the demo's database or its broker user is left behind (`when` says after
+    /// what).
+    async fn assert_nothing_left(&self, when: &str) {
+        assert!(
+            demo_databases().await.is_subset(&self.databases),
+            "the demo's database is left behind{when}"
+        );
+        if let Err(left) = tenant_users_gone_since(&self.users).await {
+            panic!("the demo's broker user is left behind{when}: {left:?}");
+        }
+    }
+}
+
+/// `relay`'s global options of a test's process on `database_url` and the Redis prefix of
+/// `prefix`, a `command`, its `options`, and every listener on a free port (metrics on
+/// `metrics`), with the relay's broker at `amqp_url`.
+fn command_line(
+    database_url: &str,
+    prefix: &RedisPrefix,
+    command: &str,
+    options: &[&str],
+    metrics: &str,
+    amqp_url: &str,
+) -> Vec<String> {
+    let mut line = global_options(database_url, &prefix.0, &[command]);
+    line.extend(options.iter().map(|s| s.to_string()));
+    line.extend(
+        [
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            metrics,
+            "--api-listen",
+            "127.0.0.1:0",
+            "--amqp-url",
+            amqp_url,
+        ]
+        .map(str::to_owned),
+    );
+    line
+}
 
 async fn demo_databases() -> BTreeSet<String> {
     let pool = sqlx::PgPool::connect(&server_url()).await.unwrap();
@@ -73,45 +129,24 @@ async fn the_demo_reaches_a_right_verdict_with_every_fault_and_cleans_up() {
     let _alone = ONE_DEMO_AT_A_TIME.lock().await;
     let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
     let prefix = RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
-    let (databases, users) = (demo_databases().await, tenant_users());
-    let cli = Cli::try_parse_from([
-        "relay",
-        "--database-url",
+    let before = Before::now().await;
+    let options = ["--duration-s", "6", "--endpoints", "3", "--faults", "all"];
+    let line = command_line(
         &server_url(),
-        "--redis-url",
-        &redis_url(),
-        "--redis-key-prefix",
-        &prefix.0,
+        &prefix,
         "demo",
-        "--duration-s",
-        "6",
-        "--endpoints",
-        "3",
-        "--faults",
-        "all",
-        "--listen",
+        &options,
         "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--api-listen",
-        "127.0.0.1:0",
-        "--amqp-url",
         &vhost.url(),
-    ])
-    .unwrap();
+    );
+    let cli = Cli::try_parse_from(std::iter::once("relay".to_owned()).chain(line)).unwrap();
     let Command::Demo(args) = cli.command else {
         unreachable!("parsed as demo");
     };
     relay::demo::run(&cli.global, *args)
         .await
         .expect("the demo's verdict: every copy is the simulator's truth");
-    assert!(
-        demo_databases().await.is_subset(&databases),
-        "the demo's database is left behind"
-    );
-    if let Err(left) = tenant_users_gone_since(&users).await {
-        panic!("the demo's broker user is left behind: {left:?}");
-    }
+    before.assert_nothing_left("").await;
 }
 
 /// `relay::run` on the command line in [`CHILD_ENV`], logging as the binary's `main` does.
@@ -138,9 +173,9 @@ struct RelayProcess {
 }
 
 impl RelayProcess {
-    fn start(args: &[&str]) -> Self {
+    fn start(args: &[String]) -> Self {
         let mut command_line = vec!["relay", "--log-format", "json"];
-        command_line.extend(args);
+        command_line.extend(args.iter().map(String::as_str));
         let mut child = Process::new(std::env::current_exe().unwrap())
             .args([
                 "--ignored",
@@ -242,27 +277,15 @@ async fn sigterm_in_the_middle_of_the_demo_ends_every_tier_without_an_error() {
     let _alone = ONE_DEMO_AT_A_TIME.lock().await;
     let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
     let prefix = RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
-    let (databases, users) = (demo_databases().await, tenant_users());
-    let (server, redis, amqp) = (server_url(), redis_url(), vhost.url());
-    let mut demo = RelayProcess::start(&[
-        "--database-url",
-        &server,
-        "--redis-url",
-        &redis,
-        "--redis-key-prefix",
-        &prefix.0,
+    let before = Before::now().await;
+    let mut demo = RelayProcess::start(&command_line(
+        &server_url(),
+        &prefix,
         "demo",
-        "--duration-s",
-        "60",
-        "--listen",
+        &["--duration-s", "60"],
         "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--api-listen",
-        "127.0.0.1:0",
-        "--amqp-url",
-        &amqp,
-    ]);
+        &vhost.url(),
+    ));
     // The first progress line: every tier is running and the upstream is changing.
     demo.wait_for(" changing ", Duration::from_secs(180)).await;
     let (status, lines, stdout) = demo.terminate().await;
@@ -280,13 +303,7 @@ async fn sigterm_in_the_middle_of_the_demo_ends_every_tier_without_an_error() {
         verdict["stories_endpoint"]["webhook_endpoint_id"].is_string(),
         "the stories endpoint is in the verdict: {verdict}"
     );
-    assert!(
-        demo_databases().await.is_subset(&databases),
-        "the demo's database is left behind after SIGTERM"
-    );
-    if let Err(left) = tenant_users_gone_since(&users).await {
-        panic!("the demo's broker user is left behind after SIGTERM: {left:?}");
-    }
+    before.assert_nothing_left(" after SIGTERM").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -294,45 +311,26 @@ async fn sigterm_ends_relay_all_without_an_error() {
     let db = TestDb::new().await;
     let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
     let prefix = RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
-    let (redis, amqp) = (redis_url(), vhost.url());
-    let metrics = free_address().to_string();
-    let all = RelayProcess::start(&[
-        "--database-url",
+    let metrics = free_address();
+    let all = RelayProcess::start(&command_line(
         &db.url,
-        "--redis-url",
-        &redis,
-        "--redis-key-prefix",
-        &prefix.0,
+        &prefix,
         "all",
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        &metrics,
-        "--api-listen",
-        "127.0.0.1:0",
-        "--amqp-url",
-        &amqp,
-        "--jwt-secret",
-        "sigterm-test-signing-key-of-at-least-32-bytes",
-    ]);
+        &[
+            "--jwt-secret",
+            "sigterm-test-signing-key-of-at-least-32-bytes",
+        ],
+        &metrics.to_string(),
+        &vhost.url(),
+    ));
     // Every tier is up once the front tier's probe says what they need answers.
-    let client = reqwest::Client::new();
-    let started = Instant::now();
-    loop {
-        let ready = client
-            .get(format!("http://{metrics}/readyz"))
-            .send()
-            .await
-            .is_ok_and(|answer| answer.status() == 200);
-        if ready {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "relay all is not ready after two minutes"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_ready(
+        &reqwest::Client::new(),
+        metrics,
+        "relay all",
+        Duration::from_secs(120),
+    )
+    .await;
     let (status, lines, _) = all.terminate().await;
     assert!(
         status.success(),

@@ -45,10 +45,10 @@ use relay_ingest::SystemClock;
 use relay_netguard::OutboundPolicy;
 use relay_simulator::cli::prepare;
 use relay_simulator::upstream::{Answer as SimAnswer, LogEntry};
-use relay_simulator::{Faults, Simulation};
+use relay_simulator::Faults;
 use relay_store::PoolOptions;
 use relay_tests::{
-    feed_body, random_secret, redis_url, seed, test_config, RedisPrefix, Signed, TestApp, Vhost,
+    feed_body, post_to, printed_seed, random_secret, redis_url, test_config, Signed, TestApp,
 };
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -58,7 +58,8 @@ use crate::ingest_envelope::{
 };
 use crate::stack::{
     check_tenant_queue, connect_broker, copy_items, oracle, publisher_config, quiesce,
-    simulate_args, start_publisher, start_sequencer, stop_simulation, Api,
+    serve_simulation, simulate_args, start_publisher, start_sequencer, stop_simulation,
+    upstream_listener, Api, Relay, Room,
 };
 use crate::tenant_broker::{assert_refused_but_own_queue, connect, tenant_url, UsersGuard};
 
@@ -275,30 +276,9 @@ async fn hog(
     }
 }
 
-/// Posts a signed body to the front tier; the answer's status.
-async fn post_signed(
-    client: &reqwest::Client,
-    base_url: &str,
-    endpoint: Uuid,
-    secret: &relay_wire::SigningSecret,
-    body: &Value,
-) -> u16 {
-    let signed = Signed::new(
-        std::slice::from_ref(secret),
-        serde_json::to_vec(body).unwrap(),
-    );
-    post(client, base_url, endpoint, &signed).await
-}
-
+/// Posts a signed message to the front tier; the answer's status, 0 when none came.
 async fn post(client: &reqwest::Client, base_url: &str, endpoint: Uuid, signed: &Signed) -> u16 {
-    client
-        .post(format!("{base_url}/webhooks/{endpoint}"))
-        .header("webhook-id", &signed.webhook_id)
-        .header("webhook-timestamp", signed.timestamp.to_string())
-        .header("webhook-signature", &signed.signature)
-        .header("content-type", "application/json")
-        .body(signed.body.clone())
-        .send()
+    post_to(client, base_url, endpoint, signed)
         .await
         .map(|r| r.status().as_u16())
         .unwrap_or(0)
@@ -331,13 +311,12 @@ async fn post_until_taken(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hostile_tenant_cannot_hurt_another() {
-    let seed = seed();
-    eprintln!("hostile tenant: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let seed = printed_seed("hostile tenant");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
 
     // 1. A database, a vhost, a Redis key prefix; every tier in this process.
-    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
+    let room = Room::new().await;
+    let (prefix, vhost) = (&room.prefix, &room.vhost);
     let waker = Waker::connect(
         &redis_url(),
         &relay_netguard::TrustRoots::platform(),
@@ -371,18 +350,21 @@ async fn a_hostile_tenant_cannot_hurt_another() {
         allowed_networks: vec![format!("{UPSTREAM_HOST}/32").parse().unwrap()],
         ..OutboundPolicy::default()
     };
-    let api = Api::start(&app.db.url, &vhost.url(), outbound.clone()).await;
-    let sequencer = start_sequencer(&app.db.url, &prefix.0, 8, outbound).await;
+    // The publisher on a pool of its own, stopped once B is quiescent.
     let publisher_pool = relay_store::connect(&app.db.url, &PoolOptions::default()).unwrap();
     let (publisher, _) =
         start_publisher(&publisher_pool, publisher_config(vhost.url(), &prefix.0)).await;
+    let relay = Relay {
+        api: Api::start(&app.db.url, &vhost.url(), outbound.clone()).await,
+        sequencer: start_sequencer(&app.db.url, &prefix.0, 8, outbound).await,
+        app,
+        publisher: None,
+    };
+    let (app, api) = (&relay.app, &relay.api);
 
     // 2. Tenant B, onboarded through the API with the simulator's endpoints; tenant A with two
     // endpoints of its own.
-    let sim_listener = tokio::net::TcpListener::bind(format!("{UPSTREAM_HOST}:0"))
-        .await
-        .unwrap();
-    let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
+    let (sim_listener, upstream_api) = upstream_listener(UPSTREAM_HOST).await;
     let args = simulate_args(&app.base_url, 3, 1, seed, 20.0, 6);
     let (mut upstream, workload, infos) = prepare(&args).unwrap();
     upstream.set_faults(Faults::all());
@@ -423,11 +405,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
     .await;
 
     // 3. The workload for B; meanwhile A's poison, and the stranger's slow connections.
-    let sim = Simulation::new(upstream, Duration::from_secs(15));
-    relay_simulator::api::serve(sim_listener, sim.clone())
-        .await
-        .unwrap();
-    let senders = sim.spawn_senders();
+    let (sim, senders) = serve_simulation(upstream, Duration::from_secs(15), sim_listener).await;
     let workload_task = tokio::spawn(sim.clone().run_workload(
         workload,
         args.rate,
@@ -511,7 +489,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
                 .call(
                     "GET",
                     &format!("/v1/endpoints/{id}/copy?limit=10"),
-                    &b_token,
+                    Some(&b_token),
                     None,
                 )
                 .await;
@@ -565,8 +543,9 @@ async fn a_hostile_tenant_cannot_hurt_another() {
                 let mut answers = Vec::new();
                 for i in 0..A_FLOOD_EACH {
                     let n = 5_000 + (sender * A_FLOOD_EACH + i) as u64;
-                    let body: Value = serde_json::from_slice(&feed_body(endpoint, n)).unwrap();
-                    answers.push(post_signed(&client, &base_url, endpoint, &secret, &body).await);
+                    let message =
+                        Signed::new(std::slice::from_ref(&secret), feed_body(endpoint, n));
+                    answers.push(post(&client, &base_url, endpoint, &message).await);
                 }
                 answers
             })
@@ -627,7 +606,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
             .call(
                 "POST",
                 "/v1/endpoints",
-                &a_token,
+                Some(&a_token),
                 Some(&json!({
                     "id": Uuid::new_v4(), "lang": "en", "upstream_base_url": url,
                     "upstream_api_key": "a-key", "secrets": [random_secret().to_whsec()],
@@ -641,7 +620,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
         .call(
             "PUT",
             "/v1/destination",
-            &a_token,
+            Some(&a_token),
             Some(&json!({
                 "kind": "own_exchange", "amqp_url": vhost.url(), "exchange": "",
                 "routing_key": relay_publisher::tenant_queue(b),
@@ -701,7 +680,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
             "seed {seed}: A's endpoint {endpoint} is wedged behind its poison"
         );
         // B cannot see A's quarantine.
-        let answer = api.call("GET", &path, &b_token, None).await;
+        let answer = api.call("GET", &path, Some(&b_token), None).await;
         assert_eq!(answer.status, 404, "seed {seed}: {}", answer.text);
     }
 
@@ -855,9 +834,5 @@ async fn a_hostile_tenant_cannot_hurt_another() {
     );
     let _ = broker.close(200, "done").await;
     stop_simulation(&sim, senders).await;
-    sequencer.stop().await;
-    api.server.stop().await.unwrap();
-    app.stop().await;
-    drop(vhost);
-    drop(prefix);
+    relay.stop().await;
 }

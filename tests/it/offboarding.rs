@@ -10,16 +10,16 @@ use std::time::{Duration, Instant};
 
 use relay_netguard::OutboundPolicy;
 use relay_simulator::cli::prepare;
-use relay_simulator::{Faults, Simulation};
-use relay_tests::{feed_body, redis_url, seed, RedisPrefix, Signed, TestApp, Vhost};
+use relay_simulator::Faults;
+use relay_tests::{feed_body, printed_seed, redis_url, RedisPrefix, Signed, TestApp, Vhost};
 use serde_json::json;
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::publisher::declare_passive;
 use crate::stack::{
-    backlog, connect_broker, copy_items, describe_difference, oracle, publisher_config,
-    simulate_args, start_publisher, start_sequencer, stop_simulation, Api, Backlog, Steady,
+    backlog, connect_broker, copy_items, describe_difference, oracle, serve_simulation,
+    simulate_args, stop_simulation, upstream_listener, Api, Backlog, Relay, Room, Steady,
 };
 
 /// Every row anywhere that belongs to one of `endpoints` or `tenant`: `(table, rows)` for each
@@ -100,19 +100,13 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deletes_under_load_leave_nothing_and_touch_no_other_endpoint() {
-    let seed = seed();
-    eprintln!("offboarding: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
-    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
-    let app = TestApp::spawn_waking(&prefix.0).await;
-    let pool = app.db.pool.clone();
-    let api = Api::start(&app.db.url, &vhost.url(), OutboundPolicy::ANY).await;
-    let sequencer = start_sequencer(&app.db.url, &prefix.0, 16, OutboundPolicy::ANY).await;
-    let (publisher, _) = start_publisher(&pool, publisher_config(vhost.url(), &prefix.0)).await;
+    let seed = printed_seed("offboarding");
+    let room = Room::new().await;
+    let relay = Relay::start(&room).await;
+    let (app, api, pool) = (&relay.app, &relay.api, relay.pool());
 
     // Two tenants, three endpoints each, every fault on (so reloads run as the deletes land).
-    let sim_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
+    let (sim_listener, upstream_api) = upstream_listener("127.0.0.1").await;
     let args = simulate_args(&app.base_url, 6, 2, seed, 30.0, 8);
     let (mut upstream, workload, infos) = prepare(&args).unwrap();
     upstream.set_faults(Faults::all());
@@ -136,11 +130,7 @@ async fn deletes_under_load_leave_nothing_and_touch_no_other_endpoint() {
     let b_user = format!("relay-tenant-{b}");
     assert!(broker_users().contains(&b_user));
 
-    let sim = Simulation::new(upstream, Duration::from_secs(2));
-    relay_simulator::api::serve(sim_listener, sim.clone())
-        .await
-        .unwrap();
-    let senders = sim.spawn_senders();
+    let (sim, senders) = serve_simulation(upstream, Duration::from_secs(2), sim_listener).await;
     let workload = tokio::spawn(
         sim.clone()
             .run_workload(workload, 30.0, Duration::from_secs(8)),
@@ -153,9 +143,10 @@ async fn deletes_under_load_leave_nothing_and_touch_no_other_endpoint() {
     let answer = api.ok(202, "DELETE", &path, &a_token, None).await;
     assert_eq!(answer, json!({"id": deleted, "status": "deleting"}));
     // From the answer on: gone from every read; the front tier answers 404.
-    let again = api.call("DELETE", &path, &a_token, None).await;
+    let again = api.call("DELETE", &path, Some(&a_token), None).await;
     assert!(matches!(again.status, 202 | 404), "{}", again.text);
-    assert_eq!(api.call("GET", &path, &a_token, None).await.status, 404);
+    let read = api.call("GET", &path, Some(&a_token), None).await;
+    assert_eq!(read.status, 404);
     let listed = api.ok(200, "GET", "/v1/endpoints", &a_token, None).await;
     assert!(
         !listed.to_string().contains(&deleted.to_string()),
@@ -174,7 +165,7 @@ async fn deletes_under_load_leave_nothing_and_touch_no_other_endpoint() {
         .await;
     assert_eq!(answer["status"], "deleting");
     assert_eq!(
-        api.call("GET", &format!("/v1/tenants/{b}"), &operator, None)
+        api.call("GET", &format!("/v1/tenants/{b}"), Some(&operator), None)
             .await
             .status,
         404
@@ -186,7 +177,7 @@ async fn deletes_under_load_leave_nothing_and_touch_no_other_endpoint() {
         "the deleted endpoint's rows",
         Duration::from_secs(60),
         || async {
-            let left = leftovers(&pool, &[deleted], None).await;
+            let left = leftovers(pool, &[deleted], None).await;
             (!left.is_empty()).then(|| format!("{left:?}"))
         },
     )
@@ -195,7 +186,7 @@ async fn deletes_under_load_leave_nothing_and_touch_no_other_endpoint() {
         "the deleted tenant's rows",
         Duration::from_secs(60),
         || async {
-            let left = leftovers(&pool, &b_endpoints, Some(b)).await;
+            let left = leftovers(pool, &b_endpoints, Some(b)).await;
             (!left.is_empty()).then(|| format!("{left:?}"))
         },
     )
@@ -207,13 +198,13 @@ async fn deletes_under_load_leave_nothing_and_touch_no_other_endpoint() {
         "Redis keys naming them",
         Duration::from_secs(30),
         || async {
-            let keys = redis_keys_naming(&prefix.0, &gone);
+            let keys = redis_keys_naming(&room.prefix.0, &gone);
             (!keys.is_empty()).then(|| format!("{keys:?}"))
         },
     )
     .await;
     assert!(!broker_users().contains(&b_user), "B's broker user is left");
-    let broker = connect_broker(&vhost.url(), "offboarding").await;
+    let broker = connect_broker(&room.vhost.url(), "offboarding").await;
     for queue in [
         relay_publisher::tenant_queue(b),
         format!("{}.dead-letter", relay_publisher::tenant_queue(b)),
@@ -232,10 +223,10 @@ async fn deletes_under_load_leave_nothing_and_touch_no_other_endpoint() {
     let mut steady = Steady::default();
     loop {
         let idle = others.iter().all(|&id| sim.lock().is_idle(id));
-        let left = backlog(&pool, &others).await;
+        let left = backlog(pool, &others).await;
         let mut differences = Vec::new();
         for &id in &others {
-            let (copy, truth) = (copy_items(&pool, id).await, oracle(&sim, id));
+            let (copy, truth) = (copy_items(pool, id).await, oracle(&sim, id));
             if copy != truth {
                 differences.push(format!("{id}: {}", describe_difference(&copy, &truth)));
             }
@@ -255,7 +246,7 @@ async fn deletes_under_load_leave_nothing_and_touch_no_other_endpoint() {
         settling.elapsed()
     );
     assert!(
-        leftovers(&pool, &others, Some(a)).await.len() > 2,
+        leftovers(pool, &others, Some(a)).await.len() > 2,
         "A's other endpoints still have their rows"
     );
 
@@ -273,10 +264,8 @@ async fn deletes_under_load_leave_nothing_and_touch_no_other_endpoint() {
     assert_eq!(state["change_epoch"], 1, "{state}");
 
     stop_simulation(&sim, senders).await;
-    publisher.stop().await;
-    sequencer.stop().await;
     let _ = broker.close(200, "done").await;
-    app.stop().await;
+    relay.stop().await;
 }
 
 /// A delete is two steps, each committed: the mark, then the purge's batches and its last
@@ -361,7 +350,7 @@ async fn a_delete_interrupted_half_way_is_finished_by_the_next_control_plane() {
 /// unreachable, and the next control plane to start finishes the delete.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_plane_killed_mid_delete_is_finished_by_the_next_one() {
-    use crate::scale_out::{free_address, TierProcess};
+    use crate::scale_out::{free_address, global_options, TierProcess};
     const KEY: &str = "offboarding-test-signing-key-of-32-bytes-or-more";
     let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
@@ -388,36 +377,10 @@ async fn a_control_plane_killed_mid_delete_is_finished_by_the_next_one() {
     .await
     .unwrap();
 
-    let global: Vec<String> = [
-        "--database-url",
-        app.db.url.as_str(),
-        "--redis-url",
-        &redis_url(),
-        "--redis-key-prefix",
-        &prefix.0,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let global = global_options(&app.db.url, &prefix.0, &[]);
     let amqp_url = vhost.url();
     let client = reqwest::Client::new();
-    let start_api = |address: std::net::SocketAddr| {
-        let listen = address.to_string();
-        TierProcess::start(
-            "api",
-            &global,
-            &[
-                "api",
-                "--api-listen",
-                &listen,
-                "--amqp-url",
-                &amqp_url,
-                "--jwt-secret",
-                KEY,
-            ],
-            free_address(),
-        )
-    };
+    let start_api = |address| TierProcess::start_api("api", &global, address, &amqp_url, KEY);
     let address = free_address();
     let api = start_api(address);
     api.wait_ready(&client).await;

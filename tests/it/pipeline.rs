@@ -19,16 +19,16 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_netguard::OutboundPolicy;
 use relay_simulator::cli::prepare;
-use relay_simulator::{Faults, Simulation};
+use relay_simulator::Faults;
 use relay_store::PoolOptions;
-use relay_tests::{amqp_addr, seed, PgProxy, ProxyMode, RedisPrefix, TestApp, Vhost};
+use relay_tests::{amqp_addr, printed_seed, PgProxy, ProxyMode, TestApp};
 use serde_json::json;
 use uuid::Uuid;
 
 use crate::stack::{
-    change_count, check_tenant_queue, connect_broker, counter, describe_difference, oracle,
-    publisher_config, quiesce, simulate_args, start_publisher, start_sequencer, stop_simulation,
-    Api,
+    change_count, check_tenant_queue, connect_broker, describe_difference, metric, oracle,
+    publisher_config, quiesce, serve_simulation, simulate_args, start_publisher, start_sequencer,
+    stop_simulation, upstream_listener, Api, Relay, Room,
 };
 
 // ---- The run ----
@@ -45,22 +45,27 @@ enum Disruption {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle() {
-    let seed = seed();
-    eprintln!("pipeline: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let seed = printed_seed("pipeline");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let endpoint_count = 4;
     let rate = 30.0;
     let duration = Duration::from_secs(6);
 
     // 1. A database, a vhost, a Redis key prefix; the front tier with its waker.
-    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
+    let room = Room::new().await;
+    let (prefix, vhost) = (&room.prefix, &room.vhost);
     let app = TestApp::spawn_waking(&prefix.0).await;
     let pool = app.db.pool.clone();
 
-    // 2. The control plane, a sequencer and the publisher (its broker behind a proxy).
-    let api = Api::start(&app.db.url, &vhost.url(), OutboundPolicy::ANY).await;
-    let sequencer = start_sequencer(&app.db.url, &prefix.0, 16, OutboundPolicy::ANY).await;
+    // 2. The control plane, a sequencer and the publisher (its broker behind a proxy, on a pool
+    // of its own).
+    let relay = Relay {
+        api: Api::start(&app.db.url, &vhost.url(), OutboundPolicy::ANY).await,
+        sequencer: start_sequencer(&app.db.url, &prefix.0, 16, OutboundPolicy::ANY).await,
+        app,
+        publisher: None,
+    };
+    let (app, api) = (&relay.app, &relay.api);
     let proxy = PgProxy::start(amqp_addr()).await;
     let amqp_url = vhost.url_via(proxy.address);
     let publisher_pool = relay_store::connect(&app.db.url, &PoolOptions::default()).unwrap();
@@ -71,8 +76,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     .await;
 
     // 3. Onboarding, through the API only.
-    let sim_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
+    let (sim_listener, upstream_api) = upstream_listener("127.0.0.1").await;
     let args = simulate_args(
         &app.base_url,
         endpoint_count,
@@ -122,11 +126,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
 
     // 4. The simulator: its API, a sender per endpoint, the workload; meanwhile the broker goes
     // away and comes back, and the publisher is killed and replaced, at seeded moments.
-    let sim = Simulation::new(upstream, Duration::from_secs(2));
-    relay_simulator::api::serve(sim_listener, sim.clone())
-        .await
-        .unwrap();
-    let senders = sim.spawn_senders();
+    let (sim, senders) = serve_simulation(upstream, Duration::from_secs(2), sim_listener).await;
     // The broker goes away while the first publisher runs (so it is felt), and the publisher is
     // killed after it came back, before the workload ends.
     let away_at = rng.gen_range(1_000..2_000u64);
@@ -164,7 +164,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     let steps = workload_task.await.unwrap();
     proxy.set(ProxyMode::Pass);
     // The outage was felt: the first publisher's connection was cut or its confirms never came.
-    let broker_errors = counter(&first_registry, "relay_publisher_broker_errors_total");
+    let broker_errors = metric(&first_registry, "relay_publisher_broker_errors_total");
     assert!(
         broker_errors > 0.0,
         "seed {seed}: the broker outage went unnoticed by the publisher"
@@ -215,7 +215,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
 
     // 6b. Each tenant's queue rebuilds each of its endpoints' copies: the oracle's items, every
     // change sequence once, none of another tenant, repeats only of the same message.
-    let broker = connect_broker(&vhost.url_via(amqp_addr()), "pipeline").await;
+    let broker = connect_broker(&vhost.url(), "pipeline").await;
     let mut messages_total = 0;
     let mut repeats_total = 0;
     for (tenant, _) in &tenants {
@@ -244,7 +244,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
                 format!("/v1/endpoints/{id}/state"),
                 format!("/v1/endpoints/{id}"),
             ] {
-                let answer = api.call("GET", &path, token, None).await;
+                let answer = api.call("GET", &path, Some(token), None).await;
                 assert_eq!(
                     answer.status, 404,
                     "seed {seed}: tenant {other} on {tenant}'s {path}: {}",
@@ -271,10 +271,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     // guards drop.
     let _ = broker.close(200, "done").await;
     stop_simulation(&sim, senders).await;
-    sequencer.stop().await;
-    api.server.stop().await.unwrap();
-    app.stop().await;
+    relay.stop().await;
     drop(proxy);
-    drop(vhost);
-    drop(prefix);
+    drop(room);
 }

@@ -37,7 +37,7 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::stack::{connect_broker, CopyWriter};
+use crate::stack::{connect_broker, metric, series, CopyWriter};
 
 // ---- Environment: Redis, RabbitMQ, a vhost per test ----
 
@@ -107,33 +107,6 @@ impl Env {
     pub(crate) async fn broker(&self) -> Connection {
         connect_broker(&self.vhost.url(), "publisher").await
     }
-}
-
-/// Sum of every series of a metric family (0 when absent).
-pub(crate) fn metric(registry: &prometheus::Registry, name: &str) -> f64 {
-    use prometheus::proto::MetricType;
-    let mut sum = 0.0;
-    for family in registry.gather().iter().filter(|f| f.name() == name) {
-        for m in family.get_metric() {
-            sum += match family.get_field_type() {
-                MetricType::COUNTER => m.get_counter().get_value(),
-                MetricType::GAUGE => m.get_gauge().get_value(),
-                _ => m.get_histogram().get_sample_count() as f64,
-            };
-        }
-    }
-    sum
-}
-
-/// The value of a gauge's series whose one label has `value`.
-fn labelled(registry: &prometheus::Registry, name: &str, value: &str) -> Option<f64> {
-    registry
-        .gather()
-        .iter()
-        .filter(|f| f.name() == name)
-        .flat_map(|f| f.get_metric().iter())
-        .find(|m| m.get_label().iter().any(|l| l.value() == value))
-        .map(|m| m.get_gauge().get_value())
 }
 
 /// Waits for `check` to hold, polling; panics with `what` after `timeout`.
@@ -1074,16 +1047,17 @@ async fn a_tenant_whose_broker_is_unreachable_does_not_stall_another() {
     let a_backlog = change_count_of(pool, a).await;
     assert_eq!(unpublished(pool, &[a]).await, a_backlog, "seed {seed}");
     // A's backlog shows in its gauges: every change waiting, the oldest of them aging.
+    let a_label = a.to_string();
+    let of_a = Some(("tenant", a_label.as_str()));
     wait_until(
         &format!("A's backlog gauge at {a_backlog} (seed {seed})"),
         Duration::from_secs(60),
         || async {
-            labelled(&registry, "relay_publisher_backlog_changes", &a.to_string())
-                == Some(a_backlog as f64)
-                && labelled(
+            series(&registry, "relay_publisher_backlog_changes", of_a) == Some(a_backlog as f64)
+                && series(
                     &registry,
                     "relay_publisher_oldest_unpublished_age_seconds",
-                    &a.to_string(),
+                    of_a,
                 )
                 .is_some_and(|age| age > 0.0)
                 && metric(&registry, "relay_publisher_backlog_tenants") == 1.0

@@ -12,14 +12,14 @@ use std::time::{Duration, Instant};
 use relay_netguard::{OutboundPolicy, RetryPolicy};
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::{EndpointInfo, Faults, Simulation, Workload};
-use relay_tests::{seed, RedisPrefix, TestApp};
+use relay_tests::{printed_seed, RedisPrefix, TestApp};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::stack::{
-    backlog, copy_items, counter, describe_difference, oracle, sequencer_config, simulation,
-    start_sequencer_with, Api,
+    backlog, copy_items, describe_difference, metric, oracle, sequencer_config, serve_simulation,
+    simulation, start_sequencer_with, upstream_listener, Api,
 };
 
 /// Longer than any wait below: a read after the PATCH within a wait came from the wake-up.
@@ -67,39 +67,17 @@ impl Relay {
         )
         .await;
 
-        let sim_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
+        let (sim_listener, upstream_api) = upstream_listener("127.0.0.1").await;
         let (upstream, workload, infos) = simulation(seed, &app.base_url, 1, Faults::default());
-        let sim = Simulation::new(upstream, Duration::from_secs(15));
-        relay_simulator::api::serve(sim_listener, sim.clone())
-            .await
-            .unwrap();
-        sim.spawn_senders();
+        let (sim, _senders) =
+            serve_simulation(upstream, Duration::from_secs(15), sim_listener).await;
 
-        let operator = Api::operator_token();
-        let tenant = api
-            .ok(
-                201,
-                "POST",
-                "/v1/tenants",
-                &operator,
-                Some(&json!({"name": "registration changes"})),
-            )
-            .await;
-        let minted = api
-            .ok(
-                201,
-                "POST",
-                &format!("/v1/tenants/{}/tokens", tenant["id"].as_str().unwrap()),
-                &operator,
-                Some(&json!({"ttl_s": 3600})),
-            )
-            .await;
+        let (_, token) = api.tenant("registration changes").await;
         let relay = Self {
             _prefix: prefix,
             app,
             api,
-            token: minted["token"].as_str().unwrap().to_owned(),
+            token,
             sequencer: Some(sequencer),
             registry,
             sim,
@@ -177,16 +155,6 @@ impl Relay {
         backlog(self.pool(), &[self.endpoint()]).await.reloading
     }
 
-    fn gauge(&self, name: &str) -> f64 {
-        self.registry
-            .gather()
-            .iter()
-            .filter(|f| f.name() == name)
-            .flat_map(|f| f.get_metric().iter())
-            .map(|m| m.get_gauge().get_value())
-            .sum()
-    }
-
     async fn wait_for<F, Fut>(&self, what: &str, limit: Duration, mut done: F) -> Duration
     where
         F: FnMut() -> Fut,
@@ -237,8 +205,7 @@ impl Relay {
 
 #[tokio::test]
 async fn a_patched_url_and_key_reach_the_failing_reload_at_once() {
-    let seed = seed();
-    eprintln!("registration changes: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let seed = printed_seed("registration changes");
     let (relay, workload) = Relay::start(seed).await;
     // Nothing listens at port 9 of loopback: every read fails at connect, with a stale key.
     relay
@@ -250,7 +217,7 @@ async fn a_patched_url_and_key_reach_the_failing_reload_at_once() {
     let failures = "relay_sequencer_upstream_failures_total";
     relay
         .wait_for("a failed reload read", MERGE_LIMIT, || async {
-            counter(&relay.registry, failures) >= 1.0
+            metric(&relay.registry, failures) >= 1.0
         })
         .await;
     assert_eq!(relay.reloading().await, 1, "seed {seed}: the reload waits");
@@ -267,7 +234,7 @@ async fn a_patched_url_and_key_reach_the_failing_reload_at_once() {
     // The reload now pauses a minute; the PATCH ends the pause. (Messages that replaced the
     // reload while they were applied each began one that read at once, so there may have been
     // more than one failure before.)
-    let failed_before = counter(&relay.registry, failures);
+    let failed_before = metric(&relay.registry, failures);
     let patched = Instant::now();
     relay.patch_right_settings().await;
     relay.converged().await;
@@ -277,7 +244,7 @@ async fn a_patched_url_and_key_reach_the_failing_reload_at_once() {
         "seed {seed}: the reload merged {took:?} after the PATCH: it waited out its pause"
     );
     assert_eq!(
-        counter(&relay.registry, failures),
+        metric(&relay.registry, failures),
         failed_before,
         "seed {seed}: a read failed after the PATCH"
     );
@@ -288,8 +255,7 @@ async fn a_patched_url_and_key_reach_the_failing_reload_at_once() {
 
 #[tokio::test]
 async fn an_endpoint_without_upstream_settings_waits_for_them_without_spinning() {
-    let seed = seed();
-    eprintln!("registration changes: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let seed = printed_seed("registration changes");
     let (relay, workload) = Relay::start(seed).await;
     relay.register(json!({})).await;
     relay.deliver(workload).await;
@@ -306,25 +272,25 @@ async fn an_endpoint_without_upstream_settings_waits_for_them_without_spinning()
     // sweeps) no reload runs, no upstream read is tried and no worker holds the endpoint.
     relay
         .wait_for("the worker idle", MERGE_LIMIT, || async {
-            relay.gauge("relay_sequencer_endpoints_owned") == 0.0
+            metric(&relay.registry, "relay_sequencer_endpoints_owned") == 0.0
         })
         .await;
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(2) {
         assert_eq!(
-            relay.gauge("relay_sequencer_reloads_running"),
+            metric(&relay.registry, "relay_sequencer_reloads_running"),
             0.0,
             "seed {seed}"
         );
         assert_eq!(
-            relay.gauge("relay_sequencer_endpoints_owned"),
+            metric(&relay.registry, "relay_sequencer_endpoints_owned"),
             0.0,
             "seed {seed}: a worker holds an endpoint that has nothing it can do"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(
-        counter(&relay.registry, "relay_sequencer_upstream_failures_total"),
+        metric(&relay.registry, "relay_sequencer_upstream_failures_total"),
         0.0,
         "seed {seed}"
     );

@@ -54,14 +54,12 @@ use std::time::{Duration, Instant};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use relay_netguard::OutboundPolicy;
-use relay_publisher::{Operation, PublisherHandle, ReferenceConsumer};
-use relay_sequencer::Sequencer;
+use relay_publisher::{Operation, ReferenceConsumer};
 use relay_simulator::cli::url_template;
 use relay_simulator::model::{Access, Change, ChangeKind};
 use relay_simulator::workload::START_MS;
 use relay_simulator::{EndpointInfo, Faults, Simulation};
-use relay_tests::{amqp_addr, seed, RedisPrefix, TestApp, TestDb, Vhost};
+use relay_tests::{printed_seed, TestDb};
 use relay_wire::{Cursor, ItemKind};
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -69,8 +67,8 @@ use uuid::Uuid;
 
 use crate::stack::{
     check_tenant_queue_from, connect_broker, copy_items, describe_difference, look, oracle,
-    publisher_config, quiesce, simulation, start_publisher, start_sequencer, stop_simulation, Api,
-    Backlog, Items, Steady,
+    quiesce, serve_simulation, simulation, stop_simulation, upstream_listener, Api, Backlog, Items,
+    Relay, Room, Steady,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -173,17 +171,14 @@ const WORKLOAD: Duration = Duration::from_secs(2);
 
 /// Runs `case`; with `live`, a message reaches the restored relay before the rewind is asked.
 async fn run(case: Case, live: bool) {
-    let seed = seed();
-    eprintln!("restore {case:?} (live {live}): seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let seed = printed_seed(&format!("restore {case:?} (live {live})"));
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
 
     // 1. A vhost and a Redis key prefix for the test (both relays use them: a restore brings
     // back Postgres only), the relay on a database of its own, the upstream, the tenant.
-    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
-    let relay = Relay::start(TestApp::spawn_waking(&prefix.0).await, &prefix.0, &vhost).await;
-    let sim_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
+    let room = Room::new().await;
+    let relay = Relay::start(&room).await;
+    let (sim_listener, upstream_api) = upstream_listener("127.0.0.1").await;
     let faults = Faults {
         duplicate: 0.1,
         refetch: 0.2,
@@ -194,11 +189,7 @@ async fn run(case: Case, live: bool) {
     let key = infos[0].key_token.clone();
     let ids: Vec<Uuid> = infos.iter().map(|i| i.id).collect();
     let (tenant, token) = onboard(&relay.api, &infos, &upstream_api).await;
-    let sim = Simulation::new(upstream, Duration::from_secs(2));
-    relay_simulator::api::serve(sim_listener, sim.clone())
-        .await
-        .unwrap();
-    let senders = sim.spawn_senders();
+    let (sim, senders) = serve_simulation(upstream, Duration::from_secs(2), sim_listener).await;
 
     // 2. Traffic, then the backup's last message: a reset for its case, else events (three
     // messages of one new item each, the first of which the cursor_ahead case rewinds to).
@@ -262,7 +253,7 @@ async fn run(case: Case, live: bool) {
     // fresh database, `relay restored` marks it, and the tiers start on it.
     let old_url = url_template(&relay.app.base_url);
     let old_db = relay.stop().await;
-    let broker = connect_broker(&vhost.url_via(amqp_addr()), "restore").await;
+    let broker = connect_broker(&room.vhost.url(), "restore").await;
     let (published_before, _) = check_tenant_queue_from(
         &broker,
         &old_db.pool,
@@ -275,12 +266,7 @@ async fn run(case: Case, live: bool) {
     drop(old_db);
     let restored_db = TestDb::restored(&archive).await;
     let epochs = mark_restored(&restored_db.pool, case, &kept, &ids, seed).await;
-    let mut relay = Relay::start(
-        TestApp::spawn_waking_on(restored_db, &prefix.0).await,
-        &prefix.0,
-        &vhost,
-    )
-    .await;
+    let mut relay = Relay::start_on(restored_db, &room).await;
 
     // 6. With `live`, the upstream reaches the restored relay for one message: an update of an
     // item the old relay had updated after the backup (or a new item), then it is cut off again.
@@ -292,15 +278,7 @@ async fn run(case: Case, live: bool) {
             sim.wait_idle(Duration::from_secs(20)).await,
             "seed {seed}: {case:?}: the live message ({subject}) was not delivered"
         );
-        settle(
-            relay.pool(),
-            &sim,
-            &ids,
-            Duration::from_secs(60),
-            seed,
-            case,
-        )
-        .await;
+        settle(relay.pool(), &sim, &ids, seed, case).await;
         point_upstream_at(&sim, &ids, &old_url);
         for &id in &ids {
             let (through, _) = kept_track(relay.pool(), id).await;
@@ -347,15 +325,7 @@ async fn run(case: Case, live: bool) {
     // oracle's.
     let url = url_template(&relay.app.base_url);
     point_upstream_at(&sim, &ids, &url);
-    settle(
-        relay.pool(),
-        &sim,
-        &ids,
-        Duration::from_secs(60),
-        seed,
-        case,
-    )
-    .await;
+    settle(relay.pool(), &sim, &ids, seed, case).await;
     for &id in &ids {
         let truth = oracle(&sim, id);
         let read = relay.api.copy(&token, id).await;
@@ -431,55 +401,7 @@ async fn run(case: Case, live: bool) {
     let _ = broker.close(200, "done").await;
     stop_simulation(&sim, senders).await;
     drop(relay.stop().await);
-    drop(vhost);
-    drop(prefix);
-}
-
-/// The relay's tiers on one database.
-struct Relay {
-    app: TestApp,
-    api: Api,
-    sequencer: Sequencer,
-    publisher: Option<PublisherHandle>,
-}
-
-impl Relay {
-    async fn start(app: TestApp, prefix: &str, vhost: &Vhost) -> Self {
-        let api = Api::start(&app.db.url, &vhost.url(), OutboundPolicy::ANY).await;
-        let sequencer = start_sequencer(&app.db.url, prefix, 16, OutboundPolicy::ANY).await;
-        let (publisher, _) =
-            start_publisher(&app.db.pool, publisher_config(vhost.url(), prefix)).await;
-        Self {
-            app,
-            api,
-            sequencer,
-            publisher: Some(publisher),
-        }
-    }
-
-    fn pool(&self) -> &PgPool {
-        &self.app.db.pool
-    }
-
-    async fn stop_publisher(&mut self) {
-        if let Some(publisher) = self.publisher.take() {
-            publisher.stop().await;
-        }
-    }
-
-    /// Stops every tier, the front tier first (so nothing more is stored); the database stays.
-    async fn stop(mut self) -> TestDb {
-        if let Some(server) = self.app.server.take() {
-            server.stop().await.unwrap();
-        }
-        let publisher = self.publisher.take();
-        self.sequencer.stop().await;
-        if let Some(publisher) = publisher {
-            publisher.stop().await;
-        }
-        self.api.server.stop().await.unwrap();
-        self.app.db
-    }
+    drop(room);
 }
 
 /// A tenant made through the API, a token for it, and `infos` registered for it with the
@@ -761,15 +683,9 @@ fn check_answer(case: Case, live: bool, answer: &Value, through: &str, seed: u64
 /// Waits until the upstream has nothing left to send and the relay nothing left to apply,
 /// merge or publish, three looks in a row, whatever the copies hold (the caller compares them
 /// with the oracle: a copy that keeps a wrong item fails at once, not after a timeout). Panics
-/// after `limit`.
-async fn settle(
-    pool: &PgPool,
-    sim: &Simulation,
-    endpoints: &[Uuid],
-    limit: Duration,
-    seed: u64,
-    case: Case,
-) {
+/// after a minute.
+async fn settle(pool: &PgPool, sim: &Simulation, endpoints: &[Uuid], seed: u64, case: Case) {
+    let limit = Duration::from_secs(60);
     let started = Instant::now();
     let mut steady = Steady::default();
     loop {

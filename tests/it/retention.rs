@@ -10,17 +10,16 @@ use std::time::{Duration, Instant};
 use relay_netguard::OutboundPolicy;
 use relay_sequencer::SequencerMetrics;
 use relay_simulator::cli::prepare;
-use relay_simulator::Simulation;
-use relay_store::{changes, messages};
-use relay_tests::{seed, RedisPrefix, Signed, TestApp, Vhost};
+use relay_store::{changes, messages, EndpointId, StoreError};
+use relay_tests::{printed_seed, Signed, TestApp};
 use serde_json::json;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::stack::{
-    counter, oracle, publisher_config, quiesce, sequencer_config, simulate_args, start_publisher,
-    start_sequencer_with, stop_simulation, Api,
+    metric, oracle, publisher_config, quiesce, sequencer_config, serve_simulation, simulate_args,
+    start_publisher, start_sequencer_with, stop_simulation, upstream_listener, Api, Room,
 };
 
 async fn count(pool: &PgPool, table: &str, endpoint: Uuid) -> i64 {
@@ -36,37 +35,35 @@ async fn count(pool: &PgPool, table: &str, endpoint: Uuid) -> i64 {
 /// Every message and change past `cutoff` deleted, as the retention task's passes do: how many
 /// of each went.
 async fn forget_all(pool: &PgPool, cutoff: OffsetDateTime) -> (u64, u64) {
-    let (mut messages_gone, mut changes_gone) = (0, 0);
-    let mut after = None;
-    loop {
-        let (deleted, next) = messages::forget_applied(pool, cutoff, after, 2, 3)
-            .await
-            .unwrap();
-        messages_gone += deleted;
-        after = next;
-        if after.is_none() && deleted == 0 {
-            break;
-        }
-    }
-    loop {
-        let (deleted, next) = changes::forget_published(pool, cutoff, after, 2, 3)
-            .await
-            .unwrap();
-        changes_gone += deleted;
-        after = next;
-        if after.is_none() && deleted == 0 {
-            break;
-        }
-    }
+    let messages_gone =
+        in_passes(|after| messages::forget_applied(pool, cutoff, after, 2, 3)).await;
+    let changes_gone =
+        in_passes(|after| changes::forget_published(pool, cutoff, after, 2, 3)).await;
     (messages_gone, changes_gone)
+}
+
+/// Runs `pass` (a retention statement, given where the last pass stopped) until it deletes
+/// nothing and has nowhere to go on from: how many rows went.
+async fn in_passes<Fut>(mut pass: impl FnMut(Option<EndpointId>) -> Fut) -> u64
+where
+    Fut: std::future::Future<Output = Result<(u64, Option<EndpointId>), StoreError>>,
+{
+    let (mut gone, mut after) = (0, None);
+    loop {
+        let (deleted, next) = pass(after).await.unwrap();
+        gone += deleted;
+        after = next;
+        if after.is_none() && deleted == 0 {
+            return gone;
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_their_retention_applied_messages_and_published_changes_go_and_nothing_else() {
-    let seed = seed();
-    eprintln!("retention: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
-    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
+    let seed = printed_seed("retention");
+    let room = Room::new().await;
+    let (prefix, vhost) = (&room.prefix, &room.vhost);
     let app = TestApp::spawn_waking(&prefix.0).await;
     let pool = app.db.pool.clone();
     let api = Api::start(&app.db.url, &vhost.url(), OutboundPolicy::ANY).await;
@@ -82,19 +79,14 @@ async fn past_their_retention_applied_messages_and_published_changes_go_and_noth
     .await;
     let (publisher, _) = start_publisher(&pool, publisher_config(vhost.url(), &prefix.0)).await;
 
-    let sim_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
+    let (sim_listener, upstream_api) = upstream_listener("127.0.0.1").await;
     let mut args = simulate_args(&app.base_url, 1, 1, seed, 20.0, 3);
     args.select_all = true;
     let (upstream, workload, infos) = prepare(&args).unwrap();
     let (_, token) = api.tenant("retention").await;
     api.register(&token, &infos[0], &upstream_api).await;
     let endpoint = infos[0].id;
-    let sim = Simulation::new(upstream, Duration::from_secs(2));
-    relay_simulator::api::serve(sim_listener, sim.clone())
-        .await
-        .unwrap();
-    let senders = sim.spawn_senders();
+    let (sim, senders) = serve_simulation(upstream, Duration::from_secs(2), sim_listener).await;
     sim.clone()
         .run_workload(workload, 20.0, Duration::from_secs(3))
         .await;
@@ -175,7 +167,7 @@ async fn past_their_retention_applied_messages_and_published_changes_go_and_noth
         .call(
             "POST",
             &format!("{base}/replay"),
-            &token,
+            Some(&token),
             Some(&json!({"from_change_seq": 1})),
         )
         .await;
@@ -224,8 +216,8 @@ async fn past_their_retention_applied_messages_and_published_changes_go_and_noth
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(counter(&registry, "relay_sequencer_messages_forgotten_total") >= unapplied as f64);
-    assert!(counter(&registry, "relay_sequencer_changes_forgotten_total") > 0.0);
+    assert!(metric(&registry, "relay_sequencer_messages_forgotten_total") >= unapplied as f64);
+    assert!(metric(&registry, "relay_sequencer_changes_forgotten_total") > 0.0);
     let sizes: Vec<String> = registry
         .gather()
         .iter()

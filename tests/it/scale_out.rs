@@ -12,7 +12,7 @@ use clap::Parser as _;
 use relay_api::Subject;
 use relay_simulator::cli::{prepare, send_timeout, SimulateArgs};
 use relay_simulator::Simulation;
-use relay_tests::{redis_url, seed, RedisPrefix, TestDb, Vhost};
+use relay_tests::{metrics_text, redis_url, seed, RedisPrefix, TestDb, Vhost};
 use serde_json::{json, Value};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, Command};
@@ -112,6 +112,28 @@ impl TierProcess {
         }
     }
 
+    /// `relay <global> api`, listening at `listen`, with the relay's broker at `amqp_url`,
+    /// signing tokens with `jwt_secret`.
+    pub(crate) fn start_api(
+        name: &str,
+        global: &[String],
+        listen: SocketAddr,
+        amqp_url: &str,
+        jwt_secret: &str,
+    ) -> Self {
+        let listen = listen.to_string();
+        let tier = [
+            "api",
+            "--api-listen",
+            &listen,
+            "--amqp-url",
+            amqp_url,
+            "--jwt-secret",
+            jwt_secret,
+        ];
+        Self::start(name, global, &tier, free_address())
+    }
+
     /// SIGKILL: nothing in flight finishes.
     pub(crate) async fn kill(mut self) {
         self.child.kill().await.unwrap();
@@ -119,36 +141,12 @@ impl TierProcess {
 
     /// Waits for the process's `/readyz` to answer 200: what it needs answers.
     pub(crate) async fn wait_ready(&self, client: &reqwest::Client) {
-        let started = Instant::now();
-        loop {
-            let answer = client
-                .get(format!("http://{}/readyz", self.metrics))
-                .send()
-                .await;
-            if let Ok(answer) = answer {
-                if answer.status() == 200 {
-                    return;
-                }
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "{} is not ready after a minute",
-                self.name
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_ready(client, self.metrics, &self.name, Duration::from_secs(60)).await;
     }
 
     /// The sum of the metric family `name`'s series (counters), as the process serves them.
     pub(crate) async fn metric_sum(&self, client: &reqwest::Client, name: &str) -> f64 {
-        let text = client
-            .get(format!("http://{}/metrics", self.metrics))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let text = metrics_text(client, &format!("http://{}/metrics", self.metrics)).await;
         text.lines()
             .filter(|line| {
                 line.strip_prefix(name)
@@ -157,6 +155,48 @@ impl TierProcess {
             .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     }
+}
+
+/// Waits for `/readyz` at `metrics` (the address of a tier's probes) to answer 200: what the
+/// tier needs answers. Panics, naming it `what`, after `limit`.
+pub(crate) async fn wait_ready(
+    client: &reqwest::Client,
+    metrics: SocketAddr,
+    what: &str,
+    limit: Duration,
+) {
+    let started = Instant::now();
+    loop {
+        let ready = client
+            .get(format!("http://{metrics}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|answer| answer.status() == 200);
+        if ready {
+            return;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "{what} is not ready after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `relay`'s global options for a test's tiers: the database at `database_url`, the tests'
+/// Redis under `key_prefix`, then `more`.
+pub(crate) fn global_options(database_url: &str, key_prefix: &str, more: &[&str]) -> Vec<String> {
+    let redis_url = redis_url();
+    let mut options = vec![
+        "--database-url",
+        database_url,
+        "--redis-url",
+        &redis_url,
+        "--redis-key-prefix",
+        key_prefix,
+    ];
+    options.extend_from_slice(more);
+    options.into_iter().map(str::to_owned).collect()
 }
 
 /// A free port on 127.0.0.1 (bound, then let go for the child to bind).
@@ -202,20 +242,12 @@ async fn two_processes_of_every_tier_share_the_work_and_converge() {
         .build()
         .unwrap();
 
-    let global: Vec<String> = [
-        "--database-url",
+    // The simulator's API is plain http on 127.0.0.1.
+    let global = global_options(
         &db.url,
-        "--redis-url",
-        &redis_url(),
-        "--redis-key-prefix",
         &prefix.0,
-        // The simulator's API is plain http on 127.0.0.1.
-        "--upstream-allow-http",
-        "--upstream-allow-private",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+        &["--upstream-allow-http", "--upstream-allow-private"],
+    );
     let amqp_url = vhost.url();
     let ingest_addresses = [free_address(), free_address()];
     let api_addresses = [free_address(), free_address()];
@@ -244,20 +276,12 @@ async fn two_processes_of_every_tier_share_the_work_and_converge() {
         ));
     }
     for (i, address) in api_addresses.iter().enumerate() {
-        let listen = address.to_string();
-        tiers.push(TierProcess::start(
+        tiers.push(TierProcess::start_api(
             &format!("api {i}"),
             &global,
-            &[
-                "api",
-                "--api-listen",
-                &listen,
-                "--amqp-url",
-                &amqp_url,
-                "--jwt-secret",
-                JWT_SECRET,
-            ],
-            free_address(),
+            *address,
+            &amqp_url,
+            JWT_SECRET,
         ));
     }
     for tier in &tiers {

@@ -18,7 +18,7 @@ use relay_store::cursors::{self, PendingMessage};
 use relay_store::endpoints::EndpointRegistration;
 use relay_store::messages::{store_batch, IncomingMessage};
 use relay_store::tracks;
-use relay_tests::{random_secret, redis_url, TestDb};
+use relay_tests::{execute_for, random_secret, redis_url, TestDb};
 use serde_json::{json, Value};
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -151,15 +151,14 @@ async fn add_endpoint(
     let endpoint = Uuid::new_v4();
     db.endpoint(tenant, endpoint, &random_secret()).await;
     // In sync under av1 already, so no reload begins until a message asks for one.
-    sqlx::query(
+    execute_for(
+        db,
         "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
          VALUES ($1, 'feed', $2, 1, 'av1')",
+        endpoint,
+        tenant,
     )
-    .bind(endpoint)
-    .bind(tenant)
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    .await;
     let ctx = Arc::new(EndpointContext::new(
         EndpointRegistration {
             id: relay_store::EndpointId(endpoint),

@@ -22,7 +22,7 @@ use relay_store::copy;
 use relay_store::endpoints::EndpointRegistration;
 use relay_store::tracks;
 use relay_tests::readback::Operation;
-use relay_tests::TestDb;
+use relay_tests::{capture_logs, TestDb};
 use relay_wire::Sequence;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -31,6 +31,7 @@ use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 use crate::sequencer_apply::{apply_messages, pending, setup_with_upstream, store, Setup};
+use crate::stack::upstream_listener;
 
 /// The access_version the upstream serves, and the one `setup_with_upstream` holds the track
 /// under.
@@ -289,11 +290,29 @@ fn item_1_pass() -> relay_rules::Pass {
     }
 }
 
-/// A listener on a free local port for a test's upstream, and the upstream's base URL.
-async fn upstream_listener() -> (TcpListener, String) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base_url = format!("http://{}", listener.local_addr().unwrap());
-    (listener, base_url)
+/// What the copy holds of a subject: its item, or a tombstone.
+#[derive(Debug, PartialEq, Eq)]
+enum Held {
+    Item,
+    Tombstone,
+}
+
+/// The copy of `endpoint` holds `announcement:1` at `generation` and sequence `1.{seq}`, as
+/// `held` says.
+async fn assert_item_1(db: &TestDb, endpoint: Uuid, generation: u64, seq: u64, held: Held) {
+    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint)
+        .await
+        .unwrap();
+    let one = &rows["announcement:1"];
+    let found = if one.is_tombstone() {
+        Held::Tombstone
+    } else {
+        Held::Item
+    };
+    assert_eq!(
+        (one.generation, one.sequence.as_str(), found),
+        (generation, Sequence::from_parts(1, seq).as_str(), held)
+    );
 }
 
 /// The reload the endpoint's track holds; fails with `what` when none runs.
@@ -313,7 +332,7 @@ async fn running_reload(pool: &sqlx::PgPool, endpoint: Uuid, what: &str) -> rela
 /// another, which holds the item.
 #[tokio::test]
 async fn a_refetch_that_reads_the_feed_again_has_the_running_reload_read_another_pass() {
-    let (listener, base_url) = upstream_listener().await;
+    let (listener, base_url) = upstream_listener("127.0.0.1").await;
     let Setup {
         db, endpoint, ctx, ..
     } = setup_with_upstream(Some(base_url)).await;
@@ -400,7 +419,7 @@ fn paged(ctx: &EndpointContext, base_url: &str, limit: usize) -> Arc<EndpointCon
 /// ever merging.
 #[tokio::test]
 async fn failing_refetches_during_a_reload_of_several_pages_do_not_keep_its_passes_from_merging() {
-    let (listener, base_url) = upstream_listener().await;
+    let (listener, base_url) = upstream_listener("127.0.0.1").await;
     let Setup {
         db, endpoint, ctx, ..
     } = setup_with_upstream(Some(base_url.clone())).await;
@@ -481,7 +500,7 @@ async fn failing_refetches_during_a_reload_of_several_pages_do_not_keep_its_pass
 /// an older generation before, so B stayed in the copy for good.
 #[tokio::test]
 async fn a_reload_under_the_held_generation_withdraws_what_the_upstream_no_longer_serves() {
-    let (listener, base_url) = upstream_listener().await;
+    let (listener, base_url) = upstream_listener("127.0.0.1").await;
     let Setup {
         db,
         tenant,
@@ -556,28 +575,6 @@ async fn a_reload_under_the_held_generation_withdraws_what_the_upstream_no_longe
     server.abort();
 }
 
-/// Every log line of the test's thread (the runtime is this one thread: the sequencer's tasks
-/// log here too).
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
 /// The statements of the test's database waiting for a lock.
 async fn waiting_on_locks(db: &TestDb) -> Vec<String> {
     sqlx::query_scalar(
@@ -618,14 +615,9 @@ struct MergeRace {
 /// applied. The apply's first statement took its snapshot before the merge committed, so the
 /// row the merge inserted is not among the rows it read.
 async fn apply_while_a_merge_holds_the_endpoint(message: impl FnOnce(Uuid) -> Value) -> MergeRace {
-    let logs = Captured::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let guard = tracing::subscriber::set_default(subscriber);
+    // Every log line of the test's thread (the runtime is this one thread: the sequencer's
+    // tasks log here too).
+    let (logs, guard) = capture_logs(tracing::Level::INFO);
 
     // No upstream: the worker's own reload waits for settings, and this test merges it.
     let Setup {
@@ -749,14 +741,7 @@ async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_withou
     .await;
 
     // Applied against the merged row: the merge's item is kept, the update is older.
-    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint)
-        .await
-        .unwrap();
-    let one = &rows["announcement:1"];
-    assert_eq!(
-        (one.generation, one.sequence.as_str(), one.is_tombstone()),
-        (2, Sequence::from_parts(1, 10).as_str(), false)
-    );
+    assert_item_1(&db, endpoint, 2, 10, Held::Item).await;
     let outcome: (String, i32) = sqlx::query_as(
         "SELECT outcome, events_ignored FROM message_applications
          WHERE endpoint_id = $1 AND arrival_seq = 2",
@@ -808,14 +793,7 @@ async fn a_removal_that_lands_while_a_merge_holds_the_endpoint_removes_the_merge
     })
     .await;
 
-    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint)
-        .await
-        .unwrap();
-    let one = &rows["announcement:1"];
-    assert_eq!(
-        (one.generation, one.sequence.as_str(), one.is_tombstone()),
-        (2, Sequence::from_parts(1, 12).as_str(), true)
-    );
+    assert_item_1(&db, endpoint, 2, 12, Held::Tombstone).await;
     let changes = relay_tests::readback::list_changes(&db.pool, endpoint)
         .await
         .unwrap();
@@ -869,14 +847,7 @@ async fn a_reload_that_reads_an_item_as_held_raises_it_to_the_reloads_generation
         matches!(merged, Ok(copy::Merged::Merged { .. })),
         "{merged:?}"
     );
-    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint)
-        .await
-        .unwrap();
-    let one = &rows["announcement:1"];
-    assert_eq!(
-        (one.generation, one.sequence.as_str(), one.is_tombstone()),
-        (2, Sequence::from_parts(1, 10).as_str(), false)
-    );
+    assert_item_1(&db, endpoint, 2, 10, Held::Item).await;
     assert_eq!(
         relay_tests::readback::list_changes(&db.pool, endpoint)
             .await

@@ -3,8 +3,10 @@
 //! backlog, the publisher, and the queues read back.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use relay_api::{mint, JwtKeys, Subject};
@@ -25,7 +27,7 @@ use relay_simulator::{
 use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::tenants;
 use relay_store::PoolOptions;
-use relay_tests::redis_url;
+use relay_tests::{redis_url, RedisPrefix, TestApp, TestDb, Vhost};
 use relay_wire::SigningSecret;
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -40,7 +42,8 @@ const UNPUBLISHED: &str = "SELECT count(*) FROM changes c
 
 // ---- The control plane ----
 
-const KEY: &[u8] = b"test-signing-key-of-the-whole-relay-in-one-process";
+/// The control planes' signing key in these tests.
+pub(crate) const KEY: &[u8] = b"test-signing-key-of-the-whole-relay-in-one-process";
 
 /// A token for `subject` signed with `key` (as `relay token issue` mints it), valid an hour.
 pub(crate) fn token_for(key: &[u8], subject: &Subject) -> String {
@@ -80,11 +83,13 @@ pub(crate) async fn call_api(
     Answer { status, text, json }
 }
 
-/// The control plane in-process on port 0, and a client for it.
+/// The control plane in-process on port 0, signing with [`KEY`], and a client for it.
 pub(crate) struct Api {
     pub(crate) server: ApiServer,
     pub(crate) base_url: String,
     pub(crate) client: reqwest::Client,
+    /// Where the control plane's metrics are registered.
+    pub(crate) registry: prometheus::Registry,
 }
 
 pub(crate) struct Answer {
@@ -93,26 +98,18 @@ pub(crate) struct Answer {
     pub(crate) json: Value,
 }
 
+/// The relay's own broker at `relay_amqp_url` for a control plane (destinations at it are
+/// refused, tenants' users are made there), with `policy` for tenants' own brokers.
+pub(crate) fn relay_broker(relay_amqp_url: &str, policy: DestinationPolicy) -> BrokerAccess {
+    BrokerAccess::new(relay_amqp_url, &ManagementSettings::default(), None, policy).unwrap()
+}
+
 impl Api {
-    /// The control plane on `database_url`, with `relay_amqp_url` as the relay's own broker
-    /// (destinations are refused there, tenants' users are made there) and `outbound` as the
-    /// operator's policy for upstream URLs.
-    pub(crate) async fn start(
-        database_url: &str,
-        relay_amqp_url: &str,
-        outbound: OutboundPolicy,
-    ) -> Self {
-        let pool = relay_store::connect(database_url, &PoolOptions::default()).unwrap();
+    /// The control plane on `pool`, signing with [`KEY`], with the settings `configure` makes.
+    pub(crate) async fn serve(pool: PgPool, configure: impl FnOnce(&mut ApiConfig)) -> Self {
         let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
-        config.upstream_timeout = Duration::from_secs(5);
-        config.outbound = outbound;
-        config.broker = BrokerAccess::new(
-            relay_amqp_url,
-            &ManagementSettings::default(),
-            None,
-            DestinationPolicy::default(),
-        )
-        .unwrap();
+        configure(&mut config);
+        let registry = config.registry.clone();
         let server = ApiServer::start(pool, config).await.unwrap();
         let base_url = format!("http://{}", server.address);
         Self {
@@ -122,7 +119,29 @@ impl Api {
                 .timeout(Duration::from_secs(30))
                 .build()
                 .unwrap(),
+            registry,
         }
+    }
+
+    /// The control plane on `database_url`, with `relay_amqp_url` as the relay's own broker
+    /// (destinations are refused there, tenants' users are made there) and `outbound` as the
+    /// operator's policy for upstream URLs.
+    pub(crate) async fn start(
+        database_url: &str,
+        relay_amqp_url: &str,
+        outbound: OutboundPolicy,
+    ) -> Self {
+        let pool = relay_store::connect(database_url, &PoolOptions::default()).unwrap();
+        Self::serve(pool, |config| {
+            config.upstream_timeout = Duration::from_secs(5);
+            config.outbound = outbound;
+            config.broker = relay_broker(relay_amqp_url, DestinationPolicy::default());
+        })
+        .await
+    }
+
+    pub(crate) async fn stop(self) {
+        self.server.stop().await.unwrap();
     }
 
     /// An operator's token, minted with the API's signing key (as `relay token issue` does).
@@ -133,22 +152,19 @@ impl Api {
         token_for(KEY, &operator)
     }
 
+    /// A token of `tenant`, minted with the API's signing key.
+    pub(crate) fn tenant_token(tenant: Uuid) -> String {
+        token_for(KEY, &Subject::Tenant(tenant))
+    }
+
     pub(crate) async fn call(
         &self,
         method: &str,
         path: &str,
-        token: &str,
+        token: Option<&str>,
         body: Option<&Value>,
     ) -> Answer {
-        call_api(
-            &self.client,
-            &self.base_url,
-            method,
-            path,
-            Some(token),
-            body,
-        )
-        .await
+        call_api(&self.client, &self.base_url, method, path, token, body).await
     }
 
     /// A call that must answer `expect`; its JSON.
@@ -160,9 +176,14 @@ impl Api {
         token: &str,
         body: Option<&Value>,
     ) -> Value {
-        let answer = self.call(method, path, token, body).await;
+        let answer = self.call(method, path, Some(token), body).await;
         assert_eq!(answer.status, expect, "{method} {path}: {}", answer.text);
         answer.json
+    }
+
+    /// A counter of the control plane: the series of `name` with `label` set to `value`.
+    pub(crate) fn counter(&self, name: &str, label: &str, value: &str) -> u64 {
+        labelled(&self.registry, name, label, value) as u64
     }
 
     /// A tenant named `name`, made by the operator, and a token for it (valid an hour).
@@ -595,15 +616,49 @@ pub(crate) async fn start_publisher(
     (handle, registry)
 }
 
-/// Sum of every series of a counter family (0 when absent).
-pub(crate) fn counter(registry: &prometheus::Registry, name: &str) -> f64 {
-    registry
-        .gather()
-        .iter()
-        .filter(|f| f.name() == name)
-        .flat_map(|f| f.get_metric().iter())
-        .map(|m| m.get_counter().get_value())
-        .sum()
+/// The sum of the series of metric family `name` that carry `label` (its name and value) when
+/// given, every series otherwise: a counter's or a gauge's value, a histogram's count of samples;
+/// `None` when no series matches.
+pub(crate) fn series(
+    registry: &prometheus::Registry,
+    name: &str,
+    label: Option<(&str, &str)>,
+) -> Option<f64> {
+    use prometheus::proto::MetricType;
+    let mut sum = None;
+    for family in registry.gather().iter().filter(|f| f.name() == name) {
+        for m in family.get_metric() {
+            let labelled = label.is_none_or(|(label, value)| {
+                m.get_label()
+                    .iter()
+                    .any(|l| l.name() == label && l.value() == value)
+            });
+            if !labelled {
+                continue;
+            }
+            *sum.get_or_insert(0.0) += match family.get_field_type() {
+                MetricType::COUNTER => m.get_counter().get_value(),
+                MetricType::GAUGE => m.get_gauge().get_value(),
+                _ => m.get_histogram().get_sample_count() as f64,
+            };
+        }
+    }
+    sum
+}
+
+/// Sum of every series of a metric family (0 when absent).
+pub(crate) fn metric(registry: &prometheus::Registry, name: &str) -> f64 {
+    series(registry, name, None).unwrap_or(0.0)
+}
+
+/// Sum of the series of a metric family with `label` set to `value` (0 when absent).
+pub(crate) fn labelled(
+    registry: &prometheus::Registry,
+    name: &str,
+    label: &str,
+    value: &str,
+) -> f64 {
+    series(registry, name, Some((label, value))).unwrap_or(0.0)
 }
 
 /// Drains `tenant`'s queue (its publisher stopped, so the count is final) and checks that it
@@ -815,6 +870,104 @@ pub(crate) async fn start_sequencer_with(
     Sequencer::start(sequencer_pool(database_url), config, metrics)
         .await
         .expect("the whole-relay tests need Redis on 127.0.0.1:6379")
+}
+
+// ---- A test's whole relay ----
+
+/// A whole-relay test's own room on the shared servers, removed when dropped: a Redis key
+/// prefix and a RabbitMQ vhost.
+pub(crate) struct Room {
+    pub(crate) prefix: RedisPrefix,
+    pub(crate) vhost: Vhost,
+}
+
+impl Room {
+    pub(crate) async fn new() -> Self {
+        Self {
+            prefix: RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple())),
+            vhost: tokio::task::spawn_blocking(Vhost::create).await.unwrap(),
+        }
+    }
+}
+
+/// The relay's tiers in this process on one database, under a [`Room`]'s prefix and vhost: the
+/// front tier, the control plane and a sequencer (16 endpoints at once), both taking any
+/// upstream URL, and a publisher.
+pub(crate) struct Relay {
+    pub(crate) app: TestApp,
+    pub(crate) api: Api,
+    pub(crate) sequencer: Sequencer,
+    pub(crate) publisher: Option<PublisherHandle>,
+}
+
+impl Relay {
+    /// The relay on a database of its own.
+    pub(crate) async fn start(room: &Room) -> Self {
+        Self::start_on(TestDb::new().await, room).await
+    }
+
+    /// The relay on `db` (one restored from a backup, say).
+    pub(crate) async fn start_on(db: TestDb, room: &Room) -> Self {
+        let (prefix, amqp_url) = (&room.prefix.0, room.vhost.url());
+        let app = TestApp::spawn_waking_on(db, prefix).await;
+        let api = Api::start(&app.db.url, &amqp_url, OutboundPolicy::ANY).await;
+        let sequencer = start_sequencer(&app.db.url, prefix, 16, OutboundPolicy::ANY).await;
+        let (publisher, _) =
+            start_publisher(&app.db.pool, publisher_config(amqp_url, prefix)).await;
+        Self {
+            app,
+            api,
+            sequencer,
+            publisher: Some(publisher),
+        }
+    }
+
+    pub(crate) fn pool(&self) -> &PgPool {
+        &self.app.db.pool
+    }
+
+    pub(crate) async fn stop_publisher(&mut self) {
+        if let Some(publisher) = self.publisher.take() {
+            publisher.stop().await;
+        }
+    }
+
+    /// Stops every tier, the front tier first (so nothing more is stored); the database stays.
+    pub(crate) async fn stop(mut self) -> TestDb {
+        if let Some(server) = self.app.server.take() {
+            server.stop().await.unwrap();
+        }
+        let publisher = self.publisher.take();
+        self.sequencer.stop().await;
+        if let Some(publisher) = publisher {
+            publisher.stop().await;
+        }
+        self.api.stop().await;
+        self.app.db
+    }
+}
+
+/// A listener for the simulator's API on `host`, port 0, and the base URL it serves at: bound
+/// before the endpoints are registered, since they name it.
+pub(crate) async fn upstream_listener(host: &str) -> (TcpListener, String) {
+    let listener = TcpListener::bind(format!("{host}:0")).await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    (listener, url)
+}
+
+/// The simulation of `upstream`, sending each webhook within `send_timeout`, its API served on
+/// `listener`, and its senders (started).
+pub(crate) async fn serve_simulation(
+    upstream: Upstream,
+    send_timeout: Duration,
+    listener: TcpListener,
+) -> (Arc<Simulation>, Vec<JoinHandle<()>>) {
+    let sim = Simulation::new(upstream, send_timeout);
+    relay_simulator::api::serve(listener, sim.clone())
+        .await
+        .unwrap();
+    let senders = sim.spawn_senders();
+    (sim, senders)
 }
 
 // ---- The copy written without a sequencer ----

@@ -35,7 +35,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::convergence::SequencerProcess;
-use crate::stack::{connect_broker, publisher_config, start_publisher};
+use crate::stack::{connect_broker, labelled, metric, publisher_config, start_publisher};
 
 /// Simulated time runs this much faster than the wire file's: retries back off in
 /// milliseconds, and the 30-day window is about 43 minutes.
@@ -951,12 +951,25 @@ async fn converge_with_failed_reads(seed: u64, lb_404: f64) {
             )
         })
     };
-    let pages = crate::publisher::metric(&registry, "relay_sequencer_stories_catch_up_pages_total");
-    let reads = |answer| labelled_counter(&registry, "relay_sequencer_story_reads_total", answer);
-    let owed = |what| labelled_counter(&registry, "relay_sequencer_story_reads_owed_total", what);
-    let retried = crate::publisher::metric(&registry, "relay_sequencer_story_reads_retried_total");
-    let claimed =
-        crate::publisher::metric(&registry, "relay_sequencer_stories_notifications_total");
+    let pages = metric(&registry, "relay_sequencer_stories_catch_up_pages_total");
+    let reads = |answer| {
+        labelled(
+            &registry,
+            "relay_sequencer_story_reads_total",
+            "answer",
+            answer,
+        )
+    };
+    let owed = |what| {
+        labelled(
+            &registry,
+            "relay_sequencer_story_reads_owed_total",
+            "what",
+            what,
+        )
+    };
+    let retried = metric(&registry, "relay_sequencer_story_reads_retried_total");
+    let claimed = metric(&registry, "relay_sequencer_stories_notifications_total");
     eprintln!(
         "stories failed reads: seed {seed}, lb_404 {lb_404}: {steps} changes; webhooks \
          {delivered} delivered, {given_up} given up; {pages} catch-up pages; story reads \
@@ -1011,15 +1024,4 @@ async fn wait_owed_paid(pool: &PgPool, seed: u64, limit: Duration) -> i64 {
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-}
-
-/// The value of a counter's series whose one label has `value`.
-fn labelled_counter(registry: &prometheus::Registry, name: &str, value: &str) -> f64 {
-    registry
-        .gather()
-        .iter()
-        .filter(|f| f.name() == name)
-        .flat_map(|f| f.get_metric().iter())
-        .find(|m| m.get_label().iter().any(|l| l.value() == value))
-        .map_or(0.0, |m| m.get_counter().get_value())
 }

@@ -7,18 +7,17 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use relay_netguard::OutboundPolicy;
 use relay_publisher::{ChangeMessage, ReferenceConsumer};
 use relay_simulator::cli::prepare;
-use relay_simulator::{Faults, Simulation};
-use relay_tests::{seed, RedisPrefix, TestApp, Vhost};
+use relay_simulator::Faults;
+use relay_tests::printed_seed;
 use serde_json::json;
 use uuid::Uuid;
 
 use crate::publisher::{Collector, Delivered};
 use crate::stack::{
-    connect_broker, oracle, publisher_config, quiesce, simulate_args, start_publisher,
-    start_sequencer, stop_simulation, without_positions, Api,
+    connect_broker, oracle, quiesce, serve_simulation, simulate_args, stop_simulation,
+    upstream_listener, without_positions, Relay, Room,
 };
 
 /// A consumer that drops every message id it has seen, and applies the rest in order.
@@ -51,19 +50,13 @@ impl SetDeduplicating {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resync_rebuilds_an_empty_consumer_and_a_replay_changes_no_deduplicating_one() {
-    let seed = seed();
-    eprintln!("stream: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
-    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
-    let app = TestApp::spawn_waking(&prefix.0).await;
-    let pool = app.db.pool.clone();
-    let api = Api::start(&app.db.url, &vhost.url(), OutboundPolicy::ANY).await;
-    let sequencer = start_sequencer(&app.db.url, &prefix.0, 16, OutboundPolicy::ANY).await;
-    let (publisher, _) = start_publisher(&pool, publisher_config(vhost.url(), &prefix.0)).await;
+    let seed = printed_seed("stream");
+    let room = Room::new().await;
+    let mut relay = Relay::start(&room).await;
+    let (pool, api) = (relay.pool().clone(), &relay.api);
 
-    let sim_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream_api = format!("http://{}", sim_listener.local_addr().unwrap());
-    let mut args = simulate_args(&app.base_url, 2, 1, seed, 30.0, 8);
+    let (sim_listener, upstream_api) = upstream_listener("127.0.0.1").await;
+    let mut args = simulate_args(&relay.app.base_url, 2, 1, seed, 30.0, 8);
     args.select_all = true;
     let (mut upstream, workload, infos) = prepare(&args).unwrap();
     upstream.set_faults(Faults::all());
@@ -82,7 +75,7 @@ async fn a_resync_rebuilds_an_empty_consumer_and_a_replay_changes_no_deduplicati
     .await;
 
     // The consumer that keeps its state all along, reading the queue from the start.
-    let broker = connect_broker(&vhost.url(), "stream").await;
+    let broker = connect_broker(&room.vhost.url(), "stream").await;
     let queue = relay_publisher::tenant_queue(tenant);
     // Declared as the publisher declares it, so the consumer can start before the first change.
     let channel = broker.create_channel().await.unwrap();
@@ -104,11 +97,7 @@ async fn a_resync_rebuilds_an_empty_consumer_and_a_replay_changes_no_deduplicati
         .unwrap();
     let collector = Collector::start(&broker, &queue).await;
 
-    let sim = Simulation::new(upstream, Duration::from_secs(2));
-    relay_simulator::api::serve(sim_listener, sim.clone())
-        .await
-        .unwrap();
-    let senders = sim.spawn_senders();
+    let (sim, senders) = serve_simulation(upstream, Duration::from_secs(2), sim_listener).await;
     let workload = tokio::spawn(
         sim.clone()
             .run_workload(workload, 30.0, Duration::from_secs(8)),
@@ -242,7 +231,7 @@ async fn a_resync_rebuilds_an_empty_consumer_and_a_replay_changes_no_deduplicati
         .call(
             "POST",
             &format!("/v1/endpoints/{replayed}/replay"),
-            &token,
+            Some(&token),
             Some(&json!({"from_change_seq": last + 1})),
         )
         .await;
@@ -255,14 +244,13 @@ async fn a_resync_rebuilds_an_empty_consumer_and_a_replay_changes_no_deduplicati
 
     stop_simulation(&sim, senders).await;
     collector.finish().await;
-    publisher.stop().await;
+    relay.stop_publisher().await;
     // With nothing publishing, a resync's snapshot stays unsent: asking again is refused
     // rather than writing the whole copy once more.
     let resync = format!("/v1/endpoints/{replayed}/resync");
-    api.ok(202, "POST", &resync, &token, None).await;
-    let again = api.call("POST", &resync, &token, None).await;
+    relay.api.ok(202, "POST", &resync, &token, None).await;
+    let again = relay.api.call("POST", &resync, Some(&token), None).await;
     assert_eq!(again.status, 409, "{}", again.text);
-    sequencer.stop().await;
     let _ = broker.close(200, "done").await;
-    app.stop().await;
+    relay.stop().await;
 }

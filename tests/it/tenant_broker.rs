@@ -10,15 +10,14 @@
 
 use std::time::Duration;
 
-use relay_api::{ApiConfig, ApiServer};
-use relay_api::{BrokerAccess, ManagementSettings};
-use relay_api::{JwtKeys, Subject};
+use relay_api::BrokerAccess;
+use relay_publisher::lapin::message::Delivery;
 use relay_publisher::lapin::options::{
     BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
     QueueDeclareOptions,
 };
 use relay_publisher::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use relay_publisher::lapin::{BasicProperties, Connection};
+use relay_publisher::lapin::{BasicProperties, Connection, Consumer};
 use relay_publisher::{tenant_queue, PublisherConfig};
 use relay_rules::DestinationPolicy;
 use relay_tests::{amqp_addr, PgProxy, ProxyMode, TestDb};
@@ -27,84 +26,51 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::publisher::{
-    change_count_of, declare_passive, drain, feeds_of, metric, set_own_exchange, unpublished,
+    change_count_of, declare_passive, drain, feeds_of, set_own_exchange, unpublished,
     wait_published, wait_until, write, Env,
 };
-use crate::stack::{call_api, token_for};
-
-const KEY: &[u8] = b"test-signing-key-of-the-control-plane";
+use crate::stack::{metric, relay_broker, Api};
 
 /// The control plane with the relay's broker at `relay_amqp_url` and `policy`.
-struct Api {
-    server: Option<ApiServer>,
-    base_url: String,
-    client: reqwest::Client,
+async fn start_api(pool: PgPool, relay_amqp_url: &str, policy: DestinationPolicy) -> Api {
+    Api::serve(pool, |config| {
+        config.broker = relay_broker(relay_amqp_url, policy);
+    })
+    .await
 }
 
-impl Api {
-    async fn start(pool: PgPool, relay_amqp_url: &str, policy: DestinationPolicy) -> Self {
-        let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
-        config.broker =
-            BrokerAccess::new(relay_amqp_url, &ManagementSettings::default(), None, policy)
-                .unwrap();
-        let server = ApiServer::start(pool, config).await.unwrap();
-        Self {
-            base_url: format!("http://{}", server.address),
-            server: Some(server),
-            client: reqwest::Client::builder()
-                .timeout(Duration::from_secs(30))
-                .build()
-                .unwrap(),
-        }
-    }
+/// `tenant`'s call of `method` on `path`: the status and JSON of the answer.
+async fn call(
+    api: &Api,
+    method: &str,
+    path: &str,
+    tenant: Uuid,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let token = Api::tenant_token(tenant);
+    let answer = api.call(method, path, Some(&token), body.as_ref()).await;
+    (answer.status, answer.json)
+}
 
-    async fn call(
-        &self,
-        method: &str,
-        path: &str,
-        tenant: Uuid,
-        body: Option<Value>,
-    ) -> (u16, Value) {
-        let token = token_for(KEY, &Subject::Tenant(tenant));
-        let answer = call_api(
-            &self.client,
-            &self.base_url,
-            method,
-            path,
-            Some(&token),
-            body.as_ref(),
-        )
-        .await;
-        (answer.status, answer.json)
-    }
+/// `tenant` sets its destination to `destination`: the status and JSON of the answer.
+async fn put_destination(api: &Api, tenant: Uuid, destination: Value) -> (u16, Value) {
+    call(api, "PUT", "/v1/destination", tenant, Some(destination)).await
+}
 
-    /// `tenant` sets its destination to `destination`: the status and JSON of the answer.
-    async fn put_destination(&self, tenant: Uuid, destination: Value) -> (u16, Value) {
-        self.call("PUT", "/v1/destination", tenant, Some(destination))
-            .await
-    }
-
-    /// `tenant`'s PUT of `destination` is refused: a 400 naming `amqp_url`, whose detail says
-    /// `why`.
-    async fn assert_amqp_url_refused(&self, tenant: Uuid, destination: Value, why: &str) {
-        let url = destination["amqp_url"].as_str().unwrap().to_owned();
-        let (status, answer) = self.put_destination(tenant, destination).await;
-        assert_eq!(
-            (status, answer["field"].as_str()),
-            (400, Some("amqp_url")),
-            "{url}: {answer}"
-        );
-        assert!(
-            answer["detail"].as_str().unwrap().contains(why),
-            "{url}: {answer}"
-        );
-    }
-
-    async fn stop(mut self) {
-        if let Some(server) = self.server.take() {
-            server.stop().await.unwrap();
-        }
-    }
+/// `tenant`'s PUT of `destination` is refused: a 400 naming `amqp_url`, whose detail says
+/// `why`.
+async fn assert_amqp_url_refused(api: &Api, tenant: Uuid, destination: Value, why: &str) {
+    let url = destination["amqp_url"].as_str().unwrap().to_owned();
+    let (status, answer) = put_destination(api, tenant, destination).await;
+    assert_eq!(
+        (status, answer["field"].as_str()),
+        (400, Some("amqp_url")),
+        "{url}: {answer}"
+    );
+    assert!(
+        answer["detail"].as_str().unwrap().contains(why),
+        "{url}: {answer}"
+    );
 }
 
 fn own_exchange(amqp_url: &str, exchange: &str, routing_key: &str) -> Value {
@@ -138,7 +104,7 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
             .unwrap()
     };
 
-    let api = Api::start(db.pool.clone(), relay, loopback_allowed()).await;
+    let api = start_api(db.pool.clone(), relay, loopback_allowed()).await;
     for url in [
         "amqp://guest:guest@127.0.0.1:5672/relay",
         "amqp://guest:guest@127.0.0.1/%2f",
@@ -150,14 +116,22 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
         "amqp://guest:guest@[::ffff:127.0.0.1]:5672/relay",
         "amqp://guest:guest@2130706433:5672/relay",
     ] {
-        api.assert_amqp_url_refused(a, own_exchange(url, "", &b_queue), "relay's own broker")
-            .await;
+        assert_amqp_url_refused(
+            &api,
+            a,
+            own_exchange(url, "", &b_queue),
+            "relay's own broker",
+        )
+        .await;
     }
     assert_eq!(stored().await, 0);
     // Another listener on this machine is someone else's broker, once the operator allows it.
-    let (status, answer) = api
-        .put_destination(a, own_exchange("amqp://u:p@127.0.0.1:5673/%2f", "x", "k"))
-        .await;
+    let (status, answer) = put_destination(
+        &api,
+        a,
+        own_exchange("amqp://u:p@127.0.0.1:5673/%2f", "x", "k"),
+    )
+    .await;
     assert_eq!(status, 200, "{answer}");
     assert_eq!(answer["refused_reason"], Value::Null);
     api.stop().await;
@@ -167,7 +141,7 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
         .execute(&db.pool)
         .await
         .unwrap();
-    let api = Api::start(db.pool.clone(), relay, DestinationPolicy::default()).await;
+    let api = start_api(db.pool.clone(), relay, DestinationPolicy::default()).await;
     for url in [
         "amqp://u:p@127.0.0.1:5673/%2f",
         "amqp://u:p@localhost:5673/%2f",
@@ -176,8 +150,7 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
         "amqp://u:p@[fd00::1]/%2f",
         "amqp://u:p@0x7f000001:5673/%2f",
     ] {
-        api.assert_amqp_url_refused(a, own_exchange(url, "x", "k"), "not a public address")
-            .await;
+        assert_amqp_url_refused(&api, a, own_exchange(url, "x", "k"), "not a public address").await;
     }
     assert_eq!(stored().await, 0);
     api.stop().await;
@@ -187,10 +160,13 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
         allowed_hosts: vec!["*.brokers.example".into()],
         allow_private: false,
     };
-    let api = Api::start(db.pool.clone(), relay, listed).await;
-    let (status, answer) = api
-        .put_destination(a, own_exchange("amqp://u:p@evil.example/%2f", "x", "k"))
-        .await;
+    let api = start_api(db.pool.clone(), relay, listed).await;
+    let (status, answer) = put_destination(
+        &api,
+        a,
+        own_exchange("amqp://u:p@evil.example/%2f", "x", "k"),
+    )
+    .await;
     assert_eq!(
         (status, answer["field"].as_str()),
         (400, Some("amqp_url")),
@@ -230,14 +206,14 @@ async fn the_publisher_refuses_a_destination_at_the_relays_broker_that_bypassed_
     write(pool, &mut feeds, &mut rng, 80).await;
     wait_published(pool, &[b], seed).await;
 
-    let api = Api::start(pool.clone(), &env.vhost.url(), DestinationPolicy::default()).await;
+    let api = start_api(pool.clone(), &env.vhost.url(), DestinationPolicy::default()).await;
     for (tenant, why) in [(a1, "relay's own broker"), (a2, "not a public address")] {
         let api = &api;
         wait_until(
             &format!("{tenant}'s destination refused because {why} (seed {seed})"),
             Duration::from_secs(60),
             || async move {
-                let (status, answer) = api.call("GET", "/v1/destination", tenant, None).await;
+                let (status, answer) = call(api, "GET", "/v1/destination", tenant, None).await;
                 assert_eq!(status, 200, "{answer}");
                 answer["refused_reason"]
                     .as_str()
@@ -305,6 +281,33 @@ fn quorum() -> FieldTable {
     arguments
 }
 
+/// A consumer `tag` of `queue` on a channel of its own on `connection` (open while the consumer
+/// lives); panics with `may` when the broker refuses it.
+async fn consume(connection: &Connection, queue: &str, tag: &str, may: &str) -> Consumer {
+    connection
+        .create_channel()
+        .await
+        .unwrap()
+        .basic_consume(
+            queue,
+            tag,
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect(may)
+}
+
+/// The consumer's next delivery, within 30 s; panics with `what` when none comes.
+async fn next_delivery(consumer: &mut Consumer, what: &str) -> Delivery {
+    use futures::StreamExt as _;
+    tokio::time::timeout(Duration::from_secs(30), consumer.next())
+        .await
+        .expect(what)
+        .unwrap()
+        .unwrap()
+}
+
 /// What the broker said to one operation on a fresh channel: `Ok` or its error text.
 async fn attempt<F, Fut, T>(connection: &Connection, operation: F) -> Result<(), String>
 where
@@ -319,6 +322,23 @@ where
         .await
         .map(|_| ())
         .map_err(|e| e.to_string())
+}
+
+/// What the broker said to a consumer `tag` of `queue` on a fresh channel: `Ok` or its error
+/// text.
+async fn attempt_consume(connection: &Connection, queue: &str, tag: &str) -> Result<(), String> {
+    let queue = queue.to_owned();
+    let tag = tag.to_owned();
+    attempt(connection, |c| async move {
+        c.basic_consume(
+            &queue,
+            &tag,
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+    })
+    .await
 }
 
 /// Publishes one message with confirms: `Ok` only when the broker acked it.
@@ -367,19 +387,7 @@ pub(crate) async fn assert_refused_but_own_queue(as_b: &Connection, a_queue: &st
     let refused: Vec<(&str, Result<(), String>)> = vec![
         (
             "consume A's queue",
-            attempt(as_b, |c| {
-                let q = a_queue.clone();
-                async move {
-                    c.basic_consume(
-                        &q,
-                        "x",
-                        BasicConsumeOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await
-                }
-            })
-            .await,
+            attempt_consume(as_b, &a_queue, "x").await,
         ),
         (
             "declare A's queue",
@@ -453,14 +461,14 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
         BrokerAccess::username(relay_store::TenantId(a)),
         BrokerAccess::username(relay_store::TenantId(b)),
     ]);
-    let api = Api::start(env.db.pool.clone(), &env.vhost.url(), loopback_allowed()).await;
+    let api = start_api(env.db.pool.clone(), &env.vhost.url(), loopback_allowed()).await;
     let (a_queue, b_queue) = (tenant_queue(a), tenant_queue(b));
 
-    let (status, missing) = api.call("GET", "/v1/broker/credentials", b, None).await;
+    let (status, missing) = call(&api, "GET", "/v1/broker/credentials", b, None).await;
     assert_eq!(status, 404, "{missing}");
-    let (status, made_a) = api.call("POST", "/v1/broker/credentials", a, None).await;
+    let (status, made_a) = call(&api, "POST", "/v1/broker/credentials", a, None).await;
     assert_eq!(status, 201, "{made_a}");
-    let (status, made) = api.call("POST", "/v1/broker/credentials", b, None).await;
+    let (status, made) = call(&api, "POST", "/v1/broker/credentials", b, None).await;
     assert_eq!(status, 201, "{made}");
     let password = made["password"].as_str().unwrap().to_owned();
     assert_eq!(made["queue"], json!(b_queue));
@@ -469,9 +477,9 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
         made["username"],
         json!(BrokerAccess::username(relay_store::TenantId(b)))
     );
-    let (status, again) = api.call("POST", "/v1/broker/credentials", b, None).await;
+    let (status, again) = call(&api, "POST", "/v1/broker/credentials", b, None).await;
     assert_eq!(status, 409, "{again}");
-    let (status, shown) = api.call("GET", "/v1/broker/credentials", b, None).await;
+    let (status, shown) = call(&api, "GET", "/v1/broker/credentials", b, None).await;
     assert_eq!(status, 200, "{shown}");
     assert_eq!(shown.get("password"), None, "{shown}");
     assert!(!shown.to_string().contains(&password));
@@ -485,22 +493,8 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
     let b_url = tenant_url(&made, &password);
     let as_b = connect(&b_url).await.expect("B's credentials connect");
     // B's own queue: consumed.
-    let channel = as_b.create_channel().await.unwrap();
-    let mut consumer = channel
-        .basic_consume(
-            &b_queue,
-            "b",
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("B may consume its own queue");
-    use futures::StreamExt as _;
-    let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
-        .await
-        .expect("B's message arrives")
-        .unwrap()
-        .unwrap();
+    let mut consumer = consume(&as_b, &b_queue, "b", "B may consume its own queue").await;
+    let delivery = next_delivery(&mut consumer, "B's message arrives").await;
     assert_eq!(delivery.data, b"{}");
 
     // A's queue, and everything else: refused by the broker.
@@ -519,9 +513,7 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
 
     // Rotation: the old password no longer connects, its connection is closed, the new one
     // works.
-    let (status, rotated) = api
-        .call("POST", "/v1/broker/credentials/rotate", b, None)
-        .await;
+    let (status, rotated) = call(&api, "POST", "/v1/broker/credentials/rotate", b, None).await;
     assert_eq!(status, 200, "{rotated}");
     let new_password = rotated["password"].as_str().unwrap().to_owned();
     assert_ne!(new_password, password);
@@ -538,28 +530,14 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
     let as_b = connect(&tenant_url(&rotated, &new_password))
         .await
         .expect("the new password connects");
-    as_b.create_channel()
-        .await
-        .unwrap()
-        .basic_consume(
-            &b_queue,
-            "b2",
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("B consumes with its new password");
+    consume(&as_b, &b_queue, "b2", "B consumes with its new password").await;
     let _ = as_b.close(200, "done").await;
 
     // Deleted: the users are gone from the broker, nothing is left behind.
     for tenant in [a, b] {
-        let (status, answer) = api
-            .call("DELETE", "/v1/broker/credentials", tenant, None)
-            .await;
+        let (status, answer) = call(&api, "DELETE", "/v1/broker/credentials", tenant, None).await;
         assert_eq!(status, 204, "{answer}");
-        let (status, _) = api
-            .call("GET", "/v1/broker/credentials", tenant, None)
-            .await;
+        let (status, _) = call(&api, "GET", "/v1/broker/credentials", tenant, None).await;
         assert_eq!(status, 404);
     }
     let users = std::process::Command::new("rabbitmqctl")
@@ -582,7 +560,6 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
 /// cannot read it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_returned_past_the_delivery_limit_moves_to_the_tenants_dead_letter_queue() {
-    use futures::StreamExt as _;
     use relay_publisher::lapin::options::{BasicAckOptions, BasicNackOptions};
 
     let env = Env::new().await;
@@ -592,24 +569,14 @@ async fn a_message_returned_past_the_delivery_limit_moves_to_the_tenants_dead_le
         BrokerAccess::username(relay_store::TenantId(b)),
     ]);
     let limit = 3;
-    let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
-    config.broker = BrokerAccess::new(
-        &env.vhost.url(),
-        &ManagementSettings::default(),
-        None,
-        loopback_allowed(),
-    )
-    .unwrap();
-    config.broker.dead_letters.delivery_limit = limit;
-    let server = ApiServer::start(env.db.pool.clone(), config).await.unwrap();
-    let api = Api {
-        base_url: format!("http://{}", server.address),
-        server: Some(server),
-        client: reqwest::Client::new(),
-    };
-    let (status, made_a) = api.call("POST", "/v1/broker/credentials", a, None).await;
+    let api = Api::serve(env.db.pool.clone(), |config| {
+        config.broker = relay_broker(&env.vhost.url(), loopback_allowed());
+        config.broker.dead_letters.delivery_limit = limit;
+    })
+    .await;
+    let (status, made_a) = call(&api, "POST", "/v1/broker/credentials", a, None).await;
     assert_eq!(status, 201, "{made_a}");
-    let (status, made) = api.call("POST", "/v1/broker/credentials", b, None).await;
+    let (status, made) = call(&api, "POST", "/v1/broker/credentials", b, None).await;
     assert_eq!(status, 201, "{made}");
     let b_queue = tenant_queue(b);
     let b_dead = format!("{b_queue}.dead-letter");
@@ -653,11 +620,7 @@ async fn a_message_returned_past_the_delivery_limit_moves_to_the_tenants_dead_le
         .unwrap();
     let mut poison_deliveries = 0;
     loop {
-        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
-            .await
-            .expect("a delivery")
-            .unwrap()
-            .unwrap();
+        let delivery = next_delivery(&mut consumer, "a delivery").await;
         if delivery.data == b"poison" {
             poison_deliveries += 1;
             assert!(
@@ -680,21 +643,9 @@ async fn a_message_returned_past_the_delivery_limit_moves_to_the_tenants_dead_le
     assert!(poison_deliveries >= limit, "{poison_deliveries}");
 
     // In B's dead-letter queue, for B to read.
-    let dead = as_b.create_channel().await.unwrap();
-    let mut dead_consumer = dead
-        .basic_consume(
-            &b_dead,
-            "b-dead",
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("B may read its dead-letter queue");
-    let delivery = tokio::time::timeout(Duration::from_secs(30), dead_consumer.next())
-        .await
-        .expect("the poison message is dead-lettered")
-        .unwrap()
-        .unwrap();
+    let mut dead_consumer =
+        consume(&as_b, &b_dead, "b-dead", "B may read its dead-letter queue").await;
+    let delivery = next_delivery(&mut dead_consumer, "the poison message is dead-lettered").await;
     assert_eq!(delivery.data, b"poison");
     delivery.ack(BasicAckOptions::default()).await.unwrap();
 
@@ -702,28 +653,15 @@ async fn a_message_returned_past_the_delivery_limit_moves_to_the_tenants_dead_le
     let as_a = connect(&tenant_url(&made_a, made_a["password"].as_str().unwrap()))
         .await
         .unwrap();
-    let refused = attempt(&as_a, |c| {
-        let q = b_dead.clone();
-        async move {
-            c.basic_consume(
-                &q,
-                "a",
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-        }
-    })
-    .await
-    .expect_err("A reads B's dead letters");
+    let refused = attempt_consume(&as_a, &b_dead, "a")
+        .await
+        .expect_err("A reads B's dead letters");
     assert!(refused.contains("ACCESS_REFUSED"), "{refused}");
 
     let _ = as_a.close(200, "done").await;
     let _ = as_b.close(200, "done").await;
     for tenant in [a, b] {
-        let (status, _) = api
-            .call("DELETE", "/v1/broker/credentials", tenant, None)
-            .await;
+        let (status, _) = call(&api, "DELETE", "/v1/broker/credentials", tenant, None).await;
         assert_eq!(status, 204);
     }
     api.stop().await;

@@ -29,9 +29,10 @@ use tokio::sync::{mpsc, watch};
 use uuid::Uuid;
 
 use crate::publisher::{
-    bind_queue, change_count_of, drain, feeds_of, metric, set_own_exchange, unpublished,
-    wait_published, wait_until, write, Delivered, Env,
+    bind_queue, change_count_of, drain, feeds_of, set_own_exchange, unpublished, wait_published,
+    wait_until, write, Delivered, Env,
 };
+use crate::stack::metric;
 use crate::tls_support::{TestCa, TlsProxy};
 
 /// The vhost's URL over TLS through `proxy`, by the name its certificate carries.

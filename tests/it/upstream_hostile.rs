@@ -23,7 +23,6 @@ use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use relay_api::{ApiConfig, ApiServer, JwtKeys, Subject};
 use relay_netguard::OutboundPolicy;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_store::endpoints::{self, NewEndpoint};
@@ -34,9 +33,8 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
-use crate::stack::{copy_items, sequencer_config, start_sequencer_with, token_for, Api};
+use crate::stack::{copy_items, sequencer_config, start_sequencer_with, Api};
 
-const KEY: &[u8] = b"test-signing-key-of-the-hostile-upstream-tests";
 /// The access_version every page is served under, and the reset's.
 const AV: &str = "av1";
 
@@ -295,17 +293,7 @@ impl Relay {
         configure(&mut config);
         let sequencer = start_sequencer_with(&app.db.url, config, metrics.clone()).await;
         let api_pool = relay_store::connect(&app.db.url, &PoolOptions::default()).unwrap();
-        let mut api_config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
-        api_config.outbound = OutboundPolicy::ANY;
-        let server = ApiServer::start(api_pool, api_config).await.unwrap();
-        let api = Api {
-            base_url: format!("http://{}", server.address),
-            server,
-            client: reqwest::Client::builder()
-                .timeout(Duration::from_secs(30))
-                .build()
-                .unwrap(),
-        };
+        let api = Api::serve(api_pool, |config| config.outbound = OutboundPolicy::ANY).await;
         let upstream = Upstream::default();
         let upstream_url = upstream.serve().await;
         Self {
@@ -372,7 +360,7 @@ impl Relay {
 
     /// `GET /v1/endpoints/{id}/state` as its tenant.
     async fn state(&self, endpoint: &Endpoint) -> Value {
-        let token = token_for(KEY, &Subject::Tenant(endpoint.tenant));
+        let token = Api::tenant_token(endpoint.tenant);
         self.api
             .ok(
                 200,
@@ -451,7 +439,7 @@ impl Relay {
 
     async fn stop(self) {
         self.sequencer.stop().await;
-        self.api.server.stop().await.unwrap();
+        self.api.stop().await;
         self.app.stop().await;
     }
 }
@@ -679,13 +667,13 @@ async fn a_rewinds_answer_is_read_within_the_cap_of_one_object_and_checked() {
         .execute(&relay.app.db.pool)
         .await
         .unwrap();
-        let token = token_for(KEY, &Subject::Tenant(endpoint.tenant));
+        let token = Api::tenant_token(endpoint.tenant);
         let answer = relay
             .api
             .call(
                 "POST",
                 &format!("/v1/endpoints/{}/tracks/feed/rewind", endpoint.id),
-                &token,
+                Some(&token),
                 None,
             )
             .await;

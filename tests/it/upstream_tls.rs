@@ -10,13 +10,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use relay_api::{ApiConfig, ApiServer};
-use relay_api::{JwtKeys, Subject};
 use relay_netguard::{OutboundPolicy, TrustRoots};
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::{EndpointInfo, Faults, Simulation, Workload};
 use relay_store::PoolOptions;
-use relay_tests::{seed, RedisPrefix, TestApp};
+use relay_tests::{printed_seed, RedisPrefix, TestApp};
 use serde_json::Value;
 use sqlx::PgPool;
 use tokio::net::TcpListener;
@@ -24,11 +22,9 @@ use uuid::Uuid;
 
 use crate::stack::{
     copy_items, create_endpoint, describe_difference, oracle, sequencer_config,
-    start_sequencer_with, stop_simulation, tenant_of_key, token_for, Api, Items,
+    start_sequencer_with, stop_simulation, tenant_of_key, Api, Items,
 };
 use crate::tls_support::{ServerIdentity, TestCa};
-
-const KEY: &[u8] = b"test-signing-key-of-the-upstream-over-tls-tests";
 
 /// The relay's side: the front tier, a sequencer and the control plane, every upstream call
 /// trusting `trust` and allowed to 127.0.0.1 only (https only: plain http stays refused).
@@ -62,19 +58,12 @@ impl Relay {
         )
         .await;
         let api_pool = relay_store::connect(&app.db.url, &PoolOptions::default()).unwrap();
-        let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
-        config.upstream_timeout = Duration::from_secs(5);
-        config.outbound = policy();
-        config.trust = trust;
-        let server = ApiServer::start(api_pool, config).await.unwrap();
-        let api = Api {
-            base_url: format!("http://{}", server.address),
-            server,
-            client: reqwest::Client::builder()
-                .timeout(Duration::from_secs(30))
-                .build()
-                .unwrap(),
-        };
+        let api = Api::serve(api_pool, |config| {
+            config.upstream_timeout = Duration::from_secs(5);
+            config.outbound = policy();
+            config.trust = trust;
+        })
+        .await;
         Self {
             app,
             sequencer,
@@ -94,7 +83,7 @@ impl Relay {
         for info in infos {
             let tenant = tenant_of_key(self.pool(), &info.key_token, "over tls").await;
             create_endpoint(self.pool(), tenant, info, upstream).await;
-            tokens.push(token_for(KEY, &Subject::Tenant(tenant)));
+            tokens.push(Api::tenant_token(tenant));
         }
         tokens
     }
@@ -113,7 +102,7 @@ impl Relay {
 
     async fn stop(self) {
         self.sequencer.stop().await;
-        self.api.server.stop().await.unwrap();
+        self.api.stop().await;
         self.app.stop().await;
     }
 }
@@ -220,8 +209,7 @@ async fn stored_events(pool: &PgPool, ids: &[Uuid], kind: &str) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reloads_refetches_and_a_rewind_over_tls_leave_the_copy_equal_to_the_oracle() {
-    let seed = seed();
-    eprintln!("upstream_tls: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let seed = printed_seed("upstream_tls");
     let ca = TestCa::new("upstream");
     let relay = Relay::start(ca.trust()).await;
     // Refetch events (the relay reads the item), resets in the middle of a reload and expired
@@ -303,8 +291,7 @@ async fn failing_state(relay: &Relay, token: &str, endpoint: Uuid) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_certificate_the_relay_refuses_shows_in_the_endpoints_state() {
-    let seed = seed();
-    eprintln!("upstream_tls: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let seed = printed_seed("upstream_tls");
     let ca = TestCa::new("trusted");
     let other = TestCa::new("other");
     let relay = Relay::start(ca.trust()).await;
