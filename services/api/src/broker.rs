@@ -272,6 +272,22 @@ impl BrokerAccess {
         }
     }
 
+    /// PUTs `body` at `segments` (a declaration or a setting: idempotent).
+    async fn put(
+        &self,
+        http: &reqwest::Client,
+        segments: &[&str],
+        body: serde_json::Value,
+    ) -> Result<(), ApiError> {
+        self.call(http, Method::PUT, segments, Some(body), false)
+            .await
+    }
+
+    /// DELETEs what is at `segments`; what is absent already is no error.
+    async fn delete(&self, http: &reqwest::Client, segments: &[&str]) -> Result<(), ApiError> {
+        self.call(http, Method::DELETE, segments, None, true).await
+    }
+
     /// Makes the tenant's user (or sets its password anew) with its permissions, and declares
     /// its queue; returns the new password. Ends every connection the user had open, so a
     /// rotated password is no longer in use anywhere.
@@ -289,22 +305,15 @@ impl BrokerAccess {
             "hashing_algorithm": "rabbit_password_hashing_sha256",
             "tags": "",
         });
-        self.call(http, Method::PUT, &["users", &username], Some(user), false)
-            .await?;
+        self.put(http, &["users", &username], user).await?;
         let queue = tenant_queue(tenant.0);
         let permissions = json!({
             "configure": "^$",
             "write": "^$",
             "read": format!("^{}(\\.dead-letter)?$", queue.replace('.', "\\.")),
         });
-        self.call(
-            http,
-            Method::PUT,
-            &["permissions", &self.vhost, &username],
-            Some(permissions),
-            false,
-        )
-        .await?;
+        self.put(http, &["permissions", &self.vhost, &username], permissions)
+            .await?;
         self.declare_queue(http, &queue).await?;
         self.ensure_dead_lettering(http).await?;
         self.declare_dead_letter_queue(http, tenant).await?;
@@ -320,14 +329,8 @@ impl BrokerAccess {
             "auto_delete": false,
             "arguments": {"x-queue-type": "quorum"},
         });
-        self.call(
-            http,
-            Method::PUT,
-            &["queues", &self.vhost, queue],
-            Some(declaration),
-            false,
-        )
-        .await
+        self.put(http, &["queues", &self.vhost, queue], declaration)
+            .await
     }
 
     /// Declares the dead-letter exchange and sets the two policies to [`DeadLetters`]'s
@@ -335,48 +338,52 @@ impl BrokerAccess {
     /// current settings.
     pub async fn ensure_dead_lettering(&self, http: &reqwest::Client) -> Result<(), ApiError> {
         let exchange = json!({"type": "direct", "durable": true, "auto_delete": false});
-        self.call(
+        self.put(
             http,
-            Method::PUT,
             &["exchanges", &self.vhost, DEAD_LETTER_EXCHANGE],
-            Some(exchange),
-            false,
+            exchange,
         )
         .await?;
         let tenant_queues = json!({
-            "pattern": TENANT_QUEUE_PATTERN,
-            "apply-to": "queues",
-            "priority": POLICY_PRIORITY,
-            "definition": {
-                "delivery-limit": self.dead_letters.delivery_limit,
-                "dead-letter-exchange": DEAD_LETTER_EXCHANGE,
-            },
+            "delivery-limit": self.dead_letters.delivery_limit,
+            "dead-letter-exchange": DEAD_LETTER_EXCHANGE,
         });
-        self.call(
+        self.set_policy(
             http,
-            Method::PUT,
-            &["policies", &self.vhost, TENANT_QUEUES_POLICY],
-            Some(tenant_queues),
-            false,
+            TENANT_QUEUES_POLICY,
+            TENANT_QUEUE_PATTERN,
+            tenant_queues,
         )
         .await?;
         let dead_letter_queues = json!({
-            "pattern": DEAD_LETTER_QUEUE_PATTERN,
-            "apply-to": "queues",
-            "priority": POLICY_PRIORITY,
-            "definition": {
-                "message-ttl": u64::try_from(self.dead_letters.retention.as_millis())
-                    .unwrap_or(u64::MAX),
-            },
+            "message-ttl": u64::try_from(self.dead_letters.retention.as_millis())
+                .unwrap_or(u64::MAX),
         });
-        self.call(
+        self.set_policy(
             http,
-            Method::PUT,
-            &["policies", &self.vhost, DEAD_LETTER_QUEUES_POLICY],
-            Some(dead_letter_queues),
-            false,
+            DEAD_LETTER_QUEUES_POLICY,
+            DEAD_LETTER_QUEUE_PATTERN,
+            dead_letter_queues,
         )
         .await
+    }
+
+    /// Sets the policy `name`: `definition` on every queue whose name matches `pattern`.
+    async fn set_policy(
+        &self,
+        http: &reqwest::Client,
+        name: &str,
+        pattern: &str,
+        definition: serde_json::Value,
+    ) -> Result<(), ApiError> {
+        let policy = json!({
+            "pattern": pattern,
+            "apply-to": "queues",
+            "priority": POLICY_PRIORITY,
+            "definition": definition,
+        });
+        self.put(http, &["policies", &self.vhost, name], policy)
+            .await
     }
 
     /// Declares the tenant's dead-letter queue (durable, quorum) and binds it to the
@@ -415,14 +422,7 @@ impl BrokerAccess {
         tenant: TenantId,
     ) -> Result<(), ApiError> {
         for queue in [tenant_queue(tenant.0), dead_letter_queue(tenant)] {
-            self.call(
-                http,
-                Method::DELETE,
-                &["queues", &self.vhost, &queue],
-                None,
-                true,
-            )
-            .await?;
+            self.delete(http, &["queues", &self.vhost, &queue]).await?;
         }
         Ok(())
     }
@@ -430,8 +430,7 @@ impl BrokerAccess {
     /// Deletes the tenant's user (and with it its permissions), and ends its connections.
     pub async fn revoke(&self, http: &reqwest::Client, tenant: TenantId) -> Result<(), ApiError> {
         let username = Self::username(tenant);
-        self.call(http, Method::DELETE, &["users", &username], None, true)
-            .await?;
+        self.delete(http, &["users", &username]).await?;
         self.close_connections(http, &username).await
     }
 
@@ -440,14 +439,8 @@ impl BrokerAccess {
         http: &reqwest::Client,
         username: &str,
     ) -> Result<(), ApiError> {
-        self.call(
-            http,
-            Method::DELETE,
-            &["connections", "username", username],
-            None,
-            true,
-        )
-        .await
+        self.delete(http, &["connections", "username", username])
+            .await
     }
 }
 
