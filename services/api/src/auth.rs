@@ -173,7 +173,6 @@ pub enum TokenError {
 pub struct IssuedToken {
     pub token: String,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub expires_at: OffsetDateTime,
 }
 
@@ -417,44 +416,22 @@ mod tests {
         let now = OffsetDateTime::now_utc();
         let tenant = Uuid::new_v4();
         let verifier = Verifier::new(keys(1), "relay");
-        let ok = mint(
-            &keys(1),
-            "relay",
-            &Subject::Tenant(tenant),
-            Duration::from_secs(60),
-            now,
-        )
-        .unwrap();
-        let claims = verifier.verify(&ok.token).unwrap();
+        // A minute's token for the tenant, signed with key `key` for `audience` at `at`.
+        let token = |key: u8, audience: &str, at: OffsetDateTime| {
+            let subject = Subject::Tenant(tenant);
+            mint(&keys(key), audience, &subject, Duration::from_secs(60), at)
+                .unwrap()
+                .token
+        };
+        let claims = verifier.verify(&token(1, "relay", now)).unwrap();
         assert_eq!((claims.role, claims.tenant), (Role::Tenant, Some(tenant)));
 
-        let expired = mint(
-            &keys(1),
-            "relay",
-            &Subject::Tenant(tenant),
-            Duration::from_secs(60),
-            now - Duration::from_secs(3600),
-        )
-        .unwrap();
-        assert!(verifier.verify(&expired.token).is_err());
-        let other_audience = mint(
-            &keys(1),
-            "elsewhere",
-            &Subject::Tenant(tenant),
-            Duration::from_secs(60),
-            now,
-        )
-        .unwrap();
-        assert!(verifier.verify(&other_audience.token).is_err());
-        let other_key = mint(
-            &keys(2),
-            "relay",
-            &Subject::Tenant(tenant),
-            Duration::from_secs(60),
-            now,
-        )
-        .unwrap();
-        assert!(verifier.verify(&other_key.token).is_err());
+        let expired = token(1, "relay", now - Duration::from_secs(3600));
+        assert!(verifier.verify(&expired).is_err());
+        let other_audience = token(1, "elsewhere", now);
+        assert!(verifier.verify(&other_audience).is_err());
+        let other_key = token(2, "relay", now);
+        assert!(verifier.verify(&other_key).is_err());
     }
 
     const HOUR: Duration = Duration::from_secs(3600);
