@@ -37,11 +37,9 @@ pub struct BrokerCredentialsView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub password: Option<String>,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
     /// When the password was last set (made or rotated).
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub rotated_at: OffsetDateTime,
 }
 
@@ -87,7 +85,28 @@ fn view(
     }
 }
 
-const NOT_ISSUED: ApiError = ApiError::NotFound("broker credentials");
+/// The tenant's broker user, or 404 when none was made.
+async fn issued(state: &AppState, tenant: relay_store::TenantId) -> Result<BrokerUser, ApiError> {
+    broker_users::get(&state.pool, tenant)
+        .await?
+        .ok_or(ApiError::NotFound("broker credentials"))
+}
+
+/// Gives the tenant's broker user `username` a new password and records it; the credentials
+/// with the password, logged as `done`.
+async fn issue(
+    state: &AppState,
+    tenant: relay_store::TenantId,
+    username: &str,
+    done: &str,
+) -> Result<BrokerCredentialsView, ApiError> {
+    let password = state.broker.issue(&state.management, tenant).await?;
+    let user = broker_users::record(&state.pool, tenant, username)
+        .await?
+        .ok_or(ApiError::NotFound("tenant"))?;
+    tracing::info!(%tenant, username = %user.username, "{done}");
+    Ok(view(&state.broker, tenant, user, Some(password)))
+}
 
 #[utoipa::path(
     get, path = "/v1/broker/credentials", tag = "broker", security(("bearer" = [])),
@@ -101,9 +120,7 @@ pub async fn get_credentials(
     State(state): State<AppState>,
     TenantId(tenant): TenantId,
 ) -> Result<Json<BrokerCredentialsView>, ApiError> {
-    let user = broker_users::get(&state.pool, tenant)
-        .await?
-        .ok_or(NOT_ISSUED)?;
+    let user = issued(&state, tenant).await?;
     Ok(Json(view(&state.broker, tenant, user, None)))
 }
 
@@ -134,15 +151,9 @@ pub async fn create_credentials(
             "the tenant has broker credentials; rotate them for a new password",
         ));
     }
-    let password = state.broker.issue(&state.management, tenant).await?;
-    let user = broker_users::record(&state.pool, tenant, &BrokerAccess::username(tenant))
-        .await?
-        .ok_or(ApiError::NotFound("tenant"))?;
-    tracing::info!(%tenant, username = %user.username, "broker credentials made");
-    Ok((
-        StatusCode::CREATED,
-        Json(view(&state.broker, tenant, user, Some(password))),
-    ))
+    let username = BrokerAccess::username(tenant);
+    let made = issue(&state, tenant, &username, "broker credentials made").await?;
+    Ok((StatusCode::CREATED, Json(made)))
 }
 
 #[utoipa::path(
@@ -160,15 +171,9 @@ pub async fn rotate_credentials(
     State(state): State<AppState>,
     TenantId(tenant): TenantId,
 ) -> Result<Json<BrokerCredentialsView>, ApiError> {
-    let user = broker_users::get(&state.pool, tenant)
-        .await?
-        .ok_or(NOT_ISSUED)?;
-    let password = state.broker.issue(&state.management, tenant).await?;
-    let user = broker_users::record(&state.pool, tenant, &user.username)
-        .await?
-        .ok_or(ApiError::NotFound("tenant"))?;
-    tracing::info!(%tenant, username = %user.username, "broker credentials rotated");
-    Ok(Json(view(&state.broker, tenant, user, Some(password))))
+    let user = issued(&state, tenant).await?;
+    let rotated = issue(&state, tenant, &user.username, "broker credentials rotated").await?;
+    Ok(Json(rotated))
 }
 
 #[utoipa::path(
@@ -184,9 +189,7 @@ pub async fn delete_credentials(
     State(state): State<AppState>,
     TenantId(tenant): TenantId,
 ) -> Result<StatusCode, ApiError> {
-    broker_users::get(&state.pool, tenant)
-        .await?
-        .ok_or(NOT_ISSUED)?;
+    issued(&state, tenant).await?;
     state.broker.revoke(&state.management, tenant).await?;
     broker_users::delete(&state.pool, tenant).await?;
     tracing::info!(%tenant, "broker credentials deleted");
