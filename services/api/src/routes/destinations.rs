@@ -29,14 +29,12 @@ pub struct DestinationView {
     /// Whether a broker URL is stored. The URL itself is never returned.
     pub amqp_url_set: bool,
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub updated_at: Option<OffsetDateTime>,
     /// Why the publisher refuses to send to this destination (it resolved to the relay's own
     /// broker, or to an address the operator does not allow), when it does. Nothing is sent
     /// until the destination is changed or its host resolves elsewhere.
     pub refused_reason: Option<String>,
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub refused_at: Option<OffsetDateTime>,
 }
 

@@ -24,7 +24,9 @@ use uuid::Uuid;
 
 use relay_netguard::{GuardedClient, GuardedResolver, ResolveError};
 
-use super::{owned_endpoint, parse_uuid, AppState, QueryArgs};
+use super::{
+    owned_endpoint, parse_endpoint_id, parse_uuid, AppState, QueryArgs, ENDPOINT_NOT_FOUND,
+};
 use crate::auth::TenantId;
 use crate::error::{ApiError, ErrorBody, JsonBody};
 
@@ -53,10 +55,8 @@ pub struct EndpointView {
     /// Whether an upstream API key is stored. The key itself is never returned.
     pub upstream_api_key_set: bool,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub updated_at: OffsetDateTime,
     /// The signing secrets, by id (never their value). Absent in lists.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -67,11 +67,9 @@ pub struct EndpointView {
 pub struct SecretView {
     pub id: i64,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
     /// When it stops verifying; absent for a secret that does not expire.
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub expires_at: Option<OffsetDateTime>,
     /// Verifies now.
     pub active: bool,
@@ -234,7 +232,6 @@ pub struct RotationView {
     pub secret: SecretView,
     /// When the secrets held before stop verifying.
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub old_secrets_expire_at: OffsetDateTime,
     /// How many were given that expiry (one due to expire sooner keeps its own).
     pub old_secrets: u64,
@@ -365,7 +362,7 @@ pub async fn load_endpoint(
 ) -> Result<EndpointView, ApiError> {
     let mut view: EndpointView = store::find(pool, tenant, id)
         .await?
-        .ok_or(ApiError::NotFound("webhook endpoint"))?
+        .ok_or(ENDPOINT_NOT_FOUND)?
         .into();
     view.secrets = Some(secrets_of(pool, tenant, id).await?);
     Ok(view)
@@ -557,7 +554,7 @@ pub async fn get_endpoint(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<EndpointView>, ApiError> {
-    let id = EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
+    let id = parse_endpoint_id(&endpoint_id)?;
     Ok(Json(load_endpoint(&state.pool, tenant, id).await?))
 }
 
@@ -579,10 +576,10 @@ pub async fn update_endpoint(
     Path(endpoint_id): Path<String>,
     JsonBody(body): JsonBody<EndpointUpdate>,
 ) -> Result<Json<EndpointView>, ApiError> {
-    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
+    let id = parse_endpoint_id(&endpoint_id)?;
     let current = store::find(&state.pool, tenant, id)
         .await?
-        .ok_or(ApiError::NotFound("webhook endpoint"))?;
+        .ok_or(ENDPOINT_NOT_FOUND)?;
     let stories = current.source == "stories";
     if stories && body.lang.is_some() {
         return Err(ApiError::invalid("lang", "belongs to feed endpoints"));
@@ -639,7 +636,7 @@ pub async fn update_endpoint(
         tickers,
     };
     if !store::change_settings(&state.pool, tenant, id, &change).await? {
-        return Err(ApiError::NotFound("webhook endpoint"));
+        return Err(ENDPOINT_NOT_FOUND);
     }
     tracing::info!(%tenant, endpoint = %id, lang = ?change.lang,
                    base_url_changed = change.upstream_base_url.is_some(),
@@ -653,11 +650,11 @@ async fn set_status(
     endpoint_id: &str,
     status: EndpointStatus,
 ) -> Result<Json<EndpointView>, ApiError> {
-    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", endpoint_id)?));
+    let id = parse_endpoint_id(endpoint_id)?;
     // The front tier hears of the change through the table's NOTIFY trigger and answers 410
     // (or takes messages again) at once, not when its cache entry expires.
     if !store::change_status(&state.pool, tenant, id, status).await? {
-        return Err(ApiError::NotFound("webhook endpoint"));
+        return Err(ENDPOINT_NOT_FOUND);
     }
     tracing::info!(%tenant, endpoint = %id, status = status.as_str(), "endpoint status set");
     Ok(Json(load_endpoint(&state.pool, tenant, id).await?))
@@ -689,10 +686,10 @@ pub async fn delete_endpoint(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<(StatusCode, Json<DeletionView>), ApiError> {
-    let id = EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
+    let id = parse_endpoint_id(&endpoint_id)?;
     let marked = relay_store::offboard::mark_endpoint(&state.pool, tenant, id)
         .await?
-        .ok_or(ApiError::NotFound("webhook endpoint"))?;
+        .ok_or(ENDPOINT_NOT_FOUND)?;
     tracing::info!(%tenant, endpoint = %id, ?marked, "endpoint deleting");
     state.purge.notify_one();
     Ok((
@@ -755,7 +752,7 @@ pub async fn list_secrets(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<Vec<SecretView>>, ApiError> {
-    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
+    let id = parse_endpoint_id(&endpoint_id)?;
     owned_endpoint(&state.pool, tenant, id).await?;
     Ok(Json(secrets_of(&state.pool, tenant, id).await?))
 }
@@ -763,7 +760,7 @@ pub async fn list_secrets(
 /// Why a secret was not added: the endpoint is not the tenant's, or holds it already.
 fn secret_not_added(error: StoreError) -> ApiError {
     match error {
-        StoreError::NotFound { .. } => ApiError::NotFound("webhook endpoint"),
+        StoreError::NotFound { .. } => ENDPOINT_NOT_FOUND,
         StoreError::AlreadyExists { .. } => {
             ApiError::conflict(Some("secret"), "the endpoint holds this secret already")
         }
@@ -788,7 +785,7 @@ pub async fn add_secret(
     Path(endpoint_id): Path<String>,
     JsonBody(body): JsonBody<NewSecret>,
 ) -> Result<(StatusCode, Json<SecretView>), ApiError> {
-    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
+    let id = parse_endpoint_id(&endpoint_id)?;
     let secret = valid_secret("secret", &body.secret)?;
     let expires_in = body
         .expires_in_s
@@ -820,7 +817,7 @@ pub async fn rotate_secret(
     Path(endpoint_id): Path<String>,
     JsonBody(body): JsonBody<SecretRotation>,
 ) -> Result<Json<RotationView>, ApiError> {
-    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
+    let id = parse_endpoint_id(&endpoint_id)?;
     let secret = valid_secret("secret", &body.secret)?;
     let overlap = seconds(
         "overlap_s",
@@ -859,7 +856,7 @@ pub async fn expire_secret(
     Path((endpoint_id, secret_id)): Path<(String, String)>,
     JsonBody(body): JsonBody<SecretExpiry>,
 ) -> Result<Json<SecretView>, ApiError> {
-    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
+    let id = parse_endpoint_id(&endpoint_id)?;
     let secret_id: i64 = secret_id
         .parse()
         .map_err(|_| ApiError::invalid("secret_id", "not a secret's id"))?;

@@ -179,6 +179,15 @@ pub fn parse_uuid(field: &str, text: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(text).map_err(|_| ApiError::invalid(field, "not a UUID"))
 }
 
+/// The endpoint a path's `endpoint_id` names.
+pub fn parse_endpoint_id(text: &str) -> Result<relay_store::EndpointId, ApiError> {
+    parse_uuid("endpoint_id", text).map(relay_store::EndpointId)
+}
+
+/// The answer for an endpoint that is not the tenant's: another tenant's endpoint and an
+/// unknown one are the same 404.
+pub const ENDPOINT_NOT_FOUND: ApiError = ApiError::NotFound("webhook endpoint");
+
 /// A query string's values, read one field at a time so each error names its field. Unknown
 /// parameters are refused, as unknown body fields are.
 /// The longest query value any route takes (cursors are the longest), in bytes.
@@ -240,8 +249,7 @@ impl QueryArgs {
     }
 }
 
-/// Checks the endpoint is the tenant's: another tenant's endpoint and an unknown one are the
-/// same 404.
+/// Checks the endpoint is the tenant's ([`ENDPOINT_NOT_FOUND`] when not).
 pub async fn owned_endpoint(
     pool: &PgPool,
     tenant: relay_store::TenantId,
@@ -250,7 +258,7 @@ pub async fn owned_endpoint(
     if relay_store::endpoints::owned(pool, tenant, endpoint).await? {
         Ok(())
     } else {
-        Err(ApiError::NotFound("webhook endpoint"))
+        Err(ENDPOINT_NOT_FOUND)
     }
 }
 

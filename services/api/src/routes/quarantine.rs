@@ -20,7 +20,7 @@ use serde::Serialize;
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
-use super::{owned_endpoint, parse_uuid, AppState, QueryArgs};
+use super::{owned_endpoint, parse_endpoint_id, AppState, QueryArgs};
 use crate::auth::TenantId;
 use crate::error::{ApiError, ErrorBody};
 
@@ -34,12 +34,10 @@ pub struct QuarantinedView {
     /// How many times its apply was tried.
     pub attempts: i32,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub quarantined_at: OffsetDateTime,
     /// quarantined (waiting), retried or discarded.
     pub status: String,
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub resolved_at: Option<OffsetDateTime>,
     /// A retried message's new arrival number (its messages listing shows how it applied).
     pub retried_as: Option<i64>,
@@ -89,7 +87,7 @@ pub async fn list_quarantine(
     Path(endpoint_id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<QuarantinePage>, ApiError> {
-    let id = relay_store::EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
+    let id = parse_endpoint_id(&endpoint_id)?;
     let query = QueryArgs::new(query, &["status", "after", "limit"])?;
     let status = match query.text("status") {
         None | Some("quarantined") => Some("quarantined"),
@@ -163,7 +161,7 @@ fn message_key(
     endpoint_id: &str,
     arrival_seq: &str,
 ) -> Result<(relay_store::EndpointId, i64), ApiError> {
-    let id = relay_store::EndpointId(parse_uuid("endpoint_id", endpoint_id)?);
+    let id = parse_endpoint_id(endpoint_id)?;
     let seq = arrival_seq
         .parse::<i64>()
         .map_err(|_| ApiError::invalid("arrival_seq", "not a whole number"))?;

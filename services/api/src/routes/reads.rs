@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use axum::extract::{Path, Query, State};
 use axum::Json;
 use relay_store::stories::{ReloadStatus, SyncView};
-use relay_store::{copy, cursors, endpoints, messages, stories, tracks, EndpointId};
+use relay_store::{copy, cursors, endpoints, messages, stories, tracks};
 use relay_wire::ItemKind;
 use serde::Serialize;
 use serde_json::Value;
@@ -18,7 +18,7 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::{owned_endpoint, parse_uuid, AppState, QueryArgs};
+use super::{owned_endpoint, parse_endpoint_id, AppState, QueryArgs, ENDPOINT_NOT_FOUND};
 use crate::auth::TenantId;
 use crate::error::{check_text, ApiError, ErrorBody};
 
@@ -39,7 +39,6 @@ pub struct CopyItemView {
     #[schema(value_type = Option<Object>)]
     pub item: Option<Value>,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub updated_at: OffsetDateTime,
 }
 
@@ -92,7 +91,7 @@ pub async fn list_copy(
     Path(endpoint_id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<CopyPage>, ApiError> {
-    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
+    let id = parse_endpoint_id(&endpoint_id)?;
     let query = QueryArgs::new(
         query,
         &[
@@ -147,7 +146,7 @@ pub async fn get_copy_item(
     TenantId(tenant): TenantId,
     Path((endpoint_id, subject)): Path<(String, String)>,
 ) -> Result<Json<CopyItemView>, ApiError> {
-    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
+    let id = parse_endpoint_id(&endpoint_id)?;
     check_text("subject", &subject, MAX_SUBJECT_BYTES)?;
     owned_endpoint(&state.pool, tenant, id).await?;
     let row = copy::find_item(&state.pool, tenant, id, &subject).await?;
@@ -167,7 +166,6 @@ pub struct TrackView {
     #[schema(value_type = Option<Object>)]
     pub reload: Option<Value>,
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub reload_begun_at: Option<OffsetDateTime>,
 }
 
@@ -194,15 +192,12 @@ pub struct UpstreamStateView {
     pub consecutive_failures: i32,
     /// When the calls began failing; null when the last call answered well.
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub failing_since: Option<OffsetDateTime>,
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub last_failure_at: Option<OffsetDateTime>,
     /// When the upstream last answered well after failing (calls that answer well while none
     /// failed are not recorded).
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub last_success_at: Option<OffsetDateTime>,
 }
 
@@ -216,7 +211,6 @@ pub struct RestoreView {
     /// The backup's last message was a reset: the feed is read again, nothing is asked.
     pub last_was_reset: bool,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub restored_at: OffsetDateTime,
 }
 
@@ -241,7 +235,6 @@ pub struct StoriesReloadView {
     pub round: Option<i64>,
     /// When the last reload in full finished; null: none has.
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub reloaded_at: Option<OffsetDateTime>,
 }
 
@@ -256,7 +249,6 @@ pub struct StoriesStateView {
     pub catch_up_cursor: Option<String>,
     /// When catch-up last read to the end of `GET /v1/events`; null: never.
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub caught_up_at: Option<OffsetDateTime>,
     pub reload: StoriesReloadView,
     /// Tickers registered whose stories are not loaded yet (the next sync loads them).
@@ -269,7 +261,6 @@ pub struct StoriesStateView {
     /// endpoint's syncs read them again), and since when the oldest is owed.
     pub reads_owed: i64,
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub reads_owed_since: Option<OffsetDateTime>,
 }
 
@@ -320,14 +311,11 @@ pub struct StateView {
     /// How long the oldest message waiting has waited, in seconds; 0 when none waits.
     pub apply_lag_s: f64,
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub oldest_waiting_received_at: Option<OffsetDateTime>,
     /// When the last message applied was received, and when it was applied.
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub last_applied_received_at: Option<OffsetDateTime>,
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub last_applied_at: Option<OffsetDateTime>,
     /// Changes not yet published.
     pub outbox_backlog: i64,
@@ -359,12 +347,12 @@ pub async fn endpoint_state(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<StateView>, ApiError> {
-    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
+    let id = parse_endpoint_id(&endpoint_id)?;
     // One snapshot for every figure, so they agree with each other.
     let mut tx = relay_store::read_snapshot(&state.pool).await?;
     let (status, upstream_configured) = endpoints::status_and_settings(&mut *tx, tenant, id)
         .await?
-        .ok_or(ApiError::NotFound("webhook endpoint"))?;
+        .ok_or(ENDPOINT_NOT_FOUND)?;
     let stories = stories::sync_view(&mut *tx, tenant, id).await?;
     let tracks = tracks::states(&mut *tx, tenant, id)
         .await?
@@ -448,7 +436,6 @@ pub struct ApplicationView {
     pub events_applied: i32,
     pub events_ignored: i32,
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub applied_at: Option<OffsetDateTime>,
 }
 
@@ -457,11 +444,9 @@ pub struct MessageView {
     pub arrival_seq: i64,
     pub webhook_id: String,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub signed_at: OffsetDateTime,
     pub attempt: Option<i32>,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub received_at: OffsetDateTime,
     pub track: Option<String>,
     pub generation: Option<i64>,
@@ -477,7 +462,6 @@ pub struct MessageView {
     /// not stored again), and when last.
     pub duplicates: i32,
     #[serde(with = "time::serde::rfc3339::option")]
-    #[schema(value_type = Option<String>, format = DateTime)]
     pub last_duplicate_at: Option<OffsetDateTime>,
     /// How the sequencer applied it; absent while it waits.
     pub applied: Option<ApplicationView>,
@@ -523,7 +507,7 @@ pub async fn list_messages(
     Path(endpoint_id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<MessagePage>, ApiError> {
-    let (tenant, id) = (tenant, EndpointId(parse_uuid("endpoint_id", &endpoint_id)?));
+    let id = parse_endpoint_id(&endpoint_id)?;
     let query = QueryArgs::new(
         query,
         &[

@@ -30,7 +30,7 @@ use serde_json::Value;
 use utoipa::ToSchema;
 
 use super::reads::RestoreView;
-use super::{parse_uuid, AppState};
+use super::{parse_endpoint_id, AppState, ENDPOINT_NOT_FOUND};
 use crate::auth::TenantId;
 use crate::error::{ApiError, ErrorBody};
 use crate::upstream;
@@ -146,7 +146,7 @@ pub async fn rewind_track(
         }
     })?;
     let ends_at = tokio::time::Instant::now() + deadline;
-    let id = relay_store::EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
+    let id = parse_endpoint_id(&endpoint_id)?;
     valid_track(&track)?;
     if track != FEED_TRACK {
         // Version 1 names one track; no row of another is ever kept.
@@ -155,7 +155,7 @@ pub async fn rewind_track(
     let registration = relay_store::endpoints::load_registration(&state.pool, id)
         .await?
         .filter(|r| r.tenant_id == tenant)
-        .ok_or(ApiError::NotFound("webhook endpoint"))?;
+        .ok_or(ENDPOINT_NOT_FOUND)?;
     let (base_url, api_key) = (
         registration.upstream_base_url,
         registration.upstream_api_key,

@@ -7,13 +7,12 @@ use std::collections::HashMap;
 use axum::extract::{Path, Query, State};
 use axum::Json;
 use relay_store::stories;
-use relay_store::EndpointId;
 use serde::Serialize;
 use serde_json::Value;
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
-use super::{owned_endpoint, parse_uuid, AppState, QueryArgs};
+use super::{owned_endpoint, parse_endpoint_id, AppState, QueryArgs};
 use crate::auth::TenantId;
 use crate::error::{check_text, ApiError, ErrorBody};
 
@@ -80,7 +79,7 @@ pub async fn list_stories(
     Path(endpoint_id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<StoryPage>, ApiError> {
-    let id = EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
+    let id = parse_endpoint_id(&endpoint_id)?;
     let query = QueryArgs::new(query, &["after", "limit", "ticker", "include_closed"])?;
     let limit = query.limit(100, 500)?;
     let include_closed = query.flag("include_closed")?;
@@ -120,7 +119,7 @@ pub async fn get_story(
     TenantId(tenant): TenantId,
     Path((endpoint_id, story_id)): Path<(String, String)>,
 ) -> Result<Json<StoryView>, ApiError> {
-    let id = EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
+    let id = parse_endpoint_id(&endpoint_id)?;
     check_text("story_id", &story_id, MAX_ID_BYTES)?;
     owned_endpoint(&state.pool, tenant, id).await?;
     let row = stories::find(&state.pool, tenant, id, &story_id).await?;
@@ -139,7 +138,6 @@ pub struct NotificationView {
     pub event_id: Option<String>,
     /// When it was claimed (and appended to the tenant's stream, in the same transaction).
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub claimed_at: OffsetDateTime,
     /// Whether the notification was sent to the tenant's queue. False for a story that became
     /// strong before the endpoint was registered: claimed, so never notified later, but not sent
@@ -175,7 +173,7 @@ pub async fn list_notifications(
     Path(endpoint_id): Path<String>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Result<Json<NotificationPage>, ApiError> {
-    let id = EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
+    let id = parse_endpoint_id(&endpoint_id)?;
     let query = QueryArgs::new(query, &["after", "limit"])?;
     let limit = query.limit(100, 500)?;
     owned_endpoint(&state.pool, tenant, id).await?;

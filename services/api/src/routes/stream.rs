@@ -16,12 +16,11 @@ use axum::http::StatusCode;
 use axum::Json;
 use relay_store::changes::{self, Replay};
 use relay_store::restores::Resync;
-use relay_store::EndpointId;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::{parse_uuid, AppState};
+use super::{parse_endpoint_id, AppState, ENDPOINT_NOT_FOUND};
 use crate::auth::TenantId;
 use crate::error::{ApiError, ErrorBody, JsonBody};
 
@@ -62,12 +61,12 @@ pub async fn replay(
     Path(endpoint_id): Path<String>,
     JsonBody(body): JsonBody<ReplayRequest>,
 ) -> Result<(StatusCode, Json<ReplayView>), ApiError> {
-    let id = EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
+    let id = parse_endpoint_id(&endpoint_id)?;
     if body.from_change_seq < 1 {
         return Err(ApiError::invalid("from_change_seq", "1 or more"));
     }
     match changes::replay(&state.pool, tenant, id, body.from_change_seq).await? {
-        None => Err(ApiError::NotFound("webhook endpoint")),
+        None => Err(ENDPOINT_NOT_FOUND),
         Some(Replay::Ahead { epoch, through }) => Err(ApiError::invalid(
             "from_change_seq",
             format!("past the endpoint's last change, {through} of epoch {epoch}"),
@@ -125,9 +124,9 @@ pub async fn resync(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<(StatusCode, Json<ResyncView>), ApiError> {
-    let id = EndpointId(parse_uuid("endpoint_id", &endpoint_id)?);
+    let id = parse_endpoint_id(&endpoint_id)?;
     match relay_store::restores::resync(&state.pool, tenant, id).await? {
-        None => Err(ApiError::NotFound("webhook endpoint")),
+        None => Err(ENDPOINT_NOT_FOUND),
         Some(Resync::SnapshotUnsent { epoch }) => Err(ApiError::conflict(
             None,
             format!(

@@ -22,7 +22,6 @@ pub struct TenantView {
     pub id: Uuid,
     pub name: String,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
 }
 
@@ -240,7 +239,6 @@ pub struct OwnTenantView {
     pub id: Uuid,
     pub name: String,
     #[serde(with = "time::serde::rfc3339")]
-    #[schema(value_type = String, format = DateTime)]
     pub created_at: OffsetDateTime,
     pub quotas: OwnQuotasView,
     pub usage: super::quotas::UsageView,
