@@ -13,7 +13,7 @@ use relay_api::{mint, JwtKeys, Subject};
 use relay_netguard::OutboundPolicy;
 use relay_rules::{DestinationPolicy, EndpointTrack};
 use relay_store::cursors;
-use relay_store::messages::{store_batch, IncomingMessage};
+use relay_store::messages::IncomingMessage;
 use relay_store::runs::{self, RunWrite};
 use relay_store::tracks::{self, TrackClaim};
 use relay_tests::{capture_logs, execute_for, random_secret, TestDb, Vhost};
@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use crate::sequencer_apply::{incoming, store_new};
 use crate::stack::{open_and_decide, relay_broker, Api, KEY};
 
 #[path = "api_input.rs"]
@@ -240,32 +241,16 @@ pub async fn apply_events(db: &TestDb, tenant: Uuid, endpoint: Uuid, events: &[V
 pub async fn store_messages(db: &TestDb, tenant: Uuid, endpoint: Uuid, n: u64) -> Vec<i64> {
     let now = OffsetDateTime::now_utc();
     let batch: Vec<IncomingMessage> = (0..n)
-        .map(|i| IncomingMessage {
-            endpoint_id: endpoint,
-            tenant_id: tenant,
-            webhook_id: format!("msg_{}", Uuid::new_v4().simple()),
-            signed_at: now,
-            attempt: Some(1),
-            received_at: now - Duration::from_secs(60 - i),
-            track: Some("feed".into()),
-            generation: Some(1),
-            body: message_body(
-                endpoint,
-                &[item_event("announcement:9", "announcement", 28, i + 1)],
-                i + 1,
-            )
-            .into(),
+        .map(|i| {
+            let events = [item_event("announcement:9", "announcement", 28, i + 1)];
+            let body = message_body(endpoint, &events, i + 1);
+            IncomingMessage {
+                received_at: now - Duration::from_secs(60 - i),
+                ..incoming(tenant, endpoint, Some("feed".into()), Some(1), body)
+            }
         })
         .collect();
-    store_batch(&db.pool, &batch)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|o| match o {
-            relay_store::messages::StoreOutcome::Stored { arrival_seq } => arrival_seq,
-            other => panic!("{other:?}"),
-        })
-        .collect()
+    store_new(&db.pool, &batch).await
 }
 
 // ---- every route, every kind of bad token ----------------------------------------------------

@@ -16,7 +16,7 @@ use relay_sequencer::{
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_store::cursors::{self, PendingMessage};
 use relay_store::endpoints::EndpointRegistration;
-use relay_store::messages::{store_batch, IncomingMessage};
+use relay_store::messages::{store_batch, IncomingMessage, StoreOutcome};
 use relay_store::tracks;
 use relay_tests::{execute_for, random_secret, redis_url, TestDb};
 use serde_json::{json, Value};
@@ -55,6 +55,19 @@ pub(crate) async fn store(db: &TestDb, tenant: Uuid, endpoint: Uuid, bodies: &[V
         })
         .collect();
     store_batch(&db.pool, &batch).await.unwrap();
+}
+
+/// Stores `batch` as the front tier does, every message of it new: their arrival numbers.
+pub(crate) async fn store_new(pool: &sqlx::PgPool, batch: &[IncomingMessage]) -> Vec<i64> {
+    store_batch(pool, batch)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|outcome| match outcome {
+            StoreOutcome::Stored { arrival_seq } => arrival_seq,
+            other => panic!("not stored: {other:?}"),
+        })
+        .collect()
 }
 
 /// `body` as the front tier hands it to the store for the endpoint: a new webhook id, signed
@@ -385,8 +398,20 @@ async fn prepared(db: &TestDb, ctx: &Arc<EndpointContext>, token: i64) -> Prepar
         .unwrap()
 }
 
-fn seqs(changes: &[relay_tests::readback::Change]) -> Vec<i64> {
-    changes.iter().map(|c| c.change_seq).collect()
+/// What runs have written for `endpoint`: its copy's rows, its outbox's change numbers, and
+/// the message its cursor has applied through.
+async fn written(db: &TestDb, endpoint: Uuid) -> (usize, Vec<i64>, i64) {
+    let rows = relay_tests::readback::copy_rows(&db.pool, endpoint)
+        .await
+        .unwrap();
+    let changes = relay_tests::readback::list_changes(&db.pool, endpoint)
+        .await
+        .unwrap();
+    let applied = cursors::applied_through(&db.pool, relay_store::EndpointId(endpoint))
+        .await
+        .unwrap();
+    let seqs = changes.iter().map(|c| c.change_seq).collect();
+    (rows.len(), seqs, applied)
 }
 
 #[tokio::test]
@@ -424,62 +449,10 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
     assert_eq!(answers[1].as_ref().unwrap().changes, 1, "{answers:?}");
     assert!(matches!(answers[2], Err(ApplyError::Fenced)), "{answers:?}");
 
-    assert_eq!(
-        relay_tests::readback::copy_rows(&s.db.pool, a)
-            .await
-            .unwrap()
-            .len(),
-        2
-    );
-    assert_eq!(
-        relay_tests::readback::copy_rows(&s.db.pool, b)
-            .await
-            .unwrap()
-            .len(),
-        1
-    );
-    assert!(relay_tests::readback::copy_rows(&s.db.pool, c)
-        .await
-        .unwrap()
-        .is_empty());
-    assert_eq!(
-        seqs(
-            &relay_tests::readback::list_changes(&s.db.pool, a)
-                .await
-                .unwrap()
-        ),
-        [1, 2]
-    );
-    assert_eq!(
-        seqs(
-            &relay_tests::readback::list_changes(&s.db.pool, b)
-                .await
-                .unwrap()
-        ),
-        [1]
-    );
-    assert!(relay_tests::readback::list_changes(&s.db.pool, c)
-        .await
-        .unwrap()
-        .is_empty());
-    assert_eq!(
-        cursors::applied_through(&s.db.pool, relay_store::EndpointId(a))
-            .await
-            .unwrap(),
-        2
-    );
-    assert_eq!(
-        cursors::applied_through(&s.db.pool, relay_store::EndpointId(b))
-            .await
-            .unwrap(),
-        1
-    );
-    assert_eq!(
-        cursors::applied_through(&s.db.pool, relay_store::EndpointId(c))
-            .await
-            .unwrap(),
-        0
-    );
+    // A's two events and B's one; nothing of C's.
+    assert_eq!(written(&s.db, a).await, (2, vec![1, 2], 2));
+    assert_eq!(written(&s.db, b).await, (1, vec![1], 1));
+    assert_eq!(written(&s.db, c).await, (0, vec![], 0));
     let events = |label: &str| metrics.events.with_label_values(&[label]).get();
     assert_eq!(
         events("stored"),
@@ -502,35 +475,9 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
         "{answers:?}"
     );
     assert_eq!(answers[1].as_ref().unwrap().changes, 1, "{answers:?}");
-    assert_eq!(
-        seqs(
-            &relay_tests::readback::list_changes(&s.db.pool, a)
-                .await
-                .unwrap()
-        ),
-        [1, 2]
-    );
-    assert_eq!(
-        seqs(
-            &relay_tests::readback::list_changes(&s.db.pool, b)
-                .await
-                .unwrap()
-        ),
-        [1, 2]
-    );
-    assert_eq!(
-        relay_tests::readback::copy_rows(&s.db.pool, b)
-            .await
-            .unwrap()
-            .len(),
-        2
-    );
-    assert_eq!(
-        cursors::applied_through(&s.db.pool, relay_store::EndpointId(b))
-            .await
-            .unwrap(),
-        2
-    );
+    // A's as it was; B's new event applied.
+    assert_eq!(written(&s.db, a).await, (2, vec![1, 2], 2));
+    assert_eq!(written(&s.db, b).await, (2, vec![1, 2], 2));
     // Counted as committed: B's new event once (it was decided twice), A's stale run not at all.
     assert_eq!(events("stored"), 4);
     assert_eq!(events("ignored_duplicate"), 0);

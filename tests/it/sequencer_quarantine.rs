@@ -15,24 +15,24 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use relay_api::{ApiConfig, ApiServer};
-use relay_api::{JwtKeys, Subject};
 use relay_rules::ApplyBackoff;
-use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
+use relay_sequencer::{SequencerConfig, SequencerMetrics};
 use relay_simulator::model::ChangeKind;
-use relay_simulator::Simulation;
 use relay_store::endpoints::{self, NewEndpoint};
-use relay_store::messages::{store_batch, IncomingMessage};
+use relay_store::messages::IncomingMessage;
 use relay_store::{cursors, tenants, tracks, PoolOptions};
-use relay_tests::{random_secret, redis_url, seed, RedisPrefix, TestApp, TestDb};
+use relay_tests::{printed_seed, random_secret, RedisPrefix, TestApp, TestDb};
 use relay_wire::Sequence;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::sequencer_apply::incoming;
-use crate::stack::{copy_items, create_endpoint, oracle, relay_backlog, token_for};
+use crate::sequencer_apply::{incoming, store_new};
+use crate::stack::{
+    copy_items, create_endpoint, oracle, relay_backlog, serve_simulation, start_sequencer_with,
+    upstream_listener, Api,
+};
 
 /// Polls `done` every 100 ms until it holds; past `limit`, fails with `what` (and the seed).
 async fn wait_until<F, Fut>(limit: Duration, what: impl Fn() -> String, mut done: F)
@@ -47,60 +47,22 @@ where
     }
 }
 
-/// Waits up to `limit` until `endpoint` has applied through the message `want`; fails with
+/// Waits up to a minute until `endpoint` has applied through the message `want`; fails with
 /// `what`.
-async fn wait_applied_through(
-    pool: &PgPool,
-    endpoint: Uuid,
-    want: i64,
-    limit: Duration,
-    what: &str,
-) {
+async fn wait_applied_through(db: &TestDb, endpoint: Uuid, want: i64, what: &str) {
+    let pool = &db.pool;
     wait_until(
-        limit,
+        Duration::from_secs(60),
         || what.to_owned(),
         || async move { applied_through(pool, endpoint).await == want },
     )
     .await;
 }
 
-/// A sequencer with its own pool on the database at `db_url`.
-async fn start_sequencer(
-    db_url: &str,
-    config: SequencerConfig,
-    metrics: SequencerMetrics,
-) -> Sequencer {
-    Sequencer::start(sequencer_pool(db_url).await, config, metrics)
-        .await
-        .unwrap()
-}
-
+/// The quarantine tests' sequencer settings under `prefix`: the whole-relay tests' (every
+/// upstream allowed: the simulator and the hanging upstream are on this machine).
 fn sequencer_config(prefix: &str) -> SequencerConfig {
-    SequencerConfig {
-        redis_url: redis_url(),
-        key_prefix: prefix.to_owned(),
-        lease: Duration::from_millis(1500),
-        sweep_interval: Duration::from_millis(200),
-        idle_linger: Duration::from_millis(100),
-        upstream_timeout: Duration::from_secs(5),
-        feed_page_limit: 8,
-        // The simulator and the hanging upstream are on this machine.
-        outbound: relay_netguard::OutboundPolicy::ANY,
-        ..SequencerConfig::default()
-    }
-}
-
-async fn sequencer_pool(url: &str) -> PgPool {
-    relay_store::connect(
-        url,
-        &PoolOptions {
-            max_connections: 8,
-            acquire_timeout: Duration::from_secs(30),
-            statement_timeout: Some(Duration::from_secs(60)),
-            ..PoolOptions::default()
-        },
-    )
-    .unwrap()
+    crate::stack::sequencer_config(prefix, 16, relay_netguard::OutboundPolicy::ANY)
 }
 
 /// Stores `bodies` for the endpoint as the front tier does (track and generation copied out
@@ -117,15 +79,7 @@ async fn store_raw(pool: &PgPool, tenant: Uuid, endpoint: Uuid, bodies: &[Vec<u8
             incoming(tenant, endpoint, track, generation, body.clone())
         })
         .collect();
-    store_batch(pool, &batch)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|outcome| match outcome {
-            relay_store::messages::StoreOutcome::Stored { arrival_seq } => arrival_seq,
-            other => panic!("not stored: {other:?}"),
-        })
-        .collect()
+    store_new(pool, &batch).await
 }
 
 /// A v1 message of one update of `announcement:n` at sequence `seq`, with event id `id`.
@@ -227,13 +181,11 @@ async fn quarantine_rows(pool: &PgPool, endpoint: Uuid) -> Vec<(i64, String, Str
 
 #[tokio::test]
 async fn an_unparseable_stored_message_is_quarantined_and_the_copy_still_equals_the_oracle() {
-    let seed = seed();
-    eprintln!("quarantine: seed {seed} (RELAY_TEST_SEED={seed} replays it)");
+    let seed = printed_seed("quarantine");
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
     let app = TestApp::spawn_waking(&prefix.0).await;
     let pool = app.db.pool.clone();
-    let api_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let api = format!("http://{}", api_listener.local_addr().unwrap());
+    let (api_listener, api) = upstream_listener("127.0.0.1").await;
     let rate = 20.0;
     let duration = Duration::from_secs(3);
     let (upstream, workload, infos) =
@@ -243,10 +195,7 @@ async fn an_unparseable_stored_message_is_quarantined_and_the_copy_still_equals_
     for info in &infos {
         create_endpoint(&pool, tenant, info, &api).await;
     }
-    let sim = Simulation::new(upstream, Duration::from_secs(2));
-    relay_simulator::api::serve(api_listener, sim.clone())
-        .await
-        .unwrap();
+    let (sim, _senders) = serve_simulation(upstream, Duration::from_secs(2), api_listener).await;
     let ids: Vec<Uuid> = infos.iter().map(|i| i.id).collect();
     let (poisoned, healthy) = (ids[0], ids[1]);
     let converged = || {
@@ -268,13 +217,12 @@ async fn an_unparseable_stored_message_is_quarantined_and_the_copy_still_equals_
     };
 
     // 1. The workload, applied as it comes.
-    let sequencer = start_sequencer(
+    let sequencer = start_sequencer_with(
         &app.db.url,
         sequencer_config(&prefix.0),
         SequencerMetrics::unregistered(),
     )
     .await;
-    let _senders = sim.spawn_senders();
     sim.clone().run_workload(workload, rate, duration).await;
     wait_until(
         Duration::from_secs(90),
@@ -343,7 +291,7 @@ async fn an_unparseable_stored_message_is_quarantined_and_the_copy_still_equals_
     // endpoint's later messages apply.
     let metrics = SequencerMetrics::unregistered();
     let sequencer =
-        start_sequencer(&app.db.url, sequencer_config(&prefix.0), metrics.clone()).await;
+        start_sequencer_with(&app.db.url, sequencer_config(&prefix.0), metrics.clone()).await;
     wait_until(
         Duration::from_secs(60),
         || format!("seed {seed}: the copies never equalled the oracle after the quarantine"),
@@ -385,49 +333,6 @@ async fn an_unparseable_stored_message_is_quarantined_and_the_copy_still_equals_
     app.stop().await;
 }
 
-// ---- The control plane ----
-
-const KEY: &[u8] = b"test-signing-key-of-the-quarantine-control-plane";
-
-struct Api {
-    _server: ApiServer,
-    base_url: String,
-    client: reqwest::Client,
-}
-
-impl Api {
-    async fn start(database_url: &str) -> Self {
-        let pool = relay_store::connect(database_url, &PoolOptions::default()).unwrap();
-        let server = ApiServer::start(pool, ApiConfig::new(JwtKeys::new(KEY).unwrap()))
-            .await
-            .unwrap();
-        let base_url = format!("http://{}", server.address);
-        Self {
-            _server: server,
-            base_url,
-            client: reqwest::Client::new(),
-        }
-    }
-
-    fn token(tenant: Uuid) -> String {
-        token_for(KEY, &Subject::Tenant(tenant))
-    }
-
-    /// The answer's status and JSON.
-    async fn call(&self, method: &str, path: &str, tenant: Uuid) -> (u16, Value) {
-        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
-        let response = self
-            .client
-            .request(method, format!("{}{path}", self.base_url))
-            .bearer_auth(Self::token(tenant))
-            .send()
-            .await
-            .expect("the API answers");
-        let status = response.status().as_u16();
-        (status, response.json().await.unwrap_or(Value::Null))
-    }
-}
-
 #[tokio::test]
 async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_and_retried() {
     let db = TestDb::new().await;
@@ -454,7 +359,7 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
 
     let metrics = SequencerMetrics::unregistered();
     let attempts = 2;
-    let sequencer = start_sequencer(
+    let sequencer = start_sequencer_with(
         &db.url,
         SequencerConfig {
             apply_attempts: attempts,
@@ -486,19 +391,11 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
 
     // B's messages apply while A's failing message waits (its first try failed, the message
     // before it applied alone).
+    wait_applied_through(&db, b_endpoint, b_seqs[1], "B's messages never applied").await;
     wait_applied_through(
-        &db.pool,
-        b_endpoint,
-        b_seqs[1],
-        Duration::from_secs(30),
-        "B's messages never applied",
-    )
-    .await;
-    wait_applied_through(
-        &db.pool,
+        &db,
         a_endpoint,
         a_seqs[0],
-        Duration::from_secs(30),
         "A's first message never applied",
     )
     .await;
@@ -509,10 +406,9 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
 
     // Then, after its last try, quarantined; the endpoint goes on.
     wait_applied_through(
-        &db.pool,
+        &db,
         a_endpoint,
         a_seqs[2],
-        Duration::from_secs(60),
         "A's later message never applied",
     )
     .await;
@@ -550,9 +446,10 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
     .await;
 
     // The control plane: A sees both, in its state and its listing; B sees none of it.
-    let api = Api::start(&db.url).await;
+    let api_pool = relay_store::connect(&db.url, &PoolOptions::default()).unwrap();
+    let api = Api::serve(api_pool, |_| {}).await;
     let base = format!("/v1/endpoints/{a_endpoint}");
-    let (status, state_view) = api.call("GET", &format!("{base}/state"), a).await;
+    let (status, state_view) = api.call_as(a, "GET", &format!("{base}/state"), None).await;
     assert_eq!(status, 200, "{state_view}");
     assert_eq!(state_view["messages_quarantined"], 2, "{state_view}");
     assert!(
@@ -561,7 +458,9 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
             .is_some_and(|r| r.starts_with("not a v1 message")),
         "{state_view}"
     );
-    let (status, listed) = api.call("GET", &format!("{base}/quarantine"), a).await;
+    let (status, listed) = api
+        .call_as(a, "GET", &format!("{base}/quarantine"), None)
+        .await;
     assert_eq!(status, 200, "{listed}");
     let seqs: Vec<i64> = listed["data"]
         .as_array()
@@ -571,7 +470,7 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
         .collect();
     assert_eq!(seqs, [a_seqs[1], not_v1], "{listed}");
     let (_, messages) = api
-        .call("GET", &format!("{base}/messages?order=arrival"), a)
+        .call_as(a, "GET", &format!("{base}/messages?order=arrival"), None)
         .await;
     let poisoned = messages["data"]
         .as_array()
@@ -591,25 +490,36 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
         ("POST", format!("{base}/quarantine/{}/retry", a_seqs[1])),
         ("POST", format!("{base}/quarantine/{not_v1}/discard")),
     ] {
-        let (status, body) = api.call(method, &path, b).await;
+        let (status, body) = api.call_as(b, method, &path, None).await;
         assert_eq!(status, 404, "B on {method} {path}: {body}");
     }
     let (status, _) = api
-        .call(
+        .call_as(
+            b,
             "POST",
             &format!("/v1/endpoints/{b_endpoint}/quarantine/{}/retry", a_seqs[1]),
-            b,
+            None,
         )
         .await;
     assert_eq!(status, 404, "A's number under B's endpoint");
 
     // Discarded: kept, never applied; a second discard conflicts.
     let (status, discarded) = api
-        .call("POST", &format!("{base}/quarantine/{not_v1}/discard"), a)
+        .call_as(
+            a,
+            "POST",
+            &format!("{base}/quarantine/{not_v1}/discard"),
+            None,
+        )
         .await;
     assert_eq!((status, &discarded["status"]), (200, &json!("discarded")));
     let (status, _) = api
-        .call("POST", &format!("{base}/quarantine/{not_v1}/discard"), a)
+        .call_as(
+            a,
+            "POST",
+            &format!("{base}/quarantine/{not_v1}/discard"),
+            None,
+        )
         .await;
     assert_eq!(status, 409);
 
@@ -619,7 +529,12 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
         .await
         .unwrap();
     let (status, retried) = api
-        .call("POST", &format!("{base}/quarantine/{}/retry", a_seqs[1]), a)
+        .call_as(
+            a,
+            "POST",
+            &format!("{base}/quarantine/{}/retry", a_seqs[1]),
+            None,
+        )
         .await;
     assert_eq!(status, 200, "{retried}");
     assert_eq!(retried["status"], "retried");
@@ -638,7 +553,7 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
         .await
         .contains_key("announcement:2"));
     let (_, messages) = api
-        .call("GET", &format!("{base}/messages?order=arrival"), a)
+        .call_as(a, "GET", &format!("{base}/messages?order=arrival"), None)
         .await;
     let outcomes: Vec<(i64, Value)> = messages["data"]
         .as_array()
@@ -660,10 +575,15 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
             (new_seq, json!("applied")),
         ]
     );
-    let (_, state_view) = api.call("GET", &format!("{base}/state"), a).await;
+    let (_, state_view) = api.call_as(a, "GET", &format!("{base}/state"), None).await;
     assert_eq!(state_view["messages_quarantined"], 0, "{state_view}");
     let (status, _) = api
-        .call("POST", &format!("{base}/quarantine/{}/retry", a_seqs[1]), a)
+        .call_as(
+            a,
+            "POST",
+            &format!("{base}/quarantine/{}/retry", a_seqs[1]),
+            None,
+        )
         .await;
     assert_eq!(status, 409, "retried twice");
     // Its webhook-id still marks it stored: a redelivery is a duplicate.
@@ -685,7 +605,7 @@ async fn a_nul_in_an_event_id_quarantines_its_message_and_the_endpoint_goes_on()
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
     let tenant = db.tenant().await;
     let endpoint = in_sync_endpoint(&db.pool, tenant, None).await;
-    let sequencer = start_sequencer(
+    let sequencer = start_sequencer_with(
         &db.url,
         SequencerConfig {
             apply_backoff: ApplyBackoff {
@@ -705,10 +625,9 @@ async fn a_nul_in_an_event_id_quarantines_its_message_and_the_endpoint_goes_on()
     )
     .await;
     wait_applied_through(
-        &db.pool,
+        &db,
         endpoint,
         seqs[1],
-        Duration::from_secs(60),
         "the message after the NUL never applied",
     )
     .await;
@@ -787,7 +706,7 @@ async fn a_tenant_whose_upstream_hangs_holds_at_most_its_share_of_the_workers() 
         .await;
     }
     let max_concurrent = 4;
-    let sequencer = start_sequencer(
+    let sequencer = start_sequencer_with(
         &db.url,
         SequencerConfig {
             max_concurrent_endpoints: max_concurrent,

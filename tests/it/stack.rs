@@ -167,6 +167,19 @@ impl Api {
         call_api(&self.client, &self.base_url, method, path, token, body).await
     }
 
+    /// A call with a token of `tenant`: the answer's status and JSON.
+    pub(crate) async fn call_as(
+        &self,
+        tenant: Uuid,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> (u16, Value) {
+        let token = Self::tenant_token(tenant);
+        let answer = self.call(method, path, Some(&token), body).await;
+        (answer.status, answer.json)
+    }
+
     /// A call that must answer `expect`; its JSON.
     pub(crate) async fn ok(
         &self,

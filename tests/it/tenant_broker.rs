@@ -39,22 +39,10 @@ async fn start_api(pool: PgPool, relay_amqp_url: &str, policy: DestinationPolicy
     .await
 }
 
-/// `tenant`'s call of `method` on `path`: the status and JSON of the answer.
-async fn call(
-    api: &Api,
-    method: &str,
-    path: &str,
-    tenant: Uuid,
-    body: Option<Value>,
-) -> (u16, Value) {
-    let token = Api::tenant_token(tenant);
-    let answer = api.call(method, path, Some(&token), body.as_ref()).await;
-    (answer.status, answer.json)
-}
-
 /// `tenant` sets its destination to `destination`: the status and JSON of the answer.
 async fn put_destination(api: &Api, tenant: Uuid, destination: Value) -> (u16, Value) {
-    call(api, "PUT", "/v1/destination", tenant, Some(destination)).await
+    api.call_as(tenant, "PUT", "/v1/destination", Some(&destination))
+        .await
 }
 
 /// `tenant`'s PUT of `destination` is refused: a 400 naming `amqp_url`, whose detail says
@@ -213,7 +201,7 @@ async fn the_publisher_refuses_a_destination_at_the_relays_broker_that_bypassed_
             &format!("{tenant}'s destination refused because {why} (seed {seed})"),
             Duration::from_secs(60),
             || async move {
-                let (status, answer) = call(api, "GET", "/v1/destination", tenant, None).await;
+                let (status, answer) = api.call_as(tenant, "GET", "/v1/destination", None).await;
                 assert_eq!(status, 200, "{answer}");
                 answer["refused_reason"]
                     .as_str()
@@ -464,11 +452,11 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
     let api = start_api(env.db.pool.clone(), &env.vhost.url(), loopback_allowed()).await;
     let (a_queue, b_queue) = (tenant_queue(a), tenant_queue(b));
 
-    let (status, missing) = call(&api, "GET", "/v1/broker/credentials", b, None).await;
+    let (status, missing) = api.call_as(b, "GET", "/v1/broker/credentials", None).await;
     assert_eq!(status, 404, "{missing}");
-    let (status, made_a) = call(&api, "POST", "/v1/broker/credentials", a, None).await;
+    let (status, made_a) = api.call_as(a, "POST", "/v1/broker/credentials", None).await;
     assert_eq!(status, 201, "{made_a}");
-    let (status, made) = call(&api, "POST", "/v1/broker/credentials", b, None).await;
+    let (status, made) = api.call_as(b, "POST", "/v1/broker/credentials", None).await;
     assert_eq!(status, 201, "{made}");
     let password = made["password"].as_str().unwrap().to_owned();
     assert_eq!(made["queue"], json!(b_queue));
@@ -477,9 +465,9 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
         made["username"],
         json!(BrokerAccess::username(relay_store::TenantId(b)))
     );
-    let (status, again) = call(&api, "POST", "/v1/broker/credentials", b, None).await;
+    let (status, again) = api.call_as(b, "POST", "/v1/broker/credentials", None).await;
     assert_eq!(status, 409, "{again}");
-    let (status, shown) = call(&api, "GET", "/v1/broker/credentials", b, None).await;
+    let (status, shown) = api.call_as(b, "GET", "/v1/broker/credentials", None).await;
     assert_eq!(status, 200, "{shown}");
     assert_eq!(shown.get("password"), None, "{shown}");
     assert!(!shown.to_string().contains(&password));
@@ -513,7 +501,9 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
 
     // Rotation: the old password no longer connects, its connection is closed, the new one
     // works.
-    let (status, rotated) = call(&api, "POST", "/v1/broker/credentials/rotate", b, None).await;
+    let (status, rotated) = api
+        .call_as(b, "POST", "/v1/broker/credentials/rotate", None)
+        .await;
     assert_eq!(status, 200, "{rotated}");
     let new_password = rotated["password"].as_str().unwrap().to_owned();
     assert_ne!(new_password, password);
@@ -535,9 +525,13 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
 
     // Deleted: the users are gone from the broker, nothing is left behind.
     for tenant in [a, b] {
-        let (status, answer) = call(&api, "DELETE", "/v1/broker/credentials", tenant, None).await;
+        let (status, answer) = api
+            .call_as(tenant, "DELETE", "/v1/broker/credentials", None)
+            .await;
         assert_eq!(status, 204, "{answer}");
-        let (status, _) = call(&api, "GET", "/v1/broker/credentials", tenant, None).await;
+        let (status, _) = api
+            .call_as(tenant, "GET", "/v1/broker/credentials", None)
+            .await;
         assert_eq!(status, 404);
     }
     let users = std::process::Command::new("rabbitmqctl")
@@ -574,9 +568,9 @@ async fn a_message_returned_past_the_delivery_limit_moves_to_the_tenants_dead_le
         config.broker.dead_letters.delivery_limit = limit;
     })
     .await;
-    let (status, made_a) = call(&api, "POST", "/v1/broker/credentials", a, None).await;
+    let (status, made_a) = api.call_as(a, "POST", "/v1/broker/credentials", None).await;
     assert_eq!(status, 201, "{made_a}");
-    let (status, made) = call(&api, "POST", "/v1/broker/credentials", b, None).await;
+    let (status, made) = api.call_as(b, "POST", "/v1/broker/credentials", None).await;
     assert_eq!(status, 201, "{made}");
     let b_queue = tenant_queue(b);
     let b_dead = format!("{b_queue}.dead-letter");
@@ -661,7 +655,9 @@ async fn a_message_returned_past_the_delivery_limit_moves_to_the_tenants_dead_le
     let _ = as_a.close(200, "done").await;
     let _ = as_b.close(200, "done").await;
     for tenant in [a, b] {
-        let (status, _) = call(&api, "DELETE", "/v1/broker/credentials", tenant, None).await;
+        let (status, _) = api
+            .call_as(tenant, "DELETE", "/v1/broker/credentials", None)
+            .await;
         assert_eq!(status, 204);
     }
     api.stop().await;
