@@ -40,32 +40,45 @@ pub(crate) fn resident_bytes() -> u64 {
 }
 
 /// The most this process's resident memory reached while it was being watched (sampled every
-/// 50 ms): what another test running beside this one holds counts too, so bounds read from it
+/// 20 ms): what another test running beside this one holds counts too, so bounds read from it
 /// are generous.
 pub(crate) struct ResidentPeak {
+    /// Resident memory when the watch began.
+    start: u64,
     watching: Arc<std::sync::atomic::AtomicBool>,
     task: tokio::task::JoinHandle<u64>,
 }
 
 impl ResidentPeak {
     pub(crate) fn watch() -> Self {
+        let start = resident_bytes();
         let watching = Arc::new(std::sync::atomic::AtomicBool::new(true));
         let going = watching.clone();
         let task = tokio::spawn(async move {
-            let mut peak = resident_bytes();
+            let mut peak = start;
             while going.load(std::sync::atomic::Ordering::SeqCst) {
                 peak = peak.max(resident_bytes());
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
             peak.max(resident_bytes())
         });
-        Self { watching, task }
+        Self {
+            start,
+            watching,
+            task,
+        }
     }
 
     pub(crate) async fn peak(self) -> u64 {
         self.watching
             .store(false, std::sync::atomic::Ordering::SeqCst);
         self.task.await.unwrap()
+    }
+
+    /// How far above its start resident memory went while watched.
+    pub(crate) async fn grown(self) -> u64 {
+        let start = self.start;
+        self.peak().await.saturating_sub(start)
     }
 }
 

@@ -33,6 +33,7 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
+use crate::ingest_envelope::ResidentPeak;
 use crate::stack::{copy_items, sequencer_config, start_sequencer_with, Api};
 
 /// The access_version every page is served under, and the reset's.
@@ -219,47 +220,6 @@ async fn rewind_answer(State(up): State<Upstream>, headers: HeaderMap) -> Respon
     }
 }
 
-/// The process's resident memory now (`VmRSS`).
-fn resident_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let kb: u64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|kb| kb.parse().ok())
-        .unwrap();
-    kb * 1024
-}
-
-/// The highest resident memory seen, sampled every 20 ms until `stop`.
-struct Peak {
-    stop: tokio::sync::watch::Sender<bool>,
-    task: tokio::task::JoinHandle<u64>,
-}
-
-impl Peak {
-    fn watch() -> Self {
-        let (stop, mut stopped) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(async move {
-            let mut peak = resident_bytes();
-            loop {
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(20)) => {
-                        peak = peak.max(resident_bytes());
-                    }
-                    _ = stopped.changed() => return peak.max(resident_bytes()),
-                }
-            }
-        });
-        Self { stop, task }
-    }
-
-    async fn stop(self) -> u64 {
-        let _ = self.stop.send(true);
-        self.task.await.unwrap()
-    }
-}
-
 /// The front tier, a sequencer with `config`, the control plane and the test's upstream.
 struct Relay {
     app: TestApp,
@@ -437,11 +397,35 @@ impl Relay {
         }
     }
 
+    /// A hostile endpoint answered `feed`, a bystander of another tenant, and the hostile one's
+    /// reload begun, until its reads fail as too large, the error naming `bound`: the two
+    /// endpoints and the hostile one's state.
+    async fn too_large(&self, feed: Feed, bound: &str) -> (Endpoint, Endpoint, Value) {
+        let hostile = self.endpoint(None, feed).await;
+        let bystander = self.bystander().await;
+        self.reset(&hostile).await;
+        let state = self
+            .wait_upstream(&hostile, "too_large", is_failing("too_large"))
+            .await;
+        let error = state["upstream"]["last_error"].as_str().unwrap();
+        assert!(error.contains(bound), "the bound is named: {error}");
+        (hostile, bystander, state)
+    }
+
     async fn stop(self) {
         self.sequencer.stop().await;
         self.api.stop().await;
         self.app.stop().await;
     }
+}
+
+/// Resident memory grew by less than 300 MiB while `memory` watched.
+async fn assert_grew_little(memory: ResidentPeak) {
+    let grown = memory.grown().await;
+    assert!(
+        grown < 300 * 1024 * 1024,
+        "resident memory grew by {grown} bytes"
+    );
 }
 
 fn is_failing(kind: &'static str) -> impl Fn(&Value) -> bool {
@@ -453,20 +437,10 @@ async fn an_endless_feed_body_is_read_no_further_than_the_cap_and_read_again_aft
     relay_tests::init_logging();
     // The default cap (32 MiB): what a release build runs with.
     let relay = Relay::start(|_| {}).await;
-    let before = resident_bytes();
-    let peak = Peak::watch();
-    let hostile = relay.endpoint(None, Feed::Endless).await;
-    let bystander = relay.bystander().await;
-    relay.reset(&hostile).await;
-
-    let state = relay
-        .wait_upstream(&hostile, "too_large", is_failing("too_large"))
+    let memory = ResidentPeak::watch();
+    let (hostile, bystander, state) = relay
+        .too_large(Feed::Endless, "larger than 33554432 bytes")
         .await;
-    let error = state["upstream"]["last_error"].as_str().unwrap();
-    assert!(
-        error.contains("larger than 33554432 bytes"),
-        "the cap is named: {error}"
-    );
     assert!(relay.reload_failures("too_large") >= 1);
 
     // The reads back off: over six seconds a handful, not hundreds.
@@ -493,11 +467,7 @@ async fn an_endless_feed_body_is_read_no_further_than_the_cap_and_read_again_aft
 
     // Each read held 32 MiB at most; the endless body, read whole, would have taken gigabytes
     // within the request's timeout.
-    let peak = peak.stop().await;
-    assert!(
-        peak.saturating_sub(before) < 300 * 1024 * 1024,
-        "resident memory went from {before} to {peak} bytes"
-    );
+    assert_grew_little(memory).await;
     relay.stop().await;
 }
 
@@ -605,20 +575,10 @@ async fn a_feed_that_always_has_more_fails_at_the_passs_bound() {
     relay_tests::init_logging();
     const PASS_BOUND: u64 = 2 * 1024 * 1024;
     let relay = Relay::start(|config| config.max_reload_bytes = PASS_BOUND).await;
-    let before = resident_bytes();
-    let peak = Peak::watch();
-    let hostile = relay.endpoint(None, Feed::EndlessPages).await;
-    let bystander = relay.bystander().await;
-    relay.reset(&hostile).await;
-
-    let state = relay
-        .wait_upstream(&hostile, "too_large", is_failing("too_large"))
+    let memory = ResidentPeak::watch();
+    let (hostile, bystander, _) = relay
+        .too_large(Feed::EndlessPages, "RELAY_SEQUENCER_MAX_RELOAD_BYTES")
         .await;
-    let error = state["upstream"]["last_error"].as_str().unwrap();
-    assert!(
-        error.contains("RELAY_SEQUENCER_MAX_RELOAD_BYTES"),
-        "the pass's bound is named: {error}"
-    );
     let (passes, pages) = (
         relay.upstream.passes(&hostile.key()),
         relay.upstream.feed_reads(&hostile.key()),
@@ -641,11 +601,7 @@ async fn a_feed_that_always_has_more_fails_at_the_passs_bound() {
     );
     assert!(relay.reload_failures("too_large") >= 2);
     assert!(copy_items(&relay.app.db.pool, hostile.id).await.is_empty());
-    let peak = peak.stop().await;
-    assert!(
-        peak.saturating_sub(before) < 300 * 1024 * 1024,
-        "resident memory went from {before} to {peak} bytes"
-    );
+    assert_grew_little(memory).await;
     relay.stop().await;
 }
 
