@@ -29,6 +29,7 @@ mod stack;
 mod store_pool;
 mod stories_convergence;
 mod stories_copy;
+mod stories_quarantine;
 mod stream;
 mod tenant_broker;
 mod tls_broker;

@@ -415,7 +415,7 @@ pub async fn quarantine_failing(
         (tenant, endpoint),
         (applied, arrival_seq),
         (&reason, attempts),
-        &track,
+        Some(&track),
     )
     .await?;
     if !moved {

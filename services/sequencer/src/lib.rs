@@ -9,10 +9,13 @@
 //! - [`batch`]: group commit: workers' runs gathered into shared apply transactions.
 //! - [`reload`]: reading `/v1/feed` pass after pass, each merged as relay-rules'
 //!   `decide_merge` says (relay-store's `copy::merge`).
-//! - [`worker`]: one owned endpoint: messages in order, its reload beside them, the lease.
-//! - [`stories`]: one owned stories endpoint (seed 000): its webhooks and catch-up pages through
-//!   one handler, the driver of relay-rules' `decide_stories_run`; ticker loads and the reload
-//!   in full beside them.
+//! - [`source`]: the seam a source kind plugs into (`SourceKind`), and how the worker drives it.
+//! - [`worker`]: one owned endpoint of any kind: messages in order, bounded apply attempts and
+//!   quarantine, the kind's background job beside them, the lease, its slot.
+//! - [`feed`]: the feed's kind: runs decided whole, group commit, reloads from `/v1/feed`.
+//! - [`stories`]: the stories API's kind (seed 000): its webhooks and catch-up pages through
+//!   one handler, the driver of relay-rules' `decide_stories_run`; owed reads, ticker sync and
+//!   the reload in full beside them.
 //! - [`service`]: the process: wake-ups, the sweep, a bounded set of workers.
 //! - [`slots`]: how many workers at once, and how many of them for one tenant.
 //! - [`metrics`]: what the sequencer exports.
@@ -20,15 +23,17 @@
 //! Owning an endpoint (the Redis lease, the fencing token) and the wake-ups are relay-coord's,
 //! shared with the front tier and the publisher.
 //!
-//! The endpoint's source kind picks its worker: the feed's ([`worker`]) or the stories API's
-//! ([`stories`]); both own the endpoint the same way and write only under its fence.
+//! An endpoint's source kind is chosen in one place (the scheduler, by its registration); the
+//! worker is the same for every kind, which writes only under the endpoint's fence.
 
 mod apply;
 mod batch;
+mod feed;
 mod metrics;
 mod reload;
 mod service;
 mod slots;
+mod source;
 mod stories;
 mod upstream;
 mod worker;

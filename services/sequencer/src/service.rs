@@ -17,12 +17,13 @@ use tokio::task::JoinSet;
 use uuid::Uuid;
 
 use crate::batch::{ApplyBatcher, PendingReader};
+use crate::feed::FeedSource;
 use crate::metrics::SequencerMetrics;
 use crate::reload::ReloadLimits;
 use crate::slots::Slots;
-use crate::stories::run_stories_worker;
+use crate::stories::StoriesSource;
 use crate::upstream::UpstreamClient;
-use crate::worker::{run_worker, WorkerConfig, WorkerExit, WorkerSignal};
+use crate::worker::{run_worker, Assignment, WorkerConfig, WorkerExit, WorkerSignal};
 
 /// Each setting's default, written once: [`SequencerConfig::default`] and relay's command line
 /// both take them from here.
@@ -320,6 +321,7 @@ async fn schedule(
         apply_attempts: config.apply_attempts,
         apply_backoff: config.apply_backoff,
         story_reads: config.story_read_retry,
+        stories_catch_up: (catch_up_interval, started_at),
     };
     let slots = Slots::new(config.max_concurrent_endpoints, config.max_tenant_share);
     let reload_slots = worker_config.reloads.slots.clone();
@@ -375,22 +377,7 @@ async fn schedule(
             if stopping.load(Ordering::SeqCst) {
                 return gone;
             }
-            if let Source::Stories(settings) = registration.source.clone() {
-                return run_stories_worker(
-                    pool,
-                    owners,
-                    http,
-                    registration,
-                    settings,
-                    signal,
-                    (config, catch_up_interval, started_at),
-                    metrics,
-                    stopping,
-                    (slots, slot),
-                )
-                .await;
-            }
-            run_worker(
+            let assignment = Assignment {
                 pool,
                 owners,
                 http,
@@ -399,9 +386,13 @@ async fn schedule(
                 config,
                 metrics,
                 stopping,
-                (slots, slot),
-            )
-            .await
+                slots: (slots, slot),
+            };
+            // The one place a source kind is chosen: its worker is the same.
+            match assignment.registration.source {
+                Source::Feed => run_worker::<FeedSource>(assignment).await,
+                Source::Stories(_) => run_worker::<StoriesSource>(assignment).await,
+            }
         });
         tasks.insert(task.id(), endpoint);
     };

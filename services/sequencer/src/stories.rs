@@ -14,30 +14,29 @@
 //! each sync first reads the endpoint's owed stories whose time has come ([`pay_owed_reads`]).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use relay_coord::Owners;
+use futures::StreamExt;
 use relay_netguard::RetryPolicy;
 use relay_rules::{
-    apply_write, decide_notify, decide_stories_run, decide_ticker_sync, fetched_write, stories_of,
-    HeldStory, NotifyDecision, StoriesMode, StoriesRun, StoryRead, StoryWrite, TickerStep,
-    TickerSyncInput,
+    decide_stories_run, decide_ticker_sync, fetched_write, plan_writes, stories_of, StoriesMode,
+    StoriesPlan, StoriesRun, StoryRead, StoryWrite, TickerStep, TickerSyncInput,
 };
-use relay_store::endpoints::{self, EndpointRegistration, Source, StoriesSettings};
-use relay_store::stories::{self as store, Cause, Claimed, StoriesWriter, StoryRow};
+use relay_store::endpoints::{EndpointRegistration, Source, StoriesSettings};
+use relay_store::stories::{self as store, PlanCause, PlanWritten, StoriesWriter};
 use relay_store::{cursors, EndpointId, TenantId};
-use relay_wire::{Story, StoryEvent};
+use relay_wire::StoryEvent;
 use sqlx::PgPool;
-use tokio::task::JoinHandle;
+use tokio::sync::watch;
+use tokio::task::{JoinError, JoinHandle};
 
 use crate::apply::ApplyError;
 use crate::metrics::SequencerMetrics;
 use crate::reload::BackingOff;
-use crate::slots::{Slot, Slots};
+use crate::source::{Applied, JobEnded, Owned, SourceKind, Tried};
 use crate::upstream::{self, UpstreamClient, UpstreamError};
-use crate::worker::{announce, wait_or_stop, WorkerConfig, WorkerExit, WorkerSignal};
+use crate::worker::{announce, WorkerConfig};
 
 /// How a stories endpoint reads a story: `tries` reads at most, `pauses` between them, before
 /// the story is owed a read; an owed read that fails again waits as `owed` says, from its first
@@ -211,36 +210,9 @@ async fn apply_events(
         held: &held,
         reads: &reads,
         tickers: Some(&settings.tickers),
+        registered_at: Some(ctx.registered_at.unix_timestamp_nanos()),
     });
-    for planned in &plan.writes {
-        execute(
-            &mut writer,
-            &planned.write,
-            planned.change.is_some(),
-            Cause::Event(&planned.event_id),
-            metrics,
-        )
-        .await?;
-    }
-    let (mut notified, mut silent) = (0, 0);
-    for claim in &plan.claims {
-        let (event, story) =
-            claimed_story(events, &claim.event_id, &claim.story_id).ok_or_else(|| {
-                ApplyError::Store(relay_store::StoreError::Invalid(format!(
-                    "claim {} names no story of its event",
-                    claim.key
-                )))
-            })?;
-        let notify = decide_notify(event.created_at, ctx.registered_at) == NotifyDecision::Notify;
-        match writer
-            .claim_strong(row(story), &claim.event_id, notify)
-            .await?
-        {
-            Claimed::Notified => notified += 1,
-            Claimed::Silently => silent += 1,
-            Claimed::Already => {}
-        }
-    }
+    let written = execute(&mut writer, &plan, PlanCause::Events, metrics).await?;
     // The reads that failed are owed with the cursor's move: the cursor never waits on a read.
     writer.owe_reads(&plan.owed, &last_error).await?;
     let moved = match moves {
@@ -271,8 +243,10 @@ async fn apply_events(
         return Err(ApplyError::CursorMoved);
     }
     let changes = writer.commit().await?;
-    metrics.stories_notifications.inc_by(notified);
-    metrics.stories_claims_silent.inc_by(silent);
+    metrics.stories_notifications.inc_by(written.notified);
+    metrics
+        .stories_claims_silent
+        .inc_by(written.claimed_silently);
     metrics
         .story_reads_owed
         .with_label_values(&["recorded"])
@@ -280,67 +254,27 @@ async fn apply_events(
     Ok(EventsApplied { changes })
 }
 
-/// A claim's event and the snapshot it carries of its story (a `story.became_strong`'s
-/// `data.story`).
-fn claimed_story<'a>(
-    events: &'a [Result<StoryEvent, String>],
-    event_id: &str,
-    story_id: &str,
-) -> Option<(&'a StoryEvent, &'a Story)> {
-    events.iter().flatten().find_map(|event| match &event.body {
-        relay_wire::StoryEventBody::Snapshot { story, .. }
-            if event.event_id == event_id && story.id == story_id =>
-        {
-            Some((event, story))
-        }
-        _ => None,
-    })
-}
-
-fn row(story: &Story) -> StoryRow<'_> {
-    StoryRow {
-        id: &story.id,
-        ticker: story.ticker.as_deref(),
-        version: story.version,
-        snapshot: &story.snapshot,
-    }
-}
-
-/// One planned write, as seed 000's statement; `changes`: whether the plan says it changes the
-/// row (the statement refuses to do otherwise).
+/// Carries out a plan whole (relay-store's `write_plan`: its writes and claims, each still seed
+/// 000's statement, refused unless each does what the plan says), and counts its writes.
 async fn execute(
     writer: &mut StoriesWriter,
-    write: &StoryWrite,
-    changes: bool,
-    cause: Cause<'_>,
+    plan: &StoriesPlan,
+    cause: PlanCause,
     metrics: &SequencerMetrics,
-) -> Result<(), ApplyError> {
-    let label = match write {
-        StoryWrite::Save(story) => {
-            writer.save(row(story), cause, changes).await?;
-            if changes {
-                "saved"
-            } else {
-                "unchanged"
-            }
-        }
-        StoryWrite::Close {
-            story_id,
-            version,
-            merged_into,
-        } => {
-            writer
-                .close((story_id, *version, merged_into.as_deref()), cause, changes)
-                .await?;
-            if changes {
-                "closed"
-            } else {
-                "already_closed"
-            }
-        }
-    };
-    metrics.story_writes.with_label_values(&[label]).inc();
-    Ok(())
+) -> Result<PlanWritten, ApplyError> {
+    let written = writer.write_plan(plan, cause).await?;
+    for (label, count) in [
+        ("saved", written.saved),
+        ("unchanged", written.unchanged),
+        ("closed", written.closed),
+        ("already_closed", written.already_closed),
+    ] {
+        metrics
+            .story_writes
+            .with_label_values(&[label])
+            .inc_by(count);
+    }
+    Ok(written)
 }
 
 /// `GET /v1/stories/{id}`, tried up to `config.story_reads.tries` times with jittered pauses
@@ -387,8 +321,9 @@ async fn read_story(
 }
 
 /// The endpoint's owed reads whose time has come (at most [`OWED_READS_PER_SYNC`]), read again:
-/// each story read is saved or closed as `apply_write` decides against its row under the lock,
-/// and its owed row deleted, all in one transaction named by a round of its own; one that fails
+/// each story read is saved or closed as relay-rules' `plan_writes` plans it against its row
+/// under the lock, and its owed row deleted, all in one transaction named by a round of its own
+/// (the writes carried out whole, as a run's); one that fails
 /// again waits longer (`config.story_reads.owed`).
 async fn pay_owed_reads(
     pool: &PgPool,
@@ -426,19 +361,11 @@ async fn pay_owed_reads(
     let round = store::begin_round(pool, ctx.id, false).await?;
     let ids: Vec<String> = paid.iter().map(|(owed, _)| owed.story_id.clone()).collect();
     let mut writer = ctx.writer(pool, token).await?;
-    let mut held: HashMap<String, HeldStory> = writer.held(&ids).await?;
+    let held = writer.held(&ids).await?;
+    let plan = plan_writes(&held, paid.iter().map(|(_, write)| write.clone()));
+    execute(&mut writer, &plan, PlanCause::Round(round), metrics).await?;
     let mut done = 0;
-    for (owed, write) in &paid {
-        let (after, change) = apply_write(held.get(&owed.story_id).copied(), write);
-        execute(
-            &mut writer,
-            write,
-            change.is_some(),
-            Cause::Round(round),
-            metrics,
-        )
-        .await?;
-        held.insert(owed.story_id.clone(), after);
+    for (owed, _) in &paid {
         if writer.pay_read(owed).await? {
             done += 1;
         }
@@ -453,29 +380,40 @@ async fn pay_owed_reads(
     Ok(())
 }
 
-/// Applies every stored message available now, in arrival order (a fetch-on-notify read that
-/// failed is owed, and does not hold the messages after it).
-async fn apply_messages(
-    pool: &PgPool,
+/// Applies every stored message available now, in arrival order (with `alone`, the first one
+/// in a run of its own, named in `tried`); a fetch-on-notify read that failed is owed, and does
+/// not hold the messages after it.
+async fn apply_from_cursor(
+    owned: &Owned<'_>,
     ctx: &StoriesContext,
-    token: i64,
     cursor: &mut Option<i64>,
-    config: &WorkerConfig,
-    metrics: &SequencerMetrics,
-) -> Result<usize, ApplyError> {
+    mut alone: bool,
+    tried: &mut Tried,
+) -> Result<Applied, ApplyError> {
+    let Owned {
+        pool,
+        token,
+        config,
+        metrics,
+    } = *owned;
     let mut applied = match *cursor {
         Some(applied) => applied,
         None => cursors::applied_through(pool, ctx.id).await?,
     };
-    let mut total = 0;
+    *cursor = Some(applied);
+    let mut done = Applied::default();
     loop {
-        let (counter, pending) =
-            cursors::pending_messages(pool, ctx.id, applied, config.messages_per_read).await?;
+        tried.alone = None;
+        let (counter, mut pending) = match &config.reader {
+            Some(reader) => reader.read(ctx.id, applied).await?,
+            None => {
+                cursors::pending_messages(pool, ctx.id, applied, config.messages_per_read).await?
+            }
+        };
         if pending.is_empty() {
             if counter > applied {
                 // Only gaps left (numbers a duplicate took and did not use): skip them.
-                let writer = ctx.writer(pool, token).await?;
-                let mut writer = writer;
+                let mut writer = ctx.writer(pool, token).await?;
                 if !writer
                     .messages_applied((applied, counter), None, &[])
                     .await?
@@ -485,9 +423,14 @@ async fn apply_messages(
                 writer.commit().await?;
                 *cursor = Some(counter);
             }
-            return Ok(total);
+            return Ok(done);
         }
-        let complete = (pending.len() as i64) < config.messages_per_read;
+        if alone {
+            pending.truncate(1);
+        }
+        tried.alone = (pending.len() == 1).then(|| (applied, pending[0].arrival_seq));
+        let complete = !alone && (pending.len() as i64) < config.messages_per_read;
+        alone = false;
         let last = pending.last().map_or(applied, |m| m.arrival_seq);
         let through = if complete { counter.max(last) } else { last };
         let events: Vec<Result<StoryEvent, String>> = pending
@@ -508,30 +451,25 @@ async fn apply_messages(
             },
             (config, metrics),
         )
-        .await;
-        let done = match result {
-            Ok(done) => done,
-            Err(error) => {
-                *cursor = None;
-                return Err(error);
-            }
-        };
-        if done.changes > 0 {
+        .await?;
+        if result.changes > 0 {
             announce(config, ctx.tenant, ctx.id).await;
         }
-        total += events.len();
+        done.messages += events.len();
         applied = through;
         *cursor = Some(applied);
         if complete {
-            return Ok(total);
+            return Ok(done);
         }
     }
 }
 
 /// How a sync ended.
-enum SyncEnd {
+pub(crate) enum SyncEnd {
     /// Caught up with `GET /v1/events` (after whatever reload and ticker loads it needed).
     CaughtUp,
+    /// Stopped by its worker, between two of its transactions.
+    Stopped,
 }
 
 /// One sync: owed reads paid, then relay-rules' `decide_ticker_sync` steps in order (removed
@@ -677,10 +615,32 @@ async fn reload_in_full(
         let unlisted: Vec<String> = open.into_iter().filter(|id| !listed.contains(id)).collect();
         let mut writes = Vec::with_capacity(unlisted.len());
         let mut reads = HashMap::with_capacity(unlisted.len());
-        for id in &unlisted {
-            match read_story(pool, ctx, client, id, config, metrics).await {
+        // A few reads at once: they are independent, and one at a time the reload waits on
+        // each round trip in turn. The pass's budget bounds what they hold together.
+        let mut answers = Vec::with_capacity(unlisted.len());
+        {
+            let mut to_read = unlisted.iter();
+            let mut reading = futures::stream::FuturesUnordered::new();
+            loop {
+                while reading.len() < STEP_TWO_READS_AT_ONCE {
+                    let Some(id) = to_read.next() else { break };
+                    reading.push(async move {
+                        (
+                            id.clone(),
+                            read_story(pool, ctx, client, id, config, metrics).await,
+                        )
+                    });
+                }
+                match reading.next().await {
+                    Some(answer) => answers.push(answer),
+                    None => break,
+                }
+            }
+        }
+        for (id, answer) in answers {
+            match answer {
                 Ok(read) => {
-                    reads.insert(id.clone(), read);
+                    reads.insert(id, read);
                 }
                 // The pass's budget is spent: the reload stops, as a listing's would.
                 Err(error @ UpstreamError::TooLarge { .. }) => {
@@ -719,6 +679,10 @@ async fn reload_in_full(
 /// Open stories the copy holds, read per step-two batch.
 const STEP_TWO_BATCH: i64 = 500;
 
+/// Step-two reads one reload makes at once (and the process runs at most
+/// `RELAY_SEQUENCER_MAX_CONCURRENT_RELOADS` reloads).
+const STEP_TWO_READS_AT_ONCE: usize = 8;
+
 /// Lists a ticker's open stories page by page, each page saved in one transaction; the ids
 /// listed.
 #[allow(clippy::too_many_arguments)]
@@ -752,8 +716,9 @@ async fn list_and_save(
     }
 }
 
-/// A round's writes in one transaction, each decided against the row as held under the lock
-/// (relay-rules' `apply_write`, the same decision `decide_stories_run` makes per write).
+/// A round's writes in one transaction, planned against the rows as held under the lock
+/// (relay-rules' `plan_writes`, the same decisions `decide_stories_run` makes per write) and
+/// carried out whole.
 async fn write_round(
     pool: &PgPool,
     ctx: &StoriesContext,
@@ -766,33 +731,15 @@ async fn write_round(
     if writes.is_empty() {
         return Ok(());
     }
-    let ids: Vec<String> = writes.iter().map(|w| written_id(w).to_owned()).collect();
+    let ids: Vec<String> = writes.iter().map(|w| w.story_id().to_owned()).collect();
     let mut writer = ctx.writer(pool, token).await?;
-    let mut held: HashMap<String, HeldStory> = writer.held(&ids).await?;
-    for write in writes {
-        let id = written_id(write).to_owned();
-        let (after, change) = apply_write(held.get(&id).copied(), write);
-        execute(
-            &mut writer,
-            write,
-            change.is_some(),
-            Cause::Round(round),
-            metrics,
-        )
-        .await?;
-        held.insert(id, after);
-    }
+    let held = writer.held(&ids).await?;
+    let plan = plan_writes(&held, writes.to_vec());
+    execute(&mut writer, &plan, PlanCause::Round(round), metrics).await?;
     if writer.commit().await? > 0 {
         announce(config, ctx.tenant, ctx.id).await;
     }
     Ok(())
-}
-
-fn written_id(write: &StoryWrite) -> &str {
-    match write {
-        StoryWrite::Save(story) => &story.id,
-        StoryWrite::Close { story_id, .. } => story_id,
-    }
 }
 
 /// A sync that failed other than by an upstream read (each of those is recorded where it
@@ -825,194 +772,184 @@ async fn sync_failed(
     }
 }
 
-/// Owns the stories endpoint if nobody else does, and works it until idle: messages as they
-/// come, a sync at once when one is due (the sweep wakes endpoints whose catch-up is due) and
-/// every `catch_up_interval` while it stays owned.
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn run_stories_worker(
-    pool: PgPool,
-    owners: Owners,
-    http: relay_netguard::GuardedClient,
-    registration: EndpointRegistration,
-    settings: StoriesSettings,
-    signal: Arc<WorkerSignal>,
-    (config, catch_up_interval, started_at): (WorkerConfig, Duration, time::OffsetDateTime),
-    metrics: SequencerMetrics,
-    stopping: Arc<AtomicBool>,
-    (slots, slot): (Arc<Slots>, Slot),
-) -> WorkerExit {
-    let endpoint = registration.id;
-    let tenant = registration.tenant_id;
-    let mut permit = Some(slot);
-    let mut wakes_seen = signal.wakes.load(Ordering::SeqCst);
-    let exit = |wakes_seen| WorkerExit {
-        endpoint: endpoint.0,
-        wakes_seen,
-    };
-    let held = match owners.hold(endpoint.0).await {
-        Ok(Some(held)) => held,
-        Ok(None) => return exit(wakes_seen),
-        Err(error) => {
-            tracing::warn!(%endpoint, %error, "could not take the endpoint's lock");
-            return exit(wakes_seen);
-        }
-    };
-    metrics.endpoints_owned.inc();
-    let token = held.token();
-    let ctx = Arc::new(StoriesContext::new(
-        &registration,
-        settings,
-        http,
-        config.feed_page_limit,
-    ));
-    let mut cursor: Option<i64> = None;
-    let mut syncing: Option<JoinHandle<Result<SyncEnd, ApplyError>>> = None;
-    // A sync at once when one is due (the sweep's own condition); otherwise a worker started
-    // for messages syncs after an interval, if it is still owned then.
-    let due = store::due(&pool, catch_up_interval, started_at, Some(endpoint), 1).await;
-    let mut next_sync = tokio::time::Instant::now()
-        + if due.is_ok_and(|due| due.is_empty()) {
-            catch_up_interval
-        } else {
-            Duration::ZERO
-        };
-    let mut last_message = Instant::now();
-    // Failing syncs and failing reads each wait longer every time, with jitter, to the retry
-    // policy's cap; a success starts them over.
-    let mut sync_pauses = config.reload_retry.pauses();
-    let mut read_pauses = config.reload_retry.pauses();
-    let mut sync_backing_off: Option<BackingOff> = None;
-
-    loop {
-        if held.is_lost() {
-            metrics.lock_losses.inc();
-            tracing::warn!(%endpoint, "the endpoint's lock was lost: stopping");
-            break;
-        }
-        if stopping.load(Ordering::SeqCst) {
-            break;
-        }
-        if permit.is_none() {
-            permit = Some(slots.take(tenant).await);
-        }
-        wakes_seen = signal.wakes.load(Ordering::SeqCst);
-        if signal.take_registration_changed() {
-            match endpoints::load_registration(&pool, endpoint).await {
-                Ok(Some(registration)) => {
-                    ctx.update(&registration);
-                    // New tickers are loaded, removed ones dropped, by the next sync: now.
-                    next_sync = tokio::time::Instant::now();
-                }
-                Ok(None) => break,
-                Err(error) => {
-                    tracing::warn!(%endpoint, %error, "reading the registration failed; retrying");
-                    signal.registration_changed();
-                    tokio::time::sleep(config.error_pause).await;
-                    continue;
-                }
-            }
-        }
-        match apply_messages(&pool, &ctx, token, &mut cursor, &config, &metrics).await {
-            Ok(applied) => {
-                read_pauses = config.reload_retry.pauses();
-                if applied > 0 {
-                    last_message = Instant::now();
-                }
-            }
-            Err(ApplyError::Fenced | ApplyError::CursorMoved) => {
-                metrics.lock_losses.inc();
-                break;
-            }
-            Err(error @ (ApplyError::Unread | ApplyError::Upstream(_))) => {
-                // A story read failed (recorded in the endpoint's state): its message waits,
-                // and is tried again after a pause that grows while the reads keep failing. The
-                // wait holds no slot, and new messages do not cut it short.
-                let pause = read_pauses.next_pause();
-                tracing::info!(%endpoint, %error, ?pause, "a stories message waits for its read");
-                permit = None;
-                let _backing_off = BackingOff::new(&metrics, "story");
-                wait_or_stop(&signal, &stopping, &held, pause).await;
-                continue;
-            }
-            Err(error) => {
-                tracing::info!(%endpoint, %error, "applying stories messages failed; retrying");
-                tokio::time::sleep(config.error_pause).await;
-                continue;
-            }
-        }
-        if let Some(task) = syncing.as_ref().filter(|task| task.is_finished()) {
-            let _ = task;
-            let task = syncing.take().expect("checked above");
-            match task.await {
-                Ok(Ok(SyncEnd::CaughtUp)) => {
-                    sync_pauses = config.reload_retry.pauses();
-                    sync_backing_off = None;
-                    next_sync = tokio::time::Instant::now() + catch_up_interval
-                }
-                Ok(Err(ApplyError::Fenced | ApplyError::CursorMoved)) => {
-                    metrics.lock_losses.inc();
-                    break;
-                }
-                Ok(Err(error)) => {
-                    let pause = sync_pauses.next_pause();
-                    sync_failed(&pool, &ctx, &error, &metrics).await;
-                    tracing::info!(%endpoint, %error, ?pause,
-                        "the stories sync failed; it runs again after a pause");
-                    sync_backing_off
-                        .get_or_insert_with(|| BackingOff::new(&metrics, "stories_sync"));
-                    next_sync = tokio::time::Instant::now() + pause;
-                }
-                Err(error) => {
-                    let pause = sync_pauses.next_pause();
-                    tracing::error!(%endpoint, %error, ?pause, "the stories sync ended abnormally");
-                    next_sync = tokio::time::Instant::now() + pause;
-                }
-            }
-        }
-        if syncing.is_none() && ctx.has_upstream() && tokio::time::Instant::now() >= next_sync {
-            let (pool, ctx, config, metrics) =
-                (pool.clone(), ctx.clone(), config.clone(), metrics.clone());
-            syncing = Some(tokio::spawn(sync(pool, ctx, token, config, metrics)));
-            continue;
-        }
-        permit = None;
-        let idle = last_message.elapsed() >= config.idle_linger;
-        match &syncing {
-            Some(task) => {
-                tokio::select! {
-                    _ = signal.notify.notified() => {}
-                    _ = wait_finished(task) => {}
-                }
-            }
-            None if idle => {
-                // Nothing to apply and no sync running: the sweep starts a worker again when
-                // messages come or the next catch-up is due.
-                tokio::select! {
-                    _ = signal.notify.notified() => {}
-                    _ = tokio::time::sleep(config.idle_linger) => break,
-                }
-            }
-            None => {
-                tokio::select! {
-                    _ = signal.notify.notified() => {}
-                    _ = tokio::time::sleep_until(next_sync) => {}
-                    _ = tokio::time::sleep(config.idle_linger) => {}
-                }
-            }
-        }
-    }
-    if let Some(task) = syncing {
-        // Its writes are each a whole transaction; stopping it between them loses nothing.
-        task.abort();
-        let _ = task.await;
-    }
-    held.release().await;
-    metrics.endpoints_owned.dec();
-    exit(wakes_seen)
+/// A stories endpoint, owned: its messages as they come, and a sync (owed reads, ticker sync,
+/// catch-up) at once when one is due (the sweep wakes endpoints whose catch-up is due) and every
+/// `catch_up_interval` while it stays owned.
+pub(crate) struct StoriesSource {
+    ctx: Arc<StoriesContext>,
+    /// When the next sync is due.
+    next_sync: tokio::time::Instant,
+    last_message: Instant,
+    catch_up_interval: Duration,
+    /// While syncs keep failing, the endpoint counts as backing off.
+    backing_off: Option<BackingOff>,
 }
 
-async fn wait_finished<T>(task: &JoinHandle<T>) {
-    while !task.is_finished() {
-        tokio::time::sleep(Duration::from_millis(20)).await;
+/// A stories endpoint's background job: one sync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Sync;
+
+impl SourceKind for StoriesSource {
+    type Job = Sync;
+    type End = SyncEnd;
+
+    async fn open(
+        registration: EndpointRegistration,
+        http: relay_netguard::GuardedClient,
+        owned: &Owned<'_>,
+    ) -> Result<Self, ApplyError> {
+        let Source::Stories(settings) = registration.source.clone() else {
+            return Err(ApplyError::Store(relay_store::StoreError::Invalid(
+                "not a stories endpoint".into(),
+            )));
+        };
+        let (catch_up_interval, started_at) = owned.config.stories_catch_up;
+        let ctx = StoriesContext::new(&registration, settings, http, owned.config.feed_page_limit);
+        // A sync at once when one is due (the sweep's own condition); otherwise a worker
+        // started for messages syncs after an interval, if it is still owned then.
+        let due = store::due(owned.pool, catch_up_interval, started_at, Some(ctx.id), 1).await?;
+        let next_sync = tokio::time::Instant::now()
+            + if due.is_empty() {
+                catch_up_interval
+            } else {
+                Duration::ZERO
+            };
+        Ok(Self {
+            ctx: Arc::new(ctx),
+            next_sync,
+            last_message: Instant::now(),
+            catch_up_interval,
+            backing_off: None,
+        })
+    }
+
+    /// New tickers are loaded, removed ones dropped, by the next sync: now.
+    fn update(&mut self, registration: &EndpointRegistration) {
+        self.ctx.update(registration);
+        self.next_sync = tokio::time::Instant::now();
+    }
+
+    async fn apply_available(
+        &mut self,
+        owned: &Owned<'_>,
+        cursor: &mut Option<i64>,
+        first_alone: bool,
+        tried: &mut Tried,
+    ) -> Result<Applied, ApplyError> {
+        let applied = apply_from_cursor(owned, &self.ctx, cursor, first_alone, tried).await?;
+        if applied.messages > 0 {
+            self.last_message = Instant::now();
+        }
+        Ok(applied)
+    }
+
+    /// The message is set aside as a feed's is. What it said is not lost: its events are in
+    /// the upstream's window, and catch-up reads them.
+    async fn quarantine(
+        &mut self,
+        owned: &Owned<'_>,
+        (applied, arrival_seq): (i64, i64),
+        (attempts, error): (u32, String),
+    ) -> Result<(), ApplyError> {
+        let ctx = &self.ctx;
+        let mut tx = owned.pool.begin().await?;
+        if !relay_coord::check_fence(&mut tx, ctx.id, owned.token).await? {
+            return Err(ApplyError::Fenced);
+        }
+        let reason = relay_rules::Unapplicable::KeepsFailing { attempts, error }.to_string();
+        let attempts = i32::try_from(attempts).unwrap_or(i32::MAX);
+        let moved = relay_store::runs::quarantine_next(
+            &mut tx,
+            (ctx.tenant, ctx.id),
+            (applied, arrival_seq),
+            (&reason, attempts),
+            None,
+        )
+        .await?;
+        if !moved {
+            return Err(ApplyError::CursorMoved);
+        }
+        tx.commit().await?;
+        tracing::warn!(endpoint = %ctx.id, arrival_seq, %reason, "stories message quarantined");
+        owned
+            .metrics
+            .messages
+            .with_label_values(&[relay_rules::Outcome::Quarantined.as_str()])
+            .inc();
+        Ok(())
+    }
+
+    async fn wanted(
+        &mut self,
+        _owned: &Owned<'_>,
+        _applied: &Applied,
+        running: Option<&Sync>,
+    ) -> Result<Option<Sync>, ApplyError> {
+        Ok((running.is_some() || tokio::time::Instant::now() >= self.next_sync).then_some(Sync))
+    }
+
+    /// A sync runs to its end: what it writes is each a whole transaction, and what it would
+    /// do again next is the same.
+    fn supersedes(_running: &Sync, _wanted: Option<&Sync>) -> bool {
+        false
+    }
+
+    fn can_start(&self) -> bool {
+        self.ctx.has_upstream()
+    }
+
+    /// Stopped between its transactions, a sync loses nothing (each is whole), so it is
+    /// dropped where it waits.
+    fn start(
+        &self,
+        owned: &Owned<'_>,
+        _job: Sync,
+        mut stop: watch::Receiver<bool>,
+    ) -> JoinHandle<Result<SyncEnd, ApplyError>> {
+        let (pool, ctx) = (owned.pool.clone(), self.ctx.clone());
+        let (config, metrics) = (owned.config.clone(), owned.metrics.clone());
+        let token = owned.token;
+        tokio::spawn(async move {
+            tokio::select! {
+                end = sync(pool, ctx, token, config, metrics) => end,
+                _ = stop.wait_for(|stop| *stop) => Ok(SyncEnd::Stopped),
+            }
+        })
+    }
+
+    async fn ended(
+        &mut self,
+        owned: &Owned<'_>,
+        end: Result<Result<SyncEnd, ApplyError>, JoinError>,
+    ) -> JobEnded {
+        let endpoint = self.ctx.id;
+        match end {
+            Ok(Ok(SyncEnd::CaughtUp)) => {
+                self.backing_off = None;
+                self.next_sync = tokio::time::Instant::now() + self.catch_up_interval;
+                JobEnded::Done
+            }
+            Ok(Ok(SyncEnd::Stopped)) => JobEnded::Done,
+            Ok(Err(ApplyError::Fenced | ApplyError::CursorMoved)) => JobEnded::Fenced,
+            Ok(Err(error)) => {
+                sync_failed(owned.pool, &self.ctx, &error, owned.metrics).await;
+                tracing::info!(%endpoint, %error, "the stories sync failed");
+                self.backing_off
+                    .get_or_insert_with(|| BackingOff::new(owned.metrics, "stories_sync"));
+                JobEnded::Failed
+            }
+            Err(error) => {
+                tracing::error!(%endpoint, %error, "the stories sync ended abnormally");
+                JobEnded::Failed
+            }
+        }
+    }
+
+    fn due_at(&self, within: Duration) -> Option<tokio::time::Instant> {
+        (self.next_sync <= tokio::time::Instant::now() + within).then_some(self.next_sync)
+    }
+
+    fn busy(&self, idle_linger: Duration) -> bool {
+        self.last_message.elapsed() < idle_linger
     }
 }

@@ -1,5 +1,6 @@
-//! One endpoint, owned: apply its messages in arrival order, run its reload beside them, keep
-//! the lease renewed, and let go when there is nothing left to do.
+//! One endpoint, owned: apply its messages in arrival order, run its kind's background job
+//! beside them, hold the lease, and let go when there is nothing left to do. Written once for
+//! every source kind ([`crate::source`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -7,18 +8,19 @@ use std::time::Duration;
 
 use relay_coord::{Held, Owners};
 use relay_netguard::RetryPolicy;
-use relay_rules::{decide_failed_apply, ApplyBackoff, FailedApply, Reload};
+use relay_rules::{decide_failed_apply, ApplyBackoff, FailedApply};
 use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-use crate::apply::{ApplyError, EndpointContext};
+use crate::apply::ApplyError;
 use crate::metrics::SequencerMetrics;
-use crate::reload::{run_reload, ReloadEnd, ReloadLimits, StopReload};
+use crate::reload::{ReloadLimits, StopReload};
 use crate::slots::{Slot, Slots};
+use crate::source::{JobEnded, Owned, SourceKind, Tried};
 use relay_store::endpoints::{self, EndpointRegistration};
-use relay_store::{cursors, tracks, EndpointId, TenantId};
+use relay_store::{EndpointId, TenantId};
 
 /// What the scheduler and the endpoint's worker share.
 #[derive(Default)]
@@ -74,6 +76,9 @@ pub struct WorkerConfig {
     pub apply_backoff: ApplyBackoff,
     /// A stories endpoint's story reads: tries, and reads owed.
     pub story_reads: crate::stories::StoryReadRetry,
+    /// How often a stories endpoint catches up, and since when every one is due (the
+    /// process's start).
+    pub stories_catch_up: (Duration, time::OffsetDateTime),
 }
 
 /// How a worker ended: the wake count it had seen last (the scheduler starts it again when more
@@ -83,10 +88,11 @@ pub struct WorkerExit {
     pub wakes_seen: u64,
 }
 
-struct RunningReload {
-    reload: Reload,
+/// The endpoint's background job, running.
+struct RunningJob<K: SourceKind> {
+    job: K::Job,
     stop: StopReload,
-    task: JoinHandle<Result<ReloadEnd, ApplyError>>,
+    task: JoinHandle<Result<K::End, ApplyError>>,
 }
 
 /// The endpoint's next message while its apply keeps failing.
@@ -95,19 +101,35 @@ struct NextFailing {
     attempts: u32,
 }
 
-/// Owns the endpoint if nobody else does, and works it until idle.
-#[allow(clippy::too_many_arguments)]
-pub async fn run_worker(
-    pool: PgPool,
-    owners: Owners,
-    http: relay_netguard::GuardedClient,
-    registration: EndpointRegistration,
-    signal: Arc<WorkerSignal>,
-    config: WorkerConfig,
-    metrics: SequencerMetrics,
-    stopping: Arc<AtomicBool>,
-    (slots, slot): (Arc<Slots>, Slot),
-) -> WorkerExit {
+/// An endpoint given to a worker by the scheduler, with what the worker works it with.
+pub(crate) struct Assignment {
+    pub pool: PgPool,
+    pub owners: Owners,
+    pub http: relay_netguard::GuardedClient,
+    pub registration: EndpointRegistration,
+    pub signal: Arc<WorkerSignal>,
+    pub config: WorkerConfig,
+    pub metrics: SequencerMetrics,
+    /// Set when the sequencer stops.
+    pub stopping: Arc<AtomicBool>,
+    /// The process's slots, and the one this worker took.
+    pub slots: (Arc<Slots>, Slot),
+}
+
+/// Owns the endpoint if nobody else does, and works it until idle: its messages by its kind
+/// `K`, and `K`'s background job beside them (see [`crate::source`] for the calls it makes).
+pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerExit {
+    let Assignment {
+        pool,
+        owners,
+        http,
+        registration,
+        signal,
+        config,
+        metrics,
+        stopping,
+        slots: (slots, slot),
+    } = assignment;
     // The slot bounds endpoints being *worked* at once; an idle worker lingering for more
     // messages, or waiting to try a failed message again, gives it back, so waiting never
     // starves endpoints that have work.
@@ -128,24 +150,26 @@ pub async fn run_worker(
         }
     };
     metrics.endpoints_owned.inc();
-    let token = held.token();
-
-    if let Err(error) = tracks::ensure(&pool, registration.tenant_id, endpoint).await {
-        tracing::warn!(%endpoint, %error, "could not create the track row");
-        return finish(held, None, &metrics, exit(wakes_seen)).await;
-    }
-    let ctx = Arc::new(
-        EndpointContext::new(registration, http)
-            .with_feed_page_limit(config.feed_page_limit)
-            .with_reloads(config.reloads.clone()),
-    );
-    let mut reload: Option<RunningReload> = None;
-    // A reload task retries its own failures; one that ends in an error anyway (or panics) is
-    // started again only after a pause, growing while that repeats, so it never spins. Until
-    // then the worker waits for the pause rather than letting go (the sweep would start a new
-    // worker, and the reload, at once).
-    let mut reload_pauses = config.reload_retry.pauses();
-    let mut reload_after: Option<tokio::time::Instant> = None;
+    let owned = Owned {
+        pool: &pool,
+        token: held.token(),
+        config: &config,
+        metrics: &metrics,
+    };
+    let mut kind = match K::open(registration, http, &owned).await {
+        Ok(kind) => kind,
+        Err(error) => {
+            tracing::warn!(%endpoint, %error, "could not open the endpoint's work");
+            return finish::<K>(held, None, &metrics, exit(wakes_seen)).await;
+        }
+    };
+    let mut job: Option<RunningJob<K>> = None;
+    // A job retries its own failures; one that ends in a failure anyway (or panics) is started
+    // again only after a pause, growing while that repeats, so it never spins. Until then the
+    // worker waits for the pause rather than letting go (the sweep would start a new worker,
+    // and the job, at once).
+    let mut job_pauses = config.reload_retry.pauses();
+    let mut job_after: Option<tokio::time::Instant> = None;
     let mut cursor: Option<i64> = None;
     // After a run failed in a way its messages may have caused: apply the next message alone,
     // so that a failure is that message's (and the messages before it still apply).
@@ -170,7 +194,7 @@ pub async fn run_worker(
                 Ok(Some(registration)) => {
                     tracing::info!(%endpoint, upstream = registration.upstream_base_url.is_some(),
                         "the endpoint's registration changed");
-                    ctx.update(&registration);
+                    kind.update(&registration);
                 }
                 // Removed: nothing more to do for it here.
                 Ok(None) => break,
@@ -183,19 +207,17 @@ pub async fn run_worker(
             }
         }
         let mut tried = Tried::default();
-        let step = apply_available(
-            &pool,
-            &ctx,
-            token,
-            &mut cursor,
-            (&config, &metrics),
-            (next_alone, &mut tried),
-        )
-        .await;
-        let (applied_any, reload_pending) = match step {
+        let step = kind
+            .apply_available(&owned, &mut cursor, next_alone, &mut tried)
+            .await;
+        if step.is_err() {
+            // Its commit may or may not have happened: read the cursor again.
+            cursor = None;
+        }
+        let applied = match step {
             Ok(applied) => {
                 next_alone = false;
-                (applied.messages > 0, applied.reload_pending)
+                applied
             }
             Err(error @ (ApplyError::Fenced | ApplyError::CursorMoved)) => {
                 metrics.lock_losses.inc();
@@ -240,15 +262,13 @@ pub async fn run_worker(
                         wait_or_stop(&signal, &stopping, &held, wait).await;
                     }
                     FailedApply::Quarantine => {
-                        let quarantined = crate::apply::quarantine_failing(
-                            &pool,
-                            &ctx,
-                            token,
-                            (applied, arrival_seq),
-                            (attempts, error.to_string()),
-                            &metrics,
-                        )
-                        .await;
+                        let quarantined = kind
+                            .quarantine(
+                                &owned,
+                                (applied, arrival_seq),
+                                (attempts, error.to_string()),
+                            )
+                            .await;
                         match quarantined {
                             Ok(()) => {
                                 failing = None;
@@ -278,81 +298,51 @@ pub async fn run_worker(
             }
         };
 
-        // The reload the track holds now (a message may have begun or replaced it, and the
-        // control plane's rewind may have begun one). Read when it can have changed: messages
-        // left a reload pending, one is running, or the worker was woken with no message to
-        // apply (the sweep wakes endpoints whose track holds a reload). Otherwise none.
-        let wanted = if reload_pending || reload.is_some() || !applied_any {
-            match tracks::peek(&pool, endpoint).await {
-                Ok(track) => track.reload,
-                Err(error) => {
-                    tracing::warn!(%endpoint, %error, "reading the track failed; retrying");
-                    tokio::time::sleep(config.error_pause).await;
-                    continue;
-                }
+        let wanted = match kind
+            .wanted(&owned, &applied, job.as_ref().map(|running| &running.job))
+            .await
+        {
+            Ok(wanted) => wanted,
+            Err(error) => {
+                tracing::warn!(%endpoint, %error, "reading the endpoint's state failed; retrying");
+                tokio::time::sleep(config.error_pause).await;
+                continue;
             }
-        } else {
-            None
         };
-        if let Some(running) = &reload {
-            let still_wanted = wanted.as_ref().is_some_and(|w| w.is(&running.reload));
-            if running.task.is_finished() || !still_wanted {
-                let running = reload.take().expect("checked above");
-                // Replaced by a newer reload: it stops at its next read or pause, never inside
-                // its merge (which checks under the lock that it is still the track's).
+        if let Some(running) = &job {
+            if running.task.is_finished() || K::supersedes(&running.job, wanted.as_ref()) {
+                let running = job.take().expect("checked above");
+                // Replaced by a newer job: it stops at its next await outside a transaction.
                 running.stop.stop();
-                match running.task.await {
-                    Ok(Ok(ReloadEnd::Merged { .. })) => {
-                        metrics.reloads.with_label_values(&["merged"]).inc();
-                        reload_pauses = config.reload_retry.pauses();
-                        announce_changes(&config, &ctx).await;
-                    }
-                    Ok(Ok(ReloadEnd::Fenced)) => {
-                        metrics.reloads.with_label_values(&["abandoned"]).inc();
+                let end = running.task.await;
+                match kind.ended(&owned, end).await {
+                    JobEnded::Done => job_pauses = config.reload_retry.pauses(),
+                    JobEnded::Fenced => {
                         metrics.lock_losses.inc();
                         break;
                     }
-                    Ok(Ok(ReloadEnd::Superseded)) => {
-                        metrics.reloads.with_label_values(&["abandoned"]).inc()
-                    }
-                    Ok(Err(error)) => {
-                        let pause = reload_pauses.next_pause();
-                        tracing::warn!(%endpoint, %error, ?pause,
-                            "reload failed; it starts again after a pause");
-                        metrics.reloads.with_label_values(&["abandoned"]).inc();
-                        reload_after = Some(tokio::time::Instant::now() + pause);
-                    }
-                    Err(error) => {
-                        let pause = reload_pauses.next_pause();
-                        tracing::error!(%endpoint, %error, ?pause,
-                            "the reload task ended abnormally; it starts again after a pause");
-                        metrics.reloads.with_label_values(&["abandoned"]).inc();
-                        reload_after = Some(tokio::time::Instant::now() + pause);
+                    JobEnded::Failed => {
+                        let pause = job_pauses.next_pause();
+                        tracing::info!(%endpoint, ?pause, "the job starts again after a pause");
+                        job_after = Some(tokio::time::Instant::now() + pause);
                     }
                 }
-                metrics.reloads_running.dec();
+                // What the job wants next may have changed with its end.
+                continue;
             }
         }
-        let mut reload_delayed = false;
-        if reload.is_none() {
-            let due = reload_after.is_none_or(|after| tokio::time::Instant::now() >= after);
-            reload_delayed = !due && wanted.is_some();
-            // Without upstream settings the reload waits for them, started by the registration
+        let mut job_delayed = false;
+        if job.is_none() {
+            let due = job_after.is_none_or(|after| tokio::time::Instant::now() >= after);
+            job_delayed = !due && wanted.is_some();
+            // Without upstream settings the job waits for them, started by the registration
             // change that gives them (the sweep leaves such endpoints alone meanwhile).
-            if let Some(wanted) = wanted.filter(|_| ctx.has_upstream() && due) {
-                reload_after = None;
-                // Also the path by which a reload begun and not merged starts again after a
-                // restart: the row says one is running, and nothing here runs it.
-                metrics.reloads_running.inc();
-                let (pool, ctx, metrics) = (pool.clone(), ctx.clone(), metrics.clone());
-                let retry = config.reload_retry;
-                let task_reload = wanted.clone();
-                let (stop, stopping) = StopReload::new();
-                let task = tokio::spawn(async move {
-                    run_reload(&pool, &ctx, token, &task_reload, retry, &metrics, stopping).await
-                });
-                reload = Some(RunningReload {
-                    reload: wanted,
+            if let Some(wanted) = wanted.filter(|_| kind.can_start() && due) {
+                job_after = None;
+                let (stop, stop_seen) = StopReload::new();
+                let task = kind.start(&owned, wanted.clone(), stop_seen);
+                job = Some(RunningJob {
+                    job: wanted,
                     stop,
                     task,
                 });
@@ -361,10 +351,9 @@ pub async fn run_worker(
         }
         // Everything stored when the messages were read is applied: wait for a wake-up (one
         // that came meanwhile is kept by the `Notify` and ends the wait at once), or for the
-        // reload to end; let go after a while with neither.
-        let linger = tokio::time::sleep(config.idle_linger);
+        // job to end; let go after a while with nothing to do.
         permit = None;
-        match &mut reload {
+        match &job {
             Some(running) => {
                 tokio::select! {
                     _ = signal.notify.notified() => {}
@@ -372,23 +361,35 @@ pub async fn run_worker(
                     _ = tokio::time::sleep(config.idle_linger * 4) => {}
                 }
             }
-            None => match reload_after.filter(|_| reload_delayed) {
-                Some(after) => {
-                    tokio::select! {
-                        _ = signal.notify.notified() => {}
-                        _ = tokio::time::sleep_until(after) => {}
+            None => {
+                let due = job_after
+                    .filter(|_| job_delayed)
+                    .or_else(|| kind.due_at(config.idle_linger));
+                match due {
+                    Some(at) => {
+                        tokio::select! {
+                            _ = signal.notify.notified() => {}
+                            _ = tokio::time::sleep_until(at) => {}
+                        }
+                    }
+                    None if kind.busy(config.idle_linger) => {
+                        tokio::select! {
+                            _ = signal.notify.notified() => {}
+                            _ = tokio::time::sleep(config.idle_linger) => {}
+                        }
+                    }
+                    None => {
+                        tokio::select! {
+                            _ = signal.notify.notified() => {}
+                            _ = tokio::time::sleep(config.idle_linger) => break,
+                        }
                     }
                 }
-                None => {
-                    tokio::select! {
-                        _ = signal.notify.notified() => {}
-                        _ = linger => break,
-                    }
-                }
-            },
+            }
         }
     }
-    finish(held, reload, &metrics, exit(wakes_seen)).await
+    let stopped = job.map(|running| (&mut kind, &owned, running));
+    finish(held, stopped, &metrics, exit(wakes_seen)).await
 }
 
 /// Waits `wait`, or less when the sequencer stops or the lease is lost (a stopping scheduler
@@ -413,139 +414,14 @@ pub(crate) async fn wait_or_stop(
     }
 }
 
-async fn wait_finished<T>(task: &JoinHandle<T>) {
+pub(crate) async fn wait_finished<T>(task: &JoinHandle<T>) {
     while !task.is_finished() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
-/// What one look at the endpoint's messages did.
-struct Applied {
-    messages: usize,
-    /// The track has a reload to run (as the last apply transaction left it).
-    reload_pending: bool,
-}
-
-/// The last run [`apply_available`] tried, when it was one message alone: (the cursor it
-/// followed, its arrival_seq). After a failure, that message's failure.
-#[derive(Default)]
-struct Tried {
-    alone: Option<(i64, i64)>,
-}
-
-/// Applies every message available now, in order (with `first_alone`, the first one in a run of
-/// its own). `cursor` is the apply cursor as this worker last left it (read from Postgres when
-/// `None`, and forgotten after an error, whose commit may or may not have happened): the worker
-/// owns the endpoint, so nobody else moves it.
-async fn apply_available(
-    pool: &PgPool,
-    ctx: &Arc<EndpointContext>,
-    token: i64,
-    cursor: &mut Option<i64>,
-    (config, metrics): (&WorkerConfig, &SequencerMetrics),
-    (first_alone, tried): (bool, &mut Tried),
-) -> Result<Applied, ApplyError> {
-    let result = apply_from_cursor(
-        pool,
-        ctx,
-        token,
-        cursor,
-        (config, metrics),
-        (first_alone, tried),
-    )
-    .await;
-    if result.is_err() {
-        *cursor = None;
-    }
-    result
-}
-
-async fn apply_from_cursor(
-    pool: &PgPool,
-    ctx: &Arc<EndpointContext>,
-    token: i64,
-    cursor: &mut Option<i64>,
-    (config, metrics): (&WorkerConfig, &SequencerMetrics),
-    (mut alone, tried): (bool, &mut Tried),
-) -> Result<Applied, ApplyError> {
-    let endpoint = ctx.id();
-    let mut applied = match *cursor {
-        Some(applied) => applied,
-        None => cursors::applied_through(pool, endpoint).await?,
-    };
-    *cursor = Some(applied);
-    let mut done = Applied {
-        messages: 0,
-        reload_pending: false,
-    };
-    loop {
-        tried.alone = None;
-        let (counter, mut pending) = match &config.reader {
-            Some(reader) => reader.read(endpoint, applied).await?,
-            None => {
-                cursors::pending_messages(pool, endpoint, applied, config.messages_per_read).await?
-            }
-        };
-        if pending.is_empty() {
-            if counter > applied {
-                // Only gaps left (numbers a duplicate took and did not use): skip them.
-                let mut tx = pool.begin().await?;
-                if !relay_coord::check_fence(&mut tx, endpoint, token).await? {
-                    return Err(ApplyError::Fenced);
-                }
-                if !cursors::advance_cursor(&mut tx, ctx.tenant(), endpoint, applied, counter, None)
-                    .await?
-                {
-                    return Err(ApplyError::CursorMoved);
-                }
-                tx.commit().await?;
-                *cursor = Some(counter);
-            }
-            return Ok(done);
-        }
-        if alone {
-            pending.truncate(1);
-        }
-        tried.alone = (pending.len() == 1).then(|| (applied, pending[0].arrival_seq));
-        // Everything below the counter was read: the cursor can skip to it.
-        let complete = !alone && (pending.len() as i64) < config.messages_per_read;
-        alone = false;
-        let last = pending.last().map_or(applied, |m| m.arrival_seq);
-        let through = if complete { counter.max(last) } else { last };
-        let run = crate::apply::prepare_run(pool, ctx, token, (applied, through), pending, metrics)
-            .await?;
-        let report = match &config.batcher {
-            // The batcher announces the changes of every run it committed, together.
-            Some(batcher) => batcher.apply(run).await?,
-            None => {
-                let report = crate::apply::apply_runs(pool, vec![run], metrics)
-                    .await
-                    .pop()
-                    .expect("one answer per run")?;
-                if report.changes > 0 {
-                    announce_changes(config, ctx).await;
-                }
-                report
-            }
-        };
-        applied = through;
-        *cursor = Some(applied);
-        done.messages += report.messages;
-        done.reload_pending = report.reload_pending;
-        if complete {
-            // What arrives after the read comes with a wake-up of its own.
-            return Ok(done);
-        }
-    }
-}
-
 /// Tells the publisher the endpoint has new changes (committed). Best effort: a lost
 /// announcement only means the publisher's poll finds them instead.
-async fn announce_changes(config: &WorkerConfig, ctx: &EndpointContext) {
-    announce(config, ctx.tenant(), ctx.id()).await
-}
-
-/// [`announce_changes`] for any endpoint's worker.
 pub(crate) async fn announce(config: &WorkerConfig, tenant: TenantId, endpoint: EndpointId) {
     if let Some(waker) = &config.changes_waker {
         let payload = relay_coord::change_payload(tenant, endpoint);
@@ -555,17 +431,18 @@ pub(crate) async fn announce(config: &WorkerConfig, tenant: TenantId, endpoint: 
     }
 }
 
-async fn finish(
+/// Lets the endpoint go: its job stopped and awaited (so no pooled connection is left inside
+/// its transaction) and its end given to the kind, its lock released.
+async fn finish<K: SourceKind>(
     held: Held,
-    reload: Option<RunningReload>,
+    stopped: Option<(&mut K, &Owned<'_>, RunningJob<K>)>,
     metrics: &SequencerMetrics,
     exit: WorkerExit,
 ) -> WorkerExit {
-    if let Some(running) = reload {
+    if let Some((kind, owned, running)) = stopped {
         running.stop.stop();
-        let _ = running.task.await;
-        metrics.reloads.with_label_values(&["abandoned"]).inc();
-        metrics.reloads_running.dec();
+        let end = running.task.await;
+        kind.ended(owned, end).await;
     }
     held.release().await;
     metrics.endpoints_owned.dec();

@@ -450,18 +450,16 @@ static WRITE_RUNS: LazyLock<String> = LazyLock::new(|| {
 /// Sets aside the endpoint's next message (`arrival_seq`, the first after the cursor at `from`),
 /// whose apply kept failing, in one statement: moves the cursor past it (only from `from`: the
 /// statement decides that this transaction is the one moving it), notes its outcome, records it
-/// with `reason` and `attempts`, and writes the track row `track` (the rules' quarantine began
-/// its reload). `false`: the cursor was not at `from` (roll back). The caller holds the endpoint
-/// ([`tracks::open`]).
+/// with `reason` and `attempts`, and, for a feed endpoint, writes the track row `track` (the
+/// rules' quarantine began its reload). `false`: the cursor was not at `from` (roll back). The
+/// caller holds the endpoint (a feed's [`tracks::open`], or its fence checked).
 pub async fn quarantine_next(
     conn: &mut PgConnection,
     (tenant, endpoint): (TenantId, EndpointId),
     (from, arrival_seq): (i64, i64),
     (reason, attempts): (&str, i32),
-    track: &EndpointTrack,
+    track: Option<&EndpointTrack>,
 ) -> Result<bool, StoreError> {
-    let mut t = tracks::TrackArrays::default();
-    t.push(endpoint, tenant, track)?;
     let mut args = PgArguments::default();
     add(&mut args, endpoint)?;
     add(&mut args, tenant)?;
@@ -473,14 +471,24 @@ pub async fn quarantine_next(
     add(&mut args, vec![arrival_seq])?;
     add(&mut args, vec![quarantine::reason_text(reason)])?;
     add(&mut args, vec![attempts])?;
-    t.add_to(&mut args)?;
-    let moved: i64 = sqlx::query_scalar_with(&QUARANTINE_NEXT, args)
+    let statement = match track {
+        Some(track) => {
+            let mut t = tracks::TrackArrays::default();
+            t.push(endpoint, tenant, track)?;
+            t.add_to(&mut args)?;
+            &QUARANTINE_NEXT_WITH_TRACK
+        }
+        None => &QUARANTINE_NEXT,
+    };
+    let moved: i64 = sqlx::query_scalar_with(statement, args)
         .fetch_one(conn)
         .await?;
     Ok(moved == 1)
 }
 
-static QUARANTINE_NEXT: LazyLock<String> = LazyLock::new(|| {
+/// [`quarantine_next`]'s statement: the cursor moved, the outcome noted, the message recorded;
+/// `track_cte` adds the track's row.
+fn quarantine_next_statement(track_cte: &str) -> String {
     format!(
         "WITH moved AS (
              INSERT INTO endpoint_apply_cursors AS c (endpoint_id, tenant_id,
@@ -496,10 +504,13 @@ static QUARANTINE_NEXT: LazyLock<String> = LazyLock::new(|| {
              SELECT endpoint_id, $4, $2, $5 FROM moved
              ON CONFLICT (endpoint_id, arrival_seq) DO NOTHING
          ),
-         {quarantined},
-         {saved_track}
+         {quarantined}{track_cte}
          SELECT count(*) FROM moved",
         quarantined = quarantine::record_cte(6),
-        saved_track = tracks::save_cte(11),
     )
-});
+}
+
+static QUARANTINE_NEXT: LazyLock<String> = LazyLock::new(|| quarantine_next_statement(""));
+
+static QUARANTINE_NEXT_WITH_TRACK: LazyLock<String> =
+    LazyLock::new(|| quarantine_next_statement(&format!(",\n{}", tracks::save_cte(11))));
