@@ -17,49 +17,49 @@ pub struct ApiMetrics {
 
 impl ApiMetrics {
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let requests = IntCounterVec::new(
+        let requests = prometheus::register_int_counter_vec_with_registry!(
             Opts::new(
                 "relay_api_requests_total",
                 "Control plane requests answered, by route template, method and status.",
             ),
             &["route", "method", "status"],
+            registry
         )?;
-        let request_seconds = HistogramVec::new(
+        let request_seconds = prometheus::register_histogram_vec_with_registry!(
             HistogramOpts::new(
                 "relay_api_request_duration_seconds",
                 "Time to answer a control plane request, by route template and method.",
             )
             .buckets(exponential_buckets(0.001, 4.0, 8)?),
             &["route", "method"],
+            registry
         )?;
-        let rewinds = IntCounterVec::new(
+        let rewinds = prometheus::register_int_counter_vec_with_registry!(
             Opts::new(
                 "relay_api_rewinds_total",
                 "Rewinds after a restore, by outcome: nothing, reload_begun, \
                  reload_already_running, upstream_failed.",
             ),
             &["outcome"],
+            registry
         )?;
-        let throttled = IntCounterVec::new(
+        let throttled = prometheus::register_int_counter_vec_with_registry!(
             Opts::new(
                 "relay_api_throttled_total",
                 "Requests answered 429 because their caller had as many in flight as it may, \
                  by bound: requests, rewinds.",
             ),
             &["bound"],
+            registry
         )?;
-        let quota_refusals = IntCounterVec::new(
+        let quota_refusals = prometheus::register_int_counter_vec_with_registry!(
             Opts::new(
                 "relay_api_quota_refusals_total",
                 "Writes refused because the tenant's quota was reached, by quota: max_endpoints.",
             ),
             &["quota"],
+            registry
         )?;
-        registry.register(Box::new(requests.clone()))?;
-        registry.register(Box::new(request_seconds.clone()))?;
-        registry.register(Box::new(rewinds.clone()))?;
-        registry.register(Box::new(throttled.clone()))?;
-        registry.register(Box::new(quota_refusals.clone()))?;
         Ok(Self {
             requests,
             request_seconds,

@@ -74,21 +74,23 @@ pub struct IngestMetrics {
 
 impl IngestMetrics {
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let messages = IntCounterVec::new(
+        let messages = prometheus::register_int_counter_vec_with_registry!(
             Opts::new(
                 "relay_ingest_messages_total",
                 "Webhook messages answered by the front tier, by outcome.",
             ),
             &["outcome"],
+            registry
         )?;
-        let body_bytes = Histogram::with_opts(
+        let body_bytes = prometheus::register_histogram_with_registry!(
             HistogramOpts::new(
                 "relay_ingest_message_body_bytes",
                 "Size of the webhook message bodies read in full.",
             )
             .buckets(exponential_buckets(256.0, 4.0, 8)?),
+            registry
         )?;
-        let answer_seconds = HistogramVec::new(
+        let answer_seconds = prometheus::register_histogram_vec_with_registry!(
             HistogramOpts::new(
                 "relay_ingest_answer_duration_seconds",
                 "Time from a request's arrival to its answer, by outcome.",
@@ -98,39 +100,37 @@ impl IngestMetrics {
                 10.0, 15.0,
             ]),
             &["outcome"],
+            registry
         )?;
-        let batch_messages = Histogram::with_opts(
+        let batch_messages = prometheus::register_histogram_with_registry!(
             HistogramOpts::new(
                 "relay_ingest_batch_messages",
                 "Messages stored per shared transaction.",
             )
             .buckets(exponential_buckets(1.0, 2.0, 10)?),
+            registry
         )?;
-        let batch_seconds = Histogram::with_opts(
+        let batch_seconds = prometheus::register_histogram_with_registry!(
             HistogramOpts::new(
                 "relay_ingest_batch_duration_seconds",
                 "Time to store one batch, from BEGIN to COMMIT.",
             )
             .buckets(exponential_buckets(0.0005, 2.0, 14)?),
+            registry
         )?;
-        let cache_lookups = IntCounterVec::new(
+        let cache_lookups = prometheus::register_int_counter_vec_with_registry!(
             Opts::new(
                 "relay_ingest_endpoint_cache_lookups_total",
                 "Endpoint lookups, by whether the cache answered (hit) or Postgres did (miss).",
             ),
             &["result"],
+            registry
         )?;
-        registry.register(Box::new(messages.clone()))?;
-        registry.register(Box::new(body_bytes.clone()))?;
-        registry.register(Box::new(answer_seconds.clone()))?;
-        registry.register(Box::new(batch_messages.clone()))?;
-        registry.register(Box::new(batch_seconds.clone()))?;
-        let cache_entries = IntGauge::new(
+        let cache_entries = prometheus::register_int_gauge_with_registry!(
             "relay_ingest_endpoint_cache_entries",
             "Endpoints (known or unknown ids) held in the front tier's cache.",
+            registry
         )?;
-        registry.register(Box::new(cache_lookups.clone()))?;
-        registry.register(Box::new(cache_entries.clone()))?;
         // Every outcome is exported from the start, at zero, so dashboards and alerts see the
         // series before the first event of its kind.
         for outcome in Outcome::ALL {

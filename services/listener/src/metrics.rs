@@ -80,44 +80,44 @@ impl ListenerMetrics {
     }
 
     pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
-        let connections = IntGaugeVec::new(
+        let connections = prometheus::register_int_gauge_vec_with_registry!(
             Opts::new(
                 "relay_listener_connections",
                 "Connections each listener serves now",
             ),
             &["listener"],
+            registry
         )?;
-        let max_connections = IntGaugeVec::new(
+        let max_connections = prometheus::register_int_gauge_vec_with_registry!(
             Opts::new(
                 "relay_listener_max_connections",
                 "Each listener's bound on connections, as fitted to the open-file limit",
             ),
             &["listener"],
+            registry
         )?;
-        let refused = IntCounterVec::new(
+        let refused = prometheus::register_int_counter_vec_with_registry!(
             Opts::new(
                 "relay_listener_refused_total",
                 "Connections and requests refused by a listener's bounds, by reason",
             ),
             &["listener", "reason"],
+            registry
         )?;
-        let accept_failures = IntCounterVec::new(
+        let accept_failures = prometheus::register_int_counter_vec_with_registry!(
             Opts::new(
                 "relay_listener_accept_failures_total",
                 "Connections a listener could not accept (out of file descriptors: EMFILE), by \
                  error",
             ),
             &["listener", "error"],
+            registry
         )?;
-        let body_bytes_in_flight = IntGauge::new(
+        let body_bytes_in_flight = prometheus::register_int_gauge_with_registry!(
             "relay_listener_body_bytes_in_flight",
             "Request body bytes the process holds while reading them (all listeners)",
+            registry
         )?;
-        registry.register(Box::new(connections.clone()))?;
-        registry.register(Box::new(max_connections.clone()))?;
-        registry.register(Box::new(refused.clone()))?;
-        registry.register(Box::new(accept_failures.clone()))?;
-        registry.register(Box::new(body_bytes_in_flight.clone()))?;
         Ok(Self {
             connections,
             max_connections,
