@@ -61,10 +61,6 @@ pub enum ApplyError {
     /// A stories endpoint's upstream read failed: tried again later.
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
-    /// A fetch-on-notify read failed: what came before it is applied, it and what follows
-    /// wait for the next try.
-    #[error("a story could not be read; its event waits")]
-    Unread,
 }
 
 impl ApplyError {
