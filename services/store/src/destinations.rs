@@ -24,7 +24,7 @@ pub enum Destination {
 
 /// A tenant's destination row as the control plane shows it: the broker URL's presence, never
 /// the URL.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct StoredDestination {
     /// `relay_queue` or `own_exchange`.
     pub kind: String,
@@ -36,40 +36,18 @@ pub struct StoredDestination {
     pub refused_at: Option<OffsetDateTime>,
 }
 
-type StoredRow = (
-    String,
-    Option<String>,
-    Option<String>,
-    bool,
-    OffsetDateTime,
-    Option<String>,
-    Option<OffsetDateTime>,
-);
-
-fn stored(row: StoredRow) -> StoredDestination {
-    let (kind, exchange, routing_key, amqp_url_set, updated_at, refused_reason, refused_at) = row;
-    StoredDestination {
-        kind,
-        exchange,
-        routing_key,
-        amqp_url_set,
-        updated_at,
-        refused_reason,
-        refused_at,
-    }
-}
+/// The columns a [`StoredDestination`] is read from.
+const STORED_COLUMNS: &str = "kind, exchange, routing_key, amqp_url IS NOT NULL AS amqp_url_set, \
+                              updated_at, refused_reason, refused_at";
 
 /// The tenant's destination row, `None` when it has none (the relay's queue).
 pub async fn get(pool: &PgPool, tenant: TenantId) -> Result<Option<StoredDestination>, StoreError> {
-    let row: Option<StoredRow> = sqlx::query_as(
-        "SELECT kind, exchange, routing_key, amqp_url IS NOT NULL, updated_at, refused_reason,
-                refused_at
-         FROM tenant_destinations WHERE tenant_id = $1",
-    )
+    Ok(sqlx::query_as(&format!(
+        "SELECT {STORED_COLUMNS} FROM tenant_destinations WHERE tenant_id = $1"
+    ))
     .bind(tenant)
     .fetch_optional(pool)
-    .await?;
-    Ok(row.map(stored))
+    .await?)
 }
 
 /// Sets the tenant's destination, clearing any refusal the publisher recorded for the one it
@@ -92,16 +70,15 @@ pub async fn set(
             Some(routing_key.as_str()),
         ),
     };
-    let row: Option<StoredRow> = sqlx::query_as(
+    let row: Option<StoredDestination> = sqlx::query_as(&format!(
         "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
          SELECT t.id, $2, $3, $4, $5 FROM tenants t WHERE t.id = $1
          ON CONFLICT (tenant_id) DO UPDATE
          SET kind = excluded.kind, amqp_url = excluded.amqp_url, exchange = excluded.exchange,
              routing_key = excluded.routing_key, updated_at = now(),
              refused_reason = NULL, refused_at = NULL
-         RETURNING kind, exchange, routing_key, amqp_url IS NOT NULL, updated_at, refused_reason,
-                   refused_at",
-    )
+         RETURNING {STORED_COLUMNS}"
+    ))
     .bind(tenant)
     .bind(kind)
     .bind(url)
@@ -109,7 +86,7 @@ pub async fn set(
     .bind(routing_key)
     .fetch_optional(pool)
     .await?;
-    row.map(stored).ok_or_else(|| StoreError::NotFound {
+    row.ok_or_else(|| StoreError::NotFound {
         what: "tenant",
         id: tenant.to_string(),
     })
