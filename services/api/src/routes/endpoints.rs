@@ -25,7 +25,8 @@ use uuid::Uuid;
 use relay_netguard::{GuardedClient, GuardedResolver, ResolveError};
 
 use super::{
-    owned_endpoint, parse_endpoint_id, parse_uuid, AppState, QueryArgs, ENDPOINT_NOT_FOUND,
+    next_cursor, owned_endpoint, parse_endpoint_id, parse_uuid, AppState, QueryArgs,
+    ENDPOINT_NOT_FOUND,
 };
 use crate::auth::TenantId;
 use crate::error::{ApiError, ErrorBody, JsonBody};
@@ -534,9 +535,7 @@ pub async fn list_endpoints(
         .into_iter()
         .map(EndpointView::from)
         .collect();
-    let next_cursor = (data.len() as i64 == limit)
-        .then(|| data.last().map(|e| e.id.to_string()))
-        .flatten();
+    let next_cursor = next_cursor(&data, limit, |e| e.id.to_string());
     Ok(Json(EndpointPage { data, next_cursor }))
 }
 

@@ -249,6 +249,14 @@ impl QueryArgs {
     }
 }
 
+/// The cursor of the page after `rows`: the key of its last row, when the page is full (`limit`
+/// rows; a shorter one is the last).
+pub fn next_cursor<T>(rows: &[T], limit: i64, key: impl FnOnce(&T) -> String) -> Option<String> {
+    (rows.len() as i64 == limit)
+        .then(|| rows.last().map(key))
+        .flatten()
+}
+
 /// Checks the endpoint is the tenant's ([`ENDPOINT_NOT_FOUND`] when not).
 pub async fn owned_endpoint(
     pool: &PgPool,

@@ -20,7 +20,7 @@ use serde::Serialize;
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
-use super::{owned_endpoint, parse_endpoint_id, AppState, QueryArgs};
+use super::{next_cursor, owned_endpoint, parse_endpoint_id, AppState, QueryArgs};
 use crate::auth::TenantId;
 use crate::error::{ApiError, ErrorBody};
 
@@ -104,9 +104,7 @@ pub async fn list_quarantine(
     let limit = query.limit(50, 200)?;
     owned_endpoint(&state.pool, tenant, id).await?;
     let rows = quarantine::list(&state.pool, tenant, id, status, after, limit).await?;
-    let next_cursor = (rows.len() as i64 == limit)
-        .then(|| rows.last().map(|q| q.arrival_seq.to_string()))
-        .flatten();
+    let next_cursor = next_cursor(&rows, limit, |q| q.arrival_seq.to_string());
     Ok(Json(QuarantinePage {
         data: rows.into_iter().map(QuarantinedView::from).collect(),
         next_cursor,

@@ -18,7 +18,9 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::{owned_endpoint, parse_endpoint_id, AppState, QueryArgs, ENDPOINT_NOT_FOUND};
+use super::{
+    next_cursor, owned_endpoint, parse_endpoint_id, AppState, QueryArgs, ENDPOINT_NOT_FOUND,
+};
 use crate::auth::TenantId;
 use crate::error::{check_text, ApiError, ErrorBody};
 
@@ -125,9 +127,7 @@ pub async fn list_copy(
         .into_iter()
         .map(copy_view)
         .collect::<Result<Vec<_>, _>>()?;
-    let next_cursor = (data.len() as i64 == limit)
-        .then(|| data.last().map(|i| i.subject.clone()))
-        .flatten();
+    let next_cursor = next_cursor(&data, limit, |i| i.subject.clone());
     Ok(Json(CopyPage { data, next_cursor }))
 }
 
@@ -565,9 +565,7 @@ pub async fn list_messages(
         received_before,
     };
     let rows = messages::list_with_outcomes(&state.pool, tenant, id, &page).await?;
-    let next_cursor = (rows.len() as i64 == limit)
-        .then(|| rows.last().map(|m| m.arrival_seq.to_string()))
-        .flatten();
+    let next_cursor = next_cursor(&rows, limit, |m| m.arrival_seq.to_string());
     let data = rows
         .into_iter()
         .map(|m| MessageView {

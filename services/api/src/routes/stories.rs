@@ -12,7 +12,7 @@ use serde_json::Value;
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
-use super::{owned_endpoint, parse_endpoint_id, AppState, QueryArgs};
+use super::{next_cursor, owned_endpoint, parse_endpoint_id, AppState, QueryArgs};
 use crate::auth::TenantId;
 use crate::error::{check_text, ApiError, ErrorBody};
 
@@ -98,9 +98,7 @@ pub async fn list_stories(
     )
     .await?;
     let data: Vec<StoryView> = rows.into_iter().map(StoryView::from).collect();
-    let next_cursor = (data.len() as i64 == limit)
-        .then(|| data.last().map(|s| s.id.clone()))
-        .flatten();
+    let next_cursor = next_cursor(&data, limit, |s| s.id.clone());
     Ok(Json(StoryPage { data, next_cursor }))
 }
 
@@ -190,8 +188,6 @@ pub async fn list_notifications(
                 notified: claim.notified,
             })
             .collect();
-    let next_cursor = (data.len() as i64 == limit)
-        .then(|| data.last().map(|n| n.key.clone()))
-        .flatten();
+    let next_cursor = next_cursor(&data, limit, |n| n.key.clone());
     Ok(Json(NotificationPage { data, next_cursor }))
 }

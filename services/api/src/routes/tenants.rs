@@ -13,7 +13,7 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::{parse_uuid, AppState, QueryArgs};
+use super::{next_cursor, parse_uuid, AppState, QueryArgs};
 use crate::auth::{self, IssuedToken, Operator, Subject, TenantId};
 use crate::error::{ApiError, ErrorBody, JsonBody};
 
@@ -119,9 +119,7 @@ pub async fn list_tenants(
         .into_iter()
         .map(TenantView::from)
         .collect();
-    let next_cursor = (data.len() as i64 == limit)
-        .then(|| data.last().map(|t| t.id.to_string()))
-        .flatten();
+    let next_cursor = next_cursor(&data, limit, |t| t.id.to_string());
     Ok(Json(TenantPage { data, next_cursor }))
 }
 
