@@ -184,6 +184,11 @@ pub fn parse_endpoint_id(text: &str) -> Result<relay_store::EndpointId, ApiError
     parse_uuid("endpoint_id", text).map(relay_store::EndpointId)
 }
 
+/// The tenant a path's `tenant_id` names.
+pub fn parse_tenant_id(text: &str) -> Result<relay_store::TenantId, ApiError> {
+    parse_uuid("tenant_id", text).map(relay_store::TenantId)
+}
+
 /// The answer for an endpoint that is not the tenant's: another tenant's endpoint and an
 /// unknown one are the same 404.
 pub const ENDPOINT_NOT_FOUND: ApiError = ApiError::NotFound("webhook endpoint");

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::{parse_uuid, AppState};
+use super::{parse_tenant_id, AppState};
 use crate::auth::Operator;
 use crate::error::{ApiError, ErrorBody, JsonBody};
 
@@ -122,7 +122,7 @@ async fn view(state: &AppState, tenant: TenantId) -> Result<TenantQuotasView, Ap
 }
 
 async fn existing(state: &AppState, tenant_id: &str) -> Result<TenantId, ApiError> {
-    let id = TenantId(parse_uuid("tenant_id", tenant_id)?);
+    let id = parse_tenant_id(tenant_id)?;
     relay_store::tenants::get(&state.pool, id)
         .await?
         .ok_or(ApiError::NotFound("tenant"))?;
@@ -168,7 +168,7 @@ pub async fn put_quotas(
     Path(tenant_id): Path<String>,
     JsonBody(body): JsonBody<QuotaOverridesBody>,
 ) -> Result<Json<TenantQuotasView>, ApiError> {
-    let id = TenantId(parse_uuid("tenant_id", &tenant_id)?);
+    let id = parse_tenant_id(&tenant_id)?;
     let overrides = QuotaOverrides {
         max_endpoints: quota("max_endpoints", body.max_endpoints)?,
         messages_per_second: quota("max_messages_per_second", body.max_messages_per_second)?,

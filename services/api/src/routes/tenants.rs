@@ -13,7 +13,7 @@ use time::OffsetDateTime;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
-use super::{next_cursor, parse_uuid, AppState, QueryArgs};
+use super::{next_cursor, parse_tenant_id, parse_uuid, AppState, QueryArgs};
 use crate::auth::{self, IssuedToken, Operator, Subject, TenantId};
 use crate::error::{ApiError, ErrorBody, JsonBody};
 
@@ -144,7 +144,7 @@ pub async fn get_tenant(
     _operator: Operator,
     Path(tenant_id): Path<String>,
 ) -> Result<Json<TenantView>, ApiError> {
-    let id = relay_store::TenantId(parse_uuid("tenant_id", &tenant_id)?);
+    let id = parse_tenant_id(&tenant_id)?;
     Ok(Json(load_tenant(&state, id).await?))
 }
 
@@ -166,7 +166,7 @@ pub async fn delete_tenant(
     operator: Operator,
     Path(tenant_id): Path<String>,
 ) -> Result<(StatusCode, Json<super::endpoints::DeletionView>), ApiError> {
-    let id = relay_store::TenantId(parse_uuid("tenant_id", &tenant_id)?);
+    let id = parse_tenant_id(&tenant_id)?;
     let marked = relay_store::offboard::mark_tenant(&state.pool, id)
         .await?
         .ok_or(ApiError::NotFound("tenant"))?;
@@ -197,7 +197,7 @@ pub async fn mint_tenant_token(
     Path(tenant_id): Path<String>,
     JsonBody(body): JsonBody<NewToken>,
 ) -> Result<(StatusCode, Json<IssuedToken>), ApiError> {
-    let id = relay_store::TenantId(parse_uuid("tenant_id", &tenant_id)?);
+    let id = parse_tenant_id(&tenant_id)?;
     let ttl = Duration::from_secs(body.ttl_s.unwrap_or(86_400));
     if ttl.is_zero() || ttl > auth::MAX_TTL {
         return Err(ApiError::invalid(
