@@ -18,7 +18,7 @@ use rand_chacha::ChaCha8Rng;
 use relay_netguard::OutboundPolicy;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::cli::prepare;
-use relay_simulator::{Faults, Simulation};
+use relay_simulator::Faults;
 use relay_tests::readback::Operation;
 use relay_tests::{redis_url, TestApp};
 use serde_json::Value;
@@ -28,7 +28,7 @@ use uuid::Uuid;
 
 use crate::stack::{
     copy_items, create_endpoint, describe_difference, oracle, relay_backlog, sequencer_pool,
-    simulate_args, stop_simulation, tenant_of_key, Items,
+    serve_simulation, simulate_args, stop_simulation, tenant_of_key, upstream_listener, Items,
 };
 
 /// Set in a child process's environment: what its sequencer runs against.
@@ -109,6 +109,82 @@ impl SequencerProcess {
     /// SIGKILL: no transaction finishes, no lock is released.
     pub(crate) async fn kill(mut self) {
         self.child.kill().await.unwrap();
+    }
+}
+
+/// What a sequencer child runs against: the database at `database_url`, the tests' Redis under
+/// `key_prefix`, `feed_page_limit` items a page, and stories caught up every
+/// `stories_catch_up_ms` when given.
+pub(crate) fn sequencer_spec(
+    database_url: &str,
+    key_prefix: &str,
+    feed_page_limit: usize,
+    stories_catch_up_ms: Option<u64>,
+) -> Value {
+    let mut spec = serde_json::json!({
+        "database_url": database_url,
+        "redis_url": redis_url(),
+        "key_prefix": key_prefix,
+        "lease_ms": 1500,
+        "feed_page_limit": feed_page_limit,
+    });
+    if let Some(ms) = stories_catch_up_ms {
+        spec["stories_catch_up_ms"] = ms.into();
+    }
+    spec
+}
+
+/// A run's sequencer processes, each started from one spec; a slot is empty while its process
+/// is killed.
+pub(crate) struct Sequencers {
+    pub(crate) spec: Value,
+    slots: Vec<Option<SequencerProcess>>,
+}
+
+impl Sequencers {
+    pub(crate) fn start(spec: Value, count: usize) -> Self {
+        let slots = (0..count)
+            .map(|_| Some(SequencerProcess::start(&spec)))
+            .collect();
+        Self { spec, slots }
+    }
+
+    /// Until `task` ends, every 0.3 to 1.2 s (seeded by `seed`): with `kills`, a process picked
+    /// at random is killed, or started again when its slot is empty. Then every slot runs a
+    /// process again. Returns how many were killed.
+    pub(crate) async fn kill_at_random<T>(
+        &mut self,
+        seed: u64,
+        kills: bool,
+        task: &tokio::task::JoinHandle<T>,
+    ) -> usize {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6b696c6c);
+        let mut killed = 0;
+        while !task.is_finished() {
+            tokio::time::sleep(Duration::from_millis(rng.gen_range(300..1200))).await;
+            if kills && !self.slots.is_empty() {
+                let slot = rng.gen_range(0..self.slots.len());
+                match self.slots[slot].take() {
+                    Some(process) => {
+                        process.kill().await;
+                        killed += 1;
+                    }
+                    None => self.slots[slot] = Some(SequencerProcess::start(&self.spec)),
+                }
+            }
+        }
+        for slot in &mut self.slots {
+            if slot.is_none() {
+                *slot = Some(SequencerProcess::start(&self.spec));
+            }
+        }
+        killed
+    }
+
+    pub(crate) async fn kill_all(self) {
+        for process in self.slots.into_iter().flatten() {
+            process.kill().await;
+        }
     }
 }
 
@@ -348,8 +424,7 @@ async fn converge(run: Run) {
     let app = TestApp::spawn_waking(&key_prefix).await;
     let pool = app.db.pool.clone();
 
-    let api_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let api = format!("http://{}", api_listener.local_addr().unwrap());
+    let (api_listener, api) = upstream_listener("127.0.0.1").await;
     let args = simulate_args(
         &app.base_url,
         run.endpoints,
@@ -361,46 +436,17 @@ async fn converge(run: Run) {
     let (mut upstream, workload, infos) = prepare(&args).unwrap();
     upstream.set_faults(run.faults.clone());
     register(&pool, &infos, &api).await;
-    let sim = Simulation::new(upstream, Duration::from_secs(2));
-    relay_simulator::api::serve(api_listener, sim.clone())
-        .await
-        .unwrap();
+    let (sim, senders) = serve_simulation(upstream, Duration::from_secs(2), api_listener).await;
 
-    let spec = serde_json::json!({
-        "database_url": app.db.url,
-        "redis_url": redis_url(),
-        "key_prefix": key_prefix,
-        "lease_ms": 1500,
-        "feed_page_limit": run.feed_page_limit,
-    });
-    let mut sequencers: Vec<Option<SequencerProcess>> = (0..run.sequencers)
-        .map(|_| Some(SequencerProcess::start(&spec)))
-        .collect();
-    let senders = sim.spawn_senders();
+    let spec = sequencer_spec(&app.db.url, &key_prefix, run.feed_page_limit, None);
+    let mut sequencers = Sequencers::start(spec, run.sequencers);
 
     // The workload, and meanwhile (seeded) kills and restarts.
     let workload_task = tokio::spawn(sim.clone().run_workload(workload, run.rate, run.duration));
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6b696c6c);
-    let mut kills = 0;
-    while !workload_task.is_finished() {
-        tokio::time::sleep(Duration::from_millis(rng.gen_range(300..1200))).await;
-        if run.kills && !sequencers.is_empty() {
-            let slot = rng.gen_range(0..sequencers.len());
-            match sequencers[slot].take() {
-                Some(process) => {
-                    process.kill().await;
-                    kills += 1;
-                }
-                None => sequencers[slot] = Some(SequencerProcess::start(&spec)),
-            }
-        }
-    }
+    let kills = sequencers
+        .kill_at_random(seed, run.kills, &workload_task)
+        .await;
     workload_task.await.unwrap();
-    for slot in &mut sequencers {
-        if slot.is_none() {
-            *slot = Some(SequencerProcess::start(&spec));
-        }
-    }
     // Quiescence: the faults stop (so no new reset is provoked), the upstream sends what is
     // left, the relay applies it and merges its reloads.
     sim.change(|upstream, _| upstream.set_faults(Faults::default()));
@@ -485,9 +531,7 @@ async fn converge(run: Run) {
         started.elapsed().as_secs_f64()
     );
 
-    for process in sequencers.into_iter().flatten() {
-        process.kill().await;
-    }
+    sequencers.kill_all().await;
     stop_simulation(&sim, senders).await;
     delete_redis_keys(&key_prefix).await;
     app.stop().await;

@@ -29,13 +29,15 @@ use relay_simulator::{
 };
 use relay_store::endpoints::{self, Registration, Source, StoriesSettings};
 use relay_store::{EndpointId, TenantId};
-use relay_tests::{redis_url, TestApp, Vhost};
+use relay_tests::{TestApp, Vhost};
 use relay_wire::SigningSecret;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::convergence::SequencerProcess;
-use crate::stack::{connect_broker, labelled, metric, publisher_config, start_publisher};
+use crate::convergence::{sequencer_spec, Sequencers};
+use crate::stack::{
+    connect_broker, labelled, metric, publisher_config, start_publisher, upstream_listener,
+};
 
 /// Simulated time runs this much faster than the wire file's: retries back off in
 /// milliseconds, and the 30-day window is about 43 minutes.
@@ -52,6 +54,19 @@ struct Run {
     kills: bool,
     /// Every endpoint in `fetch_on_notify` mode (otherwise the modes alternate).
     fetch_on_notify_only: bool,
+}
+
+impl Run {
+    /// The run's workload of stories changes, seeded by `seed`.
+    fn workload(&self, seed: u64) -> StoriesWorkload {
+        StoriesWorkload::new(
+            seed,
+            StoriesWorkloadConfig {
+                endpoints: self.endpoints,
+                ..StoriesWorkloadConfig::default()
+            },
+        )
+    }
 }
 
 /// A change of one story: its seq, operation, version, event id and reload round.
@@ -131,8 +146,7 @@ struct Stand {
     sim: std::sync::Arc<Simulation>,
     infos: Vec<StoriesEndpointInfo>,
     tenant: TenantId,
-    spec: serde_json::Value,
-    sequencers: Vec<Option<SequencerProcess>>,
+    sequencers: Sequencers,
     vhost: Vhost,
     publisher: relay_publisher::PublisherHandle,
     key_prefix: String,
@@ -145,8 +159,7 @@ impl Stand {
         let key_prefix = format!("relay-test-{}:", Uuid::new_v4().simple());
         let app = TestApp::spawn_waking(&key_prefix).await;
         let pool = app.db.pool.clone();
-        let api_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let api = format!("http://{}", api_listener.local_addr().unwrap());
+        let (api_listener, api) = upstream_listener("127.0.0.1").await;
         let faults = Faults::all();
         let mut config = StoriesConfig::from_wire_limits(COMPRESSION);
         // The upstream's time starts at the wall clock's now, as the relay's registrations do:
@@ -155,13 +168,7 @@ impl Stand {
             (time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000) as i64;
         configure(&mut config);
         let mut stories = Stories::new(config, faults.stories.clone(), run.seed);
-        let mut workload = StoriesWorkload::new(
-            run.seed,
-            StoriesWorkloadConfig {
-                endpoints: run.endpoints,
-                ..StoriesWorkloadConfig::default()
-            },
-        );
+        let mut workload = run.workload(run.seed);
         let infos = workload.setup(&mut stories, &format!("{}/webhooks/{{id}}", app.base_url));
         let tenant = register(&pool, &infos, &api, run.fetch_on_notify_only).await;
         for info in &infos {
@@ -183,17 +190,8 @@ impl Stand {
         relay_simulator::api::serve(api_listener, sim.clone())
             .await
             .unwrap();
-        let spec = serde_json::json!({
-            "database_url": app.db.url,
-            "redis_url": redis_url(),
-            "key_prefix": key_prefix,
-            "lease_ms": 1500,
-            "feed_page_limit": 8,
-            "stories_catch_up_ms": 1500,
-        });
-        let sequencers = (0..run.sequencers)
-            .map(|_| Some(SequencerProcess::start(&spec)))
-            .collect();
+        let spec = sequencer_spec(&app.db.url, &key_prefix, 8, Some(1500));
+        let sequencers = Sequencers::start(spec, run.sequencers);
         let vhost = Vhost::create();
         let (publisher, _registry) =
             start_publisher(&pool, publisher_config(vhost.url(), &key_prefix)).await;
@@ -205,7 +203,6 @@ impl Stand {
             sim,
             infos,
             tenant,
-            spec,
             sequencers,
             vhost,
             publisher,
@@ -485,10 +482,19 @@ impl Stand {
         }
     }
 
+    /// The run's workload (seeded by its seed), running at its rate for its duration: how many
+    /// changes it made, once it ends.
+    fn spawn_workload(&self, run: &Run) -> tokio::task::JoinHandle<usize> {
+        let workload = run.workload(run.seed);
+        tokio::spawn(
+            self.sim
+                .clone()
+                .run_stories_workload(workload, run.rate, run.duration),
+        )
+    }
+
     async fn stop(self) {
-        for process in self.sequencers.into_iter().flatten() {
-            process.kill().await;
-        }
+        self.sequencers.kill_all().await;
         self.publisher.stop().await;
         self.sim.shutdown();
         let _ = self.sender.await;
@@ -501,39 +507,12 @@ async fn converge(run: Run) {
     let seed = run.seed;
     eprintln!("stories convergence: seed {seed} ({run:?})");
     let mut stand = Stand::start(&run, |_| {}).await;
-    let workload = StoriesWorkload::new(
-        seed,
-        StoriesWorkloadConfig {
-            endpoints: run.endpoints,
-            ..StoriesWorkloadConfig::default()
-        },
-    );
-    let task = tokio::spawn(stand.sim.clone().run_stories_workload(
-        workload,
-        run.rate,
-        run.duration,
-    ));
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6b696c6c);
-    let mut kills = 0;
-    while !task.is_finished() {
-        tokio::time::sleep(Duration::from_millis(rng.gen_range(300..1200))).await;
-        if run.kills {
-            let slot = rng.gen_range(0..stand.sequencers.len());
-            match stand.sequencers[slot].take() {
-                Some(process) => {
-                    process.kill().await;
-                    kills += 1;
-                }
-                None => stand.sequencers[slot] = Some(SequencerProcess::start(&stand.spec)),
-            }
-        }
-    }
+    let task = stand.spawn_workload(&run);
+    let kills = stand
+        .sequencers
+        .kill_at_random(seed, run.kills, &task)
+        .await;
     let steps = task.await.unwrap();
-    for slot in &mut stand.sequencers {
-        if slot.is_none() {
-            *slot = Some(SequencerProcess::start(&stand.spec));
-        }
-    }
     stand.settle(seed, Duration::from_secs(90)).await;
     stand.check_queue(seed, Some(0..0)).await;
     eprintln!("stories convergence: seed {seed} converged: {steps} changes, {kills} kills");
@@ -575,19 +554,10 @@ async fn catch_up_recovers_an_outage_longer_than_the_retries_and_a_410_reloads()
         config.sender.max_attempts = 3;
     })
     .await;
-    let workload = |seed| {
-        StoriesWorkload::new(
-            seed,
-            StoriesWorkloadConfig {
-                endpoints: run.endpoints,
-                ..StoriesWorkloadConfig::default()
-            },
-        )
-    };
     stand
         .sim
         .clone()
-        .run_stories_workload(workload(seed), run.rate, run.duration)
+        .run_stories_workload(run.workload(seed), run.rate, run.duration)
         .await;
     stand.settle(seed, Duration::from_secs(60)).await;
 
@@ -605,7 +575,7 @@ async fn catch_up_recovers_an_outage_longer_than_the_retries_and_a_410_reloads()
     stand
         .sim
         .clone()
-        .run_stories_workload(workload(seed + 1), run.rate, run.duration)
+        .run_stories_workload(run.workload(seed + 1), run.rate, run.duration)
         .await;
     assert!(
         stand.sim.wait_idle(Duration::from_secs(30)).await,
@@ -637,7 +607,7 @@ async fn catch_up_recovers_an_outage_longer_than_the_retries_and_a_410_reloads()
     stand
         .sim
         .clone()
-        .run_stories_workload(workload(seed + 2), run.rate, Duration::from_secs(1))
+        .run_stories_workload(run.workload(seed + 2), run.rate, Duration::from_secs(1))
         .await;
     assert!(
         stand.sim.wait_idle(Duration::from_secs(30)).await,
@@ -739,19 +709,10 @@ async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
         fetch_on_notify_only: false,
     };
     let stand = Stand::start(&run, |_| {}).await;
-    let workload = |seed| {
-        StoriesWorkload::new(
-            seed,
-            StoriesWorkloadConfig {
-                endpoints: 1,
-                ..StoriesWorkloadConfig::default()
-            },
-        )
-    };
     stand
         .sim
         .clone()
-        .run_stories_workload(workload(seed), run.rate, run.duration)
+        .run_stories_workload(run.workload(seed), run.rate, run.duration)
         .await;
     stand.settle(seed, Duration::from_secs(60)).await;
     let info = &stand.infos[0];
@@ -794,7 +755,7 @@ async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
     stand
         .sim
         .clone()
-        .run_stories_workload(workload(seed + 1), run.rate, run.duration)
+        .run_stories_workload(run.workload(seed + 1), run.rate, run.duration)
         .await;
     stand.settle(seed, Duration::from_secs(60)).await;
     let dropped: i64 = sqlx::query_scalar(
@@ -814,7 +775,7 @@ async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
     stand
         .sim
         .clone()
-        .run_stories_workload(workload(seed + 2), run.rate, run.duration)
+        .run_stories_workload(run.workload(seed + 2), run.rate, run.duration)
         .await;
     stand.settle(seed, Duration::from_secs(60)).await;
     let loaded: i64 = sqlx::query_scalar(
@@ -904,18 +865,7 @@ async fn converge_with_failed_reads(seed: u64, lb_404: f64) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}/webhooks/{{id}}", listener.local_addr().unwrap())
     };
-    let workload = StoriesWorkload::new(
-        seed,
-        StoriesWorkloadConfig {
-            endpoints: run.endpoints,
-            ..StoriesWorkloadConfig::default()
-        },
-    );
-    let task = tokio::spawn(stand.sim.clone().run_stories_workload(
-        workload,
-        run.rate,
-        run.duration,
-    ));
+    let task = stand.spawn_workload(&run);
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6c6f7374);
     while !task.is_finished() {
         stand.sim.change_stories(|stories, _| {
