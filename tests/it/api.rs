@@ -92,12 +92,21 @@ impl ApiApp {
 
     /// An endpoint registered through the API with one fresh secret; returns its id and secret.
     pub async fn endpoint(&self, token: &str, extra: Value) -> (Uuid, String) {
+        let (id, secret, answer) = self.try_endpoint(token, extra).await;
+        assert_eq!(answer.status, 201, "POST /v1/endpoints: {}", answer.text);
+        (id, secret)
+    }
+
+    /// A new endpoint with one fresh secret and the fields of `extra`, registered through the
+    /// API whatever it answers: its id, its secret and the answer.
+    pub async fn try_endpoint(&self, token: &str, extra: Value) -> (Uuid, String, Answer) {
         let id = Uuid::new_v4();
         let secret = random_secret().to_whsec();
         let body = merged(json!({"id": id, "lang": "en", "secrets": [secret]}), extra);
-        self.ok(201, "POST", "/v1/endpoints", token, Some(&body))
+        let answer = self
+            .call("POST", "/v1/endpoints", Some(token), Some(&body))
             .await;
-        (id, secret)
+        (id, secret, answer)
     }
 
     /// The rows of each of `tables`, with its name.

@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use uuid::Uuid;
 
 use crate::api::{keep_track, Answer, ApiApp};
-use crate::stack::Api;
+use crate::stack::{assert_refused_field, Api};
 
 /// A name other than `localhost` that this machine's hosts file maps to a loopback address (its
 /// own name, usually): a name only resolution can tell is loopback.
@@ -87,16 +87,6 @@ async fn redirect_pair() -> (String, Hits, String, Hits) {
     (redirecting, redirect_hits, target, target_hits)
 }
 
-fn assert_refused_field(answer: &crate::api::Answer, field: &str, what: &str) {
-    assert_eq!(answer.status, 400, "{what}: {}", answer.text);
-    assert_eq!(
-        answer.json["error"], "invalid_request",
-        "{what}: {}",
-        answer.text
-    );
-    assert_eq!(answer.json["field"], field, "{what}: {}", answer.text);
-}
-
 /// The rewind asked of the relay for `endpoint`, whatever it answers.
 async fn call_rewind(app: &ApiApp, token: &str, endpoint: Uuid) -> Answer {
     let path = format!("/v1/endpoints/{endpoint}/tracks/feed/rewind");
@@ -145,16 +135,8 @@ async fn upstream_urls_that_reach_inside_are_refused_at_registration_and_patch()
     }
     let endpoints_before = app.count("webhook_endpoints").await;
     for url in &refused {
-        let answer = app
-            .call(
-                "POST",
-                "/v1/endpoints",
-                Some(&token),
-                Some(&json!({"id": Uuid::new_v4(), "lang": "en",
-                             "secrets": [random_secret().to_whsec()],
-                             "upstream_base_url": url, "upstream_api_key": "qk_key"})),
-            )
-            .await;
+        let upstream = json!({"upstream_base_url": url, "upstream_api_key": "qk_key"});
+        let (_, _, answer) = app.try_endpoint(&token, upstream).await;
         assert_refused_field(&answer, "upstream_base_url", url);
         let detail = answer.json["detail"].as_str().unwrap();
         assert!(
@@ -214,14 +196,10 @@ async fn the_operator_setting_allows_http_and_private_addresses() {
     http_only
         .endpoint(&token, json!({"upstream_base_url": "http://8.8.8.8"}))
         .await;
-    let answer = http_only
-        .call(
-            "POST",
-            "/v1/endpoints",
-            Some(&token),
-            Some(&json!({"id": Uuid::new_v4(), "lang": "en",
-                         "secrets": [random_secret().to_whsec()],
-                         "upstream_base_url": "http://127.0.0.1:9700"})),
+    let (_, _, answer) = http_only
+        .try_endpoint(
+            &token,
+            json!({"upstream_base_url": "http://127.0.0.1:9700"}),
         )
         .await;
     assert_refused_field(&answer, "upstream_base_url", "loopback with http allowed");

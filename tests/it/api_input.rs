@@ -7,7 +7,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{merged, ApiApp};
-use crate::stack::Api;
+use crate::stack::{assert_refused_field, Api};
 
 #[tokio::test]
 async fn bad_input_names_the_field_and_writes_nothing() {
@@ -264,17 +264,7 @@ async fn bad_input_names_the_field_and_writes_nothing() {
     for (method, path, who, body, field) in &cases {
         let token = if *who == "op" { &operator } else { &token };
         let answer = app.call(method, path, Some(token), body.as_ref()).await;
-        assert_eq!(
-            answer.status, 400,
-            "{method} {path} {body:?}: {}",
-            answer.text
-        );
-        assert_eq!(answer.json["error"], "invalid_request", "{}", answer.text);
-        assert_eq!(
-            answer.json["field"], *field,
-            "{method} {path} {body:?}: {}",
-            answer.text
-        );
+        assert_refused_field(&answer, field, &format!("{method} {path} {body:?}"));
         assert!(
             answer.json["detail"]
                 .as_str()
@@ -351,8 +341,7 @@ async fn stories_endpoints_take_their_own_fields_and_refuse_the_others() {
         let answer = app
             .call("POST", "/v1/endpoints", Some(&token), Some(body))
             .await;
-        assert_eq!(answer.status, 400, "{body}: {}", answer.text);
-        assert_eq!(answer.json["field"], *field, "{body}: {}", answer.text);
+        assert_refused_field(&answer, field, &body.to_string());
     }
     assert_eq!(
         app.count("webhook_endpoints").await,
@@ -377,8 +366,7 @@ async fn stories_endpoints_take_their_own_fields_and_refuse_the_others() {
         (json!({"stories_mode": "sometimes"}), "stories_mode"),
     ] {
         let answer = app.call("PATCH", &path, Some(&token), Some(&change)).await;
-        assert_eq!(answer.status, 400, "{change}: {}", answer.text);
-        assert_eq!(answer.json["field"], field, "{}", answer.text);
+        assert_refused_field(&answer, field, &change.to_string());
     }
     let changed = app
         .ok(

@@ -6,6 +6,7 @@ use relay_wire::Sequence;
 use serde_json::{json, Value};
 
 use super::{apply_events, hidden_event, item_event, store_messages, ApiApp};
+use crate::stack::assert_refused_field;
 
 #[tokio::test]
 async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
@@ -276,12 +277,7 @@ async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
         let refused = app
             .call("GET", &e(&format!("/messages?{query}")), Some(&token), None)
             .await;
-        assert_eq!(
-            (refused.status, refused.json["field"].as_str()),
-            (400, Some(field)),
-            "{query}: {}",
-            refused.text
-        );
+        assert_refused_field(&refused, field, query);
     }
 
     let state = app.ok(200, "GET", &e("/state"), &token, None).await;

@@ -22,7 +22,6 @@ use relay_simulator::cli::prepare;
 use relay_simulator::Faults;
 use relay_store::PoolOptions;
 use relay_tests::{amqp_addr, printed_seed, PgProxy, ProxyMode, TestApp};
-use serde_json::json;
 use uuid::Uuid;
 
 use crate::stack::{
@@ -100,15 +99,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
         let (tenant, token) = api.tenant(&format!("pipeline tenant {i}")).await;
         let own = api.ok(200, "GET", "/v1/tenant", &token, None).await;
         assert_eq!(own["id"], tenant.to_string());
-        let destination = api
-            .ok(
-                200,
-                "PUT",
-                "/v1/destination",
-                &token,
-                Some(&json!({"kind": "relay_queue"})),
-            )
-            .await;
+        let destination = api.use_relay_queue(&token).await;
         assert_eq!(destination["kind"], "relay_queue", "{destination}");
         assert_eq!(destination["default"], false, "{destination}");
         tenant_of_key.insert(key, (tenant, token));

@@ -98,6 +98,17 @@ pub(crate) struct Answer {
     pub(crate) json: Value,
 }
 
+/// The answer refuses the request as invalid, naming `field`; `what` says which request.
+pub(crate) fn assert_refused_field(answer: &Answer, field: &str, what: &str) {
+    assert_eq!(answer.status, 400, "{what}: {}", answer.text);
+    assert_eq!(
+        answer.json["error"], "invalid_request",
+        "{what}: {}",
+        answer.text
+    );
+    assert_eq!(answer.json["field"], field, "{what}: {}", answer.text);
+}
+
 /// The relay's own broker at `relay_amqp_url` for a control plane (destinations at it are
 /// refused, tenants' users are made there), with `policy` for tenants' own brokers.
 pub(crate) fn relay_broker(relay_amqp_url: &str, policy: DestinationPolicy) -> BrokerAccess {
@@ -197,6 +208,14 @@ impl Api {
     /// A counter of the control plane: the series of `name` with `label` set to `value`.
     pub(crate) fn counter(&self, name: &str, label: &str, value: &str) -> u64 {
         labelled(&self.registry, name, label, value) as u64
+    }
+
+    /// The tenant of `token` has its changes sent to its queue at the relay's broker: the
+    /// destination the API answers.
+    pub(crate) async fn use_relay_queue(&self, token: &str) -> Value {
+        let body = json!({"kind": "relay_queue"});
+        self.ok(200, "PUT", "/v1/destination", token, Some(&body))
+            .await
     }
 
     /// A tenant named `name`, made by the operator, and a token for it (valid an hour).

@@ -16,8 +16,8 @@ use uuid::Uuid;
 
 use crate::publisher::{Collector, Delivered};
 use crate::stack::{
-    connect_broker, oracle, quiesce, serve_simulation, simulate_args, stop_simulation,
-    upstream_listener, without_positions, Relay, Room,
+    assert_refused_field, connect_broker, oracle, quiesce, serve_simulation, simulate_args,
+    stop_simulation, upstream_listener, without_positions, Relay, Room,
 };
 
 /// A consumer that drops every message id it has seen, and applies the rest in order.
@@ -65,14 +65,7 @@ async fn a_resync_rebuilds_an_empty_consumer_and_a_replay_changes_no_deduplicati
         api.register(&token, info, &upstream_api).await;
     }
     let (resynced, replayed) = (infos[0].id, infos[1].id);
-    api.ok(
-        200,
-        "PUT",
-        "/v1/destination",
-        &token,
-        Some(&json!({"kind": "relay_queue"})),
-    )
-    .await;
+    api.use_relay_queue(&token).await;
 
     // The consumer that keeps its state all along, reading the queue from the start.
     let broker = connect_broker(&room.vhost.url(), "stream").await;
@@ -235,12 +228,7 @@ async fn a_resync_rebuilds_an_empty_consumer_and_a_replay_changes_no_deduplicati
             Some(&json!({"from_change_seq": last + 1})),
         )
         .await;
-    assert_eq!(
-        (refused.status, refused.json["field"].as_str()),
-        (400, Some("from_change_seq")),
-        "{}",
-        refused.text
-    );
+    assert_refused_field(&refused, "from_change_seq", "a replay past the last change");
 
     stop_simulation(&sim, senders).await;
     collector.finish().await;
