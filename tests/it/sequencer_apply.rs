@@ -23,7 +23,23 @@ use serde_json::{json, Value};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-fn update(endpoint: Uuid, generation: u64, id: &str, n: u64, seq: u64) -> Value {
+/// A v1 message of `endpoint`'s feed at `generation` under av1 with one update of
+/// `announcement:n` at sequence `seq`, of event id `id`.
+pub(crate) fn update(endpoint: Uuid, generation: u64, id: &str, n: u64, seq: u64) -> Value {
+    let data = json!({"type": "item", "feed_item_id": format!("announcement:{n}"),
+                      "item_kind": "announcement", "seq": seq, "first_seq": seq,
+                      "parts": [{"part_id": format!("story:{n}"), "part_version": seq}]});
+    one_event(endpoint, generation, id, n, seq, data)
+}
+
+/// As [`update`], of an item that must be read (a refetch).
+pub(crate) fn refetch(endpoint: Uuid, generation: u64, id: &str, n: u64, seq: u64) -> Value {
+    let data = json!({"type": "refetch", "feed_item_id": format!("announcement:{n}"),
+                      "op": "new", "seq": seq});
+    one_event(endpoint, generation, id, n, seq, data)
+}
+
+fn one_event(endpoint: Uuid, generation: u64, id: &str, n: u64, seq: u64, data: Value) -> Value {
     json!({
         "v": 1, "webhook_endpoint_id": endpoint.to_string(), "track": "feed",
         "generation": generation, "access_version": "av1",
@@ -33,9 +49,7 @@ fn update(endpoint: Uuid, generation: u64, id: &str, n: u64, seq: u64) -> Value 
             "subject": format!("announcement:{n}"),
             "sequence": relay_wire::Sequence::from_parts(1, seq).as_str(),
             "specversion": "1.0", "source": "https://api.quanor.com/v1/feed",
-            "data": {"type": "item", "feed_item_id": format!("announcement:{n}"),
-                     "item_kind": "announcement", "seq": seq, "first_seq": seq,
-                     "parts": [{"part_id": format!("story:{n}"), "part_version": seq}]},
+            "data": data,
         }],
     })
 }
@@ -55,6 +69,13 @@ pub(crate) async fn store(db: &TestDb, tenant: Uuid, endpoint: Uuid, bodies: &[V
         })
         .collect();
     store_batch(&db.pool, &batch).await.unwrap();
+}
+
+/// The last of `endpoint`'s messages applied (its apply cursor).
+pub(crate) async fn applied_through(pool: &sqlx::PgPool, endpoint: Uuid) -> i64 {
+    cursors::applied_through(pool, relay_store::EndpointId(endpoint))
+        .await
+        .unwrap()
 }
 
 /// Stores `batch` as the front tier does, every message of it new: their arrival numbers.
@@ -93,9 +114,7 @@ pub(crate) fn incoming(
 }
 
 pub(crate) async fn pending(db: &TestDb, endpoint: Uuid) -> (i64, Vec<PendingMessage>) {
-    let applied = cursors::applied_through(&db.pool, relay_store::EndpointId(endpoint))
-        .await
-        .unwrap();
+    let applied = applied_through(&db.pool, endpoint).await;
     let (_, messages) =
         cursors::pending_messages(&db.pool, relay_store::EndpointId(endpoint), applied, 100)
             .await
@@ -214,12 +233,7 @@ async fn a_worker_whose_fence_moved_on_writes_nothing() {
         .await
         .unwrap()
         .is_empty());
-    assert_eq!(
-        cursors::applied_through(&s.db.pool, relay_store::EndpointId(s.endpoint))
-            .await
-            .unwrap(),
-        0
-    );
+    assert_eq!(applied_through(&s.db.pool, s.endpoint).await, 0);
 
     // The current owner applies it, once.
     apply_messages(&s.db.pool, &s.ctx, current, applied, &messages, &metrics)
@@ -407,9 +421,7 @@ async fn written(db: &TestDb, endpoint: Uuid) -> (usize, Vec<i64>, i64) {
     let changes = relay_tests::readback::list_changes(&db.pool, endpoint)
         .await
         .unwrap();
-    let applied = cursors::applied_through(&db.pool, relay_store::EndpointId(endpoint))
-        .await
-        .unwrap();
+    let applied = applied_through(&db.pool, endpoint).await;
     let seqs = changes.iter().map(|c| c.change_seq).collect();
     (rows.len(), seqs, applied)
 }
@@ -522,9 +534,7 @@ async fn a_wake_up_reaches_a_running_sequencer() {
     .unwrap();
     let mut applied = 0;
     for _ in 0..200 {
-        applied = cursors::applied_through(&s.db.pool, relay_store::EndpointId(s.endpoint))
-            .await
-            .unwrap();
+        applied = applied_through(&s.db.pool, s.endpoint).await;
         if applied == 1 {
             break;
         }

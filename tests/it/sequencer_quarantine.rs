@@ -20,15 +20,14 @@ use relay_sequencer::{SequencerConfig, SequencerMetrics};
 use relay_simulator::model::ChangeKind;
 use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::messages::IncomingMessage;
-use relay_store::{cursors, tenants, tracks, PoolOptions};
+use relay_store::{tenants, tracks, PoolOptions};
 use relay_tests::{printed_seed, random_secret, RedisPrefix, TestApp, TestDb};
-use relay_wire::Sequence;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::sequencer_apply::{incoming, store_new};
+use crate::sequencer_apply::{applied_through, incoming, refetch, store_new, update};
 use crate::stack::{
     copy_items, create_endpoint, oracle, relay_backlog, serve_simulation, start_sequencer_with,
     upstream_listener, Api,
@@ -82,8 +81,8 @@ async fn store_raw(pool: &PgPool, tenant: Uuid, endpoint: Uuid, bodies: &[Vec<u8
     store_new(pool, &batch).await
 }
 
-/// A v1 message of one update of `announcement:n` at sequence `seq`, with event id `id`.
-/// [`store_raw`] of one [`update`] of `endpoint` per (event id, item number, sequence).
+/// [`store_raw`] of one [`update`] of `endpoint` at generation 1 per (event id, item number,
+/// sequence).
 async fn store_updates(
     pool: &PgPool,
     tenant: Uuid,
@@ -92,45 +91,9 @@ async fn store_updates(
 ) -> Vec<i64> {
     let bodies: Vec<Vec<u8>> = updates
         .iter()
-        .map(|&(id, n, seq)| update(endpoint, id, n, seq))
+        .map(|&(id, n, seq)| update(endpoint, 1, id, n, seq).to_string().into_bytes())
         .collect();
     store_raw(pool, tenant, endpoint, &bodies).await
-}
-
-fn update(endpoint: Uuid, id: &str, n: u64, seq: u64) -> Vec<u8> {
-    serde_json::to_vec(&json!({
-        "v": 1, "webhook_endpoint_id": endpoint.to_string(), "track": "feed",
-        "generation": 1, "access_version": "av1",
-        "since": format!("1.{}", seq - 1), "through": format!("1.{seq}"),
-        "events": [{
-            "id": id, "type": "announcement.updated",
-            "subject": format!("announcement:{n}"),
-            "sequence": Sequence::from_parts(1, seq).as_str(),
-            "specversion": "1.0", "source": "https://api.quanor.com/v1/feed",
-            "data": {"type": "item", "feed_item_id": format!("announcement:{n}"),
-                     "item_kind": "announcement", "seq": seq, "first_seq": seq,
-                     "parts": [{"part_id": format!("story:{n}"), "part_version": seq}]},
-        }],
-    }))
-    .unwrap()
-}
-
-/// A v1 message of one update whose item must be read (a refetch).
-fn refetch(endpoint: Uuid, id: &str, n: u64, seq: u64) -> Vec<u8> {
-    serde_json::to_vec(&json!({
-        "v": 1, "webhook_endpoint_id": endpoint.to_string(), "track": "feed",
-        "generation": 1, "access_version": "av1",
-        "since": format!("1.{}", seq - 1), "through": format!("1.{seq}"),
-        "events": [{
-            "id": id, "type": "announcement.updated",
-            "subject": format!("announcement:{n}"),
-            "sequence": Sequence::from_parts(1, seq).as_str(),
-            "specversion": "1.0", "source": "https://api.quanor.com/v1/feed",
-            "data": {"type": "refetch", "feed_item_id": format!("announcement:{n}"),
-                     "op": "new", "seq": seq},
-        }],
-    }))
-    .unwrap()
 }
 
 /// Registers an endpoint of `tenant` in sync under av1 at generation 1 (no reload begins until
@@ -159,12 +122,6 @@ async fn in_sync_endpoint(pool: &PgPool, tenant: Uuid, upstream: Option<&str>) -
     .await
     .unwrap();
     endpoint
-}
-
-async fn applied_through(pool: &PgPool, endpoint: Uuid) -> i64 {
-    cursors::applied_through(pool, relay_store::EndpointId(endpoint))
-        .await
-        .unwrap()
 }
 
 /// (status, reason, attempts) of each quarantine row of the endpoint, by arrival number.
@@ -701,7 +658,9 @@ async fn a_tenant_whose_upstream_hangs_holds_at_most_its_share_of_the_workers() 
             &db.pool,
             a,
             endpoint,
-            &[refetch(endpoint, &format!("evt_{i}"), 1, 10)],
+            &[refetch(endpoint, 1, &format!("evt_{i}"), 1, 10)
+                .to_string()
+                .into_bytes()],
         )
         .await;
     }

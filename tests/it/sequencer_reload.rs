@@ -30,7 +30,9 @@ use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-use crate::sequencer_apply::{apply_messages, pending, setup_with_upstream, store, Setup};
+use crate::sequencer_apply::{
+    applied_through, apply_messages, pending, setup_with_upstream, store, Setup,
+};
 use crate::stack::upstream_listener;
 
 /// The access_version the upstream serves, and the one `setup_with_upstream` holds the track
@@ -652,10 +654,7 @@ async fn apply_while_a_merge_holds_the_endpoint(message: impl FnOnce(Uuid) -> Va
     // A reset begins a reload; the sequencer applies it and owns the endpoint.
     store(&db, tenant, endpoint, &[reset(endpoint, 2, 10)]).await;
     eventually("the reset applied", || async {
-        relay_store::cursors::applied_through(&db.pool, relay_store::EndpointId(endpoint))
-            .await
-            .unwrap()
-            == 1
+        applied_through(&db.pool, endpoint).await == 1
     })
     .await;
     let reload = running_reload(&db.pool, endpoint, "the reset began a reload").await;
@@ -700,10 +699,7 @@ async fn apply_while_a_merge_holds_the_endpoint(message: impl FnOnce(Uuid) -> Va
     let merged = merging.await.unwrap().unwrap();
     assert!(matches!(merged, copy::Merged::Merged { .. }), "{merged:?}");
     eventually("the message applied", || async {
-        relay_store::cursors::applied_through(&db.pool, relay_store::EndpointId(endpoint))
-            .await
-            .unwrap()
-            == 2
+        applied_through(&db.pool, endpoint).await == 2
     })
     .await;
     sequencer.stop().await;

@@ -26,7 +26,7 @@ use axum::{Json, Router};
 use relay_netguard::OutboundPolicy;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_store::endpoints::{self, NewEndpoint};
-use relay_store::{cursors, PoolOptions};
+use relay_store::PoolOptions;
 use relay_tests::{feed_body, random_secret, RedisPrefix, Signed, TestApp};
 use relay_wire::{Sequence, SigningSecret};
 use serde_json::{json, Value};
@@ -34,6 +34,7 @@ use tokio::net::TcpListener;
 use uuid::Uuid;
 
 use crate::ingest_envelope::ResidentPeak;
+use crate::sequencer_apply::applied_through;
 use crate::stack::{copy_items, sequencer_config, start_sequencer_with, Api};
 
 /// The access_version every page is served under, and the reset's.
@@ -365,20 +366,14 @@ impl Relay {
     /// Sends `count` messages to the bystander (numbered from `from`) and waits until they are
     /// applied: its work goes on whatever the hostile endpoints' upstream does.
     async fn bystander_applies(&self, bystander: &Endpoint, from: u64, count: u64) {
-        let before =
-            cursors::applied_through(&self.app.db.pool, relay_store::EndpointId(bystander.id))
-                .await
-                .unwrap();
+        let before = applied_through(&self.app.db.pool, bystander.id).await;
         let sent = Instant::now();
         for n in from..from + count {
             self.post(bystander, feed_body(bystander.id, n)).await;
         }
         let want = before + count as i64;
         loop {
-            let applied =
-                cursors::applied_through(&self.app.db.pool, relay_store::EndpointId(bystander.id))
-                    .await
-                    .unwrap();
+            let applied = applied_through(&self.app.db.pool, bystander.id).await;
             if applied >= want {
                 break;
             }
