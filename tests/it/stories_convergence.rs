@@ -482,15 +482,18 @@ impl Stand {
         }
     }
 
-    /// The run's workload (seeded by its seed), running at its rate for its duration: how many
-    /// changes it made, once it ends.
-    fn spawn_workload(&self, run: &Run) -> tokio::task::JoinHandle<usize> {
-        let workload = run.workload(run.seed);
-        tokio::spawn(
-            self.sim
-                .clone()
-                .run_stories_workload(workload, run.rate, run.duration),
-        )
+    /// The run's workload seeded by `seed`, at the run's rate for `duration`: how many changes
+    /// it made.
+    fn run_workload(
+        &self,
+        run: &Run,
+        seed: u64,
+        duration: Duration,
+    ) -> impl std::future::Future<Output = usize> + 'static {
+        let workload = run.workload(seed);
+        self.sim
+            .clone()
+            .run_stories_workload(workload, run.rate, duration)
     }
 
     async fn stop(self) {
@@ -507,7 +510,7 @@ async fn converge(run: Run) {
     let seed = run.seed;
     eprintln!("stories convergence: seed {seed} ({run:?})");
     let mut stand = Stand::start(&run, |_| {}).await;
-    let task = stand.spawn_workload(&run);
+    let task = tokio::spawn(stand.run_workload(&run, seed, run.duration));
     let kills = stand
         .sequencers
         .kill_at_random(seed, run.kills, &task)
@@ -554,11 +557,7 @@ async fn catch_up_recovers_an_outage_longer_than_the_retries_and_a_410_reloads()
         config.sender.max_attempts = 3;
     })
     .await;
-    stand
-        .sim
-        .clone()
-        .run_stories_workload(run.workload(seed), run.rate, run.duration)
-        .await;
+    stand.run_workload(&run, seed, run.duration).await;
     stand.settle(seed, Duration::from_secs(60)).await;
 
     // The outage: webhooks now go to a port nothing listens on and are given up after their
@@ -572,11 +571,7 @@ async fn catch_up_recovers_an_outage_longer_than_the_retries_and_a_410_reloads()
             stories.set_stories_url(info.id, &format!("{closed}/webhooks/{{id}}"));
         }
     });
-    stand
-        .sim
-        .clone()
-        .run_stories_workload(run.workload(seed + 1), run.rate, run.duration)
-        .await;
+    stand.run_workload(&run, seed + 1, run.duration).await;
     assert!(
         stand.sim.wait_idle(Duration::from_secs(30)).await,
         "seed {seed}"
@@ -605,9 +600,7 @@ async fn catch_up_recovers_an_outage_longer_than_the_retries_and_a_410_reloads()
         stories.events().len()
     });
     stand
-        .sim
-        .clone()
-        .run_stories_workload(run.workload(seed + 2), run.rate, Duration::from_secs(1))
+        .run_workload(&run, seed + 2, Duration::from_secs(1))
         .await;
     assert!(
         stand.sim.wait_idle(Duration::from_secs(30)).await,
@@ -709,11 +702,7 @@ async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
         fetch_on_notify_only: false,
     };
     let stand = Stand::start(&run, |_| {}).await;
-    stand
-        .sim
-        .clone()
-        .run_stories_workload(run.workload(seed), run.rate, run.duration)
-        .await;
+    stand.run_workload(&run, seed, run.duration).await;
     stand.settle(seed, Duration::from_secs(60)).await;
     let info = &stand.infos[0];
     let all = info.tickers.clone();
@@ -752,11 +741,7 @@ async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
     .await
     .unwrap();
     set_tickers(all[..2].to_vec()).await;
-    stand
-        .sim
-        .clone()
-        .run_stories_workload(run.workload(seed + 1), run.rate, run.duration)
-        .await;
+    stand.run_workload(&run, seed + 1, run.duration).await;
     stand.settle(seed, Duration::from_secs(60)).await;
     let dropped: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM changes WHERE endpoint_id = $1 AND operation = 'dropped'",
@@ -772,11 +757,7 @@ async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
 
     // One of them added again: its stories now, created meanwhile too, are loaded.
     set_tickers(all[..3].to_vec()).await;
-    stand
-        .sim
-        .clone()
-        .run_stories_workload(run.workload(seed + 2), run.rate, run.duration)
-        .await;
+    stand.run_workload(&run, seed + 2, run.duration).await;
     stand.settle(seed, Duration::from_secs(60)).await;
     let loaded: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM stories WHERE endpoint_id = $1 AND NOT closed AND ticker = $2",
@@ -865,7 +846,7 @@ async fn converge_with_failed_reads(seed: u64, lb_404: f64) {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}/webhooks/{{id}}", listener.local_addr().unwrap())
     };
-    let task = stand.spawn_workload(&run);
+    let task = tokio::spawn(stand.run_workload(&run, seed, run.duration));
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6c6f7374);
     while !task.is_finished() {
         stand.sim.change_stories(|stories, _| {
