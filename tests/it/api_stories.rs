@@ -6,10 +6,12 @@
 //! The sync's steps are written through relay_store as the sequencer writes them (its round,
 //! writer, cursor and reload statements), so each state between them can be read.
 
+use relay_rules::{plan_writes, PlannedClaim, StoryWrite};
 use relay_sequencer::SequencerMetrics;
-use relay_store::stories::{self as store, Cause, StoryRow};
+use relay_store::stories::{self as store, PlanCause, PlanWritten};
 use relay_store::{EndpointId, TenantId};
 use relay_tests::random_secret;
+use relay_wire::Story;
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -20,13 +22,8 @@ fn snapshot(id: &str, ticker: &str, version: i64) -> Value {
     json!({"id": id, "ticker": ticker, "version": version, "headline": format!("{id} at {version}")})
 }
 
-fn row<'a>(snapshot: &'a Value, id: &'a str, ticker: &'a str, version: i64) -> StoryRow<'a> {
-    StoryRow {
-        id,
-        ticker: Some(ticker),
-        version,
-        snapshot,
-    }
+fn story(id: &str, ticker: &str, version: i64) -> Story {
+    Story::from_value(&snapshot(id, ticker, version)).unwrap()
 }
 
 /// The sequencer's stories gauges after one count of the database's syncs: (running, owed,
@@ -125,29 +122,31 @@ async fn a_stories_endpoint_shows_its_sync_rows_and_notifications_to_its_tenant_
 
     // ... each ticker's stories saved, one closed by a merge and one closed otherwise ...
     let fence = app.db.claim_fence(endpoint).await;
-    let (alfa, beta, gone) = (
-        snapshot("st_1", "ALFA B", 3),
-        snapshot("st_2", "BETA", 1),
-        snapshot("st_4", "BETA", 1),
-    );
+    let alfa = story("st_1", "ALFA B", 3);
     let mut writer = store::open(&app.db.pool, tenant, id, fence)
         .await
         .unwrap()
         .expect("the fence is ours");
-    let cause = Cause::Round(round);
+    let close = |id: &str, version, merged_into: Option<&str>| StoryWrite::Close {
+        story_id: id.to_owned(),
+        version,
+        merged_into: merged_into.map(str::to_owned),
+    };
+    let ids = ["st_1", "st_2", "st_4"].map(str::to_owned);
+    let held = writer.held(&ids).await.unwrap();
+    let listed = plan_writes(
+        &held,
+        [
+            StoryWrite::Save(alfa.clone()),
+            StoryWrite::Save(story("st_2", "BETA", 1)),
+            StoryWrite::Save(story("st_4", "BETA", 1)),
+            close("st_4", 2, None),
+        ],
+    );
     writer
-        .save(row(&alfa, "st_1", "ALFA B", 3), cause, true)
+        .write_plan(&listed, PlanCause::Round(round))
         .await
         .unwrap();
-    writer
-        .save(row(&beta, "st_2", "BETA", 1), cause, true)
-        .await
-        .unwrap();
-    writer
-        .save(row(&gone, "st_4", "BETA", 1), cause, true)
-        .await
-        .unwrap();
-    writer.close(("st_4", 2, None), cause, true).await.unwrap();
     writer
         .set_loaded_tickers(&["ALFA B".to_owned(), "BETA".to_owned()])
         .await
@@ -160,29 +159,35 @@ async fn a_stories_endpoint_shows_its_sync_rows_and_notifications_to_its_tenant_
         .await
         .unwrap()
         .expect("the fence is ours");
-    writer
-        .close(("st_2", 2, Some("st_1")), Cause::Event("ev_close_2"), true)
-        .await
-        .unwrap();
+    let held = writer.held(&["st_2".to_owned()]).await.unwrap();
     // A late close of an older version changes nothing, the merge it named included.
-    writer
-        .close(("st_2", 1, None), Cause::Event("ev_close_2_late"), false)
-        .await
-        .unwrap();
-    assert_eq!(
-        writer
-            .claim_strong(row(&alfa, "st_1", "ALFA B", 3), "ev_strong_1", true)
-            .await
-            .unwrap(),
-        store::Claimed::Notified
+    let mut page = plan_writes(
+        &held,
+        [close("st_2", 2, Some("st_1")), close("st_2", 1, None)],
     );
-    // Strong before the endpoint was registered: claimed, and listed as not sent.
+    page.writes[0].event_id = Some("ev_close_2".into());
+    page.writes[1].event_id = Some("ev_close_2_late".into());
+    let claim = |story: Story, event_id: &str, notify| PlannedClaim {
+        key: format!("strong:{}", story.id),
+        story,
+        event_id: event_id.to_owned(),
+        notify,
+    };
+    // st_9 became strong before the endpoint was registered: claimed, and listed as not sent.
+    page.claims = vec![
+        claim(alfa, "ev_strong_1", true),
+        claim(story("st_9", "ALFA B", 1), "ev_strong_9", false),
+    ];
     assert_eq!(
-        writer
-            .claim_strong(row(&alfa, "st_9", "ALFA B", 1), "ev_strong_9", false)
-            .await
-            .unwrap(),
-        store::Claimed::Silently
+        writer.write_plan(&page, PlanCause::Events).await.unwrap(),
+        PlanWritten {
+            closed: 1,
+            already_closed: 1,
+            notified: 1,
+            claimed_silently: 1,
+            changes: 2,
+            ..PlanWritten::default()
+        }
     );
     assert!(writer
         .move_cursor(None, Some("cur_after_ev_strong_1"), true)

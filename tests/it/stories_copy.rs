@@ -17,10 +17,11 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay_rules::{
-    decide_stories_run, stories_of, StoriesCopy, StoriesMode, StoriesRun, StoryChange, StoryWrite,
+    decide_stories_run, plan_writes, stories_of_run, PlannedClaim, StoriesCopy, StoriesMode,
+    StoriesPlan, StoriesRun, StoryChange, StoryWrite,
 };
 use relay_store::endpoints::{self, Registration, Source, StoriesSettings};
-use relay_store::stories::{self as store, Cause, StoryRow};
+use relay_store::stories::{self as store, PlanCause, PlanWritten};
 use relay_store::{EndpointId, TenantId};
 use relay_tests::{random_secret, TestDb};
 use relay_wire::{Story, StoryEvent};
@@ -80,16 +81,15 @@ fn closed_event(event_id: &str, id: &str, version: i64, merged_into: Option<Valu
 }
 
 /// What the relay's handler does with a run of events (the sequencer's `apply_events`, without
-/// its reads and cursors): held rows under the lock, the rules' plan, each write as seed 000's
-/// statement, each claim as its single insert; the changes appended.
+/// its reads and cursors): held rows under the lock, the rules' plan, carried out whole by the
+/// store's `write_plan`. The changes appended.
 async fn apply(
     pool: &PgPool,
     (tenant, endpoint, token): (TenantId, EndpointId, i64),
     events: &[StoryEvent],
 ) -> u64 {
     let events: Vec<Result<StoryEvent, String>> = events.iter().cloned().map(Ok).collect();
-    let ids: BTreeSet<String> = events.iter().flatten().flat_map(stories_of).collect();
-    let ids: Vec<String> = ids.into_iter().collect();
+    let ids = stories_of_run(&events);
     let mut writer = store::open(pool, tenant, endpoint, token)
         .await
         .unwrap()
@@ -101,62 +101,13 @@ async fn apply(
         events: &events,
         held: &held,
         reads: &HashMap::new(),
+        registered_at: None,
     });
     assert_eq!(plan.outcomes.len(), events.len());
     assert!(plan.owed.is_empty(), "snapshot mode reads nothing");
-    for planned in &plan.writes {
-        let cause = Cause::Event(&planned.event_id);
-        match &planned.write {
-            StoryWrite::Save(story) => {
-                writer
-                    .save(row(story), cause, planned.change.is_some())
-                    .await
-                    .unwrap();
-            }
-            StoryWrite::Close {
-                story_id,
-                version,
-                merged_into,
-            } => {
-                writer
-                    .close(
-                        (story_id, *version, merged_into.as_deref()),
-                        cause,
-                        planned.change.is_some(),
-                    )
-                    .await
-                    .unwrap();
-            }
-        }
-    }
-    for claim in &plan.claims {
-        let story = events
-            .iter()
-            .flatten()
-            .find_map(|e| match &e.body {
-                relay_wire::StoryEventBody::Snapshot { story, .. }
-                    if e.event_id == claim.event_id =>
-                {
-                    Some(story.clone())
-                }
-                _ => None,
-            })
-            .unwrap();
-        writer
-            .claim_strong(row(&story), &claim.event_id, true)
-            .await
-            .unwrap();
-    }
-    writer.commit().await.unwrap()
-}
-
-fn row(story: &Story) -> StoryRow<'_> {
-    StoryRow {
-        id: &story.id,
-        ticker: story.ticker.as_deref(),
-        version: story.version,
-        snapshot: &story.snapshot,
-    }
+    let written = writer.write_plan(&plan, PlanCause::Events).await.unwrap();
+    assert_eq!(written.changes, writer.commit().await.unwrap());
+    written.changes
 }
 
 /// The copy's rows: id → (ticker, version, closed, snapshot).
@@ -309,14 +260,205 @@ async fn a_slow_read_from_before_the_close_cannot_reopen_it() {
         .unwrap()
         .unwrap();
     let held = writer.held(&["st_1".to_owned()]).await.unwrap();
-    let (_, change) =
-        relay_rules::apply_write(held.get("st_1").copied(), &StoryWrite::Save(stale.clone()));
-    assert!(change.is_none(), "the rules refuse it");
-    // Told to expect a change, the statement itself still refuses to write.
-    let refused = writer.save(row(&stale), Cause::Round(1), true).await;
-    assert!(refused.is_err(), "{refused:?}");
+    let plan = plan_writes(&held, [StoryWrite::Save(stale.clone())]);
+    assert_eq!(plan.writes[0].change, None, "the rules refuse it");
+    // Planned against no row, the plan expects a change: the statement itself still refuses
+    // to write, and the writer refuses the plan.
+    let raced = plan_writes(&HashMap::new(), [StoryWrite::Save(stale)]);
+    let refused = writer.write_plan(&raced, PlanCause::Round(1)).await;
+    assert!(
+        matches!(refused, Err(relay_store::StoreError::Refused(_))),
+        "{refused:?}"
+    );
     drop(writer);
     assert_eq!(rows(&db.pool, at.1).await["st_1"], (None, 3, true, None));
+}
+
+/// The outbox's causes in change_seq order: (operation, subject, event_id, reload_generation).
+async fn causes(
+    pool: &PgPool,
+    endpoint: EndpointId,
+) -> Vec<(String, String, Option<String>, Option<i64>)> {
+    sqlx::query_as(
+        "SELECT operation, subject, event_id, reload_generation FROM changes
+         WHERE endpoint_id = $1 ORDER BY change_seq",
+    )
+    .bind(endpoint)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// One run writes a story several times (saves, a late save, a close that merges, a save after
+/// the close): one statement carries the plan out, each write deciding against the row as the
+/// one before left it, each change appended in order with its own event, the claim's after.
+#[tokio::test]
+async fn one_plan_writing_a_story_several_times_appends_each_change_in_order() {
+    let db = TestDb::new().await;
+    let at = stories_endpoint(&db).await;
+    let run = [
+        snapshot_event("e1", "story.created", snapshot("st_1", "BETA", 1, "v1")),
+        snapshot_event("e2", "story.updated", snapshot("st_1", "BETA", 2, "v2")),
+        snapshot_event("e3", "story.updated", snapshot("st_1", "BETA", 1, "v1")),
+        snapshot_event(
+            "e4",
+            "story.became_strong",
+            snapshot("st_1", "BETA", 3, "v3"),
+        ),
+        closed_event(
+            "e5",
+            "st_1",
+            4,
+            Some(snapshot("st_2", "BETA", 5, "survivor")),
+        ),
+        snapshot_event("e6", "story.updated", snapshot("st_1", "BETA", 5, "late")),
+    ];
+    assert_eq!(apply(&db.pool, at, &run).await, 6);
+    let mut model = StoriesCopy::default();
+    for write in run.iter().flat_map(relay_rules::snapshot_writes) {
+        model.apply(&write);
+    }
+    assert_eq!(rows(&db.pool, at.1).await, model_rows(&model));
+    let changes: Vec<(i64, String, String, Option<i64>, Option<String>)> = outbox(&db.pool, at.1)
+        .await
+        .into_iter()
+        .map(|c| (c.0, c.2, c.3, c.4, c.5))
+        .collect();
+    let change = |seq, operation: &str, subject: &str, version, merged_into: Option<&str>| {
+        let merged_into = merged_into.map(str::to_owned);
+        (
+            seq,
+            operation.to_owned(),
+            subject.to_owned(),
+            Some(version),
+            merged_into,
+        )
+    };
+    assert_eq!(
+        changes,
+        vec![
+            change(1, "saved", "st_1", 1, None),
+            change(2, "saved", "st_1", 2, None),
+            change(3, "saved", "st_1", 3, None),
+            change(4, "closed", "st_1", 4, Some("st_2")),
+            change(5, "saved", "st_2", 5, None),
+            change(6, "notified", "st_1", 3, None),
+        ]
+    );
+    let events: Vec<Option<String>> = causes(&db.pool, at.1)
+        .await
+        .into_iter()
+        .map(|(_, _, event_id, round)| {
+            assert_eq!(round, None);
+            event_id
+        })
+        .collect();
+    let expected = ["e1", "e2", "e4", "e5", "e5", "e4"].map(|e| Some(e.to_owned()));
+    assert_eq!(events, expected);
+    let closed = store::find(&db.pool, at.0, at.1, "st_1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(closed.merged_into.as_deref(), Some("st_2"));
+    // The same run again changes nothing, and claims nothing again.
+    assert_eq!(apply(&db.pool, at, &run).await, 0);
+}
+
+/// A round's plan (a reload's batch) names its round on each change, and no event.
+#[tokio::test]
+async fn a_rounds_plan_names_its_round_and_no_event() {
+    let db = TestDb::new().await;
+    let (tenant, endpoint, token) = stories_endpoint(&db).await;
+    let story =
+        |id: &str, version| Story::from_value(&snapshot(id, "ALFA B", version, "listed")).unwrap();
+    let mut writer = store::open(&db.pool, tenant, endpoint, token)
+        .await
+        .unwrap()
+        .expect("the fence is ours");
+    let ids = ["st_1".to_owned(), "st_2".to_owned()];
+    let held = writer.held(&ids).await.unwrap();
+    let plan = plan_writes(
+        &held,
+        [
+            StoryWrite::Save(story("st_1", 2)),
+            StoryWrite::Save(story("st_2", 1)),
+            StoryWrite::Save(story("st_1", 1)),
+            StoryWrite::Close {
+                story_id: "st_2".into(),
+                version: 0,
+                merged_into: None,
+            },
+        ],
+    );
+    let written = writer.write_plan(&plan, PlanCause::Round(7)).await.unwrap();
+    assert_eq!(
+        written,
+        PlanWritten {
+            saved: 2,
+            unchanged: 1,
+            closed: 1,
+            changes: 3,
+            ..PlanWritten::default()
+        }
+    );
+    assert_eq!(writer.commit().await.unwrap(), 3);
+    let round =
+        |operation: &str, subject: &str| (operation.to_owned(), subject.to_owned(), None, Some(7));
+    assert_eq!(
+        causes(&db.pool, endpoint).await,
+        vec![
+            round("saved", "st_1"),
+            round("saved", "st_2"),
+            round("closed", "st_2")
+        ]
+    );
+    // Closed on a 404 at 0: the row keeps the version it had.
+    assert_eq!(
+        rows(&db.pool, endpoint).await["st_2"],
+        (Some("ALFA B".into()), 1, true, None)
+    );
+}
+
+/// A plan decided against rows that are not the rows held (another writer's, in a race the
+/// lock prevents) is refused whole: the writer's transaction, rolled back, wrote nothing, not
+/// even the plan's writes that did what it said.
+#[tokio::test]
+async fn a_plan_decided_against_other_rows_is_refused_whole() {
+    let db = TestDb::new().await;
+    let at = stories_endpoint(&db).await;
+    let newer = snapshot_event("e1", "story.updated", snapshot("st_b", "BETA", 3, "newer"));
+    apply(&db.pool, at, &[newer]).await;
+    let events: Vec<Result<StoryEvent, String>> = [
+        snapshot_event("e2", "story.created", snapshot("st_a", "BETA", 1, "new")),
+        snapshot_event("e3", "story.updated", snapshot("st_b", "BETA", 2, "older")),
+    ]
+    .into_iter()
+    .map(Ok)
+    .collect();
+    let mut writer = store::open(&db.pool, at.0, at.1, at.2)
+        .await
+        .unwrap()
+        .expect("the fence is ours");
+    writer.held(&stories_of_run(&events)).await.unwrap();
+    // Decided as if st_b were not held: its save is planned to change the row.
+    let plan = decide_stories_run(StoriesRun {
+        tickers: None,
+        mode: StoriesMode::Snapshot,
+        events: &events,
+        held: &HashMap::new(),
+        reads: &HashMap::new(),
+        registered_at: None,
+    });
+    let refused = writer.write_plan(&plan, PlanCause::Events).await;
+    assert!(
+        matches!(&refused, Err(relay_store::StoreError::Refused(why)) if why.contains("st_b")),
+        "{refused:?}"
+    );
+    drop(writer);
+    let copy = rows(&db.pool, at.1).await;
+    assert_eq!(copy.keys().collect::<Vec<_>>(), vec!["st_b"]);
+    assert_eq!(copy["st_b"].1, 3);
+    assert_eq!(outbox(&db.pool, at.1).await.len(), 1);
 }
 
 #[tokio::test]
@@ -421,18 +563,34 @@ async fn a_silent_claim_takes_the_key_and_a_later_one_notifies_nothing() {
         .await
         .unwrap()
         .expect("the fence is ours");
+    // (notified, claimed silently, claimed before) of each claim, a plan of its own.
     let claims = [
-        (&old, "evt_old", false, store::Claimed::Silently),
-        (&old, "evt_old_again", true, store::Claimed::Already),
-        (&new, "evt_new", true, store::Claimed::Notified),
-        (&new, "evt_new_again", false, store::Claimed::Already),
+        (&old, "evt_old", false, (0, 1, 0)),
+        (&old, "evt_old_again", true, (0, 0, 1)),
+        (&new, "evt_new", true, (1, 0, 0)),
+        (&new, "evt_new_again", false, (0, 0, 1)),
     ];
     for (story, event_id, notify, expected) in claims {
-        let claimed = writer
-            .claim_strong(row(story), event_id, notify)
-            .await
-            .unwrap();
-        assert_eq!(claimed, expected, "{event_id} (notify {notify})");
+        let plan = StoriesPlan {
+            claims: vec![PlannedClaim {
+                key: format!("strong:{}", story.id),
+                story: story.clone(),
+                event_id: event_id.to_owned(),
+                notify,
+            }],
+            ..StoriesPlan::default()
+        };
+        let PlanWritten {
+            notified,
+            claimed_silently,
+            claimed_before,
+            ..
+        } = writer.write_plan(&plan, PlanCause::Events).await.unwrap();
+        assert_eq!(
+            (notified, claimed_silently, claimed_before),
+            expected,
+            "{event_id} (notify {notify})"
+        );
     }
     assert_eq!(writer.commit().await.unwrap(), 1, "one change appended");
     let claimed: Vec<(String, Option<String>)> =

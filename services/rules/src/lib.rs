@@ -35,7 +35,8 @@
 //! - [`stories`](mod@stories): the stories source (seed 000): the seed's two writes and what
 //!   each does to its row ([`apply_write`]), the writes an event asks for in either mode, the
 //!   notification it claims, a whole run decided at once ([`decide_stories_run`] →
-//!   [`StoriesPlan`], "How to drive it" there), and [`StoriesCopy`], its executor in memory.
+//!   [`StoriesPlan`], "How to drive it" there), a round's writes planned the same way
+//!   ([`plan_writes`]), and [`StoriesCopy`], its executor in memory.
 //! - [`ticker_sync`]: a stories sync's steps before its catch-up: removed tickers dropped, a
 //!   reload in full, added tickers loaded once ([`decide_ticker_sync`] → [`TickerSync`]).
 //! - [`notify`]: which claimed notifications a stories endpoint sends: only those of events
@@ -84,10 +85,10 @@ pub use run::{
     PlannedChange, PlannedRow, Run, RunPlan, StoredMessage,
 };
 pub use stories::{
-    apply_write, decide_stories_run, fetched_write, notification_claim, save_wins, snapshot_writes,
-    stories_of, stories_of_run, CopiedStory, HeldStory, PlanMismatch, PlannedClaim,
-    PlannedStoryWrite, StoriesCopy, StoriesMode, StoriesPlan, StoriesRun, StoryChange,
-    StoryOutcome, StoryRead, StoryWrite,
+    apply_write, decide_stories_run, fetched_write, notification_claim, plan_writes, save_wins,
+    snapshot_writes, stories_of, stories_of_run, CopiedStory, HeldStory, PlanMismatch,
+    PlannedClaim, PlannedStoryWrite, StoriesCopy, StoriesMode, StoriesPlan, StoriesRun,
+    StoryChange, StoryOutcome, StoryRead, StoryWrite,
 };
 pub use ticker_sync::{decide_ticker_sync, TickerStep, TickerSync, TickerSyncInput};
 pub use track::{step, EndpointTrack, MessageDecision, Reload, ReloadCause, ReloadStart};

@@ -14,12 +14,13 @@
 //! insert still decides, once per key, whether anything is sent.
 //!
 //! # How to drive it
-//! For each `PlannedClaim` of a stories run, in the run's transaction:
-//! 1. Call [`decide_notify`] with the `created_at` of the claim's event and the endpoint's own
-//!    `created_at` (when it was registered). It calls nothing else and reads no clock.
-//! 2. Insert the claim's key (`on conflict do nothing returning key`) in either case; append the
-//!    `notified` change in the same statement only when the key came back and the decision is
-//!    [`NotifyDecision::Notify`].
+//! `decide_stories_run` asks it for each claim it plans, given the endpoint's own `created_at`
+//! (when it was registered, `StoriesRun::registered_at`), and says so in `PlannedClaim::notify`:
+//! 1. [`decide_notify`] of the `created_at` of the claim's event and the registration. It calls
+//!    nothing else and reads no clock.
+//! 2. In the run's transaction the claim's key is inserted (`on conflict do nothing returning
+//!    key`) in either case; the `notified` change is appended in the same statement only when
+//!    the key came back and the decision is [`NotifyDecision::Notify`].
 
 /// What a claim that comes back sends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -17,18 +17,24 @@
 //!    lock is held across HTTP, and a read that is slow or stale cannot undo a newer write (the
 //!    version check refuses it, a closed row stays closed).
 //! 2. Under the lock, read the rows of [`stories_of_run`] (sorted: the order to lock them in).
-//! 3. Call [`decide_stories_run`]. It calls nothing else and reads no clock.
-//! 4. Carry out the [`StoriesPlan`] in its order: each [`PlannedStoryWrite`] as the seed's
-//!    statement for it ([`StoryWrite`]), its change (when [`PlannedStoryWrite::change`] is some)
-//!    appended to the outbox; then each [`PlannedClaim`] as
+//! 3. Call [`decide_stories_run`] with the endpoint's registration (whether each claim
+//!    notifies, [`decide_notify`]). It calls nothing else and reads no clock.
+//! 4. Carry out the [`StoriesPlan`] whole, in its order: each [`PlannedStoryWrite`] as the
+//!    seed's statement for it ([`StoryWrite`]), its change (when [`PlannedStoryWrite::change`]
+//!    is some) appended to the outbox; then each [`PlannedClaim`] as
 //!    `insert into claimed ... on conflict do nothing returning key`, a notification appended
-//!    only when a row came back. Under the lock a statement always does what the plan says; one
-//!    that does not means another writer, and the transaction must roll back.
+//!    only when a row came back and [`PlannedClaim::notify`] holds. The plan carries all the
+//!    statements need (the claims their story's snapshot), so the store carries it out in one
+//!    set-based statement however many writes it has (relay-store's
+//!    `StoriesWriter::write_plan`), each write still deciding against its row. Under the lock a
+//!    write always does what the plan says; one that does not means another writer, and the
+//!    transaction must roll back.
 //!    Record each of [`StoriesPlan::owed`] as a read owed, in the same transaction.
 //! 5. Move the endpoint's apply cursor past the run's events and commit. A read that failed
 //!    does not hold the run back: its event is applied for its other effects (its claim uses the
 //!    event's own snapshot) and the story is owed a read ([`StoryOutcome::ReadOwed`]), which the
-//!    endpoint's sync makes later and carries out as [`apply_write`] decides.
+//!    endpoint's sync makes later: its writes, as a reload's batches', are planned by
+//!    [`plan_writes`] and carried out as an event's are.
 //!
 //! [`StoriesCopy::execute`] carries out a plan the same way in memory, so the property tests
 //! check the plan production writes.
@@ -37,6 +43,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use relay_wire::{Origin, SnapshotKind, Story, StoryEvent, StoryEventBody};
 use serde_json::Value;
+
+use crate::notify::{decide_notify, NotifyDecision};
 
 /// How an endpoint gets the snapshots it saves (seed: "Either way below uses the same two
 /// writes. Pick one.").
@@ -364,6 +372,10 @@ pub struct StoriesRun<'a> {
     /// and its event came late, or from catch-up reading what was published before the removal.
     /// A close is still written: a closed row only keeps the story from coming back.
     pub tickers: Option<&'a [String]>,
+    /// When the endpoint was registered, in Unix nanoseconds (`unix_timestamp_nanos` of the
+    /// registration's `created_at`, the unit each claim compares its event's `created_at` in):
+    /// a claim notifies only as [`decide_notify`] says. `None`: every claim notifies.
+    pub registered_at: Option<i128>,
 }
 
 impl StoriesRun<'_> {
@@ -375,22 +387,27 @@ impl StoriesRun<'_> {
     }
 }
 
-/// One write of a plan, the change it makes (computed against the row as the run's earlier
-/// writes left it), and the event that asked for it.
+/// One write of a plan, the change it makes (computed against the row as the plan's earlier
+/// writes left it), and the event that asked for it (`None` for a round's write: a reload's
+/// batch, an owed read paid).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlannedStoryWrite {
     pub write: StoryWrite,
     pub change: Option<StoryChange>,
-    pub event_id: String,
+    pub event_id: Option<String>,
 }
 
-/// One notification to claim: `key` into `claimed`, and a notification about `story_id` only
-/// when the insert returned a row.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One notification to claim: `key` into `claimed`, and a notification about `story` only when
+/// the insert returned a row and `notify` holds (a claim that does not notify still takes the
+/// key, so no later event of the story notifies).
+#[derive(Debug, Clone, PartialEq)]
 pub struct PlannedClaim {
     pub key: String,
-    pub story_id: String,
+    /// The story as the claiming `story.became_strong` carries it: the notification's content.
+    pub story: Story,
     pub event_id: String,
+    /// [`decide_notify`] of the event's `created_at` and the endpoint's registration.
+    pub notify: bool,
 }
 
 /// How one event of a run was taken, kept for support reads and metrics.
@@ -426,7 +443,8 @@ impl StoryOutcome {
 
 /// Everything a run writes, in the order to write it (one transaction; see the module doc):
 /// 1. [`writes`](Self::writes), in order, each as its statement, its change to the outbox;
-/// 2. [`claims`](Self::claims), in event order, a notification for each that returns a row;
+/// 2. [`claims`](Self::claims), in event order, a notification for each that returns a row
+///    and notifies;
 /// 3. [`owed`](Self::owed) recorded as reads owed;
 /// 4. the apply cursor moved past every event of the run.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -449,6 +467,36 @@ impl StoriesPlan {
     pub fn changes(&self) -> impl Iterator<Item = &StoryChange> {
         self.writes.iter().filter_map(|w| w.change.as_ref())
     }
+
+    /// Adds `write` to the plan: its change is [`apply_write`] against the row as the plan's
+    /// earlier writes left it, and the row is then what the write leaves.
+    fn push_write(&mut self, write: StoryWrite, event_id: Option<&str>) {
+        let id = write.story_id().to_owned();
+        let (after, change) = apply_write(self.rows.get(&id).copied(), &write);
+        self.rows.insert(id, after);
+        self.writes.push(PlannedStoryWrite {
+            write,
+            change,
+            event_id: event_id.map(str::to_owned),
+        });
+    }
+}
+
+/// Plans a round's writes (a reload's batch, owed reads paid) against `held`, the rows as read
+/// under the lock, in order, as [`decide_stories_run`] plans an event's: the same two writes,
+/// the same [`apply_write`]. The plan has no claims, outcomes or reads owed.
+pub fn plan_writes(
+    held: &HashMap<String, HeldStory>,
+    writes: impl IntoIterator<Item = StoryWrite>,
+) -> StoriesPlan {
+    let mut plan = StoriesPlan {
+        rows: held.clone(),
+        ..StoriesPlan::default()
+    };
+    for write in writes {
+        plan.push_write(write, None);
+    }
+    plan
 }
 
 /// Decides a whole run of one endpoint's events (see the module doc for how to drive it).
@@ -510,21 +558,22 @@ pub fn decide_stories_run(run: StoriesRun<'_>) -> StoriesPlan {
                     continue;
                 }
             }
-            let id = write.story_id().to_owned();
-            let (after, change) = apply_write(plan.rows.get(&id).copied(), &write);
-            plan.rows.insert(id, after);
-            plan.writes.push(PlannedStoryWrite {
-                write,
-                change,
-                event_id: event.event_id.clone(),
-            });
+            plan.push_write(write, Some(&event.event_id));
         }
         if let (Some(key), Some(story)) = (notification_claim(event), notified_story(event)) {
             if run.follows(story) && claimed.insert(key.clone()) {
+                let created_at = event.created_at.map(|at| at.unix_timestamp_nanos());
+                let notify = match run.registered_at {
+                    Some(registered_at) => {
+                        decide_notify(created_at, registered_at) == NotifyDecision::Notify
+                    }
+                    None => true,
+                };
                 plan.claims.push(PlannedClaim {
                     key,
-                    story_id: story.id.clone(),
+                    story: story.clone(),
                     event_id: event.event_id.clone(),
+                    notify,
                 });
             }
         }
@@ -698,8 +747,8 @@ impl StoriesCopy {
 
     /// Carries out a plan as the sequencer does (module doc, step 4): each write as its
     /// statement, checking it made the planned change, then each claim. Returns the claims that
-    /// came back: the notifications to send. On a mismatch the copy is left part written, as a
-    /// transaction before its rollback.
+    /// came back: the notifications to send are those of them that notify. On a mismatch the
+    /// copy is left part written, as a transaction before its rollback.
     pub fn execute(&mut self, plan: &StoriesPlan) -> Result<Vec<PlannedClaim>, Box<PlanMismatch>> {
         for (index, planned) in plan.writes.iter().enumerate() {
             let made = self.apply(&planned.write);

@@ -29,9 +29,9 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::Config as ProptestConfig;
 use relay_rules::{
-    apply_write, decide_stories_run, fetched_write, notification_claim, save_wins, snapshot_writes,
-    stories_of, stories_of_run, CopiedStory, HeldStory, PlannedClaim, StoriesCopy, StoriesMode,
-    StoriesPlan, StoriesRun, StoryChange, StoryOutcome, StoryRead, StoryWrite,
+    apply_write, decide_stories_run, fetched_write, notification_claim, plan_writes, save_wins,
+    snapshot_writes, stories_of, stories_of_run, CopiedStory, HeldStory, PlannedClaim, StoriesCopy,
+    StoriesMode, StoriesPlan, StoriesRun, StoryChange, StoryOutcome, StoryRead, StoryWrite,
 };
 use relay_wire::{Story, StoryEvent};
 use serde_json::{json, Value};
@@ -141,6 +141,7 @@ fn drive(
         events,
         held: &held,
         reads,
+        registered_at: None,
     });
     let notified = copy
         .execute(&plan)
@@ -552,8 +553,9 @@ fn a_notification_is_claimed_once_whatever_the_repeats() {
         plan.claims,
         vec![PlannedClaim {
             key: "strong:st_1".into(),
-            story_id: "st_1".into(),
+            story: story("st_1", 2),
             event_id: "e1".into(),
+            notify: true,
         }]
     );
     assert_eq!(notified, plan.claims);
@@ -689,7 +691,7 @@ fn a_failed_read_is_owed_and_the_run_goes_on() {
     assert_eq!(plan.owed, vec!["st_2".to_owned()], "once, however many ask");
     // The claim is the event's: it names the story and its snapshot without a read.
     assert_eq!(notified.len(), 1);
-    assert_eq!(notified[0].story_id, "st_2");
+    assert_eq!(notified[0].story, story("st_2", 3));
     // Of an unread story, what its events themselves say is written (e3's snapshot, then the
     // merge's surviving snapshot in e5); the owed read may bring a newer state.
     assert_eq!(copy.rows["st_2"], open_row(&story("st_2", 4)));
@@ -699,8 +701,8 @@ fn a_failed_read_is_owed_and_the_run_goes_on() {
     // The owed read, paid later: the story as the API answers it then.
     let paid = reads(&[("st_2", StoryRead::Found(story("st_2", 5)))]);
     let write = fetched_write("st_2".to_owned(), &paid).unwrap();
-    let (_, change) = apply_write(copy.held("st_2"), &write);
-    assert_eq!(copy.apply(&write), change);
+    let plan = plan_writes(&copy.held_of(["st_2"]), [write]);
+    copy.execute(&plan).expect("planned against the rows held");
     assert_eq!(copy.rows["st_2"], open_row(&story("st_2", 5)));
     // A read not made is owed as a failed one is.
     let plan = decide_stories_run(StoriesRun {
@@ -709,6 +711,7 @@ fn a_failed_read_is_owed_and_the_run_goes_on() {
         events: &events,
         held: &HashMap::new(),
         reads: &HashMap::new(),
+        registered_at: None,
     });
     assert_eq!(plan.owed, vec!["st_1", "st_2", "st_3"]);
     let written: Vec<StoryWrite> = plan.writes.iter().map(|w| w.write.clone()).collect();
@@ -725,6 +728,7 @@ fn a_failed_read_is_owed_and_the_run_goes_on() {
         events: &events,
         held: &HashMap::new(),
         reads: &HashMap::new(),
+        registered_at: None,
     });
     assert!(plan.owed.is_empty());
     assert_eq!(plan.outcomes.len(), events.len());
@@ -846,7 +850,10 @@ fn the_upstream_api_example_event_is_saved_as_received() {
         row.story.as_ref().unwrap()["articles"][0]["id"],
         json!("ar_1")
     );
-    assert_eq!(plan.writes[0].event_id, "evt_5c1b0a2f9d7e4c3a");
+    assert_eq!(
+        plan.writes[0].event_id.as_deref(),
+        Some("evt_5c1b0a2f9d7e4c3a")
+    );
 }
 
 #[test]
@@ -858,12 +865,80 @@ fn a_plan_decided_against_other_rows_is_refused_by_the_executor() {
         events: &events,
         held: &HashMap::new(),
         reads: &HashMap::new(),
+        registered_at: None,
     });
     let mut copy = StoriesCopy::default();
     apply(&mut copy, &[updated("e3", &story("st_1", 3))]);
     let mismatch = copy.execute(&plan).unwrap_err();
     assert_eq!(mismatch.index, 0);
     assert_eq!(mismatch.made, None);
+}
+
+/// A round's writes (a reload's batch, owed reads paid) are planned as a run's events are: each
+/// write's change against the row as the earlier ones left it, the same story written several
+/// times included; the plan names no event, and claims nothing.
+#[test]
+fn a_rounds_writes_are_planned_as_a_runs_events_are() {
+    let writes = vec![
+        StoryWrite::Save(story("st_1", 2)),
+        StoryWrite::Save(story("st_1", 3)),
+        StoryWrite::Save(story("st_1", 1)),
+        StoryWrite::Close {
+            story_id: "st_1".into(),
+            version: 4,
+            merged_into: None,
+        },
+        StoryWrite::Save(story("st_1", 5)),
+        StoryWrite::Save(story("st_2", 1)),
+    ];
+    let held = HashMap::from([(
+        "st_2".to_owned(),
+        HeldStory {
+            version: 1,
+            closed: false,
+        },
+    )]);
+    let plan = plan_writes(&held, writes.clone());
+    let made: Vec<bool> = plan.writes.iter().map(|w| w.change.is_some()).collect();
+    assert_eq!(made, vec![true, true, false, true, false, false]);
+    assert!(plan.writes.iter().all(|w| w.event_id.is_none()));
+    assert!(plan.claims.is_empty() && plan.outcomes.is_empty() && plan.owed.is_empty());
+    assert_eq!(
+        plan.rows["st_1"],
+        HeldStory {
+            version: 4,
+            closed: true
+        }
+    );
+    // The same writes asked for by events plan the same changes.
+    let events: Vec<_> = [
+        updated("e1", &story("st_1", 2)),
+        updated("e2", &story("st_1", 3)),
+        updated("e3", &story("st_1", 1)),
+        closed("e4", "st_1", 4, None),
+        updated("e5", &story("st_1", 5)),
+        updated("e6", &story("st_2", 1)),
+    ]
+    .into_iter()
+    .map(Ok)
+    .collect();
+    let run = decide_stories_run(StoriesRun {
+        tickers: None,
+        mode: StoriesMode::Snapshot,
+        events: &events,
+        held: &held,
+        reads: &HashMap::new(),
+        registered_at: None,
+    });
+    assert_eq!(
+        run.changes().collect::<Vec<_>>(),
+        plan.changes().collect::<Vec<_>>()
+    );
+    assert_eq!(run.rows, plan.rows);
+    let mut copy = StoriesCopy::default();
+    copy.apply(&StoryWrite::Save(story("st_2", 1)));
+    assert_eq!(copy.execute(&plan), Ok(Vec::new()));
+    assert_eq!(copy.rows["st_1"], closed_row(Some("ALFA B"), 4));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -394,27 +394,32 @@ proptest! {
 // ---------------------------------------------------------------------------------------------
 // Notifications of a newly registered endpoint.
 
-/// The endpoint's registration, on the same scale as the events' `created_at`.
-const REGISTERED_AT: i64 = 0;
+/// The endpoint's registration: 2026-10-08T06:40:30Z, in Unix nanoseconds.
+const REGISTERED_AT: i128 = 1_791_441_630_000_000_000;
 
-/// One published event: (story 0..3, kind, live, created_at relative to the registration).
-/// Kind 0 is `story.became_strong`, anything else `story.updated`.
+/// One published event: (story 0..3, kind, live, created_at in seconds relative to the
+/// registration). Kind 0 is `story.became_strong`, anything else `story.updated`.
 type Published = (u8, u8, bool, i64);
 
-fn story_event(n: usize, (story, kind, live, _): Published) -> StoryEvent {
+/// Published event `n`, its `created_at` that many seconds from the registration (none when
+/// `None`).
+fn story_event(n: usize, (story, kind, live, _): Published, created_at: Option<i64>) -> StoryEvent {
     let id = format!("st_{}", story % 3);
-    StoryEvent::from_value(&json!({
+    let mut event = json!({
         "event_id": format!("evt_{n}"),
         "type": if kind == 0 { "story.became_strong" } else { "story.updated" },
         "origin": if live { "live" } else { "backfill" },
         "data": {"story": {"id": id, "ticker": "ALFA B", "version": n + 1}},
-    }))
-    .expect("the builder's events parse")
+    });
+    if let Some(seconds) = created_at {
+        event["created_at"] = json!(format!("2026-10-08T06:40:{:02}Z", 30 + seconds));
+    }
+    StoryEvent::from_value(&event).expect("the builder's events parse")
 }
 
-/// The sequencer's handler with the policy wired in: each run decided and carried out, each
-/// claim that comes back notifying only as [`decide_notify`] says. The stories notified, in
-/// order.
+/// The sequencer's handler with the policy wired in: each run decided with the endpoint's
+/// registration (each claim saying whether it notifies, as [`decide_notify`] says) and carried
+/// out. The stories of the claims that came back and notify, in order.
 fn notifications(
     published: &[Published],
     arrivals: &[usize],
@@ -423,7 +428,10 @@ fn notifications(
 ) -> Vec<String> {
     let events: Vec<Result<StoryEvent, String>> = arrivals
         .iter()
-        .map(|&n| Ok(story_event(n, published[n])))
+        .map(|&n| {
+            let when = created_at.get(&format!("evt_{n}")).copied().flatten();
+            Ok(story_event(n, published[n], when))
+        })
         .collect();
     let mut copy = StoriesCopy::default();
     let mut notified = Vec::new();
@@ -440,12 +448,20 @@ fn notifications(
             held: &held,
             reads: &HashMap::new(),
             tickers: None,
+            registered_at: Some(REGISTERED_AT),
         });
         let claimed = copy.execute(&plan).expect("a plan matches its rows");
         for claim in claimed {
+            // The plan's decision, in nanoseconds, is the policy's on the test's scale.
             let when = created_at.get(&claim.event_id).copied().flatten();
-            if decide_notify(when, REGISTERED_AT) == NotifyDecision::Notify {
-                notified.push(claim.story_id);
+            let decided = decide_notify(when, 0) == NotifyDecision::Notify;
+            assert_eq!(
+                claim.notify, decided,
+                "{} created at {when:?}",
+                claim.event_id
+            );
+            if claim.notify {
+                notified.push(claim.story.id);
             }
         }
         at = end;
@@ -472,6 +488,35 @@ fn catch_up_window() -> impl Strategy<Value = (Vec<Published>, Vec<usize>, Vec<u
             )
         },
     )
+}
+
+/// The plan says whether each claim notifies: an event created before the registration claims
+/// silently, one at or after it (or without a `created_at`) notifies, and with no registration
+/// given every claim notifies.
+#[test]
+fn a_planned_claim_notifies_only_for_an_event_created_since_the_registration() {
+    let published: Vec<Published> = vec![(0, 0, true, 0), (1, 0, true, 0), (2, 0, true, 0)];
+    let events: Vec<Result<StoryEvent, String>> = [Some(-1), Some(0), None]
+        .into_iter()
+        .enumerate()
+        .map(|(n, created_at)| Ok(story_event(n, published[n], created_at)))
+        .collect();
+    let notify = |registered_at| -> Vec<bool> {
+        decide_stories_run(StoriesRun {
+            mode: StoriesMode::Snapshot,
+            events: &events,
+            held: &HashMap::new(),
+            reads: &HashMap::new(),
+            tickers: None,
+            registered_at,
+        })
+        .claims
+        .iter()
+        .map(|claim| claim.notify)
+        .collect()
+    };
+    assert_eq!(notify(Some(REGISTERED_AT)), vec![false, true, true]);
+    assert_eq!(notify(None), vec![true, true, true]);
 }
 
 #[test]
@@ -534,7 +579,7 @@ proptest! {
             let id = format!("st_{}", story % 3);
             if kind == 0 && live && first.insert(id.clone()) {
                 let when = created_at[&format!("evt_{n}")];
-                if when.is_none_or(|at| at >= REGISTERED_AT) {
+                if when.is_none_or(|at| at >= 0) {
                     expected.insert(id);
                 }
             }

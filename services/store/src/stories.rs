@@ -4,52 +4,49 @@
 //!
 //! Every write runs in a [`StoriesWriter`]: one transaction that checked the endpoint's fence and
 //! holds its writer lock (the change counter's row), so a run of webhooks, a catch-up page and a
-//! reload's batch of one endpoint never interleave. Each write is still seed 000's statement,
-//! deciding in itself, and appends its change in the same statement only when the row changed:
-//! the save's `where` passed, the close made an open (or absent) row closed or raised a closed
-//! row's version, the claim's insert returned its key. The sequencer's plan (relay-rules'
-//! `decide_stories_run`) says what it expects each write to do; a write that does otherwise was
-//! raced, and the transaction is rolled back ([`StoreError::Refused`]).
+//! reload's batch of one endpoint never interleave. A plan (relay-rules' `StoriesPlan`, decided
+//! by `decide_stories_run` for events or `plan_writes` for a round) is carried out whole by
+//! [`StoriesWriter::write_plan`] in one statement however many writes it has: the writes as arrays,
+//! each still seed 000's statement deciding in itself against the row as the plan's earlier
+//! writes left it (the save's `where not closed and version < excluded.version`, the close's
+//! `greatest`), each change appended in plan order only when its write changed the row, each
+//! claim as `insert ... on conflict do nothing returning key`. The plan says what it expects each
+//! write to do; a write that does otherwise was raced, and the transaction is rolled back
+//! ([`StoreError::Refused`]).
 
 use std::collections::HashMap;
 
-use relay_rules::HeldStory;
+use relay_rules::{HeldStory, StoriesPlan, StoryChange, StoryWrite};
 use sqlx::{Postgres, Transaction};
 use time::OffsetDateTime;
 
 use crate::{fences, EndpointId, StoreError, TenantId};
 
-/// What caused a write, named by its change: an event (a webhook's or a catch-up page's), or a
-/// round of the endpoint's (a reload in full, a ticker's first load or its removal).
+/// What caused a plan's writes, named by their changes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Cause<'a> {
-    Event(&'a str),
+pub enum PlanCause {
+    /// Each write's own event (a webhook's or a catch-up page's), as the plan names it.
+    Events,
+    /// A round of the endpoint's (a reload in full, a ticker's first load, owed reads paid).
     Round(i64),
 }
 
-impl Cause<'_> {
-    fn event_id(self) -> Option<String> {
-        match self {
-            Cause::Event(id) => Some(id.to_owned()),
-            Cause::Round(_) => None,
-        }
-    }
-
-    fn round(self) -> Option<i64> {
-        match self {
-            Cause::Event(_) => None,
-            Cause::Round(round) => Some(round),
-        }
-    }
-}
-
-/// A story as the writes take it: its id, ticker, version and the snapshot's JSON text.
-#[derive(Debug, Clone, Copy)]
-pub struct StoryRow<'a> {
-    pub id: &'a str,
-    pub ticker: Option<&'a str>,
-    pub version: i64,
-    pub snapshot: &'a serde_json::Value,
+/// What [`StoriesWriter::write_plan`] did, as its statement counted it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlanWritten {
+    /// Saves that wrote their snapshot, and saves the row refused (closed, or as new).
+    pub saved: u64,
+    pub unchanged: u64,
+    /// Closes that closed the row or raised its version, and closes that found it closed at
+    /// that version or later.
+    pub closed: u64,
+    pub already_closed: u64,
+    /// Claims whose key came back, notifying or silently, and claims whose key was taken before.
+    pub notified: u64,
+    pub claimed_silently: u64,
+    pub claimed_before: u64,
+    /// Changes appended to the outbox.
+    pub changes: u64,
 }
 
 /// One transaction over a stories endpoint: fence checked, writer lock held.
@@ -89,95 +86,158 @@ pub async fn open(
     }))
 }
 
-/// Saves a snapshot (seed 000's first write), appending a `saved` change when it wrote.
-const SAVE: &str = "WITH saved AS (
-         insert into stories (endpoint_id, tenant_id, id, ticker, version, closed, story)
-         values ($1, $2, $3, $4, $5, false, $6)
-         on conflict (endpoint_id, id) do update
-           set ticker = excluded.ticker, version = excluded.version,
-             story = excluded.story
-           where not stories.closed and stories.version < excluded.version
-         returning id, ticker, version, story
+/// [`StoriesWriter::write_plan`]'s statement. `$1` endpoint, `$2` tenant, `$3` the round (null
+/// for events); the writes in plan order `$4`–`$11` (close or save, story id, ticker, version,
+/// snapshot, merged_into, event id, and the row's version after the write when the plan says it
+/// changes the row, null when not); the claims `$12`–`$18` (key, story id, ticker, event id,
+/// snapshot, version, notify).
+///
+/// `fold` is each story's row as this transaction holds it (step 0, locked by
+/// [`StoriesWriter::held`]), then as each of its writes leaves it, in plan order: seed 000's two
+/// statements, each deciding against the row as the write before left it. A story several writes
+/// touch (save v2, save v3, close) is written once, as its last step left it, guarded by the row
+/// being still what the fold began from; each write that changed it appends its own change, in
+/// plan order, only when the row was written. The claims' notifications follow the writes'
+/// changes, numbered on from the endpoint's counter. The statement returns the writes whose
+/// change is not the plan's (1-based), the rows to write and written, and its counts.
+const WRITE_PLAN: &str = "WITH RECURSIVE
+     planned AS MATERIALIZED (
+         SELECT w.*, row_number() OVER (PARTITION BY w.id ORDER BY w.ord) AS step
+         FROM unnest($4::bool[], $5::text[], $6::text[], $7::int8[], $8::jsonb[], $9::text[],
+                     $10::text[], $11::int8[])
+             WITH ORDINALITY AS w(is_close, id, ticker, version, story, merged_into, event_id,
+                                  planned, ord)
+     ),
+     fold AS (
+         SELECT p.id, 0::int8 AS step, r.id IS NOT NULL AS present, r.ticker, r.version,
+                coalesce(r.closed, false) AS closed, r.story, r.merged_into, false AS changed
+         FROM (SELECT DISTINCT id FROM planned) p
+         LEFT JOIN stories r ON r.endpoint_id = $1 AND r.id = p.id
+         UNION ALL
+         SELECT f.id, w.step, true,
+                CASE WHEN d.changed AND NOT w.is_close THEN w.ticker ELSE f.ticker END,
+                CASE WHEN w.is_close THEN greatest(f.version, w.version)
+                     WHEN d.changed THEN w.version ELSE f.version END,
+                f.closed OR w.is_close,
+                CASE WHEN w.is_close THEN NULL WHEN d.changed THEN w.story ELSE f.story END,
+                CASE WHEN w.is_close AND d.changed THEN w.merged_into ELSE f.merged_into END,
+                d.changed
+         FROM fold f
+         JOIN planned w ON w.id = f.id AND w.step = f.step + 1
+         -- The save: `where not stories.closed and stories.version < excluded.version` (or no
+         -- row). The close: a change unless the row is closed at its version or later.
+         CROSS JOIN LATERAL (
+             SELECT CASE WHEN w.is_close
+                         THEN NOT (f.present AND f.closed AND f.version >= w.version)
+                         ELSE NOT f.present OR (NOT f.closed AND f.version < w.version)
+                    END AS changed
+         ) d
+     ),
+     decided AS MATERIALIZED (
+         SELECT w.ord, w.id, w.is_close, w.merged_into, w.event_id, w.planned, f.changed,
+                f.ticker, f.version, f.story
+         FROM planned w JOIN fold f ON f.id = w.id AND f.step = w.step
+     ),
+     was AS (SELECT * FROM fold WHERE step = 0),
+     last AS MATERIALIZED (
+         SELECT DISTINCT ON (f.id) f.* FROM fold f
+         WHERE f.id IN (SELECT id FROM decided WHERE changed)
+         ORDER BY f.id, f.step DESC
+     ),
+     updated AS (
+         UPDATE stories s
+         SET ticker = l.ticker, version = l.version, closed = l.closed, story = l.story,
+             merged_into = l.merged_into
+         FROM last l JOIN was b ON b.id = l.id
+         WHERE s.endpoint_id = $1 AND s.id = l.id AND b.present
+           AND s.version = b.version AND s.closed = b.closed
+         RETURNING s.id
+     ),
+     inserted AS (
+         INSERT INTO stories (endpoint_id, tenant_id, id, ticker, version, closed, story,
+                              merged_into)
+         SELECT $1, $2, l.id, l.ticker, l.version, l.closed, l.story, l.merged_into
+         FROM last l JOIN was b ON b.id = l.id
+         WHERE NOT b.present
+         ON CONFLICT (endpoint_id, id) DO NOTHING
+         RETURNING id
+     ),
+     written AS (SELECT id FROM updated UNION ALL SELECT id FROM inserted),
+     claims AS MATERIALIZED (
+         SELECT * FROM unnest($12::text[], $13::text[], $14::text[], $15::text[], $16::jsonb[],
+                              $17::int8[], $18::bool[])
+             WITH ORDINALITY AS c(key, story_id, ticker, event_id, item, version, notify, ord)
+     ),
+     claim AS (
+         INSERT INTO claimed (endpoint_id, tenant_id, key, story_id, ticker, event_id, notified)
+         SELECT $1, $2, key, story_id, ticker, event_id, notify FROM claims ORDER BY ord
+         ON CONFLICT DO NOTHING
+         RETURNING key
+     ),
+     appended AS MATERIALIZED (
+         SELECT row_number() OVER (ORDER BY a.part, a.ord) AS n, a.*
+         FROM (
+             SELECT 0 AS part, d.ord, 'story' AS kind,
+                    CASE WHEN d.is_close THEN 'closed' ELSE 'saved' END AS operation,
+                    d.id AS subject, d.ticker, d.event_id, $3::int8 AS reload_generation,
+                    d.story::json AS item, d.version AS story_version,
+                    CASE WHEN d.is_close THEN d.merged_into END AS merged_into
+             FROM decided d
+             WHERE d.changed AND d.id IN (SELECT id FROM written)
+             UNION ALL
+             SELECT 1, c.ord, 'notification', 'notified', c.story_id, c.ticker, c.event_id,
+                    NULL, c.item::json, c.version, NULL
+             FROM claims c
+             WHERE c.notify AND c.key IN (SELECT key FROM claim)
+         ) a
      ),
      counter AS (
-         UPDATE endpoint_change_counters SET last = last + 1
-         WHERE endpoint_id = $1 AND EXISTS (SELECT 1 FROM saved)
-         RETURNING last
-     )
-     INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation, subject, ticker,
-                          generation, event_id, reload_generation, item, parts_diff,
-                          story_version)
-     SELECT $1, counter.last, $2, 'story', 'saved', saved.id, saved.ticker, 0, $7, $8,
-            saved.story::json, '{}', saved.version
-     FROM saved, counter
-     RETURNING change_seq";
-
-/// Closes a story for good (seed 000's second write), appending a `closed` change when the row
-/// was absent or open, or closed with a smaller version. `prior` is read in the statement's own
-/// snapshot, so it is the row as this transaction left it before the write. The row keeps the
-/// `merged_into` of the close that appended its change, so a read says what the queue said.
-const CLOSE: &str = "WITH prior AS (
-         SELECT version, closed FROM stories WHERE endpoint_id = $1 AND id = $3
+         UPDATE endpoint_change_counters SET last = last + (SELECT count(*) FROM appended)
+         WHERE endpoint_id = $1 AND EXISTS (SELECT 1 FROM appended)
+         RETURNING last - (SELECT count(*) FROM appended) AS base
      ),
-     closed AS (
-         insert into stories (endpoint_id, tenant_id, id, version, closed, story, merged_into)
-         values ($1, $2, $3, $4, true, null, $5)
-         on conflict (endpoint_id, id) do update
-           set closed = true, story = null,
-             version = greatest(stories.version, excluded.version),
-             merged_into = CASE WHEN stories.closed AND stories.version >= excluded.version
-                                THEN stories.merged_into ELSE excluded.merged_into END
-         returning id, ticker, version
-     ),
-     counter AS (
-         UPDATE endpoint_change_counters SET last = last + 1
-         WHERE endpoint_id = $1 AND EXISTS (
-             SELECT 1 FROM closed c
-             WHERE NOT coalesce((SELECT p.closed AND p.version >= c.version FROM prior p), false))
-         RETURNING last
-     )
-     INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation, subject, ticker,
-                          generation, event_id, reload_generation, parts_diff, story_version,
-                          merged_into)
-     SELECT $1, counter.last, $2, 'story', 'closed', closed.id, closed.ticker, 0, $6, $7, '{}',
-            closed.version, $5
-     FROM closed, counter
-     RETURNING change_seq";
-
-/// Claims a notification (seed 000's single insert), appending a `notified` change only when
-/// the insert returned its key and `$8` (notify) holds: a silent claim takes the key all the
-/// same, so no later event of the story notifies. Whether the key came back, and whether a
-/// change was appended.
-const CLAIM: &str = "WITH claim AS (
-         insert into claimed (endpoint_id, tenant_id, key, story_id, ticker, event_id, notified)
-         values ($1, $2, 'strong:' || $3, $3, $4, $5, $8)
-         on conflict do nothing
-         returning key
-     ),
-     counter AS (
-         UPDATE endpoint_change_counters SET last = last + 1
-         WHERE endpoint_id = $1 AND $8 AND EXISTS (SELECT 1 FROM claim)
-         RETURNING last
-     ),
-     notified AS (
+     change AS (
          INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation, subject,
-                              ticker, generation, event_id, item, parts_diff, story_version)
-         SELECT $1, counter.last, $2, 'notification', 'notified', $3, $4, 0, $5, $6::json, '{}',
-                $7
-         FROM claim, counter
-         RETURNING change_seq
+                              ticker, generation, event_id, reload_generation, item,
+                              parts_diff, story_version, merged_into)
+         SELECT $1, counter.base + a.n, $2, a.kind, a.operation, a.subject, a.ticker, 0,
+                a.event_id, a.reload_generation, a.item, '{}', a.story_version, a.merged_into
+         FROM appended a, counter
+         RETURNING 1
      )
-     SELECT EXISTS (SELECT 1 FROM claim), EXISTS (SELECT 1 FROM notified)";
+     SELECT ARRAY(SELECT ord FROM decided
+                  WHERE CASE WHEN changed THEN version END IS DISTINCT FROM planned
+                  ORDER BY ord) AS refused,
+            (SELECT count(*) FROM last) AS rows_to_write,
+            (SELECT count(*) FROM written) AS rows_written,
+            (SELECT count(*) FILTER (WHERE NOT is_close AND changed) FROM decided) AS saved,
+            (SELECT count(*) FILTER (WHERE NOT is_close AND NOT changed) FROM decided)
+                AS unchanged,
+            (SELECT count(*) FILTER (WHERE is_close AND changed) FROM decided) AS closed,
+            (SELECT count(*) FILTER (WHERE is_close AND NOT changed) FROM decided)
+                AS already_closed,
+            (SELECT count(*) FROM claims WHERE notify AND key IN (SELECT key FROM claim))
+                AS notified,
+            (SELECT count(*) FROM claims WHERE NOT notify AND key IN (SELECT key FROM claim))
+                AS claimed_silently,
+            (SELECT count(*) FROM claims WHERE key NOT IN (SELECT key FROM claim))
+                AS claimed_before,
+            (SELECT count(*) FROM change) AS changes";
 
-/// What [`StoriesWriter::claim_strong`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Claimed {
-    /// The key was claimed and the notification appended.
-    Notified,
-    /// The key was claimed and nothing sent (the caller said not to notify).
-    Silently,
-    /// The key was claimed before: nothing done.
-    Already,
+/// One row of [`WRITE_PLAN`]'s answer.
+#[derive(sqlx::FromRow)]
+struct PlanAnswer {
+    refused: Vec<i64>,
+    rows_to_write: i64,
+    rows_written: i64,
+    saved: i64,
+    unchanged: i64,
+    closed: i64,
+    already_closed: i64,
+    notified: i64,
+    claimed_silently: i64,
+    claimed_before: i64,
+    changes: i64,
 }
 
 impl StoriesWriter {
@@ -197,99 +257,129 @@ impl StoriesWriter {
             .collect())
     }
 
-    /// The save; whether it wrote (and appended its change). `expected`: what the plan said it
-    /// would do; a save that does otherwise was raced.
-    pub async fn save(
+    /// Carries out `plan` whole, in one statement ([`WRITE_PLAN`]): its writes in order, each as
+    /// seed 000's statement deciding against the row as the plan's earlier writes left it, each
+    /// change appended in order; then its claims, each notification appended when its key came
+    /// back and the claim notifies. The rows the plan writes must have been read with
+    /// [`held`](Self::held) in this transaction. [`StoreError::Refused`] when a write did other
+    /// than the plan says (another writer changed a row the plan read): roll back.
+    pub async fn write_plan(
         &mut self,
-        story: StoryRow<'_>,
-        cause: Cause<'_>,
-        expected: bool,
-    ) -> Result<bool, StoreError> {
-        let seq: Option<i64> = sqlx::query_scalar(SAVE)
+        plan: &StoriesPlan,
+        cause: PlanCause,
+    ) -> Result<PlanWritten, StoreError> {
+        if plan.writes.is_empty() && plan.claims.is_empty() {
+            return Ok(PlanWritten::default());
+        }
+        let n = plan.writes.len();
+        let mut is_close = Vec::with_capacity(n);
+        let mut id = Vec::with_capacity(n);
+        let mut ticker = Vec::with_capacity(n);
+        let mut version = Vec::with_capacity(n);
+        let mut story = Vec::with_capacity(n);
+        let mut merged_into = Vec::with_capacity(n);
+        let mut event_id = Vec::with_capacity(n);
+        let mut planned = Vec::with_capacity(n);
+        for write in &plan.writes {
+            match &write.write {
+                StoryWrite::Save(saved) => {
+                    is_close.push(false);
+                    ticker.push(saved.ticker.as_deref());
+                    version.push(saved.version);
+                    story.push(Some(saved.snapshot.to_string()));
+                    merged_into.push(None);
+                }
+                StoryWrite::Close {
+                    version: closing,
+                    merged_into: into,
+                    ..
+                } => {
+                    is_close.push(true);
+                    ticker.push(None);
+                    version.push(*closing);
+                    story.push(None);
+                    merged_into.push(into.as_deref());
+                }
+            }
+            id.push(write.write.story_id());
+            event_id.push(match cause {
+                PlanCause::Events => write.event_id.as_deref(),
+                PlanCause::Round(_) => None,
+            });
+            planned.push(write.change.as_ref().map(StoryChange::version));
+        }
+        let claims = &plan.claims;
+        let answer: PlanAnswer = sqlx::query_as(WRITE_PLAN)
             .bind(self.endpoint)
             .bind(self.tenant)
-            .bind(story.id)
-            .bind(story.ticker)
-            .bind(story.version)
-            .bind(story.snapshot)
-            .bind(cause.event_id())
-            .bind(cause.round())
-            .fetch_optional(&mut *self.tx)
-            .await?;
-        self.check("save", story.id, seq.is_some(), expected)
-    }
-
-    /// The close; whether it changed the row (and appended its change).
-    pub async fn close(
-        &mut self,
-        (id, version, merged_into): (&str, i64, Option<&str>),
-        cause: Cause<'_>,
-        expected: bool,
-    ) -> Result<bool, StoreError> {
-        let seq: Option<i64> = sqlx::query_scalar(CLOSE)
-            .bind(self.endpoint)
-            .bind(self.tenant)
+            .bind(match cause {
+                PlanCause::Events => None,
+                PlanCause::Round(round) => Some(round),
+            })
+            .bind(is_close)
             .bind(id)
+            .bind(ticker)
             .bind(version)
+            .bind(story)
             .bind(merged_into)
-            .bind(cause.event_id())
-            .bind(cause.round())
-            .fetch_optional(&mut *self.tx)
-            .await?;
-        self.check("close", id, seq.is_some(), expected)
-    }
-
-    /// Claims `strong:<story id>`, and when this call claimed it and `notify` holds appends
-    /// the notification, with the snapshot of the event that claimed it.
-    pub async fn claim_strong(
-        &mut self,
-        story: StoryRow<'_>,
-        event_id: &str,
-        notify: bool,
-    ) -> Result<Claimed, StoreError> {
-        let (claimed, notified): (bool, bool) = sqlx::query_as(CLAIM)
-            .bind(self.endpoint)
-            .bind(self.tenant)
-            .bind(story.id)
-            .bind(story.ticker)
             .bind(event_id)
-            .bind(story.snapshot)
-            .bind(story.version)
-            .bind(notify)
+            .bind(planned)
+            .bind(claims.iter().map(|c| c.key.as_str()).collect::<Vec<_>>())
+            .bind(
+                claims
+                    .iter()
+                    .map(|c| c.story.id.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                claims
+                    .iter()
+                    .map(|c| c.story.ticker.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                claims
+                    .iter()
+                    .map(|c| c.event_id.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                claims
+                    .iter()
+                    .map(|c| c.story.snapshot.to_string())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(claims.iter().map(|c| c.story.version).collect::<Vec<_>>())
+            .bind(claims.iter().map(|c| c.notify).collect::<Vec<_>>())
             .fetch_one(&mut *self.tx)
             .await?;
-        Ok(match (claimed, notified) {
-            (true, true) => {
-                self.appended += 1;
-                Claimed::Notified
-            }
-            (true, false) => Claimed::Silently,
-            (false, _) => Claimed::Already,
-        })
-    }
-
-    fn check(
-        &mut self,
-        what: &str,
-        id: &str,
-        wrote: bool,
-        expected: bool,
-    ) -> Result<bool, StoreError> {
-        if wrote != expected {
+        if !answer.refused.is_empty() || answer.rows_written != answer.rows_to_write {
+            let stories: Vec<&str> = answer
+                .refused
+                .iter()
+                .filter_map(|ord| usize::try_from(*ord - 1).ok())
+                .filter_map(|index| plan.writes.get(index))
+                .map(|write| write.write.story_id())
+                .collect();
             return Err(StoreError::Refused(format!(
-                "the {what} of story {id:?} {} a change the plan {}",
-                if wrote { "made" } else { "did not make" },
-                if expected {
-                    "expected"
-                } else {
-                    "did not expect"
-                }
+                "the plan's writes of {stories:?} did other than it said, and {} of the {} rows \
+                 it changed were written",
+                answer.rows_written, answer.rows_to_write
             )));
         }
-        if wrote {
-            self.appended += 1;
-        }
-        Ok(wrote)
+        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        let written = PlanWritten {
+            saved: count(answer.saved),
+            unchanged: count(answer.unchanged),
+            closed: count(answer.closed),
+            already_closed: count(answer.already_closed),
+            notified: count(answer.notified),
+            claimed_silently: count(answer.claimed_silently),
+            claimed_before: count(answer.claimed_before),
+            changes: count(answer.changes),
+        };
+        self.appended += written.changes;
+        Ok(written)
     }
 
     /// Takes the open stories of `tickers` out of the copy (their ticker was removed from the
