@@ -458,6 +458,15 @@ impl TestApp {
             .unwrap_or_else(|| panic!("{series} is not in /metrics:\n{text}"))
     }
 
+    /// How many messages the front tier answered with `outcome`
+    /// (`relay_ingest_messages_total`).
+    pub async fn answered(&self, outcome: &str) -> f64 {
+        self.metric(&format!(
+            "relay_ingest_messages_total{{outcome=\"{outcome}\"}}"
+        ))
+        .await
+    }
+
     pub async fn stored_webhook_ids(&self, endpoint: Uuid) -> Vec<String> {
         self.db
             .stored_messages(endpoint)
