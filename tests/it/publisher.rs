@@ -109,6 +109,17 @@ impl Env {
     }
 }
 
+/// Returns `delivery` to its queue (a nack with requeue), as a consumer that could not take it.
+pub(crate) async fn put_back(delivery: &relay_publisher::lapin::message::Delivery) {
+    delivery
+        .nack(BasicNackOptions {
+            requeue: true,
+            ..BasicNackOptions::default()
+        })
+        .await
+        .unwrap();
+}
+
 /// Waits for `check` to hold, polling; panics with `what` after `timeout`.
 pub(crate) async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
 where
@@ -813,13 +824,7 @@ async fn tail_holds_changes_redelivered_out_of_order_until_their_predecessors_co
     let mut nacked: Vec<_> = taken.drain(..take / 2).collect();
     rand::seq::SliceRandom::shuffle(&mut nacked[..], &mut rng);
     for delivery in nacked {
-        delivery
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..BasicNackOptions::default()
-            })
-            .await
-            .unwrap();
+        put_back(&delivery).await;
     }
     broker.close(200, "gone").await.unwrap();
 

@@ -25,6 +25,19 @@ async fn setup() -> Setup {
     }
 }
 
+impl Setup {
+    /// Whether an apply transaction under `token` passes the endpoint's fence (read in a
+    /// transaction of its own, then rolled back).
+    async fn fence_admits(&self, token: i64) -> bool {
+        let mut tx = self.db.pool.begin().await.unwrap();
+        let admitted = check_fence(&mut tx, relay_store::EndpointId(self.endpoint), token)
+            .await
+            .unwrap();
+        tx.rollback().await.unwrap();
+        admitted
+    }
+}
+
 async fn owners(setup: &Setup, lease: Duration) -> Owners {
     Owners::connect(
         &redis_url(),
@@ -78,25 +91,8 @@ async fn a_worker_stalled_past_its_lease_is_fenced_out_of_the_copy() {
 
     // A wakes up: renewing tells it the lock is gone, and its apply transaction is refused.
     assert!(!a.renew(&mut stalled).await.unwrap());
-    let mut tx = setup.db.pool.begin().await.unwrap();
-    assert!(!check_fence(
-        &mut tx,
-        relay_store::EndpointId(setup.endpoint),
-        stalled.token
-    )
-    .await
-    .unwrap());
-    tx.rollback().await.unwrap();
-
-    let mut tx = setup.db.pool.begin().await.unwrap();
-    assert!(check_fence(
-        &mut tx,
-        relay_store::EndpointId(setup.endpoint),
-        current.token
-    )
-    .await
-    .unwrap());
-    tx.commit().await.unwrap();
+    assert!(!setup.fence_admits(stalled.token).await);
+    assert!(setup.fence_admits(current.token).await);
     assert!(b.renew(&mut current).await.unwrap());
 
     // A's release cannot take B's lock away.
@@ -180,15 +176,7 @@ async fn tokens_keep_rising_when_redis_forgets_every_lock() {
         second.token,
         first.token
     );
-    let mut tx = setup.db.pool.begin().await.unwrap();
-    assert!(!check_fence(
-        &mut tx,
-        relay_store::EndpointId(setup.endpoint),
-        first.token
-    )
-    .await
-    .unwrap());
-    tx.rollback().await.unwrap();
+    assert!(!setup.fence_admits(first.token).await);
     assert!(b.release(second).await.unwrap());
 }
 

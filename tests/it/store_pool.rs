@@ -51,13 +51,21 @@ async fn terminate(db: &TestDb, pid: i32) {
     assert!(ended, "backend {pid} was not terminated");
 }
 
-#[tokio::test]
-async fn a_connection_idle_past_the_threshold_is_checked_and_replaced() {
+/// A pool of one connection, checked once idle for `idle_check`, whose backend was ended after
+/// its first statement, once back in the pool: the database (kept for the pool's life), the
+/// pool, and the ended backend's pid.
+async fn ended_while_idle(idle_check: Duration) -> (TestDb, PgPool, i32) {
     let db = TestDb::new().await;
-    let pool = single_connection_pool(&db, Duration::from_millis(50));
+    let pool = single_connection_pool(&db, idle_check);
     let first = backend_pid(&pool).await.unwrap();
     returned(&pool).await;
     terminate(&db, first).await;
+    (db, pool, first)
+}
+
+#[tokio::test]
+async fn a_connection_idle_past_the_threshold_is_checked_and_replaced() {
+    let (_db, pool, first) = ended_while_idle(Duration::from_millis(50)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
 
     // The check on acquire finds the connection dead: the statement runs on a new one.
@@ -69,11 +77,7 @@ async fn a_connection_idle_past_the_threshold_is_checked_and_replaced() {
 
 #[tokio::test]
 async fn a_connection_used_moments_ago_is_not_checked_and_a_dead_one_costs_one_statement() {
-    let db = TestDb::new().await;
-    let pool = single_connection_pool(&db, Duration::from_secs(3600));
-    let first = backend_pid(&pool).await.unwrap();
-    returned(&pool).await;
-    terminate(&db, first).await;
+    let (_db, pool, first) = ended_while_idle(Duration::from_secs(3600)).await;
 
     // Not checked: the statement meets the closed connection and fails, as any statement can.
     assert!(backend_pid(&pool).await.is_err());

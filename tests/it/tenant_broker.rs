@@ -26,7 +26,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::publisher::{
-    change_count_of, declare_passive, drain, feeds_of, set_own_exchange, unpublished,
+    change_count_of, declare_passive, drain, feeds_of, put_back, set_own_exchange, unpublished,
     wait_published, wait_until, write, Env,
 };
 use crate::stack::{metric, relay_broker, Api};
@@ -554,7 +554,7 @@ async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
 /// cannot read it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_returned_past_the_delivery_limit_moves_to_the_tenants_dead_letter_queue() {
-    use relay_publisher::lapin::options::{BasicAckOptions, BasicNackOptions};
+    use relay_publisher::lapin::options::BasicAckOptions;
 
     let env = Env::new().await;
     let (a, b) = (env.db.tenant().await, env.db.tenant().await);
@@ -621,13 +621,7 @@ async fn a_message_returned_past_the_delivery_limit_moves_to_the_tenants_dead_le
                 poison_deliveries <= limit + 1,
                 "delivered {poison_deliveries} times with a limit of {limit}"
             );
-            delivery
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    ..BasicNackOptions::default()
-                })
-                .await
-                .unwrap();
+            put_back(&delivery).await;
         } else {
             assert_eq!(delivery.data, b"good");
             delivery.ack(BasicAckOptions::default()).await.unwrap();

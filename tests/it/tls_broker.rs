@@ -35,6 +35,15 @@ use crate::publisher::{
 use crate::stack::metric;
 use crate::tls_support::{TestCa, TlsProxy};
 
+/// Why the publisher refused the tenant's destination, if it did.
+async fn refused_reason(pool: &PgPool, tenant: Uuid) -> Option<String> {
+    sqlx::query_scalar("SELECT refused_reason FROM tenant_destinations WHERE tenant_id = $1")
+        .bind(tenant)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// The vhost's URL over TLS through `proxy`, by the name its certificate carries.
 fn amqps_url(env: &Env, proxy: &TlsProxy) -> String {
     format!(
@@ -173,13 +182,7 @@ async fn a_tenants_own_exchange_over_amqps_gets_every_change_confirmed() {
     publisher.stop().await;
 
     assert_every_change_confirmed(&registry, pool, tenant, seed).await;
-    let refused: Option<String> =
-        sqlx::query_scalar("SELECT refused_reason FROM tenant_destinations WHERE tenant_id = $1")
-            .bind(tenant)
-            .fetch_one(pool)
-            .await
-            .unwrap();
-    assert_eq!(refused, None, "seed {seed}");
+    assert_eq!(refused_reason(pool, tenant).await, None, "seed {seed}");
     // Read back over plain AMQP: what went over TLS arrived whole.
     let messages = drain(&broker, "tls-own-changes", true).await;
     assert_every_change_once(pool, tenant, &messages, seed).await;
@@ -207,22 +210,13 @@ async fn a_broker_certificate_from_another_ca_is_refused_and_the_refusal_says_wh
     let mut config = env.config(env.vhost.url());
     config.trust = trusted.trust();
     let (publisher, registry) = env.start(config).await;
-    let refused_reason = || async {
-        sqlx::query_scalar::<_, Option<String>>(
-            "SELECT refused_reason FROM tenant_destinations WHERE tenant_id = $1",
-        )
-        .bind(tenant)
-        .fetch_one(pool)
-        .await
-        .unwrap()
-    };
     wait_until(
         &format!("the tenant's broker refused (seed {seed})"),
         Duration::from_secs(60),
-        || async { refused_reason().await.is_some() },
+        || async { refused_reason(pool, tenant).await.is_some() },
     )
     .await;
-    let reason = refused_reason().await.unwrap();
+    let reason = refused_reason(pool, tenant).await.unwrap();
     publisher.stop().await;
     assert!(
         reason.contains("unknown_issuer") && reason.contains("not a trusted CA"),
