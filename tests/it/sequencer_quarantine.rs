@@ -406,7 +406,14 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
     let api_pool = relay_store::connect(&db.url, &PoolOptions::default()).unwrap();
     let api = Api::serve(api_pool, |_| {}).await;
     let base = format!("/v1/endpoints/{a_endpoint}");
-    let (status, state_view) = api.call_as(a, "GET", &format!("{base}/state"), None).await;
+    // A's call of `method` on its endpoint's `suffix`: the status and JSON of the answer.
+    let a_calls = |method: &'static str, suffix: &str| {
+        let (api, path) = (&api, format!("{base}{suffix}"));
+        async move { api.call_as(a, method, &path, None).await }
+    };
+    let retry = format!("/quarantine/{}/retry", a_seqs[1]);
+    let discard = format!("/quarantine/{not_v1}/discard");
+    let (status, state_view) = a_calls("GET", "/state").await;
     assert_eq!(status, 200, "{state_view}");
     assert_eq!(state_view["messages_quarantined"], 2, "{state_view}");
     assert!(
@@ -415,9 +422,7 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
             .is_some_and(|r| r.starts_with("not a v1 message")),
         "{state_view}"
     );
-    let (status, listed) = api
-        .call_as(a, "GET", &format!("{base}/quarantine"), None)
-        .await;
+    let (status, listed) = a_calls("GET", "/quarantine").await;
     assert_eq!(status, 200, "{listed}");
     let seqs: Vec<i64> = listed["data"]
         .as_array()
@@ -426,9 +431,7 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
         .map(|q| q["arrival_seq"].as_i64().unwrap())
         .collect();
     assert_eq!(seqs, [a_seqs[1], not_v1], "{listed}");
-    let (_, messages) = api
-        .call_as(a, "GET", &format!("{base}/messages?order=arrival"), None)
-        .await;
+    let (_, messages) = a_calls("GET", "/messages?order=arrival").await;
     let poisoned = messages["data"]
         .as_array()
         .unwrap()
@@ -444,40 +447,20 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
     );
     for (method, path) in [
         ("GET", format!("{base}/quarantine")),
-        ("POST", format!("{base}/quarantine/{}/retry", a_seqs[1])),
-        ("POST", format!("{base}/quarantine/{not_v1}/discard")),
+        ("POST", format!("{base}{retry}")),
+        ("POST", format!("{base}{discard}")),
     ] {
         let (status, body) = api.call_as(b, method, &path, None).await;
         assert_eq!(status, 404, "B on {method} {path}: {body}");
     }
-    let (status, _) = api
-        .call_as(
-            b,
-            "POST",
-            &format!("/v1/endpoints/{b_endpoint}/quarantine/{}/retry", a_seqs[1]),
-            None,
-        )
-        .await;
+    let under_b = format!("/v1/endpoints/{b_endpoint}{retry}");
+    let (status, _) = api.call_as(b, "POST", &under_b, None).await;
     assert_eq!(status, 404, "A's number under B's endpoint");
 
     // Discarded: kept, never applied; a second discard conflicts.
-    let (status, discarded) = api
-        .call_as(
-            a,
-            "POST",
-            &format!("{base}/quarantine/{not_v1}/discard"),
-            None,
-        )
-        .await;
+    let (status, discarded) = a_calls("POST", &discard).await;
     assert_eq!((status, &discarded["status"]), (200, &json!("discarded")));
-    let (status, _) = api
-        .call_as(
-            a,
-            "POST",
-            &format!("{base}/quarantine/{not_v1}/discard"),
-            None,
-        )
-        .await;
+    let (status, _) = a_calls("POST", &discard).await;
     assert_eq!(status, 409);
 
     // Retried once what made it fail is gone: a new arrival, applied by the usual rules.
@@ -485,14 +468,7 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
         .execute(&db.pool)
         .await
         .unwrap();
-    let (status, retried) = api
-        .call_as(
-            a,
-            "POST",
-            &format!("{base}/quarantine/{}/retry", a_seqs[1]),
-            None,
-        )
-        .await;
+    let (status, retried) = a_calls("POST", &retry).await;
     assert_eq!(status, 200, "{retried}");
     assert_eq!(retried["status"], "retried");
     let new_seq = retried["retried_as"].as_i64().unwrap();
@@ -509,9 +485,7 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
     assert!(copy_items(&db.pool, a_endpoint)
         .await
         .contains_key("announcement:2"));
-    let (_, messages) = api
-        .call_as(a, "GET", &format!("{base}/messages?order=arrival"), None)
-        .await;
+    let (_, messages) = a_calls("GET", "/messages?order=arrival").await;
     let outcomes: Vec<(i64, Value)> = messages["data"]
         .as_array()
         .unwrap()
@@ -532,16 +506,9 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
             (new_seq, json!("applied")),
         ]
     );
-    let (_, state_view) = api.call_as(a, "GET", &format!("{base}/state"), None).await;
+    let (_, state_view) = a_calls("GET", "/state").await;
     assert_eq!(state_view["messages_quarantined"], 0, "{state_view}");
-    let (status, _) = api
-        .call_as(
-            a,
-            "POST",
-            &format!("{base}/quarantine/{}/retry", a_seqs[1]),
-            None,
-        )
-        .await;
+    let (status, _) = a_calls("POST", &retry).await;
     assert_eq!(status, 409, "retried twice");
     // Its webhook-id still marks it stored: a redelivery is a duplicate.
     let duplicates: i64 = sqlx::query_scalar(

@@ -610,6 +610,14 @@ struct MergeRace {
     logs: String,
 }
 
+impl MergeRace {
+    /// The sequencer lost no lock and logged nothing at ERROR.
+    fn assert_no_loss_and_no_error(&self) {
+        assert_eq!(self.metrics.lock_losses.get(), 0, "no lock was lost");
+        assert!(!self.logs.contains("ERROR"), "{}", self.logs);
+    }
+}
+
 /// A running sequencer owns an endpoint whose reset began a reload (generation 2); the reload's
 /// merge (of item 1 at sequence 10) takes the endpoint's fence and writer lock and waits on the
 /// track row, which a test transaction holds; `message` lands, and the sequencer's apply of it
@@ -726,18 +734,14 @@ async fn apply_while_a_merge_holds_the_endpoint(message: impl FnOnce(Uuid) -> Va
 #[tokio::test(flavor = "current_thread")]
 async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_without_a_lock_loss() {
     // An update of the item the merge stores, at a sequence before the one the merge reads.
-    let MergeRace {
-        db,
-        endpoint,
-        metrics,
-        logs,
-    } = apply_while_a_merge_holds_the_endpoint(|endpoint| {
+    let race = apply_while_a_merge_holds_the_endpoint(|endpoint| {
         body(endpoint, 2, json!([updated(1, 5)]), Some(5))
     })
     .await;
+    let (db, endpoint, metrics) = (&race.db, race.endpoint, &race.metrics);
 
     // Applied against the merged row: the merge's item is kept, the update is older.
-    assert_item_1(&db, endpoint, 2, 10, Held::Item).await;
+    assert_item_1(db, endpoint, 2, 10, Held::Item).await;
     let outcome: (String, i32) = sqlx::query_as(
         "SELECT outcome, events_ignored FROM message_applications
          WHERE endpoint_id = $1 AND arrival_seq = 2",
@@ -760,9 +764,8 @@ async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_withou
             .get_sample_count()
     };
     assert_eq!(steps("open"), steps("commit") + 1, "one run decided again");
-    assert_eq!(metrics.lock_losses.get(), 0, "no lock was lost");
-    assert!(!logs.contains("ERROR"), "{logs}");
-    assert!(!logs.contains("lost the endpoint"), "{logs}");
+    race.assert_no_loss_and_no_error();
+    assert!(!race.logs.contains("lost the endpoint"), "{}", race.logs);
 }
 
 /// A removal that lands while a reload's merge holds the endpoint, at a position that wins over
@@ -773,12 +776,7 @@ async fn a_message_that_lands_while_a_merge_holds_the_endpoint_is_applied_withou
 /// item in the write, but no removal is appended, and the outbox holds the item for good.
 #[tokio::test(flavor = "current_thread")]
 async fn a_removal_that_lands_while_a_merge_holds_the_endpoint_removes_the_merged_item() {
-    let MergeRace {
-        db,
-        endpoint,
-        metrics,
-        logs,
-    } = apply_while_a_merge_holds_the_endpoint(|endpoint| {
+    let race = apply_while_a_merge_holds_the_endpoint(|endpoint| {
         let hidden = json!({"id": "evt_1_12_hidden", "type": "announcement.hidden",
                             "subject": "announcement:1",
                             "sequence": Sequence::from_parts(1, 12).as_str(),
@@ -789,7 +787,8 @@ async fn a_removal_that_lands_while_a_merge_holds_the_endpoint_removes_the_merge
     })
     .await;
 
-    assert_item_1(&db, endpoint, 2, 12, Held::Tombstone).await;
+    let (db, endpoint) = (&race.db, race.endpoint);
+    assert_item_1(db, endpoint, 2, 12, Held::Tombstone).await;
     let changes = relay_tests::readback::list_changes(&db.pool, endpoint)
         .await
         .unwrap();
@@ -805,8 +804,7 @@ async fn a_removal_that_lands_while_a_merge_holds_the_endpoint_removes_the_merge
         ],
         "the merge's item, then its removal"
     );
-    assert_eq!(metrics.lock_losses.get(), 0, "no lock was lost");
-    assert!(!logs.contains("ERROR"), "{logs}");
+    race.assert_no_loss_and_no_error();
 }
 
 /// Rule R-MERGE ("keep what the copy holds of its subject at that generation at the same
