@@ -7,7 +7,6 @@ use std::time::Duration;
 use relay_tests::random_secret;
 use serde_json::json;
 use time::OffsetDateTime;
-use uuid::Uuid;
 
 use super::ApiApp;
 use crate::stack::Api;
@@ -150,16 +149,8 @@ async fn the_front_tier_follows_pause_resume_and_rotation_made_through_the_api()
 
     let app = ApiApp::spawn().await;
     let (_, token) = app.tenant("front").await;
-    let first = random_secret();
-    let endpoint = Uuid::new_v4();
-    app.ok(
-        201,
-        "POST",
-        "/v1/endpoints",
-        &token,
-        Some(&json!({"id": endpoint, "lang": "en", "secrets": [first.to_whsec()]})),
-    )
-    .await;
+    let (endpoint, first) = app.endpoint(&token, json!({})).await;
+    let first = SigningSecret::parse(&first).unwrap();
     let ingest = start_front_tier(
         &app.db.url,
         test_config(),

@@ -94,6 +94,16 @@ impl SimUpstream {
     }
 }
 
+/// One endpoint of a new tenant, on an upstream of its own, with the track it kept through
+/// 1.990 (a restore's): the upstream, the tenant, its token and the endpoint.
+async fn kept_endpoint(app: &ApiApp) -> (SimUpstream, Uuid, String, Uuid) {
+    let endpoint = Uuid::new_v4();
+    let upstream = SimUpstream::start(&[endpoint]).await;
+    let (tenant, token) = register(app, &upstream, &[endpoint]).await;
+    keep_track(&app.db, tenant, endpoint, "1.990", false).await;
+    (upstream, tenant, token, endpoint)
+}
+
 /// A tenant, and `ids` registered with the relay pointing at `upstream` with its key.
 async fn register(app: &ApiApp, upstream: &SimUpstream, ids: &[Uuid]) -> (Uuid, String) {
     let (tenant, token) = app.tenant("rewinding").await;
@@ -152,10 +162,7 @@ fn read_again_at(generation: u64) -> Value {
 #[tokio::test]
 async fn an_accepted_rewind_resends_from_the_kept_through_and_changes_nothing_here() {
     let app = ApiApp::spawn().await;
-    let endpoint = Uuid::new_v4();
-    let upstream = SimUpstream::start(&[endpoint]).await;
-    let (tenant, token) = register(&app, &upstream, &[endpoint]).await;
-    keep_track(&app.db, tenant, endpoint, "1.990", false).await;
+    let (upstream, _, token, endpoint) = kept_endpoint(&app).await;
 
     let answer = rewind(&app, &token, endpoint).await;
     assert_eq!(answer["plan"], "rewind");
@@ -361,10 +368,7 @@ async fn applied_ids(app: &ApiApp, endpoint: Uuid) -> Vec<String> {
 #[tokio::test]
 async fn a_restore_is_held_until_the_rewind_is_answered_whatever_came_since() {
     let app = ApiApp::spawn().await;
-    let endpoint = Uuid::new_v4();
-    let upstream = SimUpstream::start(&[endpoint]).await;
-    let (tenant, token) = register(&app, &upstream, &[endpoint]).await;
-    keep_track(&app.db, tenant, endpoint, "1.990", false).await;
+    let (upstream, tenant, token, endpoint) = kept_endpoint(&app).await;
     // An event the backup applied (an hour before the restore).
     execute_for(
         &app.db,

@@ -39,7 +39,6 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use relay::bench::{slow_connection, SlowEnd};
-use relay_api::BrokerAccess;
 use relay_coord::Waker;
 use relay_ingest::SystemClock;
 use relay_netguard::OutboundPolicy;
@@ -683,10 +682,7 @@ async fn a_hostile_tenant_cannot_hurt_another() {
     }
 
     // B's broker credentials: the broker itself refuses them on A's queue.
-    let _users = UsersGuard(vec![
-        BrokerAccess::username(relay_store::TenantId(a)),
-        BrokerAccess::username(relay_store::TenantId(b)),
-    ]);
+    let _users = UsersGuard::of_tenants(&[a, b]);
     api.ok(201, "POST", "/v1/broker/credentials", &a_token, None)
         .await;
     let made = api

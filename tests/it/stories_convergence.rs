@@ -57,6 +57,20 @@ struct Run {
 }
 
 impl Run {
+    /// A run of `endpoints` endpoints for `duration_s` seconds, 30 changes a second, with one
+    /// sequencer that is never killed, the endpoints' modes alternating.
+    fn new(seed: u64, endpoints: usize, duration_s: u64) -> Self {
+        Self {
+            seed,
+            endpoints,
+            rate: 30.0,
+            duration: Duration::from_secs(duration_s),
+            sequencers: 1,
+            kills: false,
+            fetch_on_notify_only: false,
+        }
+    }
+
     /// The run's workload of stories changes, seeded by `seed`.
     fn workload(&self, seed: u64) -> StoriesWorkload {
         StoriesWorkload::new(
@@ -72,13 +86,18 @@ impl Run {
 /// A change of one story: its seq, operation, version, event id and reload round.
 type ChangeReport = (i64, String, Option<i64>, Option<String>, Option<i64>);
 
-/// The relay's copy of a stories endpoint, as the oracle compares it.
-async fn copy_rows(pool: &PgPool, endpoint: Uuid) -> BTreeMap<String, CopyRow> {
-    let rows: Vec<relay_store::stories::CopiedStory> = sqlx::query_as(
-        "SELECT id, ticker, version, closed, story FROM stories WHERE endpoint_id = $1",
+/// The relay's copy of a stories endpoint of `tenant`, open and closed stories, read as the API
+/// reads it, as the oracle compares it.
+async fn copy_rows(pool: &PgPool, tenant: TenantId, endpoint: Uuid) -> BTreeMap<String, CopyRow> {
+    let every_story = (None, true);
+    let rows = relay_store::stories::list(
+        pool,
+        tenant,
+        EndpointId(endpoint),
+        every_story,
+        None,
+        i64::MAX,
     )
-    .bind(endpoint)
-    .fetch_all(pool)
     .await
     .unwrap();
     rows.into_iter()
@@ -220,7 +239,7 @@ impl Stand {
             .change_stories(|stories, now| stories.window_start(now));
         lines.push(format!("window starts at position {window_start}"));
         for id in self.ids() {
-            let rows = copy_rows(self.pool(), id).await;
+            let rows = copy_rows(self.pool(), self.tenant, id).await;
             let (differing, events) = {
                 let stories = self.sim.stories();
                 let expected = stories.expected_stories(id);
@@ -305,7 +324,7 @@ impl Stand {
             let idle = self.sim.wait_idle(Duration::from_millis(10)).await;
             let mut differences = Vec::new();
             for id in self.ids() {
-                let rows = copy_rows(self.pool(), id).await;
+                let rows = copy_rows(self.pool(), self.tenant, id).await;
                 let found = self.sim.stories().compare_copy(id, &rows);
                 if !found.is_empty() {
                     differences.push(format!("endpoint {id}: {}", found.join("; ")));
@@ -526,13 +545,9 @@ async fn converge(run: Run) {
 async fn stories_copies_converge_with_every_fault_and_killed_sequencers() {
     for seed in crate::convergence::seeds(500_001, 3) {
         converge(Run {
-            seed,
-            endpoints: 4,
-            rate: 30.0,
-            duration: Duration::from_secs(6),
             sequencers: 2,
             kills: true,
-            fetch_on_notify_only: false,
+            ..Run::new(seed, 4, 6)
         })
         .await;
     }
@@ -544,15 +559,7 @@ async fn stories_copies_converge_with_every_fault_and_killed_sequencers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn catch_up_recovers_an_outage_longer_than_the_retries_and_a_410_reloads() {
     let seed = relay_tests::seed();
-    let run = Run {
-        seed,
-        endpoints: 2,
-        rate: 30.0,
-        duration: Duration::from_secs(3),
-        sequencers: 1,
-        kills: false,
-        fetch_on_notify_only: false,
-    };
+    let run = Run::new(seed, 2, 3);
     let stand = Stand::start(&run, |config| {
         config.sender.max_attempts = 3;
     })
@@ -653,7 +660,7 @@ async fn catch_up_recovers_an_outage_longer_than_the_retries_and_a_410_reloads()
         consumer.receive_delivered(&decoded);
     }
     for id in stand.ids() {
-        let relay: BTreeMap<String, CopyRow> = copy_rows(stand.pool(), id).await;
+        let relay: BTreeMap<String, CopyRow> = copy_rows(stand.pool(), stand.tenant, id).await;
         let rebuilt: BTreeMap<String, CopyRow> = consumer
             .stories(id)
             .into_iter()
@@ -692,15 +699,7 @@ async fn last_reload(pool: &PgPool) -> Option<time::OffsetDateTime> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
     let seed = relay_tests::seed();
-    let run = Run {
-        seed,
-        endpoints: 1,
-        rate: 30.0,
-        duration: Duration::from_secs(2),
-        sequencers: 1,
-        kills: false,
-        fetch_on_notify_only: false,
-    };
+    let run = Run::new(seed, 1, 2);
     let stand = Stand::start(&run, |_| {}).await;
     stand.run_workload(&run, seed, run.duration).await;
     stand.settle(seed, Duration::from_secs(60)).await;
@@ -806,13 +805,10 @@ const LOST_SHARE: f64 = 0.5;
 
 async fn converge_with_failed_reads(seed: u64, lb_404: f64) {
     let run = Run {
-        seed,
-        endpoints: 4,
         rate: 40.0,
-        duration: Duration::from_secs(4),
         sequencers: 0,
-        kills: false,
         fetch_on_notify_only: true,
+        ..Run::new(seed, 4, 4)
     };
     eprintln!("stories failed reads: seed {seed}, lb_404 {lb_404} ({run:?})");
     // One attempt: a webhook sent while its endpoint's url leads nowhere is given up at once.

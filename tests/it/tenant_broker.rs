@@ -239,7 +239,15 @@ async fn the_publisher_refuses_a_destination_at_the_relays_broker_that_bypassed_
 
 /// Deletes the given RabbitMQ users when dropped: a test that fails before it deletes them
 /// through the API leaves nothing behind either.
-pub(crate) struct UsersGuard(pub(crate) Vec<String>);
+pub(crate) struct UsersGuard(Vec<String>);
+
+impl UsersGuard {
+    /// The guard of the broker users the API makes for `tenants`.
+    pub(crate) fn of_tenants(tenants: &[Uuid]) -> Self {
+        let user = |&tenant| BrokerAccess::username(relay_store::TenantId(tenant));
+        Self(tenants.iter().map(user).collect())
+    }
+}
 
 impl Drop for UsersGuard {
     fn drop(&mut self) {
@@ -445,10 +453,7 @@ pub(crate) async fn assert_refused_but_own_queue(as_b: &Connection, a_queue: &st
 async fn tenant_credentials_open_their_own_queue_and_nothing_else() {
     let env = Env::new().await;
     let (a, b) = (env.db.tenant().await, env.db.tenant().await);
-    let _guard = UsersGuard(vec![
-        BrokerAccess::username(relay_store::TenantId(a)),
-        BrokerAccess::username(relay_store::TenantId(b)),
-    ]);
+    let _guard = UsersGuard::of_tenants(&[a, b]);
     let api = start_api(env.db.pool.clone(), &env.vhost.url(), loopback_allowed()).await;
     let (a_queue, b_queue) = (tenant_queue(a), tenant_queue(b));
 
@@ -558,10 +563,7 @@ async fn a_message_returned_past_the_delivery_limit_moves_to_the_tenants_dead_le
 
     let env = Env::new().await;
     let (a, b) = (env.db.tenant().await, env.db.tenant().await);
-    let _guard = UsersGuard(vec![
-        BrokerAccess::username(relay_store::TenantId(a)),
-        BrokerAccess::username(relay_store::TenantId(b)),
-    ]);
+    let _guard = UsersGuard::of_tenants(&[a, b]);
     let limit = 3;
     let api = Api::serve(env.db.pool.clone(), |config| {
         config.broker = relay_broker(&env.vhost.url(), loopback_allowed());
