@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 
 use clap::Parser as _;
 use relay::cli::{Cli, Command};
-use relay_tests::{server_url, RedisPrefix, TestDb, Vhost};
+use relay_tests::{server_url, TestDb};
 use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command as Process};
-use uuid::Uuid;
 
 use crate::scale_out::{free_address, global_options, wait_ready};
+use crate::stack::Room;
 
 /// Set in a child process's environment: the `relay` command line it runs.
 const CHILD_ENV: &str = "RELAY_TEST_SIGTERM_CHILD";
@@ -54,18 +54,25 @@ impl Before {
     }
 }
 
+/// What a test that runs a demo starts with: the lock that keeps its demo the only one running,
+/// a room of its own, and what was there before.
+async fn demo_start() -> (tokio::sync::MutexGuard<'static, ()>, Room, Before) {
+    let alone = ONE_DEMO_AT_A_TIME.lock().await;
+    (alone, Room::new().await, Before::now().await)
+}
+
 /// `relay`'s global options of a test's process on `database_url` and the Redis prefix of
-/// `prefix`, a `command`, its `options`, and every listener on a free port (metrics on
-/// `metrics`), with the relay's broker at `amqp_url`.
+/// `room`, a `command`, its `options`, and every listener on a free port (metrics on
+/// `metrics`), with the relay's broker at the room's vhost.
 fn command_line(
     database_url: &str,
-    prefix: &RedisPrefix,
+    room: &Room,
     command: &str,
     options: &[&str],
     metrics: &str,
-    amqp_url: &str,
 ) -> Vec<String> {
-    let mut line = global_options(database_url, &prefix.0, &[command]);
+    let amqp_url = room.vhost.url();
+    let mut line = global_options(database_url, &room.prefix.0, &[command]);
     line.extend(options.iter().map(|s| s.to_string()));
     line.extend(
         [
@@ -76,7 +83,7 @@ fn command_line(
             "--api-listen",
             "127.0.0.1:0",
             "--amqp-url",
-            amqp_url,
+            &amqp_url,
         ]
         .map(str::to_owned),
     );
@@ -126,19 +133,9 @@ fn tenant_users() -> BTreeSet<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_demo_reaches_a_right_verdict_with_every_fault_and_cleans_up() {
-    let _alone = ONE_DEMO_AT_A_TIME.lock().await;
-    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
-    let prefix = RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
-    let before = Before::now().await;
+    let (_alone, room, before) = demo_start().await;
     let options = ["--duration-s", "6", "--endpoints", "3", "--faults", "all"];
-    let line = command_line(
-        &server_url(),
-        &prefix,
-        "demo",
-        &options,
-        "127.0.0.1:0",
-        &vhost.url(),
-    );
+    let line = command_line(&server_url(), &room, "demo", &options, "127.0.0.1:0");
     let cli = Cli::try_parse_from(std::iter::once("relay".to_owned()).chain(line)).unwrap();
     let Command::Demo(args) = cli.command else {
         unreachable!("parsed as demo");
@@ -274,18 +271,10 @@ fn error_lines(lines: &[String]) -> Vec<&String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_in_the_middle_of_the_demo_ends_every_tier_without_an_error() {
-    let _alone = ONE_DEMO_AT_A_TIME.lock().await;
-    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
-    let prefix = RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
-    let before = Before::now().await;
-    let mut demo = RelayProcess::start(&command_line(
-        &server_url(),
-        &prefix,
-        "demo",
-        &["--duration-s", "60"],
-        "127.0.0.1:0",
-        &vhost.url(),
-    ));
+    let (_alone, room, before) = demo_start().await;
+    let options = ["--duration-s", "60"];
+    let line = command_line(&server_url(), &room, "demo", &options, "127.0.0.1:0");
+    let mut demo = RelayProcess::start(&line);
     // The first progress line: every tier is running and the upstream is changing.
     demo.wait_for(" changing ", Duration::from_secs(180)).await;
     let (status, lines, stdout) = demo.terminate().await;
@@ -308,21 +297,14 @@ async fn sigterm_in_the_middle_of_the_demo_ends_every_tier_without_an_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_ends_relay_all_without_an_error() {
-    let db = TestDb::new().await;
-    let vhost = tokio::task::spawn_blocking(Vhost::create).await.unwrap();
-    let prefix = RedisPrefix(format!("relay-test:{}:", Uuid::new_v4().simple()));
+    let (db, room) = (TestDb::new().await, Room::new().await);
     let metrics = free_address();
-    let all = RelayProcess::start(&command_line(
-        &db.url,
-        &prefix,
-        "all",
-        &[
-            "--jwt-secret",
-            "sigterm-test-signing-key-of-at-least-32-bytes",
-        ],
-        &metrics.to_string(),
-        &vhost.url(),
-    ));
+    let options = [
+        "--jwt-secret",
+        "sigterm-test-signing-key-of-at-least-32-bytes",
+    ];
+    let line = command_line(&db.url, &room, "all", &options, &metrics.to_string());
+    let all = RelayProcess::start(&line);
     // Every tier is up once the front tier's probe says what they need answers.
     wait_ready(
         &reqwest::Client::new(),
