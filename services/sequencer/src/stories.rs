@@ -358,6 +358,9 @@ async fn pay_owed_reads(
     if paid.is_empty() {
         return Ok(());
     }
+    // A new endpoint can owe a read (from a webhook) before its first sync made its sync row,
+    // which the round is counted in.
+    store::sync_state(pool, ctx.tenant, ctx.id).await?;
     let round = store::begin_round(pool, ctx.id, false).await?;
     let ids: Vec<String> = paid.iter().map(|(owed, _)| owed.story_id.clone()).collect();
     let mut writer = ctx.writer(pool, token).await?;
