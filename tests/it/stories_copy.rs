@@ -319,7 +319,9 @@ async fn one_plan_writing_a_story_several_times_appends_each_change_in_order() {
         model.apply(&write);
     }
     assert_eq!(rows(&db.pool, at.1).await, model_rows(&model));
-    let changes: Vec<(i64, String, String, Option<i64>, Option<String>)> = outbox(&db.pool, at.1)
+    // (change_seq, operation, subject, story_version, merged_into)
+    type Change = (i64, String, String, Option<i64>, Option<String>);
+    let changes: Vec<Change> = outbox(&db.pool, at.1)
         .await
         .into_iter()
         .map(|c| (c.0, c.2, c.3, c.4, c.5))
