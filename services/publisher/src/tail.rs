@@ -121,6 +121,43 @@ struct NotifiedLine<'a> {
     notifications: u64,
 }
 
+/// Who reads a queue, and how: the broker's URL, the connection's name, the consumer's tag,
+/// and the most deliveries unacknowledged at once (0: no limit).
+pub struct QueueReader<'a> {
+    pub url: &'a str,
+    pub name: &'a str,
+    pub tag: &'a str,
+    pub prefetch: u16,
+}
+
+impl QueueReader<'_> {
+    /// Connects and starts consuming `queue`: the connection (close it when done) and its
+    /// deliveries.
+    pub async fn open(
+        &self,
+        queue: &str,
+        trust: &TrustRoots,
+    ) -> anyhow::Result<(lapin::Connection, lapin::Consumer)> {
+        let connection = connect(self.url, self.name, Duration::from_secs(10), trust)
+            .await
+            .with_context(|| format!("connecting to {}", redact(self.url)))?;
+        let channel = connection.create_channel().await?;
+        channel
+            .basic_qos(self.prefetch, BasicQosOptions::default())
+            .await?;
+        let deliveries = channel
+            .basic_consume(
+                queue,
+                self.tag,
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .with_context(|| format!("reading queue {queue}"))?;
+        Ok((connection, deliveries))
+    }
+}
+
 /// Runs tail until the queue is idle for `idle_exit_ms` or Ctrl-C, printing to `out`.
 pub async fn tail(
     args: &TailArgs,
@@ -144,24 +181,15 @@ pub async fn tail_until(
         .queue
         .clone()
         .unwrap_or_else(|| tenant_queue(args.tenant));
-    let connection = connect(&args.amqp_url, "relay tail", Duration::from_secs(10), trust)
-        .await
-        .with_context(|| format!("connecting to {}", redact(&args.amqp_url)))?;
-    let channel = connection.create_channel().await?;
     // Without acks a prefetch limit would stop the broker after that many: take them all.
     let prefetch = if args.ack { 1_000 } else { 0 };
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await?;
-    let mut deliveries = channel
-        .basic_consume(
-            &queue,
-            "relay-tail",
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .with_context(|| format!("reading queue {queue}"))?;
+    let reader = QueueReader {
+        url: &args.amqp_url,
+        name: "relay tail",
+        tag: "relay-tail",
+        prefetch,
+    };
+    let (connection, mut deliveries) = reader.open(&queue, trust).await?;
 
     let mut consumer = ReferenceConsumer::new(args.tenant);
     for &(endpoint, epoch, seq) in &args.after {

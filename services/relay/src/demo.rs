@@ -29,9 +29,8 @@ use anyhow::{bail, Context as _};
 use clap::Args;
 use futures::StreamExt as _;
 use rand::RngCore as _;
-use relay_publisher::lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-use relay_publisher::lapin::types::FieldTable;
-use relay_publisher::{redact, ReferenceConsumer};
+use relay_publisher::lapin::options::BasicAckOptions;
+use relay_publisher::{redact, QueueReader, ReferenceConsumer};
 use relay_simulator::cli::SimulateArgs;
 use relay_simulator::stories::CopyRow;
 use relay_simulator::{
@@ -379,20 +378,13 @@ async fn consume(
     consumer: Arc<Mutex<ReferenceConsumer>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
-    let connection = relay_publisher::connect(&url, "relay demo", Duration::from_secs(10), &trust)
-        .await
-        .with_context(|| format!("connecting to {}", redact(&url)))?;
-    let channel = connection.create_channel().await?;
-    channel.basic_qos(500, BasicQosOptions::default()).await?;
-    let mut deliveries = channel
-        .basic_consume(
-            &queue,
-            "relay-demo",
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .with_context(|| format!("reading queue {queue}"))?;
+    let reader = QueueReader {
+        url: &url,
+        name: "relay demo",
+        tag: "relay-demo",
+        prefetch: 500,
+    };
+    let (connection, mut deliveries) = reader.open(&queue, &trust).await?;
     loop {
         let delivery = tokio::select! {
             _ = stop.changed() => break,
