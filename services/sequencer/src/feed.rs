@@ -1,19 +1,20 @@
-//! The feed's source kind ([`FeedSource`]): messages applied in runs decided whole by relay-rules'
-//! `decide_run` (shared reads, group commit through the batcher), and beside them the reload the
-//! endpoint's track holds, read from `/v1/feed` ([`crate::reload`]).
+//! The feed's source kind ([`FeedSource`]): runs of messages decided whole by relay-rules'
+//! `decide_run` (group commit through the batcher), and beside them the reload the endpoint's
+//! track holds, read from `/v1/feed` ([`crate::reload`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use relay_rules::Reload;
+use relay_store::cursors::{self, PendingMessage};
 use relay_store::endpoints::EndpointRegistration;
-use relay_store::{cursors, tracks};
+use relay_store::{tracks, EndpointId};
 use tokio::sync::watch;
 use tokio::task::{JoinError, JoinHandle};
 
 use crate::apply::{ApplyError, EndpointContext};
 use crate::reload::{run_reload, ReloadEnd};
-use crate::source::{Applied, JobEnded, Owned, SourceKind, Tried};
+use crate::source::{Applied, JobEnded, Owned, SourceKind};
 use crate::worker::announce;
 
 /// A feed endpoint, owned.
@@ -37,18 +38,65 @@ impl SourceKind for FeedSource {
         Ok(Self { ctx: Arc::new(ctx) })
     }
 
+    fn id(&self) -> EndpointId {
+        self.ctx.id()
+    }
+
     fn update(&mut self, registration: &EndpointRegistration) {
         self.ctx.update(registration);
     }
 
-    async fn apply_available(
+    async fn apply_run(
         &mut self,
         owned: &Owned<'_>,
-        cursor: &mut Option<i64>,
-        first_alone: bool,
-        tried: &mut Tried,
+        moves: (i64, i64),
+        pending: Vec<PendingMessage>,
     ) -> Result<Applied, ApplyError> {
-        apply_from_cursor(owned, &self.ctx, cursor, first_alone, tried).await
+        let Owned {
+            pool,
+            token,
+            config,
+            metrics,
+        } = *owned;
+        let run =
+            crate::apply::prepare_run(pool, &self.ctx, token, moves, pending, metrics).await?;
+        let report = match &config.batcher {
+            // The batcher announces the changes of every run it committed, together.
+            Some(batcher) => batcher.apply(run).await?,
+            None => {
+                let report = crate::apply::apply_runs(pool, vec![run], metrics)
+                    .await
+                    .pop()
+                    .expect("one answer per run")?;
+                if report.changes > 0 {
+                    announce(config, self.ctx.tenant(), self.ctx.id()).await;
+                }
+                report
+            }
+        };
+        Ok(Applied {
+            messages: report.messages,
+            job_pending: report.reload_pending,
+        })
+    }
+
+    async fn skip_gaps(
+        &mut self,
+        owned: &Owned<'_>,
+        (applied, counter): (i64, i64),
+    ) -> Result<(), ApplyError> {
+        let endpoint = self.ctx.id();
+        let mut tx = owned.pool.begin().await?;
+        if !relay_coord::check_fence(&mut tx, endpoint, owned.token).await? {
+            return Err(ApplyError::Fenced);
+        }
+        if !cursors::advance_cursor(&mut tx, self.ctx.tenant(), endpoint, applied, counter, None)
+            .await?
+        {
+            return Err(ApplyError::CursorMoved);
+        }
+        tx.commit().await?;
+        Ok(())
     }
 
     async fn quarantine(
@@ -146,89 +194,5 @@ impl SourceKind for FeedSource {
 
     fn busy(&self, _idle_linger: Duration) -> bool {
         false
-    }
-}
-
-/// Applies every message available now, in order (with `alone`, the first one in a run of its
-/// own). `cursor` is the apply cursor as this worker last left it (read from Postgres when
-/// `None`): the worker owns the endpoint, so nobody else moves it.
-async fn apply_from_cursor(
-    owned: &Owned<'_>,
-    ctx: &Arc<EndpointContext>,
-    cursor: &mut Option<i64>,
-    mut alone: bool,
-    tried: &mut Tried,
-) -> Result<Applied, ApplyError> {
-    let Owned {
-        pool,
-        token,
-        config,
-        metrics,
-    } = *owned;
-    let endpoint = ctx.id();
-    let mut applied = match *cursor {
-        Some(applied) => applied,
-        None => cursors::applied_through(pool, endpoint).await?,
-    };
-    *cursor = Some(applied);
-    let mut done = Applied::default();
-    loop {
-        tried.alone = None;
-        let (counter, mut pending) = match &config.reader {
-            Some(reader) => reader.read(endpoint, applied).await?,
-            None => {
-                cursors::pending_messages(pool, endpoint, applied, config.messages_per_read).await?
-            }
-        };
-        if pending.is_empty() {
-            if counter > applied {
-                // Only gaps left (numbers a duplicate took and did not use): skip them.
-                let mut tx = pool.begin().await?;
-                if !relay_coord::check_fence(&mut tx, endpoint, token).await? {
-                    return Err(ApplyError::Fenced);
-                }
-                if !cursors::advance_cursor(&mut tx, ctx.tenant(), endpoint, applied, counter, None)
-                    .await?
-                {
-                    return Err(ApplyError::CursorMoved);
-                }
-                tx.commit().await?;
-                *cursor = Some(counter);
-            }
-            return Ok(done);
-        }
-        if alone {
-            pending.truncate(1);
-        }
-        tried.alone = (pending.len() == 1).then(|| (applied, pending[0].arrival_seq));
-        // Everything below the counter was read: the cursor can skip to it.
-        let complete = !alone && (pending.len() as i64) < config.messages_per_read;
-        alone = false;
-        let last = pending.last().map_or(applied, |m| m.arrival_seq);
-        let through = if complete { counter.max(last) } else { last };
-        let run = crate::apply::prepare_run(pool, ctx, token, (applied, through), pending, metrics)
-            .await?;
-        let report = match &config.batcher {
-            // The batcher announces the changes of every run it committed, together.
-            Some(batcher) => batcher.apply(run).await?,
-            None => {
-                let report = crate::apply::apply_runs(pool, vec![run], metrics)
-                    .await
-                    .pop()
-                    .expect("one answer per run")?;
-                if report.changes > 0 {
-                    announce(config, ctx.tenant(), endpoint).await;
-                }
-                report
-            }
-        };
-        applied = through;
-        *cursor = Some(applied);
-        done.messages += report.messages;
-        done.job_pending = report.reload_pending;
-        if complete {
-            // What arrives after the read comes with a wake-up of its own.
-            return Ok(done);
-        }
     }
 }

@@ -14,10 +14,11 @@
 //! 1. [`SourceKind::open`] once the endpoint is held (its lock taken); an error lets it go.
 //! 2. In a loop, while the lock holds and the sequencer runs:
 //!    - [`SourceKind::update`] when the registration changed;
-//!    - [`SourceKind::apply_available`]: every stored message available now, in arrival order,
-//!      from the apply cursor the worker keeps (`None`: read it). After a failure that may be the
-//!      messages' ([`ApplyError::may_be_the_message`]), the next call applies one message alone
-//!      and says which ([`Tried`]); while that one keeps failing the worker waits as relay-rules
+//!    - every stored message available now, in arrival order, from the apply cursor the worker
+//!      keeps, read a batch at a time (through the process's shared reader) and given to
+//!      [`SourceKind::apply_run`] (numbers only duplicates took to [`SourceKind::skip_gaps`]).
+//!      After a failure that may be the messages' ([`ApplyError::may_be_the_message`]), the next
+//!      run is one message alone; while that one keeps failing the worker waits as relay-rules
 //!      says and at last calls [`SourceKind::quarantine`] for it;
 //!    - [`SourceKind::wanted`]: the background job the endpoint needs now, if any; a running job
 //!      that is no longer wanted ([`SourceKind::supersedes`]) is stopped; one that ended is given
@@ -30,7 +31,9 @@
 use std::future::Future;
 use std::time::Duration;
 
+use relay_store::cursors::PendingMessage;
 use relay_store::endpoints::EndpointRegistration;
+use relay_store::EndpointId;
 use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio::task::{JoinError, JoinHandle};
@@ -48,7 +51,7 @@ pub(crate) struct Owned<'a> {
     pub metrics: &'a SequencerMetrics,
 }
 
-/// What one [`SourceKind::apply_available`] did.
+/// What [`SourceKind::apply_run`] did (and, summed, one look at the endpoint's messages).
 #[derive(Debug, Default)]
 pub(crate) struct Applied {
     pub messages: usize,
@@ -56,8 +59,8 @@ pub(crate) struct Applied {
     pub job_pending: bool,
 }
 
-/// The last run [`SourceKind::apply_available`] tried, when it was one message alone: (the
-/// cursor it followed, its arrival_seq). After a failure, that message's failure.
+/// The last run the worker tried, when it was one message alone: (the cursor it followed, its
+/// arrival_seq). After a failure, that message's failure.
 #[derive(Default)]
 pub(crate) struct Tried {
     pub alone: Option<(i64, i64)>,
@@ -88,19 +91,29 @@ pub(crate) trait SourceKind: Sized + Send + 'static {
         owned: &Owned<'_>,
     ) -> impl Future<Output = Result<Self, ApplyError>> + Send;
 
+    /// The endpoint.
+    fn id(&self) -> EndpointId;
+
     /// Takes the registration as it is now.
     fn update(&mut self, registration: &EndpointRegistration);
 
-    /// Applies every message available now, in order, from `cursor` (the apply cursor as this
-    /// worker last left it; `None`: read it). With `first_alone`, the first message in a run of
-    /// its own, named in `tried`. Leaves `cursor` where it committed.
-    fn apply_available(
+    /// Applies one run: the stored messages `pending`, in arrival order, in one transaction
+    /// that moves the apply cursor from `moves.0` to `moves.1` (only from there: the statement
+    /// decides that this transaction is the one moving it).
+    fn apply_run(
         &mut self,
         owned: &Owned<'_>,
-        cursor: &mut Option<i64>,
-        first_alone: bool,
-        tried: &mut Tried,
+        moves: (i64, i64),
+        pending: Vec<PendingMessage>,
     ) -> impl Future<Output = Result<Applied, ApplyError>> + Send;
+
+    /// Moves the apply cursor from `moves.0` to `moves.1` over numbers no message holds (a
+    /// duplicate took them).
+    fn skip_gaps(
+        &mut self,
+        owned: &Owned<'_>,
+        moves: (i64, i64),
+    ) -> impl Future<Output = Result<(), ApplyError>> + Send;
 
     /// Sets the message aside (it kept failing): `next` is (the cursor it follows, its
     /// arrival_seq), `why` (its attempts, the last error). The cursor moves past it and the

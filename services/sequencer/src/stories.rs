@@ -23,9 +23,10 @@ use relay_rules::{
     decide_stories_run, decide_ticker_sync, fetched_write, plan_writes, stories_of, StoriesMode,
     StoriesPlan, StoriesRun, StoryRead, StoryWrite, TickerStep, TickerSyncInput,
 };
+use relay_store::cursors::PendingMessage;
 use relay_store::endpoints::{EndpointRegistration, Source, StoriesSettings};
 use relay_store::stories::{self as store, PlanCause, PlanWritten, StoriesWriter};
-use relay_store::{cursors, EndpointId, TenantId};
+use relay_store::{EndpointId, TenantId};
 use relay_wire::StoryEvent;
 use sqlx::PgPool;
 use tokio::sync::watch;
@@ -34,7 +35,7 @@ use tokio::task::{JoinError, JoinHandle};
 use crate::apply::ApplyError;
 use crate::metrics::SequencerMetrics;
 use crate::reload::BackingOff;
-use crate::source::{Applied, JobEnded, Owned, SourceKind, Tried};
+use crate::source::{Applied, JobEnded, Owned, SourceKind};
 use crate::upstream::{self, UpstreamClient, UpstreamError};
 use crate::worker::{announce, WorkerConfig};
 
@@ -383,88 +384,36 @@ async fn pay_owed_reads(
     Ok(())
 }
 
-/// Applies every stored message available now, in arrival order (with `alone`, the first one
-/// in a run of its own, named in `tried`); a fetch-on-notify read that failed is owed, and does
-/// not hold the messages after it.
-async fn apply_from_cursor(
+/// Applies one run of stored messages, one event each: the cursor from `from` to `to`.
+async fn apply_run(
     owned: &Owned<'_>,
     ctx: &StoriesContext,
-    cursor: &mut Option<i64>,
-    mut alone: bool,
-    tried: &mut Tried,
-) -> Result<Applied, ApplyError> {
-    let Owned {
-        pool,
-        token,
-        config,
-        metrics,
-    } = *owned;
-    let mut applied = match *cursor {
-        Some(applied) => applied,
-        None => cursors::applied_through(pool, ctx.id).await?,
-    };
-    *cursor = Some(applied);
-    let mut done = Applied::default();
-    loop {
-        tried.alone = None;
-        let (counter, mut pending) = match &config.reader {
-            Some(reader) => reader.read(ctx.id, applied).await?,
-            None => {
-                cursors::pending_messages(pool, ctx.id, applied, config.messages_per_read).await?
-            }
-        };
-        if pending.is_empty() {
-            if counter > applied {
-                // Only gaps left (numbers a duplicate took and did not use): skip them.
-                let mut writer = ctx.writer(pool, token).await?;
-                if !writer
-                    .messages_applied((applied, counter), None, &[])
-                    .await?
-                {
-                    return Err(ApplyError::CursorMoved);
-                }
-                writer.commit().await?;
-                *cursor = Some(counter);
-            }
-            return Ok(done);
-        }
-        if alone {
-            pending.truncate(1);
-        }
-        tried.alone = (pending.len() == 1).then(|| (applied, pending[0].arrival_seq));
-        let complete = !alone && (pending.len() as i64) < config.messages_per_read;
-        alone = false;
-        let last = pending.last().map_or(applied, |m| m.arrival_seq);
-        let through = if complete { counter.max(last) } else { last };
-        let events: Vec<Result<StoryEvent, String>> = pending
-            .iter()
-            .map(|m| StoryEvent::parse(&m.body).map_err(|e| e.to_string()))
-            .collect();
-        let seqs: Vec<i64> = pending.iter().map(|m| m.arrival_seq).collect();
-        let result = apply_events(
-            pool,
-            ctx,
-            token,
-            &events,
-            Moves::Messages {
-                from: applied,
-                to: through,
-                seqs: &seqs,
-                last_received_at: pending.last().map(|m| m.received_at),
-            },
-            (config, metrics),
-        )
-        .await?;
-        if result.changes > 0 {
-            announce(config, ctx.tenant, ctx.id).await;
-        }
-        done.messages += events.len();
-        applied = through;
-        *cursor = Some(applied);
-        if complete {
-            return Ok(done);
-        }
+    (from, to): (i64, i64),
+    pending: Vec<PendingMessage>,
+) -> Result<usize, ApplyError> {
+    let events: Vec<Result<StoryEvent, String>> = pending
+        .iter()
+        .map(|m| StoryEvent::parse(&m.body).map_err(|e| e.to_string()))
+        .collect();
+    let seqs: Vec<i64> = pending.iter().map(|m| m.arrival_seq).collect();
+    let done = apply_events(
+        owned.pool,
+        ctx,
+        owned.token,
+        &events,
+        Moves::Messages {
+            from,
+            to,
+            seqs: &seqs,
+            last_received_at: pending.last().map(|m| m.received_at),
+        },
+        (owned.config, owned.metrics),
+    )
+    .await?;
+    if done.changes > 0 {
+        announce(owned.config, ctx.tenant, ctx.id).await;
     }
+    Ok(events.len())
 }
 
 /// How a sync ended.
@@ -826,24 +775,37 @@ impl SourceKind for StoriesSource {
         })
     }
 
+    fn id(&self) -> EndpointId {
+        self.ctx.id
+    }
+
     /// New tickers are loaded, removed ones dropped, by the next sync: now.
     fn update(&mut self, registration: &EndpointRegistration) {
         self.ctx.update(registration);
         self.next_sync = tokio::time::Instant::now();
     }
 
-    async fn apply_available(
+    async fn apply_run(
         &mut self,
         owned: &Owned<'_>,
-        cursor: &mut Option<i64>,
-        first_alone: bool,
-        tried: &mut Tried,
+        moves: (i64, i64),
+        pending: Vec<PendingMessage>,
     ) -> Result<Applied, ApplyError> {
-        let applied = apply_from_cursor(owned, &self.ctx, cursor, first_alone, tried).await?;
-        if applied.messages > 0 {
-            self.last_message = Instant::now();
+        let messages = apply_run(owned, &self.ctx, moves, pending).await?;
+        self.last_message = Instant::now();
+        Ok(Applied {
+            messages,
+            job_pending: false,
+        })
+    }
+
+    async fn skip_gaps(&mut self, owned: &Owned<'_>, moves: (i64, i64)) -> Result<(), ApplyError> {
+        let mut writer = self.ctx.writer(owned.pool, owned.token).await?;
+        if !writer.messages_applied(moves, None, &[]).await? {
+            return Err(ApplyError::CursorMoved);
         }
-        Ok(applied)
+        writer.commit().await?;
+        Ok(())
     }
 
     /// The message is set aside as a feed's is. What it said is not lost: its events are in

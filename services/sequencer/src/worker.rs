@@ -18,9 +18,9 @@ use crate::apply::ApplyError;
 use crate::metrics::SequencerMetrics;
 use crate::reload::{ReloadLimits, StopReload};
 use crate::slots::{Slot, Slots};
-use crate::source::{JobEnded, Owned, SourceKind, Tried};
+use crate::source::{Applied, JobEnded, Owned, SourceKind, Tried};
 use relay_store::endpoints::{self, EndpointRegistration};
-use relay_store::{EndpointId, TenantId};
+use relay_store::{cursors, EndpointId, TenantId};
 
 /// What the scheduler and the endpoint's worker share.
 #[derive(Default)]
@@ -207,9 +207,7 @@ pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerE
             }
         }
         let mut tried = Tried::default();
-        let step = kind
-            .apply_available(&owned, &mut cursor, next_alone, &mut tried)
-            .await;
+        let step = apply_available(&mut kind, &owned, &mut cursor, next_alone, &mut tried).await;
         if step.is_err() {
             // Its commit may or may not have happened: read the cursor again.
             cursor = None;
@@ -390,6 +388,61 @@ pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerE
     }
     let stopped = job.map(|running| (&mut kind, &owned, running));
     finish(held, stopped, &metrics, exit(wakes_seen)).await
+}
+
+/// Applies every message available now, in order, run by run (with `alone`, the first one in a
+/// run of its own, named in `tried`). `cursor` is the apply cursor as this worker last left it
+/// (read from Postgres when `None`): the worker owns the endpoint, so nobody else moves it.
+async fn apply_available<K: SourceKind>(
+    kind: &mut K,
+    owned: &Owned<'_>,
+    cursor: &mut Option<i64>,
+    mut alone: bool,
+    tried: &mut Tried,
+) -> Result<Applied, ApplyError> {
+    let Owned { pool, config, .. } = *owned;
+    let endpoint = kind.id();
+    let mut applied = match *cursor {
+        Some(applied) => applied,
+        None => cursors::applied_through(pool, endpoint).await?,
+    };
+    *cursor = Some(applied);
+    let mut done = Applied::default();
+    loop {
+        tried.alone = None;
+        let (counter, mut pending) = match &config.reader {
+            Some(reader) => reader.read(endpoint, applied).await?,
+            None => {
+                cursors::pending_messages(pool, endpoint, applied, config.messages_per_read).await?
+            }
+        };
+        if pending.is_empty() {
+            if counter > applied {
+                // Only gaps left (numbers a duplicate took and did not use): skip them.
+                kind.skip_gaps(owned, (applied, counter)).await?;
+                *cursor = Some(counter);
+            }
+            return Ok(done);
+        }
+        if alone {
+            pending.truncate(1);
+        }
+        tried.alone = (pending.len() == 1).then(|| (applied, pending[0].arrival_seq));
+        // Everything below the counter was read: the cursor can skip to it.
+        let complete = !alone && (pending.len() as i64) < config.messages_per_read;
+        alone = false;
+        let last = pending.last().map_or(applied, |m| m.arrival_seq);
+        let through = if complete { counter.max(last) } else { last };
+        let run = kind.apply_run(owned, (applied, through), pending).await?;
+        applied = through;
+        *cursor = Some(applied);
+        done.messages += run.messages;
+        done.job_pending = run.job_pending;
+        if complete {
+            // What arrives after the read comes with a wake-up of its own.
+            return Ok(done);
+        }
+    }
 }
 
 /// Waits `wait`, or less when the sequencer stops or the lease is lost (a stopping scheduler
