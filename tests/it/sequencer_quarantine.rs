@@ -299,20 +299,7 @@ async fn a_failing_message_is_tried_a_bounded_number_of_times_then_quarantined_a
     let b_endpoint = in_sync_endpoint(&db.pool, b, None).await;
     // Any event id starting "poison" makes the apply transaction fail, as a value Postgres
     // refuses would, until the test lifts it.
-    sqlx::raw_sql(
-        "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF NEW.event_id LIKE 'poison%' THEN
-                 RAISE EXCEPTION 'refused event %', NEW.event_id;
-             END IF;
-             RETURN NEW;
-         END $$;
-         CREATE TRIGGER refuse_poison BEFORE INSERT ON applied_events
-             FOR EACH ROW EXECUTE FUNCTION refuse_poison();",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    refuse_poison(&db.pool, ("applied_events", "event_id"), "event").await;
 
     let metrics = SequencerMetrics::unregistered();
     let attempts = 2;
@@ -563,6 +550,26 @@ async fn a_nul_in_an_event_id_quarantines_its_message_and_the_endpoint_goes_on()
     assert!(copy_items(&db.pool, endpoint)
         .await
         .contains_key("announcement:2"));
+}
+
+/// Makes every insert into `table` whose `column` starts with "poison" fail with "refused
+/// `what` <value>" (trigger `refuse_poison`, dropped to lift it), as a value Postgres refuses
+/// would.
+pub(crate) async fn refuse_poison(pool: &PgPool, (table, column): (&str, &str), what: &str) {
+    sqlx::raw_sql(&format!(
+        "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.{column} LIKE 'poison%' THEN
+                 RAISE EXCEPTION 'refused {what} %', NEW.{column};
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse_poison BEFORE INSERT ON {table}
+             FOR EACH ROW EXECUTE FUNCTION refuse_poison();"
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
 }
 
 /// An upstream that accepts connections and never answers, counting how many are open at once.

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use relay_rules::{ApplyBackoff, StoriesMode};
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_store::endpoints::{self, Registration, Source, StoriesSettings};
-use relay_store::messages::{store_batch, StoreOutcome};
 use relay_store::quarantine::{self, Resolution};
 use relay_store::{cursors, EndpointId, TenantId};
 use relay_tests::{random_secret, redis_url, RedisPrefix, TestDb};
@@ -17,7 +16,8 @@ use serde_json::json;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::sequencer_apply::incoming;
+use crate::sequencer_apply::{incoming, store_new};
+use crate::sequencer_quarantine::refuse_poison;
 
 /// A snapshot-mode stories endpoint of a new tenant, following `ALFA`, with no upstream (so no
 /// sync runs: only its messages are applied).
@@ -66,15 +66,7 @@ async fn store(
         .iter()
         .map(|body| incoming(tenant.0, endpoint.0, None, None, body.clone()))
         .collect();
-    store_batch(&db.pool, &batch)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|stored| match stored {
-            StoreOutcome::Stored { arrival_seq } => arrival_seq,
-            other => panic!("not stored: {other:?}"),
-        })
-        .collect()
+    store_new(&db.pool, &batch).await
 }
 
 async fn wait_applied_through(pool: &PgPool, endpoint: EndpointId, want: i64, what: &str) {
@@ -102,20 +94,7 @@ async fn a_stories_message_postgres_refuses_is_tried_then_quarantined_and_the_en
     let other = stories_endpoint(&db).await;
     // A story id starting "poison" makes its write fail, as a value Postgres refuses would,
     // until the test lifts it.
-    sqlx::raw_sql(
-        "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF NEW.id LIKE 'poison%' THEN
-                 RAISE EXCEPTION 'refused story %', NEW.id;
-             END IF;
-             RETURN NEW;
-         END $$;
-         CREATE TRIGGER refuse_poison BEFORE INSERT ON stories
-             FOR EACH ROW EXECUTE FUNCTION refuse_poison();",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    refuse_poison(&db.pool, ("stories", "id"), "story").await;
     let metrics = SequencerMetrics::unregistered();
     let sequencer = Sequencer::start(
         db.pool.clone(),
