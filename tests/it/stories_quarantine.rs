@@ -3,6 +3,7 @@
 //! a bounded number of times, with another tenant's stories applying meanwhile, then
 //! quarantined; the endpoint goes on with its next message, and the quarantined message is
 //! listed, retried (it applies once Postgres takes it) and discarded as a feed's is.
+//! Stories runs of several endpoints share apply transactions, and a refused one fails alone.
 
 use std::time::{Duration, Instant};
 
@@ -86,6 +87,24 @@ async fn story_version(pool: &PgPool, endpoint: EndpointId, id: &str) -> Option<
         .unwrap()
 }
 
+/// A sequencer on `prefix` that tries a failing message `attempts` times, pausing from `first`
+/// to `max` milliseconds between tries.
+fn tries(prefix: &RedisPrefix, attempts: u32, (first, max): (u64, u64)) -> SequencerConfig {
+    SequencerConfig {
+        redis_url: redis_url(),
+        key_prefix: prefix.0.clone(),
+        lease: Duration::from_millis(1500),
+        sweep_interval: Duration::from_millis(200),
+        idle_linger: Duration::from_millis(100),
+        apply_attempts: attempts,
+        apply_backoff: ApplyBackoff {
+            first: Duration::from_millis(first),
+            max: Duration::from_millis(max),
+        },
+        ..SequencerConfig::default()
+    }
+}
+
 #[tokio::test]
 async fn a_stories_message_postgres_refuses_is_tried_then_quarantined_and_the_endpoint_goes_on() {
     let db = TestDb::new().await;
@@ -96,26 +115,11 @@ async fn a_stories_message_postgres_refuses_is_tried_then_quarantined_and_the_en
     // until the test lifts it.
     refuse_poison(&db.pool, ("stories", "id"), "story").await;
     let metrics = SequencerMetrics::unregistered();
-    let sequencer = Sequencer::start(
-        db.pool.clone(),
-        SequencerConfig {
-            redis_url: redis_url(),
-            key_prefix: prefix.0.clone(),
-            lease: Duration::from_millis(1500),
-            sweep_interval: Duration::from_millis(200),
-            idle_linger: Duration::from_millis(100),
-            // Five tries over about a second.
-            apply_attempts: 5,
-            apply_backoff: ApplyBackoff {
-                first: Duration::from_millis(100),
-                max: Duration::from_millis(400),
-            },
-            ..SequencerConfig::default()
-        },
-        metrics.clone(),
-    )
-    .await
-    .unwrap();
+    // Five tries over about a second.
+    let config = tries(&prefix, 5, (100, 400));
+    let sequencer = Sequencer::start(db.pool.clone(), config, metrics.clone())
+        .await
+        .unwrap();
 
     let seqs = store(
         &db,
@@ -224,4 +228,99 @@ async fn a_stories_message_postgres_refuses_is_tried_then_quarantined_and_the_en
             .map(|q| q.arrival_seq)
             .collect();
     assert!(open.is_empty(), "{open:?}");
+}
+
+/// Stories runs of many endpoints share apply transactions (group commit), each run in a
+/// savepoint of its transaction: while one endpoint's message is refused again and again, the
+/// runs that share its transactions still commit, and no transaction fails as a whole.
+#[tokio::test]
+async fn stories_runs_share_transactions_and_a_refused_run_fails_alone() {
+    let db = TestDb::new().await;
+    let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
+    let poisoned = stories_endpoint(&db).await;
+    let mut others = Vec::new();
+    for _ in 0..12 {
+        others.push(stories_endpoint(&db).await);
+    }
+    refuse_poison(&db.pool, ("stories", "id"), "story").await;
+    let metrics = SequencerMetrics::unregistered();
+    const ATTEMPTS: u32 = 8;
+    let config = SequencerConfig {
+        idle_linger: Duration::from_secs(5),
+        // One applier: the runs that arrive while it commits wait for its next transaction.
+        appliers: 1,
+        ..tries(&prefix, ATTEMPTS, (100, 200))
+    };
+    let sequencer = Sequencer::start(db.pool.clone(), config, metrics.clone())
+        .await
+        .unwrap();
+
+    let poisoned_seqs = store(
+        &db,
+        poisoned,
+        &[
+            story_updated("evt_p", "poison_1", 1),
+            story_updated("evt_q", "st_q", 2),
+        ],
+    )
+    .await;
+    // Meanwhile every other endpoint gets a story's next version a round, all of a round's
+    // stored at once, so their workers hand their runs over together.
+    const ROUNDS: i64 = 20;
+    let mut last = Vec::new();
+    for round in 1..=ROUNDS {
+        let batch: Vec<_> = others
+            .iter()
+            .enumerate()
+            .map(|(i, (tenant, endpoint))| {
+                let body = story_updated(&format!("evt_{i}_{round}"), &format!("st_{i}"), round);
+                incoming(tenant.0, endpoint.0, None, None, body)
+            })
+            .collect();
+        last = store_new(&db.pool, &batch).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (i, ((_, endpoint), seq)) in others.iter().zip(&last).enumerate() {
+        wait_applied_through(
+            &db.pool,
+            *endpoint,
+            *seq,
+            "another endpoint's stories stalled",
+        )
+        .await;
+        assert_eq!(
+            story_version(&db.pool, *endpoint, &format!("st_{i}")).await,
+            Some(ROUNDS)
+        );
+    }
+    wait_applied_through(
+        &db.pool,
+        poisoned.1,
+        poisoned_seqs[1],
+        "the refused message was never set aside",
+    )
+    .await;
+    sequencer.stop().await;
+    assert_eq!(story_version(&db.pool, poisoned.1, "st_q").await, Some(2));
+    assert_eq!(story_version(&db.pool, poisoned.1, "poison_1").await, None);
+    assert_eq!(
+        metrics.apply_failures.get(),
+        u64::from(ATTEMPTS),
+        "only the refused message's tries failed"
+    );
+    assert_eq!(
+        metrics.messages.with_label_values(&["quarantined"]).get(),
+        1
+    );
+    assert_eq!(
+        metrics.apply_batches_split.get(),
+        0,
+        "a refused run rolls back its own savepoint, not its transaction"
+    );
+    let runs = metrics.apply_batch_runs.get_sample_sum();
+    let transactions = metrics.apply_batch_runs.get_sample_count();
+    assert!(
+        (transactions as f64) < runs,
+        "runs never shared a transaction: {runs} runs in {transactions} transactions"
+    );
 }

@@ -355,8 +355,8 @@ pub struct SequencerArgs {
     )]
     pub apply_attempts: u32,
 
-    /// Apply transactions open at once; each applies the endpoints' runs that gathered while
-    /// the others committed.
+    /// Apply transactions open at once, for each source kind; each applies the endpoints' runs
+    /// of its kind that gathered while the others committed.
     #[arg(long, env = "RELAY_SEQUENCER_APPLIERS", default_value_t = sequencer::APPLIERS)]
     pub appliers: usize,
 

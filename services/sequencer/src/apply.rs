@@ -30,6 +30,7 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use tokio::sync::watch;
 
+use crate::batch::BatchedRun;
 use crate::metrics::SequencerMetrics;
 use crate::reload::ReloadLimits;
 use crate::upstream::{self, FeedSelection, UpstreamClient, UpstreamError};
@@ -333,18 +334,25 @@ pub struct PreparedRun {
     started: Instant,
 }
 
-impl PreparedRun {
-    pub fn endpoint(&self) -> EndpointId {
-        self.ctx.id()
+impl BatchedRun for PreparedRun {
+    fn key(&self) -> (TenantId, EndpointId) {
+        (self.ctx.tenant(), self.ctx.id())
     }
 
-    pub fn tenant(&self) -> TenantId {
-        self.ctx.tenant()
+    fn pending(&self) -> &[PendingMessage] {
+        &self.pending
     }
 
-    /// The number of messages in the run.
-    pub fn messages(&self) -> usize {
-        self.pending.len()
+    /// Two statements whatever the number of runs: [`runs::open_runs`], then [`decide_run`]
+    /// for each run still owned, then [`runs::write_runs`]. Sharing the transaction changes
+    /// only how many round trips and commits the runs take: endpoints never share a row. A
+    /// write refused because a row changed under it fails the whole ([`ApplyError::Raced`]).
+    async fn apply_together(
+        pool: &PgPool,
+        runs: &[&Self],
+        metrics: &SequencerMetrics,
+    ) -> Result<Vec<Result<BatchReport, ApplyError>>, ApplyError> {
+        apply_together(pool, runs, metrics).await
     }
 }
 
@@ -429,42 +437,6 @@ pub async fn quarantine_failing(
     Ok(())
 }
 
-/// Applies several endpoints' runs (each endpoint once), answering each run in the order given.
-///
-/// They are tried in one transaction of two statements whatever their number (see
-/// [`apply_together`]); a run whose fence moved on is answered [`ApplyError::Fenced`] and the
-/// others still commit. When that transaction fails as a whole (an error, or a write refused
-/// because a row changed under it), nothing of it committed, and each run is tried again alone,
-/// so one endpoint's trouble is answered to that endpoint only; a run refused for a row that
-/// changed under it ([`ApplyError::Raced`]) is decided again once more at once, in a fresh
-/// statement that sees the row.
-pub async fn apply_runs(
-    pool: &PgPool,
-    runs: Vec<PreparedRun>,
-    metrics: &SequencerMetrics,
-) -> Vec<Result<BatchReport, ApplyError>> {
-    let all: Vec<&PreparedRun> = runs.iter().collect();
-    match apply_together(pool, &all, metrics).await {
-        Ok(answers) => answers,
-        Err(error) if runs.len() == 1 && !matches!(error, ApplyError::Raced) => vec![Err(error)],
-        Err(error) => {
-            tracing::debug!(%error, runs = runs.len(), "runs applied together failed; alone now");
-            let mut answers = Vec::with_capacity(runs.len());
-            for run in &runs {
-                let mut answer = apply_together(pool, &[run], metrics).await;
-                if matches!(answer, Err(ApplyError::Raced)) {
-                    answer = apply_together(pool, &[run], metrics).await;
-                }
-                answers.push(match answer {
-                    Ok(mut answer) => answer.pop().expect("one answer per run"),
-                    Err(error) => Err(error),
-                });
-            }
-            answers
-        }
-    }
-}
-
 /// Times the steps of one apply transaction into `relay_sequencer_apply_step_seconds`: each
 /// step from the end of the one before. A step that fails is not observed.
 struct StepClock<'a> {
@@ -490,9 +462,7 @@ impl<'a> StepClock<'a> {
     }
 }
 
-/// One transaction for every run in `runs`: [`runs::open_runs`], then [`decide_run`] for each
-/// run still owned, then [`runs::write_runs`]. Sharing the transaction changes only how many
-/// round trips and commits the runs take: endpoints never share a row.
+/// [`PreparedRun`]'s [`BatchedRun::apply_together`].
 async fn apply_together(
     pool: &PgPool,
     runs: &[&PreparedRun],
@@ -577,13 +547,7 @@ async fn apply_together(
         .zip(&written)
         .map(|((run, plan, _, reload_pending), written)| {
             count_plan(run, plan, metrics);
-            let per_message = run.started.elapsed().as_secs_f64() / run.pending.len().max(1) as f64;
-            for message in &run.pending {
-                metrics.message_apply_duration.observe(per_message);
-                metrics
-                    .apply_lag
-                    .observe((now - message.received_at).as_seconds_f64().max(0.0));
-            }
+            metrics.observe_applied(run.started, &run.pending, now);
             let report = BatchReport {
                 messages: run.pending.len(),
                 changes: usize::try_from(written.changes).unwrap_or(0),

@@ -1,5 +1,5 @@
-//! Group commit for apply transactions: runs of different endpoints share one (and so do the
-//! reads of their pending messages).
+//! Group commit for apply transactions: runs of different endpoints of one source kind share
+//! one (and so do the reads of their pending messages, whatever their kind).
 //!
 //! At a steady rate spread over many endpoints, most runs are one message: applied alone, each
 //! costs a transaction of its own (two statements, a commit and its WAL flush). Workers instead
@@ -10,6 +10,7 @@
 //! stays near one transaction. [`PendingReader`] does the same for the read that comes before:
 //! the workers looking for messages at one moment share one statement.
 
+use std::future::Future;
 use std::sync::Arc;
 
 use relay_coord::{Gather, GatherLimits, Waker};
@@ -18,23 +19,83 @@ use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
-use crate::apply::{apply_runs, ApplyError, BatchReport, PreparedRun};
+use crate::apply::{ApplyError, BatchReport};
 use crate::metrics::SequencerMetrics;
 use relay_store::cursors::PendingMessage;
 use relay_store::{EndpointId, TenantId};
 
-struct Job {
-    run: PreparedRun,
+/// A source kind's run of one endpoint's messages, ready to apply beside other endpoints' runs
+/// of the same kind: its reads done, nothing left but its transaction.
+pub trait BatchedRun: Send + Sync + Sized + 'static {
+    /// The endpoint whose run it is, and its tenant.
+    fn key(&self) -> (TenantId, EndpointId);
+    /// The run's messages.
+    fn pending(&self) -> &[PendingMessage];
+    /// Applies `runs` (each endpoint once) in one transaction, answering each in the order
+    /// given: a run whose fence moved on, or that failed by itself, is answered so and the
+    /// others still commit. `Err` when the transaction failed as a whole: nothing of it
+    /// committed.
+    fn apply_together(
+        pool: &PgPool,
+        runs: &[&Self],
+        metrics: &SequencerMetrics,
+    ) -> impl Future<Output = Result<Vec<Result<BatchReport, ApplyError>>, ApplyError>> + Send;
+}
+
+/// Applies several endpoints' runs (each endpoint once), answering each run in the order given.
+///
+/// They are tried in one transaction ([`BatchedRun::apply_together`]). When that transaction
+/// fails as a whole (an error, or a write refused because a row changed under it), nothing of
+/// it committed, and each run is tried again alone, so one endpoint's trouble is answered to
+/// that endpoint only; a run refused for a row that changed under it ([`ApplyError::Raced`]) is
+/// decided again once more at once, in a fresh statement that sees the row.
+pub async fn apply_runs<R: BatchedRun>(
+    pool: &PgPool,
+    runs: Vec<R>,
+    metrics: &SequencerMetrics,
+) -> Vec<Result<BatchReport, ApplyError>> {
+    let all: Vec<&R> = runs.iter().collect();
+    match R::apply_together(pool, &all, metrics).await {
+        Ok(answers) => answers,
+        Err(error) if runs.len() == 1 && !matches!(error, ApplyError::Raced) => vec![Err(error)],
+        Err(error) => {
+            tracing::debug!(%error, runs = runs.len(), "runs applied together failed; alone now");
+            metrics.apply_batches_split.inc();
+            let mut answers = Vec::with_capacity(runs.len());
+            for run in &runs {
+                let mut answer = R::apply_together(pool, &[run], metrics).await;
+                if matches!(answer, Err(ApplyError::Raced)) {
+                    answer = R::apply_together(pool, &[run], metrics).await;
+                }
+                answers.push(match answer {
+                    Ok(mut answer) => answer.pop().expect("one answer per run"),
+                    Err(error) => Err(error),
+                });
+            }
+            answers
+        }
+    }
+}
+
+struct Job<R> {
+    run: R,
     reply: oneshot::Sender<Result<BatchReport, ApplyError>>,
 }
 
-/// The workers' way to the appliers (cheap to clone).
-#[derive(Clone)]
-pub struct ApplyBatcher {
-    queue: mpsc::Sender<Job>,
+/// The workers' way to the appliers of one kind's runs (cheap to clone).
+pub struct ApplyBatcher<R> {
+    queue: mpsc::Sender<Job<R>>,
 }
 
-impl std::fmt::Debug for ApplyBatcher {
+impl<R> Clone for ApplyBatcher<R> {
+    fn clone(&self) -> Self {
+        Self {
+            queue: self.queue.clone(),
+        }
+    }
+}
+
+impl<R> std::fmt::Debug for ApplyBatcher<R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ApplyBatcher").finish_non_exhaustive()
     }
@@ -45,7 +106,7 @@ impl std::fmt::Debug for ApplyBatcher {
 #[error("the sequencer's appliers have stopped")]
 pub struct BatcherStopped;
 
-impl ApplyBatcher {
+impl<R: BatchedRun> ApplyBatcher<R> {
     /// Starts `appliers` tasks taking up to `max_runs` runs, and no more runs once they hold
     /// `max_messages` messages, a transaction (long runs, a backlog's, need no company: their
     /// cost per message is low already, and a huge transaction only delays every run in it).
@@ -79,7 +140,7 @@ impl ApplyBatcher {
     }
 
     /// Applies one prepared run, beside whatever other endpoints' runs are waiting.
-    pub async fn apply(&self, run: PreparedRun) -> Result<BatchReport, ApplyError> {
+    pub async fn apply(&self, run: R) -> Result<BatchReport, ApplyError> {
         let (reply, answer) = oneshot::channel();
         self.queue
             .send(Job { run, reply })
@@ -91,26 +152,23 @@ impl ApplyBatcher {
     }
 }
 
-async fn apply_batches(
+async fn apply_batches<R: BatchedRun>(
     pool: PgPool,
-    receiver: Arc<Mutex<mpsc::Receiver<Job>>>,
+    receiver: Arc<Mutex<mpsc::Receiver<Job<R>>>>,
     limits: GatherLimits,
     changes_waker: Option<Waker>,
     metrics: SequencerMetrics,
 ) {
-    let mut batches = Gather::new(receiver, limits, |job: &Job| job.run.messages());
+    let mut batches = Gather::new(receiver, limits, |job: &Job<R>| job.run.pending().len());
     loop {
         // Runs of an endpoint already in the batch wait for the next one: two runs of one
         // endpoint in one statement would write its rows twice.
-        let Some(batch) = batches.next_distinct(|job| job.run.endpoint()).await else {
+        let Some(batch) = batches.next_distinct(|job| job.run.key().1).await else {
             return;
         };
         metrics.apply_batch_runs.observe(batch.len() as f64);
-        let keys: Vec<(TenantId, EndpointId)> = batch
-            .iter()
-            .map(|job| (job.run.tenant(), job.run.endpoint()))
-            .collect();
-        let (runs, replies): (Vec<PreparedRun>, Vec<_>) =
+        let keys: Vec<(TenantId, EndpointId)> = batch.iter().map(|job| job.run.key()).collect();
+        let (runs, replies): (Vec<R>, Vec<_>) =
             batch.into_iter().map(|job| (job.run, job.reply)).unzip();
         let answers = apply_runs(&pool, runs, &metrics).await;
         let mut announced: Vec<String> = Vec::new();

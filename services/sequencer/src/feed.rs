@@ -60,20 +60,8 @@ impl SourceKind for FeedSource {
         } = *owned;
         let run =
             crate::apply::prepare_run(pool, &self.ctx, token, moves, pending, metrics).await?;
-        let report = match &config.batcher {
-            // The batcher announces the changes of every run it committed, together.
-            Some(batcher) => batcher.apply(run).await?,
-            None => {
-                let report = crate::apply::apply_runs(pool, vec![run], metrics)
-                    .await
-                    .pop()
-                    .expect("one answer per run")?;
-                if report.changes > 0 {
-                    announce(config, self.ctx.tenant(), self.ctx.id()).await;
-                }
-                report
-            }
-        };
+        // The batcher announces the changes of every run it committed, together.
+        let report = config.feed_runs.apply(run).await?;
         Ok(Applied {
             messages: report.messages,
             job_pending: report.reload_pending,

@@ -38,7 +38,8 @@ mod stories;
 mod upstream;
 mod worker;
 
-pub use apply::{apply_runs, prepare_run, ApplyError, BatchReport, EndpointContext, PreparedRun};
+pub use apply::{prepare_run, ApplyError, BatchReport, EndpointContext, PreparedRun};
+pub use batch::{apply_runs, BatchedRun};
 pub use metrics::{SequencerMetrics, APPLY_STEPS};
 pub use reload::{run_reload, ReloadEnd, StopReload};
 pub use service::{defaults, Sequencer, SequencerConfig, SequencerError};

@@ -50,6 +50,8 @@ pub struct SequencerMetrics {
     pub apply_lag: Histogram,
     pub message_apply_duration: Histogram,
     pub apply_batch_runs: Histogram,
+    /// Transactions of several runs that failed as a whole: their runs were applied one by one.
+    pub apply_batches_split: IntCounter,
     pub apply_step_duration: HistogramVec,
     pub reloads_running: IntGauge,
     pub reloads: IntCounterVec,
@@ -156,6 +158,11 @@ impl SequencerMetrics {
                 "Endpoints' runs applied in one transaction.",
             )
             .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0]),
+        )?;
+        let apply_batches_split = IntCounter::new(
+            "relay_sequencer_apply_batches_split_total",
+            "Transactions of several endpoints' runs that failed as a whole, their runs then \
+             applied one by one (group commit lost for that batch).",
         )?;
         let apply_step_duration = HistogramVec::new(
             HistogramOpts::new(
@@ -375,6 +382,7 @@ impl SequencerMetrics {
         registry.register(Box::new(apply_lag.clone()))?;
         registry.register(Box::new(message_apply_duration.clone()))?;
         registry.register(Box::new(apply_batch_runs.clone()))?;
+        registry.register(Box::new(apply_batches_split.clone()))?;
         registry.register(Box::new(apply_step_duration.clone()))?;
         registry.register(Box::new(reloads_running.clone()))?;
         registry.register(Box::new(reloads.clone()))?;
@@ -413,6 +421,7 @@ impl SequencerMetrics {
             apply_lag,
             message_apply_duration,
             apply_batch_runs,
+            apply_batches_split,
             apply_step_duration,
             reloads_running,
             reloads,
@@ -462,6 +471,22 @@ impl SequencerMetrics {
             self.stories_catch_up_age
                 .with_label_values(&[age])
                 .set(endpoints);
+        }
+    }
+
+    /// A committed run's messages: each one's share of the run's time since `started` (its
+    /// reads included), and its lag from arrival to `now`.
+    pub(crate) fn observe_applied(
+        &self,
+        started: std::time::Instant,
+        pending: &[relay_store::cursors::PendingMessage],
+        now: time::OffsetDateTime,
+    ) {
+        let per_message = started.elapsed().as_secs_f64() / pending.len().max(1) as f64;
+        for message in pending {
+            self.message_apply_duration.observe(per_message);
+            self.apply_lag
+                .observe((now - message.received_at).as_seconds_f64().max(0.0));
         }
     }
 

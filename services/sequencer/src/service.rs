@@ -90,8 +90,8 @@ pub struct SequencerConfig {
     pub apply_backoff: ApplyBackoff,
     /// Messages read from Postgres at a time per endpoint.
     pub messages_per_read: i64,
-    /// Apply transactions open at once (each takes the runs that gathered while the others
-    /// committed): see [`crate::batch`].
+    /// Apply transactions open at once for each source kind (each takes the runs of its kind
+    /// that gathered while the others committed): see [`crate::batch`].
     pub appliers: usize,
     /// Endpoints' runs applied in one transaction at most.
     pub runs_per_transaction: usize,
@@ -291,13 +291,24 @@ async fn schedule(
         stop.clone(),
     ));
     let http = UpstreamClient::http_client(config.upstream_timeout, config.outbound, &config.trust);
-    let (batcher, appliers) = ApplyBatcher::start(
+    // Each kind's runs share transactions with their kind's only: a kind's transaction is its
+    // own statements.
+    let batch_limits = (config.runs_per_transaction, config.messages_per_transaction);
+    let (feed_runs, mut appliers) = ApplyBatcher::start(
         pool.clone(),
         config.appliers,
-        (config.runs_per_transaction, config.messages_per_transaction),
+        batch_limits,
         Some(changes_waker.clone()),
         metrics.clone(),
     );
+    let (stories_runs, stories_appliers) = ApplyBatcher::start(
+        pool.clone(),
+        config.appliers,
+        batch_limits,
+        Some(changes_waker.clone()),
+        metrics.clone(),
+    );
+    appliers.extend(stories_appliers);
     let (reader, readers) = PendingReader::start(
         pool.clone(),
         config.appliers,
@@ -306,7 +317,8 @@ async fn schedule(
     );
     let worker_config = WorkerConfig {
         changes_waker: Some(changes_waker),
-        batcher: Some(batcher),
+        feed_runs,
+        stories_runs,
         reader: Some(reader),
         messages_per_read: config.messages_per_read,
         idle_linger: config.idle_linger,

@@ -2,11 +2,13 @@
 //! sync (seed 000): a removed ticker's stories taken out, a reload in full when one is needed,
 //! an added ticker's stories loaded once, and catch-up from `GET /v1/events`.
 //!
-//! Webhooks and catch-up pages go through the same handler ([`apply_events`]), the driver of
+//! Webhooks and catch-up pages go through the same handler ([`write_events`]), the driver of
 //! relay-rules' `decide_stories_run` as its doc says to drive it: fetch-on-notify reads before
 //! the transaction, then one relay-store `StoriesWriter` transaction (fence checked, writer lock
 //! held, held rows locked) in which the plan's writes run as seed 000's statements and the
-//! message cursor, or the catch-up cursor, moves only from where it was read. A reload's writes
+//! message cursor, or the catch-up cursor, moves only from where it was read. Runs of stored
+//! messages go through the batcher ([`PreparedStoriesRun`]): several endpoints' writers share one
+//! transaction, each in a savepoint of it, so each run still commits or fails alone. A reload's writes
 //! take the same writer lock, batch by batch, so webhooks keep being applied between them.
 //!
 //! A story read is tried a few times ([`StoryReadRetry`]); one that still fails does not hold
@@ -21,7 +23,7 @@ use futures::StreamExt;
 use relay_netguard::RetryPolicy;
 use relay_rules::{
     decide_stories_run, decide_ticker_sync, fetched_write, plan_writes, stories_of, StoriesMode,
-    StoriesPlan, StoriesRun, StoryRead, StoryWrite, TickerStep, TickerSyncInput,
+    StoriesRun, StoryRead, StoryWrite, TickerStep, TickerSyncInput,
 };
 use relay_store::cursors::PendingMessage;
 use relay_store::endpoints::{EndpointRegistration, Source, StoriesSettings};
@@ -32,7 +34,8 @@ use sqlx::PgPool;
 use tokio::sync::watch;
 use tokio::task::{JoinError, JoinHandle};
 
-use crate::apply::ApplyError;
+use crate::apply::{ApplyError, BatchReport};
+use crate::batch::BatchedRun;
 use crate::metrics::SequencerMetrics;
 use crate::reload::BackingOff;
 use crate::source::{Applied, JobEnded, Owned, SourceKind};
@@ -131,7 +134,11 @@ impl StoriesContext {
         self.state.read().expect("not poisoned").1.is_some()
     }
 
-    async fn writer(&self, pool: &PgPool, token: i64) -> Result<StoriesWriter, ApplyError> {
+    async fn writer(
+        &self,
+        pool: &PgPool,
+        token: i64,
+    ) -> Result<StoriesWriter<'static>, ApplyError> {
         store::open(pool, self.tenant, self.id, token)
             .await?
             .ok_or(ApplyError::Fenced)
@@ -148,7 +155,7 @@ impl StoriesContext {
     }
 }
 
-/// What [`apply_events`] moves when the events are applied.
+/// What [`write_events`] moves when the events are applied.
 enum Moves<'a> {
     /// Stored messages `(from, to]`, one event each, with their arrival numbers.
     Messages {
@@ -165,21 +172,32 @@ enum Moves<'a> {
     },
 }
 
-/// What [`apply_events`] did.
-struct EventsApplied {
-    changes: u64,
+/// What a run of events needs before its transaction: the endpoint's settings as they were,
+/// the stories the events name, and in fetch-on-notify mode each one's read (a story whose
+/// read failed is missing from `reads`, with the last error).
+struct EventReads {
+    settings: StoriesSettings,
+    ids: Vec<String>,
+    reads: HashMap<String, StoryRead>,
+    last_error: String,
 }
 
-/// The one handler of webhooks and catch-up pages: reads (fetch-on-notify), then one
-/// transaction: held rows, the rules' plan, its writes and claims, the cursor moved.
-async fn apply_events(
+/// What one run of events wrote, counted once its transaction committed
+/// ([`count_written`]).
+struct EventsWritten {
+    written: PlanWritten,
+    owed: u64,
+}
+
+/// The reads a run of events needs, made before its transaction so that no lock is held across
+/// HTTP (fetch-on-notify: each story the events name, each read tried as [`read_story`] says).
+async fn read_events(
     pool: &PgPool,
     ctx: &StoriesContext,
-    token: i64,
     events: &[Result<StoryEvent, String>],
-    moves: Moves<'_>,
-    (config, metrics): (&WorkerConfig, &SequencerMetrics),
-) -> Result<EventsApplied, ApplyError> {
+    config: &WorkerConfig,
+    metrics: &SequencerMetrics,
+) -> EventReads {
     let settings = ctx.settings();
     let mut ids: BTreeSet<String> = BTreeSet::new();
     for event in events.iter().flatten() {
@@ -202,20 +220,36 @@ async fn apply_events(
             Err(error) => last_error = error.to_string(),
         }
     }
-    let ids: Vec<String> = ids.into_iter().collect();
-    let mut writer = ctx.writer(pool, token).await?;
-    let held = writer.held(&ids).await?;
+    EventReads {
+        settings,
+        ids: ids.into_iter().collect(),
+        reads,
+        last_error,
+    }
+}
+
+/// The one handler of webhooks and catch-up pages, inside the endpoint's writer: held rows, the
+/// rules' plan, its writes and claims, the reads that failed owed, the cursor moved. The caller
+/// commits.
+async fn write_events(
+    writer: &mut StoriesWriter<'_>,
+    ctx: &StoriesContext,
+    events: &[Result<StoryEvent, String>],
+    before: &EventReads,
+    moves: Moves<'_>,
+) -> Result<EventsWritten, ApplyError> {
+    let held = writer.held(&before.ids).await?;
     let plan = decide_stories_run(StoriesRun {
-        mode: settings.mode,
+        mode: before.settings.mode,
         events,
         held: &held,
-        reads: &reads,
-        tickers: Some(&settings.tickers),
+        reads: &before.reads,
+        tickers: Some(&before.settings.tickers),
         registered_at: Some(ctx.registered_at.unix_timestamp_nanos()),
     });
-    let written = execute(&mut writer, &plan, PlanCause::Events, metrics).await?;
+    let written = writer.write_plan(&plan, PlanCause::Events).await?;
     // The reads that failed are owed with the cursor's move: the cursor never waits on a read.
-    writer.owe_reads(&plan.owed, &last_error).await?;
+    writer.owe_reads(&plan.owed, &before.last_error).await?;
     let moved = match moves {
         Moves::Messages {
             from,
@@ -243,27 +277,32 @@ async fn apply_events(
     if !moved {
         return Err(ApplyError::CursorMoved);
     }
-    let changes = writer.commit().await?;
-    metrics.stories_notifications.inc_by(written.notified);
-    metrics
-        .stories_claims_silent
-        .inc_by(written.claimed_silently);
-    metrics
-        .story_reads_owed
-        .with_label_values(&["recorded"])
-        .inc_by(plan.owed.len() as u64);
-    Ok(EventsApplied { changes })
+    Ok(EventsWritten {
+        written,
+        owed: plan.owed.len() as u64,
+    })
 }
 
-/// Carries out a plan whole (relay-store's `write_plan`: its writes and claims, each still seed
-/// 000's statement, refused unless each does what the plan says), and counts its writes.
-async fn execute(
-    writer: &mut StoriesWriter,
-    plan: &StoriesPlan,
-    cause: PlanCause,
-    metrics: &SequencerMetrics,
-) -> Result<PlanWritten, ApplyError> {
-    let written = writer.write_plan(plan, cause).await?;
+/// A catch-up page applied: its reads, then its own transaction. The changes appended.
+async fn apply_page(
+    pool: &PgPool,
+    ctx: &StoriesContext,
+    token: i64,
+    events: &[Result<StoryEvent, String>],
+    moves: Moves<'_>,
+    (config, metrics): (&WorkerConfig, &SequencerMetrics),
+) -> Result<u64, ApplyError> {
+    let before = read_events(pool, ctx, events, config, metrics).await;
+    let mut writer = ctx.writer(pool, token).await?;
+    let written = write_events(&mut writer, ctx, events, &before, moves).await?;
+    let changes = writer.commit().await?;
+    count_written(metrics, &written.written, written.owed);
+    Ok(changes)
+}
+
+/// Counts what a committed transaction wrote: the plan's writes and claims, and the reads it
+/// owed.
+fn count_written(metrics: &SequencerMetrics, written: &PlanWritten, owed: u64) {
     for (label, count) in [
         ("saved", written.saved),
         ("unchanged", written.unchanged),
@@ -275,7 +314,119 @@ async fn execute(
             .with_label_values(&[label])
             .inc_by(count);
     }
-    Ok(written)
+    metrics.stories_notifications.inc_by(written.notified);
+    metrics
+        .stories_claims_silent
+        .inc_by(written.claimed_silently);
+    metrics
+        .story_reads_owed
+        .with_label_values(&["recorded"])
+        .inc_by(owed);
+}
+
+/// A run of one stories endpoint's stored messages, one event each, with its reads made: ready
+/// to apply beside other stories endpoints' runs.
+pub(crate) struct PreparedStoriesRun {
+    ctx: Arc<StoriesContext>,
+    token: i64,
+    /// The apply cursor the messages follow, and where it moves to.
+    moves: (i64, i64),
+    pending: Vec<PendingMessage>,
+    events: Vec<Result<StoryEvent, String>>,
+    before: EventReads,
+    started: Instant,
+}
+
+impl PreparedStoriesRun {
+    /// Parses the run's messages and makes the reads they need.
+    async fn prepare(
+        owned: &Owned<'_>,
+        ctx: &Arc<StoriesContext>,
+        moves: (i64, i64),
+        pending: Vec<PendingMessage>,
+    ) -> Self {
+        let started = Instant::now();
+        let events: Vec<Result<StoryEvent, String>> = pending
+            .iter()
+            .map(|m| StoryEvent::parse(&m.body).map_err(|e| e.to_string()))
+            .collect();
+        let before = read_events(owned.pool, ctx, &events, owned.config, owned.metrics).await;
+        Self {
+            ctx: ctx.clone(),
+            token: owned.token,
+            moves,
+            pending,
+            events,
+            before,
+            started,
+        }
+    }
+
+    /// The run's writer nested in `tx` (a savepoint: an error rolls back this run only), its
+    /// writes, and the savepoint released. What it wrote, and the changes appended.
+    async fn write(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    ) -> Result<(EventsWritten, u64), ApplyError> {
+        let Some(mut writer) =
+            store::open(&mut *tx, self.ctx.tenant, self.ctx.id, self.token).await?
+        else {
+            return Err(ApplyError::Fenced);
+        };
+        let seqs: Vec<i64> = self.pending.iter().map(|m| m.arrival_seq).collect();
+        let (from, to) = self.moves;
+        let moves = Moves::Messages {
+            from,
+            to,
+            seqs: &seqs,
+            last_received_at: self.pending.last().map(|m| m.received_at),
+        };
+        let written =
+            write_events(&mut writer, &self.ctx, &self.events, &self.before, moves).await?;
+        let changes = writer.commit().await?;
+        Ok((written, changes))
+    }
+}
+
+impl BatchedRun for PreparedStoriesRun {
+    fn key(&self) -> (TenantId, EndpointId) {
+        (self.ctx.tenant, self.ctx.id)
+    }
+
+    fn pending(&self) -> &[PendingMessage] {
+        &self.pending
+    }
+
+    /// One transaction, each run in a savepoint of it ([`PreparedStoriesRun::write`]): a run
+    /// that fails (its fence moved on, its cursor moved, a statement refused what it holds) is
+    /// rolled back and answered alone, and the others commit together.
+    async fn apply_together(
+        pool: &PgPool,
+        runs: &[&Self],
+        metrics: &SequencerMetrics,
+    ) -> Result<Vec<Result<BatchReport, ApplyError>>, ApplyError> {
+        let mut tx = pool.begin().await?;
+        let mut answers = Vec::with_capacity(runs.len());
+        for run in runs {
+            answers.push(run.write(&mut tx).await);
+        }
+        tx.commit().await?;
+        let now = time::OffsetDateTime::now_utc();
+        Ok(answers
+            .into_iter()
+            .zip(runs)
+            .map(|(answer, run)| {
+                let (written, changes) = answer?;
+                count_written(metrics, &written.written, written.owed);
+                metrics.observe_applied(run.started, &run.pending, now);
+                Ok(BatchReport {
+                    messages: run.pending.len(),
+                    changes: usize::try_from(changes).unwrap_or(usize::MAX),
+                    reload_pending: false,
+                })
+            })
+            .collect())
+    }
 }
 
 /// `GET /v1/stories/{id}`, tried up to `config.story_reads.tries` times with jittered pauses
@@ -367,7 +518,7 @@ async fn pay_owed_reads(
     let mut writer = ctx.writer(pool, token).await?;
     let held = writer.held(&ids).await?;
     let plan = plan_writes(&held, paid.iter().map(|(_, write)| write.clone()));
-    execute(&mut writer, &plan, PlanCause::Round(round), metrics).await?;
+    let written = writer.write_plan(&plan, PlanCause::Round(round)).await?;
     let mut done = 0;
     for (owed, _) in &paid {
         if writer.pay_read(owed).await? {
@@ -377,43 +528,12 @@ async fn pay_owed_reads(
     if writer.commit().await? > 0 {
         announce(config, ctx.tenant, ctx.id).await;
     }
+    count_written(metrics, &written, 0);
     metrics
         .story_reads_owed
         .with_label_values(&["done"])
         .inc_by(done);
     Ok(())
-}
-
-/// Applies one run of stored messages, one event each: the cursor from `from` to `to`.
-async fn apply_run(
-    owned: &Owned<'_>,
-    ctx: &StoriesContext,
-    (from, to): (i64, i64),
-    pending: Vec<PendingMessage>,
-) -> Result<usize, ApplyError> {
-    let events: Vec<Result<StoryEvent, String>> = pending
-        .iter()
-        .map(|m| StoryEvent::parse(&m.body).map_err(|e| e.to_string()))
-        .collect();
-    let seqs: Vec<i64> = pending.iter().map(|m| m.arrival_seq).collect();
-    let done = apply_events(
-        owned.pool,
-        ctx,
-        owned.token,
-        &events,
-        Moves::Messages {
-            from,
-            to,
-            seqs: &seqs,
-            last_received_at: pending.last().map(|m| m.received_at),
-        },
-        (owned.config, owned.metrics),
-    )
-    .await?;
-    if done.changes > 0 {
-        announce(owned.config, ctx.tenant, ctx.id).await;
-    }
-    Ok(events.len())
 }
 
 /// How a sync ended.
@@ -510,7 +630,7 @@ async fn catch_up(
         metrics.stories_catch_up_pages.inc();
         // Past the last page the cursor stays after its last event, for the next catch-up.
         let next = page.next_cursor.clone().or_else(|| cursor.clone());
-        let done = apply_events(
+        let changes = apply_page(
             pool,
             ctx,
             token,
@@ -523,7 +643,7 @@ async fn catch_up(
             (config, metrics),
         )
         .await?;
-        if done.changes > 0 {
+        if changes > 0 {
             announce(config, ctx.tenant, ctx.id).await;
         }
         cursor = next;
@@ -687,10 +807,11 @@ async fn write_round(
     let mut writer = ctx.writer(pool, token).await?;
     let held = writer.held(&ids).await?;
     let plan = plan_writes(&held, writes.to_vec());
-    execute(&mut writer, &plan, PlanCause::Round(round), metrics).await?;
+    let written = writer.write_plan(&plan, PlanCause::Round(round)).await?;
     if writer.commit().await? > 0 {
         announce(config, ctx.tenant, ctx.id).await;
     }
+    count_written(metrics, &written, 0);
     Ok(())
 }
 
@@ -791,10 +912,12 @@ impl SourceKind for StoriesSource {
         moves: (i64, i64),
         pending: Vec<PendingMessage>,
     ) -> Result<Applied, ApplyError> {
-        let messages = apply_run(owned, &self.ctx, moves, pending).await?;
+        let run = PreparedStoriesRun::prepare(owned, &self.ctx, moves, pending).await;
+        // The batcher announces the changes of every run it committed, together.
+        let report = owned.config.stories_runs.apply(run).await?;
         self.last_message = Instant::now();
         Ok(Applied {
-            messages,
+            messages: report.messages,
             job_pending: false,
         })
     }

@@ -15,6 +15,7 @@ use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 use crate::apply::ApplyError;
+use crate::batch::ApplyBatcher;
 use crate::metrics::SequencerMetrics;
 use crate::reload::{ReloadLimits, StopReload};
 use crate::slots::{Slot, Slots};
@@ -57,8 +58,9 @@ impl WorkerSignal {
 pub struct WorkerConfig {
     /// Announces new changes to the publisher (see [`relay_coord::changes_channel`]).
     pub changes_waker: Option<relay_coord::Waker>,
-    /// The shared apply transactions (`None`: each run applies in a transaction of its own).
-    pub batcher: Option<crate::batch::ApplyBatcher>,
+    /// The shared apply transactions of each kind's runs.
+    pub feed_runs: ApplyBatcher<crate::apply::PreparedRun>,
+    pub stories_runs: ApplyBatcher<crate::stories::PreparedStoriesRun>,
     /// The shared reads of pending messages (`None`: each worker reads its own). Reads at most
     /// `messages_per_read` per endpoint, as the worker does.
     pub reader: Option<crate::batch::PendingReader>,

@@ -49,23 +49,26 @@ pub struct PlanWritten {
     pub changes: u64,
 }
 
-/// One transaction over a stories endpoint: fence checked, writer lock held.
-pub struct StoriesWriter {
-    tx: Transaction<'static, Postgres>,
+/// One transaction over a stories endpoint: fence checked, writer lock held. Opened inside
+/// another transaction it is a savepoint of it, so several endpoints' writers can share one
+/// commit and each still rolls back alone.
+pub struct StoriesWriter<'c> {
+    tx: Transaction<'c, Postgres>,
     tenant: TenantId,
     endpoint: EndpointId,
     appended: u64,
 }
 
-/// Opens the endpoint's write transaction: `None` when `token` is no longer its fencing token
-/// (another worker owns it now; nothing was written).
-pub async fn open(
-    pool: &sqlx::PgPool,
+/// Opens the endpoint's write transaction on `conn` (a pool, or a transaction to nest in):
+/// `None` when `token` is no longer its fencing token (another worker owns it now; nothing was
+/// written).
+pub async fn open<'c>(
+    conn: impl sqlx::Acquire<'c, Database = Postgres>,
     tenant: TenantId,
     endpoint: EndpointId,
     token: i64,
-) -> Result<Option<StoriesWriter>, StoreError> {
-    let mut tx = pool.begin().await?;
+) -> Result<Option<StoriesWriter<'c>>, StoreError> {
+    let mut tx = conn.begin().await?;
     if !fences::check_endpoint(&mut tx, endpoint, token).await? {
         return Ok(None);
     }
@@ -240,7 +243,7 @@ struct PlanAnswer {
     changes: i64,
 }
 
-impl StoriesWriter {
+impl StoriesWriter<'_> {
     /// What the copy holds of `ids`, locked until the transaction ends.
     pub async fn held(&mut self, ids: &[String]) -> Result<HashMap<String, HeldStory>, StoreError> {
         let rows: Vec<(String, i64, bool)> = sqlx::query_as(
@@ -560,7 +563,7 @@ impl StoriesWriter {
         Ok(deleted == 1)
     }
 
-    /// Commits; the number of changes appended.
+    /// Commits (releases its savepoint, when nested); the number of changes appended.
     pub async fn commit(self) -> Result<u64, StoreError> {
         self.tx.commit().await?;
         Ok(self.appended)
