@@ -23,11 +23,13 @@
 //!
 //! The number of cases is each block's default unless `PROPTEST_CASES` is set.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use common::{config, snapshot_plan};
 use proptest::prelude::*;
 use proptest::sample::Index;
-use proptest::test_runner::Config as ProptestConfig;
 use relay_rules::{
     apply_write, decide_stories_run, fetched_write, notification_claim, plan_writes, save_wins,
     snapshot_writes, stories_of, stories_of_run, CopiedStory, HeldStory, PlannedClaim, StoriesCopy,
@@ -722,14 +724,7 @@ fn a_failed_read_is_owed_and_the_run_goes_on() {
     );
     assert_eq!(plan.claims.len(), 1);
     // Snapshot mode reads nothing, and owes nothing.
-    let plan = decide_stories_run(StoriesRun {
-        tickers: None,
-        mode: StoriesMode::Snapshot,
-        events: &events,
-        held: &HashMap::new(),
-        reads: &HashMap::new(),
-        registered_at: None,
-    });
+    let plan = snapshot_plan(&events, &HashMap::new(), None);
     assert!(plan.owed.is_empty());
     assert_eq!(plan.outcomes.len(), events.len());
 }
@@ -859,14 +854,7 @@ fn the_upstream_api_example_event_is_saved_as_received() {
 #[test]
 fn a_plan_decided_against_other_rows_is_refused_by_the_executor() {
     let events = vec![Ok(updated("e2", &story("st_1", 2)))];
-    let plan = decide_stories_run(StoriesRun {
-        tickers: None,
-        mode: StoriesMode::Snapshot,
-        events: &events,
-        held: &HashMap::new(),
-        reads: &HashMap::new(),
-        registered_at: None,
-    });
+    let plan = snapshot_plan(&events, &HashMap::new(), None);
     let mut copy = StoriesCopy::default();
     apply(&mut copy, &[updated("e3", &story("st_1", 3))]);
     let mismatch = copy.execute(&plan).unwrap_err();
@@ -922,14 +910,7 @@ fn a_rounds_writes_are_planned_as_a_runs_events_are() {
     .into_iter()
     .map(Ok)
     .collect();
-    let run = decide_stories_run(StoriesRun {
-        tickers: None,
-        mode: StoriesMode::Snapshot,
-        events: &events,
-        held: &held,
-        reads: &HashMap::new(),
-        registered_at: None,
-    });
+    let run = snapshot_plan(&events, &held, None);
     assert_eq!(
         run.changes().collect::<Vec<_>>(),
         plan.changes().collect::<Vec<_>>()
@@ -943,16 +924,6 @@ fn a_rounds_writes_are_planned_as_a_runs_events_are() {
 
 // ---------------------------------------------------------------------------------------------
 // Property tests.
-
-fn config(default_cases: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases: std::env::var("PROPTEST_CASES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default_cases),
-        ..ProptestConfig::default()
-    }
-}
 
 const STORIES: u8 = 4;
 

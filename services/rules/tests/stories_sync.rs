@@ -10,27 +10,19 @@
 //!
 //! The number of cases is each block's default unless `PROPTEST_CASES` is set.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use common::{config, snapshot_plan};
 use proptest::prelude::*;
 use proptest::sample::Index;
-use proptest::test_runner::Config as ProptestConfig;
 use relay_rules::{
-    decide_notify, decide_stories_run, decide_ticker_sync, stories_of_run, NotifyDecision,
-    StoriesCopy, StoriesMode, StoriesRun, TickerStep, TickerSync, TickerSyncInput,
+    decide_notify, decide_ticker_sync, stories_of_run, NotifyDecision, StoriesCopy, TickerStep,
+    TickerSync, TickerSyncInput,
 };
 use relay_wire::StoryEvent;
 use serde_json::json;
-
-fn config(default_cases: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases: std::env::var("PROPTEST_CASES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default_cases),
-        ..ProptestConfig::default()
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Ticker sync.
@@ -442,14 +434,7 @@ fn notifications(
         let run = &events[at..end];
         let ids = stories_of_run(run);
         let held = copy.held_of(ids.iter().map(String::as_str));
-        let plan = decide_stories_run(StoriesRun {
-            mode: StoriesMode::Snapshot,
-            events: run,
-            held: &held,
-            reads: &HashMap::new(),
-            tickers: None,
-            registered_at: Some(REGISTERED_AT),
-        });
+        let plan = snapshot_plan(run, &held, Some(REGISTERED_AT));
         let claimed = copy.execute(&plan).expect("a plan matches its rows");
         for claim in claimed {
             // The plan's decision, in nanoseconds, is the policy's on the test's scale.
@@ -502,18 +487,11 @@ fn a_planned_claim_notifies_only_for_an_event_created_since_the_registration() {
         .map(|(n, created_at)| Ok(story_event(n, published[n], created_at)))
         .collect();
     let notify = |registered_at| -> Vec<bool> {
-        decide_stories_run(StoriesRun {
-            mode: StoriesMode::Snapshot,
-            events: &events,
-            held: &HashMap::new(),
-            reads: &HashMap::new(),
-            tickers: None,
-            registered_at,
-        })
-        .claims
-        .iter()
-        .map(|claim| claim.notify)
-        .collect()
+        snapshot_plan(&events, &HashMap::new(), registered_at)
+            .claims
+            .iter()
+            .map(|claim| claim.notify)
+            .collect()
     };
     assert_eq!(notify(Some(REGISTERED_AT)), vec![false, true, true]);
     assert_eq!(notify(None), vec![true, true, true]);

@@ -1,8 +1,14 @@
-//! Builders shared by the test files: events and messages shaped like the wire file's examples.
+//! Builders shared by the test files: events and messages shaped like the wire file's examples,
+//! snapshot-mode plans of story events, and the proptest configuration.
 #![allow(dead_code)]
 
-use relay_rules::ReadItem;
-use relay_wire::{Event, EventBody, FeedAction, FeedData, FeedItem, ItemKind, Message, Sequence};
+use std::collections::HashMap;
+
+use proptest::test_runner::Config as ProptestConfig;
+use relay_rules::{decide_stories_run, HeldStory, ReadItem, StoriesMode, StoriesPlan, StoriesRun};
+use relay_wire::{
+    Event, EventBody, FeedAction, FeedData, FeedItem, ItemKind, Message, Sequence, StoryEvent,
+};
 use serde_json::{json, Value};
 
 pub const ENDPOINT: &str = "8d2f0c39-2b63-4c55-9a8a-3f5b1d7c1e20";
@@ -179,4 +185,33 @@ pub fn feed_message(
         .map(|&(s, g, n, r)| feed_event_json(s, g, n, r))
         .collect();
     message(generation, access_version, through, events)
+}
+
+/// The proptest configuration of a block: `PROPTEST_CASES` when set (and a number), else
+/// `default_cases`. (`ProptestConfig::with_cases` would override the variable.)
+pub fn config(default_cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default_cases),
+        ..ProptestConfig::default()
+    }
+}
+
+/// The plan of `events` in snapshot mode (no reads, every ticker followed) against `held`,
+/// notifying events created from `registered_at` on (unix nanoseconds; `None`: every one).
+pub fn snapshot_plan(
+    events: &[Result<StoryEvent, String>],
+    held: &HashMap<String, HeldStory>,
+    registered_at: Option<i128>,
+) -> StoriesPlan {
+    decide_stories_run(StoriesRun {
+        mode: StoriesMode::Snapshot,
+        events,
+        held,
+        reads: &HashMap::new(),
+        tickers: None,
+        registered_at,
+    })
 }

@@ -1,12 +1,10 @@
 //! Helpers over the rules' plans, shared by the test files: an event decided and carried out on a
-//! [`FeedCopy`], a run of messages through an [`Endpoint`], a pass of `/v1/feed`, the proptest
-//! configuration.
+//! [`FeedCopy`], a run of messages through an [`Endpoint`], a pass of `/v1/feed`.
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
 
 use crate::common::{content, feed_message, subject};
-use proptest::prelude::ProptestConfig;
 use relay_rules::{
     decide_event, feed_subject, Decision, Endpoint, FeedCopy, Held, HeldContent, MergePlan,
     ModelChange, Pass, ReadItem, RefetchRead, RunPlan, StoredMessage,
@@ -152,16 +150,4 @@ pub fn assert_replays(endpoint: &Endpoint) {
 /// Whether `held` is an item (not a tombstone).
 pub fn is_item(held: Option<&Held>) -> bool {
     held.is_some_and(|h| !h.is_tombstone())
-}
-
-/// The proptest configuration of a block: `PROPTEST_CASES` when set (and a number), else
-/// `default_cases`. (`ProptestConfig::with_cases` would override the variable.)
-pub fn config(default_cases: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases: std::env::var("PROPTEST_CASES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default_cases),
-        ..ProptestConfig::default()
-    }
 }
