@@ -211,6 +211,15 @@ pub async fn execute_for(db: &TestDb, sql: &str, endpoint: Uuid, tenant: Uuid) {
         .unwrap();
 }
 
+/// The rows `sql` selects, its one parameter `$1` bound to `key` (an endpoint, a tenant).
+pub async fn rows_of<T, K>(pool: &PgPool, sql: &str, key: K) -> Vec<T>
+where
+    T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+    K: for<'q> sqlx::Encode<'q, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Send,
+{
+    sqlx::query_as(sql).bind(key).fetch_all(pool).await.unwrap()
+}
+
 impl Drop for TestDb {
     fn drop(&mut self) {
         let name = self.name.clone();

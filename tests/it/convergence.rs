@@ -20,7 +20,7 @@ use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
 use relay_simulator::cli::prepare;
 use relay_simulator::Faults;
 use relay_tests::readback::Operation;
-use relay_tests::{redis_url, TestApp};
+use relay_tests::{redis_url, rows_of, TestApp};
 use serde_json::Value;
 use sqlx::PgPool;
 use tokio::process::{Child, Command};
@@ -268,14 +268,13 @@ async fn explain_difference(pool: &PgPool, endpoint: Uuid, copy: &Items, oracle:
     lines.push(format!(
         "  track (generation, access_version, through, reload): {track:?}"
     ));
-    let outcomes: Vec<(String, i64)> = sqlx::query_as(
+    let outcomes: Vec<(String, i64)> = rows_of(
+        pool,
         "SELECT outcome, count(*) FROM message_applications WHERE endpoint_id = $1
          GROUP BY outcome ORDER BY outcome",
+        endpoint,
     )
-    .bind(endpoint)
-    .fetch_all(pool)
-    .await
-    .unwrap();
+    .await;
     lines.push(format!("  message outcomes: {outcomes:?}"));
     for subject in subjects {
         let row: Option<(i64, String, bool)> = sqlx::query_as(
@@ -333,7 +332,8 @@ async fn explain_difference(pool: &PgPool, endpoint: Uuid, copy: &Items, oracle:
             ));
         }
     }
-    let resets: Vec<(i64, Option<i64>, Option<String>, String)> = sqlx::query_as(
+    let resets: Vec<(i64, Option<i64>, Option<String>, String)> = rows_of(
+        pool,
         "SELECT m.arrival_seq, m.generation, a.outcome, e->>'type'
          FROM messages m
          LEFT JOIN message_applications a
@@ -341,22 +341,19 @@ async fn explain_difference(pool: &PgPool, endpoint: Uuid, copy: &Items, oracle:
          CROSS JOIN LATERAL jsonb_array_elements(convert_from(m.body, 'UTF8')::jsonb -> 'events') e
          WHERE m.endpoint_id = $1 AND e->>'type' LIKE 'webhook_endpoint.%'
          ORDER BY m.arrival_seq",
+        endpoint,
     )
-    .bind(endpoint)
-    .fetch_all(pool)
-    .await
-    .unwrap();
+    .await;
     lines.push(format!(
         "  endpoint events (arrival, generation, outcome, type): {resets:?}"
     ));
-    let generations: Vec<(Option<i64>, i64, i64, i64)> = sqlx::query_as(
+    let generations: Vec<(Option<i64>, i64, i64, i64)> = rows_of(
+        pool,
         "SELECT generation, count(*), min(arrival_seq), max(arrival_seq) FROM messages
          WHERE endpoint_id = $1 GROUP BY generation ORDER BY generation",
+        endpoint,
     )
-    .bind(endpoint)
-    .fetch_all(pool)
-    .await
-    .unwrap();
+    .await;
     lines.push(format!(
         "  messages by generation (generation, count, first, last arrival): {generations:?}"
     ));

@@ -33,7 +33,7 @@ use relay_store::copy::{self, Merged};
 use relay_store::runs::{self, OpenedRun, RunClaim, RunWrite, RunWritten};
 use relay_store::tracks::{self, TrackClaim};
 use relay_tests::readback::Operation;
-use relay_tests::TestDb;
+use relay_tests::{rows_of, TestDb};
 use relay_wire::{FeedItem, Message, Sequence};
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -956,14 +956,13 @@ impl Case<'_> {
             at
         );
 
-        let notes: Vec<(i64, String, i32, i32)> = sqlx::query_as(
+        let notes: Vec<(i64, String, i32, i32)> = rows_of(
+            pool,
             "SELECT arrival_seq, outcome, events_applied, events_ignored
              FROM message_applications WHERE endpoint_id = $1 ORDER BY arrival_seq",
+            endpoint,
         )
-        .bind(endpoint)
-        .fetch_all(pool)
-        .await
-        .unwrap();
+        .await;
         let expected: Vec<(i64, String, i32, i32)> = self
             .notes
             .iter()
@@ -1002,13 +1001,12 @@ impl Case<'_> {
 type Facts = (Option<String>, Option<i64>);
 
 async fn facts(pool: &PgPool, endpoint: Uuid) -> BTreeMap<String, Facts> {
-    let rows: Vec<(String, Option<String>, Option<i64>)> = sqlx::query_as(
+    let rows: Vec<(String, Option<String>, Option<i64>)> = rows_of(
+        pool,
         "SELECT subject, item_kind, company_id FROM copy_items WHERE endpoint_id = $1",
+        endpoint,
     )
-    .bind(endpoint)
-    .fetch_all(pool)
-    .await
-    .unwrap();
+    .await;
     rows.into_iter().map(|(s, k, c)| (s, (k, c))).collect()
 }
 
@@ -1025,12 +1023,12 @@ fn expected_facts(subject: &str, held: &Held) -> Facts {
 
 /// Each row's reload round (`copy_items.round`), by subject.
 async fn rounds(pool: &PgPool, endpoint: Uuid) -> BTreeMap<String, u64> {
-    let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT subject, round FROM copy_items WHERE endpoint_id = $1")
-            .bind(endpoint)
-            .fetch_all(pool)
-            .await
-            .unwrap();
+    let rows: Vec<(String, i64)> = rows_of(
+        pool,
+        "SELECT subject, round FROM copy_items WHERE endpoint_id = $1",
+        endpoint,
+    )
+    .await;
     rows.into_iter()
         .map(|(s, r)| (s, u64::try_from(r).unwrap()))
         .collect()

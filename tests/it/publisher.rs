@@ -31,7 +31,9 @@ use relay_publisher::{
 };
 use relay_rules::{DestinationPolicy, HeldContent, Pass, ReadItem, StoredMessage};
 use relay_store::copy::Merged;
-use relay_tests::{amqp_addr, redis_url, seed, PgProxy, ProxyMode, RedisPrefix, TestDb, Vhost};
+use relay_tests::{
+    amqp_addr, redis_url, rows_of, seed, PgProxy, ProxyMode, RedisPrefix, TestDb, Vhost,
+};
 use relay_wire::{FeedItem, Message, Sequence};
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -1182,14 +1184,8 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
     assert!(!confirmed_not_marked.is_empty());
     // What the first publisher left unmarked: the stalled batch, and whatever it went on to
     // send and have confirmed while that mark hung (sending does not wait for marks).
-    let unmarked_at_abort: BTreeSet<String> = sqlx::query_as::<_, (Uuid, i64)>(
-        "SELECT c.endpoint_id, c.change_seq FROM changes c LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = c.endpoint_id
-         WHERE c.tenant_id = $1 AND c.change_seq > COALESCE(p.published_through, 0)",
-    )
-    .bind(tenant)
-    .fetch_all(pool)
-    .await
-    .unwrap()
+    let unmarked_at_abort: BTreeSet<String> = rows_of::<(Uuid, i64), _>(pool, "SELECT c.endpoint_id, c.change_seq FROM changes c LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = c.endpoint_id
+         WHERE c.tenant_id = $1 AND c.change_seq > COALESCE(p.published_through, 0)", tenant).await
     .into_iter()
     .map(|(endpoint, seq)| relay_publisher::message_id(endpoint, relay_publisher::FIRST_EPOCH, seq))
     .collect();

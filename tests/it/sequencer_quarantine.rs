@@ -21,7 +21,7 @@ use relay_simulator::model::ChangeKind;
 use relay_store::endpoints::{self, NewEndpoint};
 use relay_store::messages::IncomingMessage;
 use relay_store::{tenants, tracks, PoolOptions};
-use relay_tests::{printed_seed, random_secret, RedisPrefix, TestApp, TestDb};
+use relay_tests::{printed_seed, random_secret, rows_of, RedisPrefix, TestApp, TestDb};
 use serde_json::{json, Value};
 use sqlx::PgPool;
 use time::OffsetDateTime;
@@ -126,14 +126,13 @@ async fn in_sync_endpoint(pool: &PgPool, tenant: Uuid, upstream: Option<&str>) -
 
 /// (status, reason, attempts) of each quarantine row of the endpoint, by arrival number.
 async fn quarantine_rows(pool: &PgPool, endpoint: Uuid) -> Vec<(i64, String, String, i32)> {
-    sqlx::query_as(
+    rows_of(
+        pool,
         "SELECT arrival_seq, status, reason, attempts FROM quarantined_messages
          WHERE endpoint_id = $1 ORDER BY arrival_seq",
+        endpoint,
     )
-    .bind(endpoint)
-    .fetch_all(pool)
     .await
-    .unwrap()
 }
 
 #[tokio::test]

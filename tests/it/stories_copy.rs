@@ -23,7 +23,7 @@ use relay_rules::{
 use relay_store::endpoints::{self, Registration, Source, StoriesSettings};
 use relay_store::stories::{self as store, PlanCause, PlanWritten};
 use relay_store::{EndpointId, TenantId};
-use relay_tests::{random_secret, TestDb};
+use relay_tests::{random_secret, rows_of, TestDb};
 use relay_wire::{Story, StoryEvent};
 use serde_json::{json, Value};
 use sqlx::PgPool;
@@ -114,13 +114,12 @@ async fn apply(
 type Rows = BTreeMap<String, (Option<String>, i64, bool, Option<Value>)>;
 
 async fn rows(pool: &PgPool, endpoint: EndpointId) -> Rows {
-    let rows: Vec<store::CopiedStory> = sqlx::query_as(
+    let rows: Vec<store::CopiedStory> = rows_of(
+        pool,
         "SELECT id, ticker, version, closed, story FROM stories WHERE endpoint_id = $1",
+        endpoint,
     )
-    .bind(endpoint)
-    .fetch_all(pool)
-    .await
-    .unwrap();
+    .await;
     rows.into_iter()
         .map(|r| (r.id, (r.ticker, r.version, r.closed, r.story)))
         .collect()
@@ -155,14 +154,13 @@ type OutboxRow = (
 );
 
 async fn outbox(pool: &PgPool, endpoint: EndpointId) -> Vec<OutboxRow> {
-    sqlx::query_as(
+    rows_of(
+        pool,
         "SELECT change_seq, kind, operation, subject, story_version, merged_into, item::jsonb
          FROM changes WHERE endpoint_id = $1 ORDER BY change_seq",
+        endpoint,
     )
-    .bind(endpoint)
-    .fetch_all(pool)
     .await
-    .unwrap()
 }
 
 /// The copy a consumer rebuilds from the outbox (what `relay tail` does with the queue).
@@ -279,14 +277,13 @@ async fn causes(
     pool: &PgPool,
     endpoint: EndpointId,
 ) -> Vec<(String, String, Option<String>, Option<i64>)> {
-    sqlx::query_as(
+    rows_of(
+        pool,
         "SELECT operation, subject, event_id, reload_generation FROM changes
          WHERE endpoint_id = $1 ORDER BY change_seq",
+        endpoint,
     )
-    .bind(endpoint)
-    .fetch_all(pool)
     .await
-    .unwrap()
 }
 
 /// One run writes a story several times (saves, a late save, a close that merges, a save after
@@ -595,12 +592,12 @@ async fn a_silent_claim_takes_the_key_and_a_later_one_notifies_nothing() {
         );
     }
     assert_eq!(writer.commit().await.unwrap(), 1, "one change appended");
-    let claimed: Vec<(String, Option<String>)> =
-        sqlx::query_as("SELECT key, event_id FROM claimed WHERE endpoint_id = $1 ORDER BY key")
-            .bind(endpoint)
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
+    let claimed: Vec<(String, Option<String>)> = rows_of(
+        &db.pool,
+        "SELECT key, event_id FROM claimed WHERE endpoint_id = $1 ORDER BY key",
+        endpoint,
+    )
+    .await;
     assert_eq!(
         claimed,
         vec![
@@ -731,13 +728,12 @@ async fn random_streams_through_the_statements_and_the_rules_give_the_same_copy(
 
 /// The stories owed a read, with how many times each was recorded.
 async fn owed(pool: &PgPool, endpoint: EndpointId) -> Vec<(String, i64)> {
-    sqlx::query_as(
+    rows_of(
+        pool,
         "SELECT story_id, recorded FROM story_reads_owed WHERE endpoint_id = $1 ORDER BY story_id",
+        endpoint,
     )
-    .bind(endpoint)
-    .fetch_all(pool)
     .await
-    .unwrap()
 }
 
 /// A read owed is written in the transaction that moves the cursor: both commit, or neither

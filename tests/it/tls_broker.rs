@@ -23,7 +23,7 @@ use relay_publisher::lapin::types::FieldTable;
 use relay_publisher::lapin::{Connection, ExchangeKind};
 use relay_publisher::{tenant_queue, ChangeMessage, ReferenceConsumer};
 use relay_store::PoolOptions;
-use relay_tests::{amqp_addr, redis_url, RedisPrefix, TestDb};
+use relay_tests::{amqp_addr, redis_url, rows_of, RedisPrefix, TestDb};
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
 use uuid::Uuid;
@@ -74,13 +74,12 @@ async fn assert_every_change_once(pool: &PgPool, tenant: Uuid, messages: &[Deliv
     assert_eq!(stats.waiting, 0, "seed {seed}: {stats:?}");
     assert_eq!(stats.duplicates, 0, "seed {seed}: {stats:?}");
     assert_eq!(stats.other_tenant, 0, "seed {seed}: {stats:?}");
-    let endpoints: Vec<(Uuid, i64)> = sqlx::query_as(
+    let endpoints: Vec<(Uuid, i64)> = rows_of(
+        pool,
         "SELECT endpoint_id, count(*) FROM changes WHERE tenant_id = $1 GROUP BY endpoint_id",
+        tenant,
     )
-    .bind(tenant)
-    .fetch_all(pool)
-    .await
-    .unwrap();
+    .await;
     assert!(!endpoints.is_empty(), "seed {seed}: nothing was written");
     for (endpoint, count) in endpoints {
         assert_eq!(
