@@ -29,8 +29,9 @@ use serde_json::{json, Value};
 use sqlx::PgPool;
 use uuid::Uuid;
 
-/// A stories endpoint registered for a new tenant, and its fencing token.
-async fn stories_endpoint(db: &TestDb) -> (TenantId, EndpointId, i64) {
+/// A snapshot-mode stories endpoint of a new tenant, following `tickers`, with no upstream (so
+/// a sequencer runs no sync for it: only its messages are applied).
+pub(crate) async fn register_stories(db: &TestDb, tickers: &[&str]) -> (TenantId, EndpointId) {
     let tenant = TenantId(db.tenant().await);
     let endpoint = EndpointId(Uuid::new_v4());
     endpoints::register(
@@ -40,7 +41,7 @@ async fn stories_endpoint(db: &TestDb) -> (TenantId, EndpointId, i64) {
             id: endpoint,
             source: Source::Stories(StoriesSettings {
                 mode: StoriesMode::Snapshot,
-                tickers: vec!["ALFA B".into(), "BETA".into()],
+                tickers: tickers.iter().map(|t| t.to_string()).collect(),
             }),
             lang: None,
             upstream_base_url: None,
@@ -50,6 +51,13 @@ async fn stories_endpoint(db: &TestDb) -> (TenantId, EndpointId, i64) {
     )
     .await
     .unwrap();
+    (tenant, endpoint)
+}
+
+/// A stories endpoint registered for a new tenant, and its fencing token (claimed: no
+/// sequencer may run beside it).
+async fn stories_endpoint(db: &TestDb) -> (TenantId, EndpointId, i64) {
+    let (tenant, endpoint) = register_stories(db, &["ALFA B", "BETA"]).await;
     let token = db.claim_fence(endpoint.0).await;
     (tenant, endpoint, token)
 }

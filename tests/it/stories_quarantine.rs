@@ -7,43 +7,18 @@
 
 use std::time::{Duration, Instant};
 
-use relay_rules::{ApplyBackoff, StoriesMode};
+use relay_rules::ApplyBackoff;
 use relay_sequencer::{Sequencer, SequencerConfig, SequencerMetrics};
-use relay_store::endpoints::{self, Registration, Source, StoriesSettings};
 use relay_store::quarantine::{self, Resolution};
 use relay_store::{cursors, EndpointId, TenantId};
-use relay_tests::{random_secret, redis_url, RedisPrefix, TestDb};
+use relay_tests::{redis_url, RedisPrefix, TestDb};
 use serde_json::json;
 use sqlx::PgPool;
 use uuid::Uuid;
 
 use crate::sequencer_apply::{incoming, store_new};
 use crate::sequencer_quarantine::refuse_poison;
-
-/// A snapshot-mode stories endpoint of a new tenant, following `ALFA`, with no upstream (so no
-/// sync runs: only its messages are applied).
-async fn stories_endpoint(db: &TestDb) -> (TenantId, EndpointId) {
-    let tenant = TenantId(db.tenant().await);
-    let endpoint = EndpointId(Uuid::new_v4());
-    endpoints::register(
-        &db.pool,
-        tenant,
-        &Registration {
-            id: endpoint,
-            source: Source::Stories(StoriesSettings {
-                mode: StoriesMode::Snapshot,
-                tickers: vec!["ALFA".into()],
-            }),
-            lang: None,
-            upstream_base_url: None,
-            upstream_api_key: None,
-            secrets: vec![random_secret()],
-        },
-    )
-    .await
-    .unwrap();
-    (tenant, endpoint)
-}
+use crate::stories_copy::register_stories;
 
 /// A live `story.updated` of `story_id` at `version`, as the upstream sends it.
 fn story_updated(event_id: &str, story_id: &str, version: i64) -> Vec<u8> {
@@ -109,8 +84,8 @@ fn tries(prefix: &RedisPrefix, attempts: u32, (first, max): (u64, u64)) -> Seque
 async fn a_stories_message_postgres_refuses_is_tried_then_quarantined_and_the_endpoint_goes_on() {
     let db = TestDb::new().await;
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-    let poisoned = stories_endpoint(&db).await;
-    let other = stories_endpoint(&db).await;
+    let poisoned = register_stories(&db, &["ALFA"]).await;
+    let other = register_stories(&db, &["ALFA"]).await;
     // A story id starting "poison" makes its write fail, as a value Postgres refuses would,
     // until the test lifts it.
     refuse_poison(&db.pool, ("stories", "id"), "story").await;
@@ -237,10 +212,10 @@ async fn a_stories_message_postgres_refuses_is_tried_then_quarantined_and_the_en
 async fn stories_runs_share_transactions_and_a_refused_run_fails_alone() {
     let db = TestDb::new().await;
     let prefix = RedisPrefix(format!("relay-test-{}:", Uuid::new_v4().simple()));
-    let poisoned = stories_endpoint(&db).await;
+    let poisoned = register_stories(&db, &["ALFA"]).await;
     let mut others = Vec::new();
     for _ in 0..12 {
-        others.push(stories_endpoint(&db).await);
+        others.push(register_stories(&db, &["ALFA"]).await);
     }
     refuse_poison(&db.pool, ("stories", "id"), "story").await;
     let metrics = SequencerMetrics::unregistered();
