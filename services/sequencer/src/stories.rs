@@ -35,7 +35,7 @@ use tokio::sync::watch;
 use tokio::task::{JoinError, JoinHandle};
 
 use crate::apply::{ApplyError, BatchReport};
-use crate::batch::BatchedRun;
+use crate::batch::{apply_runs, BatchedRun};
 use crate::metrics::SequencerMetrics;
 use crate::reload::BackingOff;
 use crate::source::{Applied, JobEnded, Owned, SourceKind};
@@ -748,6 +748,14 @@ async fn reload_in_full(
     Ok(())
 }
 
+/// The longest run of stored messages that joins other endpoints' runs in a shared transaction.
+/// A stories run's statements are its own (each run in a savepoint, not one statement for all
+/// runs as the feed's), so a shared transaction saves each run its transaction's fixed cost (a
+/// connection, begin, commit and its WAL flush) but runs the runs one after another: worth it
+/// for the short runs of a steady stream, not for a backlog's long runs, which apply in
+/// transactions of their own, side by side.
+const SHARED_RUN_MESSAGES: usize = 4;
+
 /// Open stories the copy holds, read per step-two batch.
 const STEP_TWO_BATCH: i64 = 500;
 
@@ -913,8 +921,19 @@ impl SourceKind for StoriesSource {
         pending: Vec<PendingMessage>,
     ) -> Result<Applied, ApplyError> {
         let run = PreparedStoriesRun::prepare(owned, &self.ctx, moves, pending).await;
-        // The batcher announces the changes of every run it committed, together.
-        let report = owned.config.stories_runs.apply(run).await?;
+        let report = if run.pending.len() <= SHARED_RUN_MESSAGES {
+            // The batcher announces the changes of every run it committed, together.
+            owned.config.stories_runs.apply(run).await?
+        } else {
+            let report = apply_runs(owned.pool, vec![run], owned.metrics)
+                .await
+                .pop()
+                .expect("one answer per run")?;
+            if report.changes > 0 {
+                announce(owned.config, self.ctx.tenant, self.ctx.id).await;
+            }
+            report
+        };
         self.last_message = Instant::now();
         Ok(Applied {
             messages: report.messages,
