@@ -10,7 +10,9 @@ use axum::routing::post;
 use axum::Router;
 use relay_simulator::cli::prepare;
 use relay_simulator::SimulateArgs;
-use relay_wire::{verify, Message, SignatureHeaders, SigningSecret};
+use relay_wire::{Message, SigningSecret};
+
+use crate::common::verify_received;
 
 #[derive(Default)]
 struct Receiver {
@@ -25,18 +27,8 @@ async fn receive(
     headers: HeaderMap,
     body: bytes::Bytes,
 ) -> StatusCode {
-    let h = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let signature = SignatureHeaders {
-        webhook_id: h("webhook-id"),
-        webhook_timestamp: h("webhook-timestamp"),
-        webhook_signature: h("webhook-signature"),
-    };
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs() as i64;
     let secrets = receiver.secrets.get(&id).cloned().unwrap_or_default();
-    match verify(signature, &body, &secrets, now)
+    match verify_received(&headers, &body, &secrets)
         .map_err(|e| e.to_string())
         .and_then(|_| Message::parse(&body).map_err(|e| e.to_string()))
     {

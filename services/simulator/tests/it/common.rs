@@ -5,12 +5,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::http::HeaderMap;
 use relay_simulator::driver::Simulation;
 use relay_simulator::model::{Access, ChangeKind, Filter, World};
 use relay_simulator::upstream::{Answer, EndpointSpec, Outgoing, SenderConfig, Upstream};
 use relay_simulator::workload::companies;
 use relay_simulator::Faults;
-use relay_wire::{ItemKind, SigningSecret};
+use relay_wire::{verify, ItemKind, SignatureHeaders, SigningSecret, VerifyError};
 use serde_json::Value;
 use uuid::Uuid;
 
@@ -19,6 +20,26 @@ pub const WALL: i64 = 1_791_439_212;
 
 pub fn secret() -> SigningSecret {
     SigningSecret::parse("whsec_d2ViaG9vay1leGFtcGxlLXNlY3JldC12MSEh").unwrap()
+}
+
+/// Verifies a received webhook's signature headers over `body` against `secrets`, now (a
+/// receiver's check, as the relay's front tier makes it).
+pub fn verify_received(
+    headers: &HeaderMap,
+    body: &[u8],
+    secrets: &[SigningSecret],
+) -> Result<i64, VerifyError> {
+    let h = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let signature = SignatureHeaders {
+        webhook_id: h("webhook-id"),
+        webhook_timestamp: h("webhook-timestamp"),
+        webhook_signature: h("webhook-signature"),
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    verify(signature, body, secrets, now)
 }
 
 /// An upstream with the workload's companies and one key with full access to all of them.

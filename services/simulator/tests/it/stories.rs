@@ -21,6 +21,8 @@ use relay_wire::{verify, SignatureHeaders, SigningSecret};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
+use crate::common::verify_received;
+
 const WALL: i64 = 1_791_439_212;
 const KEY: &str = "sk_test";
 const ALFA: &str = "ALFA B";
@@ -932,17 +934,7 @@ async fn receive(
     if *consumer.down.lock().unwrap() {
         return StatusCode::SERVICE_UNAVAILABLE;
     }
-    let h = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let signature = SignatureHeaders {
-        webhook_id: h("webhook-id"),
-        webhook_timestamp: h("webhook-timestamp"),
-        webhook_signature: h("webhook-signature"),
-    };
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs() as i64;
-    if let Err(error) = verify(signature, &body, &consumer.secrets, now) {
+    if let Err(error) = verify_received(&headers, &body, &consumer.secrets) {
         consumer.refused.lock().unwrap().push(error.to_string());
         return StatusCode::UNAUTHORIZED;
     }
@@ -951,7 +943,7 @@ async fn receive(
         .webhook_ids
         .lock()
         .unwrap()
-        .push(h("webhook-id").unwrap().to_owned());
+        .push(headers["webhook-id"].to_str().unwrap().to_owned());
     let event: Value = serde_json::from_slice(&body).unwrap();
     consumer.apply(&event);
     StatusCode::NO_CONTENT
