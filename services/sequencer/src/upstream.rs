@@ -457,22 +457,14 @@ impl UpstreamClient {
         let mut pass = FeedPass::default();
         let mut cursor: Option<String> = None;
         loop {
-            let mut query = selection.query();
-            query.push(("limit", self.page_limit.to_string()));
-            if let Some(cursor) = &cursor {
-                query.push(("cursor", cursor.clone()));
-            }
-            let answered = self.get("/v1/feed", &query, Holds::Page).await?;
-            if answered.status == StatusCode::GONE {
-                return Err(UpstreamError::CursorExpired);
-            }
-            if answered.status != StatusCode::OK {
-                return Err(UpstreamError::Status {
-                    url: answered.url,
-                    status: answered.status,
-                });
-            }
-            let (url, json) = Self::json(answered)?;
+            let (url, json) = self
+                .read_page(
+                    "/v1/feed",
+                    selection.query(),
+                    cursor.as_deref(),
+                    self.page_limit,
+                )
+                .await?;
             let page =
                 answer::FeedPage::from_value(json).map_err(|e| UpstreamError::refused(&url, e))?;
             pass.items
@@ -549,14 +541,21 @@ pub struct EventsPage {
 }
 
 impl UpstreamClient {
-    /// One page of a listing at `path` (`limit` and `cursor` added to `query`), as JSON.
+    /// The stories API's listings answer at most [`STORIES_PAGE_LIMIT`] a page.
+    fn stories_page_limit(&self) -> usize {
+        self.page_limit.min(STORIES_PAGE_LIMIT)
+    }
+
+    /// One page of a listing at `path` (`limit` and `cursor` added to `query`), as JSON; a
+    /// 410 is the cursor's expiry.
     async fn read_page(
         &self,
         path: &str,
         mut query: Vec<(&'static str, String)>,
         cursor: Option<&str>,
+        limit: usize,
     ) -> Result<(String, Value), UpstreamError> {
-        query.push(("limit", self.page_limit.min(STORIES_PAGE_LIMIT).to_string()));
+        query.push(("limit", limit.to_string()));
         if let Some(cursor) = cursor {
             query.push(("cursor", cursor.to_owned()));
         }
@@ -577,7 +576,9 @@ impl UpstreamClient {
     /// every event for the key's tickers, in the order published. `CursorExpired` on a 410: the
     /// cursor is older than the window, and the copy must be reloaded in full.
     pub async fn read_events(&self, cursor: Option<&str>) -> Result<EventsPage, UpstreamError> {
-        let (url, json) = self.read_page("/v1/events", Vec::new(), cursor).await?;
+        let (url, json) = self
+            .read_page("/v1/events", Vec::new(), cursor, self.stories_page_limit())
+            .await?;
         let page =
             answer::EventsAnswer::from_value(&json).map_err(|e| UpstreamError::refused(&url, e))?;
         Ok(EventsPage {
@@ -595,7 +596,12 @@ impl UpstreamClient {
         cursor: Option<&str>,
     ) -> Result<(Vec<Story>, Option<String>), UpstreamError> {
         let (url, json) = self
-            .read_page("/v1/stories", vec![("ticker", ticker.to_owned())], cursor)
+            .read_page(
+                "/v1/stories",
+                vec![("ticker", ticker.to_owned())],
+                cursor,
+                self.stories_page_limit(),
+            )
             .await?;
         let page = answer::StoriesAnswer::from_value(&json)
             .map_err(|e| UpstreamError::refused(&url, e))?;
