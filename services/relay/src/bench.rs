@@ -46,6 +46,10 @@ pub enum BenchCommand {
     /// Stories endpoints' events applied per second and a reload in full of a large stories
     /// copy, each beside the feed's figure for the same work, alternating in one run.
     Stories(crate::bench_stories::StoriesBenchArgs),
+    /// The whole path (receipt to a change confirmed in the tenant's queue) beside the front
+    /// tier alone, for one or more builds' binaries in turns, with CPU by process, WAL, rows and
+    /// commits per message, and the machine's ceilings for the same work.
+    Path(crate::bench_path::PathBenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -122,6 +126,7 @@ pub async fn run(global: &GlobalArgs, command: BenchCommand) -> anyhow::Result<(
         BenchCommand::Pipeline(args) => pipeline(global, args).await,
         BenchCommand::Isolation(args) => crate::bench_isolation::run(global, args).await,
         BenchCommand::Stories(args) => crate::bench_stories::run(global, args).await,
+        BenchCommand::Path(args) => crate::bench_path::run(global, args).await,
     }
 }
 

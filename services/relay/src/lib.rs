@@ -15,6 +15,7 @@
 
 pub mod bench;
 mod bench_isolation;
+mod bench_path;
 mod bench_stories;
 pub mod cli;
 pub mod commands;
