@@ -88,6 +88,10 @@ pub struct PathBenchArgs {
     /// retention periods and partition length that make it forget at the load's own rate.
     #[arg(long, value_delimiter = ',')]
     pub retention_env: Vec<String>,
+    /// `NAME=VALUE` settings of the runs' database (`ALTER DATABASE ... SET`, comma-separated),
+    /// e.g. `log_min_duration_statement=0` to see in the server's log where its time goes.
+    #[arg(long, value_delimiter = ',')]
+    pub database_setting: Vec<String>,
     /// RabbitMQ's AMQP address, without a vhost: each run gets a vhost of its own.
     #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672")]
     pub amqp_server_url: String,
@@ -240,6 +244,23 @@ impl Bench<'_> {
         sqlx::query(&format!("CREATE DATABASE {DATABASE}"))
             .execute(&mut admin)
             .await?;
+        for setting in &self.args.database_setting {
+            let (name, value) = setting
+                .split_once('=')
+                .with_context(|| format!("--database-setting {setting:?}: NAME=VALUE"))?;
+            if !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+            {
+                bail!("--database-setting {name:?}: a setting's name");
+            }
+            sqlx::query(&format!(
+                "ALTER DATABASE {DATABASE} SET {name} = '{}'",
+                value.replace('\'', "''")
+            ))
+            .execute(&mut admin)
+            .await?;
+        }
         Ok(())
     }
 
