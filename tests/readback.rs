@@ -144,3 +144,37 @@ fn change_of(
         published,
     }
 }
+
+/// How each of the endpoint's stored messages was applied, in arrival order, read through the
+/// store's own listing (as the control plane reads it): `(arrival_seq, outcome, events applied,
+/// events ignored)`, the outcome `None` while a message waits.
+pub async fn message_outcomes(
+    pool: &sqlx::PgPool,
+    endpoint: Uuid,
+) -> Result<Vec<(i64, Option<String>, Option<i32>, Option<i32>)>, relay_store::StoreError> {
+    let tenant: Uuid = sqlx::query_scalar("SELECT tenant_id FROM webhook_endpoints WHERE id = $1")
+        .bind(endpoint)
+        .fetch_one(pool)
+        .await?;
+    let query = relay_store::messages::MessageQuery {
+        newest_first: false,
+        cursor: None,
+        limit: i64::MAX,
+        include_body: false,
+        status: None,
+        duplicated: false,
+        received_from: None,
+        received_before: None,
+    };
+    let listed = relay_store::messages::list_with_outcomes(
+        pool,
+        relay_store::TenantId(tenant),
+        relay_store::EndpointId(endpoint),
+        &query,
+    )
+    .await?;
+    Ok(listed
+        .into_iter()
+        .map(|m| (m.arrival_seq, m.outcome, m.events_applied, m.events_ignored))
+        .collect())
+}

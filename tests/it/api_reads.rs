@@ -178,10 +178,26 @@ async fn reads_page_and_filter_the_copy_and_show_state_and_messages() {
     assert_eq!(data[0]["applied"], Value::Null, "message 3 waits");
     assert_eq!(data[1]["applied"]["outcome"], "applied");
     assert_eq!(data[1]["applied"]["events_applied"], 1);
+    // Passed by the cursor with no row of its own: applied with all its events (the common
+    // outcome needs no row; the message's event count says how many).
     assert_eq!(
-        data[2]["applied"]["outcome"], "unrecorded",
+        data[2]["applied"]["outcome"], "applied",
         "passed by the cursor"
     );
+    assert_eq!(data[2]["applied"]["events_applied"], 1);
+    assert_eq!(data[2]["applied"]["events_ignored"], 0);
+    // One stored before event counts were kept says it does not know.
+    execute_for(
+        &app.db,
+        "UPDATE messages SET events = NULL WHERE endpoint_id = $1 AND arrival_seq = 1
+             AND tenant_id = $2",
+        endpoint,
+        tenant,
+    )
+    .await;
+    let older = app.ok(200, "GET", &e("/messages"), &token, None).await;
+    assert_eq!(older["data"][2]["applied"]["outcome"], "unrecorded");
+    assert_eq!(older["data"][2]["status"], "applied");
     assert_eq!(data[0]["track"], "feed");
     let first_page = app
         .ok(

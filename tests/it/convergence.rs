@@ -515,8 +515,10 @@ async fn converge(run: Run) {
         items_total += copy.len();
     }
     let (messages, resets): (i64, i64) = sqlx::query_as(
-        "SELECT count(*), count(*) FILTER (WHERE outcome IN ('reload_begun', 'reload_superseded'))
-         FROM message_applications",
+        "SELECT (SELECT count(*) FROM messages m JOIN endpoint_apply_cursors c
+                     ON c.endpoint_id = m.endpoint_id AND m.arrival_seq <= c.applied_arrival_seq),
+                (SELECT count(*) FROM message_applications
+                 WHERE outcome IN ('reload_begun', 'reload_superseded'))",
     )
     .fetch_one(&pool)
     .await

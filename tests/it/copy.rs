@@ -956,6 +956,8 @@ impl Case<'_> {
             at
         );
 
+        // A row for each exception only: the common outcome (applied, nothing ignored) is
+        // said by the cursor passing the message.
         let notes: Vec<(i64, String, i32, i32)> = rows_of(
             pool,
             "SELECT arrival_seq, outcome, events_applied, events_ignored
@@ -968,6 +970,7 @@ impl Case<'_> {
             .iter()
             .zip(&self.model.outcomes)
             .enumerate()
+            .filter(|(_, (note, _))| note.is_exception())
             .map(|(i, (note, outcome))| {
                 let (a, b) = (note.events_applied as i32, note.events_ignored as i32);
                 (i as i64 + 1, outcome.as_str().to_owned(), a, b)
@@ -1243,7 +1246,12 @@ async fn write(conn: &mut sqlx::PgConnection, claim: TrackClaim, plan: &RunPlan)
         arrival_seqs: &seqs,
         last_received_at: None,
     };
-    runs::write_runs(conn, &[write]).await.unwrap()[0]
+    runs::write_runs(conn, &[write])
+        .await
+        .unwrap()
+        .into_iter()
+        .next()
+        .expect("one run written")
 }
 
 /// A plan decided from a view of the endpoint that is not what it holds now (`track`, or the

@@ -150,6 +150,7 @@ async fn a_batch_postgres_refuses_is_stored_again_without_the_message_that_broke
             "feed".to_owned()
         }),
         generation: Some(1),
+        events: Some(1),
         body: feed_body(endpoint, n as u64).into(),
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);

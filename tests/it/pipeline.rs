@@ -25,10 +25,12 @@ use relay_tests::{amqp_addr, printed_seed, PgProxy, ProxyMode, TestApp};
 use uuid::Uuid;
 
 use crate::stack::{
-    change_count, check_tenant_queue, connect_broker, describe_difference, metric, oracle,
-    publisher_config, quiesce, serve_simulation, simulate_args, start_publisher, start_sequencer,
-    stop_simulation, upstream_listener, Api, Relay, Room,
+    change_count, check_tenant_queue, connect_broker, describe_difference, labelled, metric,
+    oracle, publisher_config, quiesce, sequencer_config, serve_simulation, simulate_args,
+    start_publisher, start_sequencer_with, stop_simulation, upstream_listener, Api, Relay, Room,
 };
+use relay_publisher::PublisherConfig;
+use relay_sequencer::{SequencerConfig, SequencerMetrics};
 
 // ---- The run ----
 
@@ -57,22 +59,34 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     let pool = app.db.pool.clone();
 
     // 2. The control plane, a sequencer and the publisher (its broker behind a proxy, on a pool
-    // of its own).
+    // of its own). As in `relay all`, the sequencer hands the changes it commits to the
+    // publisher in memory; the publisher killed below leaves its inboxes behind, and its
+    // successor takes the tenants over from the outbox and the hand-over both.
+    let changes = relay_coord::Handoff::new(8 << 20, 64 << 20);
     let relay = Relay {
         api: Api::start(&app.db.url, &vhost.url(), OutboundPolicy::ANY).await,
-        sequencer: start_sequencer(&app.db.url, &prefix.0, 16, OutboundPolicy::ANY).await,
+        sequencer: start_sequencer_with(
+            &app.db.url,
+            SequencerConfig {
+                changes_handoff: Some(changes.clone()),
+                ..sequencer_config(&prefix.0, 16, OutboundPolicy::ANY)
+            },
+            SequencerMetrics::unregistered(),
+        )
+        .await,
         app,
         publisher: None,
+    };
+    let publisher_config = |amqp_url: String| PublisherConfig {
+        changes_handoff: Some(changes.clone()),
+        ..publisher_config(amqp_url, &prefix.0)
     };
     let (app, api) = (&relay.app, &relay.api);
     let proxy = PgProxy::start(amqp_addr()).await;
     let amqp_url = vhost.url_via(proxy.address);
     let publisher_pool = relay_store::connect(&app.db.url, &PoolOptions::default()).unwrap();
-    let (mut publisher, first_registry) = start_publisher(
-        &publisher_pool,
-        publisher_config(amqp_url.clone(), &prefix.0),
-    )
-    .await;
+    let (mut publisher, first_registry) =
+        start_publisher(&publisher_pool, publisher_config(amqp_url.clone())).await;
 
     // 3. Onboarding, through the API only.
     let (sim_listener, upstream_api) = upstream_listener("127.0.0.1").await;
@@ -135,6 +149,7 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     ];
     plan.sort_by_key(|(at, _)| *at);
     eprintln!("pipeline: seed {seed}: disruptions (ms after the start) {plan:?}");
+    let mut last_registry = prometheus::Registry::new();
     let started = Instant::now();
     let workload_task = tokio::spawn(sim.clone().run_workload(workload, rate, duration));
     for (at, disruption) in plan {
@@ -144,11 +159,8 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
             Disruption::BrokerBack => proxy.set(ProxyMode::Pass),
             Disruption::KillPublisher => {
                 publisher.abort();
-                (publisher, _) = start_publisher(
-                    &publisher_pool,
-                    publisher_config(amqp_url.clone(), &prefix.0),
-                )
-                .await;
+                (publisher, last_registry) =
+                    start_publisher(&publisher_pool, publisher_config(amqp_url.clone())).await;
             }
         }
     }
@@ -168,6 +180,20 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     let quiesced_in = quiesce(&pool, &sim, &ids, Duration::from_secs(180), seed).await;
     // The publisher is done: stop it, so the queues' counts are final.
     publisher.stop().await;
+    // Most changes were handed over; some were read (a tenant's first changes, those of the
+    // publisher's outage and its successor's first).
+    let taken = |registry: &prometheus::Registry, source: &str| {
+        labelled(
+            registry,
+            "relay_publisher_changes_taken_total",
+            "source",
+            source,
+        )
+    };
+    let handed = taken(&first_registry, "handed") + taken(&last_registry, "handed");
+    let read = taken(&first_registry, "outbox") + taken(&last_registry, "outbox");
+    eprintln!("pipeline: seed {seed}: changes handed over {handed}, read from the outbox {read}");
+    assert!(handed > 0.0, "seed {seed}: nothing was handed over");
 
     // 6a. Each endpoint's copy, read through the API with its tenant's token, is the oracle's;
     // its state says nothing is left.

@@ -83,6 +83,9 @@ impl Env {
             retry_min: Duration::from_millis(20),
             retry_max: Duration::from_millis(300),
             idle_release: Duration::from_millis(500),
+            // Each mark as soon as the one before ended, so that a test's writes take several
+            // rounds (the hooks count them).
+            mark_interval: Duration::ZERO,
             metrics_interval: Duration::from_millis(100),
             destination_refresh: Duration::from_millis(300),
             // Every broker here is on 127.0.0.1; a tenant's "own" broker is the test's vhost

@@ -18,6 +18,7 @@ use relay_store::cursors::{self, PendingMessage};
 use relay_store::endpoints::EndpointRegistration;
 use relay_store::messages::{store_batch, IncomingMessage, StoreOutcome};
 use relay_store::tracks;
+use relay_store::KeptConnection;
 use relay_tests::{execute_for, random_secret, redis_url, TestDb};
 use serde_json::{json, Value};
 use time::OffsetDateTime;
@@ -100,6 +101,7 @@ pub(crate) fn incoming(
     generation: Option<i64>,
     body: impl Into<Bytes>,
 ) -> IncomingMessage {
+    let body: Bytes = body.into();
     IncomingMessage {
         endpoint_id: endpoint,
         tenant_id: tenant,
@@ -109,7 +111,11 @@ pub(crate) fn incoming(
         received_at: OffsetDateTime::now_utc(),
         track,
         generation,
-        body: body.into(),
+        // As the front tier counts them.
+        events: relay_wire::Message::parse(&body)
+            .ok()
+            .map(|m| m.events.len() as i32),
+        body,
     }
 }
 
@@ -143,7 +149,7 @@ pub(crate) async fn apply_messages(
         metrics,
     )
     .await?;
-    apply_runs(pool, vec![run], metrics)
+    apply_runs(&mut KeptConnection::new(pool.clone()), vec![run], metrics)
         .await
         .pop()
         .expect("one answer per run")
@@ -303,13 +309,12 @@ async fn a_run_of_messages_applies_in_order_with_duplicates_and_older_generation
         vec![1, 2, 3],
         "one change per event that changed the copy"
     );
-    let outcomes: Vec<String> = sqlx::query_scalar(
-        "SELECT outcome FROM message_applications WHERE endpoint_id = $1 ORDER BY arrival_seq",
-    )
-    .bind(s.endpoint)
-    .fetch_all(&s.db.pool)
-    .await
-    .unwrap();
+    let outcomes: Vec<String> = relay_tests::readback::message_outcomes(&s.db.pool, s.endpoint)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|(_, outcome, _, _)| outcome)
+        .collect();
     assert_eq!(
         outcomes,
         [
@@ -455,7 +460,7 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
     ];
     let a_stale_run = prepared(&s.db, &a_ctx, a_token).await;
     let metrics = SequencerMetrics::unregistered();
-    let answers = apply_runs(&s.db.pool, runs, &metrics).await;
+    let answers = apply_runs(&mut KeptConnection::new(s.db.pool.clone()), runs, &metrics).await;
     assert_eq!(answers.len(), 3);
     assert_eq!(answers[0].as_ref().unwrap().changes, 2, "{answers:?}");
     assert_eq!(answers[1].as_ref().unwrap().changes, 1, "{answers:?}");
@@ -481,7 +486,7 @@ async fn runs_of_several_endpoints_share_a_transaction_and_each_is_answered_for_
     // fails as a whole, and each run is tried alone, so B's still applies, once.
     store(&s.db, s.tenant, b, &[update(b, 1, "evt_3", 3, 12)]).await;
     let runs = vec![a_stale_run, prepared(&s.db, &b_ctx, b_token).await];
-    let answers = apply_runs(&s.db.pool, runs, &metrics).await;
+    let answers = apply_runs(&mut KeptConnection::new(s.db.pool.clone()), runs, &metrics).await;
     assert!(
         matches!(answers[0], Err(ApplyError::CursorMoved)),
         "{answers:?}"

@@ -631,6 +631,8 @@ pub(crate) fn publisher_config(amqp_url: String, key_prefix: &str) -> PublisherC
         retry_min: Duration::from_millis(20),
         retry_max: Duration::from_millis(300),
         idle_release: Duration::from_millis(500),
+        // Tests read the publish cursors soon after the queue has the changes.
+        mark_interval: Duration::from_millis(100),
         metrics_interval: Duration::from_millis(100),
         destination_refresh: Duration::from_millis(300),
         ..PublisherConfig::default()
@@ -1062,6 +1064,7 @@ impl CopyWriter {
         assert!(written[0].cursor_moved);
         tx.commit().await.unwrap();
         self.next_seq = to;
+        assert_appended_is_the_outbox(pool, self.claim, &written[0]).await;
         plan
     }
 
@@ -1075,6 +1078,38 @@ impl CopyWriter {
         relay_store::copy::merge(pool, self.claim, reload, pass)
             .await
             .unwrap()
+    }
+}
+
+/// What `write_runs` reports appended (what the sequencer hands the publisher of its process) is
+/// what the publisher would read back from the outbox: every column, each change as its
+/// message.
+pub(crate) async fn assert_appended_is_the_outbox(
+    pool: &PgPool,
+    claim: relay_store::tracks::TrackClaim,
+    written: &relay_store::runs::RunWritten,
+) {
+    assert_eq!(
+        written.appended.len() as i64,
+        written.changes,
+        "every change appended"
+    );
+    let Some(first) = written.appended.first() else {
+        return;
+    };
+    let plan = [(claim.endpoint, first.change_seq - 1, written.changes)];
+    let read = relay_store::changes::next_changes(pool, claim.tenant, &plan)
+        .await
+        .unwrap();
+    assert_eq!(read.len(), written.appended.len());
+    for (handed, read) in written.appended.iter().zip(read) {
+        let diff = |text: &str| serde_json::from_str::<serde_json::Value>(text).unwrap();
+        assert_eq!(diff(&handed.parts_diff), diff(&read.parts_diff));
+        let same_diff = relay_store::changes::Unpublished {
+            parts_diff: handed.parts_diff.clone(),
+            ..read
+        };
+        assert_eq!(format!("{handed:?}"), format!("{same_diff:?}"));
     }
 }
 

@@ -15,15 +15,19 @@
 //!   ([`changes_channel`]). Hints that may be lost: each tier also polls Postgres.
 //! - `redis_client`: opening Redis ([`open_redis`]: `redis://`, or `rediss://` checked against
 //!   the operator's trust roots), and whether it answers ([`redis_answers`], for readiness).
+//! - `handoff`: when two tiers run in one process, what one committed handed to the other's
+//!   owning task in memory ([`Handoff`]), so it is not read back from Postgres.
 //! - `gather`: group commit: tasks sharing a queue each take what gathered while they were busy
 //!   ([`Gather`], within [`GatherLimits`]), so many callers' jobs share one transaction.
 
 mod gather;
+mod handoff;
 mod ownership;
 mod redis_client;
 mod wake;
 
 pub use gather::{Gather, GatherLimits};
+pub use handoff::{Handoff, Inbox};
 pub use ownership::{
     check_fence, Fence, Held, Lease, Owned, Owners, OwnershipConfig, OwnershipError,
 };

@@ -346,11 +346,11 @@ async fn take_message(
         return Answer::Malformed(format!("a webhook-id is 1 to {MAX_WEBHOOK_ID_LEN} bytes"));
     }
 
-    let (track, generation, unparsed) = if endpoint.stories {
+    let (track, generation, events, unparsed) = if endpoint.stories {
         // One event per body (seed 000); it names no endpoint: the URL's id does.
         match StoryEvent::parse(&body) {
-            Ok(_) => (None, None, None),
-            Err(error) => (None, None, Some(error.to_string())),
+            Ok(_) => (None, None, Some(1), None),
+            Err(error) => (None, None, None, Some(error.to_string())),
         }
     } else {
         match Message::parse(&body) {
@@ -364,11 +364,13 @@ async fn take_message(
                 message.generation.map(|g| {
                     i64::try_from(g).expect("Message::parse keeps generations within a bigint")
                 }),
+                // At most the wire file's max_events (Message::parse refuses more).
+                i32::try_from(message.events.len()).ok(),
                 None,
             ),
             Err(error) => match named_endpoint(&body) {
                 Some(named) if named != endpoint_id => return Answer::EndpointMismatch { named },
-                _ => (None, None, Some(error.to_string())),
+                _ => (None, None, None, Some(error.to_string())),
             },
         }
     };
@@ -390,6 +392,7 @@ async fn take_message(
         received_at,
         track,
         generation,
+        events,
         body,
     };
     match state.writer.store(incoming, deadline).await {

@@ -49,6 +49,11 @@ pub struct PublisherConfig {
     pub retry_max: Duration,
     /// A tenant with no unpublished change for this long is released (its connection closed).
     pub idle_release: Duration,
+    /// Confirmed changes are marked published at most this long after the first of them was
+    /// confirmed (sooner when many wait): a mark moves one row per endpoint however many of its
+    /// changes it covers. What a crash leaves confirmed and unmarked is sent again, under the
+    /// same message ids (the stream is at least once), so this bounds how much that is.
+    pub mark_interval: Duration,
     /// How often the backlog gauges of an owned tenant are refreshed (its endpoints' change
     /// counters against their publish cursors).
     pub metrics_interval: Duration,
@@ -61,6 +66,10 @@ pub struct PublisherConfig {
     pub before_mark: Option<BeforeMark>,
     /// For the benchmark: told of each change the moment its broker confirm is taken in.
     pub on_confirm: Option<OnConfirm>,
+    /// This process's sequencer, when one runs here (`relay all`): the changes it commits for a
+    /// tenant this publisher owns are handed over in memory, so they are not read back from
+    /// the outbox (see the tenant loop's "Finding changes").
+    pub changes_handoff: Option<relay_coord::Handoff<relay_store::changes::Unpublished>>,
 }
 
 impl PublisherConfig {
@@ -114,10 +123,12 @@ impl fmt::Debug for PublisherConfig {
             .field("retry_min", &self.retry_min)
             .field("retry_max", &self.retry_max)
             .field("idle_release", &self.idle_release)
+            .field("mark_interval", &self.mark_interval)
             .field("metrics_interval", &self.metrics_interval)
             .field("destination_refresh", &self.destination_refresh)
             .field("before_mark", &self.before_mark)
             .field("on_confirm", &self.on_confirm)
+            .field("changes_handoff", &self.changes_handoff.is_some())
             .finish()
     }
 }
@@ -151,6 +162,7 @@ mod defaults {
     pub const RETRY_MIN_MS: u64 = 100;
     pub const RETRY_MAX_MS: u64 = 5_000;
     pub const IDLE_RELEASE_MS: u64 = 30_000;
+    pub const MARK_INTERVAL_MS: u64 = 1_000;
 }
 
 /// The same values as [`PublisherArgs`]' defaults (without reading the environment).
@@ -172,10 +184,12 @@ impl Default for PublisherConfig {
             retry_min: ms(defaults::RETRY_MIN_MS),
             retry_max: ms(defaults::RETRY_MAX_MS),
             idle_release: ms(defaults::IDLE_RELEASE_MS),
+            mark_interval: ms(defaults::MARK_INTERVAL_MS),
             metrics_interval: Duration::from_secs(1),
             destination_refresh: Duration::from_secs(10),
             before_mark: None,
             on_confirm: None,
+            changes_handoff: None,
         }
     }
 }
@@ -253,6 +267,17 @@ pub struct PublisherArgs {
         default_value_t = defaults::IDLE_RELEASE_MS
     )]
     pub publisher_idle_release_ms: u64,
+
+    /// Confirmed changes are recorded as published at most this many milliseconds after the
+    /// first of them was confirmed (each record moves one row per endpoint, whatever it covers).
+    /// A publisher that stops abruptly sends what it had not recorded again, under the same
+    /// message ids.
+    #[arg(
+        long,
+        env = "RELAY_PUBLISHER_MARK_INTERVAL_MS",
+        default_value_t = defaults::MARK_INTERVAL_MS
+    )]
+    pub publisher_mark_interval_ms: u64,
 }
 
 /// Where tenants' own-exchange destinations may point: read by the publisher (at every
@@ -303,6 +328,7 @@ impl PublisherArgs {
             retry_min: ms(defaults::RETRY_MIN_MS.min(self.publisher_retry_max_ms)),
             retry_max: ms(self.publisher_retry_max_ms),
             idle_release: ms(self.publisher_idle_release_ms),
+            mark_interval: ms(self.publisher_mark_interval_ms),
             ..PublisherConfig::default()
         }
     }

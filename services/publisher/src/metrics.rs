@@ -13,6 +13,9 @@ pub const BROKER_STAGES: [&str; 4] = ["connect", "refused", "publish", "confirm"
 
 /// What the publisher was doing when Postgres failed it, as the `stage` label of
 /// `relay_publisher_postgres_errors_total`.
+/// The `source` labels of `relay_publisher_changes_taken_total`.
+pub const CHANGE_SOURCES: [&str; 2] = ["handed", "outbox"];
+
 pub const POSTGRES_STAGES: [&str; 5] = ["poll", "read", "mark", "backlog", "destination"];
 
 #[derive(Clone)]
@@ -43,6 +46,9 @@ pub struct PublisherMetrics {
     pub postgres_errors: IntCounterVec,
     /// Tenants given up because their lease was lost or their fence taken.
     pub ownership_losses: IntCounter,
+    /// Changes taken to send, by where they were found: `handed` over in memory by the
+    /// sequencer of this process, or read from the `outbox`.
+    pub changes_taken: IntCounterVec,
 }
 
 impl PublisherMetrics {
@@ -125,7 +131,18 @@ impl PublisherMetrics {
                 "Tenants given up because their lease ran out or another publisher fenced \
                  this one out.",
             )?,
+            changes_taken: IntCounterVec::new(
+                Opts::new(
+                    "relay_publisher_changes_taken_total",
+                    "Changes taken to send, by where they were found: handed over by the \
+                     sequencer of this process, or read from the outbox.",
+                ),
+                &["source"],
+            )?,
         };
+        for source in CHANGE_SOURCES {
+            metrics.changes_taken.with_label_values(&[source]);
+        }
         for stage in POSTGRES_STAGES {
             metrics.postgres_errors.with_label_values(&[stage]);
         }
@@ -146,6 +163,7 @@ impl PublisherMetrics {
         registry.register(Box::new(metrics.broker_errors.clone()))?;
         registry.register(Box::new(metrics.postgres_errors.clone()))?;
         registry.register(Box::new(metrics.ownership_losses.clone()))?;
+        registry.register(Box::new(metrics.changes_taken.clone()))?;
         Ok(metrics)
     }
 

@@ -18,8 +18,14 @@
 //! reads that endpoint's next changes. The coordinator's poll asks for a sweep now and then
 //! (every endpoint of the tenant with a backlog), which finds what an announcement lost. Changes
 //! read wait in memory, a bounded number per endpoint and per tenant; what has been read,
-//! `held_through`, is remembered until it is marked, so a later read never returns a change
-//! already sent.
+//! `held_through`, is remembered while the tenant is owned, so a later read never returns a
+//! change already sent.
+//!
+//! When the sequencer runs in this process, it hands the changes it commits for the tenant to
+//! the task in memory (`relay_coord::Handoff`) instead of announcing them. A handed change is
+//! taken when it follows on from what the task holds of its endpoint (the next change_seq of the
+//! same epoch, with room for it); otherwise the endpoint is read from the outbox, which holds the
+//! same changes.
 //!
 //! # Nothing waits in the loop
 //! The loop itself only keeps the books. A read of the outbox runs in a task of its own (one at
@@ -29,9 +35,11 @@
 //!
 //! # Marking
 //! Confirmed changes are marked published in batches, one statement at a time beside the
-//! sending: whatever was confirmed while the last mark ran goes in the next. A mark is only
-//! bookkeeping (it keeps a change from being sent again after a restart), so sending does not
-//! wait for it, up to a bound of confirmed-but-unmarked changes.
+//! sending: a mark starts once the first change confirmed since the last one has waited
+//! `mark_interval`, or once half the bound of confirmed-but-unmarked changes waits, and takes
+//! everything confirmed by then. It moves one row per endpoint, so the longer the interval the
+//! fewer rows a change costs. A mark is only bookkeeping (it keeps a change from being sent
+//! again after a restart), so sending does not wait for it, up to that bound.
 //!
 //! # Broker trouble
 //! Nothing is marked unless confirmed, so the backlog stays in Postgres whatever happens. A
@@ -57,7 +65,7 @@ use tokio::sync::{watch, Notify};
 use uuid::Uuid;
 
 use relay_netguard::Pauses;
-use relay_store::changes::{self, Marked};
+use relay_store::changes::{self, Marked, Unpublished};
 use relay_store::{destinations, EndpointId, TenantId};
 
 use crate::broker::{classify, publish, BrokerError, Link, Outcome, Target};
@@ -136,7 +144,16 @@ pub(crate) async fn run(
         hold_until: None,
         redeclare: false,
         refusal_recorded: None,
+        inbox: None,
     };
+    // Opened before the first read: what the sequencer hands over from now on is either in the
+    // inbox or in what that read finds.
+    worker.inbox = worker
+        .shared
+        .config
+        .changes_handoff
+        .as_ref()
+        .map(|handoff| handoff.open(tenant));
     let end = worker.run().await;
     tracing::info!(%tenant, ?end, "publisher gives the tenant up");
     if let Some(refreshing) = worker.refreshing.take() {
@@ -208,6 +225,10 @@ struct Stream {
     held: usize,
     /// Confirmed, not yet in a mark.
     confirmed: Vec<(Uuid, i64)>,
+    /// The epoch of what `held_through` counts, per endpoint.
+    epochs: HashMap<Uuid, u64>,
+    /// When the first of `confirmed` was confirmed.
+    first_unmarked_at: Option<Instant>,
 }
 
 impl Stream {
@@ -223,23 +244,13 @@ impl Stream {
     }
 
     /// Takes in what a read returned for `asked` (endpoint, room asked for).
-    fn add_read(&mut self, asked: &[(Uuid, usize)], changes: Vec<OutboxChange>) {
+    /// Returns how many were not held already.
+    fn add_read(&mut self, asked: &[(Uuid, usize)], changes: Vec<OutboxChange>) -> u64 {
         let mut returned: HashMap<Uuid, usize> = HashMap::new();
+        let mut taken = 0;
         for change in changes {
-            let (endpoint, seq) = change.key();
-            *returned.entry(endpoint).or_default() += 1;
-            let through = self.held_through.entry(endpoint).or_insert(0);
-            if seq <= *through {
-                // Read before its mark: already held.
-                continue;
-            }
-            *through = seq;
-            let queue = self.queued.entry(endpoint).or_default();
-            if queue.is_empty() && !self.in_flight.contains_key(&endpoint) {
-                self.ready.push_back(endpoint);
-            }
-            queue.push_back(change);
-            self.held += 1;
+            *returned.entry(change.key().0).or_default() += 1;
+            taken += u64::from(self.hold(change));
         }
         for (endpoint, room) in asked {
             if returned.get(endpoint).copied().unwrap_or(0) >= *room {
@@ -248,6 +259,50 @@ impl Stream {
                 self.capped.remove(endpoint);
             }
         }
+        taken
+    }
+
+    /// Queues `change` behind what is held of its endpoint, unless it is held already (read
+    /// again before its mark, or handed and read both): whether it was queued.
+    fn hold(&mut self, change: OutboxChange) -> bool {
+        let (endpoint, seq) = change.key();
+        let through = self.held_through.entry(endpoint).or_insert(0);
+        if seq <= *through {
+            return false;
+        }
+        *through = seq;
+        self.epochs.insert(endpoint, change.message.epoch());
+        let queue = self.queued.entry(endpoint).or_default();
+        if queue.is_empty() && !self.in_flight.contains_key(&endpoint) {
+            self.ready.push_back(endpoint);
+        }
+        queue.push_back(change);
+        self.held += 1;
+        true
+    }
+
+    /// Takes in changes the sequencer of this process handed over, in the order it committed
+    /// them: each that follows on from what is held of its endpoint (the next change_seq, the
+    /// same epoch) while the endpoint and the tenant have room. An endpoint with one that does
+    /// not follow on is read from the outbox instead, from where the stream is. Returns how
+    /// many were queued.
+    fn add_handed(&mut self, handed: Vec<OutboxChange>, budget: usize) -> u64 {
+        let mut taken = 0;
+        for change in handed {
+            let (endpoint, seq) = change.key();
+            let through = self.held_through.get(&endpoint).copied();
+            let follows = through == Some(seq - 1)
+                && self.epochs.get(&endpoint) == Some(&change.message.epoch());
+            if through.is_some_and(|through| seq <= through) {
+                continue;
+            }
+            if follows && self.room(endpoint) > 0 && self.held < budget {
+                taken += u64::from(self.hold(change));
+            } else {
+                self.wanted.insert(endpoint);
+            }
+        }
+        taken
     }
 
     /// The next change to send: the head of the first ready endpoint's queue.
@@ -266,6 +321,9 @@ impl Stream {
     fn confirmed(&mut self, endpoint: Uuid) -> Option<OutboxChange> {
         let change = self.in_flight.remove(&endpoint)?;
         self.held -= 1;
+        if self.confirmed.is_empty() {
+            self.first_unmarked_at = Some(Instant::now());
+        }
         self.confirmed.push(change.key());
         if self.queued.contains_key(&endpoint) {
             self.ready.push_back(endpoint);
@@ -280,18 +338,6 @@ impl Stream {
         if let Some(change) = self.in_flight.remove(&endpoint) {
             self.queued.entry(endpoint).or_default().push_front(change);
             self.ready.push_back(endpoint);
-        }
-    }
-
-    /// These were marked: what is no longer held is forgotten.
-    fn marked(&mut self, keys: &[(Uuid, i64)]) {
-        for (endpoint, seq) in keys {
-            let done = self.held_through.get(endpoint) == Some(seq)
-                && !self.queued.contains_key(endpoint)
-                && !self.in_flight.contains_key(endpoint);
-            if done {
-                self.held_through.remove(endpoint);
-            }
         }
     }
 }
@@ -319,6 +365,8 @@ struct Worker {
     redeclare: bool,
     /// What was last written of the destination's refusal (`Some(None)`: cleared).
     refusal_recorded: Option<Option<String>>,
+    /// The changes this process's sequencer hands over for the tenant, when it runs here.
+    inbox: Option<relay_coord::Inbox<Unpublished>>,
 }
 
 /// What woke the loop.
@@ -367,6 +415,7 @@ impl Worker {
             let (endpoints, sweep) = self.signal.take();
             self.stream.wanted.extend(endpoints);
             self.stream.sweep |= sweep;
+            self.take_handed();
             if self.reading.is_none()
                 && self.hold_until.is_none()
                 && self.stream.held < config.max_in_flight * PER_ENDPOINT
@@ -376,6 +425,7 @@ impl Worker {
             }
 
             if self.stream.is_empty()
+                && self.stream.wanted.is_empty()
                 && self.confirms.is_empty()
                 && self.marking.is_none()
                 && self.reading.is_none()
@@ -391,14 +441,18 @@ impl Worker {
                 self.send_ready().await;
             }
             // A failed mark holds too, so Postgres trouble is not retried in a tight loop.
+            let mark_at = self.mark_due_at();
             if self.marking.is_none()
-                && !self.stream.confirmed.is_empty()
                 && self.hold_until.is_none()
+                && mark_at.is_some_and(|at| at <= now)
             {
                 self.start_mark();
             }
 
             let mut deadline = next_metrics;
+            if let Some(at) = mark_at.filter(|_| self.marking.is_none()) {
+                deadline = deadline.min(at);
+            }
             if let Some(until) = self.hold_until {
                 deadline = deadline.min(until);
             }
@@ -408,7 +462,10 @@ impl Worker {
             let (confirms, marking, reading) =
                 (&mut self.confirms, &mut self.marking, &mut self.reading);
             let (notify, shutdown, held) = (&self.signal.notify, &mut self.shutdown, &self.held);
+            let inbox = &self.inbox;
             let woke = tokio::select! {
+                () = async { inbox.as_ref().expect("guarded").handed().await },
+                    if inbox.is_some() => Woke::Other,
                 Some((endpoint, seq, confirmed)) = confirms.next(), if !confirms.is_empty() => {
                     Woke::Confirm(endpoint, seq, confirmed)
                 }
@@ -447,6 +504,49 @@ impl Worker {
                 Woke::Other => {}
             }
         }
+    }
+
+    /// Takes what this process's sequencer handed over since the last look.
+    fn take_handed(&mut self) {
+        let Some(inbox) = &self.inbox else {
+            return;
+        };
+        let handed = inbox.take();
+        if handed.is_empty() {
+            return;
+        }
+        let mut changes = Vec::with_capacity(handed.len());
+        for row in handed {
+            let endpoint = row.endpoint.as_uuid();
+            match OutboxChange::from_row(self.tenant, row) {
+                Ok(change) => changes.push(change),
+                // The outbox holds the same row: reading it fails as loudly, where reads do.
+                Err(_) => {
+                    self.stream.wanted.insert(endpoint);
+                }
+            }
+        }
+        let budget = self.shared.config.max_in_flight * PER_ENDPOINT;
+        let taken = self.stream.add_handed(changes, budget);
+        self.shared
+            .metrics
+            .changes_taken
+            .with_label_values(&["handed"])
+            .inc_by(taken);
+    }
+
+    /// When the changes confirmed and not marked are due to be marked: `mark_interval` after
+    /// the first of them, or now once half the bound of them waits. `None`: none waits.
+    fn mark_due_at(&self) -> Option<Instant> {
+        let first = self
+            .stream
+            .first_unmarked_at
+            .filter(|_| !self.stream.confirmed.is_empty())?;
+        let bound = self.shared.config.max_in_flight * PER_ENDPOINT;
+        if self.stream.confirmed.len() * 2 >= bound {
+            return Some(first);
+        }
+        Some(first + self.shared.config.mark_interval)
     }
 
     fn may_send(&self) -> bool {
@@ -644,6 +744,7 @@ impl Worker {
 
     fn start_mark(&mut self) {
         let keys = std::mem::take(&mut self.stream.confirmed);
+        self.stream.first_unmarked_at = None;
         let pool = self.shared.pool.clone();
         let (tenant, token) = (self.tenant, self.held.token());
         let hook = self.shared.config.before_mark.clone();
@@ -676,7 +777,6 @@ impl Worker {
         match result {
             Ok(Marked::Marked(n)) => {
                 self.shared.metrics.marked.inc_by(n);
-                self.stream.marked(&keys);
                 true
             }
             Ok(Marked::FencedOut) => {
@@ -688,10 +788,11 @@ impl Worker {
                 self.postgres_trouble("mark");
                 tracing::warn!(tenant = %self.tenant, error = %error,
                                "marking confirmed changes failed; will retry");
-                // Marked first, before what was confirmed since.
+                // Marked first, before what was confirmed since; due again once the pause ends.
                 let mut keys = keys;
                 keys.append(&mut self.stream.confirmed);
                 self.stream.confirmed = keys;
+                self.stream.first_unmarked_at = Some(Instant::now());
                 self.hold();
                 true
             }
@@ -801,7 +902,12 @@ impl Worker {
                 return;
             }
             ReadDone::Changes(asked, Ok(changes)) => {
-                self.stream.add_read(&asked, changes);
+                let taken = self.stream.add_read(&asked, changes);
+                self.shared
+                    .metrics
+                    .changes_taken
+                    .with_label_values(&["outbox"])
+                    .inc_by(taken);
                 return;
             }
             ReadDone::Swept(Err(error)) | ReadDone::Changes(_, Err(error)) => error,

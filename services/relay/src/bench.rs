@@ -177,6 +177,10 @@ pub(crate) fn stored_message(
         received_at: OffsetDateTime::now_utc(),
         track: feed_generation.map(|_| "feed".into()),
         generation: feed_generation,
+        events: Some(match body.get("events") {
+            Some(Value::Array(events)) => i32::try_from(events.len())?,
+            _ => 1,
+        }),
         body: Bytes::from(serde_json::to_vec(body)?),
     })
 }

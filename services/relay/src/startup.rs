@@ -473,14 +473,24 @@ pub struct AllTiers {
     publisher: relay_publisher::PublisherHandle,
 }
 
+/// The changes the sequencer hands the publisher of its process in memory (`relay all`) that
+/// may wait for one tenant's task, and for all of them together, in bytes; past either, changes
+/// are announced and read back from the outbox as between processes.
+const HANDOFF_BYTES_PER_TENANT: usize = 8 << 20;
+const HANDOFF_BYTES: usize = 64 << 20;
+
 impl AllTiers {
     /// Starts every tier on `global`'s database (migrated already) with `args`' settings.
     pub async fn start(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<Self> {
         let registry = telemetry::tier_registry("all")?;
         let sequencer_metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
+        let changes = relay_coord::Handoff::new(HANDOFF_BYTES_PER_TENANT, HANDOFF_BYTES);
         let sequencer = relay_sequencer::Sequencer::start(
             sequencer_pool(global)?,
-            args.sequencer.to_config(global)?,
+            relay_sequencer::SequencerConfig {
+                changes_handoff: Some(changes.clone()),
+                ..args.sequencer.to_config(global)?
+            },
             sequencer_metrics,
         )
         .await
@@ -488,7 +498,10 @@ impl AllTiers {
 
         let publisher = relay_publisher::Publisher::start(
             service_pool(global)?,
-            publisher_config(global, &args.publisher)?,
+            relay_publisher::PublisherConfig {
+                changes_handoff: Some(changes),
+                ..publisher_config(global, &args.publisher)?
+            },
             &registry,
         )
         .await

@@ -94,6 +94,16 @@ pub struct MessagePlan {
     pub quarantined: Option<Unapplicable>,
 }
 
+impl MessagePlan {
+    /// Whether the message's outcome is kept in a row of its own. The common outcome (applied,
+    /// none of its events ignored) is not: the apply cursor passing the message, and the event
+    /// count the front tier stored with it, already say it, so the apply writes no row per
+    /// message for it.
+    pub fn is_exception(&self) -> bool {
+        self.outcome != Outcome::Applied || self.events_ignored > 0 || self.quarantined.is_some()
+    }
+}
+
 /// What became of one event of a message that applied its events.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EventOutcome {

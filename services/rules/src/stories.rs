@@ -439,6 +439,12 @@ impl StoryOutcome {
     pub fn applied(&self) -> bool {
         matches!(self, StoryOutcome::Applied | StoryOutcome::ReadOwed(_))
     }
+
+    /// Whether the webhook's outcome is kept in a row of its own: every one but `Applied`,
+    /// which the apply cursor passing it already says (as the feed's [`crate::MessagePlan`]).
+    pub fn is_exception(&self) -> bool {
+        !matches!(self, StoryOutcome::Applied)
+    }
 }
 
 /// Everything a run writes, in the order to write it (one transaction; see the module doc):

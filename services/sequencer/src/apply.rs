@@ -26,7 +26,7 @@ use relay_store::runs::{self, RunClaim, RunWrite};
 use relay_store::tracks::{self, TrackClaim};
 use relay_store::{EndpointId, StoreError, TenantId};
 use relay_wire::Message;
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 use time::OffsetDateTime;
 use tokio::sync::watch;
 
@@ -65,6 +65,26 @@ pub enum ApplyError {
 }
 
 impl ApplyError {
+    /// Whether the connection the failure came on may be unusable now (its stream broke, or
+    /// the server ended the session): the next try takes another.
+    pub fn may_have_broken_the_connection(&self) -> bool {
+        match self {
+            ApplyError::Database(error) | ApplyError::Store(StoreError::Database(error)) => {
+                match error {
+                    sqlx::Error::Database(db) => db
+                        .code()
+                        .is_some_and(|code| matches!(code.get(..2), Some("08" | "57"))),
+                    sqlx::Error::Io(_)
+                    | sqlx::Error::Tls(_)
+                    | sqlx::Error::Protocol(_)
+                    | sqlx::Error::WorkerCrashed => true,
+                    _ => false,
+                }
+            }
+            _ => false,
+        }
+    }
+
     /// Whether the failure may come from the messages being applied, so that it counts as a
     /// failed attempt of the endpoint's next message: Postgres refused a statement for what it
     /// holds, or a stored value does not fit. Not when it comes from around them (Postgres out
@@ -315,6 +335,9 @@ pub struct BatchReport {
     pub changes: usize,
     /// True when the track has a reload to run after these messages.
     pub reload_pending: bool,
+    /// Those changes as the outbox holds them, when the kind's statements said (the feed's):
+    /// the appliers hand them to this process's publisher (see [`crate::batch`]).
+    pub appended: Vec<relay_store::changes::Unpublished>,
 }
 
 /// A run of one endpoint's stored messages, parsed, with its refetch reads done: ready to apply
@@ -348,11 +371,11 @@ impl BatchedRun for PreparedRun {
     /// only how many round trips and commits the runs take: endpoints never share a row. A
     /// write refused because a row changed under it fails the whole ([`ApplyError::Raced`]).
     async fn apply_together(
-        pool: &PgPool,
+        conn: &mut PgConnection,
         runs: &[&Self],
         metrics: &SequencerMetrics,
     ) -> Result<Vec<Result<BatchReport, ApplyError>>, ApplyError> {
-        apply_together(pool, runs, metrics).await
+        apply_together(conn, runs, metrics).await
     }
 }
 
@@ -464,12 +487,12 @@ impl<'a> StepClock<'a> {
 
 /// [`PreparedRun`]'s [`BatchedRun::apply_together`].
 async fn apply_together(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     runs: &[&PreparedRun],
     metrics: &SequencerMetrics,
 ) -> Result<Vec<Result<BatchReport, ApplyError>>, ApplyError> {
     let mut steps = StepClock::new(metrics);
-    let mut tx = pool.begin().await?;
+    let mut tx = sqlx::Connection::begin(conn).await?;
     steps.done("begin");
     let keys: Vec<(Vec<&str>, Vec<&str>)> = runs
         .iter()
@@ -544,7 +567,7 @@ async fn apply_together(
     let now = OffsetDateTime::now_utc();
     let mut reports = owned
         .iter()
-        .zip(&written)
+        .zip(written)
         .map(|((run, plan, _, reload_pending), written)| {
             count_plan(run, plan, metrics);
             metrics.observe_applied(run.started, &run.pending, now);
@@ -552,6 +575,7 @@ async fn apply_together(
                 messages: run.pending.len(),
                 changes: usize::try_from(written.changes).unwrap_or(0),
                 reload_pending: *reload_pending,
+                appended: written.appended,
             };
             (run.ctx.id(), report)
         })

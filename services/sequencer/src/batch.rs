@@ -9,18 +9,25 @@
 //! applier commits, the next batch gathers for another, so batches grow with load and latency
 //! stays near one transaction. [`PendingReader`] does the same for the read that comes before:
 //! the workers looking for messages at one moment share one statement.
+//!
+//! Once a transaction committed, its new changes are the publisher's: handed to this process's
+//! publisher in memory ([`Announce::handoff`]) when its task owns the tenant and has room, so it
+//! need not read them back; announced through Redis ([`Announce::waker`]) otherwise, for
+//! whichever publisher owns the tenant to read them from the outbox.
 
 use std::future::Future;
 use std::sync::Arc;
 
 use relay_coord::{Gather, GatherLimits, Waker};
-use sqlx::PgPool;
+use relay_store::KeptConnection;
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::{mpsc, oneshot, Mutex};
 use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 use crate::apply::{ApplyError, BatchReport};
 use crate::metrics::SequencerMetrics;
+use relay_store::changes::Unpublished;
 use relay_store::cursors::PendingMessage;
 use relay_store::{EndpointId, TenantId};
 
@@ -31,12 +38,12 @@ pub trait BatchedRun: Send + Sync + Sized + 'static {
     fn key(&self) -> (TenantId, EndpointId);
     /// The run's messages.
     fn pending(&self) -> &[PendingMessage];
-    /// Applies `runs` (each endpoint once) in one transaction, answering each in the order
-    /// given: a run whose fence moved on, or that failed by itself, is answered so and the
-    /// others still commit. `Err` when the transaction failed as a whole: nothing of it
+    /// Applies `runs` (each endpoint once) in one transaction on `conn`, answering each in the
+    /// order given: a run whose fence moved on, or that failed by itself, is answered so and
+    /// the others still commit. `Err` when the transaction failed as a whole: nothing of it
     /// committed.
     fn apply_together(
-        pool: &PgPool,
+        conn: &mut PgConnection,
         runs: &[&Self],
         metrics: &SequencerMetrics,
     ) -> impl Future<Output = Result<Vec<Result<BatchReport, ApplyError>>, ApplyError>> + Send;
@@ -50,12 +57,12 @@ pub trait BatchedRun: Send + Sync + Sized + 'static {
 /// that endpoint only; a run refused for a row that changed under it ([`ApplyError::Raced`]) is
 /// decided again once more at once, in a fresh statement that sees the row.
 pub async fn apply_runs<R: BatchedRun>(
-    pool: &PgPool,
+    connection: &mut KeptConnection,
     runs: Vec<R>,
     metrics: &SequencerMetrics,
 ) -> Vec<Result<BatchReport, ApplyError>> {
     let all: Vec<&R> = runs.iter().collect();
-    match R::apply_together(pool, &all, metrics).await {
+    match attempt(connection, &all, metrics).await {
         Ok(answers) => answers,
         Err(error) if runs.len() == 1 && !matches!(error, ApplyError::Raced) => vec![Err(error)],
         Err(error) => {
@@ -63,9 +70,9 @@ pub async fn apply_runs<R: BatchedRun>(
             metrics.apply_batches_split.inc();
             let mut answers = Vec::with_capacity(runs.len());
             for run in &runs {
-                let mut answer = R::apply_together(pool, &[run], metrics).await;
+                let mut answer = attempt(connection, &[run], metrics).await;
                 if matches!(answer, Err(ApplyError::Raced)) {
-                    answer = R::apply_together(pool, &[run], metrics).await;
+                    answer = attempt(connection, &[run], metrics).await;
                 }
                 answers.push(match answer {
                     Ok(mut answer) => answer.pop().expect("one answer per run"),
@@ -75,6 +82,26 @@ pub async fn apply_runs<R: BatchedRun>(
             answers
         }
     }
+}
+
+/// One try of [`BatchedRun::apply_together`] on the applier's connection, which is kept for the
+/// next try unless the error may have broken it. A connection goes back to the pool only when
+/// it has been idle a while ([`KeptConnection`]): sqlx checks each one it takes back with a
+/// round trip of its own, which per transaction would cost as much as a statement.
+async fn attempt<R: BatchedRun>(
+    connection: &mut KeptConnection,
+    runs: &[&R],
+    metrics: &SequencerMetrics,
+) -> Result<Vec<Result<BatchReport, ApplyError>>, ApplyError> {
+    let mut conn = connection.take().await?;
+    let answer = R::apply_together(&mut conn, runs, metrics).await;
+    if !answer
+        .as_ref()
+        .is_err_and(ApplyError::may_have_broken_the_connection)
+    {
+        connection.keep(conn);
+    }
+    answer
 }
 
 struct Job<R> {
@@ -111,13 +138,12 @@ impl<R: BatchedRun> ApplyBatcher<R> {
     /// `max_messages` messages, a transaction (long runs, a backlog's, need no company: their
     /// cost per message is low already, and a huge transaction only delays every run in it).
     /// They end when every clone of the batcher is dropped and the queue is empty.
-    /// `changes_waker` announces to the publisher the endpoints a transaction appended changes
-    /// to, once it committed.
+    /// `announce` gives the publisher the changes a transaction appended, once it committed.
     pub fn start(
         pool: PgPool,
         appliers: usize,
         (max_runs, max_messages): (usize, usize),
-        changes_waker: Option<Waker>,
+        announce: Announce,
         metrics: SequencerMetrics,
     ) -> (Self, Vec<JoinHandle<()>>) {
         let (queue, receiver) = mpsc::channel(1024);
@@ -131,7 +157,7 @@ impl<R: BatchedRun> ApplyBatcher<R> {
                         jobs: max_runs.max(1),
                         weight: max_messages.max(1),
                     },
-                    changes_waker.clone(),
+                    announce.clone(),
                     metrics.clone(),
                 ))
             })
@@ -152,14 +178,48 @@ impl<R: BatchedRun> ApplyBatcher<R> {
     }
 }
 
+/// How the appliers give the publisher the changes they committed.
+#[derive(Clone, Default)]
+pub struct Announce {
+    /// This process's publisher, when it runs here: the changes themselves, to the task that
+    /// owns their tenant.
+    pub handoff: Option<relay_coord::Handoff<Unpublished>>,
+    /// Redis: which endpoints have new changes, for whichever publisher owns their tenant.
+    pub waker: Option<Waker>,
+}
+
+impl Announce {
+    /// Hands `appended` (one endpoint's new changes, in order) to this process's publisher;
+    /// `false` when it does not take them (then announce the endpoint).
+    fn hand_over(&self, tenant: TenantId, appended: Vec<Unpublished>) -> bool {
+        let Some(handoff) = &self.handoff else {
+            return false;
+        };
+        if appended.is_empty() {
+            return false;
+        }
+        let bytes = appended.iter().map(change_weight).sum();
+        handoff.offer(tenant.0, appended, bytes)
+    }
+}
+
+/// What a change held in memory weighs: its texts, and the rest of its row.
+fn change_weight(change: &Unpublished) -> usize {
+    const ROW: usize = 256;
+    ROW + change.item.as_ref().map_or(0, String::len)
+        + change.parts_diff.len()
+        + change.subject.len()
+}
+
 async fn apply_batches<R: BatchedRun>(
     pool: PgPool,
     receiver: Arc<Mutex<mpsc::Receiver<Job<R>>>>,
     limits: GatherLimits,
-    changes_waker: Option<Waker>,
+    announce: Announce,
     metrics: SequencerMetrics,
 ) {
     let mut batches = Gather::new(receiver, limits, |job: &Job<R>| job.run.pending().len());
+    let mut connection = KeptConnection::new(pool);
     loop {
         // Runs of an endpoint already in the batch wait for the next one: two runs of one
         // endpoint in one statement would write its rows twice.
@@ -170,16 +230,20 @@ async fn apply_batches<R: BatchedRun>(
         let keys: Vec<(TenantId, EndpointId)> = batch.iter().map(|job| job.run.key()).collect();
         let (runs, replies): (Vec<R>, Vec<_>) =
             batch.into_iter().map(|job| (job.run, job.reply)).unzip();
-        let answers = apply_runs(&pool, runs, &metrics).await;
+        let answers = apply_runs(&mut connection, runs, &metrics).await;
         let mut announced: Vec<String> = Vec::new();
-        for ((reply, answer), (tenant, endpoint)) in replies.into_iter().zip(answers).zip(keys) {
-            if answer.as_ref().is_ok_and(|report| report.changes > 0) {
-                announced.push(relay_coord::change_payload(tenant, endpoint));
+        for ((reply, mut answer), (tenant, endpoint)) in replies.into_iter().zip(answers).zip(keys)
+        {
+            if let Ok(report) = &mut answer {
+                let appended = std::mem::take(&mut report.appended);
+                if report.changes > 0 && !announce.hand_over(tenant, appended) {
+                    announced.push(relay_coord::change_payload(tenant, endpoint));
+                }
             }
             // A worker that stopped waiting has nothing to learn.
             let _ = reply.send(answer);
         }
-        if let (Some(waker), false) = (&changes_waker, announced.is_empty()) {
+        if let (Some(waker), false) = (&announce.waker, announced.is_empty()) {
             // Best effort: a lost announcement only means the publisher's poll finds them.
             if let Err(error) = waker.publish(&announced).await {
                 tracing::debug!(%error, "could not announce new changes");

@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use uuid::Uuid;
 
-use crate::batch::{ApplyBatcher, PendingReader};
+use crate::batch::{Announce, ApplyBatcher, PendingReader};
 use crate::feed::FeedSource;
 use crate::metrics::SequencerMetrics;
 use crate::reload::ReloadLimits;
@@ -137,6 +137,9 @@ pub struct SequencerConfig {
     pub max_concurrent_reloads: usize,
     /// The most one reload pass (or stories sync) reads (see [`defaults::MAX_RELOAD_BYTES`]).
     pub max_reload_bytes: u64,
+    /// The publisher of this process, when one runs here (`relay all`): the changes an apply
+    /// commits are handed to it in memory rather than read back (see [`crate::batch`]).
+    pub changes_handoff: Option<relay_coord::Handoff<relay_store::changes::Unpublished>>,
 }
 
 impl Default for SequencerConfig {
@@ -178,6 +181,7 @@ impl Default for SequencerConfig {
             story_read_retry: crate::stories::STORY_READ_RETRY,
             max_concurrent_reloads: defaults::MAX_CONCURRENT_RELOADS,
             max_reload_bytes: defaults::MAX_RELOAD_BYTES,
+            changes_handoff: None,
         }
     }
 }
@@ -294,18 +298,22 @@ async fn schedule(
     // Each kind's runs share transactions with their kind's only: a kind's transaction is its
     // own statements.
     let batch_limits = (config.runs_per_transaction, config.messages_per_transaction);
+    let announce = Announce {
+        handoff: config.changes_handoff.clone(),
+        waker: Some(changes_waker.clone()),
+    };
     let (feed_runs, mut appliers) = ApplyBatcher::start(
         pool.clone(),
         config.appliers,
         batch_limits,
-        Some(changes_waker.clone()),
+        announce.clone(),
         metrics.clone(),
     );
     let (stories_runs, stories_appliers) = ApplyBatcher::start(
         pool.clone(),
         config.appliers,
         batch_limits,
-        Some(changes_waker.clone()),
+        announce,
         metrics.clone(),
     );
     appliers.extend(stories_appliers);

@@ -261,6 +261,7 @@ async fn write_events(
                 .outcomes
                 .iter()
                 .zip(seqs)
+                .filter(|(outcome, _)| outcome.is_exception())
                 .map(|(outcome, seq)| (*seq, outcome.as_str(), i32::from(outcome.applied())))
                 .collect();
             to == from
@@ -401,11 +402,11 @@ impl BatchedRun for PreparedStoriesRun {
     /// that fails (its fence moved on, its cursor moved, a statement refused what it holds) is
     /// rolled back and answered alone, and the others commit together.
     async fn apply_together(
-        pool: &PgPool,
+        conn: &mut sqlx::PgConnection,
         runs: &[&Self],
         metrics: &SequencerMetrics,
     ) -> Result<Vec<Result<BatchReport, ApplyError>>, ApplyError> {
-        let mut tx = pool.begin().await?;
+        let mut tx = sqlx::Connection::begin(conn).await?;
         let mut answers = Vec::with_capacity(runs.len());
         for run in runs {
             answers.push(run.write(&mut tx).await);
@@ -423,6 +424,7 @@ impl BatchedRun for PreparedStoriesRun {
                     messages: run.pending.len(),
                     changes: usize::try_from(changes).unwrap_or(usize::MAX),
                     reload_pending: false,
+                    appended: Vec::new(),
                 })
             })
             .collect())
@@ -925,7 +927,8 @@ impl SourceKind for StoriesSource {
             // The batcher announces the changes of every run it committed, together.
             owned.config.stories_runs.apply(run).await?
         } else {
-            let report = apply_runs(owned.pool, vec![run], owned.metrics)
+            let mut connection = relay_store::KeptConnection::new(owned.pool.clone());
+            let report = apply_runs(&mut connection, vec![run], owned.metrics)
                 .await
                 .pop()
                 .expect("one answer per run")?;

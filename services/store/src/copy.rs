@@ -647,6 +647,43 @@ impl ChangeArrays {
         Ok(())
     }
 
+    /// How many changes the arrays hold.
+    pub(crate) fn len(&self) -> usize {
+        self.subject.len()
+    }
+
+    /// The changes `range` of the arrays as the outbox holds them once appended, numbered
+    /// from `first_seq` in `epoch` and made at `at` (the appending transaction's time).
+    pub(crate) fn appended(
+        &self,
+        range: std::ops::Range<usize>,
+        (epoch, first_seq, at): (i64, i64, time::OffsetDateTime),
+    ) -> Vec<crate::changes::Unpublished> {
+        range
+            .zip(first_seq..)
+            .map(|(i, change_seq)| crate::changes::Unpublished {
+                endpoint: crate::EndpointId(self.endpoint[i]),
+                epoch,
+                change_seq,
+                kind: "item".to_owned(),
+                operation: self.operation[i].to_owned(),
+                subject: self.subject[i].clone(),
+                item_kind: self.item_kind[i].clone(),
+                generation: self.generation[i],
+                sequence: Some(self.sequence[i].clone()),
+                event_id: self.event_id[i].clone(),
+                reload_generation: self.reload_generation[i],
+                snapshot: false,
+                item: self.item[i].clone(),
+                parts_diff: self.diff[i].clone(),
+                created_at: at,
+                story_version: None,
+                ticker: None,
+                merged_into: None,
+            })
+            .collect()
+    }
+
     /// Adds the arrays to `args`, in [`append_changes_ctes`]' order.
     pub(crate) fn add_to(self, args: &mut PgArguments) -> Result<(), StoreError> {
         add(args, self.endpoint)?;
@@ -700,7 +737,7 @@ pub(crate) fn append_changes_ctes(first: u32, written_cte: &str) -> String {
              GROUP BY endpoint_id, tenant_id
              ORDER BY endpoint_id
              ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last + excluded.last
-             RETURNING endpoint_id, last
+             RETURNING endpoint_id, last, epoch
          ),
          change AS (
              INSERT INTO changes (endpoint_id, change_seq, tenant_id, operation, subject,

@@ -29,6 +29,8 @@ pub struct IncomingMessage {
     pub received_at: OffsetDateTime,
     pub track: Option<String>,
     pub generation: Option<i64>,
+    /// How many events it holds, when the front tier could read it (1 for a stories webhook).
+    pub events: Option<i32>,
     /// The raw body bytes, exactly as received.
     pub body: Bytes,
 }
@@ -93,10 +95,10 @@ pub async fn store_batch<'c, E: sqlx::PgExecutor<'c>>(
         "WITH batch AS MATERIALIZED (
              SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::timestamptz[],
                                   $5::int4[], $6::timestamptz[], $7::text[], $8::int8[],
-                                  $9::bytea[], $11::int4[])
+                                  $9::bytea[], $11::int4[], $12::int4[])
                  WITH ORDINALITY
                  AS b(endpoint_id, tenant_id, webhook_id, signed_at, attempt, received_at,
-                      track, generation, body, repeats, ord)
+                      track, generation, body, repeats, events, ord)
          ),
          counts AS (
              SELECT endpoint_id, count(*) AS count FROM batch GROUP BY endpoint_id
@@ -123,12 +125,12 @@ pub async fn store_batch<'c, E: sqlx::PgExecutor<'c>>(
          inserted AS (
              INSERT INTO messages (endpoint_id, arrival_seq, tenant_id, webhook_id, signed_at,
                                    attempt, received_at, track, generation, body, duplicates,
-                                   last_duplicate_at)
+                                   last_duplicate_at, events)
              SELECT b.endpoint_id,
                     r.base + row_number() OVER (PARTITION BY b.endpoint_id ORDER BY b.ord),
                     b.tenant_id, b.webhook_id, b.signed_at, b.attempt, b.received_at, b.track,
                     b.generation, b.body, b.repeats,
-                    CASE WHEN b.repeats > 0 THEN b.received_at END
+                    CASE WHEN b.repeats > 0 THEN b.received_at END, b.events
              FROM batch b JOIN reserved r ON r.endpoint_id = b.endpoint_id
              ORDER BY b.ord
              ON CONFLICT (endpoint_id, webhook_id) DO NOTHING
@@ -164,6 +166,7 @@ pub async fn store_batch<'c, E: sqlx::PgExecutor<'c>>(
     .bind(column(&fresh, |m| &m.body[..]))
     .bind(&endpoint_ids)
     .bind(&repeats)
+    .bind(column(&fresh, |m| m.events))
     .fetch_all(executor)
     .await?;
     if rows.len() != unique.len() {
@@ -228,12 +231,14 @@ pub struct MessageRecord {
     pub body_bytes: i32,
     /// Only when asked for.
     pub body: Option<Vec<u8>>,
-    /// Its row in message_applications, when it has one.
+    /// Its row in message_applications, when it has one; `applied` with its event count for a
+    /// message the cursor passed with none (the common outcome, which needs no row), unless it
+    /// was stored without a count (before counts were kept): then nothing is known.
     pub outcome: Option<String>,
     pub events_applied: Option<i32>,
     pub events_ignored: Option<i32>,
     pub applied_at: Option<OffsetDateTime>,
-    /// The apply cursor passed it (with no outcome row: applied before outcomes were kept).
+    /// The apply cursor passed it (with no outcome row: applied).
     pub passed: bool,
     /// Why it is quarantined, when it is.
     pub reason: Option<String>,
@@ -287,7 +292,13 @@ pub async fn list_with_outcomes(
         "SELECT m.arrival_seq, m.webhook_id, m.signed_at, m.attempt, m.received_at, m.track,
                 m.generation, octet_length(m.body) AS body_bytes,
                 CASE WHEN $5 THEN m.body END AS body,
-                a.outcome, a.events_applied, a.events_ignored, a.applied_at,
+                coalesce(a.outcome, CASE WHEN s.passed AND m.events IS NOT NULL
+                                         THEN 'applied' END) AS outcome,
+                coalesce(a.events_applied, CASE WHEN s.passed THEN m.events END)
+                    AS events_applied,
+                coalesce(a.events_ignored, CASE WHEN s.passed AND m.events IS NOT NULL
+                                                THEN 0 END) AS events_ignored,
+                a.applied_at,
                 s.passed, q.reason, s.status, m.duplicates, m.last_duplicate_at
          FROM messages m
          LEFT JOIN message_applications a

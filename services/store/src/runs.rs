@@ -14,6 +14,7 @@ use sqlx::PgConnection;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use crate::changes::Unpublished;
 use crate::copy::{self, add, RowArrays};
 use crate::tracks::{self, TrackClaim, FEED_TRACK, TRACK_COLUMNS};
 use crate::{quarantine, EndpointId, StoreError, TenantId};
@@ -226,7 +227,7 @@ pub struct RunWrite<'a> {
 }
 
 /// What [`write_runs`] wrote for one endpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct RunWritten {
     /// Copy rows written (each planned row whose position still won).
     pub rows: i64,
@@ -234,6 +235,10 @@ pub struct RunWritten {
     pub changes: i64,
     /// False when the cursor was not at `from`: someone else applied these messages.
     pub cursor_moved: bool,
+    /// The changes appended, as the outbox holds them (what the publisher would read back),
+    /// once the transaction commits; empty when they are not all the plan's (a row refused:
+    /// the caller rolls back).
+    pub appended: Vec<Unpublished>,
 }
 
 /// Carries out several endpoints' [`RunPlan`]s in one statement (one round trip), in the plan's
@@ -259,6 +264,8 @@ pub async fn write_runs(
     let mut q_tenant = Vec::new();
     let mut q_seq = Vec::new();
     let mut q_reason = Vec::new();
+    // Each run's changes in the arrays, by position.
+    let mut ranges = Vec::with_capacity(runs.len());
     for run in runs {
         let plan = run.plan;
         // Each stored item serialised once: for its change and, when it is the row's, its row.
@@ -274,6 +281,7 @@ pub async fn write_runs(
             let text = row.change.and_then(|i| texts[i].as_deref());
             rows.push(run.endpoint.0, run.tenant.0, row, text)?;
         }
+        let first = changes.len();
         for (change, text) in plan.changes.iter().zip(&texts) {
             let cause = copy::Cause::Event(&change.event_id);
             changes.push(
@@ -284,6 +292,7 @@ pub async fn write_runs(
                 text.as_deref(),
             )?;
         }
+        ranges.push(first..changes.len());
         if let Some(track) = &plan.track {
             t.push(run.endpoint, run.tenant, track)?;
         }
@@ -293,6 +302,9 @@ pub async fn write_runs(
             k_event.push(id.as_str());
         }
         for (message, seq) in plan.messages.iter().zip(run.arrival_seqs) {
+            if !message.is_exception() {
+                continue;
+            }
             o_endpoint.push(run.endpoint.0);
             o_tenant.push(run.tenant.0);
             o_seq.push(*seq);
@@ -309,6 +321,11 @@ pub async fn write_runs(
     }
     // A body that does not parse is set aside at its first look.
     let q_attempts = vec![1i32; q_seq.len()];
+    // Taken before the arrays are bound, numbered once the statement has said from where.
+    let appended: Vec<Vec<Unpublished>> = ranges
+        .iter()
+        .map(|range| changes.appended(range.clone(), (0, 0, OffsetDateTime::UNIX_EPOCH)))
+        .collect();
     let mut args = PgArguments::default();
     rows.add_to(&mut args)?;
     changes.add_to(&mut args)?;
@@ -338,24 +355,53 @@ pub async fn write_runs(
     add(&mut args, q_seq)?;
     add(&mut args, q_reason)?;
     add(&mut args, q_attempts)?;
-    let found: Vec<(Uuid, i64, i64, i64)> = sqlx::query_as_with(&WRITE_RUNS, args)
+    let found: Vec<WrittenRow> = sqlx::query_as_with(&WRITE_RUNS, args)
         .fetch_all(conn)
         .await?;
-    let mut written: HashMap<Uuid, RunWritten> = found
+    let mut found: HashMap<Uuid, WrittenRow> = found
         .into_iter()
-        .map(|(endpoint, rows, changes, moved)| {
-            let written = RunWritten {
-                rows,
-                changes,
-                cursor_moved: moved == 1,
-            };
-            (endpoint, written)
-        })
+        .map(|row| (row.endpoint_id, row))
         .collect();
     Ok(runs
         .iter()
-        .map(|r| written.remove(&r.endpoint.0).unwrap_or_default())
+        .zip(appended)
+        .map(|(r, mut appended)| {
+            let Some(row) = found.remove(&r.endpoint.0) else {
+                return RunWritten::default();
+            };
+            let mut written = RunWritten {
+                rows: row.rows,
+                changes: row.changes,
+                cursor_moved: row.moved == 1,
+                appended: Vec::new(),
+            };
+            if let (Some(last), Some(epoch)) = (row.last_change_seq, row.epoch) {
+                if written.changes == appended.len() as i64 {
+                    let first = last - written.changes + 1;
+                    for (change, seq) in appended.iter_mut().zip(first..) {
+                        change.epoch = epoch;
+                        change.change_seq = seq;
+                        change.created_at = row.at;
+                    }
+                    written.appended = appended;
+                }
+            }
+            written
+        })
         .collect())
+}
+
+/// One endpoint's row of [`WRITE_RUNS`]: what it wrote, and where its change counter ended (in
+/// which epoch), at the transaction's time.
+#[derive(sqlx::FromRow)]
+struct WrittenRow {
+    endpoint_id: Uuid,
+    rows: i64,
+    changes: i64,
+    moved: i64,
+    last_change_seq: Option<i64>,
+    epoch: Option<i64>,
+    at: OffsetDateTime,
 }
 
 /// [`write_runs`]' statement: the rows and changes (the copy's CTEs), the tracks that changed,
@@ -415,9 +461,11 @@ static WRITE_RUNS: LazyLock<String> = LazyLock::new(|| {
              RETURNING endpoint_id
          ),
          {quarantined}
-         SELECT k.endpoint_id, coalesce(w.n, 0), coalesce(c.n, 0),
-                coalesce(m.n, 0) + coalesce(n.n, 0)
+         SELECT k.endpoint_id, coalesce(w.n, 0) AS rows, coalesce(c.n, 0) AS changes,
+                coalesce(m.n, 0) + coalesce(n.n, 0) AS moved, q.last AS last_change_seq,
+                q.epoch, now() AS at
          FROM runs k
+         LEFT JOIN counter q ON q.endpoint_id = k.endpoint_id
          LEFT JOIN (SELECT endpoint_id, count(*) AS n FROM written GROUP BY 1) w
              ON w.endpoint_id = k.endpoint_id
          LEFT JOIN (SELECT endpoint_id, count(*) AS n FROM change GROUP BY 1) c
