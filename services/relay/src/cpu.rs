@@ -46,12 +46,15 @@ pub struct CpuUsage {
 
 impl CpuSnapshot {
     pub fn take() -> Option<Self> {
-        Self::take_labelled(&[])
+        Self::take_scoped(&[], None)
     }
 
-    /// As [`CpuSnapshot::take`], with the processes `labels` names counted under their label
-    /// rather than their command's group (a benchmark's own process, the build it measures).
-    pub fn take_labelled(labels: &[(u32, &'static str)]) -> Option<Self> {
+    /// As [`CpuSnapshot::take`], for one benchmark among other work on the machine: the
+    /// processes `labels` names count under their label (the benchmark's own process, the build
+    /// it measures), any other `relay` process as `other`; and with `database`, a Postgres
+    /// backend of another database counts as `other`, and no Postgres process's reaped
+    /// children count at all (the postmaster's are every database's closed connections).
+    pub fn take_scoped(labels: &[(u32, &'static str)], database: Option<&str>) -> Option<Self> {
         let stat = fs::read_to_string("/proc/stat").ok()?;
         let line = stat.lines().find(|l| l.starts_with("cpu "))?;
         let fields: Vec<u64> = line
@@ -75,10 +78,23 @@ impl CpuSnapshot {
             let Ok(text) = fs::read_to_string(entry.path().join("stat")) else {
                 continue;
             };
-            if let Some((group, jiffies)) = parse_process_stat(&text) {
-                let label = labels.iter().find(|(p, _)| *p == pid).map(|(_, l)| *l);
-                by_pid.insert(pid, (label.unwrap_or(group), jiffies));
-            }
+            let Some((group, own, children)) = parse_process_stat(&text) else {
+                continue;
+            };
+            let label = labels.iter().find(|(p, _)| *p == pid).map(|(_, l)| *l);
+            let sample = match (label, group) {
+                (Some(label), _) => (label, own + children),
+                (None, "relay") if !labels.is_empty() => ("other", own + children),
+                (None, "postgres") if database.is_some() => {
+                    let cmdline = fs::read(entry.path().join("cmdline")).unwrap_or_default();
+                    match backend_database(&String::from_utf8_lossy(&cmdline)) {
+                        Some(db) if Some(db) != database => ("other", own),
+                        _ => ("postgres", own),
+                    }
+                }
+                (None, group) => (group, own + children),
+            };
+            by_pid.insert(pid, sample);
         }
         Some(CpuSnapshot {
             busy: total.saturating_sub(idle),
@@ -112,20 +128,35 @@ impl CpuSnapshot {
     }
 }
 
+/// The database a Postgres backend serves, from its process title (`postgres: 15/main: <user>
+/// <database> <client> <state>`); `None` for the postmaster and the server's own processes.
+fn backend_database(title: &str) -> Option<&str> {
+    let rest = title.strip_prefix("postgres: ")?;
+    let (_cluster, rest) = rest.split_once(": ")?;
+    let mut words = rest.split_whitespace();
+    let _user = words.next()?;
+    let database = words.next()?;
+    // A backend's title goes on with its client's address (`host(port)`, or `[local]`);
+    // background processes' ("walwriter", "logical replication launcher") have none.
+    let client = words.next()?;
+    (client.ends_with(')') || client == "[local]").then_some(database)
+}
+
 /// The command name and user + system jiffies, its own and its reaped children's, of one
 /// `/proc/<pid>/stat` line.
-fn parse_process_stat(text: &str) -> Option<(&'static str, u64)> {
+fn parse_process_stat(text: &str) -> Option<(&'static str, u64, u64)> {
     // The command name is in parentheses and may itself hold spaces or parentheses.
     let open = text.find('(')?;
     let close = text.rfind(')')?;
     let comm = &text[open + 1..close];
     let rest: Vec<&str> = text[close + 1..].split_whitespace().collect();
     // After the name: state (index 0), ..., utime (11), stime (12), cutime (13), cstime (14).
-    let mut jiffies = 0;
-    for field in 11..=14 {
-        jiffies += rest.get(field)?.parse::<u64>().ok()?;
-    }
-    Some((group_of(comm), jiffies))
+    let field = |i: usize| rest.get(i)?.parse::<u64>().ok();
+    Some((
+        group_of(comm),
+        field(11)? + field(12)?,
+        field(13)? + field(14)?,
+    ))
 }
 
 /// The cores this process may run on (the machine's, unless it is confined).
@@ -144,10 +175,25 @@ mod tests {
     #[test]
     fn a_process_line_gives_its_group_and_cpu_time() {
         let line = "4242 (postgres) S 1 4242 4242 0 -1 4194560 900 0 0 0 150 25 7 3 20 0 1 0";
-        assert_eq!(parse_process_stat(line), Some(("postgres", 185)));
+        assert_eq!(parse_process_stat(line), Some(("postgres", 175, 10)));
         let odd = "7 (tokio (rt) x) R 1 7 7 0 -1 0 0 0 0 0 3 4 0 0 20 0 1 0";
-        assert_eq!(parse_process_stat(odd), Some(("other", 7)));
+        assert_eq!(parse_process_stat(odd), Some(("other", 7, 0)));
         assert_eq!(parse_process_stat("garbage"), None);
+    }
+
+    #[test]
+    fn a_backends_title_names_its_database_and_the_servers_own_processes_none() {
+        let backend = "postgres: 15/main: postgres relay_bench_path 127.0.0.1(43694) idle";
+        assert_eq!(backend_database(backend), Some("relay_bench_path"));
+        assert_eq!(backend_database("postgres: 15/main: walwriter "), None);
+        assert_eq!(
+            backend_database("postgres: 15/main: logical replication launcher "),
+            None
+        );
+        assert_eq!(
+            backend_database("/usr/lib/postgresql/15/bin/postgres -D /var/lib/postgresql"),
+            None
+        );
     }
 
     #[test]
