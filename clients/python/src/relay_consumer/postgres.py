@@ -1,0 +1,408 @@
+"""The Postgres store: the copy, the positions, the held changes and the notifications in the
+user's database, changed together in one transaction per batch of deliveries.
+
+Tables (created if missing, by :meth:`PostgresStore.open`):
+
+``relay_positions``
+    per endpoint: the epoch followed, the last change_seq applied, whether a snapshot is open.
+``relay_items``
+    a feed endpoint's copy: one row per subject with the item, its generation and sequence, and
+    the stream position (epoch, change_seq) of the change that wrote it.
+``relay_stories``
+    a stories endpoint's copy: one row per story, open (with its snapshot) or closed (for good,
+    with ``merged_into``), and the position that wrote it.
+``relay_notifications``
+    one row per (endpoint, story) notified, recorded in the transaction of the change, with
+    ``handed_at`` set once handed to the user's code; ``repeats`` counts notified changes of the
+    same story (none from a correct relay).
+``relay_held``
+    changes that came ahead of their predecessors, kept until those come (so they may be
+    acknowledged).
+
+Every write is one statement that decides in itself:
+
+* the position moves only from the position the step started at (``UPDATE ... WHERE epoch = ..
+  AND last_change_seq = ..``; no row updated rolls the transaction back): a repeat, a stale
+  change or a second consumer can never apply a change twice;
+* an item is written only by a change later in the stream than the one that wrote the row;
+* a story is saved only when newer than the row and the row is not closed (the relay's own
+  ``where not closed and version < excluded.version``), closed for good at the greatest version
+  known, and dropped only while open;
+* a notification is recorded with ``insert ... on conflict do update set repeats = repeats + 1``
+  returning whether it was new.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, Sequence
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from .follower import Position, Step
+from .messages import Change, FeedChange, MessageRefused, StoryChange, decode
+from .store import Loaded, Notification, PositionConflict, StoreError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS relay_positions (
+    endpoint_id uuid PRIMARY KEY,
+    epoch bigint NOT NULL,
+    last_change_seq bigint NOT NULL,
+    snapshot_open boolean NOT NULL DEFAULT false,
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE TABLE IF NOT EXISTS relay_items (
+    endpoint_id uuid NOT NULL,
+    subject text NOT NULL,
+    item_kind text,
+    generation bigint NOT NULL,
+    sequence text,
+    item jsonb NOT NULL,
+    epoch bigint NOT NULL,
+    change_seq bigint NOT NULL,
+    changed_at timestamptz NOT NULL,
+    PRIMARY KEY (endpoint_id, subject)
+);
+CREATE TABLE IF NOT EXISTS relay_stories (
+    endpoint_id uuid NOT NULL,
+    story_id text NOT NULL,
+    ticker text,
+    version bigint NOT NULL,
+    closed boolean NOT NULL,
+    story jsonb,
+    merged_into text,
+    epoch bigint NOT NULL,
+    change_seq bigint NOT NULL,
+    changed_at timestamptz NOT NULL,
+    PRIMARY KEY (endpoint_id, story_id)
+);
+CREATE TABLE IF NOT EXISTS relay_notifications (
+    endpoint_id uuid NOT NULL,
+    story_id text NOT NULL,
+    ticker text,
+    version bigint NOT NULL,
+    event_id text,
+    story jsonb,
+    epoch bigint NOT NULL,
+    change_seq bigint NOT NULL,
+    changed_at timestamptz NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    handed_at timestamptz,
+    repeats integer NOT NULL DEFAULT 0,
+    PRIMARY KEY (endpoint_id, story_id)
+);
+CREATE INDEX IF NOT EXISTS relay_notifications_unhanded
+    ON relay_notifications (recorded_at) WHERE handed_at IS NULL;
+CREATE TABLE IF NOT EXISTS relay_held (
+    endpoint_id uuid NOT NULL,
+    epoch bigint NOT NULL,
+    change_seq bigint NOT NULL,
+    body jsonb NOT NULL,
+    held_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (endpoint_id, epoch, change_seq)
+);
+"""
+
+_MOVE = """
+UPDATE relay_positions
+SET epoch = %(epoch)s, last_change_seq = %(last)s, updated_at = now()
+WHERE endpoint_id = %(endpoint)s AND epoch = %(before_epoch)s
+  AND last_change_seq = %(before_last)s
+"""
+_FIRST = """
+INSERT INTO relay_positions (endpoint_id, epoch, last_change_seq)
+VALUES (%(endpoint)s, %(epoch)s, %(last)s)
+ON CONFLICT (endpoint_id) DO NOTHING
+"""
+_FORGET_OLDER_HELD = "DELETE FROM relay_held WHERE endpoint_id = %s AND epoch < %s"
+_RELEASE_HELD = (
+    "DELETE FROM relay_held WHERE endpoint_id = %s AND epoch = %s AND change_seq <= %s"
+)
+_HOLD = """
+INSERT INTO relay_held (endpoint_id, epoch, change_seq, body) VALUES (%s, %s, %s, %s)
+ON CONFLICT DO NOTHING
+"""
+_UPSERT = """
+INSERT INTO relay_items AS held (endpoint_id, subject, item_kind, generation, sequence, item,
+                                 epoch, change_seq, changed_at)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
+ON CONFLICT (endpoint_id, subject) DO UPDATE
+SET item_kind = excluded.item_kind, generation = excluded.generation,
+    sequence = excluded.sequence, item = excluded.item, epoch = excluded.epoch,
+    change_seq = excluded.change_seq, changed_at = excluded.changed_at
+WHERE (held.epoch, held.change_seq) < (excluded.epoch, excluded.change_seq)
+"""
+_REMOVE = """
+DELETE FROM relay_items
+WHERE endpoint_id = %s AND subject = %s AND (epoch, change_seq) < (%s, %s)
+"""
+_FORGET_ITEMS = "DELETE FROM relay_items WHERE endpoint_id = %s AND (epoch, change_seq) < (%s, %s)"
+_FORGET_STORIES = (
+    "DELETE FROM relay_stories WHERE endpoint_id = %s AND (epoch, change_seq) < (%s, %s)"
+)
+_SNAPSHOT_OPEN = "UPDATE relay_positions SET snapshot_open = %s WHERE endpoint_id = %s"
+_SAVE = """
+INSERT INTO relay_stories AS s (endpoint_id, story_id, ticker, version, closed, story,
+                                merged_into, epoch, change_seq, changed_at)
+VALUES (%s, %s, %s, %s, false, %s, NULL, %s, %s, %s)
+ON CONFLICT (endpoint_id, story_id) DO UPDATE
+SET ticker = excluded.ticker, version = excluded.version, story = excluded.story,
+    epoch = excluded.epoch, change_seq = excluded.change_seq, changed_at = excluded.changed_at
+WHERE NOT s.closed AND s.version < excluded.version
+"""
+_CLOSE = """
+INSERT INTO relay_stories AS s (endpoint_id, story_id, ticker, version, closed, story,
+                                merged_into, epoch, change_seq, changed_at)
+VALUES (%s, %s, %s, %s, true, NULL, %s, %s, %s, %s)
+ON CONFLICT (endpoint_id, story_id) DO UPDATE
+SET ticker = excluded.ticker, version = greatest(s.version, excluded.version), closed = true,
+    story = NULL, merged_into = excluded.merged_into, epoch = excluded.epoch,
+    change_seq = excluded.change_seq, changed_at = excluded.changed_at
+WHERE NOT (s.closed AND s.version >= excluded.version)
+"""
+_DROP = "DELETE FROM relay_stories WHERE endpoint_id = %s AND story_id = %s AND NOT closed"
+_NOTIFY = """
+INSERT INTO relay_notifications AS n (endpoint_id, story_id, ticker, version, event_id, story,
+                                      epoch, change_seq, changed_at)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
+ON CONFLICT (endpoint_id, story_id) DO UPDATE SET repeats = n.repeats + 1
+RETURNING (xmax = 0) AS recorded
+"""
+_UNHANDED = """
+SELECT endpoint_id::text, story_id, ticker, version, event_id, story, epoch, change_seq,
+       changed_at
+FROM relay_notifications WHERE handed_at IS NULL ORDER BY recorded_at, endpoint_id, change_seq
+"""
+_MARK = """
+UPDATE relay_notifications SET handed_at = now()
+WHERE endpoint_id = %s AND story_id = %s AND handed_at IS NULL
+"""
+
+#: A callback run inside the commit's transaction for each notification newly recorded: what it
+#: writes through the connection commits with the copy and the position, exactly once.
+InTransaction = Callable[[psycopg.AsyncConnection[Any], Notification], Awaitable[None]]
+
+
+class PostgresStore:
+    """The copy and the consumer's state in Postgres. Use :meth:`open`."""
+
+    def __init__(
+        self,
+        connection: psycopg.AsyncConnection[Any],
+        *,
+        on_notification_in_transaction: InTransaction | None = None,
+    ) -> None:
+        self.connection = connection
+        self.on_notification_in_transaction = on_notification_in_transaction
+
+    @classmethod
+    async def open(
+        cls,
+        dsn: str,
+        *,
+        create_tables: bool = True,
+        on_notification_in_transaction: InTransaction | None = None,
+    ) -> PostgresStore:
+        connection = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+        store = cls(connection, on_notification_in_transaction=on_notification_in_transaction)
+        if create_tables:
+            async with connection.transaction():
+                await connection.execute("SELECT pg_advisory_xact_lock(7412061)")
+                await connection.execute(SCHEMA)
+        return store
+
+    async def close(self) -> None:
+        await self.connection.close()
+
+    async def __aenter__(self) -> PostgresStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def load(self) -> Loaded:
+        async with self.connection.cursor() as cur:
+            await cur.execute(
+                "SELECT endpoint_id::text, epoch, last_change_seq FROM relay_positions"
+            )
+            positions = {e: Position(epoch, last) for e, epoch, last in await cur.fetchall()}
+            await cur.execute(
+                "SELECT body FROM relay_held ORDER BY endpoint_id, epoch, change_seq"
+            )
+            held: list[Change] = []
+            for (body,) in await cur.fetchall():
+                try:
+                    held.append(decode(body))
+                except MessageRefused as error:  # written by this library: cannot happen
+                    raise StoreError(f"a held change no longer decodes: {error}") from error
+        return Loaded(positions, held)
+
+    async def commit(self, steps: Sequence[Step]) -> list[Notification]:
+        recorded: list[Notification] = []
+        try:
+            async with self.connection.transaction():
+                async with self.connection.cursor() as cur:
+                    for step in steps:
+                        await self._step(cur, step, recorded)
+                    if self.on_notification_in_transaction is not None:
+                        for notification in recorded:
+                            await self.on_notification_in_transaction(
+                                self.connection, notification
+                            )
+        except psycopg.Error as error:
+            raise StoreError(f"the commit failed: {error}") from error
+        return recorded
+
+    async def _step(
+        self, cur: psycopg.AsyncCursor[Any], step: Step, recorded: list[Notification]
+    ) -> None:
+        args = {
+            "endpoint": step.endpoint_id,
+            "epoch": step.after.epoch,
+            "last": step.after.last_change_seq,
+            "before_epoch": step.before.epoch,
+            "before_last": step.before.last_change_seq,
+        }
+        if step.before == Position():
+            await cur.execute(_FIRST, args)
+            if cur.rowcount != 1:
+                raise PositionConflict(f"endpoint {step.endpoint_id} has a position already")
+        else:
+            await cur.execute(_MOVE, args)
+            if cur.rowcount != 1:
+                raise PositionConflict(
+                    f"endpoint {step.endpoint_id} is no longer at {step.before}"
+                )
+        if step.new_epoch:
+            await cur.execute(_FORGET_OLDER_HELD, (step.endpoint_id, step.after.epoch))
+        for change in step.applied:
+            if isinstance(change, FeedChange):
+                await self._feed(cur, change)
+            else:
+                await self._story(cur, change, recorded)
+        if step.applied:
+            await cur.execute(
+                _RELEASE_HELD,
+                (step.endpoint_id, step.after.epoch, step.after.last_change_seq),
+            )
+        if step.held is not None:
+            await cur.execute(
+                _HOLD,
+                (
+                    step.endpoint_id,
+                    step.held.epoch,
+                    step.held.change_seq,
+                    Jsonb(dict(step.held.body)),
+                ),
+            )
+
+    async def _feed(self, cur: psycopg.AsyncCursor[Any], c: FeedChange) -> None:
+        e, at = c.endpoint_id, (c.epoch, c.change_seq)
+        if c.operation == "upsert":
+            await cur.execute(
+                _UPSERT,
+                (
+                    e,
+                    c.subject,
+                    c.item_kind,
+                    c.generation,
+                    c.sequence,
+                    Jsonb(c.item),
+                    c.epoch,
+                    c.change_seq,
+                    c.changed_at,
+                ),
+            )
+        elif c.operation == "remove":
+            await cur.execute(_REMOVE, (e, c.subject, *at))
+        elif c.operation == "snapshot_begin":
+            await cur.execute(_FORGET_ITEMS, (e, *at))
+            await cur.execute(_FORGET_STORIES, (e, *at))
+            await cur.execute(_SNAPSHOT_OPEN, (True, e))
+        else:
+            await cur.execute(_SNAPSHOT_OPEN, (False, e))
+
+    async def _story(
+        self, cur: psycopg.AsyncCursor[Any], c: StoryChange, recorded: list[Notification]
+    ) -> None:
+        e = c.endpoint_id
+        if c.operation == "saved":
+            await cur.execute(
+                _SAVE,
+                (
+                    e,
+                    c.story_id,
+                    c.ticker,
+                    c.version,
+                    Jsonb(c.story),
+                    c.epoch,
+                    c.change_seq,
+                    c.changed_at,
+                ),
+            )
+        elif c.operation == "closed":
+            await cur.execute(
+                _CLOSE,
+                (
+                    e,
+                    c.story_id,
+                    c.ticker,
+                    c.version,
+                    c.merged_into,
+                    c.epoch,
+                    c.change_seq,
+                    c.changed_at,
+                ),
+            )
+        elif c.operation == "dropped":
+            await cur.execute(_DROP, (e, c.story_id))
+        else:
+            await cur.execute(
+                _NOTIFY,
+                (
+                    e,
+                    c.story_id,
+                    c.ticker,
+                    c.version,
+                    c.event_id,
+                    Jsonb(c.story),
+                    c.epoch,
+                    c.change_seq,
+                    c.changed_at,
+                ),
+            )
+            row = await cur.fetchone()
+            if row is not None and row[0]:
+                recorded.append(Notification.of(c))
+
+    async def unhanded(self) -> list[Notification]:
+        async with self.connection.cursor() as cur:
+            await cur.execute(_UNHANDED)
+            rows = await cur.fetchall()
+        return [
+            Notification(
+                endpoint_id=e,
+                story_id=s,
+                ticker=t,
+                version=v,
+                event_id=ev,
+                story=st,
+                epoch=ep,
+                change_seq=cs,
+                changed_at=at.isoformat().replace("+00:00", "Z"),
+            )
+            for e, s, t, v, ev, st, ep, cs, at in rows
+        ]
+
+    async def mark_handed(self, notifications: Sequence[Notification]) -> None:
+        if not notifications:
+            return
+        try:
+            async with self.connection.transaction():
+                async with self.connection.cursor() as cur:
+                    await cur.executemany(
+                        _MARK, [(n.endpoint_id, n.story_id) for n in notifications]
+                    )
+        except psycopg.Error as error:
+            raise StoreError(f"marking notifications handed failed: {error}") from error
+
