@@ -86,6 +86,14 @@ pub struct DemoArgs {
     /// `relay tail`, the metrics) until Ctrl-C, and keep the database afterwards.
     #[arg(long)]
     pub keep: bool,
+    /// Leave the tenant's queue to a consumer of your own (a client library's test, say): the
+    /// `started` line carries the tenant's token and broker URL, the verdict compares the
+    /// copies read through the API and the claimed notifications with the simulator's truth
+    /// (the queue is yours to compare), and after the verdict every tier keeps running until
+    /// SIGTERM, so your consumer can finish and read the API; then what the demo made is
+    /// removed, unless `--keep`.
+    #[arg(long)]
+    pub external_consumer: bool,
 }
 
 /// What the demo registered, as the API answered.
@@ -448,8 +456,20 @@ impl StoriesVerdict {
             &self.queue_notifications,
         ]
         .iter()
-        .all(|v| *v == "equal")
+        .all(|v| agrees(v))
     }
+}
+
+/// What a verdict says of the queue when an external consumer reads it.
+const NOT_READ: &str = "not read: an external consumer reads the queue";
+
+fn not_read() -> String {
+    NOT_READ.to_owned()
+}
+
+/// Whether a verdict's comparison holds: equal, or left to an external consumer.
+fn agrees(comparison: &str) -> bool {
+    comparison == "equal" || comparison == NOT_READ
 }
 
 /// The oracle's differences, in a few words: `"equal"`, or how many and the first.
@@ -558,14 +578,18 @@ struct Running<'a> {
     api: &'a ApiClient,
     registered: &'a Registered,
     sim: &'a Simulation,
-    consumer: &'a Mutex<ReferenceConsumer>,
+    /// The demo's own reader of the queue; `None` with `--external-consumer`.
+    consumer: Option<&'a Mutex<ReferenceConsumer>>,
 }
 
 impl Running<'_> {
     async fn progress(&self) -> anyhow::Result<Progress> {
         let registry = &self.tiers.registry;
         // Taken apart from the literal below: its temporaries' guards live to its end.
-        let queue_stats = self.consumer.lock().unwrap().stats();
+        let queue_stats = self
+            .consumer
+            .map(|consumer| consumer.lock().unwrap().stats())
+            .unwrap_or_default();
         let stories_received = self
             .sim
             .stories()
@@ -632,8 +656,10 @@ impl Running<'_> {
             {
                 return Ok(false);
             }
-            if self.consumer.lock().unwrap().items(endpoint) != without_positions(&truth) {
-                return Ok(false);
+            if let Some(consumer) = self.consumer {
+                if consumer.lock().unwrap().items(endpoint) != without_positions(&truth) {
+                    return Ok(false);
+                }
             }
         }
         Ok(self.stories_verdict().await?.ok())
@@ -651,8 +677,8 @@ impl Running<'_> {
         for story in self.api.notifications(token, endpoint).await? {
             *api_notified.entry(story).or_insert(0) += 1;
         }
-        let (queue_copy, queue_notified) = {
-            let consumer = self.consumer.lock().unwrap();
+        let queue = self.consumer.map(|consumer| {
+            let consumer = consumer.lock().unwrap();
             let rows = consumer
                 .stories(endpoint)
                 .into_iter()
@@ -672,7 +698,7 @@ impl Running<'_> {
                 .map(|replica| replica.notified.clone())
                 .unwrap_or_default();
             (rows, notified)
-        };
+        });
         let stories = self.sim.stories();
         let expected = stories.expected_notifications(endpoint);
         Ok(StoriesVerdict {
@@ -684,10 +710,14 @@ impl Running<'_> {
                 .filter(|story| !story.closed)
                 .count(),
             api_copy: story_difference(&stories.compare_copy(endpoint, &api_copy)),
-            queue_copy: story_difference(&stories.compare_copy(endpoint, &queue_copy)),
+            queue_copy: queue.as_ref().map_or_else(not_read, |(copy, _)| {
+                story_difference(&stories.compare_copy(endpoint, copy))
+            }),
             expected_notifications: expected.len(),
             api_notifications: notification_difference(&api_notified, &expected),
-            queue_notifications: notification_difference(&queue_notified, &expected),
+            queue_notifications: queue.as_ref().map_or_else(not_read, |(_, notified)| {
+                notification_difference(notified, &expected)
+            }),
             events_delivered: stories.delivered(endpoint).len(),
         })
     }
@@ -700,7 +730,9 @@ impl Running<'_> {
                 .api
                 .copy(&self.registered.tenant_token, endpoint)
                 .await?;
-            let queue_copy = self.consumer.lock().unwrap().items(endpoint);
+            let queue_copy = self
+                .consumer
+                .map(|consumer| consumer.lock().unwrap().items(endpoint));
             let state = self
                 .api
                 .state(&self.registered.tenant_token, endpoint)
@@ -709,7 +741,9 @@ impl Running<'_> {
                 webhook_endpoint_id: endpoint,
                 expected_items: truth.len(),
                 api_copy: difference(&api_copy, &truth),
-                queue_copy: difference(&queue_copy, &without_positions(&truth)),
+                queue_copy: queue_copy.map_or_else(not_read, |copy| {
+                    difference(&copy, &without_positions(&truth))
+                }),
                 messages_sent: self.sim.lock().sent_bodies(endpoint).len(),
                 last_change_seq: state["last_change_seq"].as_i64().unwrap_or(0),
             });
@@ -910,7 +944,18 @@ async fn demonstrate(
         "stories_mode": STORIES_MODE,
         "faults": args.faults,
         "seed": args.seed,
+        "external_consumer": args.external_consumer,
     }));
+    if args.external_consumer {
+        print_line(&json!({
+            "event": "credentials",
+            "tenant_id": registered.tenant,
+            "tenant_token": registered.tenant_token,
+            "operator_token": registered.operator_token,
+            "queue": registered.queue,
+            "tenant_amqp_url": registered.tenant_amqp_url,
+        }));
+    }
     eprintln!(
         "relay demo: every tier is running; tenant {} has {} feed endpoints and a stories \
          endpoint ({STORIES_MODE}, tickers {}); the simulated upstream changes its feed and its \
@@ -924,13 +969,17 @@ async fn demonstrate(
 
     let consumer = Arc::new(Mutex::new(ReferenceConsumer::new(registered.tenant)));
     let (stop_consumer, consumer_stop) = tokio::sync::watch::channel(false);
-    let mut consuming = tokio::spawn(consume(
-        registered.tenant_amqp_url.clone(),
-        registered.queue.clone(),
-        global.trust()?,
-        consumer.clone(),
-        consumer_stop,
-    ));
+    let mut consuming = if args.external_consumer {
+        tokio::spawn(std::future::pending::<anyhow::Result<()>>())
+    } else {
+        tokio::spawn(consume(
+            registered.tenant_amqp_url.clone(),
+            registered.queue.clone(),
+            global.trust()?,
+            consumer.clone(),
+            consumer_stop,
+        ))
+    };
     let mut senders = sim.spawn_senders();
     senders.push(sim.spawn_stories_sender());
     let duration = Duration::from_secs(args.duration_s);
@@ -945,7 +994,7 @@ async fn demonstrate(
         api: &api,
         registered: &registered,
         sim: &sim,
-        consumer: &consumer,
+        consumer: (!args.external_consumer).then_some(&*consumer),
     };
     let mut reporter = Reporter {
         terminal: std::io::stderr().is_terminal(),
@@ -1007,8 +1056,8 @@ async fn demonstrate(
         && stories_verdict.ok()
         && verdicts
             .iter()
-            .all(|v| v.api_copy == "equal" && v.queue_copy == "equal");
-    let stats = consumer.lock().unwrap().stats();
+            .all(|v| agrees(&v.api_copy) && agrees(&v.queue_copy));
+    let stats = (!args.external_consumer).then(|| consumer.lock().unwrap().stats());
     print_line(&json!({
         "event": "verdict",
         "ok": ok,
@@ -1042,7 +1091,10 @@ async fn demonstrate(
     );
     eprintln!(
         "verdict: {}",
-        if ok {
+        if ok && args.external_consumer {
+            "every copy read through the API is the simulator's truth, and each strong story \
+             was claimed once; the queue is the external consumer's to check"
+        } else if ok {
             "every copy, and every copy rebuilt from the tenant's queue, is the simulator's \
              truth, and each strong story was notified once"
         } else if interrupted {
@@ -1056,10 +1108,14 @@ async fn demonstrate(
 
     if args.keep && !interrupted {
         explore(all, &api, &registered, &metrics_url);
+    }
+    if (args.keep || args.external_consumer) && !interrupted {
         shutdown_signal().await;
     }
     let _ = stop_consumer.send(true);
-    if let Ok(ended) = tokio::time::timeout(Duration::from_secs(5), consuming).await {
+    if args.external_consumer {
+        consuming.abort();
+    } else if let Ok(ended) = tokio::time::timeout(Duration::from_secs(5), consuming).await {
         ended.context("the consumer task")??;
     }
     sim.shutdown();
