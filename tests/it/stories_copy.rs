@@ -621,6 +621,72 @@ async fn a_silent_claim_takes_the_key_and_a_later_one_notifies_nothing() {
     assert_eq!(notified, vec![(1, "st_new".to_owned())]);
 }
 
+/// A resync (or a restore) opens a new epoch: the old epoch's changes go, but a notification
+/// it had not yet published follows the new epoch's snapshot, since its claim is taken and no
+/// later event can notify the story again; one already published is not sent twice.
+#[tokio::test]
+async fn a_notification_not_yet_published_survives_a_new_epoch() {
+    let db = TestDb::new().await;
+    let at = stories_endpoint(&db).await;
+    let (tenant, endpoint, _) = at;
+    let strong = |event_id: &str, id: &str| {
+        event(
+            event_id,
+            "story.became_strong",
+            "live",
+            json!({ "story": snapshot(id, "BETA", 2, "strong") }),
+        )
+    };
+    apply(&db.pool, at, &[strong("evt_1", "st_1")]).await;
+    let sent = outbox(&db.pool, endpoint).await.len() as i64;
+    let publisher = relay_store::fences::claim_tenant(&db.pool, tenant)
+        .await
+        .unwrap();
+    relay_store::changes::mark_published(&db.pool, tenant, publisher, &[(endpoint, sent)])
+        .await
+        .unwrap();
+    apply(&db.pool, at, &[strong("evt_2", "st_2")]).await;
+
+    relay_store::restores::resync(&db.pool, tenant, endpoint)
+        .await
+        .unwrap()
+        .expect("the tenant's endpoint");
+    let epoch: Vec<(i64, String, String)> = outbox(&db.pool, endpoint)
+        .await
+        .into_iter()
+        .map(|c| (c.0, c.2, c.3))
+        .collect();
+    let change = |seq: i64, operation: &str, subject: &str| {
+        (seq, operation.to_owned(), subject.to_owned())
+    };
+    assert_eq!(
+        epoch,
+        vec![
+            change(1, "snapshot_begin", ""),
+            change(2, "saved", "st_1"),
+            change(3, "saved", "st_2"),
+            change(4, "snapshot_end", ""),
+            change(5, "notified", "st_2"),
+        ]
+    );
+    let carried: (Option<String>, Option<String>, Option<i64>, bool) = sqlx::query_as(
+        "SELECT event_id, ticker, story_version, snapshot FROM changes
+         WHERE endpoint_id = $1 AND change_seq = 5",
+    )
+    .bind(endpoint)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        carried,
+        (Some("evt_2".to_owned()), Some("BETA".to_owned()), Some(2), false)
+    );
+    // The counter is past the carried notification: the next change follows it.
+    apply(&db.pool, at, &[closed_event("evt_3", "st_1", 3, None)]).await;
+    let last = outbox(&db.pool, endpoint).await.last().map(|c| (c.0, c.2.clone()));
+    assert_eq!(last, Some((6, "closed".to_owned())));
+}
+
 /// One story's events as the upstream publishes them: created, updates, maybe strong, maybe a
 /// close (merging into `into` when given). Versions rise by one per change.
 fn story_events(rng: &mut ChaCha8Rng, n: usize, into: Option<&str>, start: i64) -> Vec<StoryEvent> {

@@ -310,22 +310,38 @@ const WITHDRAW: &str = "WITH withdrawn AS (
 /// counter row, the endpoint's writer lock, and set the epoch): the old epoch's changes go, the
 /// snapshot of the copy is appended from change 1 (`snapshot_begin`, one `upsert` per item in
 /// subject order at the item's own position, or for a stories endpoint one `saved` or `closed`
-/// per story in id order, `snapshot_end`; the markers at the generation the track holds), the counter is set past it and the publish cursor back to 0. Returns how many
-/// items the snapshot holds.
+/// per story in id order, `snapshot_end`; the markers at the generation the track holds), the
+/// counter is set past it and the publish cursor back to 0. A stories endpoint's notifications
+/// the old epoch had not yet published follow `snapshot_end` in their order: a story is
+/// notified once, by the claim, so one dropped with its epoch would never be sent (one sent
+/// but not yet marked published comes again, as any change may: consumers key notifications by
+/// story). Returns how many items the snapshot holds.
 pub(crate) async fn open_epoch(
     conn: &mut PgConnection,
     endpoint: EndpointId,
     tenant: TenantId,
 ) -> Result<i64, StoreError> {
-    sqlx::query("DELETE FROM changes WHERE endpoint_id = $1")
-        .bind(endpoint)
-        .execute(&mut *conn)
-        .await?;
+    let unsent: Vec<UnsentNotification> = sqlx::query_as(
+        "WITH gone AS (DELETE FROM changes WHERE endpoint_id = $1 RETURNING *)
+         SELECT subject, ticker, event_id, item, story_version FROM gone
+         WHERE operation = 'notified'
+           AND change_seq > COALESCE((SELECT published_through FROM endpoint_publish_cursors
+                                      WHERE endpoint_id = $1), 0)
+         ORDER BY change_seq",
+    )
+    .bind(endpoint)
+    .fetch_all(&mut *conn)
+    .await?;
     let items: i64 = sqlx::query_scalar(OPEN_EPOCH)
         .bind(endpoint)
         .bind(tenant)
         .bind(tracks::FEED_TRACK)
         .bind(diff_json(&PartsDiff::default()))
+        .bind(unsent.iter().map(|n| n.subject.as_str()).collect::<Vec<_>>())
+        .bind(unsent.iter().map(|n| n.ticker.as_deref()).collect::<Vec<_>>())
+        .bind(unsent.iter().map(|n| n.event_id.as_deref()).collect::<Vec<_>>())
+        .bind(unsent.iter().map(|n| n.item.as_ref()).collect::<Vec<_>>())
+        .bind(unsent.iter().map(|n| n.story_version).collect::<Vec<_>>())
         .fetch_one(&mut *conn)
         .await?;
     sqlx::query(
@@ -341,8 +357,19 @@ pub(crate) async fn open_epoch(
     Ok(items)
 }
 
+/// A notification of the old epoch not yet published, carried into the new one.
+#[derive(sqlx::FromRow)]
+struct UnsentNotification {
+    subject: String,
+    ticker: Option<String>,
+    event_id: Option<String>,
+    item: Option<Value>,
+    story_version: Option<i64>,
+}
+
 /// See [`open_epoch`]: `$1` endpoint, `$2` tenant, `$3` the track's name, `$4` an empty parts
-/// diff. Returns the snapshot's item count.
+/// diff, `$5`–`$9` the unsent notifications (story, ticker, event id, item, version) in order.
+/// Returns the snapshot's item count.
 const OPEN_EPOCH: &str = "WITH rows AS (
          SELECT 'item' AS kind, 'upsert' AS operation, subject, item_kind, generation, sequence,
                 item, NULL::int8 AS story_version, NULL::text AS ticker
@@ -364,23 +391,29 @@ const OPEN_EPOCH: &str = "WITH rows AS (
      snapshot AS (
          SELECT 1::int8 AS change_seq, 'item' AS kind, 'snapshot_begin' AS operation,
                 '' AS subject, NULL::text AS item_kind, marker.generation, NULL::text AS sequence,
-                NULL::json AS item, NULL::int8 AS story_version, NULL::text AS ticker
+                NULL::json AS item, NULL::int8 AS story_version, NULL::text AS ticker,
+                NULL::text AS event_id, true AS snapshot
          FROM marker
          UNION ALL
          SELECT n + 1, kind, operation, subject, item_kind, generation, sequence, item,
-                story_version, ticker
+                story_version, ticker, NULL, true
          FROM items
          UNION ALL
          SELECT (SELECT count(*) FROM items) + 2, 'item', 'snapshot_end', '', NULL,
-                marker.generation, NULL, NULL, NULL, NULL
+                marker.generation, NULL, NULL, NULL, NULL, NULL, true
          FROM marker
+         UNION ALL
+         SELECT (SELECT count(*) FROM items) + 2 + u.ord, 'notification', 'notified', u.subject,
+                NULL, 0, NULL, u.item::json, u.story_version, u.ticker, u.event_id, false
+         FROM unnest($5::text[], $6::text[], $7::text[], $8::jsonb[], $9::int8[])
+              WITH ORDINALITY AS u(subject, ticker, event_id, item, story_version, ord)
      ),
      appended AS (
          INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation, subject,
                               item_kind, generation, sequence, event_id, reload_generation, item,
                               parts_diff, snapshot, story_version, ticker)
          SELECT $1, change_seq, $2, kind, operation, subject, item_kind, generation, sequence,
-                NULL, NULL, item, $4::jsonb, true, story_version, ticker
+                event_id, NULL, item, $4::jsonb, snapshot, story_version, ticker
          FROM snapshot
          RETURNING 1
      ),
@@ -389,7 +422,7 @@ const OPEN_EPOCH: &str = "WITH rows AS (
          WHERE endpoint_id = $1
          RETURNING last
      )
-     SELECT (SELECT last FROM counter) - 2";
+     SELECT (SELECT count(*) FROM items) FROM counter";
 
 /// The CTE `held` of an open statement (see `runs::open_runs`): what the copy holds of the
 /// subjects in `$3`–`$4` (endpoint, subject, sorted), locked, each only after its endpoint's
