@@ -402,9 +402,10 @@ pub struct SequencerArgs {
     #[arg(
         long,
         env = "RELAY_SEQUENCER_APPLIED_EVENTS_RETENTION_DAYS",
-        default_value_t = sequencer::APPLIED_EVENTS_RETENTION_DAYS
+        default_value_t = sequencer::APPLIED_EVENTS_RETENTION_DAYS,
+        value_parser = retention_days
     )]
-    pub applied_events_retention_days: u64,
+    pub applied_events_retention_days: f64,
 
     /// Days applied messages are kept (0: for ever), for the message listing and a quarantined
     /// message's retry; a message quarantined and not acted on is kept regardless. A restore
@@ -412,18 +413,30 @@ pub struct SequencerArgs {
     #[arg(
         long,
         env = "RELAY_SEQUENCER_MESSAGE_RETENTION_DAYS",
-        default_value_t = sequencer::MESSAGE_RETENTION_DAYS
+        default_value_t = sequencer::MESSAGE_RETENTION_DAYS,
+        value_parser = retention_days
     )]
-    pub message_retention_days: u64,
+    pub message_retention_days: f64,
 
     /// Days published changes are kept (0: for ever): how far back `POST .../replay` reaches.
     /// Unpublished changes are kept regardless.
     #[arg(
         long,
         env = "RELAY_SEQUENCER_CHANGE_RETENTION_DAYS",
-        default_value_t = sequencer::CHANGE_RETENTION_DAYS
+        default_value_t = sequencer::CHANGE_RETENTION_DAYS,
+        value_parser = retention_days
     )]
-    pub change_retention_days: u64,
+    pub change_retention_days: f64,
+
+    /// Seconds between the sweeps that delete what is past its retention (and read the tables'
+    /// sizes).
+    #[arg(
+        long,
+        env = "RELAY_SEQUENCER_RETENTION_INTERVAL_S",
+        default_value_t = sequencer::RETENTION_INTERVAL_S,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub retention_interval_s: u64,
 
     /// Seconds between a stories endpoint's catch-ups from `GET /v1/events`, the safety net
     /// under its webhooks (it also catches up on start-up and after downtime).
@@ -529,4 +542,12 @@ pub struct AllArgs {
     pub publisher: relay_publisher::PublisherArgs,
     #[command(flatten)]
     pub api: relay_api::ApiArgs,
+}
+
+/// A retention in days: a fraction of a day is allowed (0.5, twelve hours); 0 keeps for ever.
+fn retention_days(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(days) if days.is_finite() && (0.0..=36_500.0).contains(&days) => Ok(days),
+        _ => Err("a number of days from 0 (for ever) to 36500, such as 7 or 0.5".to_owned()),
+    }
 }

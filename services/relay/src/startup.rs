@@ -254,8 +254,8 @@ pub async fn ingest_waker(global: &GlobalArgs) -> anyhow::Result<Option<relay_co
 }
 
 /// A retention given in days: `None` (for ever) for 0.
-fn days(days: u64) -> Option<Duration> {
-    (days > 0).then(|| Duration::from_secs(days * 24 * 3600))
+fn days(days: f64) -> Option<Duration> {
+    (days > 0.0).then(|| Duration::from_secs_f64(days * 24.0 * 3600.0))
 }
 
 impl SequencerArgs {
@@ -279,6 +279,7 @@ impl SequencerArgs {
             applied_events_retention: days(self.applied_events_retention_days),
             message_retention: days(self.message_retention_days),
             change_retention: days(self.change_retention_days),
+            retention_interval: Duration::from_secs(self.retention_interval_s),
             upstream_timeout: Duration::from_millis(self.upstream_timeout_ms),
             stories_catch_up_interval: Duration::from_secs(self.stories_catch_up_interval_s),
             max_concurrent_reloads: self.max_concurrent_reloads,

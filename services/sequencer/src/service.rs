@@ -46,15 +46,17 @@ pub mod defaults {
     pub const IDLE_LINGER_MS: u64 = 10_000;
     /// Applied event ids are kept a month: as long as the oldest backup likely to be restored,
     /// plus a day (see [`super::SequencerConfig::applied_events_retention`]).
-    pub const APPLIED_EVENTS_RETENTION_DAYS: u64 = 31;
+    pub const APPLIED_EVENTS_RETENTION_DAYS: f64 = 31.0;
     /// Applied messages are kept a week: they are for support (the message listing, a
     /// quarantined message's retry) and audit, not for correctness. A restore from a backup
     /// needs none of them: the upstream's rewind resends what the backup lacks, and what it
     /// resends is recognised by the applied event ids, kept a month.
-    pub const MESSAGE_RETENTION_DAYS: u64 = 7;
+    pub const MESSAGE_RETENTION_DAYS: f64 = 7.0;
     /// Published changes are kept a week: what `POST .../replay` can send again (a consumer
     /// that lost more resyncs from the copy).
-    pub const CHANGE_RETENTION_DAYS: u64 = 7;
+    pub const CHANGE_RETENTION_DAYS: f64 = 7.0;
+    /// Retention sweeps run every ten minutes: a week's retention is kept to within minutes.
+    pub const RETENTION_INTERVAL_S: u64 = 600;
     pub const UPSTREAM_TIMEOUT_MS: u64 = 10_000;
     /// A stories endpoint catches up from `GET /v1/events` this often as a safety net under its
     /// webhooks (seed 000: "every few minutes"), besides on start-up and after downtime.
@@ -162,16 +164,10 @@ impl Default for SequencerConfig {
             messages_per_transaction: defaults::MESSAGES_PER_TRANSACTION,
             sweep_interval: ms(defaults::SWEEP_INTERVAL_MS),
             idle_linger: ms(defaults::IDLE_LINGER_MS),
-            applied_events_retention: Some(Duration::from_secs(
-                defaults::APPLIED_EVENTS_RETENTION_DAYS * 24 * 3600,
-            )),
-            message_retention: Some(Duration::from_secs(
-                defaults::MESSAGE_RETENTION_DAYS * 24 * 3600,
-            )),
-            change_retention: Some(Duration::from_secs(
-                defaults::CHANGE_RETENTION_DAYS * 24 * 3600,
-            )),
-            retention_interval: Duration::from_secs(600),
+            applied_events_retention: Some(Duration::from_secs_f64(defaults::APPLIED_EVENTS_RETENTION_DAYS * 24.0 * 3600.0)),
+            message_retention: Some(Duration::from_secs_f64(defaults::MESSAGE_RETENTION_DAYS * 24.0 * 3600.0)),
+            change_retention: Some(Duration::from_secs_f64(defaults::CHANGE_RETENTION_DAYS * 24.0 * 3600.0)),
+            retention_interval: Duration::from_secs(defaults::RETENTION_INTERVAL_S),
             upstream_timeout: ms(defaults::UPSTREAM_TIMEOUT_MS),
             outbound: relay_netguard::OutboundPolicy::default(),
             trust: relay_netguard::TrustRoots::platform(),
