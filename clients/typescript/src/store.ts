@@ -1,0 +1,138 @@
+// What a store is to the consumer: where each endpoint's position and copy are kept, written
+// together, so that what was applied and how far are never apart.
+
+import { Position } from './follower';
+import { Change, FeedChange, StoryMessage } from './message';
+
+/** One subject of a feed endpoint's copy (a tombstone once removed by an event). */
+export interface FeedRow {
+  subject: string;
+  item_kind: string | null;
+  generation: number;
+  sequence: string | null;
+  tombstone: boolean;
+  item: Record<string, unknown> | null;
+  /** The change that wrote the row last. */
+  epoch: number;
+  change_seq: number;
+}
+
+/** One story of a stories endpoint's copy, open or closed for good. */
+export interface StoryRow {
+  story_id: string;
+  ticker: string | null;
+  version: number;
+  closed: boolean;
+  merged_into: string | null;
+  /** The snapshot while open; null once closed. */
+  story: Record<string, unknown> | null;
+}
+
+/** A notification as recorded: the `notified` change, and whether it was handed on yet. */
+export interface NotificationRecord {
+  endpoint: string;
+  story_id: string;
+  ticker: string | null;
+  version: number;
+  event_id: string | null;
+  story: Record<string, unknown> | null;
+  epoch: number;
+  change_seq: number;
+  changed_at: string;
+}
+
+/** What applying a batch did. */
+export interface ApplyOutcome {
+  /** Changes that followed the stored position: applied, the position moved past them. */
+  applied: number;
+  /** Changes the stored position was already past (another run applied them): nothing done. */
+  skipped: number;
+  /**
+   * Changes applied whose row write the newer-only or closed-for-good condition declined (the
+   * row held was newer already): the position moved, the row stayed. The relay only sends
+   * writes that won against its own copy, so on a whole stream this stays 0.
+   */
+  declined: number;
+  /** Notifications recorded (each story's first). */
+  notifications: number;
+  /** Notifications whose story was recorded notified already: not recorded again. */
+  repeatedNotifications: number;
+}
+
+/** The context a handler is called with. */
+export interface HandlerContext<C> {
+  /** The store's own handle: the Postgres store's client inside the transaction. */
+  client: C;
+  /** Whether the row write took effect (false: declined as older than the row held). */
+  written: boolean;
+}
+
+type Handler<M, C> = (change: M, context: HandlerContext<C>) => void | Promise<void>;
+
+/**
+ * The user's callbacks. Each is called once per change applied, in change_seq order per
+ * endpoint: the Postgres store calls them inside the transaction that applies the change (a
+ * throw rolls it back and the change is not acknowledged), the memory store after its write.
+ * `notification` is called by [[Store.handPending]] (see the README, "Notifications exactly
+ * once").
+ */
+export interface Handlers<C> {
+  upsert?: Handler<FeedChange, C>;
+  remove?: Handler<FeedChange, C>;
+  snapshotBegin?: Handler<FeedChange, C>;
+  snapshotEnd?: Handler<FeedChange, C>;
+  storySaved?: Handler<StoryMessage, C>;
+  storyClosed?: Handler<StoryMessage, C>;
+  storyDropped?: Handler<StoryMessage, C>;
+  notification?: (notification: NotificationRecord, context: { client: C }) => void | Promise<void>;
+}
+
+export interface Store {
+  /** Each endpoint's saved position: where the consumer resumes. */
+  positions(): Promise<Map<string, Position>>;
+  /**
+   * Applies the changes (in order per endpoint; each endpoint's a run that follows on from its
+   * position) all at once: in one transaction, with the positions. A change the stored position
+   * is already past is skipped.
+   */
+  apply(changes: Change[]): Promise<ApplyOutcome>;
+  /** Hands each recorded notification not handed yet to the handler, marking it handed. */
+  handPending(): Promise<number>;
+  close(): Promise<void>;
+}
+
+/** Calls the handler of a change's operation, when the user gave one. */
+export async function callHandler<C>(handlers: Handlers<C>, change: Change, context: HandlerContext<C>): Promise<void> {
+  if ('kind' in change) {
+    const handler =
+      change.operation === 'saved' ? handlers.storySaved
+      : change.operation === 'closed' ? handlers.storyClosed
+      : change.operation === 'dropped' ? handlers.storyDropped
+      : undefined;
+    if (handler) await handler(change, context);
+    return;
+  }
+  const handler =
+    change.operation === 'upsert' ? handlers.upsert
+    : change.operation === 'remove' ? handlers.remove
+    : change.operation === 'snapshot_begin' ? handlers.snapshotBegin
+    : handlers.snapshotEnd;
+  if (handler) await handler(change, context);
+}
+
+/** Byte-string order of two sequences (as the relay compares them: COLLATE "C"). */
+export function compareSequences(a: string, b: string): number {
+  return Buffer.compare(Buffer.from(a, 'utf8'), Buffer.from(b, 'utf8'));
+}
+
+/**
+ * The relay's precedence of a feed write over the row held (services/store/src/copy.rs):
+ * a newer generation, or the same generation and a higher sequence, or a removal at the same
+ * sequence over an item.
+ */
+export function feedWriteWins(held: FeedRow, generation: number, sequence: string | null, tombstone: boolean): boolean {
+  if (generation !== held.generation) return generation > held.generation;
+  if (sequence === null || held.sequence === null) return false;
+  const order = compareSequences(sequence, held.sequence);
+  return order > 0 || (order === 0 && tombstone && !held.tombstone);
+}
