@@ -656,9 +656,8 @@ async fn a_notification_not_yet_published_survives_a_new_epoch() {
         .into_iter()
         .map(|c| (c.0, c.2, c.3))
         .collect();
-    let change = |seq: i64, operation: &str, subject: &str| {
-        (seq, operation.to_owned(), subject.to_owned())
-    };
+    let change =
+        |seq: i64, operation: &str, subject: &str| (seq, operation.to_owned(), subject.to_owned());
     assert_eq!(
         epoch,
         vec![
@@ -679,11 +678,19 @@ async fn a_notification_not_yet_published_survives_a_new_epoch() {
     .unwrap();
     assert_eq!(
         carried,
-        (Some("evt_2".to_owned()), Some("BETA".to_owned()), Some(2), false)
+        (
+            Some("evt_2".to_owned()),
+            Some("BETA".to_owned()),
+            Some(2),
+            false
+        )
     );
     // The counter is past the carried notification: the next change follows it.
     apply(&db.pool, at, &[closed_event("evt_3", "st_1", 3, None)]).await;
-    let last = outbox(&db.pool, endpoint).await.last().map(|c| (c.0, c.2.clone()));
+    let last = outbox(&db.pool, endpoint)
+        .await
+        .last()
+        .map(|c| (c.0, c.2.clone()));
     assert_eq!(last, Some((6, "closed".to_owned())));
 }
 

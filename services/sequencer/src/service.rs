@@ -164,9 +164,15 @@ impl Default for SequencerConfig {
             messages_per_transaction: defaults::MESSAGES_PER_TRANSACTION,
             sweep_interval: ms(defaults::SWEEP_INTERVAL_MS),
             idle_linger: ms(defaults::IDLE_LINGER_MS),
-            applied_events_retention: Some(Duration::from_secs_f64(defaults::APPLIED_EVENTS_RETENTION_DAYS * 24.0 * 3600.0)),
-            message_retention: Some(Duration::from_secs_f64(defaults::MESSAGE_RETENTION_DAYS * 24.0 * 3600.0)),
-            change_retention: Some(Duration::from_secs_f64(defaults::CHANGE_RETENTION_DAYS * 24.0 * 3600.0)),
+            applied_events_retention: Some(Duration::from_secs_f64(
+                defaults::APPLIED_EVENTS_RETENTION_DAYS * 24.0 * 3600.0,
+            )),
+            message_retention: Some(Duration::from_secs_f64(
+                defaults::MESSAGE_RETENTION_DAYS * 24.0 * 3600.0,
+            )),
+            change_retention: Some(Duration::from_secs_f64(
+                defaults::CHANGE_RETENTION_DAYS * 24.0 * 3600.0,
+            )),
             retention_interval: Duration::from_secs(defaults::RETENTION_INTERVAL_S),
             upstream_timeout: ms(defaults::UPSTREAM_TIMEOUT_MS),
             outbound: relay_netguard::OutboundPolicy::default(),

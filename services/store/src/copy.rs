@@ -337,9 +337,24 @@ pub(crate) async fn open_epoch(
         .bind(tenant)
         .bind(tracks::FEED_TRACK)
         .bind(diff_json(&PartsDiff::default()))
-        .bind(unsent.iter().map(|n| n.subject.as_str()).collect::<Vec<_>>())
-        .bind(unsent.iter().map(|n| n.ticker.as_deref()).collect::<Vec<_>>())
-        .bind(unsent.iter().map(|n| n.event_id.as_deref()).collect::<Vec<_>>())
+        .bind(
+            unsent
+                .iter()
+                .map(|n| n.subject.as_str())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            unsent
+                .iter()
+                .map(|n| n.ticker.as_deref())
+                .collect::<Vec<_>>(),
+        )
+        .bind(
+            unsent
+                .iter()
+                .map(|n| n.event_id.as_deref())
+                .collect::<Vec<_>>(),
+        )
         .bind(unsent.iter().map(|n| n.item.as_ref()).collect::<Vec<_>>())
         .bind(unsent.iter().map(|n| n.story_version).collect::<Vec<_>>())
         .fetch_one(&mut *conn)
