@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import pathlib
+from typing import AsyncIterator, Iterator
+
+import psycopg
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+PG_ADMIN = os.environ.get("RELAY_CONSUMER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def _dsn(database: str) -> str:
+    return PG_ADMIN.rsplit("/", 1)[0] + "/" + database
+
+
+@pytest.fixture
+def pg_database() -> Iterator[str]:
+    """A fresh database for one test, dropped after it: its DSN."""
+    name = f"relay_consumer_test_{secrets.token_hex(6)}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield _dsn(name)
+    finally:
+        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
