@@ -89,7 +89,8 @@ pub struct PathBenchArgs {
     #[arg(long, default_value_t = 15)]
     pub ceiling_s: u64,
     /// `NAME=VALUE` settings given to a build in `retention` mode (comma-separated), e.g. the
-    /// retention periods and partition length that make it forget at the load's own rate.
+    /// retention periods (fractions of a day) and the sweep's interval that make it forget at the
+    /// load's own rate.
     #[arg(long, value_delimiter = ',')]
     pub retention_env: Vec<String>,
     /// `NAME=VALUE` settings of the runs' database (`ALTER DATABASE ... SET`, comma-separated),
