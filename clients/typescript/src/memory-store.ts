@@ -58,7 +58,8 @@ export class MemoryStore implements Store {
       this.saved.set(endpoint, { epoch: change.epoch, lastChangeSeq: change.change_seq });
       outcome.applied += 1;
       const written = 'kind' in change ? this.applyStory(change, outcome) : this.applyFeed(change);
-      if (!written) outcome.declined += 1;
+      // A repeated notification is not a declined write: it is recorded once by design.
+      if (!written && !('kind' in change && change.operation === 'notified')) outcome.declined += 1;
       await callHandler(this.handlers, change, { client: this, written });
     }
     return outcome;
