@@ -9,7 +9,7 @@ import { EventEmitter } from 'node:events';
 import * as amqp from 'amqplib';
 import { RelayApi, ReplayAnswer } from './api';
 import { Follower, FollowerStats, Gap, Placed } from './follower';
-import { Change, decodeChange, messageId, RefusedMessage } from './message';
+import { Change, decodeChange, messageId, RefusedMessage, StoryMessage } from './message';
 import { ApplyOutcome, Store } from './store';
 
 export type AmqpConnection = amqp.ChannelModel;
@@ -64,6 +64,8 @@ export interface ConsumerStats extends FollowerStats {
   repeatedNotifications: number;
   replays: number;
   batches: number;
+  /** Notifications of a stale epoch, recorded by story id rather than dropped. */
+  lateNotifications: number;
 }
 
 export interface GapReport extends Gap {
@@ -121,7 +123,7 @@ export class RelayConsumer extends EventEmitter {
     });
     this.stats = Object.assign(this.follower.stats, {
       deliveries: 0, refused: 0, skipped: 0, declined: 0, notificationsRecorded: 0, notificationsHanded: 0,
-      repeatedNotifications: 0, replays: 0, batches: 0,
+      repeatedNotifications: 0, replays: 0, batches: 0, lateNotifications: 0,
     }) as ConsumerStats;
     this.done = new Promise((resolve) => (this.resolveDone = resolve));
     // An 'error' with no listener would throw; the error is also what `done` settles with.
@@ -187,6 +189,7 @@ export class RelayConsumer extends EventEmitter {
       const toApply: Placed<Delivery>[] = [];
       const toAck: Delivery[] = [];
       const toRelease: Delivery[] = [];
+      const late: Placed<Delivery>[] = [];
       let refusedStop: RefusedMessage | undefined;
       for (const delivery of batch) {
         let change: Change;
@@ -207,14 +210,23 @@ export class RelayConsumer extends EventEmitter {
           break;
         }
         const verdict = this.follower.receive(change, delivery);
-        toAck.push(...verdict.stale);
+        const stale = verdict.outcome === 'stale' ? [{ change, token: delivery }, ...verdict.stale] : verdict.stale;
+        for (const placed of stale) {
+          if ('kind' in placed.change && placed.change.operation === 'notified') late.push(placed);
+          else toAck.push(placed.token);
+        }
         if (verdict.outcome === 'apply') toApply.push(...verdict.apply);
         else if (verdict.outcome === 'held') toRelease.push(...verdict.released.map((p) => p.token));
-        else toAck.push(delivery);
+        else if (verdict.outcome === 'duplicate') toAck.push(delivery);
       }
-      if (toApply.length > 0) {
+      if (toApply.length > 0 || late.length > 0) {
         this.stats.batches += 1;
-        const outcome: ApplyOutcome = await this.options.store.apply(toApply.map((p) => p.change));
+        const outcome: ApplyOutcome = await this.options.store.apply(
+          toApply.map((p) => p.change),
+          late.map((p) => p.change as StoryMessage),
+        );
+        this.stats.lateNotifications += late.length;
+        for (const placed of late) this.channel?.ack(placed.token);
         this.stats.skipped += outcome.skipped;
         this.stats.declined += outcome.declined;
         this.stats.notificationsRecorded += outcome.notifications;

@@ -21,17 +21,17 @@ export interface Placed<T> {
 
 export type Verdict<T> =
   /** Apply these, in order (the change received first, then the held ones it released). */
-  | { outcome: 'apply'; apply: Placed<T>[]; stale: T[] }
+  | { outcome: 'apply'; apply: Placed<T>[]; stale: Placed<T>[] }
   /** Already applied, or held already: drop it (acknowledge it). */
-  | { outcome: 'duplicate'; stale: T[] }
+  | { outcome: 'duplicate'; stale: Placed<T>[] }
   /** Of an epoch older than the one followed: drop it (acknowledge it). */
-  | { outcome: 'stale'; stale: T[] }
+  | { outcome: 'stale'; stale: Placed<T>[] }
   /**
    * Ahead of the next change: held until its predecessors come. `released` are changes that
    * no longer fit in the bound (the furthest ahead; possibly this one): give them back to the
    * queue (nack with requeue), they come again.
    */
-  | { outcome: 'held'; expected: number; released: Placed<T>[]; stale: T[] };
+  | { outcome: 'held'; expected: number; released: Placed<T>[]; stale: Placed<T>[] };
 
 export interface Gap {
   endpoint: string;
@@ -118,10 +118,10 @@ export class Follower<T> {
       this.stats.stale += 1;
       return { outcome: 'stale', stale: [] };
     }
-    const stale: T[] = [];
+    const stale: Placed<T>[] = [];
     if (epoch > state.epoch) {
       // The older epoch's stream is over: what was held of it can never be applied.
-      for (const placed of state.held.values()) stale.push(placed.token as T);
+      for (const placed of state.held.values()) stale.push(placed as Placed<T>);
       this.stats.stale += state.held.size;
       this.heldTotal -= state.held.size;
       state.held.clear();

@@ -43,8 +43,9 @@ export class MemoryStore implements Store {
     return new Map(this.stories.get(endpoint) ?? []);
   }
 
-  async apply(changes: Change[]): Promise<ApplyOutcome> {
+  async apply(changes: Change[], lateNotifications: StoryMessage[] = []): Promise<ApplyOutcome> {
     const outcome: ApplyOutcome = { applied: 0, skipped: 0, declined: 0, notifications: 0, repeatedNotifications: 0 };
+    for (const late of lateNotifications) this.recordNotification(late, outcome);
     for (const change of changes) {
       const endpoint = change.webhook_endpoint_id;
       const at = this.saved.get(endpoint);
@@ -158,7 +159,15 @@ export class MemoryStore implements Store {
           return true;
         }
         return false;
-      case 'notified': {
+      case 'notified':
+        return this.recordNotification(change, outcome);
+    }
+  }
+
+  private recordNotification(change: StoryMessage, outcome: ApplyOutcome): boolean {
+    const endpoint = change.webhook_endpoint_id;
+    {
+      {
         let notified = this.notifications.get(endpoint);
         if (!notified) this.notifications.set(endpoint, (notified = new Map()));
         if (notified.has(change.story_id)) {

@@ -185,6 +185,12 @@ const NOTIFY = `WITH ${POSITION},
   )
   ${RESULT}`;
 
+// A notification of a stale epoch: recorded once per story, no position moved.
+const LATE_NOTIFY = `INSERT INTO relay_notifications (endpoint_id, story_id, ticker, version, event_id,
+                                                      story, epoch, change_seq, changed_at)
+  VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7, $8, $9)
+  ON CONFLICT (endpoint_id, story_id) DO NOTHING`;
+
 function statement(change: Change): { text: string; values: unknown[] } {
   const head = [change.webhook_endpoint_id, change.tenant_id, change.epoch, change.change_seq];
   if ('kind' in change) return storyStatement(change, head);
@@ -265,13 +271,21 @@ export class PgStore implements Store {
     return new Map(rows.map((r) => [r.endpoint_id, { epoch: Number(r.epoch), lastChangeSeq: Number(r.last_change_seq) }]));
   }
 
-  async apply(changes: Change[]): Promise<ApplyOutcome> {
+  async apply(changes: Change[], lateNotifications: StoryMessage[] = []): Promise<ApplyOutcome> {
     await this.ready;
     const outcome: ApplyOutcome = { applied: 0, skipped: 0, declined: 0, notifications: 0, repeatedNotifications: 0 };
-    if (changes.length === 0) return outcome;
+    if (changes.length === 0 && lateNotifications.length === 0) return outcome;
     const client = await this.pool.connect();
     try {
       await client.query('BEGIN');
+      for (const late of lateNotifications) {
+        const { rowCount } = await client.query(LATE_NOTIFY, [
+          late.webhook_endpoint_id, late.story_id, late.ticker, late.version, late.event_id,
+          JSON.stringify(late.story ?? null), late.epoch, late.change_seq, late.changed_at,
+        ]);
+        if (rowCount) outcome.notifications += 1;
+        else outcome.repeatedNotifications += 1;
+      }
       for (const change of changes) {
         const { rows } = await client.query<{ advanced: boolean; written: boolean }>(statement(change));
         const { advanced, written } = rows[0]!;

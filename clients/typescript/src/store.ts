@@ -93,9 +93,12 @@ export interface Store {
   /**
    * Applies the changes (in order per endpoint; each endpoint's a run that follows on from its
    * position) all at once: in one transaction, with the positions. A change the stored position
-   * is already past is skipped.
+   * is already past is skipped. `lateNotifications` are `notified` changes of an epoch older
+   * than the one followed (delivered after the new epoch's first change): the copy's changes of
+   * a stale epoch are dropped, but a notification is a claim of its own, keyed by story id, so
+   * it is recorded (once per story) in the same transaction, without moving any position.
    */
-  apply(changes: Change[]): Promise<ApplyOutcome>;
+  apply(changes: Change[], lateNotifications?: StoryMessage[]): Promise<ApplyOutcome>;
   /** Hands each recorded notification not handed yet to the handler, marking it handed. */
   handPending(): Promise<number>;
   close(): Promise<void>;
