@@ -9,6 +9,9 @@ from typing import AsyncIterator, Iterator
 import psycopg
 import pytest
 
+from relay_consumer import MemoryStore, Store
+from relay_consumer.postgres import PostgresStore
+
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 PG_ADMIN = os.environ.get("RELAY_CONSUMER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -29,3 +32,16 @@ def pg_database() -> Iterator[str]:
     finally:
         with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["memory", "postgres"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    dsn = request.getfixturevalue("pg_database")
+    pg = await PostgresStore.open(dsn)
+    try:
+        yield pg
+    finally:
+        await pg.close()

@@ -86,7 +86,7 @@ def test_a_version_it_does_not_know_is_refused_not_guessed(version: object) -> N
 
 
 def edit(base: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    body = json.loads(json.dumps(base))
+    body: dict[str, Any] = json.loads(json.dumps(base))
     change(body)
     return body
 

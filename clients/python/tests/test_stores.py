@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -18,20 +18,6 @@ from relay_consumer import (
     Store,
     decode,
 )
-from relay_consumer.postgres import PostgresStore
-
-
-@pytest.fixture(params=["memory", "postgres"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    dsn = request.getfixturevalue("pg_database")
-    pg = await PostgresStore.open(dsn)
-    try:
-        yield pg
-    finally:
-        await pg.close()
 
 
 async def feed_all(store: Store, bodies: list[dict[str, Any]], follower: Follower | None = None) -> list[Notification]:
