@@ -6,7 +6,8 @@
 RELAY_AMQP_URL is the ``amqp_url`` that ``POST /v1/broker/credentials`` answered, with its
 ``password`` put after the username. Optionally RELAY_API_URL and RELAY_TOKEN (a token of the
 tenant): a gap that does not fill in time is then asked for again with
-``POST /v1/endpoints/<id>/replay``. Ctrl-C stops it; the copy is gone with the process.
+``POST /v1/endpoints/<id>/replay``. Ctrl-C (or SIGTERM) stops it; the copy is gone with the
+process.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ async def main() -> None:
         on_gap=gap,
         api=api,
     )
-    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, consumer.stop)
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(stop, consumer.stop)
     await consumer.run()
     for endpoint in store.endpoints():
         print(

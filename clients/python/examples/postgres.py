@@ -8,8 +8,8 @@ writing it to an outbox table of its own in the same transaction as the copy and
 RELAY_AMQP_URL is the ``amqp_url`` that ``POST /v1/broker/credentials`` answered, with its
 ``password`` put after the username. Optionally RELAY_API_URL and RELAY_TOKEN (a token of the
 tenant): a gap that does not fill in time is then asked for again with
-``POST /v1/endpoints/<id>/replay``. Ctrl-C stops it; started again, it carries on from the
-positions kept.
+``POST /v1/endpoints/<id>/replay``. Ctrl-C (or SIGTERM) stops it; started again, it carries on
+from the positions kept.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ async def main() -> None:
             on_gap=gap,
             api=api,
         )
-        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, consumer.stop)
+        for stop in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(stop, consumer.stop)
         await consumer.run()
 
 

@@ -23,7 +23,7 @@ import aio_pika
 import aio_pika.abc
 import psycopg
 
-from relay_consumer import RelayApi, ReplayError
+from relay_consumer import RelayApi, ReplayError, ResyncAnswer
 
 HERE = Path(__file__).resolve().parent
 PACKAGE = HERE.parent.parent
@@ -181,6 +181,20 @@ class ConsumerProcesses:
                 start_new_session=True,
             )
 
+    async def consuming(self, timeout_s: float = 30.0) -> None:
+        """Until the current instance logs that it consumes (the library's INFO line
+        ``consuming <queue>``): its signal handlers are in place by then."""
+        deadline = time.monotonic() + timeout_s
+        while "consuming " not in self.stderr_path(self.instance).read_text(errors="replace"):
+            if not self.alive():
+                raise AssertionError(
+                    f"consumer #{self.instance} exited before consuming:\n"
+                    f"{tail(self.stderr_path(self.instance))}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(f"consumer #{self.instance} not consuming in {timeout_s} s")
+            await asyncio.sleep(0.1)
+
     def alive(self) -> bool:
         return self.current is not None and self.current.returncode is None
 
@@ -215,21 +229,23 @@ class ConsumerProcesses:
 
 @dataclass
 class ScramblerStats:
+    cycles: int = 0
     taken: int = 0
     requeued: int = 0
     duplicated: int = 0
-    passed: int = 0
 
 
 class Scrambler:
     """A plain aio-pika consumer on the tenant's queue, with the tenant's credentials: it takes
-    deliveries beside the real consumer, holds them a little, and gives them back
-    (nack with requeue) in shuffled order, so the real consumer meets later changes before
-    earlier ones; some it also publishes again (as the broker's admin, the same body and
-    message id), so they come twice.
+    deliveries beside the real consumer, holds them a little, and gives them back (nack with
+    requeue) in shuffled order, so the real consumer meets later changes before earlier ones;
+    some it also publishes again (as the broker's admin: the same body and message id), so
+    they come twice.
 
-    A delivery already delivered ``pass_after`` times is given back at once: the tenant's
-    queue moves a message to its dead-letter queue after 20 deliveries.
+    It works in cycles: consume a moment, stop consuming (basic.cancel), give back what it took
+    in shuffled order, then leave the queue to the real consumer a moment. So it takes a message
+    at most once a cycle: the tenant's queue moves a message delivered 20 times to its
+    dead-letter queue, and a scrambler retaking what it just gave back would get it there.
     """
 
     def __init__(
@@ -240,51 +256,62 @@ class Scrambler:
         *,
         prefetch: int = 24,
         duplicate_probability: float = 0.15,
-        pass_after: int = 4,
     ) -> None:
         self.amqp_url = amqp_url
         self.queue = queue
         self.rng = rng
         self.prefetch = prefetch
         self.duplicate_probability = duplicate_probability
-        self.pass_after = pass_after
         self.stats = ScramblerStats()
         self._held: list[aio_pika.abc.AbstractIncomingMessage] = []
-        self._connection: aio_pika.abc.AbstractRobustConnection | None = None
+        self._connection: aio_pika.abc.AbstractConnection | None = None
+        self._queue: aio_pika.abc.AbstractQueue | None = None
         self._admin: aio_pika.abc.AbstractConnection | None = None
         self._admin_channel: aio_pika.abc.AbstractChannel | None = None
         self._task: asyncio.Task[None] | None = None
-        self._stopping = False
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
-        self._connection = await aio_pika.connect_robust(
+        self._connection = await aio_pika.connect(
             self.amqp_url, client_properties={"connection_name": "relay-consumer e2e scrambler"}
         )
         channel = await self._connection.channel()
         await channel.set_qos(prefetch_count=self.prefetch)
-        queue = await channel.get_queue(self.queue, ensure=False)
+        self._queue = await channel.get_queue(self.queue, ensure=False)
         try:
             self._admin = await aio_pika.connect(ADMIN_AMQP_URL)
             self._admin_channel = await self._admin.channel()
         except Exception as error:  # duplicates are a bonus: the broker's own redeliveries stay
             log(f"scrambler: no admin connection for duplicates ({error})")
-        await queue.consume(self._take, no_ack=False)
-        self._task = asyncio.create_task(self._give_back())
+        self._task = asyncio.create_task(self._cycles())
 
     async def _take(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-        count = (message.headers or {}).get("x-delivery-count", 0)
-        deliveries = count if isinstance(count, int) else 0
-        if self._stopping or deliveries >= self.pass_after:
-            self.stats.passed += 1
-            await message.nack(requeue=True)
-            return
         self.stats.taken += 1
         self._held.append(message)
 
-    async def _give_back(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(self.rng.uniform(0.2, 1.2))
-            await self._release()
+    async def _pause(self, seconds: float) -> bool:
+        """Sleeps, or returns True at once when asked to stop."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def _cycles(self) -> None:
+        assert self._queue is not None
+        try:
+            while not self._stopping.is_set():
+                self.stats.cycles += 1
+                tag = await self._queue.consume(self._take, no_ack=False)
+                stopping = await self._pause(self.rng.uniform(0.3, 1.0))
+                await self._queue.cancel(tag)
+                if not stopping:
+                    stopping = await self._pause(self.rng.uniform(0.05, 0.5))
+                await self._release()
+                if stopping or await self._pause(self.rng.uniform(0.5, 1.5)):
+                    return
+        except Exception as error:  # the connection closed under it: what it held goes back
+            log(f"scrambler stopped: {type(error).__name__}: {error}")
 
     async def _release(self) -> None:
         held, self._held = self._held, []
@@ -308,23 +335,18 @@ class Scrambler:
                 await asyncio.sleep(self.rng.uniform(0.0, 0.05))
 
     async def stop(self) -> None:
-        self._stopping = True
+        self._stopping.set()
         if self._task is not None:
-            self._task.cancel()
             try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-        try:
-            await self._release()
-        except Exception:
-            pass  # closing the connection gives back whatever is still held
+                await asyncio.wait_for(self._task, 10)
+            except (asyncio.TimeoutError, Exception):
+                self._task.cancel()
         for connection in (self._connection, self._admin):
             if connection is not None:
                 try:
                     await asyncio.wait_for(connection.close(), 5)
                 except Exception:
-                    pass
+                    pass  # closing gives back whatever is still held
 
 
 # -- the relay's API -----------------------------------------------------------------------------
@@ -345,11 +367,11 @@ async def pages(api: RelayApi, path: str, **query: str) -> list[dict[str, Any]]:
             return rows
 
 
-async def resync(api: RelayApi, endpoint_id: str, attempts: int = 40) -> int:
-    """POST resync, again while the last snapshot is still being sent (409): the new epoch."""
+async def resync(api: RelayApi, endpoint_id: str, attempts: int = 40) -> ResyncAnswer:
+    """POST resync, again while the last snapshot is still being sent (409)."""
     for attempt in range(attempts):
         try:
-            return (await api.resync(endpoint_id)).epoch
+            return await api.resync(endpoint_id)
         except ReplayError as error:
             if error.status != 409 or attempt == attempts - 1:
                 raise

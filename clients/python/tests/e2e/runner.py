@@ -27,7 +27,9 @@ from typing import Any
 
 import psycopg
 
-from relay_consumer import Consumer, Gap, Notification, RelayApi
+import aio_pika.abc
+
+from relay_consumer import Change, Consumer, Gap, Notification, RelayApi
 from relay_consumer.postgres import PostgresStore
 
 HANDED_TABLE = """
@@ -42,6 +44,22 @@ CREATE TABLE IF NOT EXISTS e2e_handed (
 """
 
 
+class Tracing(Consumer):
+    """Writes each delivery it reads (the body, whether redelivered) to a trace file, for a
+    failure's diagnosis."""
+
+    trace_fd = -1
+    instance = 0
+
+    def _decode(self, message: aio_pika.abc.AbstractIncomingMessage) -> Change:
+        change = super()._decode(message)
+        if self.trace_fd >= 0:
+            line = {"instance": self.instance, "redelivered": bool(message.redelivered),
+                    "body": json.loads(message.body)}
+            os.write(self.trace_fd, (json.dumps(line) + "\n").encode())
+        return change
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--amqp-url", required=True)
@@ -54,6 +72,7 @@ async def main() -> int:
     parser.add_argument("--prefetch", type=int, default=256)
     parser.add_argument("--batch-max", type=int, default=256)
     parser.add_argument("--gap-timeout-s", type=float, default=5.0)
+    parser.add_argument("--trace", help="a file to append every delivery read to")
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO,
@@ -81,7 +100,7 @@ async def main() -> int:
     store = await PostgresStore.open(args.dsn, on_notification_in_transaction=in_transaction)
     await store.connection.execute(HANDED_TABLE)
     api = RelayApi(args.api_url, args.token) if args.api_url and args.token else None
-    consumer = Consumer(
+    consumer = Tracing(
         args.amqp_url,
         args.queue,
         store,
@@ -93,6 +112,9 @@ async def main() -> int:
         api=api,
         connection_name=f"relay-consumer e2e runner #{args.instance}",
     )
+    consumer.instance = args.instance
+    if args.trace:
+        consumer.trace_fd = os.open(args.trace, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, consumer.stop)
     print(json.dumps({"event": "running", "instance": args.instance, "pid": os.getpid()}),
           flush=True)
