@@ -374,6 +374,16 @@ impl TestApp {
     /// The front tier of a whole-relay test (as [`TestApp::spawn_waking`]) on a database the
     /// test made: one restored from a backup, say.
     pub async fn spawn_waking_on(db: TestDb, key_prefix: &str) -> Self {
+        Self::spawn_handing_on(db, key_prefix, None).await
+    }
+
+    /// The front tier of a whole-relay test that, as in `relay all`, hands the messages it
+    /// stores to the sequencer of the same process through `messages` (and wakes the others).
+    pub async fn spawn_handing_on(
+        db: TestDb,
+        key_prefix: &str,
+        messages: Option<relay_coord::Handoff<relay_store::cursors::PendingMessage>>,
+    ) -> Self {
         let waker = relay_coord::Waker::connect(
             &redis_url(),
             &relay_netguard::TrustRoots::platform(),
@@ -383,6 +393,7 @@ impl TestApp {
         .expect("the whole-relay tests need Redis on 127.0.0.1:6379");
         let config = IngestConfig {
             waker: Some(waker),
+            messages_handoff: messages,
             ..test_config()
         };
         Self::start_on(db, config, Arc::new(SystemClock), None).await

@@ -21,7 +21,7 @@ use relay_netguard::OutboundPolicy;
 use relay_simulator::cli::prepare;
 use relay_simulator::Faults;
 use relay_store::PoolOptions;
-use relay_tests::{amqp_addr, printed_seed, PgProxy, ProxyMode, TestApp};
+use relay_tests::{amqp_addr, printed_seed, PgProxy, ProxyMode, TestApp, TestDb};
 use uuid::Uuid;
 
 use crate::stack::{
@@ -53,9 +53,13 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     let duration = Duration::from_secs(6);
 
     // 1. A database, a vhost, a Redis key prefix; the front tier with its waker.
+    // As in `relay all`, the front tier hands the messages it stores to the sequencer's
+    // workers in memory (those it cannot hand over are announced through Redis and read back).
     let room = Room::new().await;
     let (prefix, vhost) = (&room.prefix, &room.vhost);
-    let app = TestApp::spawn_waking(&prefix.0).await;
+    let messages = relay_coord::Handoff::new(4 << 20, 64 << 20);
+    let app =
+        TestApp::spawn_handing_on(TestDb::new().await, &prefix.0, Some(messages.clone())).await;
     let pool = app.db.pool.clone();
 
     // 2. The control plane, a sequencer and the publisher (its broker behind a proxy, on a pool
@@ -63,15 +67,17 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     // publisher in memory; the publisher killed below leaves its inboxes behind, and its
     // successor takes the tenants over from the outbox and the hand-over both.
     let changes = relay_coord::Handoff::new(8 << 20, 64 << 20);
+    let sequencer_metrics = SequencerMetrics::unregistered();
     let relay = Relay {
         api: Api::start(&app.db.url, &vhost.url(), OutboundPolicy::ANY).await,
         sequencer: start_sequencer_with(
             &app.db.url,
             SequencerConfig {
                 changes_handoff: Some(changes.clone()),
+                messages_handoff: Some(messages),
                 ..sequencer_config(&prefix.0, 16, OutboundPolicy::ANY)
             },
-            SequencerMetrics::unregistered(),
+            sequencer_metrics.clone(),
         )
         .await,
         app,
@@ -194,6 +200,23 @@ async fn onboarded_through_the_api_each_tenants_queue_and_copy_equal_the_oracle(
     let read = taken(&first_registry, "outbox") + taken(&last_registry, "outbox");
     eprintln!("pipeline: seed {seed}: changes handed over {handed}, read from the outbox {read}");
     assert!(handed > 0.0, "seed {seed}: nothing was handed over");
+    // Most messages too; an endpoint's first messages, and those stored before its worker
+    // took it after a lull, were read from Postgres.
+    let messages_taken = |source: &str| {
+        sequencer_metrics
+            .messages_taken
+            .with_label_values(&[source])
+            .get()
+    };
+    eprintln!(
+        "pipeline: seed {seed}: messages handed over {}, read from Postgres {}",
+        messages_taken("handed"),
+        messages_taken("postgres")
+    );
+    assert!(
+        messages_taken("handed") > 0,
+        "seed {seed}: no message was handed over"
+    );
 
     // 6a. Each endpoint's copy, read through the API with its tenant's token, is the oracle's;
     // its state says nothing is left.

@@ -141,7 +141,9 @@ impl<T> Handoff<T> {
         true
     }
 
-    fn close(&self, key: Uuid, state: &Arc<InboxState<T>>) {
+    /// Closes the inbox of `key` if `state` is still it; answers how many items it held, which
+    /// are dropped (Postgres has them).
+    fn close(&self, key: Uuid, state: &Arc<InboxState<T>>) -> usize {
         let mut inboxes = self.inner.inboxes.lock().expect("not poisoned");
         if inboxes
             .get(&key)
@@ -154,9 +156,10 @@ impl<T> Handoff<T> {
         self.inner
             .bytes_waiting
             .fetch_sub(held.bytes, Ordering::AcqRel);
-        held.items = Vec::new();
+        let dropped = std::mem::take(&mut held.items).len();
         held.bytes = 0;
         held.closed = true;
+        dropped
     }
 }
 
@@ -184,6 +187,13 @@ impl<T> Inbox<T> {
     /// call).
     pub async fn handed(&self) {
         self.state.notify.notified().await;
+    }
+
+    /// Stops taking offers (they are refused from now on, so their senders announce them the
+    /// other way) and answers whether anything handed was left untaken: its owner, letting go,
+    /// must then make sure the work is found again, as it would be had it been announced.
+    pub fn close(self) -> bool {
+        self.handoff.close(self.key, &self.state) > 0
     }
 }
 
@@ -240,6 +250,19 @@ mod tests {
         drop(first);
         assert!(handoff.offer(key, vec![1], 1));
         assert_eq!(second.take(), vec![1]);
+    }
+
+    #[test]
+    fn closing_refuses_later_offers_and_tells_what_was_left() {
+        let handoff = Handoff::<u32>::new(10, 10);
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let (inbox_a, inbox_b) = (handoff.open(a), handoff.open(b));
+        assert!(handoff.offer(a, vec![1], 4));
+        assert!(inbox_a.close(), "1 was left untaken");
+        assert!(!handoff.offer(a, vec![2], 1), "closed");
+        assert!(handoff.offer(b, vec![3], 10), "a's bytes were given back");
+        assert_eq!(inbox_b.take(), vec![3]);
+        assert!(!inbox_b.close(), "nothing was left");
     }
 
     #[tokio::test]

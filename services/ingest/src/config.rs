@@ -63,6 +63,10 @@ pub struct IngestConfig {
     /// Tells the sequencers which endpoints just got messages (a Redis publish after each
     /// commit). `None`: they find them by their periodic sweep alone.
     pub waker: Option<relay_coord::Waker>,
+    /// The sequencer of this process (`relay all`): each stored message is handed to the
+    /// worker that owns its endpoint here, if one does and has room, instead of announced
+    /// through `waker` and read back from Postgres.
+    pub messages_handoff: Option<relay_coord::Handoff<relay_store::cursors::PendingMessage>>,
     /// Header and body read timeouts and the bound on open connections of the webhook listener.
     /// The body's timeout counts within the answer deadline, so keep it shorter.
     pub listener: ListenerLimits,
@@ -85,6 +89,7 @@ impl Default for IngestConfig {
             endpoint_cache_ttl: Duration::from_secs(defaults::ENDPOINT_CACHE_TTL_S),
             endpoint_cache_max_entries: defaults::ENDPOINT_CACHE_MAX_ENTRIES,
             waker: None,
+            messages_handoff: None,
             listener: LISTENER_LIMITS,
             shared: relay_listener::Shared::default(),
             quotas: relay_store::quotas::QuotaDefaults::default(),

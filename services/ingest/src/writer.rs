@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use relay_coord::{Gather, GatherLimits};
+use relay_store::cursors::PendingMessage;
 use relay_store::messages::{self, IncomingMessage, StoreOutcome};
 use relay_store::{KeptConnection, StoreError};
 use sqlx::PgPool;
@@ -48,6 +49,7 @@ pub struct BatchWriter {
 
 struct Batching {
     waker: Option<relay_coord::Waker>,
+    handoff: Option<relay_coord::Handoff<PendingMessage>>,
     /// Messages, weighing their bodies' bytes.
     limits: GatherLimits,
     timeout: Duration,
@@ -63,6 +65,7 @@ impl BatchWriter {
         let receiver = Arc::new(Mutex::new(receiver));
         let batching = Arc::new(Batching {
             waker: config.waker.clone(),
+            handoff: config.messages_handoff.clone(),
             limits: GatherLimits {
                 jobs: config.batch_max_messages.max(1),
                 weight: config.batch_max_bytes.max(1),
@@ -146,8 +149,10 @@ async fn write_batches(
                 Ok(Ok((outcomes, taken))) => {
                     connection.keep(taken);
                     for (job, outcome) in part.into_iter().zip(outcomes) {
-                        if matches!(outcome, StoreOutcome::Stored { .. }) {
-                            stored.push(job.message.endpoint_id);
+                        if let StoreOutcome::Stored { arrival_seq } = outcome {
+                            if !batching.hand_over(&job.message, arrival_seq) {
+                                stored.push(job.message.endpoint_id);
+                            }
                         }
                         let _ = job.reply.send(Ok(outcome));
                     }
@@ -189,6 +194,35 @@ async fn write_batches(
         }
     }
 }
+
+impl Batching {
+    /// Hands a message just committed to this process's sequencer worker for its endpoint;
+    /// `false` when none takes it (then it is announced). A taken message needs no wake-up:
+    /// the offer wakes the worker, and a worker that lets go with it untaken announces it.
+    fn hand_over(&self, message: &IncomingMessage, arrival_seq: i64) -> bool {
+        let Some(handoff) = &self.handoff else {
+            return false;
+        };
+        // As Postgres keeps it (microseconds), so the worker sees what a read would give.
+        let received_at = message.received_at;
+        let received_at = received_at
+            .replace_nanosecond(received_at.nanosecond() / 1_000 * 1_000)
+            .unwrap_or(received_at);
+        let pending = PendingMessage {
+            arrival_seq,
+            received_at,
+            body: message.body.to_vec(),
+        };
+        handoff.offer(
+            message.endpoint_id,
+            vec![pending],
+            MESSAGE_ROW_BYTES + message.body.len(),
+        )
+    }
+}
+
+/// What a handed message weighs besides its body.
+const MESSAGE_ROW_BYTES: usize = 64;
 
 /// True when Postgres refused the statement for a value it was given (SQLSTATE classes 22,
 /// data exception; 23, integrity constraint; 54, program limit exceeded, such as an index row

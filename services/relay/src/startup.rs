@@ -480,16 +480,25 @@ pub struct AllTiers {
 const HANDOFF_BYTES_PER_TENANT: usize = 8 << 20;
 const HANDOFF_BYTES: usize = 64 << 20;
 
+/// The messages the front tier hands the sequencer's worker of their endpoint in memory that
+/// may wait for one worker, and for all of them together, in bytes; past either, messages are
+/// announced and read back from Postgres as between processes.
+const MESSAGE_HANDOFF_BYTES_PER_ENDPOINT: usize = 4 << 20;
+const MESSAGE_HANDOFF_BYTES: usize = 64 << 20;
+
 impl AllTiers {
     /// Starts every tier on `global`'s database (migrated already) with `args`' settings.
     pub async fn start(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<Self> {
         let registry = telemetry::tier_registry("all")?;
         let sequencer_metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
         let changes = relay_coord::Handoff::new(HANDOFF_BYTES_PER_TENANT, HANDOFF_BYTES);
+        let messages =
+            relay_coord::Handoff::new(MESSAGE_HANDOFF_BYTES_PER_ENDPOINT, MESSAGE_HANDOFF_BYTES);
         let sequencer = relay_sequencer::Sequencer::start(
             sequencer_pool(global)?,
             relay_sequencer::SequencerConfig {
                 changes_handoff: Some(changes.clone()),
+                messages_handoff: Some(messages.clone()),
                 ..args.sequencer.to_config(global)?
             },
             sequencer_metrics,
@@ -559,6 +568,7 @@ impl AllTiers {
         };
 
         config.waker = ingest_waker(global).await?;
+        config.messages_handoff = Some(messages);
         let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
         let listener = telemetry::bind(args.ingest.listen, "webhook").await?;
         let metrics_listener = telemetry::bind(args.ingest.metrics_listen, "metrics").await?;

@@ -46,6 +46,8 @@ pub const APPLY_STEPS: [&str; 5] = ["begin", "open", "decide", "write", "commit"
 #[derive(Clone)]
 pub struct SequencerMetrics {
     pub messages: IntCounterVec,
+    /// Stored messages taken to apply, by where they were found ([`MESSAGE_SOURCES`]).
+    pub messages_taken: IntCounterVec,
     pub events: IntCounterVec,
     pub apply_lag: Histogram,
     pub message_apply_duration: Histogram,
@@ -105,6 +107,10 @@ pub struct SequencerMetrics {
     pub stories_reads_owed: IntGauge,
 }
 
+/// The `source` labels of `relay_sequencer_messages_taken_total`: handed over by the front
+/// tier of this process, or read from Postgres.
+pub const MESSAGE_SOURCES: [&str; 2] = ["handed", "postgres"];
+
 /// What a stories write did: a save that wrote or did not, a close that changed the row or
 /// found it closed at that version already.
 pub const STORY_WRITES: [&str; 4] = ["saved", "unchanged", "closed", "already_closed"];
@@ -128,6 +134,14 @@ impl SequencerMetrics {
                 "Stored messages applied, by outcome.",
             ),
             &["outcome"],
+        )?;
+        let messages_taken = IntCounterVec::new(
+            Opts::new(
+                "relay_sequencer_messages_taken_total",
+                "Stored messages taken to apply, by where they were found: handed over by the \
+                 front tier of this process, or read from Postgres.",
+            ),
+            &["source"],
         )?;
         let events = IntCounterVec::new(
             Opts::new(
@@ -378,6 +392,10 @@ impl SequencerMetrics {
         registry.register(Box::new(table_rows.clone()))?;
         registry.register(Box::new(apply_failures.clone()))?;
         registry.register(Box::new(messages.clone()))?;
+        registry.register(Box::new(messages_taken.clone()))?;
+        for source in MESSAGE_SOURCES {
+            messages_taken.with_label_values(&[source]);
+        }
         registry.register(Box::new(events.clone()))?;
         registry.register(Box::new(apply_lag.clone()))?;
         registry.register(Box::new(message_apply_duration.clone()))?;
@@ -417,6 +435,7 @@ impl SequencerMetrics {
         }
         Ok(Self {
             messages,
+            messages_taken,
             events,
             apply_lag,
             message_apply_duration,

@@ -142,6 +142,10 @@ pub struct SequencerConfig {
     /// The publisher of this process, when one runs here (`relay all`): the changes an apply
     /// commits are handed to it in memory rather than read back (see [`crate::batch`]).
     pub changes_handoff: Option<relay_coord::Handoff<relay_store::changes::Unpublished>>,
+    /// The front tier of this process, when one runs here (`relay all`): each worker takes the
+    /// messages it stores for the worker's endpoint in memory, and reads Postgres only for what
+    /// was not handed (see `worker::apply_available`).
+    pub messages_handoff: Option<relay_coord::Handoff<relay_store::cursors::PendingMessage>>,
 }
 
 impl Default for SequencerConfig {
@@ -184,6 +188,7 @@ impl Default for SequencerConfig {
             max_concurrent_reloads: defaults::MAX_CONCURRENT_RELOADS,
             max_reload_bytes: defaults::MAX_RELOAD_BYTES,
             changes_handoff: None,
+            messages_handoff: None,
         }
     }
 }
@@ -330,6 +335,7 @@ async fn schedule(
         feed_runs,
         stories_runs,
         reader: Some(reader),
+        messages_handoff: config.messages_handoff.clone(),
         messages_per_read: config.messages_per_read,
         idle_linger: config.idle_linger,
         reload_retry: config.reload_retry,

@@ -20,6 +20,7 @@ use crate::metrics::SequencerMetrics;
 use crate::reload::{ReloadLimits, StopReload};
 use crate::slots::{Slot, Slots};
 use crate::source::{Applied, JobEnded, Owned, SourceKind, Tried};
+use relay_store::cursors::PendingMessage;
 use relay_store::endpoints::{self, EndpointRegistration};
 use relay_store::{cursors, EndpointId, TenantId};
 
@@ -64,6 +65,8 @@ pub struct WorkerConfig {
     /// The shared reads of pending messages (`None`: each worker reads its own). Reads at most
     /// `messages_per_read` per endpoint, as the worker does.
     pub reader: Option<crate::batch::PendingReader>,
+    /// The front tier of this process hands stored messages over here (`relay all`).
+    pub messages_handoff: Option<relay_coord::Handoff<PendingMessage>>,
     pub messages_per_read: i64,
     pub idle_linger: Duration,
     pub reload_retry: RetryPolicy,
@@ -152,6 +155,15 @@ pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerE
         }
     };
     metrics.endpoints_owned.inc();
+    // Opened once the endpoint is held: what the front tier of this process stores for it from
+    // now on comes here, and what it stored before was announced and is read from Postgres.
+    let mut handed = Handed {
+        inbox: config
+            .messages_handoff
+            .as_ref()
+            .map(|handoff| handoff.open(endpoint.0)),
+        next: Vec::new(),
+    };
     let owned = Owned {
         pool: &pool,
         token: held.token(),
@@ -162,6 +174,9 @@ pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerE
         Ok(kind) => kind,
         Err(error) => {
             tracing::warn!(%endpoint, %error, "could not open the endpoint's work");
+            if handed.close() {
+                signal.wake();
+            }
             return finish::<K>(held, None, &metrics, exit(wakes_seen)).await;
         }
     };
@@ -209,7 +224,14 @@ pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerE
             }
         }
         let mut tried = Tried::default();
-        let step = apply_available(&mut kind, &owned, &mut cursor, next_alone, &mut tried).await;
+        let step = apply_available(
+            &mut kind,
+            &owned,
+            (&mut cursor, &mut handed),
+            next_alone,
+            &mut tried,
+        )
+        .await;
         if step.is_err() {
             // Its commit may or may not have happened: read the cursor again.
             cursor = None;
@@ -357,6 +379,7 @@ pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerE
             Some(running) => {
                 tokio::select! {
                     _ = signal.notify.notified() => {}
+                    () = handed.arrived() => {}
                     _ = wait_finished(&running.task) => {}
                     _ = tokio::time::sleep(config.idle_linger * 4) => {}
                 }
@@ -369,18 +392,21 @@ pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerE
                     Some(at) => {
                         tokio::select! {
                             _ = signal.notify.notified() => {}
+                            () = handed.arrived() => {}
                             _ = tokio::time::sleep_until(at) => {}
                         }
                     }
                     None if kind.busy(config.idle_linger) => {
                         tokio::select! {
                             _ = signal.notify.notified() => {}
+                            () = handed.arrived() => {}
                             _ = tokio::time::sleep(config.idle_linger) => {}
                         }
                     }
                     None => {
                         tokio::select! {
                             _ = signal.notify.notified() => {}
+                            () = handed.arrived() => {}
                             _ = tokio::time::sleep(config.idle_linger) => break,
                         }
                     }
@@ -388,8 +414,58 @@ pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerE
             }
         }
     }
+    // A message handed over and not applied was announced to nobody else: the scheduler
+    // starts a worker again for it, as it would after a wake-up.
+    if handed.close() {
+        signal.wake();
+    }
     let stopped = job.map(|running| (&mut kind, &owned, running));
     finish(held, stopped, &metrics, exit(wakes_seen)).await
+}
+
+/// The messages the front tier of this process handed the worker for its endpoint, and those
+/// taken from the inbox and not applied yet (in arrival order).
+struct Handed {
+    inbox: Option<relay_coord::Inbox<PendingMessage>>,
+    next: Vec<PendingMessage>,
+}
+
+impl Handed {
+    /// Resolves when a message was handed over (never without an inbox).
+    async fn arrived(&self) {
+        match &self.inbox {
+            Some(inbox) => inbox.handed().await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// The messages handed over that follow on from `applied` without a gap, at most `limit`
+    /// (in arrival order); those at or below `applied` are forgotten. Empty when the next
+    /// message was not handed over (it was stored before the inbox opened, or handed elsewhere,
+    /// or the inbox was full, or its number went to a duplicate): then Postgres is read.
+    fn following(&mut self, applied: i64, limit: usize) -> Vec<PendingMessage> {
+        if let Some(inbox) = &self.inbox {
+            self.next.extend(inbox.take());
+        }
+        // Two writers of the front tier may hand an endpoint's messages out of order.
+        self.next.sort_unstable_by_key(|m| m.arrival_seq);
+        self.next.dedup_by_key(|m| m.arrival_seq);
+        self.next.retain(|m| m.arrival_seq > applied);
+        let run = self
+            .next
+            .iter()
+            .zip(applied + 1..)
+            .take_while(|(m, expected)| m.arrival_seq == *expected)
+            .count()
+            .min(limit);
+        self.next.drain(..run).collect()
+    }
+
+    /// Closes the inbox; whether a message handed over is left unapplied.
+    fn close(&mut self) -> bool {
+        let left = self.inbox.take().is_some_and(relay_coord::Inbox::close);
+        left || !std::mem::take(&mut self.next).is_empty()
+    }
 }
 
 /// Applies every message available now, in order, run by run (with `alone`, the first one in a
@@ -398,11 +474,16 @@ pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerE
 async fn apply_available<K: SourceKind>(
     kind: &mut K,
     owned: &Owned<'_>,
-    cursor: &mut Option<i64>,
+    (cursor, handed): (&mut Option<i64>, &mut Handed),
     mut alone: bool,
     tried: &mut Tried,
 ) -> Result<Applied, ApplyError> {
-    let Owned { pool, config, .. } = *owned;
+    let Owned {
+        pool,
+        config,
+        metrics,
+        ..
+    } = *owned;
     let endpoint = kind.id();
     let mut applied = match *cursor {
         Some(applied) => applied,
@@ -412,6 +493,34 @@ async fn apply_available<K: SourceKind>(
     let mut done = Applied::default();
     loop {
         tried.alone = None;
+        let limit = if alone {
+            1
+        } else {
+            usize::try_from(config.messages_per_read).unwrap_or(1)
+        };
+        let following = handed.following(applied, limit);
+        if !following.is_empty() {
+            // Handed over after their commit, numbered from the cursor on without a gap: the
+            // same messages a read would give, without the read.
+            metrics
+                .messages_taken
+                .with_label_values(&["handed"])
+                .inc_by(following.len() as u64);
+            tried.alone = (following.len() == 1).then(|| (applied, following[0].arrival_seq));
+            alone = false;
+            let through = following.last().map_or(applied, |m| m.arrival_seq);
+            let run = kind.apply_run(owned, (applied, through), following).await?;
+            applied = through;
+            *cursor = Some(applied);
+            done.messages += run.messages;
+            done.job_pending = run.job_pending;
+            if handed.next.is_empty() {
+                // What was not handed over came with a wake-up, which brings the worker back
+                // to read it.
+                return Ok(done);
+            }
+            continue;
+        }
         let (counter, mut pending) = match &config.reader {
             Some(reader) => reader.read(endpoint, applied).await?,
             None => {
@@ -429,6 +538,10 @@ async fn apply_available<K: SourceKind>(
         if alone {
             pending.truncate(1);
         }
+        metrics
+            .messages_taken
+            .with_label_values(&["postgres"])
+            .inc_by(pending.len() as u64);
         tried.alone = (pending.len() == 1).then(|| (applied, pending[0].arrival_seq));
         // Everything below the counter was read: the cursor can skip to it.
         let complete = !alone && (pending.len() as i64) < config.messages_per_read;
