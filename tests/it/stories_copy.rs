@@ -253,6 +253,58 @@ async fn a_story_that_merged_away_is_not_saved_again_by_a_late_create() {
     assert_eq!(changes[1].2, "saved");
 }
 
+/// A new epoch's snapshot (a resync, a restore) says of a story merged away what its close
+/// said: closed, at its version, merged into the survivor. A consumer rebuilding from the
+/// snapshot alone holds what the relay holds.
+#[tokio::test]
+async fn a_new_epochs_snapshot_keeps_what_a_closed_story_merged_into() {
+    let db = TestDb::new().await;
+    let at = stories_endpoint(&db).await;
+    let (tenant, endpoint, _) = at;
+    let survivor = snapshot("st_b", "BETA", 4, "survivor");
+    apply(
+        &db.pool,
+        at,
+        &[
+            closed_event("evt_merge", "st_a", 3, Some(survivor)),
+            closed_event("evt_close", "st_c", 2, None),
+        ],
+    )
+    .await;
+    relay_store::restores::resync(&db.pool, tenant, endpoint)
+        .await
+        .unwrap()
+        .expect("the tenant's endpoint");
+    let snapshot: Vec<(String, String, Option<i64>, Option<String>)> = outbox(&db.pool, endpoint)
+        .await
+        .into_iter()
+        .map(|c| (c.2, c.3, c.4, c.5))
+        .collect();
+    let change = |operation: &str, subject: &str, version: Option<i64>, into: Option<&str>| {
+        (
+            operation.to_owned(),
+            subject.to_owned(),
+            version,
+            into.map(str::to_owned),
+        )
+    };
+    assert_eq!(
+        snapshot,
+        vec![
+            change("snapshot_begin", "", None, None),
+            change("closed", "st_a", Some(3), Some("st_b")),
+            change("saved", "st_b", Some(4), None),
+            change("closed", "st_c", Some(2), None),
+            change("snapshot_end", "", None, None),
+        ]
+    );
+    // Rebuilt from the new epoch alone, the copy is the relay's.
+    assert_eq!(
+        model_rows(&replayed(&outbox(&db.pool, endpoint).await)),
+        rows(&db.pool, endpoint).await
+    );
+}
+
 #[tokio::test]
 async fn a_slow_read_from_before_the_close_cannot_reopen_it() {
     // Fetch-on-notify's slow read: the API read the story (version 2) before it closed, and its

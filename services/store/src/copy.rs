@@ -387,13 +387,14 @@ struct UnsentNotification {
 /// Returns the snapshot's item count.
 const OPEN_EPOCH: &str = "WITH rows AS (
          SELECT 'item' AS kind, 'upsert' AS operation, subject, item_kind, generation, sequence,
-                item, NULL::int8 AS story_version, NULL::text AS ticker
+                item, NULL::int8 AS story_version, NULL::text AS ticker,
+                NULL::text AS merged_into
          FROM copy_items WHERE endpoint_id = $1 AND NOT tombstone
          UNION ALL
          -- A stories endpoint's copy: every row, closed ones too, so that the consumer's copy
-         -- holds what the relay's does.
+         -- holds what the relay's does, a story merged away with the story it merged into.
          SELECT 'story', CASE WHEN closed THEN 'closed' ELSE 'saved' END, id, NULL, 0, NULL,
-                story::json, version, ticker
+                story::json, version, ticker, merged_into
          FROM stories WHERE endpoint_id = $1
      ),
      items AS (
@@ -407,28 +408,28 @@ const OPEN_EPOCH: &str = "WITH rows AS (
          SELECT 1::int8 AS change_seq, 'item' AS kind, 'snapshot_begin' AS operation,
                 '' AS subject, NULL::text AS item_kind, marker.generation, NULL::text AS sequence,
                 NULL::json AS item, NULL::int8 AS story_version, NULL::text AS ticker,
-                NULL::text AS event_id, true AS snapshot
+                NULL::text AS merged_into, NULL::text AS event_id, true AS snapshot
          FROM marker
          UNION ALL
          SELECT n + 1, kind, operation, subject, item_kind, generation, sequence, item,
-                story_version, ticker, NULL, true
+                story_version, ticker, merged_into, NULL, true
          FROM items
          UNION ALL
          SELECT (SELECT count(*) FROM items) + 2, 'item', 'snapshot_end', '', NULL,
-                marker.generation, NULL, NULL, NULL, NULL, NULL, true
+                marker.generation, NULL, NULL, NULL, NULL, NULL, NULL, true
          FROM marker
          UNION ALL
          SELECT (SELECT count(*) FROM items) + 2 + u.ord, 'notification', 'notified', u.subject,
-                NULL, 0, NULL, u.item::json, u.story_version, u.ticker, u.event_id, false
+                NULL, 0, NULL, u.item::json, u.story_version, u.ticker, NULL, u.event_id, false
          FROM unnest($5::text[], $6::text[], $7::text[], $8::jsonb[], $9::int8[])
               WITH ORDINALITY AS u(subject, ticker, event_id, item, story_version, ord)
      ),
      appended AS (
          INSERT INTO changes (endpoint_id, change_seq, tenant_id, kind, operation, subject,
                               item_kind, generation, sequence, event_id, reload_generation, item,
-                              parts_diff, snapshot, story_version, ticker)
+                              parts_diff, snapshot, story_version, ticker, merged_into)
          SELECT $1, change_seq, $2, kind, operation, subject, item_kind, generation, sequence,
-                event_id, NULL, item, $4::jsonb, snapshot, story_version, ticker
+                event_id, NULL, item, $4::jsonb, snapshot, story_version, ticker, merged_into
          FROM snapshot
          RETURNING 1
      ),
