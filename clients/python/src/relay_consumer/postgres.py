@@ -22,8 +22,9 @@ Tables (created if missing, by :meth:`PostgresStore.open`):
 Every write is one statement that decides in itself:
 
 * the position moves only from the position the step started at (``UPDATE ... WHERE epoch = ..
-  AND last_change_seq = ..``; no row updated rolls the transaction back): a repeat, a stale
-  change or a second consumer can never apply a change twice;
+  AND last_change_seq = ..``, once per endpoint and batch, from its first step's start to its
+  last step's end; no row updated rolls the transaction back): a repeat, a stale change or a
+  second consumer can never apply a change twice;
 * an item is written only by a change later in the stream than the one that wrote the row;
 * a story is saved only when newer than the row and the row is not closed (the relay's own
   ``where not closed and version < excluded.version``), closed for good at the greatest version
@@ -242,8 +243,12 @@ class PostgresStore:
         try:
             async with self.connection.transaction():
                 async with self.connection.cursor() as cur:
-                    for step in steps:
-                        await self._step(cur, step, recorded)
+                    await self._move(cur, steps)
+                    # The writes need no answer (but a notification's, fetched at once): sent
+                    # in pipeline mode, without a round trip each.
+                    async with self.connection.pipeline():
+                        for step in steps:
+                            await self._step(cur, step, recorded)
                     if self.on_notification_in_transaction is not None:
                         for notification in recorded:
                             await self.on_notification_in_transaction(
@@ -253,26 +258,38 @@ class PostgresStore:
             raise StoreError(f"the commit failed: {error}") from error
         return recorded
 
+    async def _move(self, cur: psycopg.AsyncCursor[Any], steps: Sequence[Step]) -> None:
+        """Each endpoint's position, once per batch: from where its first step starts to where
+        its last ends, only from that start (its steps follow on from each other)."""
+        spans: dict[str, tuple[Position, Position]] = {}
+        for step in steps:
+            span = spans.get(step.endpoint_id)
+            if span is not None and span[1] != step.before:
+                raise PositionConflict(
+                    f"endpoint {step.endpoint_id}: a step from {step.before} after one to "
+                    f"{span[1]}"
+                )
+            spans[step.endpoint_id] = (step.before if span is None else span[0], step.after)
+        for endpoint, (before, after) in spans.items():
+            args = {
+                "endpoint": endpoint,
+                "epoch": after.epoch,
+                "last": after.last_change_seq,
+                "before_epoch": before.epoch,
+                "before_last": before.last_change_seq,
+            }
+            if before == Position():
+                await cur.execute(_FIRST, args)
+                if cur.rowcount != 1:
+                    raise PositionConflict(f"endpoint {endpoint} has a position already")
+            else:
+                await cur.execute(_MOVE, args)
+                if cur.rowcount != 1:
+                    raise PositionConflict(f"endpoint {endpoint} is no longer at {before}")
+
     async def _step(
         self, cur: psycopg.AsyncCursor[Any], step: Step, recorded: list[Notification]
     ) -> None:
-        args = {
-            "endpoint": step.endpoint_id,
-            "epoch": step.after.epoch,
-            "last": step.after.last_change_seq,
-            "before_epoch": step.before.epoch,
-            "before_last": step.before.last_change_seq,
-        }
-        if step.before == Position():
-            await cur.execute(_FIRST, args)
-            if cur.rowcount != 1:
-                raise PositionConflict(f"endpoint {step.endpoint_id} has a position already")
-        else:
-            await cur.execute(_MOVE, args)
-            if cur.rowcount != 1:
-                raise PositionConflict(
-                    f"endpoint {step.endpoint_id} is no longer at {step.before}"
-                )
         if step.new_epoch:
             await cur.execute(_FORGET_OLDER_HELD, (step.endpoint_id, step.after.epoch))
         for change in step.applied:
@@ -280,7 +297,9 @@ class PostgresStore:
                 await self._feed(cur, change)
             else:
                 await self._story(cur, change, recorded)
-        if step.applied:
+        # Held changes are of the endpoint's epoch, past its last change_seq: only those the
+        # step released (applied after the one received) can be at or before its new position.
+        if len(step.applied) > 1:
             await cur.execute(
                 _RELEASE_HELD,
                 (step.endpoint_id, step.after.epoch, step.after.last_change_seq),
