@@ -73,6 +73,7 @@ async def main() -> int:
     parser.add_argument("--batch-max", type=int, default=256)
     parser.add_argument("--gap-timeout-s", type=float, default=5.0)
     parser.add_argument("--trace", help="a file to append every delivery read to")
+    parser.add_argument("--notification-delay-s", type=float, default=0.0)
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO,
@@ -88,11 +89,13 @@ async def main() -> int:
             (n.endpoint_id, n.story_id, n.key, args.instance),
         )
 
-    def handed(n: Notification) -> None:
+    async def handed(n: Notification) -> None:
         # One unbuffered write per line: what returned from os.write survives a SIGKILL.
         line = {"key": n.key, "endpoint_id": n.endpoint_id, "story_id": n.story_id,
                 "instance": args.instance}
         os.write(log_fd, (json.dumps(line) + "\n").encode())
+        # A slow effect: the window between handing and the mark, where a kill hands it again.
+        await asyncio.sleep(args.notification_delay_s)
 
     def gap(g: Gap) -> None:
         logging.warning("gap reported: %s epoch %d missing %s", g.endpoint_id, g.epoch, g.missing)
