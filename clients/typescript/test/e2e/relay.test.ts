@@ -178,7 +178,7 @@ describe(`the consumer against a real relay ${TAG}`, { skip: RELAY_BIN ? false :
     await scrambler.start();
 
     // Kills at seeded moments over the upstream's changing and the relay's settling.
-    const killTimes = Array.from({ length: KILLS }, () => 1_000 + random() * (DURATION_S + 10) * 1000).sort((a, b) => a - b);
+    const killTimes = Array.from({ length: KILLS }, () => 1_000 + random() * (DURATION_S + 4) * 1000).sort((a, b) => a - b);
     const feedResynced = feedEndpoints[Math.floor(random() * feedEndpoints.length)]!;
     const resyncTimes = [0.3, 0.55].map((f) => (f + random() * 0.2) * DURATION_S * 1000);
     console.log(`${TAG} kills at ${killTimes.map((t) => (t / 1000).toFixed(1)).join(', ')} s; resyncs of feed endpoint ${feedResynced} at ${(resyncTimes[0]! / 1000).toFixed(1)} s and of the stories endpoint at ${(resyncTimes[1]! / 1000).toFixed(1)} s`);
