@@ -15,7 +15,8 @@ Knobs (environment): ``RELAY_CONSUMER_E2E_SEED`` (default 41), ``RELAY_CONSUMER_
 (how many seeds from there, default 1), ``RELAY_CONSUMER_E2E_DURATION_S`` (the demo's workload,
 default 20), ``RELAY_CONSUMER_E2E_KILLS`` (SIGKILLs during the workload, default 6),
 ``RELAY_CONSUMER_E2E_SCENARIOS`` (``runner,example``; default both),
-``RELAY_CONSUMER_E2E_KEEP_LOGS`` (a directory to copy the logs to). The seed plans the kills,
+``RELAY_CONSUMER_E2E_KEEP_LOGS`` (a directory to copy the logs to),
+``RELAY_CONSUMER_E2E_STRICT=1`` (fail on the relay's two known bugs too, see README). The seed plans the kills,
 the resyncs, the scrambler and the demo's upstream; it is printed and in every failure message.
 """
 
