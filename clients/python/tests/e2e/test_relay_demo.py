@@ -267,7 +267,8 @@ async def _drain(
     api: RelayApi, endpoints: list[str], dsn: str, consumers: ConsumerProcesses, ctx: str
 ) -> dict[str, tuple[int, int]]:
     """Until the store's position of every endpoint is the relay's last change (its epoch and
-    change_seq, with nothing left to publish) and nothing is held: the targets."""
+    change_seq, with nothing left to publish), nothing is held and every notification is marked
+    handed: the targets."""
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         while True:
@@ -285,7 +286,14 @@ async def _drain(
             positions = {e: (epoch, last) for e, epoch, last in rows}
             held_row = await (await conn.execute("SELECT count(*) FROM relay_held")).fetchone()
             held = held_row[0] if held_row else -1
-            if backlog == 0 and held == 0 and positions == targets:
+            # And every notification recorded handed (after its commit, slowly) and marked.
+            unhanded_row = await (
+                await conn.execute(
+                    "SELECT count(*) FROM relay_notifications WHERE handed_at IS NULL"
+                )
+            ).fetchone()
+            unhanded = unhanded_row[0] if unhanded_row else -1
+            if backlog == 0 and held == 0 and unhanded == 0 and positions == targets:
                 return targets
             if not consumers.alive():
                 raise AssertionError(
@@ -295,7 +303,8 @@ async def _drain(
             if time.monotonic() > deadline:
                 raise AssertionError(
                     f"{ctx} not drained in {DRAIN_TIMEOUT_S} s: relay at {targets} (outbox "
-                    f"backlog {backlog}), store at {positions}, {held} held\n"
+                    f"backlog {backlog}), store at {positions}, {held} held, {unhanded} "
+                    "notifications not marked handed\n"
                     f"{tail(consumers.stderr_path(consumers.instance))}"
                 )
             await asyncio.sleep(0.5)
