@@ -784,6 +784,82 @@ async fn each_tenants_queue_rebuilds_its_copies_once_and_in_order() {
     }
 }
 
+/// A replay and a resync asked while a publisher holds the tenant, and would keep holding it (a
+/// tenant with a steady flow of changes is never idle long enough to be let go; here the idle
+/// release is longer than the test), are sent: the move takes the tenant's publishing token, and
+/// the holder, whose memory of what it read the move made wrong and which may have nothing to
+/// mark, learns so at its next sweep, gives the tenant (and its lease) up, and its successor
+/// sends from the moved cursor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_and_a_resync_while_a_publisher_holds_the_tenant_are_sent() {
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
+    let tenant = env.db.tenant().await;
+    let mut feeds = feeds_of(&env.db, [tenant]).await;
+    write(pool, &mut feeds, &mut rng, 20).await;
+    let moved = feeds.remove(0);
+    let (endpoint, tenant_id) = (
+        relay_store::EndpointId(moved.endpoint),
+        relay_store::TenantId(tenant),
+    );
+    let config = PublisherConfig {
+        idle_release: Duration::from_secs(600),
+        ..env.config(env.vhost.url())
+    };
+    let (publisher, registry) = env.start(config).await;
+    wait_published(pool, &[tenant], seed).await;
+
+    let last = change_count(pool, moved.endpoint).await;
+    let replayed = relay_store::changes::replay(pool, tenant_id, endpoint, 1)
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            replayed,
+            Some(relay_store::changes::Replay::Replaying { .. })
+        ),
+        "seed {seed}: {replayed:?}"
+    );
+    wait_published(pool, &[tenant], seed).await;
+    let resynced = relay_store::restores::resync(pool, tenant_id, endpoint)
+        .await
+        .unwrap();
+    let Some(relay_store::restores::Resync::Begun { epoch, .. }) = resynced else {
+        panic!("seed {seed}: {resynced:?}");
+    };
+    wait_published(pool, &[tenant], seed).await;
+    publisher.stop().await;
+    assert!(
+        metric(&registry, "relay_publisher_ownership_losses_total") >= 2.0,
+        "seed {seed}: the holder gave the tenant up at each move"
+    );
+
+    // The queue holds the moved endpoint's first epoch twice over, then the new epoch whole.
+    let broker = env.broker().await;
+    let delivered = drain(&broker, &tenant_queue(tenant), true).await;
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for message in &delivered {
+        *seen.entry(message.message_id.clone()).or_default() += 1;
+    }
+    for seq in 1..=last {
+        let id = format!("{}:{}:{seq}", moved.endpoint, relay_publisher::FIRST_EPOCH);
+        assert!(
+            seen.get(&id).copied().unwrap_or(0) >= 2,
+            "seed {seed}: change {id} was not sent again by the replay"
+        );
+    }
+    let new_epoch = change_count(pool, moved.endpoint).await;
+    assert!(new_epoch >= 2, "seed {seed}: the new epoch's snapshot");
+    for seq in 1..=new_epoch {
+        let id = format!("{}:{epoch}:{seq}", moved.endpoint);
+        assert!(
+            seen.contains_key(&id),
+            "seed {seed}: change {id} of the resync's epoch was never sent"
+        );
+    }
+    let _ = broker.close(200, "done").await;
+}
+
 /// A consumer that takes changes and puts them back (a nack with requeue, a connection lost
 /// before its acks) lets the quorum queue deliver later changes before earlier ones. `relay
 /// tail` read after it holds each change until its predecessors come: the copy it prints is
@@ -1588,8 +1664,19 @@ async fn a_mark_moves_each_endpoints_cursor_forward_only_and_only_under_the_fenc
     let (e0, e1, e2) = (feeds[0].endpoint, feeds[1].endpoint, feeds[2].endpoint);
     let (k0, k1, k2) = (EndpointId(e0), EndpointId(e1), EndpointId(e2));
     let (ta, tb) = (TenantId(a), TenantId(b));
-    let mut sweep = changes::endpoints_with_backlog(pool, ta, 10).await.unwrap();
+    let mut sweep = changes::endpoints_with_backlog(pool, ta, 7, 10)
+        .await
+        .unwrap()
+        .expect("7 is A's publishing token");
     sweep.sort();
+    // A holder whose token moved on (another publisher, a resync, a replay) is told so.
+    assert_eq!(
+        changes::endpoints_with_backlog(pool, ta, 6, 10)
+            .await
+            .unwrap(),
+        None,
+        "seed {seed}"
+    );
     let mut expected = vec![k0, k1];
     expected.sort();
     assert_eq!(sweep, expected, "seed {seed}");
@@ -1657,10 +1744,12 @@ async fn a_mark_moves_each_endpoints_cursor_forward_only_and_only_under_the_fenc
         "seed {seed}"
     );
     assert_eq!(changes::backlog(pool, ta).await.unwrap(), (0, None));
-    assert!(changes::endpoints_with_backlog(pool, ta, 10)
-        .await
-        .unwrap()
-        .is_empty());
+    assert_eq!(
+        changes::endpoints_with_backlog(pool, ta, 7, 10)
+            .await
+            .unwrap(),
+        Some(Vec::new())
+    );
     assert_eq!(
         changes::tenants_with_backlog(pool, 10).await.unwrap(),
         vec![tb]

@@ -113,8 +113,13 @@ impl TenantSignal {
 enum End {
     Shutdown,
     Idle,
-    /// The lease ran out or another publisher fenced this one out: not ours to release.
+    /// The lease ran out: not ours to release.
     Lost,
+    /// The tenant's publishing token moved on (another publisher claimed it, or a resync or a
+    /// replay took it to move the stream): the lease, while still ours, is given back, so the
+    /// successor (this process's next task, often) need not wait for it to run out. Releasing
+    /// takes the lock only if it still holds this task's value.
+    Fenced,
 }
 
 /// Runs one owned tenant until it is idle, lost, or the publisher stops.
@@ -172,10 +177,15 @@ pub(crate) async fn run(
         link.close().await;
     }
     shared.metrics.forget_tenant(&label);
-    if end == End::Lost {
-        shared.metrics.ownership_losses.inc();
-    } else {
-        held.release().await;
+    match end {
+        End::Lost => shared.metrics.ownership_losses.inc(),
+        End::Fenced => {
+            shared.metrics.ownership_losses.inc();
+            held.release().await;
+        }
+        End::Shutdown | End::Idle => {
+            held.release().await;
+        }
     }
 }
 
@@ -197,8 +207,9 @@ enum Confirmed {
 type ReadFuture = Pin<Box<dyn Future<Output = ReadDone> + Send>>;
 
 enum ReadDone {
-    /// The tenant's endpoints with a backlog.
-    Swept(Result<Vec<Uuid>, OutboxError>),
+    /// The tenant's endpoints with a backlog; `None` when the tenant's publishing token moved
+    /// on (see `changes::endpoints_with_backlog`).
+    Swept(Result<Option<Vec<Uuid>>, OutboxError>),
     /// The next changes of the endpoints asked for (endpoint, room asked).
     Changes(Vec<(Uuid, usize)>, Result<Vec<OutboxChange>, OutboxError>),
 }
@@ -494,12 +505,17 @@ impl Worker {
                         if let Some(link) = self.link.take() {
                             link.close().await;
                         }
-                        return End::Lost;
+                        return End::Fenced;
                     }
                 }
                 Woke::Read(done) => {
                     self.reading = None;
-                    self.on_read(done);
+                    if !self.on_read(done) {
+                        if let Some(link) = self.link.take() {
+                            link.close().await;
+                        }
+                        return End::Fenced;
+                    }
                 }
                 Woke::Other => {}
             }
@@ -810,14 +826,14 @@ impl Worker {
         if let Some(marking) = self.marking.take() {
             let (keys, result) = marking.await;
             if !self.on_marked(keys, result) {
-                return End::Lost;
+                return End::Fenced;
             }
         }
         if !self.stream.confirmed.is_empty() {
             self.start_mark();
             let (keys, result) = self.marking.take().expect("just started").await;
             if !self.on_marked(keys, result) {
-                return End::Lost;
+                return End::Fenced;
             }
         }
         End::Shutdown
@@ -832,11 +848,15 @@ impl Worker {
         let pool = self.shared.pool.clone();
         let tenant = self.tenant;
         if std::mem::take(&mut self.stream.sweep) {
+            let token = self.held.token();
             // In a task of its own for the reason a mark is (see `start_mark`).
             let task = tokio::spawn(async move {
                 let endpoints =
-                    changes::endpoints_with_backlog(&pool, TenantId(tenant), 1_000_000).await?;
-                Ok::<_, OutboxError>(endpoints.iter().map(EndpointId::as_uuid).collect())
+                    changes::endpoints_with_backlog(&pool, TenantId(tenant), token, 1_000_000)
+                        .await?;
+                Ok::<_, OutboxError>(
+                    endpoints.map(|found| found.iter().map(EndpointId::as_uuid).collect()),
+                )
             });
             self.reading = Some(Box::pin(async move {
                 ReadDone::Swept(
@@ -894,12 +914,20 @@ impl Worker {
     }
 
     /// Takes in what a read found. A failed read asks for a sweep (what it was asked for is
-    /// found again) after a pause.
-    fn on_read(&mut self, done: ReadDone) {
+    /// found again) after a pause. `false` when the sweep found the tenant's publishing token
+    /// moved on: what this task holds of the stream may be of an epoch or a position that is no
+    /// more, so it gives the tenant up (its successor starts from the publish cursors), as when
+    /// a mark finds it fenced out.
+    fn on_read(&mut self, done: ReadDone) -> bool {
         let failed = match done {
-            ReadDone::Swept(Ok(endpoints)) => {
+            ReadDone::Swept(Ok(None)) => {
+                tracing::info!(tenant = %self.tenant, token = self.held.token(),
+                               "the tenant's stream moved (a resync or replay) or another publisher took it over");
+                return false;
+            }
+            ReadDone::Swept(Ok(Some(endpoints))) => {
                 self.stream.wanted.extend(endpoints);
-                return;
+                return true;
             }
             ReadDone::Changes(asked, Ok(changes)) => {
                 let taken = self.stream.add_read(&asked, changes);
@@ -908,7 +936,7 @@ impl Worker {
                     .changes_taken
                     .with_label_values(&["outbox"])
                     .inc_by(taken);
-                return;
+                return true;
             }
             ReadDone::Swept(Err(error)) | ReadDone::Changes(_, Err(error)) => error,
         };
@@ -916,6 +944,7 @@ impl Worker {
         self.postgres_trouble("read");
         tracing::warn!(tenant = %self.tenant, error = %failed, "reading the outbox failed");
         self.hold();
+        true
     }
 
     async fn refresh_target(&mut self) -> Result<(), relay_store::StoreError> {

@@ -30,25 +30,31 @@ pub async fn tenants_with_backlog(pool: &PgPool, limit: i64) -> Result<Vec<Tenan
 }
 
 /// The tenant's endpoints that have at least one unpublished change, in id order, at most
-/// `limit`.
+/// `limit`, for the publisher holding the tenant's publishing `token`; `None` when that is no
+/// longer the tenant's token: another publisher claimed the tenant, or a resync or a replay
+/// moved its stream under the holder (`restores::resync`, [`replay`]), whose memory of what it
+/// read is then wrong. A holder with nothing to mark learns it here, at its next sweep.
 pub async fn endpoints_with_backlog(
     pool: &PgPool,
     tenant: TenantId,
+    token: i64,
     limit: i64,
-) -> Result<Vec<EndpointId>, StoreError> {
-    let endpoints = sqlx::query_scalar(
-        "SELECT k.endpoint_id
-         FROM endpoint_change_counters k
-         LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id
-         WHERE k.tenant_id = $1 AND k.last > COALESCE(p.published_through, 0)
-         ORDER BY k.endpoint_id
-         LIMIT $2",
+) -> Result<Option<Vec<EndpointId>>, StoreError> {
+    let (ours, endpoints): (Option<bool>, Vec<EndpointId>) = sqlx::query_as(
+        "SELECT (SELECT token = $3 FROM publisher_fences WHERE tenant_id = $1),
+                ARRAY(SELECT k.endpoint_id
+                      FROM endpoint_change_counters k
+                      LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id
+                      WHERE k.tenant_id = $1 AND k.last > COALESCE(p.published_through, 0)
+                      ORDER BY k.endpoint_id
+                      LIMIT $2)",
     )
     .bind(tenant)
     .bind(limit)
-    .fetch_all(pool)
+    .bind(token)
+    .fetch_one(pool)
     .await?;
-    Ok(endpoints)
+    Ok((ours == Some(true)).then_some(endpoints))
 }
 
 /// One unpublished change as the outbox holds it, its columns unparsed: the item and the parts
@@ -278,8 +284,8 @@ pub enum Replay {
 ///
 /// One transaction, in the mark's lock order: the tenant's publishing token is taken first
 /// (its row locked, then raised), so no mark in flight can move the cursor past `from` again;
-/// the publisher that held the tenant gives it up, and the next one reads from the cursor
-/// after the lease runs out.
+/// the publisher that held the tenant gives it up at its next mark or sweep
+/// ([`endpoints_with_backlog`]), and the next one reads from the cursor.
 pub async fn replay(
     pool: &PgPool,
     tenant: TenantId,

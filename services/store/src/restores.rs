@@ -193,8 +193,8 @@ pub enum Resync {
 /// taken: the sequencer's apply transactions wait for this one and then go on, their next
 /// changes following the snapshot in the new epoch), then the counter; the tenant's publishing
 /// token is taken, so a publisher's mark in flight of an old change cannot move the new
-/// epoch's cursor (its owner gives the tenant up, and the next one starts from the snapshot
-/// after the lease runs out).
+/// epoch's cursor (its owner gives the tenant up at its next mark or sweep, and the next one
+/// starts from the snapshot).
 pub async fn resync(
     pool: &PgPool,
     tenant: TenantId,
