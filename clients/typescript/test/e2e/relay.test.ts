@@ -109,9 +109,7 @@ describe(`the consumer against a real relay ${TAG}`, { skip: RELAY_BIN ? false :
 
   before(async () => {
     console.log(`${TAG} end-to-end run: RELAY_CONSUMER_E2E_SEED=${SEED} RELAY_CONSUMER_E2E_DURATION_S=${DURATION_S} RELAY_CONSUMER_E2E_KILLS=${KILLS}; logs in ${logDir}`);
-    // A tenant with nothing to publish is released after 2 s rather than 30 s: see
-    // publisherReleased below.
-    demo = new Demo({ relayBin: RELAY_BIN!, seed: SEED, durationS: DURATION_S, logDir, env: { RELAY_PUBLISHER_IDLE_RELEASE_MS: '2000' } });
+    demo = new Demo({ relayBin: RELAY_BIN!, seed: SEED, durationS: DURATION_S, logDir });
     started = await demo.event<Started>('started', 180_000);
     credentials = await demo.event<Credentials>('credentials', 10_000);
     api = new RelayApi(started.api_base_url, credentials.tenant_token);
@@ -282,19 +280,13 @@ describe(`the consumer against a real relay ${TAG}`, { skip: RELAY_BIN ? false :
     await demo!.event<Verdict>('verdict', (DURATION_S + 300) * 1000);
     const examplesDir = join(__dirname, '..', '..', 'examples');
 
-    // Each resync below is asked for once the publisher has released the tenant (idle). The
-    // relay's publisher keeps, per endpoint, the last change_seq it read while it owns a tenant
-    // (services/publisher/src/tenant.rs, Stream::held_through) and reads only changes past it,
-    // across a resync's (or a replay's) restart of the numbering: what a resync or a replay puts
-    // in the outbox while the tenant is owned is not sent until the tenant's task ends.
-    const publisherReleased = () => until('the publisher releasing the tenant', 60_000, async () =>
-      (await demo!.metric(started.metrics_url, 'relay_publisher_tenants_owned')) === 0 ? true : undefined, 250);
-
+    // Each resync below is asked for while the publisher may still hold the tenant: the holder
+    // notices the tenant's publishing token moved at its next sweep and gives the tenant up, and
+    // its successor sends the new epoch (services/publisher/src/tenant.rs).
     // Each example starts from nothing: a resync of every endpoint puts a snapshot of each copy
     // on the queue (epoch n + 1, change_seq 1 on), which the example applies from scratch.
     for (const [script, signal] of [['postgres.js', 'SIGINT'], ['consume-into-postgres.js', 'SIGTERM']] as const) {
       const database = await freshDatabase();
-      await publisherReleased();
       for (const endpoint of all) await resync(api, endpoint);
       const log = join(logDir, `example-${script}.log`);
       const child = start(process.execPath, [join(examplesDir, script)], log, { env: consumerEnv(database) });
@@ -324,7 +316,6 @@ describe(`the consumer against a real relay ${TAG}`, { skip: RELAY_BIN ? false :
 
     // The memory example: it prints each snapshot's beginning and what it applies; stopped with
     // Ctrl-C once the queue is empty.
-    await publisherReleased();
     for (const endpoint of all) await resync(api, endpoint);
     const log = join(logDir, 'example-memory.js.log');
     const child = start(process.execPath, [join(examplesDir, 'memory.js')], log, { env: consumerEnv('') });
