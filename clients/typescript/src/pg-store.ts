@@ -1,11 +1,11 @@
-// A store in Postgres. Each change is one statement that decides in itself: it moves the
-// endpoint's position only when the change follows it (the same epoch and the next change_seq,
-// or change_seq 1 of a greater epoch), and writes the row only then and only when the write
-// wins as the relay's own writes do (services/store/src/copy.rs: a newer generation, a higher
-// sequence compared as bytes, a removal at the same sequence over an item; stories.rs: a save
-// only when newer than an open row, a close for good at the greatest version). A batch is one
-// transaction, so a consumer killed at any moment either applied a change with its position or
-// neither, and on restart skips what it applied.
+// A store in Postgres. A change is applied only when it follows its endpoint's position (the
+// same epoch and the next change_seq, or change_seq 1 of a greater epoch or of an endpoint not
+// seen yet), and its row is written only when the write wins as the relay's own writes do
+// (services/store/src/copy.rs: a newer generation, a higher sequence compared as bytes, a
+// removal at the same sequence over an item; stories.rs: a save only when newer than an open
+// row, a close for good at the greatest version), decided by the statement that writes it. A
+// batch is one transaction with its positions, so a consumer killed at any moment either
+// applied a change with its position or neither, and on restart skips what it applied.
 
 import { Pool, PoolClient, PoolConfig } from 'pg';
 import { Position } from './follower';
@@ -72,34 +72,138 @@ CREATE INDEX IF NOT EXISTS relay_notifications_pending ON relay_notifications (r
   WHERE handed_at IS NULL;
 `;
 
-// $1 endpoint, $2 tenant, $3 epoch, $4 change_seq. `pos` returns a row when the position moved:
-// the next change_seq of the epoch held, or change_seq 1 of a greater epoch (or of a first).
-const POSITION = `
-  moved AS (
+// A batch is written in a few statements, each for many changes at once (arrays unnested), not
+// one per change: pg's client sends one statement per round trip, so the round trips are what
+// bounds the store.
+//
+// The positions. The batch first locks the rows of its endpoints (in endpoint order) and reads
+// where each stands; which change follows which is then known without asking again. Each
+// endpoint's position moves once per batch, from where it stood to its last change applied, and
+// only from there (`moved`: `WHERE epoch = <before> AND last_change_seq = <before>`; `started`:
+// a first position, `ON CONFLICT DO NOTHING`). That is in the batch's first write statement, whose
+// writes are made only when every position moved (`ok`); when one did not (another consumer
+// started the endpoint meanwhile) the transaction rolls back and the batch is tried again from
+// the positions as they are then.
+//
+// The writes. Each row's write is decided by its statement, by the same conditions as the relay's
+// own writes (below), against the row as held then. A statement cannot write one row twice, so
+// the changes are put in layers: the n-th change of a batch to a row is in the n-th statement
+// (a snapshot_begin, which forgets its endpoint's rows, after every earlier write of that
+// endpoint and before every later one). Changes of different rows do not bear on each other, so
+// the result is that of applying the changes one by one in order; a batch whose rows are all
+// distinct is one statement.
+
+/** Tries of a batch whose positions moved under it (another consumer's first change). */
+const MAX_ATTEMPTS = 5;
+
+const LOCK_POSITIONS = `
+  SELECT e.given AS endpoint, p.epoch, p.last_change_seq
+  FROM unnest($1::text[]) AS e(given) JOIN relay_positions AS p ON p.endpoint_id = e.given::uuid
+  ORDER BY p.endpoint_id FOR UPDATE OF p`;
+
+/** One change's write in a batch's statements (a late notification is one too). */
+type WriteKind = 'feedWrite' | 'feedDrop' | 'snapshotBegin' | 'storySave' | 'storyClose' | 'storyDrop' | 'notify';
+
+interface Write {
+  kind: WriteKind;
+  change: Change;
+  /** Its place in `written`. */
+  slot: number;
+}
+
+/** A position to move: from where it stood (null: none yet) to the last change applied. */
+interface Move {
+  endpoint: string;
+  tenant: string;
+  from: Position | null;
+  to: Position;
+}
+
+/** Builds one statement's text and values. */
+class Statement {
+  readonly values: unknown[] = [];
+  readonly ctes: string[] = [];
+  /** Selects of the written slots, unioned. */
+  readonly written: string[] = [];
+
+  param(value: unknown, type: string): string {
+    this.values.push(value);
+    return `$${this.values.length}::${type}`;
+  }
+
+  /** A CTE of the rows given, columns (name, type, values). */
+  source(name: string, columns: [string, string, unknown[]][], guarded: boolean): void {
+    const arrays = columns.map(([, type, values]) => this.param(values, `${type}[]`)).join(', ');
+    const names = columns.map(([column]) => column).join(', ');
+    this.ctes.push(`${name} AS (SELECT * FROM unnest(${arrays}) AS t(${names})${guarded ? ' WHERE (SELECT ok FROM ok)' : ''})`);
+  }
+
+  text(ok: string): string {
+    const written = this.written.length > 0 ? `ARRAY(${this.written.join(' UNION ALL ')})` : 'ARRAY[]::int[]';
+    const withs = this.ctes.length > 0 ? `WITH ${this.ctes.join(',\n')}\n` : '';
+    return `${withs}SELECT ${ok} AS ok, ${written} AS written`;
+  }
+}
+
+function positionCtes(s: Statement, moves: Move[]): void {
+  const moving = moves.filter((m) => m.from !== null);
+  const starting = moves.filter((m) => m.from === null);
+  s.ctes.push(`moved AS (
     UPDATE relay_positions AS p
-    SET epoch = $3, last_change_seq = $4, updated_at = now()
-    WHERE p.endpoint_id = $1
-      AND ((p.epoch = $3 AND p.last_change_seq = $4 - 1) OR (p.epoch < $3 AND $4 = 1))
-    RETURNING 1 AS one
-  ),
-  first AS (
+    SET epoch = m.epoch, last_change_seq = m.last_change_seq, updated_at = now()
+    FROM unnest(${s.param(moving.map((m) => m.endpoint), 'uuid[]')}, ${s.param(moving.map((m) => m.from!.epoch), 'bigint[]')},
+                ${s.param(moving.map((m) => m.from!.lastChangeSeq), 'bigint[]')}, ${s.param(moving.map((m) => m.to.epoch), 'bigint[]')},
+                ${s.param(moving.map((m) => m.to.lastChangeSeq), 'bigint[]')})
+      AS m(endpoint_id, from_epoch, from_last_change_seq, epoch, last_change_seq)
+    WHERE p.endpoint_id = m.endpoint_id AND p.epoch = m.from_epoch AND p.last_change_seq = m.from_last_change_seq
+    RETURNING 1
+  )`);
+  s.ctes.push(`started AS (
     INSERT INTO relay_positions (endpoint_id, tenant_id, epoch, last_change_seq)
-    SELECT $1, $2, $3, $4
-    WHERE $4 = 1 AND NOT EXISTS (SELECT 1 FROM relay_positions WHERE endpoint_id = $1)
+    SELECT * FROM unnest(${s.param(starting.map((m) => m.endpoint), 'uuid[]')}, ${s.param(starting.map((m) => m.tenant), 'uuid[]')},
+                         ${s.param(starting.map((m) => m.to.epoch), 'bigint[]')}, ${s.param(starting.map((m) => m.to.lastChangeSeq), 'bigint[]')})
+      AS m(endpoint_id, tenant_id, epoch, last_change_seq)
+    ORDER BY endpoint_id
     ON CONFLICT (endpoint_id) DO NOTHING
-    RETURNING 1 AS one
-  ),
-  pos AS (SELECT one FROM moved UNION ALL SELECT one FROM first)`;
+    RETURNING 1
+  )`);
+  s.ctes.push(`ok AS (SELECT (SELECT count(*) FROM moved) + (SELECT count(*) FROM started) = ${s.param(moves.length, 'bigint')} AS ok)`);
+}
 
-const RESULT = `SELECT EXISTS (SELECT 1 FROM pos) AS advanced, EXISTS (SELECT 1 FROM w) AS written`;
+const feedOf = (w: Write) => w.change as FeedChange;
+const storyOf = (w: Write) => w.change as StoryMessage;
+const json = (value: unknown) => JSON.stringify(value ?? null);
 
-// The feed's write: $5 subject, $6 item_kind, $7 generation, $8 sequence, $9 tombstone,
-// $10 item, $11 changed_at.
-const FEED_WRITE = `WITH ${POSITION},
-  w AS (
+/** The CTEs of one layer's writes (every row in it a different one of its table). */
+function writeCtes(s: Statement, writes: Write[], guarded: boolean): void {
+  const of = (kind: WriteKind) => writes.filter((w) => w.kind === kind);
+  const slots = (rows: Write[]): [string, string, unknown[]] => ['slot', 'int', rows.map((w) => w.slot)];
+  const endpoints = (rows: Write[]): [string, string, unknown[]] => ['endpoint_id', 'uuid', rows.map((w) => w.change.webhook_endpoint_id)];
+  const at = (rows: Write[]): [string, string, unknown[]][] => [
+    ['epoch', 'bigint', rows.map((w) => w.change.epoch)],
+    ['change_seq', 'bigint', rows.map((w) => w.change.change_seq)],
+    ['changed_at', 'timestamptz', rows.map((w) => w.change.changed_at)],
+  ];
+
+  // A feed write (an upsert, or a removal with its sequence: a tombstone): only when it wins
+  // over the row held, as the relay's copy.rs: a newer generation, a higher sequence compared as
+  // bytes (COLLATE "C"), or a removal at the same sequence over an item.
+  const feedWrites = of('feedWrite');
+  if (feedWrites.length > 0) {
+    s.source('fw_rows', [
+      slots(feedWrites), endpoints(feedWrites),
+      ['subject', 'text', feedWrites.map((w) => feedOf(w).subject)],
+      ['item_kind', 'text', feedWrites.map((w) => feedOf(w).item_kind)],
+      ['generation', 'bigint', feedWrites.map((w) => feedOf(w).generation)],
+      ['sequence', 'text', feedWrites.map((w) => feedOf(w).sequence)],
+      ['tombstone', 'boolean', feedWrites.map((w) => feedOf(w).operation === 'remove')],
+      ['item', 'jsonb', feedWrites.map((w) => (feedOf(w).operation === 'remove' ? null : json(feedOf(w).item)))],
+      ...at(feedWrites),
+    ], guarded);
+    s.ctes.push(`fw AS (
     INSERT INTO relay_feed_items AS held (endpoint_id, subject, item_kind, generation, sequence,
                                           tombstone, item, epoch, change_seq, changed_at)
-    SELECT $1, $5, $6, $7, $8, $9, $10::jsonb, $3, $4, $11 FROM pos
+    SELECT endpoint_id, subject, item_kind, generation, sequence, tombstone, item, epoch, change_seq, changed_at FROM fw_rows
     ON CONFLICT (endpoint_id, subject) DO UPDATE
     SET item_kind = coalesce(excluded.item_kind, held.item_kind), generation = excluded.generation,
         sequence = excluded.sequence, tombstone = excluded.tombstone, item = excluded.item,
@@ -108,130 +212,179 @@ const FEED_WRITE = `WITH ${POSITION},
        OR (excluded.generation = held.generation
            AND (excluded.sequence > held.sequence
                 OR (excluded.sequence = held.sequence AND excluded.tombstone AND NOT held.tombstone)))
-    RETURNING 1
-  )
-  ${RESULT}`;
+    RETURNING endpoint_id, subject
+  )`);
+    s.written.push('SELECT slot FROM fw_rows JOIN fw USING (endpoint_id, subject)');
+  }
 
-// A reload's removal (no sequence of its own): drops the row when held from an older
-// generation, as the relay's "remove everything held from an older generation". $5 subject,
-// $6 generation.
-const FEED_DROP = `WITH ${POSITION},
-  w AS (
-    DELETE FROM relay_feed_items
-    WHERE endpoint_id = $1 AND subject = $5 AND generation < $6 AND EXISTS (SELECT 1 FROM pos)
-    RETURNING 1
-  )
-  ${RESULT}`;
+  // A reload's removal (no sequence of its own): drops the row when held from an older
+  // generation, as the relay's "remove everything held from an older generation".
+  const feedDrops = of('feedDrop');
+  if (feedDrops.length > 0) {
+    s.source('fd_rows', [
+      slots(feedDrops), endpoints(feedDrops),
+      ['subject', 'text', feedDrops.map((w) => feedOf(w).subject)],
+      ['generation', 'bigint', feedDrops.map((w) => feedOf(w).generation)],
+    ], guarded);
+    s.ctes.push(`fd AS (
+    DELETE FROM relay_feed_items AS held USING fd_rows AS t
+    WHERE held.endpoint_id = t.endpoint_id AND held.subject = t.subject AND held.generation < t.generation
+    RETURNING t.slot
+  )`);
+    s.written.push('SELECT slot FROM fd');
+  }
 
-// snapshot_begin: forget what is held of the endpoint (items and stories; notifications were
-// acted on and stay).
-const SNAPSHOT_BEGIN = `WITH ${POSITION},
-  items AS (DELETE FROM relay_feed_items WHERE endpoint_id = $1 AND EXISTS (SELECT 1 FROM pos)),
-  stories AS (DELETE FROM relay_stories WHERE endpoint_id = $1 AND EXISTS (SELECT 1 FROM pos)),
-  w AS (SELECT 1 FROM pos)
-  ${RESULT}`;
+  // snapshot_begin: forget what is held of the endpoint (items and stories; notifications were
+  // acted on and stay).
+  const snapshots = of('snapshotBegin');
+  if (snapshots.length > 0) {
+    s.source('sb_rows', [slots(snapshots), endpoints(snapshots)], guarded);
+    s.ctes.push('sb_items AS (DELETE FROM relay_feed_items AS held USING sb_rows AS t WHERE held.endpoint_id = t.endpoint_id)');
+    s.ctes.push('sb_stories AS (DELETE FROM relay_stories AS held USING sb_rows AS t WHERE held.endpoint_id = t.endpoint_id)');
+    s.written.push('SELECT slot FROM sb_rows');
+  }
 
-const POSITION_ONLY = `WITH ${POSITION}, w AS (SELECT 1 FROM pos) ${RESULT}`;
-
-// A story saved: $5 story_id, $6 ticker, $7 version, $8 story, $9 changed_at. Only when newer
-// than the row and the row is not closed.
-const STORY_SAVE = `WITH ${POSITION},
-  w AS (
+  // A story saved: only when newer than the row and the row is not closed.
+  const saves = of('storySave');
+  if (saves.length > 0) {
+    s.source('ss_rows', [
+      slots(saves), endpoints(saves),
+      ['story_id', 'text', saves.map((w) => storyOf(w).story_id)],
+      ['ticker', 'text', saves.map((w) => storyOf(w).ticker)],
+      ['version', 'bigint', saves.map((w) => storyOf(w).version)],
+      ['story', 'jsonb', saves.map((w) => json(storyOf(w).story))],
+      ...at(saves),
+    ], guarded);
+    s.ctes.push(`ss AS (
     INSERT INTO relay_stories AS held (endpoint_id, story_id, ticker, version, closed, merged_into,
                                        story, epoch, change_seq, changed_at)
-    SELECT $1, $5, $6, $7, false, NULL, $8::jsonb, $3, $4, $9 FROM pos
+    SELECT endpoint_id, story_id, ticker, version, false, NULL, story, epoch, change_seq, changed_at FROM ss_rows
     ON CONFLICT (endpoint_id, story_id) DO UPDATE
     SET ticker = excluded.ticker, version = excluded.version, story = excluded.story,
         epoch = excluded.epoch, change_seq = excluded.change_seq, changed_at = excluded.changed_at
     WHERE NOT held.closed AND held.version < excluded.version
-    RETURNING 1
-  )
-  ${RESULT}`;
+    RETURNING endpoint_id, story_id
+  )`);
+    s.written.push('SELECT slot FROM ss_rows JOIN ss USING (endpoint_id, story_id)');
+  }
 
-// A story closed for good: $5 story_id, $6 ticker, $7 version, $8 merged_into, $9 changed_at.
-// A change unless the row is closed at this version or later; the greatest version is kept.
-const STORY_CLOSE = `WITH ${POSITION},
-  w AS (
+  // A story closed for good: a change unless the row is closed at this version or later; the
+  // greatest version is kept.
+  const closes = of('storyClose');
+  if (closes.length > 0) {
+    s.source('sc_rows', [
+      slots(closes), endpoints(closes),
+      ['story_id', 'text', closes.map((w) => storyOf(w).story_id)],
+      ['ticker', 'text', closes.map((w) => storyOf(w).ticker)],
+      ['version', 'bigint', closes.map((w) => storyOf(w).version)],
+      ['merged_into', 'text', closes.map((w) => storyOf(w).merged_into ?? null)],
+      ...at(closes),
+    ], guarded);
+    s.ctes.push(`sc AS (
     INSERT INTO relay_stories AS held (endpoint_id, story_id, ticker, version, closed, merged_into,
                                        story, epoch, change_seq, changed_at)
-    SELECT $1, $5, $6, $7, true, $8, NULL, $3, $4, $9 FROM pos
+    SELECT endpoint_id, story_id, ticker, version, true, merged_into, NULL, epoch, change_seq, changed_at FROM sc_rows
     ON CONFLICT (endpoint_id, story_id) DO UPDATE
     SET version = greatest(held.version, excluded.version), closed = true,
         merged_into = excluded.merged_into, story = NULL,
         epoch = excluded.epoch, change_seq = excluded.change_seq, changed_at = excluded.changed_at
     WHERE NOT (held.closed AND held.version >= excluded.version)
-    RETURNING 1
-  )
-  ${RESULT}`;
+    RETURNING endpoint_id, story_id
+  )`);
+    s.written.push('SELECT slot FROM sc_rows JOIN sc USING (endpoint_id, story_id)');
+  }
 
-// A story dropped (its ticker left the endpoint): the open row goes, a closed one stays.
-const STORY_DROP = `WITH ${POSITION},
-  w AS (
-    DELETE FROM relay_stories
-    WHERE endpoint_id = $1 AND story_id = $5 AND NOT closed AND EXISTS (SELECT 1 FROM pos)
-    RETURNING 1
-  )
-  ${RESULT}`;
+  // A story dropped (its ticker left the endpoint): the open row goes, a closed one stays.
+  const drops = of('storyDrop');
+  if (drops.length > 0) {
+    s.source('sd_rows', [slots(drops), endpoints(drops), ['story_id', 'text', drops.map((w) => storyOf(w).story_id)]], guarded);
+    s.ctes.push(`sd AS (
+    DELETE FROM relay_stories AS held USING sd_rows AS t
+    WHERE held.endpoint_id = t.endpoint_id AND held.story_id = t.story_id AND NOT held.closed
+    RETURNING t.slot
+  )`);
+    s.written.push('SELECT slot FROM sd');
+  }
 
-// A notification: recorded once per story and endpoint, not handed yet. $5 story_id, $6 ticker,
-// $7 version, $8 story, $9 changed_at, $10 event_id.
-const NOTIFY = `WITH ${POSITION},
-  w AS (
+  // A notification (of the batch, or a late one of a stale epoch): recorded once per story and
+  // endpoint, not handed yet.
+  const notifications = of('notify');
+  if (notifications.length > 0) {
+    s.source('nt_rows', [
+      slots(notifications), endpoints(notifications),
+      ['story_id', 'text', notifications.map((w) => storyOf(w).story_id)],
+      ['ticker', 'text', notifications.map((w) => storyOf(w).ticker)],
+      ['version', 'bigint', notifications.map((w) => storyOf(w).version)],
+      ['event_id', 'text', notifications.map((w) => storyOf(w).event_id)],
+      ['story', 'jsonb', notifications.map((w) => json(storyOf(w).story))],
+      ...at(notifications),
+    ], guarded);
+    s.ctes.push(`nt AS (
     INSERT INTO relay_notifications (endpoint_id, story_id, ticker, version, event_id, story,
                                      epoch, change_seq, changed_at)
-    SELECT $1, $5, $6, $7, $10, $8::jsonb, $3, $4, $9 FROM pos
+    SELECT endpoint_id, story_id, ticker, version, event_id, story, epoch, change_seq, changed_at FROM nt_rows
     ON CONFLICT (endpoint_id, story_id) DO NOTHING
-    RETURNING 1
-  )
-  ${RESULT}`;
-
-// A notification of a stale epoch: recorded once per story, no position moved.
-const LATE_NOTIFY = `INSERT INTO relay_notifications (endpoint_id, story_id, ticker, version, event_id,
-                                                      story, epoch, change_seq, changed_at)
-  VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7, $8, $9)
-  ON CONFLICT (endpoint_id, story_id) DO NOTHING`;
-
-function statement(change: Change): { text: string; values: unknown[] } {
-  const head = [change.webhook_endpoint_id, change.tenant_id, change.epoch, change.change_seq];
-  if ('kind' in change) return storyStatement(change, head);
-  return feedStatement(change, head);
+    RETURNING endpoint_id, story_id
+  )`);
+    s.written.push('SELECT slot FROM nt_rows JOIN nt USING (endpoint_id, story_id)');
+  }
 }
 
-function feedStatement(change: FeedChange, head: unknown[]): { text: string; values: unknown[] } {
+/** Whether a change follows a position (none: an endpoint not seen yet). */
+function follows(position: Position | undefined, change: Change): boolean {
+  if (position === undefined) return change.change_seq === 1;
+  if (change.epoch === position.epoch) return change.change_seq === position.lastChangeSeq + 1;
+  return change.epoch > position.epoch && change.change_seq === 1;
+}
+
+function writeKind(change: Change): WriteKind | null {
+  if ('kind' in change) {
+    switch (change.operation) {
+      case 'saved': return 'storySave';
+      case 'closed': return 'storyClose';
+      case 'dropped': return 'storyDrop';
+      case 'notified': return 'notify';
+    }
+  }
   switch (change.operation) {
-    case 'snapshot_begin':
-      return { text: SNAPSHOT_BEGIN, values: head };
-    case 'snapshot_end':
-      return { text: POSITION_ONLY, values: head };
-    case 'remove':
-      if (change.sequence === null) {
-        return { text: FEED_DROP, values: [...head, change.subject, change.generation] };
+    case 'snapshot_begin': return 'snapshotBegin';
+    case 'snapshot_end': return null;
+    case 'remove': return change.sequence === null ? 'feedDrop' : 'feedWrite';
+    case 'upsert': return 'feedWrite';
+  }
+}
+
+/**
+ * Puts the writes in layers: each row written at most once per layer, a row's writes in change
+ * order, an endpoint's snapshot_begin after its earlier writes of items and stories and before
+ * its later ones (notifications are not forgotten by it, so not ordered by it).
+ */
+function layered(writes: Write[]): Write[][] {
+  const layers: Write[][] = [];
+  const nextOfRow = new Map<string, number>();
+  const floorOf = new Map<string, number>();
+  const topOf = new Map<string, number>();
+  for (const w of writes) {
+    const endpoint = w.change.webhook_endpoint_id;
+    let layer: number;
+    if (w.kind === 'snapshotBegin') {
+      layer = Math.max(floorOf.get(endpoint) ?? 0, (topOf.get(endpoint) ?? -1) + 1);
+      floorOf.set(endpoint, layer + 1);
+      topOf.set(endpoint, layer);
+    } else {
+      const table = w.kind === 'notify' ? 'n' : w.kind.startsWith('feed') ? 'i' : 's';
+      const key = `${table}\u0000${endpoint}\u0000${'kind' in w.change ? w.change.story_id : w.change.subject}`;
+      layer = nextOfRow.get(key) ?? 0;
+      if (table !== 'n') {
+        layer = Math.max(layer, floorOf.get(endpoint) ?? 0);
+        topOf.set(endpoint, Math.max(topOf.get(endpoint) ?? -1, layer));
       }
-      return {
-        text: FEED_WRITE,
-        values: [...head, change.subject, change.item_kind, change.generation, change.sequence, true, null, change.changed_at],
-      };
-    case 'upsert':
-      return {
-        text: FEED_WRITE,
-        values: [...head, change.subject, change.item_kind, change.generation, change.sequence, false,
-          JSON.stringify(change.item ?? null), change.changed_at],
-      };
+      nextOfRow.set(key, layer + 1);
+    }
+    while (layers.length <= layer) layers.push([]);
+    layers[layer]!.push(w);
   }
-}
-
-function storyStatement(change: StoryMessage, head: unknown[]): { text: string; values: unknown[] } {
-  const base = [...head, change.story_id, change.ticker, change.version];
-  switch (change.operation) {
-    case 'saved':
-      return { text: STORY_SAVE, values: [...base, JSON.stringify(change.story ?? null), change.changed_at] };
-    case 'closed':
-      return { text: STORY_CLOSE, values: [...base, change.merged_into ?? null, change.changed_at] };
-    case 'dropped':
-      return { text: STORY_DROP, values: [...head, change.story_id] };
-    case 'notified':
-      return { text: NOTIFY, values: [...base, JSON.stringify(change.story ?? null), change.changed_at, change.event_id] };
-  }
+  return layers;
 }
 
 export class PgStore implements Store {
@@ -273,43 +426,103 @@ export class PgStore implements Store {
 
   async apply(changes: Change[], lateNotifications: StoryMessage[] = []): Promise<ApplyOutcome> {
     await this.ready;
-    const outcome: ApplyOutcome = { applied: 0, skipped: 0, declined: 0, notifications: 0, repeatedNotifications: 0 };
-    if (changes.length === 0 && lateNotifications.length === 0) return outcome;
+    if (changes.length === 0 && lateNotifications.length === 0) {
+      return { applied: 0, skipped: 0, declined: 0, notifications: 0, repeatedNotifications: 0 };
+    }
     const client = await this.pool.connect();
     try {
-      await client.query('BEGIN');
-      for (const late of lateNotifications) {
-        const { rowCount } = await client.query(LATE_NOTIFY, [
-          late.webhook_endpoint_id, late.story_id, late.ticker, late.version, late.event_id,
-          JSON.stringify(late.story ?? null), late.epoch, late.change_seq, late.changed_at,
-        ]);
-        if (rowCount) outcome.notifications += 1;
-        else outcome.repeatedNotifications += 1;
-      }
-      for (const change of changes) {
-        const { rows } = await client.query<{ advanced: boolean; written: boolean }>(statement(change));
-        const { advanced, written } = rows[0]!;
-        if (!advanced) {
-          outcome.skipped += 1;
-          continue;
+      for (let attempt = 1; ; attempt++) {
+        await client.query('BEGIN');
+        const outcome = await this.applyOnce(client, changes, lateNotifications);
+        if (outcome !== null) {
+          await client.query('COMMIT');
+          return outcome;
         }
-        outcome.applied += 1;
-        if ('kind' in change && change.operation === 'notified') {
-          if (written) outcome.notifications += 1;
-          else outcome.repeatedNotifications += 1;
-          continue;
-        }
-        if (!written && !isMarker(change)) outcome.declined += 1;
-        await callHandler(this.handlers, change, { client, written });
+        // A position was not where the batch found it (another consumer started the endpoint
+        // meanwhile): nothing of the batch was written; again from the positions as they are.
+        await client.query('ROLLBACK');
+        if (attempt >= MAX_ATTEMPTS) throw new Error(`the positions kept moving under the batch (${attempt} attempts)`);
       }
-      await client.query('COMMIT');
-      return outcome;
     } catch (error) {
       await client.query('ROLLBACK').catch(() => {});
       throw error;
     } finally {
       client.release();
     }
+  }
+
+  /** One attempt, inside a transaction: null when a position was not where it was read. */
+  private async applyOnce(client: PoolClient, changes: Change[], lateNotifications: StoryMessage[]): Promise<ApplyOutcome | null> {
+    const outcome: ApplyOutcome = { applied: 0, skipped: 0, declined: 0, notifications: 0, repeatedNotifications: 0 };
+    const positions = new Map<string, Position>();
+    const endpoints = [...new Set(changes.map((c) => c.webhook_endpoint_id))];
+    if (endpoints.length > 0) {
+      const { rows } = await client.query<{ endpoint: string; epoch: string; last_change_seq: string }>(LOCK_POSITIONS, [endpoints]);
+      for (const r of rows) positions.set(r.endpoint, { epoch: Number(r.epoch), lastChangeSeq: Number(r.last_change_seq) });
+    }
+
+    // Which changes follow the positions, each endpoint's move, and the writes of those applied.
+    const writes: Write[] = lateNotifications.map((change, slot) => ({ kind: 'notify', change, slot }));
+    const moves = new Map<string, Move>();
+    const slotOf: (number | null)[] = [];
+    for (const change of changes) {
+      const endpoint = change.webhook_endpoint_id;
+      const at = positions.get(endpoint);
+      if (!follows(at, change)) {
+        slotOf.push(null);
+        continue;
+      }
+      const to = { epoch: change.epoch, lastChangeSeq: change.change_seq };
+      positions.set(endpoint, to);
+      const move = moves.get(endpoint);
+      if (move) move.to = to;
+      else moves.set(endpoint, { endpoint, tenant: change.tenant_id, from: at ?? null, to });
+      const kind = writeKind(change);
+      if (kind === null) {
+        slotOf.push(-1);
+        continue;
+      }
+      slotOf.push(writes.length);
+      writes.push({ kind, change, slot: writes.length });
+    }
+
+    const written: boolean[] = writes.map(() => false);
+    const layers = layered(writes);
+    if (moves.size > 0 && layers.length === 0) layers.push([]);
+    for (const [n, layer] of layers.entries()) {
+      const guarded = n === 0 && moves.size > 0;
+      if (layer.length === 0 && !guarded) continue;
+      const statement = new Statement();
+      if (guarded) positionCtes(statement, [...moves.values()]);
+      writeCtes(statement, layer, guarded);
+      const { rows } = await client.query<{ ok: boolean; written: number[] }>(
+        statement.text(guarded ? '(SELECT ok FROM ok)' : 'true'), statement.values);
+      if (!rows[0]!.ok) return null;
+      for (const slot of rows[0]!.written) written[slot] = true;
+    }
+
+    for (const [slot] of lateNotifications.entries()) {
+      if (written[slot]) outcome.notifications += 1;
+      else outcome.repeatedNotifications += 1;
+    }
+    // The handlers, once every write of the batch is made: in order, in the transaction.
+    for (const [n, change] of changes.entries()) {
+      const slot = slotOf[n] ?? null;
+      if (slot === null) {
+        outcome.skipped += 1;
+        continue;
+      }
+      outcome.applied += 1;
+      const wrote = slot < 0 ? true : written[slot]!;
+      if ('kind' in change && change.operation === 'notified') {
+        if (wrote) outcome.notifications += 1;
+        else outcome.repeatedNotifications += 1;
+        continue;
+      }
+      if (!wrote && !isMarker(change)) outcome.declined += 1;
+      await callHandler(this.handlers, change, { client, written: wrote });
+    }
+    return outcome;
   }
 
   /**

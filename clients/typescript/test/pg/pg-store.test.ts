@@ -6,9 +6,12 @@ import { after, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
 import { Client, PoolClient } from 'pg';
+import { MemoryStore } from '../../src/memory-store';
+import { Change, StoryMessage } from '../../src/message';
 import { PgStore } from '../../src/pg-store';
 import { Handlers } from '../../src/store';
-import { endpointId, story, upsert } from '../helpers';
+import { endpointId, feed, remove, story, upsert } from '../helpers';
+import { pick, rng } from '../support/rng';
 import { storeSuite } from '../store-suite';
 
 const URL = process.env.RELAY_TEST_PG ?? 'postgres://postgres@127.0.0.1:5432/postgres';
@@ -148,4 +151,157 @@ test('postgres store: what the notification handler writes commits with the hand
   assert.equal(await store.handPending(), 1);
   assert.deepEqual(await query(schema, 'SELECT story_id FROM outbox'), [{ story_id: 'x' }]);
   await store.close();
+});
+
+// The store writes a batch in a few statements (each row written at most once per statement), not
+// one statement per change: the result must be that of applying the changes one by one. The
+// memory store applies them one by one; both are given the same random batches (rows written
+// several times in a batch, snapshots of new epochs in the middle, repeats, changes out of
+// order, late notifications) and must agree on every outcome, every handler call, the
+// positions and the tables.
+test('postgres store: a batch written in a few statements does as the changes one by one (the memory store)', async () => {
+  for (const seed of [1, 2, 3, 4, 5, 6]) {
+    const random = rng(seed);
+    const schema = await freshSchema();
+    const pgCalls: string[] = [];
+    const memoryCalls: string[] = [];
+    const recorder = (calls: string[]) => {
+      const rec = (what: string) => (c: { webhook_endpoint_id: string; epoch: number; change_seq: number }, ctx: { written: boolean }) => {
+        calls.push(`${what}:${c.webhook_endpoint_id.slice(0, 4)}:${c.epoch}:${c.change_seq}:${ctx.written}`);
+      };
+      return {
+        upsert: rec('upsert'), remove: rec('remove'), snapshotBegin: rec('begin'), snapshotEnd: rec('end'),
+        storySaved: rec('saved'), storyClosed: rec('closed'), storyDropped: rec('dropped'),
+      };
+    };
+    const pg = storeIn(schema, recorder(pgCalls));
+    const memory = new MemoryStore({ handlers: recorder(memoryCalls) });
+    const endpoints = [endpointId(), endpointId(), endpointId()];
+
+    // Each endpoint's stream: epochs opened by a snapshot, a few subjects and stories written
+    // over and over.
+    const streams = endpoints.map((e) => {
+      const out: Change[] = [];
+      let epoch = 1;
+      let seq = 0;
+      while (out.length < 160) {
+        const roll = random();
+        if (roll < 0.03 && seq > 0) {
+          epoch += 1;
+          seq = 0;
+          out.push(feed(e, epoch, ++seq, { operation: 'snapshot_begin' }));
+          continue;
+        }
+        if (roll < 0.05) {
+          out.push(feed(e, epoch, ++seq, { operation: 'snapshot_end' }));
+          continue;
+        }
+        const subject = pick(random, ['a', 'b', 'c', 'é']);
+        const generation = 1 + Math.floor(random() * 3);
+        const sequence = pick(random, ['0001', '0002', '0003', 'Z', 'a', 'é']);
+        if (roll < 0.35) {
+          out.push(upsert(e, epoch, ++seq, subject, generation, sequence, { seq, seed }));
+        } else if (roll < 0.45) {
+          out.push(remove(e, epoch, ++seq, subject, generation, sequence));
+        } else if (roll < 0.5) {
+          out.push(feed(e, epoch, ++seq, { operation: 'remove', subject, generation, sequence: null, event_id: null, reload_generation: generation }));
+        } else {
+          const storyId = pick(random, ['x', 'y', 'z']);
+          const version = 1 + Math.floor(random() * 5);
+          const r = random();
+          if (r < 0.5) out.push(story(e, epoch, ++seq, { story_id: storyId, version, ticker: pick(random, ['A', 'B']) }));
+          else if (r < 0.7) out.push(story(e, epoch, ++seq, { story_id: storyId, version, operation: 'closed', ...(random() < 0.5 ? { merged_into: 'w' } : {}) }));
+          else if (r < 0.85) out.push(story(e, epoch, ++seq, { story_id: storyId, operation: 'dropped', event_id: null, reload_round: 1 }));
+          else out.push(story(e, epoch, ++seq, { story_id: pick(random, ['x', 'y', 'z', 'v']), version, operation: 'notified' }));
+        }
+      }
+      return out;
+    });
+    const stream: Change[] = [];
+    const cursors = streams.map(() => 0);
+    while (stream.length < streams.length * 160) {
+      const i = Math.floor(random() * streams.length);
+      if (cursors[i]! < streams[i]!.length) stream.push(streams[i]![cursors[i]!++]!);
+    }
+
+    const applied = async (c: Change) => {
+      const at = (await memory.positions()).get(c.webhook_endpoint_id);
+      return at !== undefined && (c.epoch < at.epoch || (c.epoch === at.epoch && c.change_seq <= at.lastChangeSeq));
+    };
+    let multiWrites = 0;
+    for (let round = 0; round < 400; round++) {
+      let cursor = 0;
+      while (cursor < stream.length && (await applied(stream[cursor]!))) cursor += 1;
+      if (cursor >= stream.length) break;
+      const from = Math.max(0, cursor - Math.floor(random() * 6));
+      const batch = stream.slice(from, from + 1 + Math.floor(random() * 60));
+      if (random() < 0.3 && batch.length > 2) {
+        const i = Math.floor(random() * batch.length);
+        const j = Math.floor(random() * batch.length);
+        [batch[i], batch[j]] = [batch[j]!, batch[i]!];
+      }
+      const seen = new Set<string>();
+      for (const c of batch) {
+        const key = 'kind' in c ? `s:${c.webhook_endpoint_id}:${c.story_id}` : `f:${c.webhook_endpoint_id}:${c.subject}`;
+        if (seen.has(key)) multiWrites += 1;
+        seen.add(key);
+      }
+      const late = random() < 0.2
+        ? stream.slice(0, from).filter((c): c is StoryMessage => 'kind' in c && c.operation === 'notified' && random() < 0.3)
+        : [];
+      const context = `seed ${seed}, round ${round}`;
+      assert.deepEqual(await pg.apply(batch, late), await memory.apply(batch, late), context);
+      assert.deepEqual(pgCalls, memoryCalls, context);
+    }
+    assert.ok(multiWrites > 50, `seed ${seed}: rows written several times in a batch (${multiWrites})`);
+
+    assert.deepEqual(await pg.positions(), await memory.positions(), `seed ${seed}`);
+    for (const e of endpoints) {
+      const items = await query<{ subject: string; item_kind: string | null; generation: string; sequence: string | null; tombstone: boolean; item: Record<string, unknown> | null; epoch: string; change_seq: string }>(
+        schema, 'SELECT subject, item_kind, generation, sequence, tombstone, item, epoch, change_seq FROM relay_feed_items WHERE endpoint_id = $1 ORDER BY subject', [e]);
+      const memoryItems = [...(memory.feed.get(e) ?? new Map()).values()].sort((a, b) => (a.subject < b.subject ? -1 : 1));
+      assert.deepEqual(
+        items.map((r) => ({ ...r, generation: Number(r.generation), epoch: Number(r.epoch), change_seq: Number(r.change_seq) })),
+        memoryItems.map((r) => ({ subject: r.subject, item_kind: r.item_kind, generation: r.generation, sequence: r.sequence, tombstone: r.tombstone, item: r.item, epoch: r.epoch, change_seq: r.change_seq })),
+        `seed ${seed}: items of ${e}`);
+      const stories = await query<{ story_id: string; ticker: string | null; version: string; closed: boolean; merged_into: string | null; story: Record<string, unknown> | null }>(
+        schema, 'SELECT story_id, ticker, version, closed, merged_into, story FROM relay_stories WHERE endpoint_id = $1 ORDER BY story_id', [e]);
+      assert.deepEqual(
+        stories.map((r) => ({ ...r, version: Number(r.version) })),
+        [...memory.storyRows(e).values()].sort((a, b) => (a.story_id < b.story_id ? -1 : 1)),
+        `seed ${seed}: stories of ${e}`);
+      const notifications = await query<{ story_id: string; epoch: string; change_seq: string }>(
+        schema, 'SELECT story_id, epoch, change_seq FROM relay_notifications WHERE endpoint_id = $1 ORDER BY story_id', [e]);
+      assert.deepEqual(
+        notifications.map((r) => ({ story_id: r.story_id, epoch: Number(r.epoch), change_seq: Number(r.change_seq) })),
+        [...(memory.notifications.get(e) ?? new Map()).values()].map((n) => ({ story_id: n.story_id, epoch: n.epoch, change_seq: n.change_seq }))
+          .sort((a, b) => (a.story_id < b.story_id ? -1 : 1)),
+        `seed ${seed}: notifications of ${e}`);
+    }
+    await pg.close();
+  }
+});
+
+test('postgres store: two stores racing on several endpoints, batch by batch, apply each change once', async () => {
+  const schema = await freshSchema();
+  const a = storeIn(schema);
+  await a.positions();
+  const b = storeIn(schema);
+  const endpoints = [endpointId(), endpointId(), endpointId()];
+  const run = endpoints.flatMap((e) => Array.from({ length: 60 }, (_, i) => upsert(e, 1, i + 1, `s${i % 5}`, 1, String(i).padStart(4, '0'), { i })));
+  // Interleaved, each endpoint in order; each store applies it in batches of its own size.
+  const interleaved = Array.from({ length: 60 }, (_, i) => endpoints.map((_, k) => run[k * 60 + i]!)).flat();
+  const inBatches = async (store: PgStore, size: number) => {
+    let applied = 0;
+    for (let i = 0; i < interleaved.length; i += size) applied += (await store.apply(interleaved.slice(i, i + size))).applied;
+    return applied;
+  };
+  const [x, y] = await Promise.all([inBatches(a, 17), inBatches(b, 23)]);
+  assert.equal(x + y, 180);
+  const positions = await a.positions();
+  for (const e of endpoints) assert.deepEqual(positions.get(e), { epoch: 1, lastChangeSeq: 60 });
+  const rows = await query<{ n: string }>(schema, 'SELECT count(*) AS n FROM relay_feed_items WHERE (item->>\'i\')::int >= 55');
+  assert.equal(Number(rows[0]!.n), 15);
+  await a.close();
+  await b.close();
 });
