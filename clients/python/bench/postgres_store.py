@@ -45,7 +45,15 @@ from typing import Any, Sequence
 import aio_pika
 import psycopg
 
-from relay_consumer import Consumer, Loaded, Notification, Step, decode, message_id
+from relay_consumer import (
+    Consumer,
+    Loaded,
+    Notification,
+    Step,
+    StoryChange,
+    decode,
+    message_id,
+)
 from relay_consumer.postgres import PostgresStore
 
 DOCS = pathlib.Path(__file__).resolve().parents[3] / "docs"
@@ -304,8 +312,10 @@ class Timed:
     async def load(self) -> Loaded:
         return await self.store.load()
 
-    async def commit(self, steps: Sequence[Step]) -> list[Notification]:
-        recorded = await self.store.commit(steps)
+    async def commit(
+        self, steps: Sequence[Step], late: Sequence[StoryChange] = ()
+    ) -> list[Notification]:
+        recorded = await self.store.commit(steps, late)
         self.commits += 1
         for step in steps:
             self.at[step.endpoint_id] = step.after.last_change_seq

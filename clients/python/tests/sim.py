@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from builders import FEED, STORIES, feed, marker, story
-from relay_consumer import Follower, Notification, Store, Verdict, decode
+from relay_consumer import Follower, Notification, Store, StoryChange, Verdict, decode
 
 
 @dataclass
@@ -127,17 +127,24 @@ async def deliver(rng: random.Random, queue: list[dict[str, Any]], store: Store,
         size = rng.randint(1, 8)
         batch, rest = pending[:size], pending[size:]
         steps = []
+        late: list[StoryChange] = []
         for body in batch:
-            verdict, step = follower.receive(decode(body))
+            change = decode(body)
+            verdict, step = follower.receive(change)
             result.verdicts[verdict] = result.verdicts.get(verdict, 0) + 1
             assert verdict is not Verdict.OVERFLOW
+            # An older epoch's notification, late or held and dropped by the switch: recorded
+            # by story id all the same (as the consumer does).
+            stale = [change] if verdict is Verdict.STALE else []
             if step is not None:
                 steps.append(step)
+                stale += step.stale
+            late += [c for c in stale if isinstance(c, StoryChange) and c.operation == "notified"]
         where = rng.random()
         if where < crash:
             follower = None  # died before the commit: nothing kept, all comes again
         else:
-            notes = await store.commit(steps)
+            notes = await store.commit(steps, late)
             if where < 2 * crash:
                 follower = None  # died after the commit, before the acks and the hand
             else:

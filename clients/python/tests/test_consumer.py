@@ -8,7 +8,7 @@ from typing import Any, cast
 import aio_pika.abc
 import pytest
 
-from builders import FEED, STORIES, TENANT, encode, feed, story
+from builders import FEED, STORIES, TENANT, encode, feed, marker, story
 from relay_consumer import (
     CannotPlace,
     Consumer,
@@ -18,8 +18,10 @@ from relay_consumer import (
     Notification,
     Position,
     Refusal,
+    Store,
     UnknownVersion,
 )
+from readback import read
 
 
 class FakeMessage:
@@ -53,7 +55,7 @@ async def process(consumer: Consumer, batch: list[FakeMessage]) -> None:
     await consumer._process(cast(list[aio_pika.abc.AbstractIncomingMessage], batch))
 
 
-def consumer_of(store: MemoryStore, **kw: Any) -> Consumer:
+def consumer_of(store: Store, **kw: Any) -> Consumer:
     return Consumer("amqp://nobody@127.0.0.1:1/%2f", f"relay.tenant.{TENANT}", store, **kw)
 
 
@@ -148,3 +150,52 @@ async def test_a_failed_commit_acknowledges_nothing_and_keeps_nothing() -> None:
         await process(consumer, batch)
     assert [m.acked for m in batch] == [[], []]
     assert store.position(FEED) == Position() and store.items(FEED) == {}
+
+
+async def test_a_late_notification_after_a_new_epochs_snapshot_is_recorded_and_handed_once(
+    store: Store,
+) -> None:
+    log: list[str] = []
+    consumer = consumer_of(store, on_notification=lambda n: log.append(f"hand {n.key}"))
+    await process(consumer, messages(story(1, "saved", "a"), story(2, "notified", "a")))
+    # A resync's new epoch reaches the consumer before epoch 1's change 3 (requeued).
+    await process(
+        consumer,
+        messages(
+            marker(1, "snapshot_begin", epoch=9, endpoint=STORIES),
+            story(2, "saved", "a", epoch=9, snapshot=True),
+            marker(3, "snapshot_end", epoch=9, endpoint=STORIES),
+        ),
+    )
+    late = messages(story(3, "notified", "b", epoch=1), story(4, "saved", "c", epoch=1))
+    for m in late:
+        m.log = log
+    await process(consumer, late)
+    assert [m.acked for m in late] == [[], [True]], "both acked, after the commit"
+    assert log == [f"hand {STORIES}:1:2", f"ack {STORIES}:1:4", f"hand {STORIES}:1:3"]
+    # Its second copy (and the first story's, of epoch 1) are not handed again.
+    again = messages(story(3, "notified", "b", epoch=1), story(2, "notified", "a", epoch=1))
+    await process(consumer, again)
+    assert [m.acked for m in again] == [[], [True]]
+    assert len(log) == 3
+    copy = await read(store)
+    assert copy["positions"] == {STORIES: (9, 3)}, "no position moved by the late ones"
+    assert copy["stories"] == {STORIES: {"a": ("ALFA B", 1, False, {"id": "a", "ticker": "ALFA B", "version": 1}, None)}}
+    assert copy["notified"] == {(STORIES, "a"): 0, (STORIES, "b"): 0}
+    assert copy["handed"] == {(STORIES, "a"), (STORIES, "b")}
+    assert consumer.stats.notifications_handed == 2
+    assert consumer.stats.late_notifications == 3 and consumer.follower.counts.stale == 4
+
+
+async def test_a_held_notification_dropped_by_the_switch_to_a_new_epoch_is_handed(store: Store) -> None:
+    handed: list[Notification] = []
+    consumer = consumer_of(store, on_notification=handed.append)
+    await process(consumer, messages(story(1, "saved", "a"), story(3, "notified", "b")))
+    assert handed == [] and (await read(store))["held"] == 1
+    switch = messages(marker(1, "snapshot_begin", epoch=4, endpoint=STORIES), story(2, "notified", "b"))
+    await process(consumer, switch)
+    assert [(n.story_id, n.epoch, n.change_seq) for n in handed] == [("b", 1, 3)]
+    assert [m.acked for m in switch] == [[], [True]]
+    copy = await read(store)
+    assert copy["held"] == 0 and copy["positions"] == {STORIES: (4, 1)}
+    assert copy["handed"] == {(STORIES, "b")} and copy["notified"] == {(STORIES, "b"): 0}

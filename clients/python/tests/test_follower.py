@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from builders import FEED, STORIES, encode, feed, story
+from builders import FEED, STORIES, encode, feed, marker, story
 from relay_consumer import Follower, Position, Verdict, decode
 from relay_consumer.messages import Change
 
@@ -108,3 +108,49 @@ def test_a_follower_restored_from_a_store_carries_on() -> None:
     assert follower.receive(f(7, epoch=2))[0] is Verdict.DUPLICATE
     verdict, step = follower.receive(f(6, epoch=2))
     assert step is not None and seqs(step) == [6, 7]
+
+
+def n(seq: int, story_id: str, **kw: object) -> Change:
+    return decode(encode(story(seq, "notified", story_id, **kw)))  # type: ignore[arg-type]
+
+
+def s(seq: int, operation: str, story_id: str, **kw: object) -> Change:
+    return decode(encode(story(seq, operation, story_id, **kw)))  # type: ignore[arg-type]
+
+
+def test_a_switch_to_a_greater_epoch_names_the_older_epochs_held_changes_it_drops() -> None:
+    follower = Follower()
+    follower.receive(s(1, "saved", "a"))
+    follower.receive(n(4, "b"))  # held in epoch 1
+    follower.receive(n(3, "a"))  # held in epoch 1
+    follower.receive(s(6, "saved", "c"))  # held in epoch 1
+    verdict, step = follower.receive(decode(encode(marker(1, "snapshot_begin", epoch=5, endpoint=STORIES))))
+    assert verdict is Verdict.APPLIED and step is not None and step.new_epoch
+    assert [(c.epoch, c.change_seq) for c in step.stale] == [(1, 3), (1, 4), (1, 6)], "in order"
+    assert follower.held_total == 0 and follower.counts.stale == 3
+    # The next change of the new epoch drops nothing more.
+    verdict, step = follower.receive(decode(encode(marker(2, "snapshot_end", epoch=5, endpoint=STORIES))))
+    assert step is not None and step.stale == ()
+    # A late one of the old epoch is stale: the caller has it (no step).
+    assert follower.receive(n(2, "d")) == (Verdict.STALE, None)
+
+
+def test_a_held_switch_names_the_dropped_changes_too_and_a_step_within_an_epoch_none() -> None:
+    follower = Follower()
+    follower.receive(n(1, "a"))
+    verdict, step = follower.receive(n(3, "b"))
+    assert verdict is Verdict.HELD and step is not None and step.stale == ()
+    verdict, step = follower.receive(s(4, "saved", "c", epoch=2, snapshot=True))
+    assert verdict is Verdict.HELD and step is not None
+    assert (step.before, step.after) == (Position(1, 1), Position(2, 0))
+    assert [(c.epoch, c.change_seq) for c in step.stale] == [(1, 3)]
+    assert step.held is not None and step.held.epoch == 2
+    assert follower.held_total == 1
+
+
+def test_held_changes_restored_from_a_store_are_named_by_the_switch() -> None:
+    follower = Follower()
+    follower.restore({STORIES: Position(1, 2)}, [n(5, "x")])
+    verdict, step = follower.receive(decode(encode(marker(1, "snapshot_begin", epoch=3, endpoint=STORIES))))
+    assert verdict is Verdict.APPLIED and step is not None
+    assert [(c.change_seq, getattr(c, "story_id")) for c in step.stale] == [(5, "x")]

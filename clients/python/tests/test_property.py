@@ -10,7 +10,7 @@ import pytest
 
 from builders import FEED, STORIES
 from readback import read
-from relay_consumer import MemoryStore, Store, Verdict
+from relay_consumer import MemoryStore, Store
 from relay_consumer.postgres import PostgresStore
 from sim import deliver, make_stream, scramble
 
@@ -29,11 +29,9 @@ async def check(seed: int, store: Store) -> None:
     expected_stories = {s: r for s, r in truth.stories.items()}
     assert copy["stories"].get(STORIES, {}) == expected_stories, where
     handed = [n.story_id for n in result.handed]
-    # A notification delivered after its endpoint's next epoch began is stale, as every change
-    # of an older epoch (the snapshot carries no notifications): only then may one be missing.
-    if result.verdicts.get(Verdict.STALE, 0) == 0:
-        assert sorted(handed) == sorted(truth.notified), f"{where}: handed {handed}"
-    assert set(handed) <= set(truth.notified), f"{where}: handed {handed}"
+    # A notification delivered after its endpoint's next epoch began (or held and dropped when
+    # it began) is of a stale epoch, but recorded by story id all the same: never missing.
+    assert sorted(handed) == sorted(truth.notified), f"{where}: handed {handed}"
     assert len(set(handed)) == len(handed), f"{where}: handed twice"
     assert copy["held"] == 0, where
     assert all(r == 0 for r in copy["notified"].values()), where

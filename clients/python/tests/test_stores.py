@@ -16,8 +16,10 @@ from relay_consumer import (
     PositionConflict,
     Step,
     Store,
+    StoryChange,
     decode,
 )
+from relay_consumer.postgres import PostgresStore
 
 
 async def feed_all(store: Store, bodies: list[dict[str, Any]], follower: Follower | None = None) -> list[Notification]:
@@ -185,3 +187,93 @@ async def test_the_memory_stores_handlers_are_called_in_order() -> None:
         "closed a",
         "dropped a",
     ]
+
+
+def notified(seq: int, story_id: str, **kw: Any) -> StoryChange:
+    change = decode(encode(story(seq, "notified", story_id, **kw)))
+    assert isinstance(change, StoryChange)
+    return change
+
+
+async def test_a_late_notification_of_an_older_epoch_is_recorded_once_by_story_without_moving(store: Store) -> None:
+    follower = Follower()
+    await feed_all(
+        store,
+        [
+            story(1, "saved", "a", 1),
+            story(2, "notified", "a", 1),
+            marker(1, "snapshot_begin", epoch=5, endpoint=STORIES),
+            story(2, "saved", "a", 1, epoch=5, snapshot=True),
+            marker(3, "snapshot_end", epoch=5, endpoint=STORIES),
+        ],
+        follower,
+    )
+    await store.mark_handed(await store.unhanded())
+    # Story b's notification of epoch 1, delivered after epoch 5 began: recorded, in the
+    # commit of its batch (with a step of the new epoch), and answered to hand.
+    _, step = follower.receive(decode(encode(story(4, "saved", "c", 1, epoch=5))))
+    assert step is not None
+    recorded = await store.commit([step], [notified(3, "b")])
+    assert [(n.story_id, n.key) for n in recorded] == [("b", f"{STORIES}:1:3")]
+    assert [n.story_id for n in await store.unhanded()] == ["b"]
+    await store.mark_handed(recorded)
+    # Its repeat, alone in a batch: nothing recorded, nothing counted, no position moved.
+    assert await store.commit([], [notified(3, "b")]) == []
+    # A late notification of a story recorded already (a's, of epoch 1): nothing either.
+    assert await store.commit([], [notified(2, "a")]) == []
+    copy = await read(store)
+    assert copy["notified"] == {(STORIES, "a"): 0, (STORIES, "b"): 0}
+    assert copy["handed"] == {(STORIES, "a"), (STORIES, "b")}
+    assert copy["positions"] == {STORIES: (5, 4)}
+    assert await store.unhanded() == []
+
+
+async def test_a_held_notification_dropped_by_a_new_epoch_is_recorded_with_the_switch(store: Store) -> None:
+    follower = Follower()
+    await feed_all(store, [story(1, "saved", "a", 1), story(3, "notified", "b", 1)], follower)
+    assert (await read(store))["held"] == 1
+    # A restarted consumer: the held notification comes back from the store.
+    follower = Follower()
+    loaded = await store.load()
+    follower.restore(loaded.positions, loaded.held)
+    _, step = follower.receive(decode(encode(marker(1, "snapshot_begin", epoch=7, endpoint=STORIES))))
+    assert step is not None and [c.change_seq for c in step.stale] == [3]
+    late = [c for c in step.stale if isinstance(c, StoryChange) and c.operation == "notified"]
+    recorded = await store.commit([step], late)
+    assert [(n.story_id, n.epoch, n.change_seq) for n in recorded] == [("b", 1, 3)]
+    copy = await read(store)
+    assert copy["held"] == 0 and copy["positions"] == {STORIES: (7, 1)}
+    assert copy["notified"] == {(STORIES, "b"): 0}
+
+
+async def test_a_failed_commit_keeps_no_late_notification(store: Store) -> None:
+    await feed_all(store, [feed(1)])
+    stale = Step(FEED, Position(1, 0), Position(1, 1), applied=(decode(encode(feed(1))),))
+    with pytest.raises(PositionConflict):
+        await store.commit([stale], [notified(9, "z")])
+    assert (await read(store))["notified"] == {} and await store.unhanded() == []
+
+
+async def test_postgres_hands_a_late_notification_in_the_transaction_once(pg_database: str) -> None:
+    seen: list[tuple[str, int]] = []
+
+    async def in_transaction(conn: Any, n: Notification) -> None:
+        seen.append((n.story_id, n.epoch))
+        await conn.execute("INSERT INTO outbox (story_id) VALUES (%s)", (n.story_id,))
+
+    store = await PostgresStore.open(pg_database, on_notification_in_transaction=in_transaction)
+    try:
+        await store.connection.execute("CREATE TABLE outbox (story_id text NOT NULL)")
+        await feed_all(store, [marker(1, "snapshot_begin", epoch=4, endpoint=STORIES)])
+        assert [n.story_id for n in await store.commit([], [notified(6, "q", epoch=3)])] == ["q"]
+        assert await store.commit([], [notified(6, "q", epoch=3)]) == []
+        assert seen == [("q", 3)]
+        cur = await store.connection.execute("SELECT story_id FROM outbox")
+        assert await cur.fetchall() == [("q",)]
+        cur = await store.connection.execute(
+            "SELECT epoch, change_seq, repeats, handed_at IS NULL FROM relay_notifications"
+        )
+        assert await cur.fetchall() == [(3, 6, 0, True)]
+        assert (await read(store))["positions"] == {STORIES: (4, 1)}
+    finally:
+        await store.close()

@@ -3,6 +3,13 @@ endpoint's stream (:class:`~relay_consumer.follower.Follower`), writes through a
 acknowledges a delivery only once what it decided is committed: applied, held, or dropped as a
 repeat or as stale.
 
+A ``notified`` change of an epoch older than the one its endpoint follows (delivered after the
+new epoch's first change, or held and dropped when the new epoch began) is not dropped with the
+rest of its epoch: a notification is a claim of its own, which the relay does not send again in
+the new epoch when the old one published it. It is recorded once per (endpoint, story id) in
+the transaction of its batch (:meth:`Store.commit`'s ``late``), without moving any position,
+and handed like any other notification; a story already recorded is not handed again.
+
 A delivery it cannot read (a ``v`` it does not know, or a body that is not a valid message) is
 refused: reported to ``on_refused``, logged at ERROR, and rejected without requeue, which the
 relay's broker policy moves to the tenant's dead-letter queue
@@ -29,7 +36,7 @@ import aio_pika.exceptions
 import aiormq.exceptions
 
 from .follower import Follower, Gap, Step, Verdict
-from .messages import Change, InvalidMessage, MessageRefused, decode
+from .messages import Change, InvalidMessage, MessageRefused, StoryChange, decode
 from .replay import RelayApi, ReplayAnswer, ReplayError
 from .store import MaybeAwaitable, Notification, Store, StoreError, call
 
@@ -75,6 +82,9 @@ class ConsumerStats:
     replays_asked: int = 0
     overflow_dropped: int = 0
     notifications_handed: int = 0
+    #: ``notified`` changes of an older epoch than their endpoint's, given to the store to
+    #: record by story id (repeats included) rather than dropped.
+    late_notifications: int = 0
     sessions: int = 0
     session_errors: int = 0
     last_error: str | None = None
@@ -90,6 +100,7 @@ class _Replayed:
 class _Batch:
     messages: list[aio_pika.abc.AbstractIncomingMessage] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
+    late: list[StoryChange] = field(default_factory=list)
     settled: list[aio_pika.abc.AbstractIncomingMessage] = field(default_factory=list)
 
 
@@ -254,12 +265,21 @@ class Consumer:
                 except CannotPlace as error:
                     stop_with = error
                     break
-            elif step is not None:
+            elif verdict is Verdict.STALE:
+                self._late(batch, (change,))
+            if step is not None:
                 batch.steps.append(step)
+                self._late(batch, step.stale)
             batch.settled.append(message)
         await self._commit(batch)
         if stop_with is not None:
             raise stop_with
+
+    def _late(self, batch: _Batch, stale: Sequence[Change]) -> None:
+        """An older epoch's changes, dropped: its notifications are recorded anyway."""
+        for change in stale:
+            if isinstance(change, StoryChange) and change.operation == "notified":
+                batch.late.append(change)
 
     def _decode(self, message: aio_pika.abc.AbstractIncomingMessage) -> Change:
         change = decode(message.body, message.message_id)
@@ -283,8 +303,18 @@ class Consumer:
 
     async def _commit(self, batch: _Batch) -> None:
         notifications: list[Notification] = []
-        if batch.steps:
-            notifications = await self.store.commit(batch.steps)
+        if batch.steps or batch.late:
+            notifications = await self.store.commit(batch.steps, batch.late)
+            self.stats.late_notifications += len(batch.late)
+            for change in batch.late:
+                log.info(
+                    "endpoint %s: notified change %d of epoch %d, older than the epoch followed: "
+                    "kept by story id %s (recorded unless it is already)",
+                    change.endpoint_id,
+                    change.change_seq,
+                    change.epoch,
+                    change.story_id,
+                )
             self.stats.commits += 1
         if batch.settled:
             if len(batch.settled) == len(batch.messages):

@@ -3,9 +3,11 @@
 Mirrors the relay's reference consumer (``services/publisher/src/consumer.rs``). Per endpoint it
 keeps the epoch it follows and the last change_seq applied in it:
 
-* a change of an older epoch is stale: dropped;
+* a change of an older epoch is stale: dropped (the caller records it anyway when it is a
+  ``notified`` change: a notification is a claim of its own, keyed by story id, that the
+  relay does not send again in the new epoch when the old one published it);
 * a greater epoch starts over at change_seq 0 (the older epoch's held changes are dropped:
-  its stream is over);
+  its stream is over; the step that switches names them in ``stale``, for the same reason);
 * a change_seq already applied, or already held, is a repeat: dropped;
 * the next change_seq is applied, and with it every held change that now follows;
 * one further ahead is held until its predecessors come, within the bounds given: past them
@@ -48,7 +50,10 @@ class Step:
     ``before`` is the endpoint's position the step starts from: a store refuses a step whose
     ``before`` is not the position it holds (a racing consumer, or a repeat), rolling back.
     ``applied`` are the changes to apply in order (the one received, then the held ones it
-    released); ``held`` the change to keep until its predecessors come.
+    released); ``held`` the change to keep until its predecessors come. ``stale`` are the older
+    epoch's held changes a step to a greater epoch dropped (in change_seq order): a store
+    forgets them with the step; the caller picks out the ``notified`` ones, which are recorded
+    anyway (:meth:`Store.commit`'s ``late``).
     """
 
     endpoint_id: str
@@ -56,6 +61,7 @@ class Step:
     after: Position
     applied: tuple[Change, ...] = ()
     held: Change | None = None
+    stale: tuple[Change, ...] = ()
 
     @property
     def new_epoch(self) -> bool:
@@ -181,16 +187,16 @@ class Follower:
             if kept_here >= self.max_held_per_endpoint or kept_total >= self.max_held_total:
                 self.counts.overflows += 1
                 return Verdict.OVERFLOW, None
-            self._switch(state, epoch, switching)
+            stale = self._switch(state, epoch, switching)
             state.held[seq] = change
             self._held_total += 1
             if state.waiting_since is None:
                 state.waiting_since = self._clock()
             self.counts.held += 1
             return Verdict.HELD, Step(
-                change.endpoint_id, before, Position(epoch, state.last), held=change
+                change.endpoint_id, before, Position(epoch, state.last), held=change, stale=stale
             )
-        self._switch(state, epoch, switching)
+        stale = self._switch(state, epoch, switching)
         applied = [change]
         state.last = seq
         while (following := state.held.pop(state.last + 1, None)) is not None:
@@ -200,17 +206,26 @@ class Follower:
         state.waiting_since = self._clock() if state.held else None
         self.counts.applied += len(applied)
         return Verdict.APPLIED, Step(
-            change.endpoint_id, before, Position(epoch, state.last), applied=tuple(applied)
+            change.endpoint_id,
+            before,
+            Position(epoch, state.last),
+            applied=tuple(applied),
+            stale=stale,
         )
 
-    def _switch(self, state: _Endpoint, epoch: int, switching: bool) -> None:
-        if switching:
-            self.counts.stale += len(state.held)
-            self._held_total -= len(state.held)
-            state.held.clear()
-            state.epoch = epoch
-            state.last = 0
-            state.waiting_since = None
+    def _switch(self, state: _Endpoint, epoch: int, switching: bool) -> tuple[Change, ...]:
+        """Moves to a greater epoch (when ``switching``): answers the older epoch's held
+        changes, dropped, in change_seq order."""
+        if not switching:
+            return ()
+        stale = tuple(change for _, change in sorted(state.held.items()))
+        self.counts.stale += len(state.held)
+        self._held_total -= len(state.held)
+        state.held.clear()
+        state.epoch = epoch
+        state.last = 0
+        state.waiting_since = None
+        return stale
 
     def gaps(self) -> list[Gap]:
         """Every endpoint waiting for changes that have not come, with the change_seqs missing."""

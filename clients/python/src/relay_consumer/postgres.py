@@ -30,7 +30,10 @@ Every write is one statement that decides in itself:
   ``where not closed and version < excluded.version``), closed for good at the greatest version
   known, and dropped only while open;
 * a notification is recorded with ``insert ... on conflict do update set repeats = repeats + 1``
-  returning whether it was new.
+  returning whether it was new;
+* a notification of an older epoch than the endpoint's (``late``: delivered after the new
+  epoch's first change, or held and dropped by the switch) is recorded with ``insert ... on
+  conflict do nothing``, returning whether it was new, and moves no position.
 """
 
 from __future__ import annotations
@@ -169,6 +172,15 @@ VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
 ON CONFLICT (endpoint_id, story_id) DO UPDATE SET repeats = n.repeats + 1
 RETURNING (xmax = 0) AS recorded
 """
+#: A notification of an older epoch than the endpoint's: recorded once per story, no position
+#: moved, nothing counted when the story is recorded already.
+_LATE_NOTIFY = """
+INSERT INTO relay_notifications (endpoint_id, story_id, ticker, version, event_id, story, epoch,
+                                 change_seq, changed_at)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
+ON CONFLICT (endpoint_id, story_id) DO NOTHING
+RETURNING true
+"""
 _UNHANDED = """
 SELECT endpoint_id::text, story_id, ticker, version, event_id, story, epoch, change_seq,
        changed_at
@@ -238,7 +250,9 @@ class PostgresStore:
                     raise StoreError(f"a held change no longer decodes: {error}") from error
         return Loaded(positions, held)
 
-    async def commit(self, steps: Sequence[Step]) -> list[Notification]:
+    async def commit(
+        self, steps: Sequence[Step], late: Sequence[StoryChange] = ()
+    ) -> list[Notification]:
         recorded: list[Notification] = []
         try:
             async with self.connection.transaction():
@@ -247,6 +261,8 @@ class PostgresStore:
                     # The writes need no answer (but a notification's, fetched at once): sent
                     # in pipeline mode, without a round trip each.
                     async with self.connection.pipeline():
+                        for change in late:
+                            await self._late(cur, change, recorded)
                         for step in steps:
                             await self._step(cur, step, recorded)
                     if self.on_notification_in_transaction is not None:
@@ -393,6 +409,28 @@ class PostgresStore:
             row = await cur.fetchone()
             if row is not None and row[0]:
                 recorded.append(Notification.of(c))
+
+    async def _late(
+        self, cur: psycopg.AsyncCursor[Any], c: StoryChange, recorded: list[Notification]
+    ) -> None:
+        if c.operation != "notified":
+            return
+        await cur.execute(
+            _LATE_NOTIFY,
+            (
+                c.endpoint_id,
+                c.story_id,
+                c.ticker,
+                c.version,
+                c.event_id,
+                Jsonb(c.story),
+                c.epoch,
+                c.change_seq,
+                c.changed_at,
+            ),
+        )
+        if await cur.fetchone() is not None:
+            recorded.append(Notification.of(c))
 
     async def unhanded(self) -> list[Notification]:
         async with self.connection.cursor() as cur:

@@ -73,9 +73,19 @@ class Store(Protocol):
         """The positions and held changes kept (empty for a new store)."""
         ...
 
-    async def commit(self, steps: Sequence[Step]) -> list[Notification]:
+    async def commit(
+        self, steps: Sequence[Step], late: Sequence[StoryChange] = ()
+    ) -> list[Notification]:
         """Writes the steps in order, all or nothing; answers the notifications newly recorded
-        (to hand to the user's code after the commit)."""
+        (to hand to the user's code after the commit).
+
+        ``late`` are ``notified`` changes of an epoch older than the one their endpoint follows
+        (delivered after the new epoch's first change, or held and dropped by the switch to
+        it). The copy's changes of a stale epoch are dropped, but a notification is a claim of
+        its own, keyed by story id, which the relay does not send again in the new epoch when
+        the old one published it: each is recorded, in the same transaction and before the
+        steps, unless its story is recorded already (then nothing, not even a repeat is
+        counted), without moving any position."""
         ...
 
     async def unhanded(self) -> list[Notification]:
@@ -190,7 +200,9 @@ class MemoryStore:
             held=[h for c in self._copies.values() for _, h in sorted(c.held.items())],
         )
 
-    async def commit(self, steps: Sequence[Step]) -> list[Notification]:
+    async def commit(
+        self, steps: Sequence[Step], late: Sequence[StoryChange] = ()
+    ) -> list[Notification]:
         # Work on copies so that a failure (a conflict, a user's callback raising) keeps nothing.
         import copy as copy_module
 
@@ -204,6 +216,12 @@ class MemoryStore:
         notifications = dict(self.notifications)
         repeats = dict(self.notification_repeats)
         recorded: list[Notification] = []
+        for stale in late:
+            # An older epoch's notification: recorded once per story, no position moved.
+            key = (stale.endpoint_id, stale.story_id)
+            if stale.operation == "notified" and key not in notifications:
+                notifications[key] = Notification.of(stale)
+                recorded.append(notifications[key])
         for step in steps:
             copy = copies.get(step.endpoint_id)
             if copy is None:
