@@ -83,7 +83,8 @@ pytestmark = [
 class Scenario:
     """`runner`: tests/e2e/runner.py, whose in-transaction log has no unique key (a second
     handing would be a second row). `example`: examples/postgres.py as a user copies it (its
-    outbox table, its printed NOTIFY lines), given the API for replays."""
+    outbox table, its printed NOTIFY lines), given the API for replays; then
+    examples/rebuild.py --from-scratch into a fresh database."""
 
     name: str
     kills: int
@@ -226,6 +227,8 @@ async def test_the_store_equals_the_relay_after_kills_scrambles_and_resyncs(
         assert dead is None or not dead.get("messages"), (
             f"{ctx} {dead and dead.get('messages')} messages in the tenant's dead-letter queue"
         )
+        if scenario.name == "example":
+            await _rebuild_from_scratch(api, feed_ids, stories_id, credentials, workdir, ctx)
         demo_exit = await demo.terminate()
         assert demo_exit == 0, f"{ctx} the demo exited {demo_exit} on SIGTERM:\n{tail(demo.stderr_path)}"
         log(f"{ctx} passed in {time.monotonic() - began:.0f} s")
@@ -350,7 +353,7 @@ async def _read_store(dsn: str, scenario: Scenario) -> dict[str, Any]:
                     )
                 ).fetchall()
             ]
-        else:
+        elif scenario.name == "example":
             out["in_transaction"] = [
                 {"endpoint_id": e, "story_id": s, "key": k, "instance": None}
                 for e, s, k in await (
@@ -370,7 +373,40 @@ async def _compare(
     resynced: dict[str, ResyncAnswer],
     ctx: str,
 ) -> None:
-    """The store's copy against the relay's, endpoint by endpoint, read through the API."""
+    """The store's copy against the relay's, endpoint by endpoint, read through the API, and
+    the notifications recorded against those the relay sent."""
+    await _compare_copies(api, feed_ids, stories_id, store, ctx)
+    claimed = await pages(api, f"/v1/endpoints/{stories_id}/notifications")
+    sent = sorted(n["story_id"] for n in claimed if n["notified"])
+    recorded = sorted(n["story_id"] for n in store["notifications"])
+    assert recorded == sent, (
+        f"{ctx} notifications recorded in the store {recorded} are not those the relay sent "
+        f"{sent} (claimed but not sent: "
+        f"{sorted(n['story_id'] for n in claimed if not n['notified'])})"
+    )
+    assert all(n["endpoint_id"] == stories_id for n in store["notifications"]), ctx
+    repeated = [n for n in store["notifications"] if n["repeats"]]
+    if repeated and stories_id in resynced:
+        # The relay's contract (docs/stories.md, the story schema): a resync carries into the new
+        # epoch the old epoch's notifications not yet recorded as published (the publish cursor
+        # is marked at most once a second), so one already sent may come again after the
+        # snapshot with a new (epoch, change_seq). The store records it once (repeats counts
+        # the second) and hands it once: what is checked below and in _check_notifications.
+        log(f"{ctx} notified again across the resync's new epoch (the documented at-least-once "
+            f"of a notification): {repeated}")
+    else:
+        assert not repeated, f"{ctx} a story notified more than once by the relay: {repeated}"
+    assert all(n["handed"] for n in store["notifications"]), (
+        f"{ctx} notifications recorded and not marked handed: "
+        f"{[n for n in store['notifications'] if not n['handed']]}"
+    )
+    log(f"{ctx} notifications: {len(sent)} sent by the relay, recorded once each")
+
+
+async def _compare_copies(
+    api: RelayApi, feed_ids: list[str], stories_id: str, store: dict[str, Any], ctx: str
+) -> None:
+    """The store's items and stories against the relay's copies, read through the API."""
     for endpoint in feed_ids:
         relay = {
             row["subject"]: {
@@ -412,32 +448,6 @@ async def _compare(
     merged = sum(1 for r in relay_stories.values() if r["merged_into"])
     log(f"{ctx} stories endpoint: {len(relay_stories)} stories ({closed} closed, {merged} "
         "merged), the same")
-
-    claimed = await pages(api, f"/v1/endpoints/{stories_id}/notifications")
-    sent = sorted(n["story_id"] for n in claimed if n["notified"])
-    recorded = sorted(n["story_id"] for n in store["notifications"])
-    assert recorded == sent, (
-        f"{ctx} notifications recorded in the store {recorded} are not those the relay sent "
-        f"{sent} (claimed but not sent: "
-        f"{sorted(n['story_id'] for n in claimed if not n['notified'])})"
-    )
-    assert all(n["endpoint_id"] == stories_id for n in store["notifications"]), ctx
-    repeated = [n for n in store["notifications"] if n["repeats"]]
-    if repeated and stories_id in resynced:
-        # The relay's contract (docs/stories.md, the story schema): a resync carries into the new
-        # epoch the old epoch's notifications not yet recorded as published (the publish cursor
-        # is marked at most once a second), so one already sent may come again after the
-        # snapshot with a new (epoch, change_seq). The store records it once (repeats counts
-        # the second) and hands it once: what is checked below and in _check_notifications.
-        log(f"{ctx} notified again across the resync's new epoch (the documented at-least-once "
-            f"of a notification): {repeated}")
-    else:
-        assert not repeated, f"{ctx} a story notified more than once by the relay: {repeated}"
-    assert all(n["handed"] for n in store["notifications"]), (
-        f"{ctx} notifications recorded and not marked handed: "
-        f"{[n for n in store['notifications'] if not n['handed']]}"
-    )
-    log(f"{ctx} notifications: {len(sent)} sent by the relay, recorded once each")
 
 
 def _same(what: str, mine: dict[str, Any], relay: dict[str, Any], view: Any) -> None:
@@ -514,6 +524,118 @@ def _check_notifications(
         f"{ctx} {len(keys)} notifications: in the transaction once each; after the commit "
         f"{len(handed)} handings, {len(again)} handed again after a kill"
     )
+
+
+REBUILT_LINE = re.compile(
+    r"^endpoint (\S+): rebuilt, (\d+) items / (\d+) stories "
+    r"\(epoch (\d+), a snapshot of (\d+) rows\)$"
+)
+RESYNC_LINE = re.compile(
+    r"^endpoint (\S+) \(\w+\): resync asked, epoch (\d+), a snapshot of (\d+) rows$"
+)
+
+
+async def _rebuild_from_scratch(
+    api: RelayApi,
+    feed_ids: list[str],
+    stories_id: str,
+    credentials: dict[str, Any],
+    workdir: Path,
+    ctx: str,
+) -> None:
+    """examples/rebuild.py --from-scratch as a user runs it, once the queue is drained and the
+    example's consumer stopped: into a fresh database, it resyncs every endpoint and rebuilds
+    each copy from its new epoch's snapshot; then the store must equal the relay's copies, and
+    it must have said so (an epoch begun and a snapshot ended per endpoint, of the rows the
+    resync answered)."""
+    endpoints = feed_ids + [stories_id]
+    database = f"relay_consumer_e2e_{secrets.token_hex(6)}_rebuild"
+    dsn = _dsn(database)
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{database}"')
+    rebuild_dir = workdir / "rebuild"
+    rebuild_dir.mkdir()
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        RELAY_AMQP_URL=str(credentials["tenant_amqp_url"]),
+        RELAY_TENANT_ID=str(credentials["tenant_id"]),
+        DATABASE_URL=dsn,
+        RELAY_API_URL=api.base,
+        RELAY_TOKEN=api.token,
+    )
+    rebuild = ConsumerProcesses(
+        [sys.executable, str(PACKAGE / "examples" / "rebuild.py"), "--from-scratch"],
+        rebuild_dir,
+        env,
+    )
+    began = time.monotonic()
+    try:
+        await rebuild.start()
+        await rebuild.consuming(60)
+        out = rebuild.stdout_path(1)
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while "every endpoint resynced is rebuilt" not in out.read_text(errors="replace"):
+            if not rebuild.alive() or time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{ctx} rebuild.py did not rebuild every endpoint:\n{tail(out)}\n"
+                    f"{tail(rebuild.stderr_path(1))}"
+                )
+            await asyncio.sleep(0.2)
+        targets = await _drain(api, endpoints, dsn, rebuild, ctx)
+        lines = [line.strip() for line in out.read_text(errors="replace").splitlines()]
+        asked = {
+            m.group(1): (int(m.group(2)), int(m.group(3)))
+            for m in map(RESYNC_LINE.match, lines) if m
+        }
+        rebuilt = {
+            m.group(1): (int(m.group(4)), int(m.group(5)))
+            for m in map(REBUILT_LINE.match, lines) if m
+        }
+        assert set(asked) == set(endpoints), f"{ctx} rebuild.py resynced {asked}"
+        for endpoint, (epoch, rows) in asked.items():
+            begun = f"endpoint {endpoint}: epoch {epoch} begins, rebuilding from its snapshot"
+            assert begun in lines, (
+                f"{ctx} rebuild.py did not say endpoint {endpoint}'s epoch {epoch} began:\n"
+                f"{tail(out)}"
+            )
+            assert rebuilt.get(endpoint) == (epoch, rows), (
+                f"{ctx} rebuild.py's rebuilt line of endpoint {endpoint}: "
+                f"{rebuilt.get(endpoint)}, the resync answered epoch {epoch}, {rows} rows"
+            )
+            assert targets[endpoint][0] >= epoch, (endpoint, targets[endpoint], epoch, ctx)
+        store = await _read_store(dsn, Scenario("rebuild", 0))
+        await _compare_copies(api, feed_ids, stories_id, store, ctx)
+        # A fresh store records only the notifications sent after the snapshots (the old
+        # epochs' not yet recorded as published): each one the relay sent, once, handed.
+        claimed = await pages(api, f"/v1/endpoints/{stories_id}/notifications")
+        sent = {n["story_id"] for n in claimed if n["notified"]}
+        recorded = [n["story_id"] for n in store["notifications"]]
+        assert set(recorded) <= sent and len(set(recorded)) == len(recorded), (
+            f"{ctx} rebuild's notifications {recorded}, the relay sent {sorted(sent)}"
+        )
+        assert all(n["handed"] for n in store["notifications"]), ctx
+        code = await rebuild.stop()
+        assert code == 0, (
+            f"{ctx} rebuild.py did not stop cleanly on SIGTERM (exit {code}):\n"
+            f"{tail(rebuild.stderr_path(1))}"
+        )
+        log(f"{ctx} rebuild.py --from-scratch: {len(asked)} endpoints resynced and rebuilt "
+            f"into a fresh database, equal to the relay's copies, in "
+            f"{time.monotonic() - began:.1f} s")
+    finally:
+        if rebuild.alive():
+            await rebuild.kill()
+        # Again while the server has no connection to spare (a shared Postgres, busy).
+        for attempt in range(10):
+            try:
+                with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+                    admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+                break
+            except psycopg.OperationalError:
+                if attempt == 9:
+                    raise
+                await asyncio.sleep(1.0)
 
 
 async def _clean_up(
