@@ -1,5 +1,6 @@
-// The relay's control-plane API, as a tenant calls it (a bearer token of the tenant): replay and
-// resync of an endpoint's change stream, and the reads of its copy, stories and notifications.
+// The relay's control-plane API, as a tenant calls it (a bearer token of the tenant): the list of
+// its endpoints, replay and resync of an endpoint's change stream, and the reads of its copy,
+// stories and notifications.
 
 export class RelayApiError extends Error {
   constructor(readonly status: number, readonly body: string, what: string) {
@@ -39,6 +40,22 @@ export interface StoryView {
   story?: Record<string, unknown> | null;
 }
 
+/** A webhook endpoint of the tenant, as `GET /v1/endpoints` lists it (its secrets never). */
+export interface EndpointView {
+  id: string;
+  /** `feed` or `stories`. */
+  source: string;
+  lang: string | null;
+  stories_mode?: string;
+  tickers?: string[];
+  /** `active` or `paused`. */
+  status: string;
+  upstream_base_url: string | null;
+  upstream_api_key_set: boolean;
+  created_at: string;
+  updated_at: string;
+}
+
 export interface NotificationView {
   key: string;
   story_id: string;
@@ -53,6 +70,11 @@ export class RelayApi {
 
   constructor(baseUrl: string, private readonly token: string, private readonly timeoutMs = 10_000) {
     this.base = baseUrl.replace(/\/+$/, '');
+  }
+
+  /** The tenant's webhook endpoints (every page; one being deleted is not listed). */
+  endpoints(): Promise<EndpointView[]> {
+    return this.pages('/v1/endpoints', {}) as Promise<EndpointView[]>;
   }
 
   /** Asks the relay to send the endpoint's changes again from `fromChangeSeq` of its epoch. */

@@ -24,7 +24,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { RelayApi, RelayApiError } from '../../src';
 import { rng } from '../support/rng';
-import { caughtUp, compareWithRelay, withClient } from './support/compare';
+import { caughtUp, compareWithRelay, relayStreams, storePositions, withClient } from './support/compare';
 import { Credentials, Demo, Started, Verdict } from './support/demo';
 import { Child, sleep, start, tail, until } from './support/processes';
 import { Scrambler } from './support/scrambler';
@@ -285,8 +285,10 @@ describe(`the consumer against a real relay ${TAG}`, { skip: RELAY_BIN ? false :
     // its successor sends the new epoch (services/publisher/src/tenant.rs).
     // Each example starts from nothing: a resync of every endpoint puts a snapshot of each copy
     // on the queue (epoch n + 1, change_seq 1 on), which the example applies from scratch.
+    let lastDatabase = '';
     for (const [script, signal] of [['postgres.js', 'SIGINT'], ['consume-into-postgres.js', 'SIGTERM']] as const) {
       const database = await freshDatabase();
+      lastDatabase = database;
       for (const endpoint of all) await resync(api, endpoint);
       const log = join(logDir, `example-${script}.log`);
       const child = start(process.execPath, [join(examplesDir, script)], log, { env: consumerEnv(database) });
@@ -314,6 +316,8 @@ describe(`the consumer against a real relay ${TAG}`, { skip: RELAY_BIN ? false :
       console.log(`${TAG} examples/${script}: ${compared.items} items and ${compared.stories} stories equal the relay's`);
     }
 
+    await rebuildExample(lastDatabase);
+
     // The memory example: it prints each snapshot's beginning and what it applies; stopped with
     // Ctrl-C once the queue is empty.
     for (const endpoint of all) await resync(api, endpoint);
@@ -334,5 +338,81 @@ describe(`the consumer against a real relay ${TAG}`, { skip: RELAY_BIN ? false :
 
     demoExit = await demo!.stop();
     assert.equal(demoExit, 0, `${TAG} the demo's exit on SIGTERM; its log ends:\n${tail(demo!.logPath)}`);
+  }
+
+  /**
+   * examples/rebuild.js --from-scratch on the database the last example filled: it empties the
+   * store's copies and positions and resyncs every endpoint itself (no resync here before it),
+   * then rebuilds each from its snapshot, printing each epoch's beginning and end. Then, with it
+   * still running, every endpoint is resynced here, as a restore of the relay begins the new
+   * epochs without the consumer asking: it rebuilds again. Each time its store must reach every
+   * endpoint's epoch and last change_seq and equal the relay's copies.
+   */
+  async function rebuildExample(database: string): Promise<void> {
+    const feedEndpoints = started.webhook_endpoint_ids;
+    const storiesEndpoint = started.stories_endpoint_id;
+    const all = [...feedEndpoints, storiesEndpoint];
+    const script = 'rebuild.js';
+    const log = join(logDir, `example-${script}.log`);
+    const text = () => (existsSync(log) ? readFileSync(log, 'utf8') : '');
+    const held = (await storePositions(database)).size;
+    assert.equal(held, all.length, `${TAG} the database given to examples/${script} holds every endpoint's position`);
+    const epochs = async () => new Map([...(await relayStreams(api, all))].map(([e, s]) => [e, s.epoch]));
+    const before = await epochs();
+
+    const child = start(process.execPath, [join(__dirname, '..', '..', 'examples', script), '--from-scratch'], log, { env: consumerEnv(database) });
+    children.add(child);
+    const rebuilt = async (what: string, expected: Map<string, number>, from: number) => {
+      let lagging: string[] = [];
+      try {
+        await until(`examples/${script} ${what}`, 90_000, async () => {
+          if (child.done) throw new Error(`examples/${script} exited; its log ends:\n${tail(log)}`);
+          // Every endpoint's new epoch begun and rebuilt, in this order, as printed after `from`.
+          const printed = text().slice(from);
+          lagging = all.filter((e) => {
+            const begins = printed.indexOf(`endpoint ${e}: epoch ${expected.get(e)} begins, rebuilding from its snapshot\n`);
+            const done = printed.indexOf(`endpoint ${e}: rebuilt (epoch ${expected.get(e)}: `);
+            return begins < 0 || done < begins;
+          }).map((e) => `${e}: epoch ${expected.get(e)} not begun and rebuilt in the log`);
+          if (lagging.length > 0) return undefined;
+          const state = await caughtUp(database, api, all);
+          lagging = state.lagging;
+          return state.done ? true : undefined;
+        }, 500);
+      } catch (error) {
+        throw new Error(`${TAG} ${(error as Error).message}: ${lagging.join('; ')}; its log ends:\n${tail(log)}`);
+      }
+      const compared = await compareWithRelay(database, api, feedEndpoints, storiesEndpoint);
+      // A resync sends the copies again, not the notifications (as above).
+      const problems = compared.problems.filter((p) => !p.includes('notifications: '));
+      assert.deepEqual(problems, [], `${TAG} examples/${script}'s store differs from the relay's copies ${what}`);
+      console.log(`${TAG} examples/${script} ${what}: ${compared.items} items and ${compared.stories} stories equal the relay's`);
+    };
+
+    // 1. --from-scratch: the store emptied, every endpoint resynced by the example, each to a
+    // greater epoch than it had (the relay's epochs grow, not necessarily by one).
+    const asked = await until(`examples/${script} resyncing every endpoint`, 90_000, () => {
+      if (child.done) throw new Error(`${TAG} examples/${script} exited; its log ends:\n${tail(log)}`);
+      const found = new Map<string, number>();
+      for (const m of text().matchAll(/^endpoint (\S+) \((?:feed|stories)\): resync asked, epoch (\d+)$/gm)) found.set(m[1]!, Number(m[2]));
+      return all.every((e) => found.has(e)) ? found : undefined;
+    }, 250);
+    assert.deepEqual([...asked.keys()].sort(), [...all].sort(), `${TAG} examples/${script} resynced the tenant's endpoints, no other`);
+    for (const e of all) assert.ok(asked.get(e)! > before.get(e)!, `${TAG} ${e}: the example's resync began epoch ${asked.get(e)} after ${before.get(e)}`);
+    await rebuilt('from scratch', asked, 0);
+    const output = text();
+    assert.ok(output.includes(`the store is empty (it held ${all.length} endpoints' positions)\n`), `${TAG} examples/${script} emptied the store; its log:\n${tail(log)}`);
+    assert.deepEqual(await epochs(), asked, `${TAG} each endpoint resynced once, by the example`);
+
+    // 2. New epochs it did not ask for (as after a restore of the relay): rebuilt again.
+    const from = output.length;
+    const again = new Map<string, number>();
+    for (const endpoint of all) again.set(endpoint, await resync(api, endpoint));
+    await rebuilt('after new epochs it did not ask for', again, from);
+
+    const code = await child.stop('SIGTERM', 30_000);
+    children.delete(child);
+    assert.equal(code, 0, `${TAG} examples/${script} on SIGTERM; its log ends:\n${tail(log)}`);
+    assert.match(text(), /\nstopped: \{/, `${TAG} examples/${script} said it stopped`);
   }
 });

@@ -6,9 +6,25 @@ import { isDeepStrictEqual } from 'node:util';
 import { Client } from 'pg';
 import { RelayApi } from '../../../src';
 
+/**
+ * Runs `run` with a connection of its own. The server may be shared with other test suites: a
+ * connection refused as one too many (53300) is tried again for a while, not taken for a failure
+ * of what is tested.
+ */
 export async function withClient<T>(url: string, run: (client: Client) => Promise<T>): Promise<T> {
-  const client = new Client({ connectionString: url });
-  await client.connect();
+  const deadline = Date.now() + 30_000;
+  let client: Client;
+  for (;;) {
+    client = new Client({ connectionString: url });
+    try {
+      await client.connect();
+      break;
+    } catch (error) {
+      await client.end().catch(() => {});
+      if ((error as { code?: string }).code !== '53300' || Date.now() > deadline) throw error;
+      await new Promise((resolve) => setTimeout(resolve, 250));
+    }
+  }
   try {
     return await run(client);
   } finally {
