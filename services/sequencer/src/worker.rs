@@ -442,10 +442,14 @@ impl Handed {
     /// The messages handed over that follow on from `applied` without a gap, at most `limit`
     /// (in arrival order); those at or below `applied` are forgotten. Empty when the next
     /// message was not handed over (it was stored before the inbox opened, or handed elsewhere,
-    /// or the inbox was full, or its number went to a duplicate): then Postgres is read.
+    /// or the inbox was full, or its number went to a duplicate): then Postgres is read, and
+    /// what was taken is let go too (Postgres has it), so the worker holds no more than `limit`
+    /// messages besides one inbox's bound, however far behind it falls.
     fn following(&mut self, applied: i64, limit: usize) -> Vec<PendingMessage> {
-        if let Some(inbox) = &self.inbox {
-            self.next.extend(inbox.take());
+        if self.next.len() < limit {
+            if let Some(inbox) = &self.inbox {
+                self.next.extend(inbox.take());
+            }
         }
         // Two writers of the front tier may hand an endpoint's messages out of order.
         self.next.sort_unstable_by_key(|m| m.arrival_seq);
@@ -458,6 +462,10 @@ impl Handed {
             .take_while(|(m, expected)| m.arrival_seq == *expected)
             .count()
             .min(limit);
+        if run == 0 {
+            self.next.clear();
+            return Vec::new();
+        }
         self.next.drain(..run).collect()
     }
 
@@ -615,4 +623,65 @@ async fn finish<K: SourceKind>(
     held.release().await;
     metrics.endpoints_owned.dec();
     exit
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(arrival_seq: i64) -> PendingMessage {
+        PendingMessage {
+            arrival_seq,
+            received_at: time::OffsetDateTime::UNIX_EPOCH,
+            body: Vec::new(),
+        }
+    }
+
+    fn seqs(messages: &[PendingMessage]) -> Vec<i64> {
+        messages.iter().map(|m| m.arrival_seq).collect()
+    }
+
+    #[test]
+    fn handed_messages_are_applied_only_from_the_cursor_on_without_a_gap() {
+        let handoff = relay_coord::Handoff::new(1 << 20, 1 << 20);
+        let endpoint = Uuid::new_v4();
+        let mut handed = Handed {
+            inbox: Some(handoff.open(endpoint)),
+            next: Vec::new(),
+        };
+        // Two writers handed 7 before 6; 5 and below are applied already.
+        for seq in [4, 7, 6] {
+            assert!(handoff.offer(endpoint, vec![message(seq)], 1));
+        }
+        assert_eq!(seqs(&handed.following(5, 100)), vec![6, 7]);
+        // At most `limit` at once, the rest kept for the next look.
+        for seq in 8..=12 {
+            assert!(handoff.offer(endpoint, vec![message(seq)], 1));
+        }
+        assert_eq!(seqs(&handed.following(7, 2)), vec![8, 9]);
+        assert_eq!(seqs(&handed.following(9, 100)), vec![10, 11, 12]);
+        // A gap (14 not handed over): nothing, and what was taken is let go for Postgres's read.
+        assert!(handoff.offer(endpoint, vec![message(15)], 1));
+        assert!(handed.following(12, 100).is_empty());
+        assert!(handed.next.is_empty());
+        // Handed and not taken when the worker lets go: it must be found again.
+        assert!(handoff.offer(endpoint, vec![message(13)], 1));
+        assert!(handed.close(), "13 was handed over and not applied");
+    }
+
+    #[test]
+    fn a_worker_letting_go_with_a_message_taken_and_unapplied_says_so() {
+        let handoff = relay_coord::Handoff::new(1 << 20, 1 << 20);
+        let endpoint = Uuid::new_v4();
+        let mut handed = Handed {
+            inbox: Some(handoff.open(endpoint)),
+            next: Vec::new(),
+        };
+        for seq in 1..=3 {
+            assert!(handoff.offer(endpoint, vec![message(seq)], 1));
+        }
+        assert_eq!(seqs(&handed.following(0, 1)), vec![1]);
+        assert!(handed.close(), "2 and 3 were taken and not applied");
+        assert!(!handoff.offer(endpoint, vec![message(4)], 1), "closed");
+    }
 }
