@@ -23,7 +23,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import psycopg
 
@@ -75,6 +75,19 @@ async def main() -> int:
     parser.add_argument("--trace", help="a file to append every delivery read to")
     parser.add_argument("--notification-delay-s", type=float, default=0.0)
     args = parser.parse_args()
+    # Taken from the first moment: a SIGTERM that comes while the runner is still starting (the
+    # test stops it soon after a restart) stops it as cleanly as one that comes later; the
+    # consumer's stop before its run makes the run return at once.
+    stop_requested = False
+    stoppers: list[Callable[[], None]] = []
+
+    def on_term() -> None:
+        nonlocal stop_requested
+        stop_requested = True
+        for stopper in stoppers:
+            stopper()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
@@ -118,7 +131,9 @@ async def main() -> int:
     consumer.instance = args.instance
     if args.trace:
         consumer.trace_fd = os.open(args.trace, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, consumer.stop)
+    stoppers.append(consumer.stop)
+    if stop_requested:
+        consumer.stop()
     print(json.dumps({"event": "running", "instance": args.instance, "pid": os.getpid()}),
           flush=True)
     try:

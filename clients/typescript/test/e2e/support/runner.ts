@@ -30,6 +30,16 @@ function say(line: Record<string, unknown>): void {
 }
 
 async function main(): Promise<void> {
+  // Taken from the first moment: a SIGTERM that comes while the runner is still starting (the
+  // test stops it soon after a restart) stops it as cleanly as one that comes later.
+  let stopRequested = false;
+  let stopStarted: (() => void) | undefined;
+  const onSignal = () => {
+    stopRequested = true;
+    stopStarted?.();
+  };
+  process.once('SIGTERM', onSignal);
+  process.once('SIGINT', onSignal);
   const handedLog = need('RUNNER_HANDED_LOG');
   const store = new PgStore({
     connection: { connectionString: need('DATABASE_URL'), max: 4 },
@@ -61,10 +71,15 @@ async function main(): Promise<void> {
   consumer.on('replay', (r) => say({ event: 'replay', endpoint: r.endpoint, from: r.from, error: r.error?.message, answer: r.answer }));
   consumer.on('refused', (error) => say({ event: 'refused', reason: error.reason, message_id: error.messageId, error: error.message }));
   consumer.on('error', (error: Error) => say({ event: 'error', error: error.message }));
-  const stop = () => void consumer.stop();
-  process.once('SIGTERM', stop);
-  process.once('SIGINT', stop);
+  if (stopRequested) {
+    await store.close().catch(() => {});
+    say({ event: 'stopped', error: null, before: 'consuming' });
+    process.exitCode = 0;
+    return;
+  }
   await consumer.start();
+  stopStarted = () => void consumer.stop();
+  if (stopRequested) stopStarted();
   say({ event: 'consuming' });
   const error = await consumer.done;
   await store.close().catch(() => {});
