@@ -641,14 +641,20 @@ mod tests {
         messages.iter().map(|m| m.arrival_seq).collect()
     }
 
-    #[test]
-    fn handed_messages_are_applied_only_from_the_cursor_on_without_a_gap() {
+    /// A hand-over point, an endpoint, and a worker's `Handed` with the endpoint's inbox open.
+    fn opened() -> (relay_coord::Handoff<PendingMessage>, Uuid, Handed) {
         let handoff = relay_coord::Handoff::new(1 << 20, 1 << 20);
         let endpoint = Uuid::new_v4();
-        let mut handed = Handed {
+        let handed = Handed {
             inbox: Some(handoff.open(endpoint)),
             next: Vec::new(),
         };
+        (handoff, endpoint, handed)
+    }
+
+    #[test]
+    fn handed_messages_are_applied_only_from_the_cursor_on_without_a_gap() {
+        let (handoff, endpoint, mut handed) = opened();
         // Two writers handed 7 before 6; 5 and below are applied already.
         for seq in [4, 7, 6] {
             assert!(handoff.offer(endpoint, vec![message(seq)], 1));
@@ -671,12 +677,7 @@ mod tests {
 
     #[test]
     fn a_worker_letting_go_with_a_message_taken_and_unapplied_says_so() {
-        let handoff = relay_coord::Handoff::new(1 << 20, 1 << 20);
-        let endpoint = Uuid::new_v4();
-        let mut handed = Handed {
-            inbox: Some(handoff.open(endpoint)),
-            next: Vec::new(),
-        };
+        let (handoff, endpoint, mut handed) = opened();
         for seq in 1..=3 {
             assert!(handoff.offer(endpoint, vec![message(seq)], 1));
         }
