@@ -392,20 +392,7 @@ class PostgresStore:
         elif c.operation == "dropped":
             await cur.execute(_DROP, (e, c.story_id))
         else:
-            await cur.execute(
-                _NOTIFY,
-                (
-                    e,
-                    c.story_id,
-                    c.ticker,
-                    c.version,
-                    c.event_id,
-                    Jsonb(c.story),
-                    c.epoch,
-                    c.change_seq,
-                    c.changed_at,
-                ),
-            )
+            await cur.execute(_NOTIFY, _notification_row(c))
             row = await cur.fetchone()
             if row is not None and row[0]:
                 recorded.append(Notification.of(c))
@@ -415,20 +402,7 @@ class PostgresStore:
     ) -> None:
         if c.operation != "notified":
             return
-        await cur.execute(
-            _LATE_NOTIFY,
-            (
-                c.endpoint_id,
-                c.story_id,
-                c.ticker,
-                c.version,
-                c.event_id,
-                Jsonb(c.story),
-                c.epoch,
-                c.change_seq,
-                c.changed_at,
-            ),
-        )
+        await cur.execute(_LATE_NOTIFY, _notification_row(c))
         if await cur.fetchone() is not None:
             recorded.append(Notification.of(c))
 
@@ -463,3 +437,17 @@ class PostgresStore:
         except psycopg.Error as error:
             raise StoreError(f"marking notifications handed failed: {error}") from error
 
+
+def _notification_row(c: StoryChange) -> tuple[Any, ...]:
+    """A `notified` change's parameters, as `_NOTIFY` and `_LATE_NOTIFY` take them."""
+    return (
+        c.endpoint_id,
+        c.story_id,
+        c.ticker,
+        c.version,
+        c.event_id,
+        Jsonb(c.story),
+        c.epoch,
+        c.change_seq,
+        c.changed_at,
+    )
