@@ -92,6 +92,13 @@ async fn a_stories_endpoint_shows_its_sync_rows_and_notifications_to_its_tenant_
     assert_eq!(feed_state["reload_running"], false, "{feed_state}");
     assert_eq!(feed_state["stories"], Value::Null, "{feed_state}");
 
+    // A stories endpoint has no feed track to rewind: after a restore it catches up by itself.
+    let rewind = app
+        .call("POST", &e("/tracks/feed/rewind"), Some(&token), None)
+        .await;
+    assert_eq!(rewind.status, 409, "{}", rewind.text);
+    assert_eq!(rewind.json["field"], "source", "{}", rewind.text);
+
     // Before the first sync: everything owed, nothing the feed's.
     let before = app.ok(200, "GET", &e("/state"), &token, None).await;
     assert_eq!(before["source"], "stories", "{before}");

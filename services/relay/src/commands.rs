@@ -45,6 +45,10 @@ pub async fn migrate(global: &GlobalArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The plan of a stories endpoint in `relay restored`'s lines: nothing to rewind, its worker
+/// catches up from the cursor the backup kept (`GET /v1/events`) as soon as it starts.
+pub(crate) const CATCH_UP: &str = "catch_up";
+
 /// One endpoint's line of `relay restored`.
 #[derive(Debug, serde::Serialize)]
 struct RestoredLine {
@@ -53,8 +57,8 @@ struct RestoredLine {
     /// The new epoch of the endpoint's change stream, opened by a snapshot of the copy.
     change_epoch: i64,
     snapshot_items: i64,
-    /// What the endpoint's rewind (`POST /v1/endpoints/{id}/tracks/feed/rewind`) will do:
-    /// `rewind` from `since`, or `read_feed_again`.
+    /// What the feed endpoint's rewind (`POST /v1/endpoints/{id}/tracks/feed/rewind`) will do:
+    /// `rewind` from `since`, or `read_feed_again`; a stories endpoint's is [`CATCH_UP`].
     plan: &'static str,
     since: Option<String>,
 }
@@ -87,13 +91,13 @@ pub async fn mark_restored(pool: &PgPool, out: &mut dyn std::io::Write) -> anyho
         else {
             continue; // deleted meanwhile
         };
-        let plan = relay_rules::restore_plan(
-            &relay_rules::EndpointTrack::default(),
-            Some(&marked.restore.held),
-        );
+        let plan = marked.restore.as_ref().map(|restore| {
+            relay_rules::restore_plan(&relay_rules::EndpointTrack::default(), Some(&restore.held))
+        });
         let (plan, since) = match plan {
-            relay_rules::RestorePlan::Rewind { since } => ("rewind", Some(since)),
-            relay_rules::RestorePlan::Reload => ("read_feed_again", None),
+            Some(relay_rules::RestorePlan::Rewind { since }) => ("rewind", Some(since)),
+            Some(relay_rules::RestorePlan::Reload) => ("read_feed_again", None),
+            None => (CATCH_UP, None),
         };
         let line = RestoredLine {
             webhook_endpoint_id: marked.endpoint.0,

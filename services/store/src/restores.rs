@@ -13,6 +13,7 @@ use relay_rules::{EndpointTrack, PendingRestore, RewindAnswered};
 use sqlx::{PgConnection, PgPool};
 use time::OffsetDateTime;
 
+use crate::endpoints::Source;
 use crate::tracks::{self, FEED_TRACK};
 use crate::{EndpointId, StoreError, TenantId};
 
@@ -53,8 +54,10 @@ pub struct Marked {
     pub endpoint: EndpointId,
     pub tenant: TenantId,
     /// The restore held for the rewind: the backup's track (or, when the endpoint was marked
-    /// before and its rewind not yet answered, that first mark's, which is no later).
-    pub restore: Restore,
+    /// before and its rewind not yet answered, that first mark's, which is no later). `None` for
+    /// a stories endpoint: it has no feed track to rewind, and catches up from the cursor the
+    /// backup kept as soon as its worker starts.
+    pub restore: Option<Restore>,
     /// The new epoch of the endpoint's change stream.
     pub epoch: i64,
     /// How many items the snapshot that opens it holds.
@@ -89,8 +92,8 @@ pub async fn endpoints(pool: &PgPool) -> Result<Vec<EndpointId>, StoreError> {
 /// rebuild once more, nothing is lost.
 pub async fn mark(pool: &PgPool, endpoint: EndpointId) -> Result<Option<Marked>, StoreError> {
     let mut tx = pool.begin().await?;
-    let Some(tenant) = sqlx::query_scalar::<_, TenantId>(
-        "SELECT tenant_id FROM webhook_endpoints WHERE id = $1 FOR SHARE",
+    let Some((tenant, source)) = sqlx::query_as::<_, (TenantId, String)>(
+        "SELECT tenant_id, source FROM webhook_endpoints WHERE id = $1 FOR SHARE",
     )
     .bind(endpoint)
     .fetch_optional(&mut *tx)
@@ -114,6 +117,29 @@ pub async fn mark(pool: &PgPool, endpoint: EndpointId) -> Result<Option<Marked>,
     .execute(&mut *tx)
     .await?;
     let epoch = next_epoch(&mut tx, endpoint, tenant).await?;
+    let restore = if source == Source::Feed.kind() {
+        Some(hold(&mut tx, endpoint, tenant).await?)
+    } else {
+        None
+    };
+    let snapshot_items = crate::copy::open_epoch(&mut tx, endpoint, tenant).await?;
+    tx.commit().await?;
+    Ok(Some(Marked {
+        endpoint,
+        tenant,
+        restore,
+        epoch,
+        snapshot_items,
+    }))
+}
+
+/// Holds the feed track's restore: its `through` and `last_was_reset` as the backup kept them,
+/// or the restore already held, which is no later.
+async fn hold(
+    conn: &mut PgConnection,
+    endpoint: EndpointId,
+    tenant: TenantId,
+) -> Result<Restore, StoreError> {
     let (through, last_was_reset, restored_at): (Option<String>, bool, OffsetDateTime) =
         sqlx::query_as(
             "WITH held AS (
@@ -133,23 +159,15 @@ pub async fn mark(pool: &PgPool, endpoint: EndpointId) -> Result<Option<Marked>,
         .bind(endpoint)
         .bind(tenant)
         .bind(FEED_TRACK)
-        .fetch_one(&mut *tx)
+        .fetch_one(conn)
         .await?;
-    let snapshot_items = crate::copy::open_epoch(&mut tx, endpoint, tenant).await?;
-    tx.commit().await?;
-    Ok(Some(Marked {
-        endpoint,
-        tenant,
-        restore: Restore {
-            held: PendingRestore {
-                through,
-                last_was_reset,
-            },
-            restored_at,
+    Ok(Restore {
+        held: PendingRestore {
+            through,
+            last_was_reset,
         },
-        epoch,
-        snapshot_items,
-    }))
+        restored_at,
+    })
 }
 
 /// Begins the endpoint's next epoch on its change counter (the endpoint's writer lock, held to

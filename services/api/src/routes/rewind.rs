@@ -90,7 +90,8 @@ fn valid_track(track: &str) -> Result<(), ApiError> {
             answer, and what the relay does about it"),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
-        (status = 409, body = ErrorBody, description = "The endpoint has no upstream URL or key, \
+        (status = 409, body = ErrorBody, description = "The endpoint is a stories endpoint \
+            (field `source`: it catches up by itself), has no upstream URL or key, \
             or its upstream_base_url (or an address its name resolves to) is one the operator's \
             policy refuses (field `upstream_base_url`): nothing was sent"),
         (status = 429, body = ErrorBody, description = "The tenant has \
@@ -156,6 +157,13 @@ pub async fn rewind_track(
         .await?
         .filter(|r| r.tenant_id == tenant)
         .ok_or(ENDPOINT_NOT_FOUND)?;
+    if registration.source != relay_store::endpoints::Source::Feed {
+        return Err(ApiError::conflict(
+            Some("source"),
+            "a stories endpoint has no feed track to rewind: after a restore it catches up from \
+             the cursor the backup kept (GET /v1/events) as soon as its worker starts",
+        ));
+    }
     let (base_url, api_key) = (
         registration.upstream_base_url,
         registration.upstream_api_key,
