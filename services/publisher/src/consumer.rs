@@ -73,10 +73,12 @@ pub struct EndpointReplica {
     pub items: BTreeMap<String, ReplicaItem>,
     /// A stories endpoint's copy, by story id: open and closed rows.
     pub stories: BTreeMap<String, ReplicaStory>,
-    /// A stories endpoint's notifications applied, by story id: how many (the relay claims
-    /// each story's once, so 1; more is a notification sent twice under distinct change_seqs,
-    /// which no redelivery makes).
-    pub notified: BTreeMap<String, u64>,
+    /// A stories endpoint's notifications applied, by story id and then by epoch: how many in
+    /// each (the relay claims each story's once, so 1 in an epoch; more is a notification sent
+    /// twice under distinct change_seqs, which no redelivery makes). A later epoch may carry one
+    /// again: a resync carries the notifications not yet recorded as published, and a restored
+    /// relay claims again what it notified after the backup (docs/stories.md).
+    pub notified: BTreeMap<String, BTreeMap<u64, u64>>,
     /// Changes of the epoch that came ahead of a predecessor, by change_seq.
     held: BTreeMap<i64, Delivered>,
 }
@@ -301,12 +303,19 @@ impl ReferenceConsumer {
             .unwrap_or_default()
     }
 
-    /// How many notifications of each story the endpoint sent (repeats of one change_seq
-    /// dropped): every count is 1 when each story was notified at most once.
+    /// How many notifications of each story the endpoint sent in one epoch, at most (repeats of
+    /// one change_seq dropped): every count is 1 when each story was notified at most once in
+    /// each epoch, which is the relay's promise (a later epoch may repeat one: see
+    /// [`EndpointReplica::notified`]).
     pub fn notification_counts(&self, endpoint: Uuid) -> BTreeMap<String, u64> {
         self.endpoints
             .get(&endpoint)
-            .map(|r| r.notified.clone())
+            .map(|r| {
+                r.notified
+                    .iter()
+                    .map(|(id, epochs)| (id.clone(), epochs.values().copied().max().unwrap_or(0)))
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -418,7 +427,12 @@ fn apply_story(replica: &mut EndpointReplica, message: &StoryMessage, stats: &mu
         }
         StoryOperation::Notified => {
             stats.notifications += 1;
-            *replica.notified.entry(id.clone()).or_default() += 1;
+            *replica
+                .notified
+                .entry(id.clone())
+                .or_default()
+                .entry(replica.epoch)
+                .or_default() += 1;
         }
     }
 }
@@ -787,6 +801,21 @@ mod tests {
         }
         assert_eq!(consumer.notification_counts(endpoint)["a"], 2);
         assert_eq!(consumer.stats().duplicates, 1);
+    }
+
+    #[test]
+    fn a_story_notified_again_in_a_later_epoch_is_not_a_repeat() {
+        let endpoint = Uuid::from_u128(9);
+        let mut consumer = ReferenceConsumer::new(Uuid::from_u128(1));
+        consumer.receive_story(&story(1, "a", StoryOperation::Notified, 1));
+        let again = StoryMessage {
+            epoch: 2,
+            ..story(1, "a", StoryOperation::Notified, 1)
+        };
+        consumer.receive_story(&again);
+        assert_eq!(consumer.position(endpoint), (2, 1));
+        assert_eq!(consumer.notification_counts(endpoint)["a"], 1);
+        assert_eq!(consumer.stats().notifications, 2);
     }
 
     #[test]

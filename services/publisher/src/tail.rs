@@ -260,7 +260,8 @@ pub async fn tail_until(
                 )?;
                 writeln!(out)?;
             }
-            for (story_id, &notifications) in &replica.notified {
+            for (story_id, epochs) in &replica.notified {
+                let notifications: u64 = epochs.values().sum();
                 serde_json::to_writer(
                     &mut *out,
                     &NotifiedLine {
