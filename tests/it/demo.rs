@@ -146,6 +146,79 @@ async fn the_demo_reaches_a_right_verdict_with_every_fault_and_cleans_up() {
     before.assert_nothing_left("").await;
 }
 
+/// `relay demo --backup-at-s --restore-at-s`: the demo backs its database up while every tier
+/// works, later stops them all, restores the backup into a fresh database, marks it restored,
+/// starts the tiers on it and rewinds each feed endpoint; the copies read through the API and
+/// rebuilt from the queue (across the restore's new epochs) must still be the simulator's truth,
+/// and both databases are gone at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_restored_from_a_backup_mid_run_reaches_a_right_verdict_and_cleans_up() {
+    let (_alone, room, before) = demo_start().await;
+    let options = [
+        "--duration-s",
+        "10",
+        "--endpoints",
+        "2",
+        "--faults",
+        "all",
+        "--backup-at-s",
+        "3",
+        "--restore-at-s",
+        "7",
+    ];
+    let line = command_line(&server_url(), &room, "demo", &options, "127.0.0.1:0");
+    let demo = RelayProcess::start(&line);
+    let (status, lines, stdout) = demo.finish(Duration::from_secs(600)).await;
+    let log = lines.join("\n");
+    // The child's first line follows the test harness's `test ... ` on the same line.
+    let events: Vec<serde_json::Value> = stdout
+        .iter()
+        .filter_map(|line| serde_json::from_str(&line[line.find('{')?..]).ok())
+        .collect();
+    let event = |name: &str| {
+        events
+            .iter()
+            .find(|line| line["event"] == name)
+            .unwrap_or_else(|| panic!("no {name} line; stdout: {stdout:?}\n{log}"))
+            .clone()
+    };
+    assert!(status.success(), "the demo ended {status}:\n{log}");
+    let (started, restored, verdict) = (event("started"), event("restored"), event("verdict"));
+    assert_eq!(verdict["ok"], true, "{verdict}");
+    let feed: BTreeSet<String> = started["webhook_endpoint_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| id.as_str().unwrap().to_owned())
+        .collect();
+    let rewound: BTreeSet<String> = restored["rewinds"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    assert_eq!(rewound, feed, "every feed endpoint is rewound: {restored}");
+    for (endpoint, answer) in restored["rewinds"].as_object().unwrap() {
+        assert!(
+            ["nothing", "reload_begun", "reload_already_running"]
+                .contains(&answer["outcome"].as_str().unwrap_or_default()),
+            "{endpoint}'s rewind: {answer}"
+        );
+    }
+    let marked = restored["endpoints"].as_array().unwrap();
+    assert_eq!(
+        marked.len(),
+        feed.len() + 1,
+        "every endpoint is marked: {restored}"
+    );
+    let stories = marked
+        .iter()
+        .find(|line| line["webhook_endpoint_id"] == started["stories_endpoint_id"])
+        .unwrap_or_else(|| panic!("the stories endpoint is marked: {restored}"));
+    assert_eq!(stories["plan"], "catch_up", "{stories}");
+    before.assert_nothing_left(" after the restore").await;
+}
+
 /// `relay::run` on the command line in [`CHILD_ENV`], logging as the binary's `main` does.
 /// Runs only when started by a SIGTERM test.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -227,6 +300,32 @@ impl RelayProcess {
                 ),
             }
         }
+    }
+
+    /// Waits for the process to end by itself: its exit status, every stderr line and every
+    /// stdout line.
+    async fn finish(
+        mut self,
+        limit: Duration,
+    ) -> (std::process::ExitStatus, Vec<String>, Vec<String>) {
+        // A bound for a process that hangs, not a timing claim.
+        let status = match tokio::time::timeout(limit, self.child.wait()).await {
+            Ok(status) => status.unwrap(),
+            Err(_) => {
+                let _ = self.child.kill().await;
+                while let Ok(line) = self.stderr.try_recv() {
+                    self.lines.push(line);
+                }
+                panic!(
+                    "the process did not end within {limit:?}; stderr:\n{}",
+                    self.lines.join("\n")
+                );
+            }
+        };
+        while let Some(line) = self.stderr.recv().await {
+            self.lines.push(line);
+        }
+        (status, self.lines, self.stdout.await.unwrap())
     }
 
     /// SIGTERM, then the exit status, every stderr line and every stdout line.

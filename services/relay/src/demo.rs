@@ -14,8 +14,15 @@
 //! read through the API, and each copy rebuilt from the queue, against the simulator's truth,
 //! and the stories endpoint's notifications (each live strong story once).
 //!
-//! Progress goes to stderr; stdout carries JSON lines (`started`, `verdict`, and with `--keep`
-//! `explore`), for scripts. Without `--keep` everything it made is removed at the end: the
+//! With `--backup-at-s` and `--restore-at-s` the relay loses its database mid-run and is brought
+//! back from a backup as docs/restore.md tells an operator to: a `pg_dump` taken while every tier
+//! works, then later every tier stopped, the dump restored into a fresh database
+//! (`relay_demo_<run>_restored`), `relay restored`, the tiers started on it at the same addresses,
+//! and each feed endpoint rewound through the API; the verdict is the restored relay's, and a
+//! consumer of the queue must follow it across the restore's new epochs.
+//!
+//! Progress goes to stderr; stdout carries JSON lines (`started`, `restored`, `verdict`, and with
+//! `--keep` `explore`), for scripts. Without `--keep` everything it made is removed at the end: the
 //! tenant's broker user and queues, and the database. Ctrl-C or SIGTERM ends it early, every
 //! tier stopped as `relay all` stops them, and it exits 0 with no verdict.
 
@@ -38,6 +45,8 @@ use relay_simulator::{
     StoriesWorkloadConfig,
 };
 use serde_json::{json, Value};
+use sqlx::migrate::MigrateDatabase as _;
+use sqlx::Postgres;
 use uuid::Uuid;
 
 use crate::cli::{AllArgs, GlobalArgs};
@@ -94,6 +103,64 @@ pub struct DemoArgs {
     /// removed, unless `--keep`.
     #[arg(long)]
     pub external_consumer: bool,
+    /// Back up the relay's database (`pg_dump`) this many seconds into the run, while every
+    /// tier works, to restore it at `--restore-at-s`.
+    #[arg(long, requires = "restore_at_s")]
+    pub backup_at_s: Option<u64>,
+    /// This many seconds into the run (at most `--duration-s`) the relay loses its database and
+    /// is restored from the backup as docs/restore.md tells an operator to: every tier stops,
+    /// the backup goes into a fresh database (`pg_restore`, then `relay restored`), the tiers
+    /// start on it at the same addresses, and each feed endpoint's track is rewound through the
+    /// API. The verdict is then the restored relay's; a `restored` line on stdout says what was
+    /// done. Needs PostgreSQL's client tools (`pg_dump`, `pg_restore`) of the server's version.
+    #[arg(long, requires = "backup_at_s")]
+    pub restore_at_s: Option<u64>,
+}
+
+impl DemoArgs {
+    /// When to back up and when to restore, in the run's time, if asked.
+    fn restore_plan(&self) -> anyhow::Result<Option<RestorePlan>> {
+        match (self.backup_at_s, self.restore_at_s) {
+            (Some(backup_at), Some(restore_at)) => {
+                if backup_at >= restore_at || restore_at > self.duration_s {
+                    bail!(
+                        "--backup-at-s ({backup_at}) must come before --restore-at-s \
+                         ({restore_at}), and the restore within --duration-s ({})",
+                        self.duration_s
+                    );
+                }
+                Ok(Some(RestorePlan {
+                    backup_at: Duration::from_secs(backup_at),
+                    restore_at: Duration::from_secs(restore_at),
+                }))
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
+/// When, in the run's time, the demo backs the relay's database up and restores it.
+#[derive(Debug, Clone, Copy)]
+struct RestorePlan {
+    backup_at: Duration,
+    restore_at: Duration,
+}
+
+/// The relay the demo runs: its tiers (none between a stop and the start after a restore) and
+/// the databases it made, the first and the restored one, all dropped at the end.
+struct DemoRelay {
+    tiers: Option<AllTiers>,
+    /// RELAY_DATABASE_URL's server, without a database.
+    server_url: String,
+    databases: Vec<String>,
+}
+
+impl DemoRelay {
+    fn tiers(&self) -> anyhow::Result<&AllTiers> {
+        self.tiers
+            .as_ref()
+            .context("the relay's tiers are not running (a restore failed)")
+    }
 }
 
 /// What the demo registered, as the API answered.
@@ -340,6 +407,35 @@ impl ApiClient {
         )
         .await
     }
+
+    /// `POST /v1/endpoints/{id}/tracks/feed/rewind`, again while the upstream fails it (502)
+    /// or the tenant's rewinds are all in flight (429): the answer.
+    async fn rewind(&self, token: &str, endpoint: Uuid) -> anyhow::Result<Value> {
+        let path = format!("/v1/endpoints/{endpoint}/tracks/feed/rewind");
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let answer = self
+                .http
+                .post(format!("{}{path}", self.base_url))
+                .bearer_auth(token)
+                .send()
+                .await
+                .with_context(|| format!("POST {path}"))?;
+            let status = answer.status();
+            let text = answer.text().await?;
+            if status.is_success() {
+                return serde_json::from_str(&text)
+                    .with_context(|| format!("POST {path} answered {text}"));
+            }
+            let again = status == reqwest::StatusCode::BAD_GATEWAY
+                || status == reqwest::StatusCode::TOO_MANY_REQUESTS;
+            if !again || tries >= REWIND_TRIES {
+                bail!("POST {path} answered {status} ({tries} tries): {text}");
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
 }
 
 /// RELAY_DATABASE_URL with its database replaced by `database`.
@@ -349,31 +445,42 @@ fn with_database(url: &str, database: &str) -> anyhow::Result<String> {
     Ok(parsed.into())
 }
 
-/// The sum of every series of the metric family `name` (counters and gauges).
-fn metric_sum(registry: &prometheus::Registry, name: &str) -> f64 {
-    registry
-        .gather()
+/// The sum of every series of the metric family `name` (counters and gauges), over the
+/// registries of every start of the tiers (the first, and the one after a restore).
+fn metric_sum(registries: &[prometheus::Registry], name: &str) -> f64 {
+    registries
         .iter()
+        .flat_map(prometheus::Registry::gather)
         .filter(|family| family.name() == name)
-        .flat_map(|family| family.get_metric().iter())
-        .map(|metric| metric.get_counter().get_value() + metric.get_gauge().get_value())
+        .map(|family| {
+            family
+                .get_metric()
+                .iter()
+                .map(|metric| metric.get_counter().get_value() + metric.get_gauge().get_value())
+                .sum::<f64>()
+        })
         .sum()
 }
 
-/// The series of `name` whose label `label` is `value`.
-fn metric_with(registry: &prometheus::Registry, name: &str, label: &str, value: &str) -> f64 {
-    registry
-        .gather()
+/// The series of `name` whose label `label` is `value`, over `registries` as [`metric_sum`].
+fn metric_with(registries: &[prometheus::Registry], name: &str, label: &str, value: &str) -> f64 {
+    registries
         .iter()
+        .flat_map(prometheus::Registry::gather)
         .filter(|family| family.name() == name)
-        .flat_map(|family| family.get_metric().iter())
-        .filter(|metric| {
-            metric
-                .get_label()
+        .map(|family| {
+            family
+                .get_metric()
                 .iter()
-                .any(|pair| pair.name() == label && pair.value() == value)
+                .filter(|metric| {
+                    metric
+                        .get_label()
+                        .iter()
+                        .any(|pair| pair.name() == label && pair.value() == value)
+                })
+                .map(|metric| metric.get_counter().get_value())
+                .sum::<f64>()
         })
-        .map(|metric| metric.get_counter().get_value())
         .sum()
 }
 
@@ -574,7 +681,8 @@ impl Progress {
 
 /// Everything running, for the look at progress and the verdict.
 struct Running<'a> {
-    tiers: &'a AllTiers,
+    /// The tiers' metrics: of their first start, and of their start after a restore.
+    registries: Vec<prometheus::Registry>,
     api: &'a ApiClient,
     registered: &'a Registered,
     sim: &'a Simulation,
@@ -584,7 +692,7 @@ struct Running<'a> {
 
 impl Running<'_> {
     async fn progress(&self) -> anyhow::Result<Progress> {
-        let registry = &self.tiers.registry;
+        let registry = &self.registries[..];
         // Taken apart from the literal below: its temporaries' guards live to its end.
         let queue_stats = self
             .consumer
@@ -692,11 +800,7 @@ impl Running<'_> {
                     (id, row)
                 })
                 .collect();
-            let notified = consumer
-                .endpoints()
-                .get(&endpoint)
-                .map(|replica| replica.notified.clone())
-                .unwrap_or_default();
+            let notified = consumer.notification_counts(endpoint);
             (rows, notified)
         });
         let stories = self.sim.stories();
@@ -801,17 +905,27 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> anyhow::Result<()> {
     rand::thread_rng().fill_bytes(&mut key);
     all.api.jwt.jwt_secret = Some(hex::encode(key));
     all.api.jwt.jwt_secret_file = None;
-    let tiers = AllTiers::start(&global, &all).await?;
-    let outcome = demonstrate(&global, &all, &args, &tiers).await;
+    let restore_plan = args.restore_plan()?;
+    let mut relay = DemoRelay {
+        tiers: Some(AllTiers::start(&global, &all).await?),
+        server_url: server_url.clone(),
+        databases: vec![database.clone()],
+    };
+    let outcome = demonstrate(&global, &all, &args, restore_plan, &mut relay).await;
     let remove = match &outcome {
         Ok(demonstrated) if !args.keep => Some(&demonstrated.registered),
         _ => None,
     };
     let credentials_removed = match remove {
-        Some(registered) => remove_broker_user(&tiers, registered).await,
+        Some(registered) => match relay.tiers() {
+            Ok(tiers) => remove_broker_user(tiers, registered).await,
+            Err(error) => Err(error),
+        },
         None => Ok(()),
     };
-    tiers.stop(None).await?;
+    if let Some(tiers) = relay.tiers.take() {
+        tiers.stop(None).await?;
+    }
     // Only once the publisher has stopped: a queue deleted under its confirms makes the broker
     // close its connection with INTERNAL_ERROR.
     let cleanup = match remove {
@@ -822,12 +936,16 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> anyhow::Result<()> {
         None => Ok(()),
     };
     if args.keep {
-        eprintln!(
-            "kept the database {database}; drop it with: psql {} -c 'DROP DATABASE {database}'",
-            redact(&server_url)
-        );
+        for database in &relay.databases {
+            eprintln!(
+                "kept the database {database}; drop it with: psql {} -c 'DROP DATABASE {database}'",
+                redact(&server_url)
+            );
+        }
     } else {
-        drop_database(&global, &server_url, &database).await?;
+        for database in &relay.databases {
+            drop_database(&global, &server_url, database).await?;
+        }
         if let Err(error) = &cleanup {
             eprintln!("could not remove the demo tenant's broker user and queues: {error:#}");
         }
@@ -852,8 +970,10 @@ async fn demonstrate(
     global: &GlobalArgs,
     all: &AllArgs,
     args: &DemoArgs,
-    tiers: &AllTiers,
+    restore_plan: Option<RestorePlan>,
+    relay: &mut DemoRelay,
 ) -> anyhow::Result<Demonstrated> {
+    let tiers = relay.tiers()?;
     let api_address = tiers
         .api
         .as_ref()
@@ -989,8 +1109,8 @@ async fn demonstrate(
             .run_stories_workload(stories_workload, args.stories_rate, duration);
     let mut workload = tokio::spawn(async move { tokio::join!(feed_changes, story_changes) });
 
-    let running = Running {
-        tiers,
+    let mut running = Running {
+        registries: vec![tiers.registry.clone()],
         api: &api,
         registered: &registered,
         sim: &sim,
@@ -1009,6 +1129,8 @@ async fn demonstrate(
     let interrupt = shutdown_signal();
     tokio::pin!(interrupt);
     let mut interrupted = false;
+    let mut backup = None;
+    let mut restore_pending = restore_plan.is_some();
     let settled = loop {
         tokio::select! {
             () = &mut interrupt => {
@@ -1026,6 +1148,44 @@ async fn demonstrate(
             }
             () = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
+        if let Some(plan) = restore_plan.filter(|_| restore_pending) {
+            if backup.is_none() && started.elapsed() >= plan.backup_at {
+                backup = Some(back_up(&global.database_url).await?);
+                reporter.show(
+                    &format!(
+                        "{:>4}s backed the relay's database up ({} bytes)",
+                        started.elapsed().as_secs(),
+                        backup.as_ref().map_or(0, Vec::len)
+                    ),
+                    true,
+                );
+            }
+            if let Some(archive) = backup
+                .as_deref()
+                .filter(|_| started.elapsed() >= plan.restore_at)
+            {
+                reporter.show(
+                    &format!(
+                        "{:>4}s the relay loses its database: stopping every tier to restore the backup",
+                        started.elapsed().as_secs()
+                    ),
+                    true,
+                );
+                let restored = restore(global, all, relay, archive, &api, &registered).await?;
+                running.registries.push(relay.tiers()?.registry.clone());
+                restore_pending = false;
+                reporter.show(
+                    &format!(
+                        "{:>4}s restored into {} and rewound every feed endpoint: {}",
+                        started.elapsed().as_secs(),
+                        restored.database,
+                        restored.summary()
+                    ),
+                    true,
+                );
+                print_line(&restored.line(plan));
+            }
+        }
         let progress = running.progress().await?;
         let phase = if changes_done.is_some() {
             "settling"
@@ -1033,7 +1193,7 @@ async fn demonstrate(
             "changing"
         };
         reporter.show(&progress.line(started.elapsed(), phase), false);
-        if let Some(since) = settle_started {
+        if let Some(since) = settle_started.filter(|_| !restore_pending) {
             settled_looks = if running.settled(&progress).await? {
                 settled_looks + 1
             } else {
@@ -1127,6 +1287,163 @@ async fn demonstrate(
         ok,
         interrupted,
     })
+}
+
+/// Tries of one endpoint's rewind while the upstream fails it (502: its API's faults) or the
+/// tenant's rewinds are all in flight (429), a second apart.
+const REWIND_TRIES: u32 = 30;
+
+/// A custom-format `pg_dump` of the database at `database_url`: one consistent snapshot taken
+/// while every tier writes, as docs/restore.md's backup.
+async fn back_up(database_url: &str) -> anyhow::Result<Vec<u8>> {
+    let output = tokio::process::Command::new("pg_dump")
+        .args(["--format=custom", "--dbname", database_url])
+        .kill_on_drop(true)
+        .output()
+        .await
+        .context("running pg_dump (PostgreSQL's client tools) for --backup-at-s")?;
+    if !output.status.success() {
+        bail!(
+            "pg_dump failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(output.stdout)
+}
+
+/// What a restore did: the database restored into, `relay restored`'s line of each endpoint,
+/// and each feed endpoint's rewind as the API answered it.
+struct Restored {
+    database: String,
+    database_url: String,
+    marked: Vec<Value>,
+    rewinds: BTreeMap<Uuid, Value>,
+}
+
+impl Restored {
+    /// Each rewind's outcome and how many there were of it, for the progress line.
+    fn summary(&self) -> String {
+        let mut outcomes = BTreeMap::<String, usize>::new();
+        for answer in self.rewinds.values() {
+            let outcome = answer["outcome"].as_str().unwrap_or("unknown").to_owned();
+            *outcomes.entry(outcome).or_default() += 1;
+        }
+        outcomes
+            .iter()
+            .map(|(outcome, n)| format!("{n} {outcome}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The `restored` line on stdout.
+    fn line(&self, plan: RestorePlan) -> Value {
+        json!({
+            "event": "restored",
+            "backup_at_s": plan.backup_at.as_secs(),
+            "restore_at_s": plan.restore_at.as_secs(),
+            "database_url": redact(&self.database_url),
+            "endpoints": self.marked,
+            "rewinds": self.rewinds,
+        })
+    }
+}
+
+/// docs/restore.md's steps, on the running demo: stops every tier, restores `archive` into a
+/// fresh database, marks it restored (`relay restored`), starts the tiers on it at the addresses
+/// the first ones had (the upstream's URLs and the API's name them), and rewinds each feed
+/// endpoint's track through the API. A stories endpoint needs no rewind: its worker catches up
+/// from the cursor the backup kept.
+async fn restore(
+    global: &GlobalArgs,
+    all: &AllArgs,
+    relay: &mut DemoRelay,
+    archive: &[u8],
+    api: &ApiClient,
+    registered: &Registered,
+) -> anyhow::Result<Restored> {
+    let old = relay
+        .tiers
+        .take()
+        .context("the relay's tiers are not running")?;
+    let mut same_addresses = all.clone();
+    same_addresses.ingest.listen = old.ingest.address;
+    same_addresses.ingest.metrics_listen = old.ingest.metrics_address;
+    if let Some(api_server) = &old.api {
+        same_addresses.api.api_listen = api_server.address;
+    }
+    old.stop(None)
+        .await
+        .context("stopping the tiers for the restore")?;
+
+    let database = format!("{}_restored", relay.databases[0]);
+    let mut restored_global = global.clone();
+    restored_global.database_url = with_database(&relay.server_url, &database)?;
+    Postgres::create_database(&restored_global.database_url)
+        .await
+        .with_context(|| format!("creating {database}"))?;
+    relay.databases.push(database.clone());
+    pg_restore(&restored_global.database_url, archive).await?;
+    crate::commands::migrate(&restored_global).await?;
+    let pool = crate::commands::admin_pool(&restored_global)?;
+    let mut lines = Vec::new();
+    let marked = crate::commands::mark_restored(&pool, &mut lines).await;
+    pool.close().await;
+    marked?;
+    let marked: Vec<Value> = lines
+        .split(|&b| b == b'\n')
+        .filter(|line| !line.is_empty())
+        .map(serde_json::from_slice)
+        .collect::<Result<_, _>>()
+        .context("reading relay restored's lines")?;
+
+    relay.tiers = Some(
+        AllTiers::start(&restored_global, &same_addresses)
+            .await
+            .context("starting the tiers on the restored database at the first tiers' addresses")?,
+    );
+    let mut rewinds = BTreeMap::new();
+    for &endpoint in &registered.endpoints {
+        rewinds.insert(
+            endpoint,
+            api.rewind(&registered.tenant_token, endpoint).await?,
+        );
+    }
+    Ok(Restored {
+        database,
+        database_url: restored_global.database_url,
+        marked,
+        rewinds,
+    })
+}
+
+/// `pg_restore` of `archive` into the empty database at `database_url`, as an operator runs it.
+async fn pg_restore(database_url: &str, archive: &[u8]) -> anyhow::Result<()> {
+    let mut child = tokio::process::Command::new("pg_restore")
+        .args(["--exit-on-error", "--no-owner", "--dbname", database_url])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("running pg_restore (PostgreSQL's client tools) for --restore-at-s")?;
+    let mut stdin = child.stdin.take().context("pg_restore's stdin")?;
+    let archive = archive.to_vec();
+    // Written while pg_restore reads: one that stops early says why in its output.
+    let writer = tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt as _;
+        let _ = stdin.write_all(&archive).await;
+    });
+    let output = child.wait_with_output().await?;
+    let _ = writer.await;
+    if !output.status.success() {
+        bail!(
+            "pg_restore failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
 }
 
 /// With `--keep`: how to look around, on stdout as JSON and on stderr in words.
