@@ -61,7 +61,11 @@ class Demo:
         self._seen = asyncio.Condition()
         self._reader: asyncio.Task[None] | None = None
 
-    async def start(self, *, seed: int, duration_s: int, settle_timeout_s: int) -> None:
+    async def start(self, *, seed: int, duration_s: int, settle_timeout_s: int,
+                    backup_at_s: int, restore_at_s: int) -> None:
+        """The demo backs its database up at `backup_at_s` and restores it at `restore_at_s`
+        (docs/restore.md's steps: every tier stopped, `pg_restore`, `relay restored`, the tiers
+        started again at the same addresses, each feed endpoint rewound)."""
         env = dict(os.environ)
         env.setdefault("RELAY_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
         env.setdefault("RELAY_LOG_FORMAT", "text")
@@ -72,6 +76,8 @@ class Demo:
             "--faults", "all",
             "--seed", str(seed),
             "--settle-timeout-s", str(settle_timeout_s),
+            "--backup-at-s", str(backup_at_s),
+            "--restore-at-s", str(restore_at_s),
             "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0",
             "--metrics-listen", "127.0.0.1:0",
         ]
@@ -367,13 +373,14 @@ async def pages(api: RelayApi, path: str, **query: str) -> list[dict[str, Any]]:
             return rows
 
 
-async def resync(api: RelayApi, endpoint_id: str, attempts: int = 40) -> ResyncAnswer:
-    """POST resync, again while the last snapshot is still being sent (409)."""
+async def resync(api: RelayApi, endpoint_id: str, attempts: int = 60) -> ResyncAnswer:
+    """POST resync, again while the last snapshot is still being sent (409) or the relay is
+    not answering (no status: its tiers are stopped for a restore)."""
     for attempt in range(attempts):
         try:
             return await api.resync(endpoint_id)
         except ReplayError as error:
-            if error.status != 409 or attempt == attempts - 1:
+            if error.status not in (409, None) or attempt == attempts - 1:
                 raise
             await asyncio.sleep(0.5)
     raise AssertionError("unreachable")
@@ -415,8 +422,10 @@ def remove_demo_leftovers(started: dict[str, Any] | None, credentials: dict[str,
         database = urllib.parse.urlparse(str(started.get("database_url", ""))).path.lstrip("/")
         if database.startswith("relay_demo_"):
             with psycopg.connect(admin_dsn, autocommit=True) as admin:
-                admin.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
-            log(f"dropped the demo's database {database}")
+                # And the database its restore made.
+                for name in (database, database + "_restored"):
+                    admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            log(f"dropped the demo's databases {database}(_restored)")
     if credentials is not None:
         queue = str(credentials["queue"])
         for name in (queue, queue + ".dead-letter"):

@@ -4,7 +4,10 @@
 // (support/runner.ts) on a database made for the test, killed with SIGKILL and started again at
 // seeded random moments; a scrambler (a second consumer on the queue) takes deliveries and
 // gives them back in shuffled order after short delays; a feed endpoint and the stories
-// endpoint are resynced mid-run (new epochs opened by snapshots). Once the demo's verdict says
+// endpoint are resynced mid-run (new epochs opened by snapshots), and the relay's database is
+// restored from a backup taken earlier in the run (the demo stops every tier, restores, starts
+// them again and rewinds: new epochs the consumer did not ask for, and a relay that does not
+// answer for a few seconds). Once the demo's verdict says
 // the relay's copies equal the simulator's truth, the consumer drains to each endpoint's last
 // change, and then the store's tables must equal the copies read through the API, and every
 // notification the relay sent must have been handed to the callback exactly once across all the
@@ -25,7 +28,7 @@ import { join } from 'node:path';
 import { RelayApi, RelayApiError } from '../../src';
 import { rng } from '../support/rng';
 import { caughtUp, compareWithRelay, relayStreams, storePositions, withClient } from './support/compare';
-import { Credentials, Demo, Started, Verdict } from './support/demo';
+import { Credentials, Demo, Restored, Started, Verdict } from './support/demo';
 import { Child, sleep, start, tail, until } from './support/processes';
 import { Scrambler } from './support/scrambler';
 
@@ -57,14 +60,18 @@ async function queueDepth(amqpUrl: string, queue: string): Promise<number | unde
   return body.messages;
 }
 
-/** POST resync, asked again while the endpoint's last snapshot is still being sent (409). */
+/**
+ * POST resync, asked again while the endpoint's last snapshot is still being sent (409) or the
+ * relay does not answer (its tiers are stopped for the restore).
+ */
 async function resync(api: RelayApi, endpoint: string): Promise<number> {
   const deadline = Date.now() + 60_000;
   for (;;) {
     try {
       return (await api.resync(endpoint)).epoch;
     } catch (error) {
-      if (!(error instanceof RelayApiError && error.status === 409) || Date.now() > deadline) throw error;
+      const again = error instanceof RelayApiError ? error.status === 409 : true;
+      if (!again || Date.now() > deadline) throw error;
       await sleep(500);
     }
   }
@@ -109,7 +116,12 @@ describe(`the consumer against a real relay ${TAG}`, { skip: RELAY_BIN ? false :
 
   before(async () => {
     console.log(`${TAG} end-to-end run: RELAY_CONSUMER_E2E_SEED=${SEED} RELAY_CONSUMER_E2E_DURATION_S=${DURATION_S} RELAY_CONSUMER_E2E_KILLS=${KILLS}; logs in ${logDir}`);
-    demo = new Demo({ relayBin: RELAY_BIN!, seed: SEED, durationS: DURATION_S, logDir });
+    // The backup early, the restore late: the resyncs in between are lost with the database
+    // (the restore's epochs come after theirs), and one asked while it runs waits for it.
+    const backupAtS = Math.max(1, Math.round((0.1 + random() * 0.15) * DURATION_S));
+    const restoreAtS = Math.min(DURATION_S, Math.max(backupAtS + 1, Math.round((0.6 + random() * 0.2) * DURATION_S)));
+    console.log(`${TAG} backup at ${backupAtS} s, restore at ${restoreAtS} s`);
+    demo = new Demo({ relayBin: RELAY_BIN!, seed: SEED, durationS: DURATION_S, logDir, restore: { backupAtS, restoreAtS } });
     started = await demo.event<Started>('started', 180_000);
     credentials = await demo.event<Credentials>('credentials', 10_000);
     api = new RelayApi(started.api_base_url, credentials.tenant_token);
@@ -210,6 +222,9 @@ describe(`the consumer against a real relay ${TAG}`, { skip: RELAY_BIN ? false :
     console.log(`${TAG} verdict after ${((Date.now() - t0) / 1000).toFixed(1)} s: ok ${verdict.ok}, feed changes ${verdict.feed_changes}, story changes ${verdict.story_changes}, settled in ${verdict.settled_in_s} s; resyncs ${JSON.stringify(resyncs)}`);
     assert.equal(verdict.ok, true, `${TAG} the demo's verdict is not ok: ${JSON.stringify(verdict)}`);
     assert.equal(resyncs.length, 2, `${TAG} both resyncs were asked for`);
+    const restored = await demo!.event<Restored>('restored', 5_000);
+    console.log(`${TAG} restored into ${restored.database_url}: rewinds ${JSON.stringify(Object.fromEntries(Object.entries(restored.rewinds).map(([e, a]) => [e, a.outcome])))}`);
+    assert.deepEqual(Object.keys(restored.rewinds).sort(), [...feedEndpoints].sort(), `${TAG} every feed endpoint was rewound after the restore`);
 
     await scrambler.stop();
     console.log(`${TAG} the scrambler took ${scrambler.taken} deliveries and gave back ${scrambler.givenBack}; the consumer was killed ${kills} times (${runs} runs)`);

@@ -1,7 +1,7 @@
 // `relay demo --external-consumer`, started by a test: every tier of the relay and the faulty
 // simulated upstream in one process, a tenant registered with feed endpoints and a stories
 // endpoint, the tenant's queue left to us. Its stdout is JSON lines: `started`, `credentials`,
-// then `verdict` once the upstream stopped and the relay settled; it runs on until SIGTERM,
+// `restored` when it restores its database from a backup mid-run, then `verdict` once the upstream stopped and the relay settled; it runs on until SIGTERM,
 // when it removes its database, broker user and queues, and exits 0.
 
 import { join } from 'node:path';
@@ -27,6 +27,15 @@ export interface Credentials {
   tenant_amqp_url: string;
 }
 
+export interface Restored {
+  event: 'restored';
+  database_url: string;
+  /** `relay restored`'s line of each endpoint. */
+  endpoints: { webhook_endpoint_id: string; change_epoch: number; plan: string }[];
+  /** Each feed endpoint's rewind, as the API answered it. */
+  rewinds: Record<string, { plan: string; outcome: string }>;
+}
+
 export interface Verdict {
   event: 'verdict';
   ok: boolean;
@@ -47,6 +56,12 @@ export interface DemoOptions {
   storiesRate?: number;
   faults?: string;
   settleTimeoutS?: number;
+  /**
+   * Seconds into the run to back the relay's database up, and to restore it (every tier
+   * stopped, `pg_restore`, `relay restored`, the tiers started again at the same addresses,
+   * each feed endpoint rewound: docs/restore.md); the demo prints a `restored` line.
+   */
+  restore?: { backupAtS: number; restoreAtS: number };
   logDir: string;
   /** More of the relay's settings (RELAY_* variables). */
   env?: Record<string, string>;
@@ -69,6 +84,7 @@ export class Demo {
       '--settle-timeout-s', String(options.settleTimeoutS ?? 120),
       '--listen', '127.0.0.1:0', '--api-listen', '127.0.0.1:0', '--metrics-listen', '127.0.0.1:0',
     ];
+    if (options.restore) args.push('--backup-at-s', String(options.restore.backupAtS), '--restore-at-s', String(options.restore.restoreAtS));
     if (options.rate !== undefined) args.push('--rate', String(options.rate));
     if (options.storiesRate !== undefined) args.push('--stories-rate', String(options.storiesRate));
     const env: NodeJS.ProcessEnv = { ...process.env, ...options.env };
