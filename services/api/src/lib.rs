@@ -22,6 +22,8 @@
 //!   registered on [`ApiConfig::registry`].
 //! - `offboarding`: the purge that finishes each delete of an endpoint or a tenant.
 //! - [`server`]: [`ApiServer`]: bind, serve, stop gracefully.
+//! - `console`: the web console's page, script and style, served at `/console/` with a Content
+//!   Security Policy; it calls the API with the user's token like any other client.
 //!
 //! Secrets, upstream API keys and broker URLs are write-only: no answer and no log line holds
 //! them.
@@ -29,6 +31,7 @@
 mod auth;
 mod broker;
 mod config;
+mod console;
 mod envelope;
 mod error;
 mod metrics;

@@ -165,7 +165,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 pub fn router(state: AppState) -> Router {
     let (router, openapi) = documented().with_state(state).split_for_parts();
     let openapi = Arc::new(openapi);
-    router.route(
+    router.merge(crate::console::router()).route(
         "/openapi.json",
         get(move || {
             let openapi = openapi.clone();
