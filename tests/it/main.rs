@@ -4,6 +4,7 @@ mod api;
 mod api_envelope;
 mod api_hostile;
 mod api_stories;
+mod console;
 mod convergence;
 mod copy;
 mod demo;
