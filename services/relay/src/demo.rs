@@ -1455,6 +1455,7 @@ fn explore(all: &AllArgs, api: &ApiClient, registered: &Registered, metrics_url:
     print_line(&json!({
         "event": "explore",
         "api_base_url": api.base_url,
+        "console_url": format!("{}/console/", api.base_url),
         "operator_token": registered.operator_token,
         "tenant_id": registered.tenant,
         "tenant_token": registered.tenant_token,
@@ -1466,12 +1467,14 @@ fn explore(all: &AllArgs, api: &ApiClient, registered: &Registered, metrics_url:
     }));
     eprintln!(
         "\nStill running (Ctrl-C ends it). To look around:\n  \
+         open {}/console/ and sign in with the tenant token (or the operator token):\n  \
          export TOKEN={}\n  \
          curl -s -H \"Authorization: Bearer $TOKEN\" {}/v1/endpoints\n  \
          curl -s -H \"Authorization: Bearer $TOKEN\" {}/v1/endpoints/{}/copy?limit=5\n  \
          curl -s -H \"Authorization: Bearer $TOKEN\" {}/v1/endpoints/{}/state\n  \
          {tail}   # the queue is empty once read: a new change shows up here\n  \
          curl -s {metrics_url} | grep ^relay_",
+        api.base_url,
         registered.tenant_token,
         api.base_url,
         api.base_url,
