@@ -7,7 +7,10 @@
 //! - a form on another origin posting to the API (as a cross-site request forgery would)
 //!   changes nothing: the endpoint stays active;
 //! - every file of the console carries the Content Security Policy, and the page loads nothing
-//!   from another origin.
+//!   from another origin;
+//! - with every tier behind it, the tenant creates its broker credentials in the page and the
+//!   test connects with what the page shows, retries a quarantined message (it applies, and its
+//!   change reaches the queue), and replays from a change_seq (the queue receives it again).
 //!
 //! With `RELAY_CONSOLE_SCREENSHOTS=<dir>` the run saves a screenshot of each view it visits
 //! there (`docs/console/` holds the ones the README shows).
@@ -20,8 +23,19 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
+use relay_netguard::OutboundPolicy;
+use relay_sequencer::{SequencerConfig, SequencerMetrics};
+use relay_tests::TestDb;
+
 use crate::api::{apply_events, ApiApp};
 use crate::scale_out::free_address;
+use crate::sequencer_quarantine::{
+    in_sync_endpoint, refuse_poison, sequencer_config, store_updates,
+};
+use crate::stack::{
+    copy_items, publisher_config, start_publisher, start_sequencer_with, Api, Room,
+};
+use crate::tenant_broker::{connect, consume, next_delivery, UsersGuard};
 
 /// What the hostile headline and part say: markup that would run or load, were it markup.
 const HOSTILE_TITLE: &str = "<script>window.__pwned = 'title'</script>Alfa wins";
@@ -131,26 +145,55 @@ impl Console {
             .to_owned()
     }
 
+    /// Signs in with `token` from a fresh session (what was signed in before is forgotten).
     async fn sign_in(&self, token: &str) {
+        let page = format!("{}/console/", self.base_url);
+        self.browser.goto(&page).await.unwrap();
         self.browser
-            .goto(&format!("{}/console/", self.base_url))
+            .execute("sessionStorage.clear(); return true;", vec![])
             .await
             .unwrap();
-        // A page left signed in keeps its token for the session: sign out first.
-        if let Ok(out) = self
-            .browser
-            .find(Locator::Css("[data-testid=\"sign-out\"]"))
-            .await
-        {
-            out.click().await.unwrap();
-        }
-        self.wait("token-input")
-            .await
-            .send_keys(token)
-            .await
-            .unwrap();
-        self.wait("sign-in").await.click().await.unwrap();
+        self.browser.goto(&format!("{page}#/")).await.unwrap();
+        self.browser.refresh().await.unwrap();
+        self.type_into("token-input", token).await;
+        self.click("sign-in").await;
         self.wait("who").await;
+    }
+
+    /// Types `text` into `[data-testid=<id>]`, again if the page drew the element anew meanwhile.
+    async fn type_into(&self, id: &str, text: &str) {
+        for _ in 0..5 {
+            match self.wait(id).await.send_keys(text).await {
+                Err(fantoccini::error::CmdError::Standard(e))
+                    if e.error == fantoccini::error::ErrorStatus::StaleElementReference => {}
+                other => return other.unwrap(),
+            }
+        }
+        panic!("[data-testid={id}] kept being drawn anew");
+    }
+
+    /// Clicks `[data-testid=<id>]`, again if the page drew the element anew meanwhile.
+    async fn click(&self, id: &str) {
+        self.click_at(&format!("[data-testid=\"{id}\"]")).await;
+    }
+
+    /// Clicks the element `css` selects, again if the page drew it anew meanwhile.
+    async fn click_at(&self, css: &str) {
+        for _ in 0..5 {
+            let element = self
+                .browser
+                .wait()
+                .at_most(Duration::from_secs(20))
+                .for_element(Locator::Css(css))
+                .await
+                .unwrap_or_else(|error| panic!("no {css} on the page: {error}"));
+            match element.click().await {
+                Err(fantoccini::error::CmdError::Standard(e))
+                    if e.error == fantoccini::error::ErrorStatus::StaleElementReference => {}
+                other => return other.unwrap(),
+            }
+        }
+        panic!("{css} kept being drawn anew");
     }
 
     async fn open(&self, route: &str) {
@@ -236,13 +279,8 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
     // The hostile item: found by its subject, shown as text.
     console.open(&format!("/endpoints/{endpoint_a}")).await;
     console.wait("copy").await;
-    console
-        .wait("copy-search")
-        .await
-        .send_keys(subject)
-        .await
-        .unwrap();
-    console.wait("copy-search-go").await.click().await.unwrap();
+    console.type_into("copy-search", subject).await;
+    console.click("copy-search-go").await;
     console
         .until(
             "the item in the copy",
@@ -386,4 +424,135 @@ async fn forging_site(api: &str, endpoint: Uuid) -> String {
         let _ = axum::serve(listener, app).await;
     });
     format!("http://localhost:{}/", address.port())
+}
+
+/// The whole path behind the console: the front tier's store, a sequencer that quarantines a
+/// message at its first failure, a publisher to the room's vhost. In the browser the tenant
+/// creates its broker credentials (and the test connects with what the page shows), retries the
+/// quarantined message once the cause is gone (it applies, and its change reaches the queue),
+/// and replays from change_seq 1 (the queue receives change 1 again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_retries_a_quarantined_message_replays_and_reads_its_queue_from_the_console() {
+    let room = Room::new().await;
+    let db = TestDb::new().await;
+    let (prefix, amqp_url) = (room.prefix.0.clone(), room.vhost.url());
+    let tenant = db.tenant().await;
+    let _users = UsersGuard::of_tenants(&[tenant]);
+    let endpoint = in_sync_endpoint(&db.pool, tenant, None).await;
+    // An event id starting "poison" fails the apply, as a value Postgres refuses would.
+    refuse_poison(&db.pool, ("applied_events", "event_id"), "event").await;
+    let api = Api::start(&db.url, &amqp_url, OutboundPolicy::ANY).await;
+    let sequencer = start_sequencer_with(
+        &db.url,
+        SequencerConfig {
+            apply_attempts: 1,
+            ..sequencer_config(&prefix)
+        },
+        SequencerMetrics::unregistered(),
+    )
+    .await;
+    let (publisher, _) = start_publisher(&db.pool, publisher_config(amqp_url, &prefix)).await;
+
+    let driver = Driver::start().await;
+    let console = Console {
+        browser: driver.browser().await,
+        base_url: api.base_url.clone(),
+        screenshots: std::env::var_os("RELAY_CONSOLE_SCREENSHOTS").map(PathBuf::from),
+    };
+    console.sign_in(&Api::tenant_token(tenant)).await;
+
+    // Broker credentials, made in the page; the password is shown once, beside the URL.
+    console.open("/broker").await;
+    console.click("broker-create").await;
+    let password = console.wait("broker-password").await.text().await.unwrap();
+    let url = console.wait("broker-url").await.text().await.unwrap();
+    let queues = console.wait("broker-queues").await.text().await.unwrap();
+    let queue = relay_publisher::tenant_queue(tenant);
+    assert!(queues.contains(&queue), "{queues}");
+    console.screenshot("broker").await;
+    let tenant_url =
+        crate::tenant_broker::tenant_url(&json!({"amqp_url": url.trim()}), password.trim());
+    let connection = connect(&tenant_url)
+        .await
+        .expect("the credentials the page showed connect");
+    let mut consumer = consume(&connection, &queue, "console", "the tenant's own queue").await;
+
+    // Three messages; the second fails and is quarantined, the third applies.
+    let seqs = store_updates(
+        &db.pool,
+        tenant,
+        endpoint,
+        &[("evt_1", 1, 10), ("poison_2", 2, 11), ("evt_3", 3, 12)],
+    )
+    .await;
+    let mut received = Vec::new();
+    while received.len() < 2 {
+        received.push(change_of(&next_delivery(&mut consumer, "the live changes").await).await);
+    }
+    assert_eq!(
+        received
+            .iter()
+            .map(|c| (c.0, c.1.as_str()))
+            .collect::<Vec<_>>(),
+        [(1, "announcement:1"), (2, "announcement:3")]
+    );
+
+    // The cause goes; the tenant finds the message in its quarantine and retries it.
+    sqlx::query("DROP TRIGGER refuse_poison ON applied_events")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    console.open(&format!("/endpoints/{endpoint}")).await;
+    let row = format!(
+        "[data-testid=\"quarantine-row\"][data-arrival-seq=\"{}\"]",
+        seqs[1]
+    );
+    console
+        .until(
+            "the quarantined message",
+            &format!("return document.querySelector('{row}') !== null;"),
+        )
+        .await;
+    console.screenshot("quarantine").await;
+    console
+        .click_at(&format!("{row} [data-testid=\"retry\"]"))
+        .await;
+    console.wait("quarantine-answer").await;
+    let retried =
+        change_of(&next_delivery(&mut consumer, "the retried message's change").await).await;
+    assert_eq!((retried.0, retried.1.as_str()), (3, "announcement:2"));
+    assert!(copy_items(&db.pool, endpoint)
+        .await
+        .contains_key("announcement:2"));
+
+    // A replay from change_seq 1: the queue receives change 1 again.
+    console.type_into("replay-from", "1").await;
+    console.click("replay").await;
+    let answer = console.wait("replay-answer").await.text().await.unwrap();
+    let replayed = change_of(&next_delivery(&mut consumer, "the replayed change").await).await;
+    assert_eq!(
+        (replayed.0, replayed.1.as_str()),
+        (1, "announcement:1"),
+        "{answer}"
+    );
+    console.screenshot("stream").await;
+
+    console.browser.close().await.unwrap();
+    let _ = connection.close(200, "done").await;
+    publisher.stop().await;
+    sequencer.stop().await;
+    api.stop().await;
+}
+
+/// A change message's change_seq and subject, the delivery acknowledged.
+async fn change_of(delivery: &relay_publisher::lapin::message::Delivery) -> (i64, String) {
+    delivery
+        .ack(relay_publisher::lapin::options::BasicAckOptions::default())
+        .await
+        .unwrap();
+    let body: Value = serde_json::from_slice(&delivery.data).unwrap();
+    (
+        body["change_seq"].as_i64().unwrap(),
+        body["subject"].as_str().unwrap_or_default().to_owned(),
+    )
 }

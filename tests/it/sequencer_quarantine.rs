@@ -60,7 +60,7 @@ async fn wait_applied_through(db: &TestDb, endpoint: Uuid, want: i64, what: &str
 
 /// The quarantine tests' sequencer settings under `prefix`: the whole-relay tests' (every
 /// upstream allowed: the simulator and the hanging upstream are on this machine).
-fn sequencer_config(prefix: &str) -> SequencerConfig {
+pub(crate) fn sequencer_config(prefix: &str) -> SequencerConfig {
     crate::stack::sequencer_config(prefix, 16, relay_netguard::OutboundPolicy::ANY)
 }
 
@@ -83,7 +83,7 @@ async fn store_raw(pool: &PgPool, tenant: Uuid, endpoint: Uuid, bodies: &[Vec<u8
 
 /// [`store_raw`] of one [`update`] of `endpoint` at generation 1 per (event id, item number,
 /// sequence).
-async fn store_updates(
+pub(crate) async fn store_updates(
     pool: &PgPool,
     tenant: Uuid,
     endpoint: Uuid,
@@ -98,7 +98,7 @@ async fn store_updates(
 
 /// Registers an endpoint of `tenant` in sync under av1 at generation 1 (no reload begins until
 /// a message asks for one), its upstream at `upstream` if given.
-async fn in_sync_endpoint(pool: &PgPool, tenant: Uuid, upstream: Option<&str>) -> Uuid {
+pub(crate) async fn in_sync_endpoint(pool: &PgPool, tenant: Uuid, upstream: Option<&str>) -> Uuid {
     let endpoint = Uuid::new_v4();
     endpoints::create(
         pool,

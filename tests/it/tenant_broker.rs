@@ -279,7 +279,12 @@ fn quorum() -> FieldTable {
 
 /// A consumer `tag` of `queue` on a channel of its own on `connection` (open while the consumer
 /// lives); panics with `may` when the broker refuses it.
-async fn consume(connection: &Connection, queue: &str, tag: &str, may: &str) -> Consumer {
+pub(crate) async fn consume(
+    connection: &Connection,
+    queue: &str,
+    tag: &str,
+    may: &str,
+) -> Consumer {
     connection
         .create_channel()
         .await
@@ -295,7 +300,7 @@ async fn consume(connection: &Connection, queue: &str, tag: &str, may: &str) -> 
 }
 
 /// The consumer's next delivery, within 30 s; panics with `what` when none comes.
-async fn next_delivery(consumer: &mut Consumer, what: &str) -> Delivery {
+pub(crate) async fn next_delivery(consumer: &mut Consumer, what: &str) -> Delivery {
     use futures::StreamExt as _;
     tokio::time::timeout(Duration::from_secs(30), consumer.next())
         .await
