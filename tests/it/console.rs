@@ -556,3 +556,202 @@ async fn change_of(delivery: &relay_publisher::lapin::message::Delivery) -> (i64
         body["subject"].as_str().unwrap_or_default().to_owned(),
     )
 }
+
+/// Endpoints of the benchmark's tenant, and messages stored for each.
+const BENCH_ENDPOINTS: i64 = 1_000;
+const BENCH_MESSAGES_PER_ENDPOINT: i64 = 1_000;
+/// Rounds of each page, alternated with its API reads.
+const BENCH_ROUNDS: usize = 7;
+/// Requests in flight at once, as the console's script allows itself.
+const CONSOLE_CONCURRENCY: usize = 4;
+
+/// The console's pages against the plain API reads they are built on: 1,000 endpoints of one
+/// tenant, a million stored messages. For each page, rounds alternated: the page loaded afresh
+/// in Chromium until every figure it shows is filled in (time from the navigation, by the page's
+/// own clock), then the same reads through reqwest with the script's concurrency. Prints the
+/// medians and their ratio; asserts nothing about time (BENCHMARKS.md, "Console").
+///
+/// `cargo test --release --locked -p relay-tests --test it -- --ignored --nocapture console::console_pages`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: run it by name with --ignored"]
+async fn console_pages_against_the_api_reads_they_are_built_on() {
+    let app = ApiApp::spawn().await;
+    let (tenant, token) = app.tenant("console-bench").await;
+    let seeded = Instant::now();
+    let endpoint = seed_bench(&app.db, tenant).await;
+    eprintln!(
+        "seeded {BENCH_ENDPOINTS} endpoints and {} messages in {:.0} s",
+        BENCH_ENDPOINTS * BENCH_MESSAGES_PER_ENDPOINT,
+        seeded.elapsed().as_secs_f64()
+    );
+    let driver = Driver::start().await;
+    let console = Console {
+        browser: driver.browser().await,
+        base_url: app.base_url.clone(),
+        screenshots: None,
+    };
+    console.sign_in(&token).await;
+
+    let endpoints_page = (
+        "/endpoints".to_owned(),
+        "return document.querySelectorAll('[data-testid=\"endpoint-row\"]').length === 50 \
+         && !document.querySelector('.pending, [data-testid=\"loading\"]');",
+    );
+    let endpoint_page = (
+        format!("/endpoints/{endpoint}"),
+        "return !!document.querySelector('[data-testid=\"state\"]') \
+         && document.querySelectorAll('[data-testid=\"message-row\"]').length === 50 \
+         && !!document.querySelector('[data-testid=\"copy-table\"], [data-testid=\"copy\"] .empty') \
+         && !document.querySelector('.pending, [data-testid=\"loading\"]');",
+    );
+    let list: Value = app
+        .ok(200, "GET", "/v1/endpoints?limit=50", &token, None)
+        .await;
+    let listed: Vec<String> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| format!("/v1/endpoints/{}/state", e["id"].as_str().unwrap()))
+        .collect();
+    // Each page, loaded afresh, reads the signed-in tenant first.
+    let endpoints_reads: Vec<String> = ["/v1/tenant", "/v1/endpoints?limit=50"]
+        .map(str::to_owned)
+        .into_iter()
+        .chain(listed)
+        .collect();
+    let e = |suffix: &str| format!("/v1/endpoints/{endpoint}{suffix}");
+    let endpoint_reads = vec![
+        "/v1/tenant".to_owned(),
+        e(""),
+        e("/state"),
+        e("/secrets"),
+        e("/copy?limit=50"),
+        e("/messages?limit=50"),
+        e("/quarantine?limit=50"),
+    ];
+
+    for (name, (route, ready), reads) in [
+        ("endpoints", endpoints_page, endpoints_reads),
+        ("endpoint", endpoint_page, endpoint_reads),
+    ] {
+        let (mut page_ms, mut api_ms) = (Vec::new(), Vec::new());
+        for _ in 0..BENCH_ROUNDS {
+            page_ms.push(page_load_ms(&console, &route, ready).await);
+            api_ms.push(api_reads_ms(&app, &token, &reads).await);
+        }
+        let (page, api) = (median(&mut page_ms), median(&mut api_ms));
+        println!(
+            "{}",
+            json!({"bench": "console", "page": name, "rounds": BENCH_ROUNDS,
+                   "api_reads": reads.len(), "page_ms_median": page, "api_ms_median": api,
+                   "ratio": page / api, "page_ms": page_ms, "api_ms": api_ms})
+        );
+    }
+    console.browser.close().await.unwrap();
+    app.stop().await;
+}
+
+/// The benchmark's tenant's endpoints and messages, written in a few statements; one endpoint.
+async fn seed_bench(db: &TestDb, tenant: Uuid) -> Uuid {
+    sqlx::query(
+        "WITH made AS (
+             INSERT INTO webhook_endpoints (id, tenant_id)
+             SELECT gen_random_uuid(), $1 FROM generate_series(1, $2)
+             RETURNING id
+         )
+         INSERT INTO endpoint_arrival_counters (endpoint_id, last_arrival_seq)
+         SELECT id, $3 FROM made",
+    )
+    .bind(tenant)
+    .bind(BENCH_ENDPOINTS)
+    .bind(BENCH_MESSAGES_PER_ENDPOINT)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // A million rows take longer than the test pool's statement timeout allows one statement.
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL statement_timeout = 0")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO messages (endpoint_id, arrival_seq, tenant_id, webhook_id, signed_at,
+                               attempt, received_at, track, generation, body, events)
+         SELECT e.id, s, e.tenant_id, 'msg_' || md5(e.id::text || s),
+                now() - make_interval(secs => 2000 - s), 1,
+                now() - make_interval(secs => 2000 - s), 'feed', 1,
+                convert_to('{\"v\":1,\"track\":\"feed\",\"generation\":1,\"events\":[]}'
+                           || repeat(' ', 150), 'UTF8'), 0
+         FROM webhook_endpoints e CROSS JOIN generate_series(1, $2) s
+         WHERE e.tenant_id = $1",
+    )
+    .bind(tenant)
+    .bind(BENCH_MESSAGES_PER_ENDPOINT)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::raw_sql("SET LOCAL statement_timeout = 0; ANALYZE")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query_scalar("SELECT id FROM webhook_endpoints WHERE tenant_id = $1 LIMIT 1")
+        .bind(tenant)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// Loads `route` afresh and waits until `ready` holds: milliseconds from the navigation's start,
+/// by the page's clock.
+async fn page_load_ms(console: &Console, route: &str, ready: &str) -> f64 {
+    console.browser.goto("about:blank").await.unwrap();
+    console.open(route).await;
+    let check = format!(
+        "return (function() {{ {ready} }})() ? performance.now() : null;"
+    );
+    let started = Instant::now();
+    loop {
+        let value = console.browser.execute(&check, vec![]).await.unwrap();
+        if let Some(ms) = value.as_f64() {
+            return ms;
+        }
+        // A bound for a page that never gets there, not a timing claim.
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{route} never got ready; its text:\n{}",
+            console.text().await
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The same reads as a page makes, `CONSOLE_CONCURRENCY` at a time: milliseconds for all.
+async fn api_reads_ms(app: &ApiApp, token: &str, reads: &[String]) -> f64 {
+    use futures::StreamExt as _;
+    let started = Instant::now();
+    let statuses: Vec<u16> = futures::stream::iter(reads.iter().map(|path| async move {
+        app.client
+            .get(format!("{}{path}", app.base_url))
+            .bearer_auth(token)
+            .send()
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .map(|_| 200u16)
+            .unwrap()
+    }))
+    .buffer_unordered(CONSOLE_CONCURRENCY)
+    .collect()
+    .await;
+    assert_eq!(statuses.len(), reads.len());
+    started.elapsed().as_secs_f64() * 1000.0
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
