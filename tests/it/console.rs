@@ -8,6 +8,7 @@
 //!   changes nothing: the endpoint stays active;
 //! - every file of the console carries the Content Security Policy, and the page loads nothing
 //!   from another origin;
+//! - an operator sees the tenants, creates one, mints its token (which works) and offboards it;
 //! - with every tier behind it, the tenant creates its broker credentials in the page and the
 //!   test connects with what the page shows, retries a quarantined message (it applies, and its
 //!   change reaches the queue), and replays from a change_seq (the queue receives it again).
@@ -385,6 +386,34 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
         "a forged post paused it: {endpoint}"
     );
 
+    // An operator: the tenants, a new one and its token (shown once, and it works), offboarding.
+    let operator = Api::operator_token();
+    console.sign_in(&operator).await;
+    console.open("/tenants").await;
+    console.wait("tenants-table").await;
+    console
+        .until(
+            "both tenants",
+            "return document.querySelectorAll('[data-testid=\"tenant-row\"]').length >= 2;",
+        )
+        .await;
+    console.type_into("tenant-name", "console-c").await;
+    console.click("tenant-create").await;
+    console.click("mint-token").await;
+    let minted = console.wait("minted-token").await.text().await.unwrap();
+    let own = app.ok(200, "GET", "/v1/tenant", minted.trim(), None).await;
+    assert_eq!(own["name"], "console-c", "{own}");
+    let made = own["id"].as_str().unwrap().to_owned();
+    console.screenshot("tenants").await;
+    console.click("offboard").await;
+    console.click("offboard-confirm").await;
+    console.wait("offboard-answer").await;
+    // Offboarded: a tenant being deleted (or gone) is not found.
+    let gone = app
+        .call("GET", &format!("/v1/tenants/{made}"), Some(&operator), None)
+        .await;
+    assert_eq!(gone.status, 404, "the offboarded tenant: {}", gone.text);
+
     console.browser.close().await.unwrap();
     app.stop().await;
 }
@@ -709,9 +738,7 @@ async fn seed_bench(db: &TestDb, tenant: Uuid) -> Uuid {
 async fn page_load_ms(console: &Console, route: &str, ready: &str) -> f64 {
     console.browser.goto("about:blank").await.unwrap();
     console.open(route).await;
-    let check = format!(
-        "return (function() {{ {ready} }})() ? performance.now() : null;"
-    );
+    let check = format!("return (function() {{ {ready} }})() ? performance.now() : null;");
     let started = Instant::now();
     loop {
         let value = console.browser.execute(&check, vec![]).await.unwrap();
