@@ -838,6 +838,192 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
     app.stop().await;
 }
 
+// ---- the document's fixed sets of values ----------------------------------------------------
+
+/// The `enum` of a schema the document gives: the schema itself, or the one it refers to
+/// (directly, or as the non-null branch of an optional field's `oneOf`).
+fn enum_of(doc: &Value, schema: &Value) -> Vec<String> {
+    if let Some(values) = schema["enum"].as_array() {
+        return values
+            .iter()
+            .map(|v| v.as_str().unwrap().to_owned())
+            .collect();
+    }
+    if let Some(target) = schema["$ref"].as_str() {
+        let name = target.strip_prefix("#/components/schemas/").unwrap();
+        return enum_of(doc, &doc["components"]["schemas"][name]);
+    }
+    let branches = schema["oneOf"]
+        .as_array()
+        .expect("an enum, a $ref or a oneOf");
+    let typed: Vec<&Value> = branches.iter().filter(|b| b["type"] != "null").collect();
+    assert_eq!(typed.len(), 1, "{schema}");
+    enum_of(doc, typed[0])
+}
+
+/// Every field and query parameter that takes or answers a fixed set of values is an enum in
+/// the OpenAPI document, with exactly those values; and what the API answers is among them.
+#[tokio::test]
+async fn the_document_gives_every_fixed_set_of_values_as_an_enum() {
+    let app = ApiApp::spawn().await;
+    let answer = app.call("GET", "/openapi.json", None, None).await;
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    let doc = answer.json;
+    let field = |schema: &str, field: &str| {
+        let property = &doc["components"]["schemas"][schema]["properties"][field];
+        assert_ne!(property, &Value::Null, "{schema}.{field}");
+        enum_of(&doc, property)
+    };
+    let param = |path: &str, name: &str| {
+        let parameters = doc["paths"][path]["get"]["parameters"].as_array().unwrap();
+        let parameter = parameters.iter().find(|p| p["name"] == name).unwrap();
+        assert_eq!(parameter["in"], "query", "{path} {name}");
+        enum_of(&doc, &parameter["schema"])
+    };
+    let source = ["feed", "stories"];
+    let endpoint_status = ["active", "paused"];
+    let stories_mode = ["snapshot", "fetch_on_notify"];
+    let item_kind = ["announcement", "pre_earnings_analysis"];
+    let destination_kind = ["relay_queue", "own_exchange"];
+    let fields: &[(&str, &str, &[&str])] = &[
+        ("EndpointView", "source", &source),
+        ("EndpointView", "status", &endpoint_status),
+        ("EndpointView", "stories_mode", &stories_mode),
+        ("NewEndpoint", "source", &source),
+        ("NewEndpoint", "stories_mode", &stories_mode),
+        ("EndpointUpdate", "stories_mode", &stories_mode),
+        ("DeletionView", "status", &["deleting"]),
+        ("StateView", "source", &source),
+        ("StateView", "status", &endpoint_status),
+        (
+            "UpstreamStateView",
+            "status",
+            &["needs_settings", "failing", "ok"],
+        ),
+        ("StoriesReloadView", "status", &["running", "owed", "none"]),
+        ("CopyItemView", "item_kind", &item_kind),
+        (
+            "MessageView",
+            "status",
+            &["waiting", "applied", "ignored", "quarantined"],
+        ),
+        (
+            "ApplicationView",
+            "outcome",
+            &[
+                "applied",
+                "test",
+                "ignored_track",
+                "older_generation",
+                "reload_begun",
+                "reload_superseded",
+                "quarantined",
+                "ignored_type",
+                "malformed",
+                "read_owed",
+                "unrecorded",
+            ],
+        ),
+        (
+            "QuarantinedView",
+            "status",
+            &["quarantined", "retried", "discarded"],
+        ),
+        ("RewindView", "plan", &["rewind", "read_feed_again"]),
+        (
+            "RewindView",
+            "outcome",
+            &["nothing", "reload_begun", "reload_already_running"],
+        ),
+        ("DestinationView", "kind", &destination_kind),
+        ("DestinationUpdate", "kind", &destination_kind),
+        (
+            "ErrorBody",
+            "error",
+            &[
+                "invalid_request",
+                "unauthorized",
+                "forbidden",
+                "not_found",
+                "conflict",
+                "too_many_requests",
+                "upstream_failed",
+                "unavailable",
+                "internal",
+                "body_timeout",
+                "too_many_connections",
+                "body_budget_spent",
+            ],
+        ),
+    ];
+    for (schema, name, values) in fields {
+        assert_eq!(field(schema, name), *values, "{schema}.{name}");
+    }
+    let messages = "/v1/endpoints/{endpoint_id}/messages";
+    assert_eq!(
+        param(messages, "status"),
+        ["waiting", "applied", "ignored", "quarantined", "duplicate"]
+    );
+    assert_eq!(param(messages, "order"), ["newest", "arrival"]);
+    assert_eq!(
+        param("/v1/endpoints/{endpoint_id}/quarantine", "status"),
+        ["quarantined", "retried", "discarded", "all"]
+    );
+    assert_eq!(
+        param("/v1/endpoints/{endpoint_id}/copy", "item_kind"),
+        item_kind
+    );
+
+    // What the API answers is spelt as the document says.
+    let (_, token) = app.tenant("enums").await;
+    let (id, _) = app.endpoint(&token, json!({})).await;
+    let paused = app
+        .ok(
+            200,
+            "POST",
+            &format!("/v1/endpoints/{id}/pause"),
+            &token,
+            None,
+        )
+        .await;
+    assert_eq!(
+        (&paused["source"], &paused["status"]),
+        (&json!("feed"), &json!("paused"))
+    );
+    let state = app
+        .ok(
+            200,
+            "GET",
+            &format!("/v1/endpoints/{id}/state"),
+            &token,
+            None,
+        )
+        .await;
+    assert_eq!(state["status"], "paused");
+    assert_eq!(state["source"], "feed");
+    assert_eq!(state["upstream"]["status"], "needs_settings");
+    let destination = app.ok(200, "GET", "/v1/destination", &token, None).await;
+    assert_eq!(destination["kind"], "relay_queue");
+    let refused = app
+        .call(
+            "GET",
+            &format!("/v1/endpoints/{id}/messages?order=sideways"),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (refused.status, &refused.json["error"]),
+        (400, &json!("invalid_request"))
+    );
+    assert_eq!(refused.json["detail"], "newest or arrival");
+    let deleted = app
+        .ok(202, "DELETE", &format!("/v1/endpoints/{id}"), &token, None)
+        .await;
+    assert_eq!(deleted["status"], "deleting");
+    app.stop().await;
+}
+
 // ---- secrets and keys in no answer and no log line -------------------------------------------
 
 /// Every answer and every log line (at TRACE, of every crate, this thread's tasks included:

@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 /// What went wrong with a request.
@@ -76,21 +76,21 @@ impl ApiError {
         }
     }
 
-    fn status_and_code(&self) -> (StatusCode, &'static str) {
+    fn status_and_code(&self) -> (StatusCode, ErrorCode) {
         match self {
-            ApiError::Invalid { .. } => (StatusCode::BAD_REQUEST, "invalid_request"),
-            ApiError::Unauthorized(_) => (StatusCode::UNAUTHORIZED, "unauthorized"),
-            ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, "forbidden"),
-            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
-            ApiError::Conflict { .. } => (StatusCode::CONFLICT, "conflict"),
+            ApiError::Invalid { .. } => (StatusCode::BAD_REQUEST, ErrorCode::InvalidRequest),
+            ApiError::Unauthorized(_) => (StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized),
+            ApiError::Forbidden(_) => (StatusCode::FORBIDDEN, ErrorCode::Forbidden),
+            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, ErrorCode::NotFound),
+            ApiError::Conflict { .. } => (StatusCode::CONFLICT, ErrorCode::Conflict),
             ApiError::TooManyRequests { .. } => {
-                (StatusCode::TOO_MANY_REQUESTS, "too_many_requests")
+                (StatusCode::TOO_MANY_REQUESTS, ErrorCode::TooManyRequests)
             }
-            ApiError::Upstream(_) => (StatusCode::BAD_GATEWAY, "upstream_failed"),
+            ApiError::Upstream(_) => (StatusCode::BAD_GATEWAY, ErrorCode::UpstreamFailed),
             ApiError::Unavailable(_) | ApiError::BrokerUnavailable(_) => {
-                (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
+                (StatusCode::SERVICE_UNAVAILABLE, ErrorCode::Unavailable)
             }
-            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, ErrorCode::Internal),
         }
     }
 }
@@ -120,12 +120,33 @@ impl From<relay_store::StoreError> for ApiError {
     }
 }
 
+/// What kind of error an answer is. From the routes: `invalid_request` (400: a field is not
+/// acceptable; `field` names it), `unauthorized` (401), `forbidden` (403), `not_found` (404),
+/// `conflict` (409), `too_many_requests` (429, with Retry-After), `upstream_failed` (502),
+/// `unavailable` (503: Postgres or the relay's broker), `internal` (500). From the listener,
+/// before any route (see the API's description): `body_timeout` (408), `too_many_connections`
+/// (503) and `body_budget_spent` (503).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    InvalidRequest,
+    Unauthorized,
+    Forbidden,
+    NotFound,
+    Conflict,
+    TooManyRequests,
+    UpstreamFailed,
+    Unavailable,
+    Internal,
+    BodyTimeout,
+    TooManyConnections,
+    BodyBudgetSpent,
+}
+
 /// The body of every error answer.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
-    /// invalid_request, unauthorized, forbidden, not_found, conflict, too_many_requests,
-    /// upstream_failed, unavailable or internal.
-    pub error: &'static str,
+    pub error: ErrorCode,
     /// The request field at fault (`secrets[1]`, `upstream_base_url`, `limit`, ...), when one is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,

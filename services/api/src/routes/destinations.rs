@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
+use super::enums::{self, stored};
 use super::AppState;
 use crate::auth::TenantId;
 use crate::broker::{resolve, BrokerAccess};
@@ -20,8 +21,7 @@ use crate::error::{ApiError, ErrorBody, JsonBody};
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct DestinationView {
-    /// `relay_queue` or `own_exchange`.
-    pub kind: String,
+    pub kind: DestinationKind,
     /// True when nothing was set: the relay's queue for the tenant.
     pub default: bool,
     pub exchange: Option<String>,
@@ -43,6 +43,7 @@ pub struct DestinationView {
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DestinationUpdate {
+    #[serde(deserialize_with = "enums::from_string")]
     pub kind: DestinationKind,
     /// `amqp://` or `amqps://`, with credentials. Write-only.
     #[serde(default)]
@@ -53,15 +54,19 @@ pub struct DestinationUpdate {
     pub routing_key: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, ToSchema)]
+/// Where a tenant's changes go: `relay_queue` (the relay's own queue for the tenant, the
+/// default) or `own_exchange` (the tenant's own AMQP broker, exchange and routing key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum DestinationKind {
     RelayQueue,
     OwnExchange,
 }
 
-fn view(row: Option<StoredDestination>) -> DestinationView {
-    match row {
+/// The destination as stored, or the default; a kind the API names no value for is an internal
+/// error.
+fn view(row: Option<StoredDestination>) -> Result<DestinationView, ApiError> {
+    Ok(match row {
         Some(StoredDestination {
             kind,
             exchange,
@@ -71,7 +76,7 @@ fn view(row: Option<StoredDestination>) -> DestinationView {
             refused_reason,
             refused_at,
         }) => DestinationView {
-            kind,
+            kind: stored("destination kind", &kind)?,
             default: false,
             exchange,
             routing_key,
@@ -81,7 +86,7 @@ fn view(row: Option<StoredDestination>) -> DestinationView {
             refused_at,
         },
         None => DestinationView {
-            kind: "relay_queue".to_owned(),
+            kind: DestinationKind::RelayQueue,
             default: true,
             exchange: None,
             routing_key: None,
@@ -90,7 +95,7 @@ fn view(row: Option<StoredDestination>) -> DestinationView {
             refused_reason: None,
             refused_at: None,
         },
-    }
+    })
 }
 
 /// An AMQP name: the broker takes up to 255 bytes of UTF-8; control characters are refused.
@@ -160,7 +165,7 @@ pub async fn get_destination(
     TenantId(tenant): TenantId,
 ) -> Result<Json<DestinationView>, ApiError> {
     let row = destinations::get(&state.pool, tenant).await?;
-    Ok(Json(view(row)))
+    Ok(Json(view(row)?))
 }
 
 #[utoipa::path(
@@ -208,7 +213,7 @@ pub async fn put_destination(
         Err(error) => return Err(error.into()),
     };
     tracing::info!(%tenant, kind = %row.kind, "destination set");
-    Ok(Json(view(Some(row))))
+    Ok(Json(view(Some(row))?))
 }
 
 #[utoipa::path(
@@ -224,5 +229,5 @@ pub async fn delete_destination(
 ) -> Result<Json<DestinationView>, ApiError> {
     destinations::delete(&state.pool, tenant).await?;
     tracing::info!(%tenant, "destination reset to the relay's queue");
-    Ok(Json(view(None)))
+    Ok(Json(view(None)?))
 }

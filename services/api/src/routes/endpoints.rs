@@ -11,8 +11,7 @@ use std::time::Duration;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
-use relay_rules::StoriesMode;
-use relay_store::endpoints::{self as store, EndpointStatus};
+use relay_store::endpoints as store;
 use relay_store::{EndpointId, StoreError};
 use relay_wire::limits::{ROTATION_OVERLAP_MAX_S, ROTATION_OVERLAP_S};
 use relay_wire::SigningSecret;
@@ -24,6 +23,7 @@ use uuid::Uuid;
 
 use relay_netguard::{GuardedClient, GuardedResolver, ResolveError};
 
+use super::enums::{self, stored, EndpointSource, EndpointStatus};
 use super::{
     next_cursor, owned_endpoint, parse_endpoint_id, parse_uuid, AppState, QueryArgs,
     ENDPOINT_NOT_FOUND,
@@ -36,22 +36,48 @@ const MAX_SECRETS: usize = 10;
 /// The longest expiry an added secret may be given (ten years): bounds the interval arithmetic.
 const MAX_EXPIRY_S: u64 = 10 * 365 * 86_400;
 
+/// How a stories endpoint gets the snapshots it saves: `snapshot` (the default: apply the
+/// snapshot each event carries; no API calls) or `fetch_on_notify` (read each story an event
+/// names from the upstream's API, and save what it answers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum StoriesMode {
+    Snapshot,
+    FetchOnNotify,
+}
+
+impl From<StoriesMode> for relay_rules::StoriesMode {
+    fn from(mode: StoriesMode) -> Self {
+        match mode {
+            StoriesMode::Snapshot => relay_rules::StoriesMode::Snapshot,
+            StoriesMode::FetchOnNotify => relay_rules::StoriesMode::FetchOnNotify,
+        }
+    }
+}
+
+impl From<relay_rules::StoriesMode> for StoriesMode {
+    fn from(mode: relay_rules::StoriesMode) -> Self {
+        match mode {
+            relay_rules::StoriesMode::Snapshot => StoriesMode::Snapshot,
+            relay_rules::StoriesMode::FetchOnNotify => StoriesMode::FetchOnNotify,
+        }
+    }
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct EndpointView {
     /// The upstream's webhook_endpoint_id.
     pub id: Uuid,
-    /// `feed` (the wire file's messages) or `stories` (the stories API's events, seed 000).
-    pub source: String,
+    pub source: EndpointSource,
     /// The language the endpoint reads the feed in (feed endpoints).
     pub lang: Option<String>,
-    /// How a stories endpoint applies its events: `snapshot` or `fetch_on_notify`.
+    /// How a stories endpoint applies its events (stories endpoints).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub stories_mode: Option<String>,
+    pub stories_mode: Option<StoriesMode>,
     /// A stories endpoint's tickers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tickers: Option<Vec<String>>,
-    /// `active`, or `paused` (the front tier answers 410).
-    pub status: String,
+    pub status: EndpointStatus,
     pub upstream_base_url: Option<String>,
     /// Whether an upstream API key is stored. The key itself is never returned.
     pub upstream_api_key_set: bool,
@@ -76,21 +102,28 @@ pub struct SecretView {
     pub active: bool,
 }
 
-impl From<store::EndpointInfo> for EndpointView {
-    fn from(endpoint: store::EndpointInfo) -> Self {
-        Self {
+impl TryFrom<store::EndpointInfo> for EndpointView {
+    type Error = ApiError;
+
+    /// The stored row; a source, mode or status the API names no value for is an internal error.
+    fn try_from(endpoint: store::EndpointInfo) -> Result<Self, ApiError> {
+        Ok(Self {
             id: endpoint.id.0,
-            source: endpoint.source,
+            source: stored("endpoint source", &endpoint.source)?,
             lang: endpoint.lang,
-            stories_mode: endpoint.stories_mode,
+            stories_mode: endpoint
+                .stories_mode
+                .as_deref()
+                .map(|mode| stored("stories mode", mode))
+                .transpose()?,
             tickers: endpoint.tickers,
-            status: endpoint.status,
+            status: stored("endpoint status", &endpoint.status)?,
             upstream_base_url: endpoint.upstream_base_url,
             upstream_api_key_set: endpoint.upstream_api_key_set,
             created_at: endpoint.created_at,
             updated_at: endpoint.updated_at,
             secrets: None,
-        }
+        })
     }
 }
 
@@ -111,9 +144,9 @@ impl From<store::SecretInfo> for SecretView {
 pub struct NewEndpoint {
     /// The upstream's webhook_endpoint_id (the path the upstream posts to).
     pub id: Uuid,
-    /// `feed` (the default) or `stories`. Fixed once registered.
-    #[serde(default)]
-    pub source: Option<String>,
+    /// `feed` when absent. Fixed once registered.
+    #[serde(default, deserialize_with = "enums::from_optional_string")]
+    pub source: Option<EndpointSource>,
     /// Feed endpoints (required there, refused for stories): the endpoint's language, as set
     /// at the upstream (`en`, `sv`, ...).
     #[serde(default)]
@@ -122,10 +155,9 @@ pub struct NewEndpoint {
     /// copy holds, 1 to 100. Each is loaded once when registered (`GET /v1/stories?ticker=`).
     #[serde(default)]
     pub tickers: Option<Vec<String>>,
-    /// Stories endpoints: `snapshot` (the default: apply the snapshot in each event) or
-    /// `fetch_on_notify` (read each story an event names and apply what the API answers).
-    #[serde(default)]
-    pub stories_mode: Option<String>,
+    /// Stories endpoints: `snapshot` when absent.
+    #[serde(default, deserialize_with = "enums::from_optional_string")]
+    pub stories_mode: Option<StoriesMode>,
     /// The upstream API's base URL, for reloads, refetches and rewinds: https, to a public
     /// address (http and non-public addresses only where the operator allows them). Without it
     /// and `upstream_api_key` the endpoint is registered and its messages are stored and
@@ -160,9 +192,9 @@ pub struct EndpointUpdate {
     /// a removed ticker's open stories are taken out of the copy (each a `dropped` change).
     #[serde(default)]
     pub tickers: Option<Vec<String>>,
-    /// Stories endpoints only: `snapshot` or `fetch_on_notify`.
-    #[serde(default)]
-    pub stories_mode: Option<String>,
+    /// Stories endpoints only.
+    #[serde(default, deserialize_with = "enums::from_optional_string")]
+    pub stories_mode: Option<StoriesMode>,
 }
 
 /// The most tickers one stories endpoint holds.
@@ -200,11 +232,6 @@ fn valid_tickers(field: &str, tickers: &[String]) -> Result<Vec<String>, ApiErro
         }
     }
     Ok(tickers.to_vec())
-}
-
-fn valid_stories_mode(field: &str, text: &str) -> Result<StoriesMode, ApiError> {
-    StoriesMode::parse(text)
-        .ok_or_else(|| ApiError::invalid(field, "`snapshot` or `fetch_on_notify`"))
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -361,10 +388,11 @@ pub async fn load_endpoint(
     tenant: relay_store::TenantId,
     id: EndpointId,
 ) -> Result<EndpointView, ApiError> {
-    let mut view: EndpointView = store::find(pool, tenant, id)
-        .await?
-        .ok_or(ENDPOINT_NOT_FOUND)?
-        .into();
+    let mut view = EndpointView::try_from(
+        store::find(pool, tenant, id)
+            .await?
+            .ok_or(ENDPOINT_NOT_FOUND)?,
+    )?;
     view.secrets = Some(secrets_of(pool, tenant, id).await?);
     Ok(view)
 }
@@ -401,8 +429,8 @@ pub async fn create_endpoint(
     TenantId(tenant): TenantId,
     JsonBody(body): JsonBody<NewEndpoint>,
 ) -> Result<(StatusCode, Json<EndpointView>), ApiError> {
-    let (source, lang) = match body.source.as_deref().unwrap_or("feed") {
-        "feed" => {
+    let (source, lang) = match body.source.unwrap_or(EndpointSource::Feed) {
+        EndpointSource::Feed => {
             if body.tickers.is_some() || body.stories_mode.is_some() {
                 let field = if body.tickers.is_some() {
                     "tickers"
@@ -417,7 +445,7 @@ pub async fn create_endpoint(
                 .ok_or_else(|| ApiError::invalid("lang", "required for a feed endpoint"))?;
             (store::Source::Feed, Some(valid_lang("lang", lang)?))
         }
-        "stories" => {
+        EndpointSource::Stories => {
             if body.lang.is_some() {
                 return Err(ApiError::invalid("lang", "belongs to feed endpoints"));
             }
@@ -425,17 +453,12 @@ pub async fn create_endpoint(
                 .tickers
                 .as_deref()
                 .ok_or_else(|| ApiError::invalid("tickers", "required for a stories endpoint"))?;
-            let mode = match body.stories_mode.as_deref() {
-                Some(text) => valid_stories_mode("stories_mode", text)?,
-                None => StoriesMode::default(),
-            };
             let settings = store::StoriesSettings {
-                mode,
+                mode: body.stories_mode.map(Into::into).unwrap_or_default(),
                 tickers: valid_tickers("tickers", tickers)?,
             };
             (store::Source::Stories(settings), None)
         }
-        _ => return Err(ApiError::invalid("source", "`feed` or `stories`")),
     };
     let base_url = match body.upstream_base_url.as_deref() {
         Some(text) => Some(valid_base_url(&state.http, text).await?),
@@ -530,11 +553,11 @@ pub async fn list_endpoints(
         .map(|t| parse_uuid("after", t).map(EndpointId))
         .transpose()?;
     let limit = query.limit(100, 500)?;
-    let data: Vec<EndpointView> = store::list(&state.pool, tenant, after, limit)
+    let data = store::list(&state.pool, tenant, after, limit)
         .await?
         .into_iter()
-        .map(EndpointView::from)
-        .collect();
+        .map(EndpointView::try_from)
+        .collect::<Result<Vec<_>, _>>()?;
     let next_cursor = next_cursor(&data, limit, |e| e.id.to_string());
     Ok(Json(EndpointPage { data, next_cursor }))
 }
@@ -579,7 +602,8 @@ pub async fn update_endpoint(
     let current = store::find(&state.pool, tenant, id)
         .await?
         .ok_or(ENDPOINT_NOT_FOUND)?;
-    let stories = current.source == "stories";
+    let stories =
+        stored::<EndpointSource>("endpoint source", &current.source)? == EndpointSource::Stories;
     if stories && body.lang.is_some() {
         return Err(ApiError::invalid("lang", "belongs to feed endpoints"));
     }
@@ -596,11 +620,7 @@ pub async fn update_endpoint(
         .as_deref()
         .map(|t| valid_tickers("tickers", t))
         .transpose()?;
-    let stories_mode = body
-        .stories_mode
-        .as_deref()
-        .map(|m| valid_stories_mode("stories_mode", m))
-        .transpose()?;
+    let stories_mode = body.stories_mode.map(relay_rules::StoriesMode::from);
     let lang = body
         .lang
         .as_deref()
@@ -647,7 +667,7 @@ async fn set_status(
     state: &AppState,
     tenant: relay_store::TenantId,
     endpoint_id: &str,
-    status: EndpointStatus,
+    status: store::EndpointStatus,
 ) -> Result<Json<EndpointView>, ApiError> {
     let id = parse_endpoint_id(endpoint_id)?;
     // The front tier hears of the change through the table's NOTIFY trigger and answers 410
@@ -663,8 +683,15 @@ async fn set_status(
 #[derive(Debug, Serialize, ToSchema)]
 pub struct DeletionView {
     pub id: Uuid,
-    /// Always `deleting`: the purge finishes in the background (and after a restart).
-    pub status: &'static str,
+    pub status: DeletionStatus,
+}
+
+/// Where a delete stands when accepted: always `deleting` (the purge finishes in the background,
+/// and after a restart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DeletionStatus {
+    Deleting,
 }
 
 #[utoipa::path(
@@ -695,7 +722,7 @@ pub async fn delete_endpoint(
         StatusCode::ACCEPTED,
         Json(DeletionView {
             id: id.0,
-            status: "deleting",
+            status: DeletionStatus::Deleting,
         }),
     ))
 }
@@ -715,7 +742,7 @@ pub async fn pause_endpoint(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<EndpointView>, ApiError> {
-    set_status(&state, tenant, &endpoint_id, EndpointStatus::Paused).await
+    set_status(&state, tenant, &endpoint_id, store::EndpointStatus::Paused).await
 }
 
 #[utoipa::path(
@@ -733,7 +760,7 @@ pub async fn resume_endpoint(
     TenantId(tenant): TenantId,
     Path(endpoint_id): Path<String>,
 ) -> Result<Json<EndpointView>, ApiError> {
-    set_status(&state, tenant, &endpoint_id, EndpointStatus::Active).await
+    set_status(&state, tenant, &endpoint_id, store::EndpointStatus::Active).await
 }
 
 #[utoipa::path(
@@ -865,4 +892,69 @@ pub async fn expire_secret(
         .ok_or(ApiError::NotFound("secret"))?;
     tracing::info!(%tenant, endpoint = %id, secret_id, after_s = after, "secret expiry set");
     Ok(Json(expired.into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routes::enums::parse_spelt;
+
+    /// The refusal of `body`'s field, as a 400 names it.
+    fn refusal(body: serde_json::Value) -> (String, String) {
+        match crate::error::parse_json::<NewEndpoint>(body.to_string().as_bytes()) {
+            Err(ApiError::Invalid { field, detail }) => (field, detail),
+            Err(other) => panic!("{body}: {other}"),
+            Ok(_) => panic!("{body}: taken"),
+        }
+    }
+
+    #[test]
+    fn enum_fields_take_their_values_spelt_as_strings_and_name_the_field_otherwise() {
+        let id = Uuid::nil();
+        let body = |extra: serde_json::Value| {
+            let mut body = serde_json::json!({"id": id, "secrets": []});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            body
+        };
+        let taken = |json: serde_json::Value| {
+            crate::error::parse_json::<NewEndpoint>(json.to_string().as_bytes())
+                .unwrap_or_else(|e| panic!("{json}: {e}"))
+        };
+        let parsed = taken(body(
+            serde_json::json!({"source": "stories", "stories_mode": "fetch_on_notify"}),
+        ));
+        assert_eq!(parsed.source, Some(EndpointSource::Stories));
+        assert_eq!(parsed.stories_mode, Some(StoriesMode::FetchOnNotify));
+        let parsed = taken(body(serde_json::json!({"source": null})));
+        assert_eq!((parsed.source, parsed.stories_mode), (None, None));
+
+        let (field, detail) = refusal(body(serde_json::json!({"source": "whsec_news"})));
+        assert_eq!(field, "source");
+        assert_eq!(detail, "unknown value, expected `feed` or `stories`");
+        let (field, detail) = refusal(body(serde_json::json!({"stories_mode": "Snapshot"})));
+        assert_eq!(field, "stories_mode");
+        assert_eq!(
+            detail,
+            "unknown value, expected `snapshot` or `fetch_on_notify`"
+        );
+        // Serde's own form of an enum (`{"feed": null}`) is not a string: refused as one.
+        for wrong in [serde_json::json!(5), serde_json::json!({"feed": null})] {
+            let (field, detail) = refusal(body(serde_json::json!({"source": wrong})));
+            assert_eq!(
+                (field.as_str(), detail.as_str()),
+                ("source", "expected a string")
+            );
+        }
+    }
+
+    #[test]
+    fn stories_modes_are_spelt_as_the_rules_spell_them() {
+        for mode in relay_rules::StoriesMode::ALL {
+            let read: StoriesMode = parse_spelt(mode.as_str()).unwrap();
+            assert_eq!(read, StoriesMode::from(mode));
+            assert_eq!(relay_rules::StoriesMode::from(read), mode);
+        }
+    }
 }

@@ -23,6 +23,7 @@ use crate::metrics::ApiMetrics;
 pub mod broker;
 pub mod destinations;
 pub mod endpoints;
+pub mod enums;
 pub mod quarantine;
 pub mod quotas;
 pub mod reads;
@@ -86,7 +87,13 @@ impl HasVerifier for AppState {
                        RELAY_API_MAX_REQUESTS_PER_TENANT requests in flight already."
     ),
     modifiers(&BearerAuth),
-    components(schemas(crate::error::ErrorBody))
+    // The enums only query parameters name: the schemas of bodies are collected from the routes.
+    components(schemas(
+        crate::error::ErrorBody,
+        reads::MessageOrder,
+        reads::MessageStatusFilter,
+        quarantine::QuarantineStatusFilter
+    ))
 )]
 struct ApiDoc;
 
@@ -234,6 +241,18 @@ impl QueryArgs {
             .transpose()
     }
 
+    /// One of an enum's values, as its JSON spells it; `expected` (the values) is the detail
+    /// of the error naming `field` when it is none of them.
+    pub fn one_of<T: serde::de::DeserializeOwned>(
+        &self,
+        field: &str,
+        expected: &str,
+    ) -> Result<Option<T>, ApiError> {
+        self.text(field)
+            .map(|t| enums::parse_spelt(t).ok_or_else(|| ApiError::invalid(field, expected)))
+            .transpose()
+    }
+
     /// `limit`: 1 to `max`, `default` when absent.
     pub fn limit(&self, default: i64, max: i64) -> Result<i64, ApiError> {
         let limit = self
@@ -312,6 +331,26 @@ mod tests {
         assert_ne!(rewind["responses"]["429"], Value::Null);
         let schemes = &doc["components"]["securitySchemes"]["bearer"];
         assert_eq!(schemes["scheme"], "bearer");
+        // Every reference names a schema the document holds.
+        fn refs<'v>(value: &'v Value, found: &mut Vec<&'v str>) {
+            match value {
+                Value::Object(fields) => {
+                    if let Some(Value::String(target)) = fields.get("$ref") {
+                        found.push(target);
+                    }
+                    fields.values().for_each(|v| refs(v, found));
+                }
+                Value::Array(items) => items.iter().for_each(|v| refs(v, found)),
+                _ => {}
+            }
+        }
+        let mut found = Vec::new();
+        refs(&doc, &mut found);
+        assert!(!found.is_empty());
+        for target in found {
+            let name = target.strip_prefix("#/components/schemas/").unwrap();
+            assert_ne!(doc["components"]["schemas"][name], Value::Null, "{target}");
+        }
         for schema in [
             "ErrorBody",
             "EndpointView",

@@ -16,13 +16,36 @@ use std::collections::HashMap;
 use axum::extract::{Path, Query, State};
 use axum::Json;
 use relay_store::quarantine::{self, Quarantined, Resolution};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 
+use super::enums::{spelling, stored};
 use super::{next_cursor, owned_endpoint, parse_endpoint_id, AppState, QueryArgs};
 use crate::auth::TenantId;
 use crate::error::{ApiError, ErrorBody};
+
+/// Where a quarantined message stands: `quarantined` (waiting for a retry or a discard),
+/// `retried` (stored again as a new arrival, `retried_as`) or `discarded` (kept for audit,
+/// never applied).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum QuarantineStatus {
+    Quarantined,
+    Retried,
+    Discarded,
+}
+
+/// Which quarantined messages a page lists: those in one status (`quarantined`, the default;
+/// `retried`; `discarded`), or `all`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum QuarantineStatusFilter {
+    Quarantined,
+    Retried,
+    Discarded,
+    All,
+}
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct QuarantinedView {
@@ -35,26 +58,28 @@ pub struct QuarantinedView {
     pub attempts: i32,
     #[serde(with = "time::serde::rfc3339")]
     pub quarantined_at: OffsetDateTime,
-    /// quarantined (waiting), retried or discarded.
-    pub status: String,
+    pub status: QuarantineStatus,
     #[serde(with = "time::serde::rfc3339::option")]
     pub resolved_at: Option<OffsetDateTime>,
     /// A retried message's new arrival number (its messages listing shows how it applied).
     pub retried_as: Option<i64>,
 }
 
-impl From<Quarantined> for QuarantinedView {
-    fn from(q: Quarantined) -> Self {
-        Self {
+impl TryFrom<Quarantined> for QuarantinedView {
+    type Error = ApiError;
+
+    /// The stored row; a status the API names no value for is an internal error.
+    fn try_from(q: Quarantined) -> Result<Self, ApiError> {
+        Ok(Self {
             arrival_seq: q.arrival_seq,
             webhook_id: q.webhook_id,
             reason: q.reason,
             attempts: q.attempts,
             quarantined_at: q.quarantined_at,
-            status: q.status,
+            status: stored("quarantine status", &q.status)?,
             resolved_at: q.resolved_at,
             retried_as: q.retried_as,
-        }
+        })
     }
 }
 
@@ -70,7 +95,7 @@ pub struct QuarantinePage {
     security(("bearer" = [])),
     params(
         ("endpoint_id" = Uuid, Path),
-        ("status" = Option<String>, Query,
+        ("status" = Option<QuarantineStatusFilter>, Query,
          description = "quarantined (default), retried, discarded or all"),
         ("after" = Option<i64>, Query, description = "The next_cursor of the previous page"),
         ("limit" = Option<i64>, Query, description = "1 to 200, default 50"),
@@ -89,24 +114,26 @@ pub async fn list_quarantine(
 ) -> Result<Json<QuarantinePage>, ApiError> {
     let id = parse_endpoint_id(&endpoint_id)?;
     let query = QueryArgs::new(query, &["status", "after", "limit"])?;
-    let status = match query.text("status") {
-        None | Some("quarantined") => Some("quarantined"),
-        Some("all") => None,
-        Some(s @ ("retried" | "discarded")) => Some(s),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "status",
-                "quarantined, retried, discarded or all",
-            ))
-        }
-    };
+    let status = match query
+        .one_of::<QuarantineStatusFilter>("status", "quarantined, retried, discarded or all")?
+        .unwrap_or(QuarantineStatusFilter::Quarantined)
+    {
+        QuarantineStatusFilter::Quarantined => Some(QuarantineStatus::Quarantined),
+        QuarantineStatusFilter::Retried => Some(QuarantineStatus::Retried),
+        QuarantineStatusFilter::Discarded => Some(QuarantineStatus::Discarded),
+        QuarantineStatusFilter::All => None,
+    }
+    .map(|status| spelling(&status));
     let after = query.parsed::<i64>("after", "a cursor from a previous page")?;
     let limit = query.limit(50, 200)?;
     owned_endpoint(&state.pool, tenant, id).await?;
-    let rows = quarantine::list(&state.pool, tenant, id, status, after, limit).await?;
+    let rows = quarantine::list(&state.pool, tenant, id, status.as_deref(), after, limit).await?;
     let next_cursor = next_cursor(&rows, limit, |q| q.arrival_seq.to_string());
     Ok(Json(QuarantinePage {
-        data: rows.into_iter().map(QuarantinedView::from).collect(),
+        data: rows
+            .into_iter()
+            .map(QuarantinedView::try_from)
+            .collect::<Result<_, _>>()?,
         next_cursor,
     }))
 }
@@ -168,11 +195,14 @@ fn message_key(
 
 fn resolved(resolution: Resolution) -> Result<Json<QuarantinedView>, ApiError> {
     match resolution {
-        Resolution::Done(q) => Ok(Json(q.into())),
-        Resolution::AlreadyResolved(q) => Err(ApiError::conflict(
-            Some("arrival_seq"),
-            format!("already {}", q.status),
-        )),
+        Resolution::Done(q) => Ok(Json(q.try_into()?)),
+        Resolution::AlreadyResolved(q) => {
+            let status: QuarantineStatus = stored("quarantine status", &q.status)?;
+            Err(ApiError::conflict(
+                Some("arrival_seq"),
+                format!("already {}", spelling(&status)),
+            ))
+        }
         Resolution::NotFound => Err(ApiError::NotFound("quarantined message")),
     }
 }

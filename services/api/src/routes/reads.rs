@@ -11,23 +11,51 @@ use axum::extract::{Path, Query, State};
 use axum::Json;
 use relay_store::stories::{ReloadStatus, SyncView};
 use relay_store::{copy, cursors, endpoints, messages, stories, tracks};
-use relay_wire::ItemKind;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use time::OffsetDateTime;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
+use super::enums::{spelling, stored, EndpointSource, EndpointStatus};
 use super::{
     next_cursor, owned_endpoint, parse_endpoint_id, AppState, QueryArgs, ENDPOINT_NOT_FOUND,
 };
 use crate::auth::TenantId;
 use crate::error::{check_text, ApiError, ErrorBody};
 
+/// What a feed item is: `announcement` or `pre_earnings_analysis` (the first half of its
+/// subject, and of its events' type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ItemKind {
+    Announcement,
+    PreEarningsAnalysis,
+}
+
+impl From<ItemKind> for relay_wire::ItemKind {
+    fn from(kind: ItemKind) -> Self {
+        match kind {
+            ItemKind::Announcement => relay_wire::ItemKind::Announcement,
+            ItemKind::PreEarningsAnalysis => relay_wire::ItemKind::PreEarningsAnalysis,
+        }
+    }
+}
+
+impl From<relay_wire::ItemKind> for ItemKind {
+    fn from(kind: relay_wire::ItemKind) -> Self {
+        match kind {
+            relay_wire::ItemKind::Announcement => ItemKind::Announcement,
+            relay_wire::ItemKind::PreEarningsAnalysis => ItemKind::PreEarningsAnalysis,
+        }
+    }
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct CopyItemView {
     pub subject: String,
-    pub item_kind: Option<String>,
+    /// Null when the row does not say (a tombstone whose subject names no kind).
+    pub item_kind: Option<ItemKind>,
     pub company_id: Option<i64>,
     /// The position that wrote the row: the event's (or reload read's) generation and sequence.
     pub generation: i64,
@@ -59,7 +87,11 @@ fn copy_view(row: copy::CopyItem) -> Result<CopyItemView, ApiError> {
         parts: json(&row.parts)?,
         item: row.item.as_deref().map(json).transpose()?,
         subject: row.subject,
-        item_kind: row.item_kind,
+        item_kind: row
+            .item_kind
+            .as_deref()
+            .map(|kind| stored("item kind", kind))
+            .transpose()?,
         company_id: row.company_id,
         generation: row.generation,
         sequence: row.sequence,
@@ -77,7 +109,7 @@ const MAX_SUBJECT_BYTES: usize = 1000;
         ("endpoint_id" = Uuid, Path),
         ("after" = Option<String>, Query, description = "The last subject of the previous page"),
         ("limit" = Option<i64>, Query, description = "1 to 500, default 100"),
-        ("item_kind" = Option<String>, Query, description = "announcement or pre_earnings_analysis"),
+        ("item_kind" = Option<ItemKind>, Query, description = "Only items of this kind"),
         ("company_id" = Option<i64>, Query),
         ("include_tombstones" = Option<bool>, Query, description = "Default false"),
     ),
@@ -106,13 +138,8 @@ pub async fn list_copy(
     )?;
     let limit = query.limit(100, 500)?;
     let item_kind = query
-        .text("item_kind")
-        .map(|k| {
-            ItemKind::parse(k).ok_or_else(|| {
-                ApiError::invalid("item_kind", "announcement or pre_earnings_analysis")
-            })
-        })
-        .transpose()?;
+        .one_of::<ItemKind>("item_kind", "announcement or pre_earnings_analysis")?
+        .map(relay_wire::ItemKind::from);
     let company_id = query.parsed::<i64>("company_id", "a company id (a whole number)")?;
     let tombstones = query.flag("include_tombstones")?;
     let filter = copy::ItemFilter {
@@ -169,14 +196,23 @@ pub struct TrackView {
     pub reload_begun_at: Option<OffsetDateTime>,
 }
 
+/// How the relay's calls to an endpoint's upstream fare: `needs_settings` (no
+/// upstream_base_url or upstream_api_key registered: no call is made), `failing` (the last call
+/// failed: it is tried again after a pause that grows with each failure in a row, see
+/// `consecutive_failures`), or `ok`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum UpstreamStatus {
+    NeedsSettings,
+    Failing,
+    Ok,
+}
+
 /// How the relay's calls to the endpoint's upstream fare (its reloads, refetches, and a stories
 /// endpoint's syncs and reads).
 #[derive(Debug, Serialize, ToSchema)]
 pub struct UpstreamStateView {
-    /// `needs_settings` (no upstream_base_url or upstream_api_key registered: no call is
-    /// made), `failing` (the last call failed: it is tried again after a pause that grows with
-    /// each failure in a row, see `consecutive_failures`), or `ok`.
-    pub status: String,
+    pub status: UpstreamStatus,
     /// The last failure's name: `certificate_unknown_issuer`, `certificate_name_mismatch`,
     /// `certificate_expired` (and other `certificate_*`), `connect`, `timeout`, `refused` (the
     /// operator's outbound policy), `status` (an unexpected HTTP status), `body` (not JSON),
@@ -224,13 +260,22 @@ impl From<relay_store::restores::Restore> for RestoreView {
     }
 }
 
+/// Where a stories endpoint's reload in full stands: `running` (begun, not finished), `owed`
+/// (needed: a new endpoint, an expired catch-up cursor, a resync; the next sync begins it) or
+/// `none`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum StoriesReloadStatus {
+    Running,
+    Owed,
+    None,
+}
+
 /// A stories endpoint's reload in full (seed 000's: each ticker's stories listed and saved, the
 /// open stories the listing missed read, then catch-up from the window's start).
 #[derive(Debug, Serialize, ToSchema)]
 pub struct StoriesReloadView {
-    /// `running` (begun, not finished), `owed` (needed: a new endpoint, an expired catch-up
-    /// cursor, a resync; the next sync begins it) or `none`.
-    pub status: String,
+    pub status: StoriesReloadStatus,
     /// The round of the running reload: its writes name it as their cause in the stream.
     pub round: Option<i64>,
     /// When the last reload in full finished; null: none has.
@@ -267,16 +312,16 @@ pub struct StoriesStateView {
 impl From<SyncView> for StoriesStateView {
     fn from(sync: SyncView) -> Self {
         let (status, round) = match sync.reload() {
-            Some(ReloadStatus::Running(round)) => ("running", Some(round)),
-            Some(ReloadStatus::Owed) => ("owed", None),
-            None => ("none", None),
+            Some(ReloadStatus::Running(round)) => (StoriesReloadStatus::Running, Some(round)),
+            Some(ReloadStatus::Owed) => (StoriesReloadStatus::Owed, None),
+            None => (StoriesReloadStatus::None, None),
         };
         Self {
-            loaded: status == "none" && sync.tickers_loading.is_empty(),
+            loaded: status == StoriesReloadStatus::None && sync.tickers_loading.is_empty(),
             catch_up_cursor: sync.cursor,
             caught_up_at: sync.caught_up_at,
             reload: StoriesReloadView {
-                status: status.to_owned(),
+                status,
                 round,
                 reloaded_at: sync.reloaded_at,
             },
@@ -292,9 +337,9 @@ impl From<SyncView> for StoriesStateView {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct StateView {
     pub endpoint_id: Uuid,
-    pub status: String,
-    /// `feed` or `stories`: which of `tracks` and `stories` describes the endpoint.
-    pub source: String,
+    pub status: EndpointStatus,
+    /// Which of `tracks` and `stories` describes the endpoint.
+    pub source: EndpointSource,
     /// A feed endpoint's tracks; null for a stories endpoint (it has none).
     pub tracks: Option<Vec<TrackView>>,
     /// A feed endpoint's: true when any track's reload runs; null for a stories endpoint (see
@@ -385,11 +430,10 @@ pub async fn endpoint_state(
     tx.commit().await?;
     let upstream = UpstreamStateView {
         status: match &upstream {
-            _ if !upstream_configured => "needs_settings",
-            Some(recorded) if recorded.failing() => "failing",
-            _ => "ok",
-        }
-        .to_owned(),
+            _ if !upstream_configured => UpstreamStatus::NeedsSettings,
+            Some(recorded) if recorded.failing() => UpstreamStatus::Failing,
+            _ => UpstreamStatus::Ok,
+        },
         last_error_kind: upstream.as_ref().map(|u| u.last_error_kind.clone()),
         last_error: upstream.as_ref().map(|u| u.last_error.clone()),
         consecutive_failures: upstream.as_ref().map_or(0, |u| u.consecutive_failures),
@@ -401,8 +445,12 @@ pub async fn endpoint_state(
     let tracks = stories.is_none().then_some(tracks);
     Ok(Json(StateView {
         endpoint_id: id.0,
-        status,
-        source: if stories.is_some() { "stories" } else { "feed" }.to_owned(),
+        status: stored("endpoint status", &status)?,
+        source: if stories.is_some() {
+            EndpointSource::Stories
+        } else {
+            EndpointSource::Feed
+        },
         reload_running: tracks
             .as_ref()
             .map(|tracks| tracks.iter().any(|t| t.reload_running)),
@@ -425,11 +473,95 @@ pub async fn endpoint_state(
     }))
 }
 
+/// How the sequencer took a message it applied. A feed message: `applied` (its events applied),
+/// `test` (a test message: nothing to apply), `ignored_track` (a track version 1 does not read),
+/// `older_generation` (older than the track's generation), `reload_begun` (a reset: the feed is
+/// read again), `reload_superseded` (a reset a later one replaced), `quarantined` (set aside:
+/// it can never be applied). A stories message: `applied`, `ignored_type` (an event type the
+/// relay does not name), `malformed` (not a stories event: set aside as quarantined),
+/// `read_owed` (applied, but a fetch-on-notify read of a story it names failed and is owed).
+/// `unrecorded`: applied before outcomes were kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MessageOutcome {
+    Applied,
+    Test,
+    IgnoredTrack,
+    OlderGeneration,
+    ReloadBegun,
+    ReloadSuperseded,
+    Quarantined,
+    IgnoredType,
+    Malformed,
+    ReadOwed,
+    Unrecorded,
+}
+
+impl From<relay_rules::Outcome> for MessageOutcome {
+    fn from(outcome: relay_rules::Outcome) -> Self {
+        use relay_rules::Outcome;
+        match outcome {
+            Outcome::Applied => Self::Applied,
+            Outcome::Test => Self::Test,
+            Outcome::IgnoredTrack => Self::IgnoredTrack,
+            Outcome::OlderGeneration => Self::OlderGeneration,
+            Outcome::ReloadBegun => Self::ReloadBegun,
+            Outcome::ReloadSuperseded => Self::ReloadSuperseded,
+            Outcome::Quarantined => Self::Quarantined,
+        }
+    }
+}
+
+impl From<&relay_rules::StoryOutcome> for MessageOutcome {
+    fn from(outcome: &relay_rules::StoryOutcome) -> Self {
+        use relay_rules::StoryOutcome;
+        match outcome {
+            StoryOutcome::Applied => Self::Applied,
+            StoryOutcome::Ignored => Self::IgnoredType,
+            StoryOutcome::Malformed(_) => Self::Malformed,
+            StoryOutcome::ReadOwed(_) => Self::ReadOwed,
+        }
+    }
+}
+
+/// What became of a stored message: `waiting` (not applied yet), `applied` (its events applied,
+/// or the reload it asked for begun), `ignored` (set aside by the reading rules: another track,
+/// an older generation, a superseded reload, a test message, an event type the relay does not
+/// name) or `quarantined` (it can never be applied: see the endpoint's quarantine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MessageStatus {
+    Waiting,
+    Applied,
+    Ignored,
+    Quarantined,
+}
+
+/// Which messages a page lists: those in one status (`waiting`, `applied`, `ignored`,
+/// `quarantined`; see MessageStatus), or `duplicate`: those the upstream sent more than once
+/// (a repeat of a stored message's webhook-id is answered 200 and counted on the stored
+/// message, not stored again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MessageStatusFilter {
+    Waiting,
+    Applied,
+    Ignored,
+    Quarantined,
+    Duplicate,
+}
+
+/// The order of a page of messages: `newest` first (the default) or in `arrival` order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum MessageOrder {
+    Newest,
+    Arrival,
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ApplicationView {
-    /// applied, test, ignored_track, older_generation, reload_begun, reload_superseded,
-    /// malformed, quarantined; `unrecorded` for a message applied before outcomes were kept.
-    pub outcome: String,
+    pub outcome: MessageOutcome,
     /// Why a quarantined message cannot be applied.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
@@ -454,10 +586,7 @@ pub struct MessageView {
     /// How the front tier answered: every stored message was answered 202 once committed (a
     /// repeat of its webhook-id was answered 200 and not stored again).
     pub answered: u16,
-    /// What became of it: `waiting` (not applied yet), `applied`, `ignored` (set aside by the
-    /// reading rules: another track, an older generation, a superseded reload, a test message)
-    /// or `quarantined`.
-    pub status: String,
+    pub status: MessageStatus,
     /// How many times the upstream sent it again after it was stored (each answered 200 and
     /// not stored again), and when last.
     pub duplicates: i32,
@@ -481,15 +610,12 @@ pub struct MessagePage {
     get, path = "/v1/endpoints/{endpoint_id}/messages", tag = "reads", security(("bearer" = [])),
     params(
         ("endpoint_id" = Uuid, Path),
-        ("order" = Option<String>, Query, description = "newest (default) or arrival"),
+        ("order" = Option<MessageOrder>, Query, description = "newest (default) or arrival"),
         ("cursor" = Option<i64>, Query, description = "The next_cursor of the previous page"),
         ("limit" = Option<i64>, Query, description = "1 to 200, default 50"),
         ("include_body" = Option<bool>, Query, description = "Default false"),
-        ("status" = Option<String>, Query,
-         description = "Only messages in this status: waiting, applied, ignored or \
-                        quarantined; or `duplicate`: only messages the upstream sent more than \
-                        once (a repeat of a stored message's webhook-id is answered 200 and \
-                        counted on the stored message, not stored again)"),
+        ("status" = Option<MessageStatusFilter>, Query,
+         description = "Only messages in this status, or only those sent more than once"),
         ("received_from" = Option<String>, Query,
          description = "Only messages received at or after this time (RFC 3339)"),
         ("received_before" = Option<String>, Query,
@@ -520,18 +646,17 @@ pub async fn list_messages(
             "received_before",
         ],
     )?;
-    let (status, duplicated) = match query.text("status") {
+    let status = query.one_of::<MessageStatusFilter>(
+        "status",
+        "waiting, applied, ignored, quarantined or duplicate",
+    )?;
+    let (status, duplicated) = match status {
         None => (None, false),
-        Some("duplicate") => (None, true),
-        Some(status) if messages::MESSAGE_STATUSES.contains(&status) => {
-            (Some(status.to_owned()), false)
-        }
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "status",
-                format!("{} or duplicate", messages::MESSAGE_STATUSES.join(", ")),
-            ))
-        }
+        Some(MessageStatusFilter::Duplicate) => (None, true),
+        Some(MessageStatusFilter::Waiting) => (Some(MessageStatus::Waiting), false),
+        Some(MessageStatusFilter::Applied) => (Some(MessageStatus::Applied), false),
+        Some(MessageStatusFilter::Ignored) => (Some(MessageStatus::Ignored), false),
+        Some(MessageStatusFilter::Quarantined) => (Some(MessageStatus::Quarantined), false),
     };
     let instant = |field: &str| {
         query
@@ -543,11 +668,10 @@ pub async fn list_messages(
             .transpose()
     };
     let (received_from, received_before) = (instant("received_from")?, instant("received_before")?);
-    let newest_first = match query.text("order") {
-        None | Some("newest") => true,
-        Some("arrival") => false,
-        Some(_) => return Err(ApiError::invalid("order", "newest or arrival")),
-    };
+    let newest_first = query
+        .one_of::<MessageOrder>("order", "newest or arrival")?
+        .unwrap_or(MessageOrder::Newest)
+        == MessageOrder::Newest;
     let cursor = query.parsed::<i64>("cursor", "a cursor from a previous page")?;
     let limit = query.limit(50, 200)?;
     let include_body = query.flag("include_body")?;
@@ -559,7 +683,7 @@ pub async fn list_messages(
         cursor,
         limit,
         include_body,
-        status,
+        status: status.map(|s| spelling(&s)),
         duplicated,
         received_from,
         received_before,
@@ -568,28 +692,85 @@ pub async fn list_messages(
     let next_cursor = next_cursor(&rows, limit, |m| m.arrival_seq.to_string());
     let data = rows
         .into_iter()
-        .map(|m| MessageView {
-            arrival_seq: m.arrival_seq,
-            webhook_id: m.webhook_id,
-            signed_at: m.signed_at,
-            attempt: m.attempt,
-            received_at: m.received_at,
-            track: m.track,
-            generation: m.generation,
-            body_bytes: m.body_bytes,
-            answered: 202,
-            status: m.status,
-            duplicates: m.duplicates,
-            last_duplicate_at: m.last_duplicate_at,
-            applied: m.passed.then(|| ApplicationView {
-                outcome: m.outcome.unwrap_or_else(|| "unrecorded".to_owned()),
-                reason: m.reason,
-                events_applied: m.events_applied.unwrap_or(0),
-                events_ignored: m.events_ignored.unwrap_or(0),
-                applied_at: m.applied_at,
-            }),
-            body: m.body.map(|b| String::from_utf8_lossy(&b).into_owned()),
-        })
-        .collect();
+        .map(message_view)
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(Json(MessagePage { data, next_cursor }))
+}
+
+/// A stored message as its tenant reads it; a status or outcome the API names no value for is
+/// an internal error.
+fn message_view(m: messages::MessageRecord) -> Result<MessageView, ApiError> {
+    // A message is applied when the cursor passed it; its outcome, when none was recorded,
+    // is that it was applied before outcomes were kept.
+    let applied = if m.passed {
+        Some(ApplicationView {
+            outcome: match m.outcome.as_deref() {
+                Some(outcome) => stored("message outcome", outcome)?,
+                None => MessageOutcome::Unrecorded,
+            },
+            reason: m.reason,
+            events_applied: m.events_applied.unwrap_or(0),
+            events_ignored: m.events_ignored.unwrap_or(0),
+            applied_at: m.applied_at,
+        })
+    } else {
+        None
+    };
+    Ok(MessageView {
+        arrival_seq: m.arrival_seq,
+        webhook_id: m.webhook_id,
+        signed_at: m.signed_at,
+        attempt: m.attempt,
+        received_at: m.received_at,
+        track: m.track,
+        generation: m.generation,
+        body_bytes: m.body_bytes,
+        answered: 202,
+        status: stored("message status", &m.status)?,
+        duplicates: m.duplicates,
+        last_duplicate_at: m.last_duplicate_at,
+        applied,
+        body: m.body.map(|b| String::from_utf8_lossy(&b).into_owned()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routes::enums::{parse_spelt, spelling};
+
+    #[test]
+    fn message_statuses_and_outcomes_are_spelt_as_the_store_and_the_sequencer_write_them() {
+        let statuses: Vec<MessageStatus> = messages::MESSAGE_STATUSES
+            .iter()
+            .map(|text| stored("message status", text).unwrap())
+            .collect();
+        for (status, text) in statuses.iter().zip(messages::MESSAGE_STATUSES) {
+            assert_eq!(spelling(status), text);
+            let filter: MessageStatusFilter = parse_spelt(text).unwrap();
+            assert_eq!(spelling(&filter), text);
+        }
+        for outcome in relay_rules::Outcome::ALL {
+            let read: MessageOutcome = stored("message outcome", outcome.as_str()).unwrap();
+            assert_eq!(read, MessageOutcome::from(outcome));
+        }
+        use relay_rules::StoryOutcome;
+        for outcome in [
+            StoryOutcome::Applied,
+            StoryOutcome::Ignored,
+            StoryOutcome::Malformed(String::new()),
+            StoryOutcome::ReadOwed(String::new()),
+        ] {
+            let read: MessageOutcome = stored("message outcome", outcome.as_str()).unwrap();
+            assert_eq!(read, MessageOutcome::from(&outcome));
+        }
+        assert!(matches!(
+            stored::<MessageOutcome>("message outcome", "exploded"),
+            Err(ApiError::Internal(_))
+        ));
+        for kind in relay_wire::ItemKind::ALL {
+            let read: ItemKind = stored("item kind", kind.as_str()).unwrap();
+            assert_eq!(relay_wire::ItemKind::from(read), kind);
+        }
+    }
 }

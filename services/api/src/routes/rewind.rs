@@ -20,15 +20,15 @@
 use axum::extract::{Path, State};
 use axum::Json;
 use relay_rules::{
-    answer_rewind, restore_plan, EndpointTrack, RestorePlan, RewindAnswer, RewindOutcome,
-    RewindRefusal,
+    answer_rewind, restore_plan, EndpointTrack, RestorePlan, RewindAnswer, RewindRefusal,
 };
 use relay_store::restores;
 use relay_store::tracks::{self, FEED_TRACK};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
+use super::enums::spelling;
 use super::reads::RestoreView;
 use super::{parse_endpoint_id, AppState, ENDPOINT_NOT_FOUND};
 use crate::auth::TenantId;
@@ -41,25 +41,44 @@ pub struct UpstreamAnswerView {
     pub status: u16,
     /// The generation the track resends under, on 202.
     pub generation: Option<u64>,
-    /// The refusal, on 409: before_reset, cursor_not_in_epoch, cursor_ahead, reset_pending.
+    /// The refusal's code, on 409: `before_reset` or `cursor_not_in_epoch` (the feed is read
+    /// again), `cursor_ahead` or `reset_pending` (nothing needed), or a code version 1 does not
+    /// name, passed on as the upstream sent it (the feed is read again).
     pub refusal: Option<String>,
+}
+
+/// What the relay asked for: `rewind` (the upstream was asked to resend from `since`) or
+/// `read_feed_again` (the last message the copy took was a reset, or none of events was: no
+/// call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RewindPlan {
+    Rewind,
+    ReadFeedAgain,
+}
+
+/// What the relay does after a rewind: `nothing` (the messages that follow bring the copy up
+/// to date), `reload_begun` (the feed is read again), or `reload_already_running` (a running
+/// reload reads everything again already).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum RewindOutcome {
+    Nothing,
+    ReloadBegun,
+    ReloadAlreadyRunning,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RewindView {
     pub track: String,
-    /// `rewind` (the upstream was asked to resend from `since`) or `read_feed_again` (the last
-    /// message the copy took was a reset, or none of events was: no call).
-    pub plan: String,
+    pub plan: RewindPlan,
     /// The restore (`relay restored`) the plan was made from, now let go; null when none was
     /// held, and the plan was made from the track as it is.
     pub restore: Option<RestoreView>,
     pub since: Option<String>,
     /// The upstream's answer, when it was asked.
     pub upstream: Option<UpstreamAnswerView>,
-    /// `nothing` (the messages that follow bring the copy up to date), `reload_begun`, or
-    /// `reload_already_running` (a running reload reads everything again already).
-    pub outcome: String,
+    pub outcome: RewindOutcome,
     /// The track's running reload after this call.
     #[schema(value_type = Option<Object>)]
     pub reload: Option<Value>,
@@ -227,25 +246,25 @@ pub async fn rewind_track(
         |track| answer_rewind(track, answer.as_ref(), restore.is_some()),
     )
     .await?;
-    let outcome_text = match (answered.outcome, &answered.track) {
-        (RewindOutcome::Nothing, _) => "nothing",
-        (RewindOutcome::Reload, Some(_)) => "reload_begun",
-        (RewindOutcome::Reload, None) => "reload_already_running",
+    let outcome = match (answered.outcome, &answered.track) {
+        (relay_rules::RewindOutcome::Nothing, _) => RewindOutcome::Nothing,
+        (relay_rules::RewindOutcome::Reload, Some(_)) => RewindOutcome::ReloadBegun,
+        (relay_rules::RewindOutcome::Reload, None) => RewindOutcome::ReloadAlreadyRunning,
     };
+    let outcome_text = spelling(&outcome);
     state
         .metrics
         .rewinds
-        .with_label_values(&[outcome_text])
+        .with_label_values(&[&outcome_text])
         .inc();
     tracing::info!(%tenant, endpoint = %id, track, plan = ?plan, answer = ?answer,
                    restored = restore.is_some(), outcome = outcome_text, "rewind after restore");
     Ok(Json(RewindView {
         track,
         plan: match plan {
-            RestorePlan::Rewind { .. } => "rewind",
-            RestorePlan::Reload => "read_feed_again",
-        }
-        .to_owned(),
+            RestorePlan::Rewind { .. } => RewindPlan::Rewind,
+            RestorePlan::Reload => RewindPlan::ReadFeedAgain,
+        },
         restore: restore.map(RestoreView::from),
         since,
         upstream: answer.map(|a| match a {
@@ -260,7 +279,7 @@ pub async fn rewind_track(
                 refusal: Some(refusal_code(&refusal)),
             },
         }),
-        outcome: outcome_text.to_owned(),
+        outcome,
         reload: reload_json(&after)?,
     }))
 }

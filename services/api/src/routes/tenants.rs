@@ -176,7 +176,7 @@ pub async fn delete_tenant(
         StatusCode::ACCEPTED,
         Json(super::endpoints::DeletionView {
             id: id.0,
-            status: "deleting",
+            status: super::endpoints::DeletionStatus::Deleting,
         }),
     ))
 }
