@@ -505,6 +505,13 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             200,
         ),
         (
+            "GET /v1/endpoints/{endpoint_id}/activity",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
             "GET /v1/endpoints/{endpoint_id}/messages",
             None,
             Tenant,

@@ -383,3 +383,32 @@ pub async fn forget_published(
     let next = (page.len() as i64 == endpoints).then_some(EndpointId(last));
     Ok((deleted, next))
 }
+
+/// How many changes the endpoint's apply wrote in each minute at or after `since`, read from
+/// its latest `limit` changes at most (as [`crate::messages::arrivals_by_minute`]): the counts
+/// by minute, oldest first, and whether the bound cut the window short. A resync or restore
+/// deletes the old epoch's changes, so the counts start again from the new epoch.
+pub async fn written_by_minute(
+    pool: &PgPool,
+    endpoint: EndpointId,
+    since: OffsetDateTime,
+    limit: i64,
+) -> Result<(Vec<(OffsetDateTime, i64)>, bool), StoreError> {
+    let rows: Vec<(OffsetDateTime, i64, bool)> = sqlx::query_as(
+        "WITH latest AS (
+             SELECT created_at FROM changes WHERE endpoint_id = $1
+             ORDER BY change_seq DESC LIMIT $3
+         ),
+         bounds AS (SELECT count(*) = $3 AND min(created_at) >= $2 AS cut FROM latest)
+         SELECT date_trunc('minute', created_at) AS minute, count(*), (SELECT cut FROM bounds)
+         FROM latest WHERE created_at >= $2
+         GROUP BY 1 ORDER BY 1",
+    )
+    .bind(endpoint)
+    .bind(since)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    let cut = rows.first().is_some_and(|r| r.2);
+    Ok((rows.into_iter().map(|(m, n, _)| (m, n)).collect(), cut))
+}

@@ -405,3 +405,32 @@ pub async fn forget_applied(
     let next = (page.len() as i64 == endpoints).then_some(EndpointId(last));
     Ok((deleted as u64, next))
 }
+
+/// How many of the endpoint's messages arrived in each minute at or after `since`, read from
+/// its latest `limit` messages at most (the bound on what one read scans, whatever the
+/// endpoint's rate): the counts by minute, oldest first, and whether the bound cut the window
+/// short (the oldest message read is still inside it).
+pub async fn arrivals_by_minute(
+    pool: &PgPool,
+    endpoint: EndpointId,
+    since: OffsetDateTime,
+    limit: i64,
+) -> Result<(Vec<(OffsetDateTime, i64)>, bool), StoreError> {
+    let rows: Vec<(OffsetDateTime, i64, bool)> = sqlx::query_as(
+        "WITH latest AS (
+             SELECT received_at FROM messages WHERE endpoint_id = $1
+             ORDER BY arrival_seq DESC LIMIT $3
+         ),
+         bounds AS (SELECT count(*) = $3 AND min(received_at) >= $2 AS cut FROM latest)
+         SELECT date_trunc('minute', received_at) AS minute, count(*), (SELECT cut FROM bounds)
+         FROM latest WHERE received_at >= $2
+         GROUP BY 1 ORDER BY 1",
+    )
+    .bind(endpoint)
+    .bind(since)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    let cut = rows.first().is_some_and(|r| r.2);
+    Ok((rows.into_iter().map(|(m, n, _)| (m, n)).collect(), cut))
+}

@@ -20,6 +20,7 @@ use crate::envelope::Envelope;
 use crate::error::{check_text, ApiError};
 use crate::metrics::ApiMetrics;
 
+pub mod activity;
 pub mod broker;
 pub mod destinations;
 pub mod endpoints;
@@ -153,6 +154,7 @@ fn documented() -> OpenApiRouter<AppState> {
         .routes(routes!(reads::list_copy))
         .routes(routes!(reads::get_copy_item))
         .routes(routes!(reads::endpoint_state))
+        .routes(routes!(activity::endpoint_activity))
         .routes(routes!(reads::list_messages))
         .routes(routes!(stories::list_stories))
         .routes(routes!(stories::get_story))
