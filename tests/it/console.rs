@@ -2,6 +2,8 @@
 //! driven over WebDriver), against the control plane with its own database:
 //! - a tenant signs in with its token and sees its endpoints, and only its own: another tenant's
 //!   token sees none of them, and an endpoint of the first named in the URL is not found;
+//! - an endpoint's page draws its last hour's throughput, read from a route only its tenant
+//!   reaches;
 //! - an item whose headline and part carry `<script>` and `<img onerror>` renders as text: no
 //!   script runs and no image is made, and the text shows the markup as it was sent;
 //! - a form on another origin posting to the API (as a cross-site request forgery would)
@@ -345,6 +347,31 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
     );
     console.screenshot("endpoint").await;
 
+    // The last hour's throughput: the page's chart, and the route it draws from, for A only.
+    console.wait("activity-chart").await;
+    let activity = app
+        .ok(
+            200,
+            "GET",
+            &format!("/v1/endpoints/{endpoint_a}/activity"),
+            &token_a,
+            None,
+        )
+        .await;
+    let minutes = activity["minutes"].as_array().unwrap();
+    assert_eq!(minutes.len(), 60, "{activity}");
+    let written: i64 = minutes.iter().map(|m| m["written"].as_i64().unwrap()).sum();
+    assert_eq!(written, 1, "the hostile item's one change: {activity}");
+    let theirs = app
+        .call(
+            "GET",
+            &format!("/v1/endpoints/{endpoint_a}/activity"),
+            Some(&token_b),
+            None,
+        )
+        .await;
+    assert_eq!(theirs.status, 404, "{}", theirs.text);
+
     // Tenant B sees only its own endpoint, and A's is not found for it.
     console.sign_in(&token_b).await;
     console.open("/endpoints").await;
@@ -653,6 +680,7 @@ async fn console_pages_against_the_api_reads_they_are_built_on() {
         "/v1/tenant".to_owned(),
         e(""),
         e("/state"),
+        e("/activity"),
         e("/secrets"),
         e("/copy?limit=50"),
         e("/messages?limit=50"),

@@ -759,6 +759,7 @@
     };
     const sections = [
       ['overview', 'Overview', overviewSection],
+      ['activity', 'Last hour', activitySection],
       ['copy', 'Copy', copySection],
       ['messages', 'Messages', messagesSection],
       ['quarantine', 'Quarantine', quarantineSection],
@@ -775,6 +776,79 @@
       route();
     });
     holder.replaceChildren(el('div', { class: 'title-row' }, [jump, refresh]), ...built);
+  }
+
+  // ---- activity: the last hour's throughput, and the lag and backlog now
+
+  const SVG_NS = 'http://www.w3.org/2000/svg';
+  const SVG_ATTRS = new Set(['viewBox', 'x', 'y', 'width', 'height', 'x1', 'y1', 'x2', 'y2',
+    'points', 'class', 'role', 'aria-label', 'data-testid', 'preserveAspectRatio', 'text-anchor']);
+
+  // An SVG element; only geometry and class attributes (no handlers, no style, no links).
+  function svg(tag, attrs, children) {
+    const node = document.createElementNS(SVG_NS, tag);
+    for (const [name, value] of Object.entries(attrs || {})) {
+      if (!SVG_ATTRS.has(name)) throw new Error('svg: attribute refused: ' + name);
+      node.setAttribute(name, String(value));
+    }
+    for (const child of children || []) {
+      node.appendChild(typeof child === 'string' ? document.createTextNode(child) : child);
+    }
+    return node;
+  }
+
+  // Two series per minute (received, written) as lines over a shared scale.
+  function activityChart(minutes) {
+    const width = 720;
+    const height = 160;
+    const pad = 28;
+    const top = Math.max(1, ...minutes.map((m) => Math.max(m.received, m.written)));
+    const x = (i) => pad + (i * (width - 2 * pad)) / Math.max(1, minutes.length - 1);
+    const y = (n) => height - pad - (n * (height - 2 * pad)) / top;
+    const line = (key, cls) => svg('polyline', {
+      class: cls, points: minutes.map((m, i) => x(i).toFixed(1) + ',' + y(m[key]).toFixed(1)).join(' '),
+    });
+    return svg('svg', {
+      viewBox: '0 0 ' + width + ' ' + height, class: 'chart', role: 'img', 'data-testid': 'activity-chart',
+      'aria-label': 'Messages received and changes written per minute, last hour',
+    }, [
+      svg('line', { class: 'axis', x1: pad, y1: height - pad, x2: width - pad, y2: height - pad }),
+      svg('line', { class: 'axis', x1: pad, y1: pad, x2: pad, y2: height - pad }),
+      svg('text', { class: 'tick', x: pad - 4, y: pad + 4, 'text-anchor': 'end' }, [fmtNum(top)]),
+      svg('text', { class: 'tick', x: pad - 4, y: height - pad, 'text-anchor': 'end' }, ['0']),
+      svg('text', { class: 'tick', x: pad, y: height - 8 }, ['60 min ago']),
+      svg('text', { class: 'tick', x: width - pad, y: height - 8, 'text-anchor': 'end' }, ['now']),
+      line('received', 'series received'),
+      line('written', 'series written'),
+    ]);
+  }
+
+  function activitySection(ctx) {
+    const box = el('div', {}, loading());
+    const now = el('p', { class: 'muted', 'data-testid': 'activity-now' });
+    const showNow = (state) => text(now, 'Now: apply lag ' + fmtNum(state.apply_lag_s, 1) + ' s, '
+      + fmtNum(state.messages_waiting) + ' messages waiting, outbox backlog '
+      + fmtNum(state.outbox_backlog) + '.');
+    showNow(ctx.state);
+    ctx.listeners.push(showNow);
+    (async () => {
+      try {
+        const activity = await api('GET', path('endpoints', ctx.id, 'activity'));
+        const total = (key) => activity.minutes.reduce((sum, m) => sum + m[key], 0);
+        const cut = activity.received_cut || activity.written_cut;
+        swap(box,
+          el('p', { 'data-testid': 'activity-totals' }, [
+            el('span', { class: 'legend received' }, 'Received'), ' ' + fmtNum(total('received')) + ' messages, ',
+            el('span', { class: 'legend written' }, 'written'), ' ' + fmtNum(total('written')) + ' changes in the last hour',
+            cut ? ' (the earliest minutes are undercounted: more rows than one read scans)' : '',
+          ]),
+          activityChart(activity.minutes));
+      } catch (err) {
+        swap(box, el('p', { class: 'muted' }, 'Activity unavailable.'));
+        report(err, box);
+      }
+    })();
+    return [now, box];
   }
 
   // ---- overview
