@@ -3,7 +3,7 @@
 //! - a tenant signs in with its token and sees its endpoints, and only its own: another tenant's
 //!   token sees none of them, and an endpoint of the first named in the URL is not found;
 //! - an endpoint's page draws its last hour's throughput, read from a route only its tenant
-//!   reaches;
+//!   reaches; its pause, resume and secret rotation do what the API then reports;
 //! - an item whose headline and part carry `<script>` and `<img onerror>` renders as text: no
 //!   script runs and no image is made, and the text shows the markup as it was sent;
 //! - a form on another origin posting to the API (as a cross-site request forgery would)
@@ -371,6 +371,57 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
         )
         .await;
     assert_eq!(theirs.status, 404, "{}", theirs.text);
+
+    // Pause and resume from the page, as the API then says.
+    let endpoint_status = |want: &str| {
+        format!(
+            "return (document.querySelector('[data-testid=\"endpoint-status\"]') || {{}})\
+             .textContent.trim() === '{want}';"
+        )
+    };
+    let status_of = || async {
+        app.ok(
+            200,
+            "GET",
+            &format!("/v1/endpoints/{endpoint_a}"),
+            &token_a,
+            None,
+        )
+        .await["status"]
+            .clone()
+    };
+    console.click("pause").await;
+    console.until("paused", &endpoint_status("paused")).await;
+    assert_eq!(status_of().await, "paused");
+    console.click("resume").await;
+    console.until("active", &endpoint_status("active")).await;
+    assert_eq!(status_of().await, "active");
+
+    // A new signing secret, made in the browser and shown once; the endpoint holds two now.
+    console.click("rotate-secret").await;
+    let shown = console.wait("new-secret").await.text().await.unwrap();
+    assert!(
+        shown
+            .split_whitespace()
+            .any(|w| w.starts_with("whsec_") && w.len() > 40),
+        "{shown}"
+    );
+    let secrets = app
+        .ok(
+            200,
+            "GET",
+            &format!("/v1/endpoints/{endpoint_a}/secrets"),
+            &token_a,
+            None,
+        )
+        .await;
+    let secrets = secrets
+        .get("data")
+        .unwrap_or(&secrets)
+        .as_array()
+        .unwrap()
+        .len();
+    assert_eq!(secrets, 2, "the first secret and the rotated one");
 
     // Tenant B sees only its own endpoint, and A's is not found for it.
     console.sign_in(&token_b).await;
