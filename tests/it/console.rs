@@ -4,6 +4,8 @@
 //!   token sees none of them, and an endpoint of the first named in the URL is not found;
 //! - an endpoint's page draws its last hour's throughput, read from a route only its tenant
 //!   reaches; its pause, resume and secret rotation do what the API then reports;
+//! - a resync confirmed in the page begins a new epoch; a stories endpoint's page shows its
+//!   tickers, a story whose headline carries markup (as text) and its notification;
 //! - an item whose headline and part carry `<script>` and `<img onerror>` renders as text: no
 //!   script runs and no image is made, and the text shows the markup as it was sent;
 //! - a form on another origin posting to the API (as a cross-site request forgery would)
@@ -422,6 +424,74 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
         .unwrap()
         .len();
     assert_eq!(secrets, 2, "the first secret and the rotated one");
+
+    // A resync from the stream section, confirmed in the page: a new epoch, as the API says.
+    let epoch_before = app
+        .ok(
+            200,
+            "GET",
+            &format!("/v1/endpoints/{endpoint_a}/state"),
+            &token_a,
+            None,
+        )
+        .await["change_epoch"]
+        .clone();
+    console.click("resync").await;
+    console.click("resync-confirm").await;
+    console.wait("resync-answer").await;
+    let epoch_after = app
+        .ok(
+            200,
+            "GET",
+            &format!("/v1/endpoints/{endpoint_a}/state"),
+            &token_a,
+            None,
+        )
+        .await["change_epoch"]
+        .clone();
+    assert!(
+        epoch_after.as_i64() > epoch_before.as_i64(),
+        "resynced from {epoch_before} to {epoch_after}"
+    );
+
+    // A stories endpoint: its tickers, a story whose headline carries markup (as text), and
+    // the notification it claimed.
+    let stories = stories_endpoint_with_a_hostile_story(&app, tenant_a, &token_a).await;
+    console.open(&format!("/endpoints/{stories}")).await;
+    console
+        .until(
+            "the story and its notification",
+            "return !!document.querySelector('[data-testid=\"story-headline\"]') \
+             && !!document.querySelector('[data-testid=\"notification-row\"]');",
+        )
+        .await;
+    let tickers = console.wait("tickers").await.text().await.unwrap();
+    assert!(tickers.contains("ALFA B"), "{tickers}");
+    let headline = console.wait("story-headline").await.text().await.unwrap();
+    assert_eq!(headline.trim(), HOSTILE_TITLE);
+    let page = console
+        .browser
+        .execute(
+            "return {pwned: window.__pwned === undefined ? null : window.__pwned,
+                     images: document.images.length};",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        page,
+        json!({"pwned": null, "images": 0}),
+        "markup from a story ran"
+    );
+    console
+        .browser
+        .execute(
+            "document.querySelector('[data-testid=\"stories\"]').scrollIntoView(); return true;",
+            vec![],
+        )
+        .await
+        .unwrap();
+    console.screenshot("stories").await;
 
     // Tenant B sees only its own endpoint, and A's is not found for it.
     console.sign_in(&token_b).await;
@@ -860,4 +930,50 @@ async fn api_reads_ms(app: &ApiApp, token: &str, reads: &[String]) -> f64 {
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
+}
+
+/// A stories endpoint of `tenant` (registered through the API) holding one story whose headline
+/// carries markup, claimed strong and notified, written as the sequencer writes them; its id.
+async fn stories_endpoint_with_a_hostile_story(app: &ApiApp, tenant: Uuid, token: &str) -> Uuid {
+    use relay_rules::{plan_writes, PlannedClaim, StoryWrite};
+    use relay_store::stories::{self as store, PlanCause};
+
+    let endpoint = Uuid::new_v4();
+    app.ok(
+        201,
+        "POST",
+        "/v1/endpoints",
+        token,
+        Some(
+            &json!({"id": endpoint, "source": "stories", "stories_mode": "snapshot",
+                     "tickers": ["ALFA B"],
+                     "secrets": [relay_tests::random_secret().to_whsec()]}),
+        ),
+    )
+    .await;
+    let (tenant, id) = (
+        relay_store::TenantId(tenant),
+        relay_store::EndpointId(endpoint),
+    );
+    store::sync_state(&app.db.pool, tenant, id).await.unwrap();
+    let fence = app.db.claim_fence(endpoint).await;
+    let story = relay_wire::Story::from_value(&json!({
+        "id": "st_666", "ticker": "ALFA B", "version": 1, "headline": HOSTILE_TITLE}))
+    .unwrap();
+    let mut writer = store::open(&app.db.pool, tenant, id, fence)
+        .await
+        .unwrap()
+        .expect("the fence is ours");
+    let held = writer.held(&["st_666".to_owned()]).await.unwrap();
+    let mut plan = plan_writes(&held, [StoryWrite::Save(story.clone())]);
+    plan.writes[0].event_id = Some("ev_created_666".into());
+    plan.claims = vec![PlannedClaim {
+        key: "strong:st_666".into(),
+        story,
+        event_id: "ev_strong_666".into(),
+        notify: true,
+    }];
+    writer.write_plan(&plan, PlanCause::Events).await.unwrap();
+    writer.commit().await.unwrap();
+    endpoint
 }
