@@ -286,6 +286,7 @@ async fn schedule(
         metrics.clone(),
         stop.clone(),
     ));
+    let lag_sampler = tokio::spawn(sample_lag(pool.clone(), stop.clone()));
     let (changed_tx, mut changed_rx) = mpsc::unbounded_channel::<Option<Uuid>>();
     let registration_listener = tokio::spawn(listen_registration_changes(
         pool.clone(),
@@ -502,6 +503,7 @@ async fn schedule(
     registration_listener.abort();
     sweeper.abort();
     retention_task.abort();
+    lag_sampler.abort();
 }
 
 /// How long each kind of row is kept (`None`: for ever).
@@ -588,6 +590,24 @@ async fn retention(
         }
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// How often each sequencer process samples every endpoint's apply lag for the console's chart:
+/// a few samples a minute, of which each minute keeps the greatest.
+const LAG_SAMPLE_INTERVAL: Duration = Duration::from_secs(15);
+
+/// Every [`LAG_SAMPLE_INTERVAL`]: samples every endpoint's apply lag (relay-store's
+/// `lag_samples`), one statement that also forgets samples past two hours.
+async fn sample_lag(pool: PgPool, mut stop: watch::Receiver<bool>) {
+    loop {
+        if let Err(error) = relay_store::lag_samples::sample(&pool).await {
+            tracing::warn!(%error, "sampling the endpoints' apply lag failed");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(LAG_SAMPLE_INTERVAL) => {}
             _ = stop.changed() => return,
         }
     }

@@ -14,6 +14,8 @@
 //! - [`broker_users`]: each tenant's user on the relay's broker (the user lives in RabbitMQ).
 //! - [`endpoints`]: webhook endpoints, their status and their signing secrets.
 //! - [`messages`]: the stored webhook messages, written in batches.
+//! - [`lag_samples`]: each endpoint's apply lag, sampled minute by minute for the console's
+//!   chart of the last hour.
 //! - [`quarantine`]: stored messages the sequencer set aside, their retry and discard.
 //! - [`upstream_status`]: how each endpoint's calls to its upstream fare (the last failure,
 //!   since when, the last recovery).
@@ -48,6 +50,7 @@ pub mod destinations;
 pub mod endpoints;
 pub mod fences;
 mod ids;
+pub mod lag_samples;
 pub mod messages;
 pub mod offboard;
 pub mod quarantine;

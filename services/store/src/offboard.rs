@@ -31,7 +31,7 @@ use crate::{EndpointId, StoreError, TenantId};
 /// Every table with rows of an endpoint, keyed by `endpoint_id`, in the order the purge
 /// empties them, those that grow with traffic first. `webhook_endpoints` itself goes last, in
 /// [`finish_endpoint`].
-pub const ENDPOINT_TABLES: [&str; 19] = [
+pub const ENDPOINT_TABLES: [&str; 20] = [
     "messages",
     "message_applications",
     "applied_events",
@@ -48,6 +48,7 @@ pub const ENDPOINT_TABLES: [&str; 19] = [
     "endpoint_change_counters",
     "endpoint_upstream_status",
     "endpoint_restores",
+    "endpoint_lag_samples",
     "endpoint_secrets",
     "endpoint_fences",
     "endpoint_arrival_counters",

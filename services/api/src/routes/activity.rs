@@ -1,12 +1,13 @@
-//! An endpoint's throughput over the last hour, minute by minute: the messages the front tier
-//! stored and the changes the apply wrote, what the console's chart draws. Both are counted
+//! An endpoint's last hour, minute by minute: the messages the front tier stored, the changes
+//! the apply wrote, and the apply lag, what the console's chart draws. The first two are counted
 //! from the rows themselves (`messages.received_at`, `changes.created_at`), so nothing is
 //! written per message to keep them; each read scans at most [`ACTIVITY_ROWS`] of the
-//! endpoint's latest rows of each table, and says when that bound cut the hour short.
+//! endpoint's latest rows of each table, and says when that bound cut the hour short. The lag
+//! is the sequencers' samples (relay-store's `lag_samples`).
 
 use axum::extract::{Path, State};
 use axum::Json;
-use relay_store::{changes, messages};
+use relay_store::{changes, lag_samples, messages};
 use serde::Serialize;
 use time::{Duration, OffsetDateTime};
 use utoipa::ToSchema;
@@ -42,6 +43,9 @@ pub struct MinuteView {
     pub received: i64,
     /// Changes the apply wrote to the endpoint's stream in it (of its current epoch).
     pub written: i64,
+    /// The greatest apply lag sampled in it, in seconds: how long the oldest stored message
+    /// not yet applied had waited; 0 when nothing was waiting when sampled.
+    pub apply_lag_s: f64,
 }
 
 #[utoipa::path(
@@ -49,8 +53,8 @@ pub struct MinuteView {
     security(("bearer" = [])),
     params(("endpoint_id" = Uuid, Path)),
     responses(
-        (status = 200, body = ActivityView, description = "The endpoint's messages received and \
-            changes written in each minute of the last hour"),
+        (status = 200, body = ActivityView, description = "The endpoint's messages received, \
+            changes written and greatest apply lag in each minute of the last hour"),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
         (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
     )
@@ -70,6 +74,7 @@ pub async fn endpoint_activity(
         messages::arrivals_by_minute(&state.pool, id, since, ACTIVITY_ROWS).await?;
     let (written, written_cut) =
         changes::written_by_minute(&state.pool, id, since, ACTIVITY_ROWS).await?;
+    let lags = lag_samples::by_minute(&state.pool, id, since).await?;
     let count_at = |counts: &[(OffsetDateTime, i64)], at: OffsetDateTime| {
         counts.iter().find(|(m, _)| *m == at).map_or(0, |(_, n)| *n)
     };
@@ -80,6 +85,10 @@ pub async fn endpoint_activity(
                 at,
                 received: count_at(&received, at),
                 written: count_at(&written, at),
+                apply_lag_s: lags
+                    .iter()
+                    .find(|(m, _)| *m == at)
+                    .map_or(0.0, |(_, lag)| *lag),
             }
         })
         .collect();
