@@ -2,7 +2,8 @@
 //! driven over WebDriver), against the control plane with its own database:
 //! - a tenant signs in with its token and sees its endpoints, and only its own: another tenant's
 //!   token sees none of them, and an endpoint of the first named in the URL is not found;
-//! - an endpoint's page draws its last hour's throughput, read from a route only its tenant
+//! - an endpoint's page draws its last hour's throughput and sampled apply lag, read from a
+//!   route only its tenant
 //!   reaches; its pause, resume and secret rotation do what the API then reports;
 //! - a resync confirmed in the page begins a new epoch; a stories endpoint's page shows its
 //!   tickers, a story whose headline carries markup (as text) and its notification;
@@ -32,7 +33,7 @@ use relay_netguard::OutboundPolicy;
 use relay_sequencer::{SequencerConfig, SequencerMetrics};
 use relay_tests::TestDb;
 
-use crate::api::{apply_events, ApiApp};
+use crate::api::{apply_events, store_messages, ApiApp};
 use crate::scale_out::free_address;
 use crate::sequencer_quarantine::{
     in_sync_endpoint, refuse_poison, sequencer_config, store_updates,
@@ -238,6 +239,13 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
     let (endpoint_b, _) = app.endpoint(&token_b, json!({})).await;
     let subject = "announcement:666";
     apply_events(&app.db, tenant_a, endpoint_a, &[hostile_item(subject)]).await;
+    // Three messages stored and not applied (no sequencer runs here): waiting, so a sample of
+    // the apply lag, as the sequencers take them, finds A's endpoint behind.
+    store_messages(&app.db, tenant_a, endpoint_a, 3).await;
+    let (sampled, _) = relay_store::lag_samples::sample(&app.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(sampled, 1, "A's endpoint alone has messages waiting");
 
     // Every file of the console carries the policy.
     for file in ["/console/", "/console/app.js", "/console/app.css"] {
@@ -362,8 +370,31 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
         .await;
     let minutes = activity["minutes"].as_array().unwrap();
     assert_eq!(minutes.len(), 60, "{activity}");
-    let written: i64 = minutes.iter().map(|m| m["written"].as_i64().unwrap()).sum();
-    assert_eq!(written, 1, "the hostile item's one change: {activity}");
+    let sum = |key: &str| -> i64 { minutes.iter().map(|m| m[key].as_i64().unwrap()).sum() };
+    assert_eq!(
+        sum("written"),
+        1,
+        "the hostile item's one change: {activity}"
+    );
+    assert_eq!(sum("received"), 3, "the three messages stored: {activity}");
+    let lag = minutes
+        .iter()
+        .map(|m| m["apply_lag_s"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(
+        lag > 0.0,
+        "the oldest waiting message's age, sampled: {activity}"
+    );
+    console.wait("lag-chart").await;
+    console
+        .browser
+        .execute(
+            "document.querySelector('[data-testid=\"activity\"]').scrollIntoView(); return true;",
+            vec![],
+        )
+        .await
+        .unwrap();
+    console.screenshot("activity").await;
     let theirs = app
         .call(
             "GET",

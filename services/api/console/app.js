@@ -797,29 +797,28 @@
     return node;
   }
 
-  // Two series per minute (received, written) as lines over a shared scale.
-  function activityChart(minutes) {
+  // Series per minute as lines over a shared scale: keys of the minutes, each with its class.
+  function activityChart(minutes, series, testid, label, unit) {
     const width = 720;
     const height = 160;
     const pad = 28;
-    const top = Math.max(1, ...minutes.map((m) => Math.max(m.received, m.written)));
+    const top = Math.max(1, ...minutes.map((m) => Math.max(...series.map(([key]) => m[key]))));
     const x = (i) => pad + (i * (width - 2 * pad)) / Math.max(1, minutes.length - 1);
     const y = (n) => height - pad - (n * (height - 2 * pad)) / top;
     const line = (key, cls) => svg('polyline', {
       class: cls, points: minutes.map((m, i) => x(i).toFixed(1) + ',' + y(m[key]).toFixed(1)).join(' '),
     });
     return svg('svg', {
-      viewBox: '0 0 ' + width + ' ' + height, class: 'chart', role: 'img', 'data-testid': 'activity-chart',
-      'aria-label': 'Messages received and changes written per minute, last hour',
+      viewBox: '0 0 ' + width + ' ' + height, class: 'chart', role: 'img', 'data-testid': testid,
+      'aria-label': label,
     }, [
       svg('line', { class: 'axis', x1: pad, y1: height - pad, x2: width - pad, y2: height - pad }),
       svg('line', { class: 'axis', x1: pad, y1: pad, x2: pad, y2: height - pad }),
-      svg('text', { class: 'tick', x: pad - 4, y: pad + 4, 'text-anchor': 'end' }, [fmtNum(top)]),
+      svg('text', { class: 'tick', x: pad - 4, y: pad + 4, 'text-anchor': 'end' }, [fmtNum(top, unit ? 1 : 0) + (unit || '')]),
       svg('text', { class: 'tick', x: pad - 4, y: height - pad, 'text-anchor': 'end' }, ['0']),
       svg('text', { class: 'tick', x: pad, y: height - 8 }, ['60 min ago']),
       svg('text', { class: 'tick', x: width - pad, y: height - 8, 'text-anchor': 'end' }, ['now']),
-      line('received', 'series received'),
-      line('written', 'series written'),
+      ...series.map(([key, cls]) => line(key, 'series ' + cls)),
     ]);
   }
 
@@ -842,7 +841,15 @@
             el('span', { class: 'legend written' }, 'written'), ' ' + fmtNum(total('written')) + ' changes in the last hour',
             cut ? ' (the earliest minutes are undercounted: more rows than one read scans)' : '',
           ]),
-          activityChart(activity.minutes));
+          activityChart(activity.minutes, [['received', 'received'], ['written', 'written']],
+            'activity-chart', 'Messages received and changes written per minute, last hour'),
+          el('p', { 'data-testid': 'lag-totals' }, [
+            el('span', { class: 'legend lag' }, 'Apply lag'),
+            ', the most sampled in each minute: at most ' + fmtNum(Math.max(0, ...activity.minutes.map((m) => m.apply_lag_s)), 1)
+              + ' s in the last hour',
+          ]),
+          activityChart(activity.minutes, [['apply_lag_s', 'lag']], 'lag-chart',
+            'Apply lag per minute, in seconds, last hour', ' s'));
       } catch (err) {
         swap(box, el('p', { class: 'muted' }, 'Activity unavailable.'));
         report(err, box);
