@@ -31,7 +31,8 @@ use uuid::Uuid;
 
 use relay_netguard::OutboundPolicy;
 use relay_sequencer::{SequencerConfig, SequencerMetrics};
-use relay_tests::TestDb;
+use relay_simulator::Faults;
+use relay_tests::{TestApp, TestDb};
 
 use crate::api::{apply_events, store_messages, ApiApp};
 use crate::scale_out::free_address;
@@ -39,7 +40,8 @@ use crate::sequencer_quarantine::{
     in_sync_endpoint, refuse_poison, sequencer_config, store_updates,
 };
 use crate::stack::{
-    copy_items, publisher_config, start_publisher, start_sequencer_with, Api, Room,
+    copy_items, oracle, publisher_config, quiesce, serve_simulation, simulation, start_publisher,
+    start_sequencer_with, stop_simulation, upstream_listener, Api, Room,
 };
 use crate::tenant_broker::{connect, consume, next_delivery, UsersGuard};
 
@@ -178,6 +180,18 @@ impl Console {
         panic!("[data-testid={id}] kept being drawn anew");
     }
 
+    /// The text of `[data-testid=<id>]`, read again if the page drew the element anew meanwhile.
+    async fn text_of(&self, id: &str) -> String {
+        for _ in 0..5 {
+            match self.wait(id).await.text().await {
+                Err(fantoccini::error::CmdError::Standard(e))
+                    if e.error == fantoccini::error::ErrorStatus::StaleElementReference => {}
+                other => return other.unwrap(),
+            }
+        }
+        panic!("[data-testid={id}] kept being drawn anew");
+    }
+
     /// Clicks `[data-testid=<id>]`, again if the page drew the element anew meanwhile.
     async fn click(&self, id: &str) {
         self.click_at(&format!("[data-testid=\"{id}\"]")).await;
@@ -185,21 +199,26 @@ impl Console {
 
     /// Clicks the element `css` selects, again if the page drew it anew meanwhile.
     async fn click_at(&self, css: &str) {
+        self.click_on(Locator::Css(css)).await;
+    }
+
+    /// Clicks the element `locator` finds, again if the page drew it anew meanwhile.
+    async fn click_on(&self, locator: Locator<'_>) {
         for _ in 0..5 {
             let element = self
                 .browser
                 .wait()
                 .at_most(Duration::from_secs(20))
-                .for_element(Locator::Css(css))
+                .for_element(locator)
                 .await
-                .unwrap_or_else(|error| panic!("no {css} on the page: {error}"));
+                .unwrap_or_else(|error| panic!("no {locator:?} on the page: {error}"));
             match element.click().await {
                 Err(fantoccini::error::CmdError::Standard(e))
                     if e.error == fantoccini::error::ErrorStatus::StaleElementReference => {}
                 other => return other.unwrap(),
             }
         }
-        panic!("{css} kept being drawn anew");
+        panic!("{locator:?} kept being drawn anew");
     }
 
     async fn open(&self, route: &str) {
@@ -303,15 +322,9 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
             ),
         )
         .await;
-    let item = console
-        .browser
-        .find(Locator::XPath(&format!(
-            "//*[@data-testid='copy']//*[not(*) and contains(text(), '{subject}')]"
-        )))
-        .await
-        .unwrap();
-    item.click().await.unwrap();
-    let json_text = console.wait("item-json").await.text().await.unwrap();
+    let xpath = format!("//*[@data-testid='copy']//*[not(*) and contains(text(), '{subject}')]");
+    console.click_on(Locator::XPath(&xpath)).await;
+    let json_text = console.text_of("item-json").await;
     assert!(json_text.contains(HOSTILE_TITLE), "{json_text}");
     console
         .until(
@@ -319,7 +332,7 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
             "return document.querySelector('[data-testid=\"item-parts\"]') !== null;",
         )
         .await;
-    let parts = console.wait("item-parts").await.text().await.unwrap();
+    let parts = console.text_of("item-parts").await;
     assert!(
         parts.contains(HOSTILE_PART),
         "the part's headline as text: {parts}"
@@ -432,7 +445,7 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
 
     // A new signing secret, made in the browser and shown once; the endpoint holds two now.
     console.click("rotate-secret").await;
-    let shown = console.wait("new-secret").await.text().await.unwrap();
+    let shown = console.text_of("new-secret").await;
     assert!(
         shown
             .split_whitespace()
@@ -496,9 +509,9 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
              && !!document.querySelector('[data-testid=\"notification-row\"]');",
         )
         .await;
-    let tickers = console.wait("tickers").await.text().await.unwrap();
+    let tickers = console.text_of("tickers").await;
     assert!(tickers.contains("ALFA B"), "{tickers}");
-    let headline = console.wait("story-headline").await.text().await.unwrap();
+    let headline = console.text_of("story-headline").await;
     assert_eq!(headline.trim(), HOSTILE_TITLE);
     let page = console
         .browser
@@ -537,7 +550,7 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
         .await;
     assert_eq!(rows_shown(&console).await, [endpoint_b.to_string()]);
     console.open(&format!("/endpoints/{endpoint_a}")).await;
-    let error = console.wait("error").await.text().await.unwrap();
+    let error = console.text_of("error").await;
     assert!(
         error.to_lowercase().contains("not found") || error.contains("404"),
         "A's endpoint seen with B's token: {error}"
@@ -579,7 +592,7 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
     console.type_into("tenant-name", "console-c").await;
     console.click("tenant-create").await;
     console.click("mint-token").await;
-    let minted = console.wait("minted-token").await.text().await.unwrap();
+    let minted = console.text_of("minted-token").await;
     let own = app.ok(200, "GET", "/v1/tenant", minted.trim(), None).await;
     assert_eq!(own["name"], "console-c", "{own}");
     let made = own["id"].as_str().unwrap().to_owned();
@@ -634,24 +647,27 @@ async fn forging_site(api: &str, endpoint: Uuid) -> String {
     format!("http://localhost:{}/", address.port())
 }
 
-/// The whole path behind the console: the front tier's store, a sequencer that quarantines a
-/// message at its first failure, a publisher to the room's vhost. In the browser the tenant
-/// creates its broker credentials (and the test connects with what the page shows), retries the
-/// quarantined message once the cause is gone (it applies, and its change reaches the queue),
-/// and replays from change_seq 1 (the queue receives change 1 again).
+/// The whole path behind the console with the simulator's traffic: the front tier, a
+/// sequencer that quarantines a message at its first failure, a publisher to the room's vhost,
+/// and the simulated upstream sending two feed endpoints' webhooks over HTTP (faults on). In
+/// the browser the tenant sees its three endpoints, creates its broker credentials (the test
+/// connects with what the page shows), retries the third endpoint's quarantined message once
+/// the cause is gone (it applies, and its change reaches the queue), and replays from
+/// change_seq 1 (the queue receives change 1 again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_retries_a_quarantined_message_replays_and_reads_its_queue_from_the_console() {
+    let seed = relay_tests::printed_seed("console with traffic");
     let room = Room::new().await;
     let db = TestDb::new().await;
+    let db_url = db.url.clone();
     let (prefix, amqp_url) = (room.prefix.0.clone(), room.vhost.url());
-    let tenant = db.tenant().await;
-    let _users = UsersGuard::of_tenants(&[tenant]);
-    let endpoint = in_sync_endpoint(&db.pool, tenant, None).await;
     // An event id starting "poison" fails the apply, as a value Postgres refuses would.
     refuse_poison(&db.pool, ("applied_events", "event_id"), "event").await;
-    let api = Api::start(&db.url, &amqp_url, OutboundPolicy::ANY).await;
+    let ingest = TestApp::spawn_waking_on(db, &prefix).await;
+    let pool = ingest.db.pool.clone();
+    let api = Api::start(&db_url, &amqp_url, OutboundPolicy::ANY).await;
     let sequencer = start_sequencer_with(
-        &db.url,
+        &db_url,
         SequencerConfig {
             apply_attempts: 1,
             ..sequencer_config(&prefix)
@@ -659,7 +675,28 @@ async fn a_tenant_retries_a_quarantined_message_replays_and_reads_its_queue_from
         SequencerMetrics::unregistered(),
     )
     .await;
-    let (publisher, _) = start_publisher(&db.pool, publisher_config(amqp_url, &prefix)).await;
+    let (publisher, _) = start_publisher(&pool, publisher_config(amqp_url, &prefix)).await;
+
+    // The tenant, its two simulated endpoints (registered through the API with the upstream's
+    // URL and key), and a third in sync that the test stores messages for.
+    let (sim_listener, upstream_api) = upstream_listener("127.0.0.1").await;
+    let faults = Faults {
+        duplicate: 0.1,
+        refetch: 0.2,
+        ..Faults::default()
+    };
+    let (upstream, workload, infos) = simulation(seed, &ingest.base_url, 2, faults);
+    let (tenant, token) = api.tenant("console with traffic").await;
+    let _users = UsersGuard::of_tenants(&[tenant]);
+    for info in &infos {
+        api.register(&token, info, &upstream_api).await;
+    }
+    let endpoint = in_sync_endpoint(&pool, tenant, None).await;
+    let (sim, senders) = serve_simulation(upstream, Duration::from_secs(2), sim_listener).await;
+    let traffic = tokio::spawn(
+        sim.clone()
+            .run_workload(workload, 20.0, Duration::from_secs(6)),
+    );
 
     let driver = Driver::start().await;
     let console = Console {
@@ -667,14 +704,30 @@ async fn a_tenant_retries_a_quarantined_message_replays_and_reads_its_queue_from
         base_url: api.base_url.clone(),
         screenshots: std::env::var_os("RELAY_CONSOLE_SCREENSHOTS").map(PathBuf::from),
     };
-    console.sign_in(&Api::tenant_token(tenant)).await;
+    console.sign_in(&token).await;
+    console.open("/endpoints").await;
+    console
+        .until(
+            "the tenant's three endpoints",
+            "return document.querySelectorAll('[data-testid=\"endpoint-row\"]').length === 3;",
+        )
+        .await;
+    let mut shown = rows_shown(&console).await;
+    shown.sort();
+    let mut expected: Vec<String> = infos
+        .iter()
+        .map(|i| i.id.to_string())
+        .chain([endpoint.to_string()])
+        .collect();
+    expected.sort();
+    assert_eq!(shown, expected, "seed {seed}");
 
     // Broker credentials, made in the page; the password is shown once, beside the URL.
     console.open("/broker").await;
     console.click("broker-create").await;
-    let password = console.wait("broker-password").await.text().await.unwrap();
-    let url = console.wait("broker-url").await.text().await.unwrap();
-    let queues = console.wait("broker-queues").await.text().await.unwrap();
+    let password = console.text_of("broker-password").await;
+    let url = console.text_of("broker-url").await;
+    let queues = console.text_of("broker-queues").await;
     let queue = relay_publisher::tenant_queue(tenant);
     assert!(queues.contains(&queue), "{queues}");
     console.screenshot("broker").await;
@@ -685,29 +738,29 @@ async fn a_tenant_retries_a_quarantined_message_replays_and_reads_its_queue_from
         .expect("the credentials the page showed connect");
     let mut consumer = consume(&connection, &queue, "console", "the tenant's own queue").await;
 
-    // Three messages; the second fails and is quarantined, the third applies.
+    // Three messages for the third endpoint; the second fails and is quarantined, the third
+    // applies. The simulated endpoints' changes share the queue: the test reads past them.
     let seqs = store_updates(
-        &db.pool,
+        &pool,
         tenant,
         endpoint,
         &[("evt_1", 1, 10), ("poison_2", 2, 11), ("evt_3", 3, 12)],
     )
     .await;
-    let mut received = Vec::new();
-    while received.len() < 2 {
-        received.push(change_of(&next_delivery(&mut consumer, "the live changes").await).await);
-    }
+    let first = next_change_of(&mut consumer, endpoint, "the live changes").await;
+    let second = next_change_of(&mut consumer, endpoint, "the live changes").await;
     assert_eq!(
-        received
-            .iter()
-            .map(|c| (c.0, c.1.as_str()))
-            .collect::<Vec<_>>(),
-        [(1, "announcement:1"), (2, "announcement:3")]
+        [first, second],
+        [
+            (1, "announcement:1".to_owned()),
+            (2, "announcement:3".to_owned())
+        ],
+        "seed {seed}"
     );
 
     // The cause goes; the tenant finds the message in its quarantine and retries it.
     sqlx::query("DROP TRIGGER refuse_poison ON applied_events")
-        .execute(&db.pool)
+        .execute(&pool)
         .await
         .unwrap();
     console.open(&format!("/endpoints/{endpoint}")).await;
@@ -726,43 +779,62 @@ async fn a_tenant_retries_a_quarantined_message_replays_and_reads_its_queue_from
         .click_at(&format!("{row} [data-testid=\"retry\"]"))
         .await;
     console.wait("quarantine-answer").await;
-    let retried =
-        change_of(&next_delivery(&mut consumer, "the retried message's change").await).await;
-    assert_eq!((retried.0, retried.1.as_str()), (3, "announcement:2"));
-    assert!(copy_items(&db.pool, endpoint)
+    let retried = next_change_of(&mut consumer, endpoint, "the retried message's change").await;
+    assert_eq!(retried, (3, "announcement:2".to_owned()), "seed {seed}");
+    assert!(copy_items(&pool, endpoint)
         .await
         .contains_key("announcement:2"));
 
     // A replay from change_seq 1: the queue receives change 1 again.
     console.type_into("replay-from", "1").await;
     console.click("replay").await;
-    let answer = console.wait("replay-answer").await.text().await.unwrap();
-    let replayed = change_of(&next_delivery(&mut consumer, "the replayed change").await).await;
-    assert_eq!(
-        (replayed.0, replayed.1.as_str()),
-        (1, "announcement:1"),
-        "{answer}"
-    );
+    let answer = console.text_of("replay-answer").await;
+    let replayed = next_change_of(&mut consumer, endpoint, "the replayed change").await;
+    assert_eq!(replayed, (1, "announcement:1".to_owned()), "{answer}");
     console.screenshot("stream").await;
+
+    // The simulated endpoints' traffic went through all along: each copy is the oracle's.
+    traffic.await.unwrap();
+    let ids: Vec<Uuid> = infos.iter().map(|i| i.id).collect();
+    quiesce(&pool, &sim, &ids, Duration::from_secs(120), seed).await;
+    for &id in &ids {
+        assert_eq!(
+            copy_items(&pool, id).await,
+            oracle(&sim, id),
+            "seed {seed}: endpoint {id}'s copy"
+        );
+    }
 
     console.browser.close().await.unwrap();
     let _ = connection.close(200, "done").await;
+    stop_simulation(&sim, senders).await;
     publisher.stop().await;
     sequencer.stop().await;
     api.stop().await;
+    drop(ingest);
 }
 
-/// A change message's change_seq and subject, the delivery acknowledged.
-async fn change_of(delivery: &relay_publisher::lapin::message::Delivery) -> (i64, String) {
-    delivery
-        .ack(relay_publisher::lapin::options::BasicAckOptions::default())
-        .await
-        .unwrap();
-    let body: Value = serde_json::from_slice(&delivery.data).unwrap();
-    (
-        body["change_seq"].as_i64().unwrap(),
-        body["subject"].as_str().unwrap_or_default().to_owned(),
-    )
+/// The next change of `endpoint` from the tenant's queue (others acknowledged and passed by):
+/// its change_seq and subject.
+async fn next_change_of(
+    consumer: &mut relay_publisher::lapin::Consumer,
+    endpoint: Uuid,
+    what: &str,
+) -> (i64, String) {
+    loop {
+        let delivery = next_delivery(consumer, what).await;
+        delivery
+            .ack(relay_publisher::lapin::options::BasicAckOptions::default())
+            .await
+            .unwrap();
+        let body: Value = serde_json::from_slice(&delivery.data).unwrap();
+        if body["webhook_endpoint_id"] == endpoint.to_string().as_str() {
+            return (
+                body["change_seq"].as_i64().unwrap(),
+                body["subject"].as_str().unwrap_or_default().to_owned(),
+            );
+        }
+    }
 }
 
 /// Endpoints of the benchmark's tenant, and messages stored for each.
