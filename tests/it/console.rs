@@ -115,6 +115,30 @@ struct Console {
 }
 
 impl Console {
+    /// A browser of `driver`'s on the control plane at `base_url`, saving screenshots where
+    /// RELAY_CONSOLE_SCREENSHOTS names.
+    async fn new(driver: &Driver, base_url: &str) -> Self {
+        Self {
+            browser: driver.browser().await,
+            base_url: base_url.to_owned(),
+            screenshots: std::env::var_os("RELAY_CONSOLE_SCREENSHOTS").map(PathBuf::from),
+        }
+    }
+
+    /// Scrolls the element with `data-testid="<id>"` into view (before a screenshot).
+    async fn scroll_to(&self, id: &str) {
+        self.browser
+            .execute(
+                &format!(
+                    "document.querySelector('[data-testid=\"{id}\"]').scrollIntoView(); \
+                     return true;"
+                ),
+                vec![],
+            )
+            .await
+            .unwrap();
+    }
+
     /// Waits for the element with `data-testid="<id>"`.
     async fn wait(&self, id: &str) -> fantoccini::elements::Element {
         self.browser
@@ -287,11 +311,7 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
     }
 
     let driver = Driver::start().await;
-    let console = Console {
-        browser: driver.browser().await,
-        base_url: app.base_url.clone(),
-        screenshots: std::env::var_os("RELAY_CONSOLE_SCREENSHOTS").map(PathBuf::from),
-    };
+    let console = Console::new(&driver, &app.base_url).await;
 
     // Tenant A signs in and sees its endpoint, and not B's.
     console.sign_in(&token_a).await;
@@ -399,14 +419,7 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
         "the oldest waiting message's age, sampled: {activity}"
     );
     console.wait("lag-chart").await;
-    console
-        .browser
-        .execute(
-            "document.querySelector('[data-testid=\"activity\"]').scrollIntoView(); return true;",
-            vec![],
-        )
-        .await
-        .unwrap();
+    console.scroll_to("activity").await;
     console.screenshot("activity").await;
     let theirs = app
         .call(
@@ -527,14 +540,7 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
         json!({"pwned": null, "images": 0}),
         "markup from a story ran"
     );
-    console
-        .browser
-        .execute(
-            "document.querySelector('[data-testid=\"stories\"]').scrollIntoView(); return true;",
-            vec![],
-        )
-        .await
-        .unwrap();
+    console.scroll_to("stories").await;
     console.screenshot("stories").await;
 
     // Tenant B sees only its own endpoint, and A's is not found for it.
@@ -699,11 +705,7 @@ async fn a_tenant_retries_a_quarantined_message_replays_and_reads_its_queue_from
     );
 
     let driver = Driver::start().await;
-    let console = Console {
-        browser: driver.browser().await,
-        base_url: api.base_url.clone(),
-        screenshots: std::env::var_os("RELAY_CONSOLE_SCREENSHOTS").map(PathBuf::from),
-    };
+    let console = Console::new(&driver, &api.base_url).await;
     console.sign_in(&token).await;
     console.open("/endpoints").await;
     console
@@ -865,11 +867,7 @@ async fn console_pages_against_the_api_reads_they_are_built_on() {
         seeded.elapsed().as_secs_f64()
     );
     let driver = Driver::start().await;
-    let console = Console {
-        browser: driver.browser().await,
-        base_url: app.base_url.clone(),
-        screenshots: None,
-    };
+    let console = Console::new(&driver, &app.base_url).await;
     console.sign_in(&token).await;
 
     let endpoints_page = (

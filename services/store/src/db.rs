@@ -174,3 +174,15 @@ pub async fn table_sizes(pool: &PgPool) -> Result<Vec<(&'static str, i64, f64)>,
         })
         .collect())
 }
+
+/// A count by minute's rows, each carrying whether the read's bound cut the window short (the
+/// same on every row): the counts, and that flag (false when no row came back).
+pub(crate) fn counts_by_minute(
+    rows: Vec<(time::OffsetDateTime, i64, bool)>,
+) -> (Vec<(time::OffsetDateTime, i64)>, bool) {
+    let cut = rows.first().is_some_and(|row| row.2);
+    (
+        rows.into_iter().map(|(minute, n, _)| (minute, n)).collect(),
+        cut,
+    )
+}

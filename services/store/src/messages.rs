@@ -431,6 +431,5 @@ pub async fn arrivals_by_minute(
     .bind(limit)
     .fetch_all(pool)
     .await?;
-    let cut = rows.first().is_some_and(|r| r.2);
-    Ok((rows.into_iter().map(|(m, n, _)| (m, n)).collect(), cut))
+    Ok(crate::db::counts_by_minute(rows))
 }
