@@ -125,6 +125,18 @@ impl Console {
         }
     }
 
+    /// Opens the endpoints page and waits until its table lists `endpoint`.
+    async fn endpoints_listing(&self, endpoint: Uuid) {
+        self.open("/endpoints").await;
+        self.wait("endpoints-table").await;
+        let row = format!("[data-testid=\"endpoint-row\"][data-endpoint-id=\"{endpoint}\"]");
+        self.until(
+            &format!("endpoint {endpoint} listed"),
+            &format!("return document.querySelector('{row}') !== null;"),
+        )
+        .await;
+    }
+
     /// Scrolls the element with `data-testid="<id>"` into view (before a screenshot).
     async fn scroll_to(&self, id: &str) {
         self.browser
@@ -315,15 +327,7 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
 
     // Tenant A signs in and sees its endpoint, and not B's.
     console.sign_in(&token_a).await;
-    console.open("/endpoints").await;
-    console.wait("endpoints-table").await;
-    let row_a = format!("[data-testid=\"endpoint-row\"][data-endpoint-id=\"{endpoint_a}\"]");
-    console
-        .until(
-            "A's endpoint",
-            &format!("return document.querySelector('{row_a}') !== null;"),
-        )
-        .await;
+    console.endpoints_listing(endpoint_a).await;
     let rows: Vec<String> = rows_shown(&console).await;
     assert_eq!(rows, [endpoint_a.to_string()], "A's endpoints table");
     console.screenshot("endpoints").await;
@@ -545,15 +549,7 @@ async fn a_tenant_sees_its_own_endpoints_as_text_and_nothing_forged_changes_them
 
     // Tenant B sees only its own endpoint, and A's is not found for it.
     console.sign_in(&token_b).await;
-    console.open("/endpoints").await;
-    console.wait("endpoints-table").await;
-    let row_b = format!("[data-testid=\"endpoint-row\"][data-endpoint-id=\"{endpoint_b}\"]");
-    console
-        .until(
-            "B's endpoint",
-            &format!("return document.querySelector('{row_b}') !== null;"),
-        )
-        .await;
+    console.endpoints_listing(endpoint_b).await;
     assert_eq!(rows_shown(&console).await, [endpoint_b.to_string()]);
     console.open(&format!("/endpoints/{endpoint_a}")).await;
     let error = console.text_of("error").await;
