@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use rand::RngCore as _;
-use relay_publisher::tenant_queue;
+use relay_publisher::{broker_urls, tenant_queue};
 use relay_rules::DestinationPolicy;
 use relay_store::TenantId;
 use reqwest::{Method, Url};
@@ -92,6 +92,8 @@ pub struct BrokerAccess {
     /// The relay's own broker, as the publisher connects to it: `host`, `port`, `vhost`.
     pub host: String,
     pub port: u16,
+    /// The cluster's other nodes (host, port), when RELAY_AMQP_URL names several.
+    pub other_nodes: Vec<(String, u16)>,
     pub vhost: String,
     /// Where tenants connect to consume their queue (host:port), when not `host:port`.
     pub tenant_address: Option<String>,
@@ -159,14 +161,29 @@ impl BrokerAccess {
         destination_policy: DestinationPolicy,
     ) -> Result<Self, ConfigError> {
         let bad = |why: &str| ConfigError::Broker(why.to_owned());
-        let amqp = Url::parse(relay_amqp_url).map_err(|_| bad("RELAY_AMQP_URL is not a URL"))?;
-        let host = match amqp.host_str() {
-            Some(host) if !host.is_empty() => host.trim_matches(['[', ']']).to_owned(),
-            _ => return Err(bad("RELAY_AMQP_URL has no host")),
-        };
-        let port = amqp
-            .port()
-            .unwrap_or(if amqp.scheme() == "amqps" { 5671 } else { 5672 });
+        // A cluster's nodes (`relay_publisher::broker_urls`): the first is where tenants and
+        // the management API are sent unless said otherwise; all of them are the relay's own
+        // broker, which no tenant destination may point at.
+        let mut nodes = Vec::new();
+        for url in broker_urls(relay_amqp_url) {
+            let url = Url::parse(url).map_err(|_| bad("RELAY_AMQP_URL is not a URL"))?;
+            let host = match url.host_str() {
+                Some(host) if !host.is_empty() => host.trim_matches(['[', ']']).to_owned(),
+                _ => return Err(bad("RELAY_AMQP_URL has no host")),
+            };
+            let port = url
+                .port()
+                .unwrap_or(if url.scheme() == "amqps" { 5671 } else { 5672 });
+            nodes.push((url, host, port));
+        }
+        if nodes.is_empty() {
+            return Err(bad("RELAY_AMQP_URL names no broker"));
+        }
+        let other_nodes = nodes[1..]
+            .iter()
+            .map(|(_, host, port)| (host.clone(), *port))
+            .collect();
+        let (amqp, host, port) = nodes.swap_remove(0);
         // The vhost is the path without its leading slash, percent-decoded; none is "/".
         let path = amqp.path().strip_prefix('/').unwrap_or("");
         let vhost = if path.is_empty() {
@@ -190,6 +207,7 @@ impl BrokerAccess {
         Ok(Self {
             host,
             port,
+            other_nodes,
             vhost,
             tenant_address,
             destination_policy,
@@ -210,9 +228,15 @@ impl BrokerAccess {
     /// Every address the relay's broker resolves to (an error when it resolves to none: then
     /// no destination can be told apart from it).
     pub async fn addresses(&self, timeout: Duration) -> Result<Vec<SocketAddr>, ApiError> {
-        resolve(&self.host, self.port, timeout)
-            .await
-            .map_err(|e| ApiError::BrokerUnavailable(format!("resolving the relay's broker: {e}")))
+        let mut addresses = Vec::new();
+        let nodes = std::iter::once((&self.host, self.port))
+            .chain(self.other_nodes.iter().map(|(host, port)| (host, *port)));
+        for (host, port) in nodes {
+            addresses.extend(resolve(host, port, timeout).await.map_err(|e| {
+                ApiError::BrokerUnavailable(format!("resolving the relay's broker: {e}"))
+            })?);
+        }
+        Ok(addresses)
     }
 
     /// The tenant's user's name.

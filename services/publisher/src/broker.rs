@@ -63,6 +63,16 @@ pub fn tenant_queue(tenant: Uuid) -> String {
 /// host gone, a network that drops packets) is closed by lapin after two of these.
 const HEARTBEAT_S: u16 = 10;
 
+/// The URLs of a broker setting: one URL, or the nodes of a cluster separated by commas (a
+/// comma cannot appear unescaped in an AMQP URL), each tried in turn.
+pub fn broker_urls(setting: &str) -> Vec<&str> {
+    setting
+        .split(',')
+        .map(str::trim)
+        .filter(|url| !url.is_empty())
+        .collect()
+}
+
 /// Connects to `url` (`amqp://`, or `amqps://` checked against `trust`) with lapin's IO and
 /// tasks on the current tokio runtime, within `timeout`.
 ///
@@ -78,6 +88,32 @@ pub async fn connect(
     let uri: AMQPUri = url.parse().map_err(BrokerError::Url)?;
     let server_name = bare_host(&uri);
     connect_uri(uri, Peer::Named, &server_name, name, timeout, trust).await
+}
+
+/// Connects to the first node of `setting` ([`broker_urls`]) that answers, starting from
+/// `first` (the node that answered last time, so a dead node is not tried before it on every
+/// reconnect), each within `timeout`: the connection and which node it reached.
+pub async fn connect_any(
+    setting: &str,
+    first: usize,
+    name: &str,
+    timeout: Duration,
+    trust: &TrustRoots,
+) -> Result<(Connection, usize), BrokerError> {
+    let urls = broker_urls(setting);
+    if urls.is_empty() {
+        return Err(BrokerError::Url("no broker URL".to_owned()));
+    }
+    let mut failures = Vec::new();
+    for offset in 0..urls.len() {
+        let node = (first + offset) % urls.len();
+        match connect(urls[node], name, timeout, trust).await {
+            Ok(connection) => return Ok((connection, node)),
+            Err(error) if urls.len() == 1 => return Err(error),
+            Err(error) => failures.push(format!("node {}: {}", node + 1, error.describe())),
+        }
+    }
+    Err(BrokerError::Down(failures.join("; ")))
 }
 
 /// Where the TCP connection goes.
@@ -172,23 +208,26 @@ async fn resolve(uri: &AMQPUri, timeout: Duration) -> Result<Vec<SocketAddr>, Br
     }
 }
 
-/// A tenant's own broker, checked against `policy` and the relay's own broker (`relay_url`)
-/// after resolving both: the URI, and the addresses that were checked, which the connection is
+/// A tenant's own broker, checked against `policy` and every node of the relay's own broker
+/// (`relay_setting`, [`broker_urls`]) after resolving both: the URI, and the addresses that were checked, which the connection is
 /// made to, so that lapin cannot resolve the name again to somewhere else (a DNS answer that
 /// changed since the control plane accepted the destination, or changes between check and
 /// connect). TLS still checks the certificate for the URL's host name.
 pub async fn checked_uri(
     url: &str,
-    relay_url: &str,
+    relay_setting: &str,
     policy: &DestinationPolicy,
     timeout: Duration,
 ) -> Result<(AMQPUri, Vec<SocketAddr>), BrokerError> {
     let uri: AMQPUri = url.parse().map_err(BrokerError::Url)?;
-    let relay: AMQPUri = relay_url.parse().map_err(BrokerError::Url)?;
     let host = uri.authority.host.to_ascii_lowercase();
     policy.check_host(host.trim_start_matches('[').trim_end_matches(']'))?;
     let resolved = resolve(&uri, timeout).await?;
-    let relay_addresses = resolve(&relay, timeout).await?;
+    let mut relay_addresses = Vec::new();
+    for relay_url in broker_urls(relay_setting) {
+        let relay: AMQPUri = relay_url.parse().map_err(BrokerError::Url)?;
+        relay_addresses.extend(resolve(&relay, timeout).await?);
+    }
     policy.check(
         host.trim_start_matches('[').trim_end_matches(']'),
         &resolved,
@@ -264,6 +303,7 @@ impl Target {
 /// would cost a thread per tenant; and they all reach the same broker, so they would all fail
 /// together anyway. (A tenant's own broker gets a connection per tenant: those fail one by one.)
 pub struct RelayBroker {
+    /// RELAY_AMQP_URL: one URL, or the cluster's nodes ([`broker_urls`]).
     url: String,
     timeout: Duration,
     /// The roots `amqps://` brokers (the relay's, and tenants' own) are checked against.
@@ -274,6 +314,8 @@ pub struct RelayBroker {
 #[derive(Default)]
 struct Current {
     connection: Option<Arc<Connection>>,
+    /// The node the last connection reached: tried first next time.
+    node: usize,
     /// The last failed connect: tenants that queued behind it fail at once rather than each
     /// wait a connect timeout of its own in turn.
     failed: Option<(std::time::Instant, String)>,
@@ -298,6 +340,8 @@ impl RelayBroker {
             }
         }
         if let Some(old) = current.connection.take() {
+            // The node it reached went away or stopped answering: the others first.
+            current.node += 1;
             tokio::spawn(async move { close_quietly(&old).await });
         }
         if let Some((at, error)) = &current.failed {
@@ -305,10 +349,26 @@ impl RelayBroker {
                 return Err(BrokerError::Down(error.clone()));
             }
         }
-        match connect(&self.url, "relay-publisher", self.timeout, &self.trust).await {
-            Ok(connection) => {
+        let first = current.node;
+        match connect_any(
+            &self.url,
+            first,
+            "relay-publisher",
+            self.timeout,
+            &self.trust,
+        )
+        .await
+        {
+            Ok((connection, node)) => {
+                if node != first {
+                    tracing::warn!(
+                        node = node + 1,
+                        "the relay's broker: connected to another node"
+                    );
+                }
                 let connection = Arc::new(connection);
                 current.connection = Some(connection.clone());
+                current.node = node;
                 current.failed = None;
                 Ok(connection)
             }
@@ -329,6 +389,7 @@ impl RelayBroker {
             .is_some_and(|c| Arc::ptr_eq(c, suspect))
         {
             if let Some(old) = current.connection.take() {
+                current.node += 1;
                 tokio::spawn(async move { close_quietly(&old).await });
             }
         }

@@ -135,6 +135,10 @@ impl fmt::Debug for PublisherConfig {
 
 /// A URL with any password replaced by `***`, for logs.
 pub fn redact(url: &str) -> String {
+    // A broker setting may list a cluster's nodes, each a URL with its own password.
+    if url.contains(',') {
+        return url.split(',').map(redact).collect::<Vec<_>>().join(",");
+    }
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
             let userinfo = &url[scheme + 3..at];

@@ -43,7 +43,10 @@ mod publisher;
 mod tail;
 mod tenant;
 
-pub use broker::{classify, connect, declare_tenant_queue, tenant_queue, BrokerError, Outcome};
+pub use broker::{
+    broker_urls, classify, connect, connect_any, declare_tenant_queue, tenant_queue, BrokerError,
+    Outcome,
+};
 pub use config::{
     redact, BeforeMark, DestinationArgs, OnConfirm, PublisherArgs, PublisherConfig,
     DEFAULT_AMQP_URL,

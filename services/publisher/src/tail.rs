@@ -19,7 +19,7 @@ use serde::Serialize;
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::broker::{connect, tenant_queue};
+use crate::broker::{connect_any, tenant_queue};
 use crate::config::{redact, DEFAULT_AMQP_URL};
 use crate::consumer::{ConsumerStats, ReferenceConsumer};
 use relay_netguard::TrustRoots;
@@ -138,7 +138,7 @@ impl QueueReader<'_> {
         queue: &str,
         trust: &TrustRoots,
     ) -> anyhow::Result<(lapin::Connection, lapin::Consumer)> {
-        let connection = connect(self.url, self.name, Duration::from_secs(10), trust)
+        let (connection, _) = connect_any(self.url, 0, self.name, Duration::from_secs(10), trust)
             .await
             .with_context(|| format!("connecting to {}", redact(self.url)))?;
         let channel = connection.create_channel().await?;

@@ -26,15 +26,22 @@ pub(crate) fn admin_pool(global: &GlobalArgs) -> anyhow::Result<PgPool> {
 }
 
 /// Creates the database when missing, then applies pending migrations.
+///
+/// With several servers (a primary and its standbys), the first that can make the database
+/// makes it: a standby refuses, and the primary's database reaches the standbys by replication.
 pub async fn migrate(global: &GlobalArgs) -> anyhow::Result<()> {
-    if !Postgres::database_exists(&global.database_url)
-        .await
-        .context("connecting to Postgres")?
-    {
-        Postgres::create_database(&global.database_url)
-            .await
-            .context("creating the database")?;
-        tracing::info!("created the database");
+    let mut failure = None;
+    for server in relay_store::server_urls(&global.database_url) {
+        match create_if_missing(&server).await {
+            Ok(()) => {
+                failure = None;
+                break;
+            }
+            Err(error) => failure = Some(error),
+        }
+    }
+    if let Some(error) = failure {
+        return Err(error);
     }
     let pool = admin_pool(global)?;
     relay_store::MIGRATOR
@@ -42,6 +49,20 @@ pub async fn migrate(global: &GlobalArgs) -> anyhow::Result<()> {
         .await
         .context("applying migrations")?;
     tracing::info!("migrations applied");
+    Ok(())
+}
+
+/// Creates the database `server` (one server's URL) names when it is missing there.
+async fn create_if_missing(server: &str) -> anyhow::Result<()> {
+    if !Postgres::database_exists(server)
+        .await
+        .context("connecting to Postgres")?
+    {
+        Postgres::create_database(server)
+            .await
+            .context("creating the database")?;
+        tracing::info!("created the database");
+    }
     Ok(())
 }
 

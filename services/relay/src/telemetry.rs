@@ -171,8 +171,10 @@ impl Dependency {
                     .await
                     .map_err(|e| e.to_string()),
                 Dependency::Broker { url, trust } => {
-                    let connection = relay_publisher::connect(
+                    // Ready when any node of the cluster answers: the publisher moves to it.
+                    let (connection, _) = relay_publisher::connect_any(
                         url,
+                        0,
                         "relay readiness",
                         READINESS_CHECK_TIMEOUT,
                         trust,

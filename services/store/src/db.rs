@@ -8,6 +8,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool, Postgres, Transaction};
 
+use crate::failover::{check_writable, server_urls, Failover};
 use crate::StoreError;
 
 /// The workspace's `migrations/`, compiled in so the binary can migrate with no files beside it.
@@ -53,12 +54,64 @@ impl Default for PoolOptions {
 /// Opens a pool lazily: no connection is made until the first query, so a tier can start (and
 /// answer 503) while Postgres is down, and recovers by itself when it comes back.
 ///
+/// `database_url` may name several servers as libpq does (`postgres://u@db-a,db-b:5433/relay`):
+/// a primary and its standbys. Every connection must take writes (see [`crate::failover`]); with
+/// several servers the pool follows the primary when a standby is promoted.
+///
 /// TLS is the URL's `sslmode` (`disable`, `prefer`: sqlx's default, `require`, `verify-ca`,
 /// `verify-full`), checked against the platform's roots and `options.ca_file`, unless the URL
 /// (or `PGSSLROOTCERT`) names an `sslrootcert`, which is then trusted beside the platform's
 /// roots instead.
 pub fn connect(database_url: &str, options: &PoolOptions) -> Result<PgPool, sqlx::Error> {
-    let mut connect: PgConnectOptions = database_url.parse()?;
+    let servers = server_urls(database_url)
+        .iter()
+        .map(|url| server_options(url, options))
+        .collect::<Result<Vec<_>, _>>()?;
+    let failover = (servers.len() > 1).then(|| Failover::new(servers.clone()));
+    let first = match &failover {
+        Some(failover) => failover.first(),
+        None => servers
+            .into_iter()
+            .next()
+            .ok_or_else(|| sqlx::Error::Configuration("the database URL names no host".into()))?,
+    };
+    let check_idle_after = options.check_idle_after;
+    let on_connect = failover.clone();
+    let on_acquire = failover.clone();
+    let pool = PgPoolOptions::new()
+        .max_connections(options.max_connections)
+        .acquire_timeout(options.acquire_timeout)
+        // sqlx's default pings every connection on every acquire. At a few thousand statements a
+        // second that is over a quarter of the round trips to Postgres, each waking a backend and
+        // waiting for it. A connection that fails anyway fails its statement, which every caller
+        // already handles (and the pool then closes it).
+        .test_before_acquire(false)
+        .after_connect(move |conn, _meta| {
+            let failover = on_connect.clone();
+            Box::pin(async move { check_writable(conn, failover.as_deref()).await })
+        })
+        .before_acquire(move |conn, meta| {
+            let failover = on_acquire.clone();
+            Box::pin(async move {
+                if failover.is_some_and(|failover| failover.predates_switch(meta.age)) {
+                    return Ok(false);
+                }
+                if meta.idle_for >= check_idle_after {
+                    conn.ping().await?;
+                }
+                Ok(true)
+            })
+        })
+        .connect_lazy_with(first);
+    if let Some(failover) = &failover {
+        failover.watch(&pool);
+    }
+    Ok(pool)
+}
+
+/// One server's connect options: the URL's, with the operator's CA file and `options`' settings.
+fn server_options(url: &str, options: &PoolOptions) -> Result<PgConnectOptions, sqlx::Error> {
+    let mut connect: PgConnectOptions = url.parse()?;
     if let Some(ca_file) = &options.ca_file {
         let named = connect
             .to_url_lossy()
@@ -77,24 +130,7 @@ pub fn connect(database_url: &str, options: &PoolOptions) -> Result<PgPool, sqlx
     if options.generic_plans {
         connect = connect.options([("plan_cache_mode", "force_generic_plan")]);
     }
-    let check_idle_after = options.check_idle_after;
-    Ok(PgPoolOptions::new()
-        .max_connections(options.max_connections)
-        .acquire_timeout(options.acquire_timeout)
-        // sqlx's default pings every connection on every acquire. At a few thousand statements a
-        // second that is over a quarter of the round trips to Postgres, each waking a backend and
-        // waiting for it. A connection that fails anyway fails its statement, which every caller
-        // already handles (and the pool then closes it).
-        .test_before_acquire(false)
-        .before_acquire(move |conn, meta| {
-            Box::pin(async move {
-                if meta.idle_for >= check_idle_after {
-                    conn.ping().await?;
-                }
-                Ok(true)
-            })
-        })
-        .connect_lazy_with(connect))
+    Ok(connect)
 }
 
 /// A read-only transaction on one snapshot (repeatable read), so that several reads agree with

@@ -46,6 +46,7 @@ pub mod changes;
 pub mod copy;
 pub mod cursors;
 mod db;
+mod failover;
 pub mod destinations;
 pub mod endpoints;
 pub mod fences;
@@ -65,6 +66,7 @@ pub mod upstream_status;
 pub use db::{
     connect, read_snapshot, table_sizes, KeptConnection, PoolOptions, GROWING_TABLES, MIGRATOR,
 };
+pub use failover::server_urls;
 pub use ids::{EndpointId, TenantId};
 
 /// A store call failed. Callers at the edges add context; this keeps the cause.
