@@ -4,6 +4,7 @@
 //! Each test gets a fresh database (`relay_test_<random>`), migrated, dropped when the test's
 //! [`TestDb`] is dropped, so tests run at once and leave nothing behind.
 
+pub mod engines;
 pub mod readback;
 
 use std::net::SocketAddr;

@@ -8,6 +8,7 @@ mod console;
 mod convergence;
 mod copy;
 mod demo;
+mod engines;
 mod hostile_tenant;
 mod ingest_answers;
 mod ingest_envelope;
