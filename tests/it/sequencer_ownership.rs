@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use relay_coord::{check_fence, Owners, OwnershipConfig};
-use relay_tests::{random_secret, redis_url, TestDb};
+use relay_tests::{random_secret, redis_url, PgProxy, ProxyMode, TestDb};
 use uuid::Uuid;
 
 struct Setup {
@@ -232,4 +232,53 @@ async fn a_held_lock_is_renewed_past_its_lease_and_reports_its_loss() {
         .query_async(&mut redis)
         .await
         .unwrap();
+}
+
+/// Redis unreachable for a few seconds (connections cut, new ones refused) and back: the owner
+/// takes the endpoint again within moments, not after the minute the redis crate's default
+/// reconnect pauses grow to (the fault campaign saw 92 s without applying).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_cut_off_from_redis_takes_endpoints_again_soon_after_it_is_back() {
+    let setup = setup().await;
+    let redis: std::net::SocketAddr = redis_url()
+        .trim_start_matches("redis://")
+        .parse()
+        .expect("redis://host:port");
+    let proxy = PgProxy::start(redis).await;
+    let owners = Owners::connect(
+        &format!("redis://{}", proxy.address),
+        setup.db.pool.clone(),
+        OwnershipConfig {
+            key_prefix: setup.prefix.clone(),
+            lease: Duration::from_secs(3),
+            ..OwnershipConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    owners
+        .try_acquire(setup.endpoint)
+        .await
+        .unwrap()
+        .expect("free");
+    proxy.set(ProxyMode::Refuse);
+    // Several failed reconnects, as under a real outage.
+    for _ in 0..5 {
+        assert!(owners.try_acquire(Uuid::new_v4()).await.is_err());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    proxy.set(ProxyMode::Pass);
+    // The lease taken before (3 s) has lapsed by now, or does within moments.
+    let healed = Instant::now();
+    loop {
+        if let Ok(Some(_)) = owners.try_acquire(setup.endpoint).await {
+            break;
+        }
+        assert!(
+            healed.elapsed() < Duration::from_secs(20),
+            "the endpoint not taken again within 20 s of Redis coming back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("taken again {:?} after Redis came back", healed.elapsed());
 }

@@ -19,7 +19,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManager;
 use redis::Script;
 use relay_store::{fences, EndpointId, StoreError, TenantId};
 use sqlx::{PgConnection, PgPool};
@@ -134,10 +134,7 @@ impl Owners {
         // Bounded waits: a Redis that stopped answering must not hold a worker longer than its
         // lease would last anyway.
         let timeout = (config.lease / 3).max(Duration::from_millis(100));
-        let manager = ConnectionManagerConfig::new()
-            .set_connection_timeout(timeout)
-            .set_response_timeout(timeout);
-        let redis = ConnectionManager::new_with_config(client, manager).await?;
+        let redis = crate::redis_client::connection_manager(client, timeout).await?;
         Ok(Self {
             redis,
             pool,

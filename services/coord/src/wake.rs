@@ -71,7 +71,7 @@ impl Waker {
         channel: String,
     ) -> Result<Self, redis::RedisError> {
         let client = crate::redis_client::open_redis(redis_url, trust)?;
-        let redis = ConnectionManager::new(client).await?;
+        let redis = crate::redis_client::connection_manager(client, WAKE_TIMEOUT).await?;
         Ok(Self { redis, channel })
     }
 
@@ -98,6 +98,10 @@ impl Waker {
         pipe.query_async::<()>(&mut self.redis.clone()).await
     }
 }
+
+/// How long a wake-up's connect or publish may take: it is a hint (the sweep finds the work
+/// anyway), so a Redis that stopped answering is given up on quickly.
+const WAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The most payloads one published message joins: a front-tier batch's endpoints (256 at
 /// most by default) fit in one message of about 9 kB.
