@@ -1172,6 +1172,65 @@ async fn a_tenant_whose_broker_is_unreachable_does_not_stall_another() {
     );
 }
 
+/// A tenant's own broker named by its cluster's nodes, the first of them dead: its changes
+/// reach its exchange through the node that answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_broker_named_by_several_nodes_is_reached_through_one_that_answers() {
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
+    let a = env.db.tenant().await;
+    let broker = env.broker().await;
+    let channel = broker.create_channel().await.unwrap();
+    channel
+        .exchange_declare(
+            "tenant-a",
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let queue_options = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    bind_queue(
+        &channel,
+        "tenant-a-changes",
+        queue_options,
+        FieldTable::default(),
+        "tenant-a",
+        "changes",
+    )
+    .await;
+    // The live node is the test broker behind a proxy: at its own address it would be the
+    // relay's broker, which no destination may name.
+    let live = PgProxy::start(amqp_addr()).await;
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let nodes = format!(
+        "{},{}",
+        env.vhost.url_via(dead),
+        env.vhost.url_via(live.address)
+    );
+    set_own_exchange(pool, a, &nodes, "tenant-a", "changes").await;
+
+    let mut feeds_a = feeds_of(&env.db, [a; 2]).await;
+    let (publisher, _registry) = env.start(env.config(env.vhost.url())).await;
+    write(pool, &mut feeds_a, &mut rng, 30).await;
+    wait_published(pool, &[a], seed).await;
+    publisher.stop().await;
+    let messages = drain(&broker, "tenant-a-changes", true).await;
+    let (consumer, _) = rebuild(a, &messages, seed);
+    let own: Vec<&Feed> = feeds_a.iter().collect();
+    assert_rebuilt(pool, &consumer, &own, seed).await;
+}
+
 /// Publishers in several processes at once (here, several in one), one of them killed midway
 /// and another started: every endpoint's changes still arrive gapless and in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

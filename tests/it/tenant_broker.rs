@@ -164,6 +164,52 @@ async fn destinations_at_the_relays_broker_or_private_addresses_are_refused_by_t
     api.stop().await;
 }
 
+/// The relay's broker as a cluster (RELAY_AMQP_URL naming several nodes): a destination at any
+/// node is the relay's own broker, refused; another port on this machine is still taken, and a
+/// tenant's own cluster too, each of its nodes checked (at most 7).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_at_any_node_of_the_relays_cluster_is_refused() {
+    let db = TestDb::new().await;
+    let a = db.tenant().await;
+    let relay = "amqp://guest:guest@127.0.0.1:5672/relay, amqp://guest:guest@127.0.0.1:5682/relay";
+    let api = start_api(db.pool.clone(), relay, loopback_allowed()).await;
+    for url in [
+        "amqp://u:p@127.0.0.1:5672/%2f",
+        "amqp://u:p@127.0.0.1:5682/%2f",
+        "amqp://u:p@localhost:5682/relay",
+    ] {
+        assert_amqp_url_refused(&api, a, own_exchange(url, "x", "k"), "relay's own broker").await;
+    }
+    // A tenant's own cluster: every node checked, one refused refuses it.
+    let own_cluster = "amqp://u:p@127.0.0.1:5692/%2f,amqp://u:p@127.0.0.1:5693/%2f";
+    let (status, answer) = put_destination(&api, a, own_exchange(own_cluster, "x", "k")).await;
+    assert_eq!(status, 200, "{answer}");
+    let stored: String = sqlx::query_scalar("SELECT amqp_url FROM tenant_destinations")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, own_cluster);
+    assert_amqp_url_refused(
+        &api,
+        a,
+        own_exchange(
+            "amqp://u:p@127.0.0.1:5692/%2f,amqp://u:p@127.0.0.1:5682/%2f",
+            "x",
+            "k",
+        ),
+        "relay's own broker",
+    )
+    .await;
+    let too_many = vec!["amqp://u:p@127.0.0.1:5692/%2f"; 8].join(",");
+    let (status, answer) = put_destination(&api, a, own_exchange(&too_many, "x", "k")).await;
+    assert_eq!(
+        (status, answer["field"].as_str()),
+        (400, Some("amqp_url")),
+        "{answer}"
+    );
+    api.stop().await;
+}
+
 /// A destination row written straight into Postgres (as if the DNS answer the API checked had
 /// changed since): A1's at the relay's own broker with B's queue as routing key, A2's at a
 /// loopback broker the operator did not allow. The publisher refuses both at connect and says

@@ -402,6 +402,37 @@ impl RelayBroker {
     }
 }
 
+/// A connection to a tenant's own broker: the first of its nodes ([`broker_urls`]) that
+/// answers, each checked first. One node the policy refuses refuses the destination: it is the
+/// tenant's setting that is wrong, whichever node is up.
+async fn connect_own(
+    setting: &str,
+    tenant: Uuid,
+    relay: &RelayBroker,
+    policy: &DestinationPolicy,
+    timeout: Duration,
+) -> Result<Connection, BrokerError> {
+    let name = format!("relay-publisher {tenant}");
+    let mut failure = BrokerError::Url("no broker URL".to_owned());
+    for url in broker_urls(setting) {
+        let (uri, addresses) = match checked_uri(url, &relay.url, policy, timeout).await {
+            Ok(checked) => checked,
+            Err(refused @ BrokerError::Refused(_)) => return Err(refused),
+            Err(error) => {
+                failure = error;
+                continue;
+            }
+        };
+        let server_name = bare_host(&uri);
+        let peer = Peer::Checked(addresses);
+        match connect_uri(uri, peer, &server_name, &name, timeout, &relay.trust).await {
+            Ok(connection) => return Ok(connection),
+            Err(error) => failure = error,
+        }
+    }
+    Err(failure)
+}
+
 /// A tenant's channel in confirm mode, on the relay's shared connection or on a connection of
 /// its own to the tenant's broker.
 pub struct Link {
@@ -425,11 +456,7 @@ impl Link {
         let connection = if shared {
             relay.get().await?
         } else {
-            let (uri, addresses) = checked_uri(&target.url, &relay.url, policy, timeout).await?;
-            let name = format!("relay-publisher {tenant}");
-            let server_name = bare_host(&uri);
-            let peer = Peer::Checked(addresses);
-            Arc::new(connect_uri(uri, peer, &server_name, &name, timeout, &relay.trust).await?)
+            Arc::new(connect_own(&target.url, tenant, relay, policy, timeout).await?)
         };
         let setup = async {
             let channel = connection.create_channel().await?;

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::Json;
+use relay_publisher::broker_urls;
 use relay_rules::Refusal;
 use relay_store::destinations::{self, Destination, StoredDestination};
 use relay_store::StoreError;
@@ -45,7 +46,8 @@ pub struct DestinationView {
 pub struct DestinationUpdate {
     #[serde(deserialize_with = "enums::from_string")]
     pub kind: DestinationKind,
-    /// `amqp://` or `amqps://`, with credentials. Write-only.
+    /// `amqp://` or `amqps://`, with credentials; or a cluster's nodes, at most 7 such URLs
+    /// separated by commas, which the publisher tries in turn. Write-only.
     #[serde(default)]
     pub amqp_url: Option<String>,
     #[serde(default)]
@@ -120,13 +122,33 @@ fn amqp_name(field: &str, value: Option<&str>, allow_empty: bool) -> Result<Stri
 /// How long resolving a destination's host may take.
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The broker URL, refused (naming the field) when it points where tenants may not send: at
-/// the relay's own broker whatever the operator allows, or at a host or address the operator's
-/// policy does not allow. A host that does not resolve now is taken: the publisher checks again
-/// at every connect.
+/// The most nodes a tenant's own broker URL may name.
+const MAX_BROKER_NODES: usize = 7;
+
+/// The broker URL (or the URLs of a cluster's nodes, separated by commas, which the publisher
+/// tries in turn), each refused (naming the field) when it points where tenants may not send:
+/// at the relay's own broker whatever the operator allows, or at a host or address the
+/// operator's policy does not allow. A host that does not resolve now is taken: the publisher
+/// checks again at every connect.
 async fn amqp_url(value: Option<&str>, broker: &BrokerAccess) -> Result<String, ApiError> {
     const FIELD: &str = "amqp_url";
     let value = value.ok_or_else(|| ApiError::invalid(FIELD, "required for own_exchange"))?;
+    let nodes = broker_urls(value);
+    if nodes.is_empty() || nodes.len() > MAX_BROKER_NODES {
+        return Err(ApiError::invalid(
+            FIELD,
+            format!("one to {MAX_BROKER_NODES} URLs, separated by commas"),
+        ));
+    }
+    for node in &nodes {
+        node_url(node, broker).await?;
+    }
+    Ok(nodes.join(","))
+}
+
+/// One node's URL of [`amqp_url`], checked.
+async fn node_url(value: &str, broker: &BrokerAccess) -> Result<(), ApiError> {
+    const FIELD: &str = "amqp_url";
     let url = reqwest::Url::parse(value.trim())
         .map_err(|_| ApiError::invalid(FIELD, "not an absolute URL"))?;
     let host = match url.host_str() {
@@ -150,7 +172,7 @@ async fn amqp_url(value: Option<&str>, broker: &BrokerAccess) -> Result<String, 
         let relay = broker.addresses(RESOLVE_TIMEOUT).await?;
         policy.check(&host, &resolved, &relay).map_err(refused)?;
     }
-    Ok(value.trim().to_owned())
+    Ok(())
 }
 
 #[utoipa::path(
