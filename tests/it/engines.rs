@@ -26,6 +26,7 @@ async fn leader_other_than(cluster: &RabbitCluster, queue: &str, not: Option<usi
 }
 
 #[tokio::test(flavor = "multi_thread")]
+#[ignore = "run alone by .ci/run beside the fault campaign: three RabbitMQ nodes take the machine"]
 async fn rabbit_cluster_elects_a_new_quorum_leader_when_the_leader_dies() {
     let started = Instant::now();
     let mut cluster = RabbitCluster::start().await.unwrap();

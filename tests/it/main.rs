@@ -9,6 +9,7 @@ mod convergence;
 mod copy;
 mod demo;
 mod engines;
+mod failover;
 mod hostile_tenant;
 mod ingest_answers;
 mod ingest_envelope;

@@ -209,7 +209,9 @@ pub(crate) fn free_address() -> SocketAddr {
 
 /// A TCP balancer: each new connection goes to the next of `targets` in turn, as a load
 /// balancer in front of front-tier replicas does.
-async fn round_robin(targets: Vec<SocketAddr>) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+pub(crate) async fn round_robin(
+    targets: Vec<SocketAddr>,
+) -> (SocketAddr, tokio::task::JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let task = tokio::spawn(async move {

@@ -88,7 +88,11 @@ type ChangeReport = (i64, String, Option<i64>, Option<String>, Option<i64>);
 
 /// The relay's copy of a stories endpoint of `tenant`, open and closed stories, read as the API
 /// reads it, as the oracle compares it.
-async fn copy_rows(pool: &PgPool, tenant: TenantId, endpoint: Uuid) -> BTreeMap<String, CopyRow> {
+pub(crate) async fn copy_rows(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: Uuid,
+) -> BTreeMap<String, CopyRow> {
     let every_story = (None, true);
     let rows = relay_store::stories::list(
         pool,
@@ -117,7 +121,7 @@ async fn copy_rows(pool: &PgPool, tenant: TenantId, endpoint: Uuid) -> BTreeMap<
 
 /// Registers each simulated endpoint for one tenant, alternating the two modes unless
 /// `fetch_on_notify_only`.
-async fn register(
+pub(crate) async fn register(
     pool: &PgPool,
     infos: &[StoriesEndpointInfo],
     api: &str,

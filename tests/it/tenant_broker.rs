@@ -200,7 +200,7 @@ async fn a_destination_at_any_node_of_the_relays_cluster_is_refused() {
         "relay's own broker",
     )
     .await;
-    let too_many = vec!["amqp://u:p@127.0.0.1:5692/%2f"; 8].join(",");
+    let too_many = ["amqp://u:p@127.0.0.1:5692/%2f"; 8].join(",");
     let (status, answer) = put_destination(&api, a, own_exchange(&too_many, "x", "k")).await;
     assert_eq!(
         (status, answer["field"].as_str()),

@@ -36,10 +36,10 @@ pub fn open_redis(url: &str, trust: &TrustRoots) -> redis::RedisResult<redis::Cl
 const RECONNECT_MAX_PAUSE_MS: u64 = 1_000;
 
 /// A kept connection to Redis that reconnects by itself, each connect and each command bounded
-/// by `timeout`, and the pauses between reconnects doubling from 1 s up to
-/// [`RECONNECT_MAX_PAUSE_MS`]. The redis crate's own default multiplies each pause by 100 (its
-/// retry factor), capped at 60 s: one failed reconnect then leaves leases unrenewable and
-/// wake-ups unsent for a minute after Redis is back (the fault campaign saw 92 s).
+/// by `timeout`, pausing at most [`RECONNECT_MAX_PAUSE_MS`] (with jitter) between reconnects.
+/// The redis crate's default multiplies each pause by 100 (its retry factor), capped at 60 s:
+/// one failed reconnect then leaves leases unrenewable and wake-ups unsent for a minute after
+/// Redis is back (the fault campaign saw 92 s).
 pub async fn connection_manager(
     client: redis::Client,
     timeout: std::time::Duration,
