@@ -120,9 +120,9 @@ struct Planned {
     fault: Fault,
 }
 
-/// Schedule `index` of the campaign seeded `seed`: the first four take one fault of each kind,
-/// every later one two or three of any kinds at once (at most one Postgres failover: the new
-/// primary has no standby until the old one is rebuilt).
+/// Schedule `index` of the campaign seeded `seed`: of every five, four take one fault each, of
+/// each kind in turn, and the fifth two or three of any kinds at once (at most one Postgres
+/// failover: the new primary has no standby until the old one is rebuilt).
 fn plan(seed: u64, index: usize) -> Vec<Planned> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (index as u64).wrapping_mul(0x9e37_79b9));
     let fault = |kind: usize, rng: &mut ChaCha8Rng| match kind {
@@ -147,8 +147,8 @@ fn plan(seed: u64, index: usize) -> Vec<Planned> {
             }
         }
     };
-    let kinds: Vec<usize> = if index < 4 {
-        vec![index]
+    let kinds: Vec<usize> = if index % 5 < 4 {
+        vec![index % 5]
     } else {
         let count = rng.gen_range(2..=3);
         let mut kinds = Vec::new();
