@@ -198,7 +198,12 @@ async fn bodies_that_stop_short_hold_at_most_the_budget_and_a_clients_share() {
         peak_in_flight <= 4 * MIB,
         "the stranger's share: {peak_in_flight}"
     );
-    assert!(count(ShortBody::Refused) >= 290, "{ends:?}");
+    // Refused with a 503, or closed unanswered when the listener was already writing as many
+    // refusals as it writes at once: which of the two depends on how busy the machine is.
+    assert!(
+        count(ShortBody::Refused) + count(ShortBody::Dropped) >= 290,
+        "{ends:?}"
+    );
     assert_eq!(count(ShortBody::Other), 0, "{ends:?}");
     // The bodies held (the share, twice over for the copy a handler makes) and the connections'
     // buffers, with room for the allocator: far under the 480 MiB 300 such bodies took before.
