@@ -25,11 +25,10 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use relay_api::Subject;
 use relay_netguard::TrustRoots;
 use relay_publisher::{Delivered, ReferenceConsumer};
 use relay_simulator::cli::{prepare, send_timeout, SimulateArgs};
-use relay_simulator::stories::{CopyRow, StoriesLogEntry};
+use relay_simulator::stories::StoriesLogEntry;
 use relay_simulator::{
     Answer, Faults, LogEntry, Simulation, Stories, StoriesConfig, StoriesWorkload,
     StoriesWorkloadConfig,
@@ -41,11 +40,9 @@ use sqlx::PgPool;
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
-use crate::scale_out::{free_address, round_robin, TierProcess};
-use crate::stack::{
-    backlog, call_api, check_tenant_queue, quiesce, token_for, upstream_listener, Backlog,
-};
-use crate::stories_convergence::{copy_rows, register};
+use crate::scale_out::{free_address, register_through_control_planes, round_robin, TierProcess};
+use crate::stack::{backlog, check_tenant_queue, quiesce, upstream_listener, Backlog};
+use crate::stories_convergence::{copy_rows, rebuilt_stories, register};
 
 /// What the recovery times are measured beside: the same measurement from an instant with no
 /// fault.
@@ -600,66 +597,6 @@ impl Campaign {
         }
     }
 
-    /// Registers the feed endpoints through the two control planes: a tenant per simulated key
-    /// made through one, its endpoints through the other.
-    async fn register_feed(
-        &self,
-        infos: &[relay_simulator::EndpointInfo],
-        simulator_api: &str,
-    ) -> Vec<(Uuid, Vec<Uuid>)> {
-        let operator = token_for(
-            JWT_SECRET.as_bytes(),
-            &Subject::Operator {
-                name: "failover".into(),
-            },
-        );
-        let mut tenants: Vec<(String, Uuid, Vec<Uuid>)> = Vec::new();
-        for info in infos {
-            if !tenants.iter().any(|(key, _, _)| key == &info.key_token) {
-                let body = json!({"name": format!("key {}", tenants.len())});
-                let made = call_api(
-                    &self.client,
-                    &self.apis[0],
-                    "POST",
-                    "/v1/tenants",
-                    Some(&operator),
-                    Some(&body),
-                )
-                .await;
-                assert_eq!(made.status, 201, "{}", made.text);
-                let tenant = made.json["id"].as_str().unwrap().parse().unwrap();
-                tenants.push((info.key_token.clone(), tenant, Vec::new()));
-            }
-            let (_, tenant, endpoints) = tenants
-                .iter_mut()
-                .find(|(key, _, _)| key == &info.key_token)
-                .unwrap();
-            let token = token_for(JWT_SECRET.as_bytes(), &Subject::Tenant(*tenant));
-            let body = json!({
-                "id": info.id,
-                "lang": info.lang,
-                "upstream_base_url": simulator_api,
-                "upstream_api_key": info.key_token,
-                "secrets": info.secrets,
-            });
-            let registered = call_api(
-                &self.client,
-                &self.apis[1],
-                "POST",
-                "/v1/endpoints",
-                Some(&token),
-                Some(&body),
-            )
-            .await;
-            assert_eq!(registered.status, 201, "{}", registered.text);
-            endpoints.push(info.id);
-        }
-        tenants
-            .into_iter()
-            .map(|(_, tenant, endpoints)| (tenant, endpoints))
-            .collect()
-    }
-
     /// One schedule: fresh simulated endpoints (feed and stories), traffic for [`TRAFFIC`]
     /// with the planned faults, then everything healed and checked.
     async fn run_schedule(&self, seed: u64, index: usize, figures: &mut Figures) {
@@ -742,7 +679,15 @@ impl Campaign {
         relay_simulator::api::serve(api_listener, sim.clone())
             .await
             .unwrap();
-        let feed_tenants = self.register_feed(&feed_infos, &simulator_api).await;
+        let feed_tenants = register_through_control_planes(
+            &self.client,
+            &self.apis,
+            JWT_SECRET,
+            "failover",
+            &feed_infos,
+            &simulator_api,
+        )
+        .await;
 
         let feed_ids: Vec<Uuid> = feed_infos.iter().map(|info| info.id).collect();
         let stories_ids: Vec<Uuid> = stories_infos.iter().map(|info| info.id).collect();
@@ -1057,22 +1002,7 @@ impl Campaign {
         assert_eq!(stats.waiting, 0, "seed {seed}: changes missing: {stats:?}");
         let stories = sim.stories();
         for &id in endpoints {
-            let rebuilt: BTreeMap<String, CopyRow> = consumer
-                .stories(id)
-                .into_iter()
-                .map(|(story_id, row)| {
-                    (
-                        story_id,
-                        CopyRow {
-                            ticker: row.ticker,
-                            version: row.version,
-                            closed: row.closed,
-                            story: row.story,
-                        },
-                    )
-                })
-                .collect();
-            let found = stories.compare_copy(id, &rebuilt);
+            let found = stories.compare_copy(id, &rebuilt_stories(&consumer, id));
             assert!(
                 found.is_empty(),
                 "seed {seed}: stories endpoint {id}'s copy rebuilt from the queue: {}",

@@ -1054,6 +1054,36 @@ async fn a_queue_deleted_under_the_publisher_is_declared_again() {
     }
 }
 
+/// Tenant A's own topology on the test broker: the durable direct exchange `tenant-a`, and the
+/// queue `tenant-a-changes` bound to it by the routing key `changes`.
+async fn declare_tenant_a_topology(channel: &Channel) {
+    channel
+        .exchange_declare(
+            "tenant-a",
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let queue_options = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    bind_queue(
+        channel,
+        "tenant-a-changes",
+        queue_options,
+        FieldTable::default(),
+        "tenant-a",
+        "changes",
+    )
+    .await;
+}
+
 /// Tenant A sends to its own exchange on a broker that accepts connections and says nothing;
 /// tenant B, on the relay's queue, is published in full meanwhile. When A's broker answers, A's
 /// changes reach its exchange (and not the relay's queue).
@@ -1066,32 +1096,7 @@ async fn a_tenant_whose_broker_is_unreachable_does_not_stall_another() {
     // A's own topology: a direct exchange and a queue bound to it.
     let broker = env.broker().await;
     let channel = broker.create_channel().await.unwrap();
-    let durable = ExchangeDeclareOptions {
-        durable: true,
-        ..ExchangeDeclareOptions::default()
-    };
-    channel
-        .exchange_declare(
-            "tenant-a",
-            ExchangeKind::Direct,
-            durable,
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let queue_options = QueueDeclareOptions {
-        durable: true,
-        ..QueueDeclareOptions::default()
-    };
-    bind_queue(
-        &channel,
-        "tenant-a-changes",
-        queue_options,
-        FieldTable::default(),
-        "tenant-a",
-        "changes",
-    )
-    .await;
+    declare_tenant_a_topology(&channel).await;
     let proxy = PgProxy::start(amqp_addr()).await;
     proxy.set(ProxyMode::Blackhole);
     set_own_exchange(
@@ -1181,31 +1186,7 @@ async fn a_tenant_broker_named_by_several_nodes_is_reached_through_one_that_answ
     let a = env.db.tenant().await;
     let broker = env.broker().await;
     let channel = broker.create_channel().await.unwrap();
-    channel
-        .exchange_declare(
-            "tenant-a",
-            ExchangeKind::Direct,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let queue_options = QueueDeclareOptions {
-        durable: true,
-        ..QueueDeclareOptions::default()
-    };
-    bind_queue(
-        &channel,
-        "tenant-a-changes",
-        queue_options,
-        FieldTable::default(),
-        "tenant-a",
-        "changes",
-    )
-    .await;
+    declare_tenant_a_topology(&channel).await;
     // The live node is the test broker behind a proxy: at its own address it would be the
     // relay's broker, which no destination may name.
     let live = PgProxy::start(amqp_addr()).await;

@@ -232,6 +232,70 @@ pub(crate) async fn round_robin(
     (address, task)
 }
 
+/// Registers the simulated feed endpoints `infos` through two control planes (`apis`, signing
+/// with `jwt_secret`): a tenant per simulated key made through the first by the operator
+/// `operator`, its endpoints registered through the second. Each tenant with its endpoints.
+pub(crate) async fn register_through_control_planes(
+    client: &reqwest::Client,
+    apis: &[String; 2],
+    jwt_secret: &str,
+    operator: &str,
+    infos: &[relay_simulator::EndpointInfo],
+    simulator_api: &str,
+) -> Vec<(Uuid, Vec<Uuid>)> {
+    let operator = token_for(
+        jwt_secret.as_bytes(),
+        &Subject::Operator {
+            name: operator.into(),
+        },
+    );
+    let mut tenants: Vec<(String, Uuid, Vec<Uuid>)> = Vec::new();
+    for info in infos {
+        if !tenants.iter().any(|(key, _, _)| key == &info.key_token) {
+            let body = json!({"name": format!("key {}", tenants.len())});
+            let made = call_api(
+                client,
+                &apis[0],
+                "POST",
+                "/v1/tenants",
+                Some(&operator),
+                Some(&body),
+            )
+            .await;
+            assert_eq!(made.status, 201, "{}", made.text);
+            let tenant: Uuid = made.json["id"].as_str().unwrap().parse().unwrap();
+            tenants.push((info.key_token.clone(), tenant, Vec::new()));
+        }
+        let (_, tenant, endpoints) = tenants
+            .iter_mut()
+            .find(|(key, _, _)| key == &info.key_token)
+            .unwrap();
+        let token = token_for(jwt_secret.as_bytes(), &Subject::Tenant(*tenant));
+        let body: Value = json!({
+            "id": info.id,
+            "lang": info.lang,
+            "upstream_base_url": simulator_api,
+            "upstream_api_key": info.key_token,
+            "secrets": info.secrets,
+        });
+        let registered = call_api(
+            client,
+            &apis[1],
+            "POST",
+            "/v1/endpoints",
+            Some(&token),
+            Some(&body),
+        )
+        .await;
+        assert_eq!(registered.status, 201, "{}", registered.text);
+        endpoints.push(info.id);
+    }
+    tenants
+        .into_iter()
+        .map(|(_, tenant, endpoints)| (tenant, endpoints))
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_processes_of_every_tier_share_the_work_and_converge() {
     let seed = seed();
@@ -314,56 +378,16 @@ async fn two_processes_of_every_tier_share_the_work_and_converge() {
             .unwrap()
     );
 
-    // One tenant per simulated key, made through one control plane, its endpoints registered
-    // through the other.
     let apis = api_addresses.map(|address| format!("http://{address}"));
-    let operator = token_for(
-        JWT_SECRET.as_bytes(),
-        &Subject::Operator {
-            name: "scale-out".into(),
-        },
-    );
-    let mut tenants: Vec<(String, Uuid, Vec<Uuid>)> = Vec::new();
-    for info in &infos {
-        if !tenants.iter().any(|(key, _, _)| key == &info.key_token) {
-            let body = json!({"name": format!("key {}", tenants.len())});
-            let made = call_api(
-                &client,
-                &apis[0],
-                "POST",
-                "/v1/tenants",
-                Some(&operator),
-                Some(&body),
-            )
-            .await;
-            assert_eq!(made.status, 201, "{}", made.text);
-            let tenant: Uuid = made.json["id"].as_str().unwrap().parse().unwrap();
-            tenants.push((info.key_token.clone(), tenant, Vec::new()));
-        }
-        let (_, tenant, endpoints) = tenants
-            .iter_mut()
-            .find(|(key, _, _)| key == &info.key_token)
-            .unwrap();
-        let token = token_for(JWT_SECRET.as_bytes(), &Subject::Tenant(*tenant));
-        let body: Value = json!({
-            "id": info.id,
-            "lang": info.lang,
-            "upstream_base_url": simulator_api,
-            "upstream_api_key": info.key_token,
-            "secrets": info.secrets,
-        });
-        let registered = call_api(
-            &client,
-            &apis[1],
-            "POST",
-            "/v1/endpoints",
-            Some(&token),
-            Some(&body),
-        )
-        .await;
-        assert_eq!(registered.status, 201, "{}", registered.text);
-        endpoints.push(info.id);
-    }
+    let tenants = register_through_control_planes(
+        &client,
+        &apis,
+        JWT_SECRET,
+        "scale-out",
+        &infos,
+        &simulator_api,
+    )
+    .await;
 
     let senders = sim.spawn_senders();
     sim.clone()
@@ -374,7 +398,7 @@ async fn two_processes_of_every_tier_share_the_work_and_converge() {
     eprintln!("seed {seed}: settled {took:?} after the workload");
 
     let broker = connect_broker(&amqp_url, "scale-out").await;
-    for (_, tenant, endpoints) in &tenants {
+    for (tenant, endpoints) in &tenants {
         let (messages, repeats) =
             check_tenant_queue(&broker, &db.pool, &sim, *tenant, endpoints, seed).await;
         eprintln!("seed {seed}: tenant {tenant}: {messages} messages, {repeats} repeats");

@@ -119,6 +119,29 @@ pub(crate) async fn copy_rows(
         .collect()
 }
 
+/// Stories endpoint `endpoint`'s copy as `consumer` rebuilt it from the queue, in the oracle's
+/// rows.
+pub(crate) fn rebuilt_stories(
+    consumer: &ReferenceConsumer,
+    endpoint: Uuid,
+) -> BTreeMap<String, CopyRow> {
+    consumer
+        .stories(endpoint)
+        .into_iter()
+        .map(|(story_id, row)| {
+            (
+                story_id,
+                CopyRow {
+                    ticker: row.ticker,
+                    version: row.version,
+                    closed: row.closed,
+                    story: row.story,
+                },
+            )
+        })
+        .collect()
+}
+
 /// Registers each simulated endpoint for one tenant, alternating the two modes unless
 /// `fetch_on_notify_only`.
 pub(crate) async fn register(
@@ -410,22 +433,7 @@ impl Stand {
         assert_eq!(stats.waiting, 0, "seed {seed}: changes missing: {stats:?}");
         let stories = self.sim.stories();
         for id in self.ids() {
-            let rebuilt: BTreeMap<String, CopyRow> = consumer
-                .stories(id)
-                .into_iter()
-                .map(|(story_id, row)| {
-                    (
-                        story_id,
-                        CopyRow {
-                            ticker: row.ticker,
-                            version: row.version,
-                            closed: row.closed,
-                            story: row.story,
-                        },
-                    )
-                })
-                .collect();
-            let found = stories.compare_copy(id, &rebuilt);
+            let found = stories.compare_copy(id, &rebuilt_stories(&consumer, id));
             assert!(
                 found.is_empty(),
                 "seed {seed}: endpoint {id}'s copy rebuilt from the queue: {}",
