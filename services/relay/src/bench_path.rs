@@ -39,7 +39,7 @@ use uuid::Uuid;
 
 use crate::cli::GlobalArgs;
 use crate::cpu::CpuSnapshot;
-use crate::loadgen::{build_message, loadgen_endpoints, loadgen_tenant, LoadgenArgs};
+use crate::loadgen::{build_events_message, loadgen_endpoints, loadgen_tenant, LoadgenArgs};
 
 /// The database every run makes for itself on RELAY_DATABASE_URL's server.
 const DATABASE: &str = "relay_bench_path";
@@ -79,9 +79,19 @@ pub struct PathBenchArgs {
     pub warmup_s: u64,
     #[arg(long, default_value_t = 1000)]
     pub endpoints: usize,
-    /// Messages in flight at once (each sender sends its next when its last is answered).
-    #[arg(long, default_value_t = 64)]
-    pub concurrency: usize,
+    /// The loads each mode of each build runs, comma-separated: `senders:N` (a closed loop: N
+    /// senders, each sending its next message when its last is answered), `rate:R` (an open
+    /// loop: R messages a second on a fixed schedule, each latency counted from when its
+    /// message was due), `idle` (no messages: what the build costs doing nothing), and
+    /// `burst:MxE` (one endpoint sent M messages of E events each, one at a time as the upstream
+    /// sends an endpoint's messages: how long until its last change is in the queue).
+    #[arg(long, value_delimiter = ',', default_value = "senders:64")]
+    pub loads: Vec<Load>,
+    /// Postgres' statements that took the most time in each run's window, from
+    /// `pg_stat_statements` (in `shared_preload_libraries` of the bench's server; when it is
+    /// not, the runs say so): how many, 0 for none.
+    #[arg(long, default_value_t = 12)]
+    pub statements: usize,
     #[arg(long, default_value_t = 3072)]
     pub body_bytes: usize,
     /// Seconds each ceiling (Postgres' batched inserts, RabbitMQ's confirmed publishes) runs
@@ -131,6 +141,62 @@ impl PathMode {
     }
 }
 
+/// One load a run sends (see `--loads`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Load {
+    /// A closed loop of this many senders.
+    Senders(usize),
+    /// An open loop of this many messages a second.
+    Rate(f64),
+    /// No messages.
+    Idle,
+    /// One endpoint's messages of `events` events each, one at a time.
+    Burst { messages: usize, events: usize },
+}
+
+impl std::str::FromStr for Load {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let wrong = || format!("{text:?}: senders:N, rate:R, idle or burst:MxE");
+        let positive = |n: usize| (n > 0).then_some(n).ok_or_else(wrong);
+        match text.split_once(':') {
+            None if text == "idle" => Ok(Load::Idle),
+            Some(("senders", n)) => Ok(Load::Senders(positive(n.parse().map_err(|_| wrong())?)?)),
+            Some(("rate", r)) => match r.parse::<f64>() {
+                Ok(rate) if rate > 0.0 && rate.is_finite() => Ok(Load::Rate(rate)),
+                _ => Err(wrong()),
+            },
+            Some(("burst", shape)) => {
+                let (m, e) = shape.split_once('x').ok_or_else(wrong)?;
+                let events = positive(e.parse().map_err(|_| wrong())?)?;
+                if events > relay_wire::limits::MAX_EVENTS {
+                    return Err(format!(
+                        "{text:?}: a message holds at most {} events",
+                        relay_wire::limits::MAX_EVENTS
+                    ));
+                }
+                Ok(Load::Burst {
+                    messages: positive(m.parse().map_err(|_| wrong())?)?,
+                    events,
+                })
+            }
+            _ => Err(wrong()),
+        }
+    }
+}
+
+impl std::fmt::Display for Load {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Load::Senders(n) => write!(f, "senders:{n}"),
+            Load::Rate(r) => write!(f, "rate:{r}"),
+            Load::Idle => f.write_str("idle"),
+            Load::Burst { messages, events } => write!(f, "burst:{messages}x{events}"),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Build {
     label: String,
@@ -156,6 +222,7 @@ impl Build {
 struct RunFigures {
     build: String,
     mode: PathMode,
+    load: Load,
     json: Value,
 }
 
@@ -196,17 +263,18 @@ pub async fn run(global: &GlobalArgs, args: PathBenchArgs) -> anyhow::Result<()>
             builds.iter().rev().collect()
         };
         for build in order {
-            for &mode in &args.modes {
-                eprintln!("round {round}: {} {}", build.label, mode.name());
-                let run = bench
-                    .run(build, mode)
-                    .await
-                    .with_context(|| format!("round {round}: {} {}", build.label, mode.name()))?;
-                println!(
-                    "{}",
-                    json!({"round": round, "build": build.label, "mode": mode, "figures": run.json})
-                );
-                figures.push(run);
+            for &load in &args.loads {
+                for &mode in &args.modes {
+                    let what = format!("round {round}: {} {} {load}", build.label, mode.name());
+                    eprintln!("{what}");
+                    let run = bench.run(build, mode, load).await.context(what)?;
+                    println!(
+                        "{}",
+                        json!({"round": round, "build": build.label, "mode": mode,
+                               "load": load.to_string(), "figures": run.json})
+                    );
+                    figures.push(run);
+                }
             }
         }
         if args.ceiling_s > 0 {
@@ -223,7 +291,7 @@ pub async fn run(global: &GlobalArgs, args: PathBenchArgs) -> anyhow::Result<()>
     }
     println!(
         "{}",
-        json!({ "summary": summary(&builds, &figures, &ceilings) })
+        json!({ "summary": summary(&builds, &args.loads, &figures, &ceilings) })
     );
     Ok(())
 }
@@ -362,7 +430,7 @@ impl Bench<'_> {
         LoadgenArgs {
             url: String::new(),
             endpoints: self.args.endpoints,
-            concurrency: self.args.concurrency,
+            concurrency: 1,
             duration_s: self.args.duration_s,
             warmup_s: self.args.warmup_s,
             rate: 0.0,
@@ -372,21 +440,27 @@ impl Bench<'_> {
         }
     }
 
-    async fn run(&self, build: &Build, mode: PathMode) -> anyhow::Result<RunFigures> {
+    async fn run(&self, build: &Build, mode: PathMode, load: Load) -> anyhow::Result<RunFigures> {
         self.prepare_database(build).await?;
         let vhost = format!("relay-bench-path-{}", Uuid::new_v4().simple());
         self.make_vhost(&vhost).await?;
-        let result = self.run_in(build, mode, &vhost).await;
+        let result = self.run_in(build, (mode, load), &vhost).await;
         self.remove_vhost(&vhost).await;
         self.drop_database().await?;
         Ok(RunFigures {
             build: build.label.clone(),
             mode,
+            load,
             json: result?,
         })
     }
 
-    async fn run_in(&self, build: &Build, mode: PathMode, vhost: &str) -> anyhow::Result<Value> {
+    async fn run_in(
+        &self,
+        build: &Build,
+        (mode, load): (PathMode, Load),
+        vhost: &str,
+    ) -> anyhow::Result<Value> {
         let listen = free_port()?;
         let metrics = free_port()?;
         let log = std::env::temp_dir().join(format!("relay-bench-path-{}.log", Uuid::new_v4()));
@@ -419,7 +493,7 @@ impl Bench<'_> {
         let pid = child.id().context("the build's process has no pid")?;
         let ready = wait_ready(metrics, &mut child).await;
         let measured = match ready {
-            Ok(()) => self.measure(mode, listen, vhost, pid).await,
+            Ok(()) => self.measure((mode, load), listen, vhost, pid).await,
             Err(error) => Err(error),
         };
         terminate(&mut child).await;
@@ -434,7 +508,7 @@ impl Bench<'_> {
 
     async fn measure(
         &self,
-        mode: PathMode,
+        (mode, load): (PathMode, Load),
         listen: u16,
         vhost: &str,
         pid: u32,
@@ -454,81 +528,102 @@ impl Bench<'_> {
             None
         };
         let mut stats = PgConnection::connect(&self.database_url()).await?;
-        let started = Instant::now();
-        let warmup_ends = started + Duration::from_secs(self.args.warmup_s);
-        let ends = warmup_ends + Duration::from_secs(self.args.duration_s);
-        let senders = send_load(
-            self.args,
-            format!("http://127.0.0.1:{listen}"),
-            mode.consumes().then(|| sent_at.clone()),
-            ends,
-        );
-        tokio::time::sleep_until(warmup_ends.into()).await;
-        let before = Snapshot::take(&mut stats, pid).await?;
-        tokio::time::sleep_until(ends.into()).await;
-        let after = Snapshot::take(&mut stats, pid).await?;
-        let answers = senders.await?;
-        let window = (warmup_ends, ends);
-        let accepted = answers
+        let statements = Statements::prepare(&mut stats, self.args.statements).await?;
+        let base = format!("http://127.0.0.1:{listen}");
+        let sent_at = mode.consumes().then(|| sent_at.clone());
+        // A burst is measured whole, from its first message to its last change; every other
+        // load over a window after its warm-up.
+        let (before, after, answers, window) = if let Load::Burst { messages, events } = load {
+            let started = Instant::now();
+            statements.reset(&mut stats).await?;
+            let before = Snapshot::take(&mut stats, pid).await?;
+            let answers = send_burst(self.args, base, sent_at, (messages, events)).await?;
+            if mode.consumes() {
+                let expected = answers
+                    .iter()
+                    .filter(|a| a.status == 202)
+                    .map(|a| a.events)
+                    .sum();
+                wait_delivered(&delivered, expected).await;
+            }
+            let after = Snapshot::take(&mut stats, pid).await?;
+            (before, after, answers, (started, Instant::now()))
+        } else {
+            let started = Instant::now();
+            let warmup_ends = started + Duration::from_secs(self.args.warmup_s);
+            let ends = warmup_ends + Duration::from_secs(self.args.duration_s);
+            let senders = send_load(self.args, load, base, sent_at, ends);
+            tokio::time::sleep_until(warmup_ends.into()).await;
+            statements.reset(&mut stats).await?;
+            let before = Snapshot::take(&mut stats, pid).await?;
+            tokio::time::sleep_until(ends.into()).await;
+            let after = Snapshot::take(&mut stats, pid).await?;
+            (before, after, senders.await?, (warmup_ends, ends))
+        };
+        let seconds = (window.1 - window.0).as_secs_f64();
+        let in_window: Vec<&Answer> = answers.iter().filter(|a| a.sent >= window.0).collect();
+        let accepted = in_window.iter().filter(|a| a.status == 202).count() as u64;
+        // What the front tier's figures are per: each event stored (one a message, but in a
+        // burst).
+        let accepted_events: u64 = in_window
             .iter()
-            .filter(|a| a.sent >= warmup_ends && a.status == 202)
-            .count() as u64;
-        let mut answer_latency: Vec<Duration> = answers
-            .iter()
-            .filter(|a| a.sent >= warmup_ends)
-            .map(|a| a.latency)
-            .collect();
+            .filter(|a| a.status == 202)
+            .map(|a| a.events)
+            .sum();
+        let mut answer_latency: Vec<Duration> = in_window.iter().map(|a| a.latency).collect();
         let mut statuses: BTreeMap<String, u64> = BTreeMap::new();
-        for answer in answers.iter().filter(|a| a.sent >= warmup_ends) {
+        for answer in &in_window {
             *statuses.entry(answer.status.to_string()).or_default() += 1;
         }
         let mut figures = json!({
-            "accepted_per_s": per_s(accepted, self.args.duration_s),
+            "accepted_per_s": per_s(accepted, seconds),
             "answers": statuses,
             "answer_ms": percentiles(&mut answer_latency),
         });
+        if let Load::Burst { .. } = load {
+            // From the first message sent to the last one answered.
+            let answered = answers
+                .iter()
+                .map(|a| a.sent + a.latency)
+                .max()
+                .map(|last| round2((last - window.0).as_secs_f64()));
+            figures["burst_answered_s"] = json!(answered);
+        }
         let measured = if mode.consumes() {
             // Everything accepted (warm-up included) reaches the queue unless the path loses it.
-            let accepted_in_all = answers.iter().filter(|a| a.status == 202).count();
+            let expected: u64 = answers
+                .iter()
+                .filter(|a| a.status == 202)
+                .map(|a| a.events)
+                .sum();
             let drain_started = Instant::now();
-            let mut last = (0, Instant::now());
-            loop {
-                let count = delivered.lock().expect("not poisoned").len();
-                if count >= accepted_in_all {
-                    break;
-                }
-                if count != last.0 {
-                    last = (count, Instant::now());
-                } else if last.1.elapsed() > Duration::from_secs(15) {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
+            let drained = wait_delivered(&delivered, expected).await;
             if let Some(consumer) = consumer {
                 consumer.abort();
             }
             let delivered = delivered.lock().expect("not poisoned");
-            let in_window: Vec<&(Instant, Option<Duration>)> = delivered
+            let taken: Vec<&(Instant, Option<Duration>)> = delivered
                 .iter()
-                .filter(|(at, _)| *at >= window.0 && *at < window.1)
+                .filter(|(at, _)| *at >= window.0 && *at <= window.1)
                 .collect();
-            let mut latency: Vec<Duration> = in_window.iter().filter_map(|(_, l)| *l).collect();
-            figures["reached_queue_per_s"] =
-                json!(per_s(in_window.len() as u64, self.args.duration_s));
+            let mut latency: Vec<Duration> = taken.iter().filter_map(|(_, l)| *l).collect();
+            figures["reached_queue_per_s"] = json!(per_s(taken.len() as u64, seconds));
             figures["receipt_to_queue_ms"] = percentiles(&mut latency);
-            figures["accepted_in_all"] = json!(accepted_in_all);
+            figures["accepted_in_all"] = json!(expected);
             figures["reached_queue_in_all"] = json!(delivered.len());
-            figures["drained_after_load_s"] = json!(round1(
-                drain_started
-                    .elapsed()
-                    .as_secs_f64()
-                    .min(last.1.elapsed().as_secs_f64())
-            ));
-            in_window.len() as u64
+            figures["drained_after_load_s"] =
+                json!(round1(drain_started.elapsed().as_secs_f64().min(drained)));
+            if let Load::Burst { .. } = load {
+                let last = delivered.iter().map(|(at, _)| *at).max();
+                figures["burst_in_queue_s"] =
+                    json!(last.map(|last| round2((last - window.0).as_secs_f64())));
+            }
+            taken.len() as u64
         } else {
-            accepted
+            accepted_events
         };
-        figures["per_message"] = after.since(&before, measured, self.args.duration_s);
+        figures["per_message"] = after.since(&before, measured, seconds);
+        figures["statements"] = statements.top(&mut stats).await?;
         Ok(figures)
     }
 
@@ -593,8 +688,8 @@ impl Bench<'_> {
         self.drop_database().await?;
         let messages = count_after - count_before;
         Ok(json!({
-            "messages_per_s": per_s(messages, self.args.ceiling_s),
-            "per_message": after.since(&before, messages, self.args.ceiling_s),
+            "messages_per_s": per_s(messages, self.args.ceiling_s as f64),
+            "per_message": after.since(&before, messages, self.args.ceiling_s as f64),
         }))
     }
 
@@ -678,8 +773,8 @@ impl Bench<'_> {
             let _ = connection.close(200, "done").await;
             let messages = after.1 - confirmed_before;
             Ok::<_, anyhow::Error>(json!({
-                "confirmed_per_s": per_s(messages, self.args.ceiling_s),
-                "per_message": after.0.since(&before, messages, self.args.ceiling_s),
+                "confirmed_per_s": per_s(messages, self.args.ceiling_s as f64),
+                "per_message": after.0.since(&before, messages, self.args.ceiling_s as f64),
             }))
         }
         .await;
@@ -760,88 +855,277 @@ type Delivered = Arc<Mutex<Vec<(Instant, Option<Duration>)>>>;
 /// One answered message of the load.
 #[derive(Debug, Clone, Copy)]
 struct Answer {
+    /// When it was due: sent, in a closed loop; its place in the schedule, in an open one.
     sent: Instant,
     latency: Duration,
     /// The HTTP status, or 0 when no answer came.
     status: u16,
+    /// The events it held (each a new item: a change once applied).
+    events: u64,
 }
 
-/// The closed loop: `concurrency` senders, each sending its next message when its last was
-/// answered, until `ends`. Each message is one new item of its endpoint (subject
-/// `announcement:<n>`, `n` unique in the run), of text made for it; when `sent_at` is given,
-/// each message's send time is kept under its endpoint and `n` for the consumer.
+/// Senders an open loop keeps: enough that a message due waits for one only when the relay is
+/// far behind (its wait then counts against the relay).
+const OPEN_LOOP_SENDERS: usize = 256;
+
+/// The load `load` (a closed loop of senders, an open loop at a rate, or nothing) until `ends`.
+/// Each message is one new item of an endpoint drawn at random (subject `announcement:<n>`, `n`
+/// unique in the run), of text made for it; when `sent_at` is given, each message's send time
+/// is kept under its endpoint and `n` for the consumer.
 fn send_load(
     args: &PathBenchArgs,
+    load: Load,
     base: String,
     sent_at: Option<SentAt>,
     ends: Instant,
 ) -> tokio::task::JoinHandle<Vec<Answer>> {
     let endpoints = Arc::new(loadgen_endpoints(SEED, args.endpoints.max(1)));
-    let (concurrency, text_bytes) = (
-        args.concurrency.max(1),
-        args.body_bytes.saturating_sub(ENVELOPE_BYTES),
-    );
+    let text_bytes = args.body_bytes.saturating_sub(ENVELOPE_BYTES);
+    let (senders, interval) = match load {
+        Load::Senders(n) => (n, None),
+        Load::Rate(rate) => (
+            OPEN_LOOP_SENDERS,
+            Some(Duration::from_secs_f64(OPEN_LOOP_SENDERS as f64 / rate)),
+        ),
+        Load::Idle | Load::Burst { .. } => (0, None),
+    };
     tokio::spawn(async move {
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(concurrency)
-            .timeout(Duration::from_secs(20))
-            .build()
-            .expect("a plain HTTP client");
-        let senders = (0..concurrency).map(|worker| {
+        let client = http_client(senders.max(1));
+        let started = Instant::now();
+        let senders = (0..senders).map(|worker| {
             let (client, endpoints, base, sent_at) = (
                 client.clone(),
                 endpoints.clone(),
                 base.clone(),
                 sent_at.clone(),
             );
+            // On a schedule, sender w sends the messages due at w, w + c, w + 2c, ... in units
+            // of the rate's interval (c senders), so together they keep the rate.
+            let mut next_due =
+                interval.map(|every| started + every.mul_f64(worker as f64 / senders as f64));
             tokio::spawn(async move {
                 let mut rng = rand::rngs::StdRng::seed_from_u64(SEED ^ (worker as u64) << 20);
                 let mut answers = Vec::new();
                 let mut n = (worker as u64) << 32;
-                while Instant::now() < ends {
+                loop {
+                    let due = match (&mut next_due, interval) {
+                        (Some(next), Some(every)) => {
+                            let due = *next;
+                            *next += every;
+                            tokio::time::sleep_until(due.into()).await;
+                            due
+                        }
+                        _ => Instant::now(),
+                    };
+                    if due >= ends {
+                        return answers;
+                    }
                     let (id, secret): &(Uuid, SigningSecret) =
                         &endpoints[rng.gen_range(0..endpoints.len())];
                     n += 1;
                     let text = realistic_text(text_bytes, &mut rng);
-                    let (webhook_id, timestamp, signature, body) =
-                        build_message(*id, secret, n, &text);
-                    let sent = Instant::now();
+                    let message = build_events_message(*id, secret, n, &[&text]);
                     if let Some(sent_at) = &sent_at {
-                        sent_at.lock().expect("not poisoned").insert((*id, n), sent);
+                        sent_at.lock().expect("not poisoned").insert((*id, n), due);
                     }
-                    let result = client
-                        .post(format!("{base}/webhooks/{id}"))
-                        .header("content-type", "application/json")
-                        .header("webhook-id", webhook_id)
-                        .header("webhook-timestamp", timestamp.to_string())
-                        .header("webhook-signature", signature)
-                        .header("quanor-webhook-attempt", "1")
-                        .body(body)
-                        .send()
-                        .await;
-                    let status = match result {
-                        Ok(response) => {
-                            let status = response.status().as_u16();
-                            let _ = response.bytes().await;
-                            status
-                        }
-                        Err(_) => 0,
-                    };
+                    let status = post(&client, &base, *id, message).await;
                     answers.push(Answer {
-                        sent,
-                        latency: sent.elapsed(),
+                        sent: due,
+                        latency: due.elapsed(),
                         status,
+                        events: 1,
                     });
                 }
-                answers
             })
         });
         let mut all = Vec::new();
         for sender in futures::future::join_all(senders).await {
             all.extend(sender.unwrap_or_default());
         }
+        if all.is_empty() {
+            tokio::time::sleep_until(ends.into()).await;
+        }
         all
     })
+}
+
+/// One endpoint's burst: `messages` messages of `events` new items each, sent one at a time
+/// (the next once the last was answered 2xx, as the upstream sends an endpoint's messages), each
+/// message as large as the wire file lets a message of several items' events be.
+async fn send_burst(
+    args: &PathBenchArgs,
+    base: String,
+    sent_at: Option<SentAt>,
+    (messages, events): (usize, usize),
+) -> anyhow::Result<Vec<Answer>> {
+    let (id, secret) = loadgen_endpoints(SEED, 1).remove(0);
+    let envelope = ENVELOPE_BYTES / 2;
+    let per_event = (relay_wire::limits::MESSAGE_BYTES / events).saturating_sub(envelope);
+    let text_bytes = args
+        .body_bytes
+        .saturating_sub(ENVELOPE_BYTES)
+        .min(per_event.saturating_sub(envelope));
+    let client = http_client(1);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(SEED ^ 0xb0257);
+    let mut answers = Vec::with_capacity(messages);
+    let mut n = 0u64;
+    for _ in 0..messages {
+        let texts: Vec<String> = (0..events)
+            .map(|_| realistic_text(text_bytes, &mut rng))
+            .collect();
+        let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let first = n + 1;
+        n += events as u64;
+        let message = build_events_message(id, &secret, first, &texts);
+        let sent = Instant::now();
+        if let Some(sent_at) = &sent_at {
+            let mut sent_at = sent_at.lock().expect("not poisoned");
+            for item in first..=n {
+                sent_at.insert((id, item), sent);
+            }
+        }
+        // Sent again until taken, as the upstream would (never past a minute).
+        let mut status = post(&client, &base, id, message.clone()).await;
+        while !(200..300).contains(&status) && sent.elapsed() < Duration::from_secs(60) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            status = post(&client, &base, id, message.clone()).await;
+        }
+        answers.push(Answer {
+            sent,
+            latency: sent.elapsed(),
+            status,
+            events: events as u64,
+        });
+    }
+    Ok(answers)
+}
+
+fn http_client(connections: usize) -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(connections)
+        .timeout(Duration::from_secs(20))
+        .build()
+        .expect("a plain HTTP client")
+}
+
+/// Posts one signed message to `endpoint`: the answer's status, 0 when none came.
+async fn post(
+    client: &reqwest::Client,
+    base: &str,
+    endpoint: Uuid,
+    (webhook_id, timestamp, signature, body): (String, i64, String, Vec<u8>),
+) -> u16 {
+    let result = client
+        .post(format!("{base}/webhooks/{endpoint}"))
+        .header("content-type", "application/json")
+        .header("webhook-id", webhook_id)
+        .header("webhook-timestamp", timestamp.to_string())
+        .header("webhook-signature", signature)
+        .header("quanor-webhook-attempt", "1")
+        .body(body)
+        .send()
+        .await;
+    match result {
+        Ok(response) => {
+            let status = response.status().as_u16();
+            let _ = response.bytes().await;
+            status
+        }
+        Err(_) => 0,
+    }
+}
+
+/// Waits until the consumer took `expected` changes, or none came for 15 s: the seconds from
+/// the start of the wait to the last change taken.
+async fn wait_delivered(delivered: &Delivered, expected: u64) -> f64 {
+    let started = Instant::now();
+    let mut last = (delivered.lock().expect("not poisoned").len(), started);
+    loop {
+        let count = delivered.lock().expect("not poisoned").len();
+        if count != last.0 {
+            last = (count, Instant::now());
+        }
+        if count as u64 >= expected || last.1.elapsed() > Duration::from_secs(15) {
+            return (last.1 - started).as_secs_f64();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The statements Postgres spent the most time on in a run's window, from
+/// `pg_stat_statements`, when the server loads it.
+struct Statements {
+    top: usize,
+    loaded: bool,
+}
+
+impl Statements {
+    /// Makes the extension's view in the run's database when the server loads its library.
+    async fn prepare(stats: &mut PgConnection, top: usize) -> anyhow::Result<Self> {
+        let loaded: bool = sqlx::query_scalar(
+            "SELECT 'pg_stat_statements' = ANY(
+                 string_to_array(replace(current_setting('shared_preload_libraries'), ' ', ''),
+                                 ','))",
+        )
+        .fetch_one(&mut *stats)
+        .await?;
+        let loaded = loaded && top > 0;
+        if loaded {
+            sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+                .execute(&mut *stats)
+                .await?;
+        }
+        Ok(Self { top, loaded })
+    }
+
+    /// Starts the window (every database's counts: the bench runs alone).
+    async fn reset(&self, stats: &mut PgConnection) -> anyhow::Result<()> {
+        if self.loaded {
+            sqlx::query("SELECT pg_stat_statements_reset()")
+                .execute(&mut *stats)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// The run database's statements by the time they took since the reset, the most first:
+    /// each one's share, calls, milliseconds a call, rows, WAL records and bytes, and its text's
+    /// beginning.
+    async fn top(&self, stats: &mut PgConnection) -> anyhow::Result<Value> {
+        if self.top == 0 {
+            return Ok(Value::Null);
+        }
+        if !self.loaded {
+            return Ok(json!(
+                "pg_stat_statements is not in the server's shared_preload_libraries"
+            ));
+        }
+        type Row = (f64, i64, f64, i64, i64, i64, String);
+        let rows: Vec<Row> = sqlx::query_as(
+            "WITH mine AS (
+                 SELECT * FROM pg_stat_statements
+                 WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+                   AND query NOT LIKE '%pg_stat%'
+             )
+             SELECT round((100 * total_exec_time / nullif(sum(total_exec_time) OVER (), 0))::numeric, 1)::float8,
+                    calls, round((total_exec_time / greatest(calls, 1))::numeric, 3)::float8,
+                    rows, wal_records, wal_bytes::int8,
+                    left(regexp_replace(query, '\\s+', ' ', 'g'), 120)
+             FROM mine ORDER BY total_exec_time DESC LIMIT $1",
+        )
+        .bind(self.top as i64)
+        .fetch_all(&mut *stats)
+        .await?;
+        Ok(json!(rows
+            .into_iter()
+            .map(
+                |(share, calls, ms, rows, wal_records, wal_bytes, text)| json!({
+                    "pct": share, "calls": calls, "ms_per_call": ms, "rows": rows,
+                    "wal_records": wal_records, "wal_bytes": wal_bytes, "statement": text,
+                })
+            )
+            .collect::<Vec<_>>()))
+    }
 }
 
 /// Reads the tenant's queue and notes, for each change, when it came and how long after its
@@ -945,7 +1229,7 @@ impl Snapshot {
     /// WAL bytes and records, rows written (by table) and commits. Postgres' counters of a
     /// backend reach its statistics at most a second late, which a window of tens of seconds
     /// barely notices.
-    fn since(&self, before: &Snapshot, messages: u64, seconds: u64) -> Value {
+    fn since(&self, before: &Snapshot, messages: u64, seconds: f64) -> Value {
         let per = |v: f64| {
             if messages == 0 {
                 Value::Null
@@ -954,18 +1238,22 @@ impl Snapshot {
             }
         };
         let mut cpu = serde_json::Map::new();
+        let mut cores_used = serde_json::Map::new();
         if let (Some(now), Some(then)) = (&self.cpu, &before.cpu) {
             let usage = now.since(then);
             let cores = crate::cpu::cores_of_machine() as f64;
-            let mut all_in = 0.0;
+            let (mut all_in, mut all_in_cores) = (0.0, 0.0);
             for (group, used) in &usage.cores {
-                let us = used * seconds as f64 * 1e6;
+                let us = used * seconds * 1e6;
                 if ALL_IN.contains(group) {
                     all_in += us;
+                    all_in_cores += used;
                 }
                 cpu.insert((*group).to_owned(), per(us));
+                cores_used.insert((*group).to_owned(), json!(*used));
             }
             cpu.insert("all_in".into(), per(all_in));
+            cores_used.insert("all_in".into(), json!(round4(all_in_cores)));
             cpu.insert(
                 "machine_busy_pct".into(),
                 json!(usage.machine_busy_pct.min(100.0 * cores)),
@@ -983,6 +1271,9 @@ impl Snapshot {
         }
         json!({
             "cpu_us": cpu,
+            // What each process kept busy, in cores, whatever the messages: at light load and
+            // idle, what the build costs by being there.
+            "cores": cores_used,
             "wal_bytes": per((self.wal.2 - before.wal.2) as f64),
             "wal_records": per((self.wal.0 - before.wal.0) as f64),
             "wal_full_page_images": per((self.wal.1 - before.wal.1) as f64),
@@ -994,56 +1285,72 @@ impl Snapshot {
     }
 }
 
-/// The answers and figures of every run, by build and mode: each figure's mean over the rounds,
-/// and the ratios the issue asks for (the whole path to the front tier alone, within a build;
-/// the last build to the first).
-fn summary(builds: &[Build], figures: &[RunFigures], ceilings: &[Value]) -> Value {
-    let mean = |build: &str, mode: PathMode, pointer: &str| -> Option<f64> {
+/// The figures of every run, by build and load: each figure's mean over the rounds, and the
+/// ratios the issue asks for (within a build and load, the whole path to the front tier alone).
+fn summary(builds: &[Build], loads: &[Load], figures: &[RunFigures], ceilings: &[Value]) -> Value {
+    let mean = |build: &str, load: Load, mode: PathMode, pointer: &str| -> Option<f64> {
         let values: Vec<f64> = figures
             .iter()
-            .filter(|f| f.build == build && f.mode == mode)
+            .filter(|f| f.build == build && f.mode == mode && f.load == load)
             .filter_map(|f| f.json.pointer(pointer).and_then(Value::as_f64))
             .collect();
         (!values.is_empty()).then(|| round2(values.iter().sum::<f64>() / values.len() as f64))
     };
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => json!(round2(a / b)),
+        _ => Value::Null,
+    };
     let mut by_build = serde_json::Map::new();
     for build in builds {
         let b = build.label.as_str();
-        let front = mean(b, PathMode::Front, "/accepted_per_s");
-        let whole = mean(b, PathMode::Whole, "/reached_queue_per_s");
-        let retention = mean(b, PathMode::Retention, "/reached_queue_per_s");
-        let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
-            (Some(a), Some(b)) if b > 0.0 => json!(round2(a / b)),
-            _ => Value::Null,
-        };
-        let cpu = |mode| mean(b, mode, "/per_message/cpu_us/all_in");
-        let by_process: serde_json::Map<String, Value> = ALL_IN
-            .iter()
-            .map(|g| {
-                let pointer = format!("/per_message/cpu_us/{g}");
-                (g.to_string(), json!(mean(b, PathMode::Whole, &pointer)))
-            })
-            .collect();
-        by_build.insert(
-            b.to_owned(),
-            json!({
+        let mut by_load = serde_json::Map::new();
+        for &load in loads {
+            let m = |mode, pointer: &str| mean(b, load, mode, pointer);
+            let front = m(PathMode::Front, "/accepted_per_s");
+            let whole = m(PathMode::Whole, "/reached_queue_per_s");
+            let cpu = |mode| m(mode, "/per_message/cpu_us/all_in");
+            let by_process: serde_json::Map<String, Value> = ALL_IN
+                .iter()
+                .map(|g| {
+                    let pointer = format!("/per_message/cpu_us/{g}");
+                    (g.to_string(), json!(m(PathMode::Whole, &pointer)))
+                })
+                .collect();
+            let mut figures = json!({
                 "front_accepted_per_s": front,
                 "whole_reached_queue_per_s": whole,
                 "whole_over_front": ratio(whole, front),
                 "front_cpu_us_per_message": cpu(PathMode::Front),
                 "whole_cpu_us_per_message": cpu(PathMode::Whole),
+                "whole_cpu_over_front": ratio(cpu(PathMode::Whole), cpu(PathMode::Front)),
                 "whole_cpu_us_by_process": by_process,
-                "whole_p50_ms": mean(b, PathMode::Whole, "/receipt_to_queue_ms/p50"),
-                "whole_p99_ms": mean(b, PathMode::Whole, "/receipt_to_queue_ms/p99"),
-                "whole_wal_bytes_per_message": mean(b, PathMode::Whole, "/per_message/wal_bytes"),
-                "whole_wal_records_per_message": mean(b, PathMode::Whole, "/per_message/wal_records"),
-                "whole_rows_per_message": mean(b, PathMode::Whole, "/per_message/rows_written"),
-                "whole_commits_per_message": mean(b, PathMode::Whole, "/per_message/commits"),
-                "retention_reached_queue_per_s": retention,
+                "front_cores_all_in": m(PathMode::Front, "/per_message/cores/all_in"),
+                "whole_cores_all_in": m(PathMode::Whole, "/per_message/cores/all_in"),
+                "whole_cores_postgres": m(PathMode::Whole, "/per_message/cores/postgres"),
+                "whole_machine_busy_pct": m(PathMode::Whole, "/per_message/cpu_us/machine_busy_pct"),
+                "front_answer_p50_ms": m(PathMode::Front, "/answer_ms/p50"),
+                "whole_answer_p50_ms": m(PathMode::Whole, "/answer_ms/p50"),
+                "whole_p50_ms": m(PathMode::Whole, "/receipt_to_queue_ms/p50"),
+                "whole_p99_ms": m(PathMode::Whole, "/receipt_to_queue_ms/p99"),
+                "whole_wal_bytes_per_message": m(PathMode::Whole, "/per_message/wal_bytes"),
+                "whole_wal_records_per_message": m(PathMode::Whole, "/per_message/wal_records"),
+                "whole_rows_per_message": m(PathMode::Whole, "/per_message/rows_written"),
+                "whole_commits_per_message": m(PathMode::Whole, "/per_message/commits"),
+                "retention_reached_queue_per_s": m(PathMode::Retention, "/reached_queue_per_s"),
                 "retention_cpu_us_per_message": cpu(PathMode::Retention),
                 "retention_cpu_over_whole": ratio(cpu(PathMode::Retention), cpu(PathMode::Whole)),
-            }),
-        );
+            });
+            if let Load::Burst { .. } = load {
+                let answered = m(PathMode::Front, "/burst_answered_s");
+                let in_queue = m(PathMode::Whole, "/burst_in_queue_s");
+                figures["burst_front_answered_s"] = json!(answered);
+                figures["burst_whole_answered_s"] = json!(m(PathMode::Whole, "/burst_answered_s"));
+                figures["burst_in_queue_s"] = json!(in_queue);
+                figures["burst_in_queue_over_front_answered"] = ratio(in_queue, answered);
+            }
+            by_load.insert(load.to_string(), figures);
+        }
+        by_build.insert(b.to_owned(), Value::Object(by_load));
     }
     let ceiling_mean = |pointer: &str| -> Value {
         let values: Vec<f64> = ceilings
@@ -1164,12 +1471,16 @@ fn percentiles(values: &mut [Duration]) -> Value {
     json!({"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": at(1.0), "count": values.len()})
 }
 
-fn per_s(count: u64, seconds: u64) -> f64 {
-    round1(count as f64 / seconds.max(1) as f64)
+fn per_s(count: u64, seconds: f64) -> f64 {
+    round1(count as f64 / seconds.max(0.001))
 }
 
 fn round1(v: f64) -> f64 {
     (v * 10.0).round() / 10.0
+}
+
+fn round4(v: f64) -> f64 {
+    (v * 10_000.0).round() / 10_000.0
 }
 
 fn round2(v: f64) -> f64 {
@@ -1199,6 +1510,41 @@ mod tests {
         assert_eq!(build.label, "after");
         assert_eq!(build.binary, me);
         assert!(Build::parse("before=/no/such/relay").is_err());
+    }
+
+    #[test]
+    fn a_load_is_senders_a_rate_idle_or_a_burst_and_nothing_else() {
+        for (text, load) in [
+            ("senders:4", Load::Senders(4)),
+            ("rate:500", Load::Rate(500.0)),
+            ("rate:0.5", Load::Rate(0.5)),
+            ("idle", Load::Idle),
+            (
+                "burst:50x200",
+                Load::Burst {
+                    messages: 50,
+                    events: 200,
+                },
+            ),
+        ] {
+            assert_eq!(text.parse::<Load>(), Ok(load), "{text}");
+            assert_eq!(load.to_string().parse::<Load>(), Ok(load), "{text} again");
+        }
+        for wrong in [
+            "senders:0",
+            "senders:x",
+            "rate:0",
+            "rate:-1",
+            "rate:inf",
+            "burst:50",
+            "burst:0x1",
+            "burst:1x201",
+            "idle:1",
+            "",
+            "bursts:1x1",
+        ] {
+            assert!(wrong.parse::<Load>().is_err(), "{wrong} taken");
+        }
     }
 
     #[test]

@@ -122,7 +122,7 @@ impl CpuSnapshot {
             machine_busy_pct: round2(100.0 * busy as f64 / total as f64),
             cores: jiffies
                 .into_iter()
-                .map(|(group, j)| (group, round2(j as f64 / per_core)))
+                .map(|(group, j)| (group, round4(j as f64 / per_core)))
                 .collect(),
         }
     }
@@ -166,6 +166,11 @@ pub fn cores_of_machine() -> usize {
 
 fn round2(v: f64) -> f64 {
     (v * 100.0).round() / 100.0
+}
+
+/// Cores to a ten-thousandth: an idle process's share shows.
+fn round4(v: f64) -> f64 {
+    (v * 10_000.0).round() / 10_000.0
 }
 
 #[cfg(test)]
@@ -215,8 +220,8 @@ mod tests {
         let usage = after.since(&before);
         assert_eq!(usage.machine_busy_pct, 50.0);
         let per_core = 400.0 / cores_of_machine() as f64;
-        assert_eq!(usage.cores["relay"], round2(50.0 / per_core));
-        assert_eq!(usage.cores["postgres"], round2(120.0 / per_core));
+        assert_eq!(usage.cores["relay"], round4(50.0 / per_core));
+        assert_eq!(usage.cores["postgres"], round4(120.0 / per_core));
     }
 
     #[test]

@@ -128,31 +128,60 @@ pub fn build_message(
     n: u64,
     padding: &str,
 ) -> (String, i64, String, Vec<u8>) {
+    build_events_message(endpoint, secret, n, &[padding])
+}
+
+/// Builds one signed message of one event per text of `paddings`: items `n`, `n + 1`, ... each
+/// new, each event an `announcement.updated` of its own subject (`announcement:<n>`) at the
+/// sequence after its number. (webhook-id, timestamp, signature header, body).
+pub fn build_events_message(
+    endpoint: Uuid,
+    secret: &SigningSecret,
+    n: u64,
+    paddings: &[&str],
+) -> (String, i64, String, Vec<u8>) {
+    use std::fmt::Write as _;
     // Fresh on every run (not from the seed): a repeated id would be a duplicate, not a load.
     let webhook_id = format!("msg_{:032x}", rand::random::<u128>());
     // Written out directly rather than through a JSON value: the generator should spend as
     // little of the shared CPU as it can. The padding is plain words, so needs no escaping.
-    let seq = n + 1;
-    let sequence = relay_wire::Sequence::from_parts(1, seq);
-    let event_id = format!("evt_{:026x}", rand::random::<u128>());
+    let mut events = String::new();
+    for (n, padding) in (n..).zip(paddings) {
+        let seq = n + 1;
+        let sequence = relay_wire::Sequence::from_parts(1, seq);
+        let event_id = format!("evt_{:026x}", rand::random::<u128>());
+        if !events.is_empty() {
+            events.push(',');
+        }
+        let _ = write!(
+            events,
+            concat!(
+                r#"{{"companyid":28,"#,
+                r#""data":{{"changes":[],"feed_item_id":"announcement:{n}","first_seq":{seq},"#,
+                r#""item_kind":"announcement","lang":"en","op":"new","parts":[{{"kind":"story","#,
+                r#""lede_first_sentence":"{padding}","part_id":"story:{n}","part_version":1}}],"#,
+                r#""seq":{seq},"type":"item"}},"datacontenttype":"application/json","#,
+                r#""id":"{event_id}","sequence":"{sequence}","#,
+                r#""source":"https://api.quanor.com/v1/feed","specversion":"1.0","#,
+                r#""subject":"announcement:{n}","type":"announcement.updated"}}"#
+            ),
+            n = n,
+            seq = seq,
+            padding = padding,
+            event_id = event_id,
+            sequence = sequence,
+        );
+    }
+    let last = n + paddings.len().max(1) as u64;
     let body = format!(
         concat!(
-            r#"{{"access_version":"loadgen1","complete":true,"events":[{{"companyid":28,"#,
-            r#""data":{{"changes":[],"feed_item_id":"announcement:{n}","first_seq":{seq},"#,
-            r#""item_kind":"announcement","lang":"en","op":"new","parts":[{{"kind":"story","#,
-            r#""lede_first_sentence":"{padding}","part_id":"story:{n}","part_version":1}}],"#,
-            r#""seq":{seq},"type":"item"}},"datacontenttype":"application/json","#,
-            r#""id":"{event_id}","sequence":"{sequence}","#,
-            r#""source":"https://api.quanor.com/v1/feed","specversion":"1.0","#,
-            r#""subject":"announcement:{n}","type":"announcement.updated"}}],"generation":1,"#,
-            r#""since":"1.{n}","through":"1.{seq}","track":"feed","v":1,"#,
+            r#"{{"access_version":"loadgen1","complete":true,"events":[{events}],"generation":1,"#,
+            r#""since":"1.{n}","through":"1.{last}","track":"feed","v":1,"#,
             r#""webhook_endpoint_id":"{endpoint}"}}"#
         ),
+        events = events,
         n = n,
-        seq = seq,
-        padding = padding,
-        event_id = event_id,
-        sequence = sequence,
+        last = last,
         endpoint = endpoint,
     )
     .into_bytes();
@@ -375,5 +404,19 @@ mod tests {
             webhook_signature: Some(&signature),
         };
         assert!(relay_wire::verify(headers, &body, &[secret], timestamp).is_ok());
+    }
+
+    #[test]
+    fn a_message_of_several_events_holds_one_new_item_each_in_order() {
+        let (id, secret) = loadgen_endpoints(4, 1).remove(0);
+        let texts = ["one", "two", "three"];
+        let (_, _, _, body) = build_events_message(id, &secret, 7, &texts);
+        let message = relay_wire::Message::parse(&body).unwrap();
+        assert_eq!(message.events.len(), 3);
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(json["since"], "1.7");
+        assert_eq!(json["through"], "1.10");
+        assert_eq!(json["events"][2]["subject"], "announcement:9");
+        assert_eq!(json["events"][2]["data"]["seq"], 10);
     }
 }
