@@ -1289,16 +1289,20 @@ async fn a_publisher_killed_between_confirm_and_mark_resends_only_those_message_
             ..env.config(env.vhost.url())
         })
         .await;
-    let confirmed_not_marked: BTreeSet<String> =
+    // Changes keep coming while it runs: its windows could send a backlog written beforehand
+    // whole in a round or two.
+    let (_, stalled) = tokio::join!(
+        write(pool, &mut feeds, &mut rng, 90),
         tokio::time::timeout(Duration::from_secs(60), stalled_rx)
-            .await
-            .expect("the first publisher reached its third round")
-            .unwrap()
-            .into_iter()
-            .map(|(endpoint, seq)| {
-                relay_publisher::message_id(endpoint, relay_publisher::FIRST_EPOCH, seq)
-            })
-            .collect();
+    );
+    let confirmed_not_marked: BTreeSet<String> = stalled
+        .expect("the first publisher reached its third round")
+        .unwrap()
+        .into_iter()
+        .map(|(endpoint, seq)| {
+            relay_publisher::message_id(endpoint, relay_publisher::FIRST_EPOCH, seq)
+        })
+        .collect();
     first.abort();
     assert!(!confirmed_not_marked.is_empty());
     // What the first publisher left unmarked: the stalled batch, and whatever it went on to
@@ -1424,8 +1428,13 @@ async fn a_publisher_stalled_past_its_lease_is_fenced_out() {
             ..env.config(env.vhost.url())
         })
         .await;
-    tokio::time::timeout(Duration::from_secs(60), stalled_rx)
-        .await
+    // Changes keep coming while it runs: its windows could send a backlog written beforehand
+    // whole in one round.
+    let (_, stalled) = tokio::join!(
+        write(pool, &mut feeds, &mut rng, 30),
+        tokio::time::timeout(Duration::from_secs(60), stalled_rx)
+    );
+    stalled
         .expect("the first publisher reached its second round")
         .unwrap();
     crate::convergence::delete_redis_keys(&env.prefix.0).await;

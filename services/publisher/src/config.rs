@@ -34,9 +34,13 @@ pub struct PublisherConfig {
     /// How long a tenant's lease lasts without renewal (renewed every third of it). Keep it
     /// above `connect_timeout` plus `confirm_timeout`: one step of a tenant's loop may take both.
     pub lease: Duration,
-    /// Most of a tenant's endpoints with a change in flight at once (each has at most one).
-    /// Sixteen times this many changes are read ahead per tenant at most.
+    /// Most publishes of one tenant awaiting the broker's confirm at once, whichever endpoints
+    /// they are of. Sixteen times this many changes are held in memory per tenant at most.
     pub max_in_flight: usize,
+    /// Most changes of one endpoint sent before the first of them is confirmed (each endpoint's
+    /// window; the tenant's `max_in_flight` bounds them all together). Twice this many (and at
+    /// least 16) are read ahead per endpoint. 1 sends an endpoint's changes one at a time.
+    pub endpoint_window: usize,
     /// Most tenants this process owns at once.
     pub max_tenants: usize,
     /// Connecting to a broker (TCP, TLS and the AMQP handshake) and declaring the queue.
@@ -117,6 +121,7 @@ impl fmt::Debug for PublisherConfig {
             .field("poll_interval", &self.poll_interval)
             .field("lease", &self.lease)
             .field("max_in_flight", &self.max_in_flight)
+            .field("endpoint_window", &self.endpoint_window)
             .field("max_tenants", &self.max_tenants)
             .field("connect_timeout", &self.connect_timeout)
             .field("confirm_timeout", &self.confirm_timeout)
@@ -159,6 +164,7 @@ mod defaults {
     pub const POLL_MS: u64 = 500;
     pub const LEASE_MS: u64 = 15_000;
     pub const MAX_IN_FLIGHT: usize = 256;
+    pub const ENDPOINT_WINDOW: usize = 64;
     pub const MAX_TENANTS: usize = 1024;
     pub const CONNECT_TIMEOUT_MS: u64 = 5_000;
     pub const CONFIRM_TIMEOUT_MS: u64 = 5_000;
@@ -182,6 +188,7 @@ impl Default for PublisherConfig {
             poll_interval: ms(defaults::POLL_MS),
             lease: ms(defaults::LEASE_MS),
             max_in_flight: defaults::MAX_IN_FLIGHT,
+            endpoint_window: defaults::ENDPOINT_WINDOW,
             max_tenants: defaults::MAX_TENANTS,
             connect_timeout: ms(defaults::CONNECT_TIMEOUT_MS),
             confirm_timeout: ms(defaults::CONFIRM_TIMEOUT_MS),
@@ -234,10 +241,18 @@ pub struct PublisherArgs {
           value_parser = clap::value_parser!(u64).range(300..))]
     pub publisher_lease_ms: u64,
 
-    /// Most of one tenant's endpoints with a change in flight at once.
+    /// Most publishes of one tenant awaiting the broker's confirm at once (all its endpoints
+    /// together).
     #[arg(long, env = "RELAY_PUBLISHER_MAX_IN_FLIGHT", default_value_t = defaults::MAX_IN_FLIGHT as u64,
           value_parser = clap::value_parser!(u64).range(1..=65_535))]
     pub publisher_max_in_flight: u64,
+
+    /// Most changes of one endpoint sent before the first of them is confirmed; still in
+    /// change_seq order, and after a nack, a return or a lost connection sent again from the
+    /// change in trouble on. 1: one change at a time.
+    #[arg(long, env = "RELAY_PUBLISHER_ENDPOINT_WINDOW", default_value_t = defaults::ENDPOINT_WINDOW as u64,
+          value_parser = clap::value_parser!(u64).range(1..=65_535))]
+    pub publisher_endpoint_window: u64,
 
     /// Most tenants one publisher process owns at once.
     #[arg(long, env = "RELAY_PUBLISHER_MAX_TENANTS", default_value_t = defaults::MAX_TENANTS)]
@@ -326,6 +341,7 @@ impl PublisherArgs {
             poll_interval: ms(self.publisher_poll_ms.max(1)),
             lease: ms(self.publisher_lease_ms),
             max_in_flight: self.publisher_max_in_flight as usize,
+            endpoint_window: self.publisher_endpoint_window as usize,
             max_tenants: self.publisher_max_tenants.max(1),
             connect_timeout: ms(self.publisher_connect_timeout_ms),
             confirm_timeout: ms(self.publisher_confirm_timeout_ms),

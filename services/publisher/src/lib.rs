@@ -10,18 +10,25 @@
 //!   ack, not returned), so whatever fails the backlog waits in Postgres and is sent when the
 //!   broker is back.
 //! - Per endpoint, in order: one publisher owns a tenant at a time ([`ownership`]), and an
-//!   endpoint's next change is sent only once the one before it is confirmed ([`tenant`]).
-//! - At least once, repeats only of the same message_id: a change is sent again only when the
-//!   publisher cannot know the broker has it (no confirm came: the connection failed or the
-//!   confirm timed out), or knows and did not record it (it died, or lost its tenant, between
-//!   the confirm and the mark). A consumer that drops change_seqs it has seen gets each change
-//!   once ([`ReferenceConsumer`]).
+//!   endpoint's changes are published in change_seq order on the tenant's one channel, several
+//!   in flight at once ([`tenant`]). After broker trouble (a nack, a return, a lost channel or
+//!   connection, a confirm that did not come in time) the change in trouble is sent again with
+//!   every change of its endpoint sent after it, so a change may be followed by a repeat of
+//!   earlier ones (the broker took some of the first copies), but the last copy of every
+//!   change_seq is published after the last copy of every earlier one.
+//! - At least once, repeats only of the same message_id: a change is sent again after broker
+//!   trouble as above, or when the publisher knew the broker had it and did not record it (it
+//!   died, or lost its tenant, between the confirm and the mark). A consumer that drops the
+//!   change_seqs it has applied, and holds a change that comes ahead of its predecessor until
+//!   the predecessor comes, gets each change exactly once and in order ([`ReferenceConsumer`],
+//!   and so `relay tail`).
 //!
 //! # Layout
 //! - [`config`]: [`PublisherConfig`] and the `RELAY_*` flags, [`PublisherArgs`].
 //! - [`publisher`]: start/stop, and the coordinator that hears the sequencer's announcements
 //!   and polls for tenants with a backlog.
 //! - [`tenant`]: one owned tenant's stream: read, publish, confirm, mark; broker trouble.
+//! - [`stream`]: its books, pure: each endpoint's window, confirms taken in turn, going back.
 //! - [`ownership`]: the per-tenant Redis lease and its Postgres fencing token.
 //! - [`outbox`]: the outbox's rows (read through relay-store) checked and made messages.
 //! - [`broker`]: AMQP via lapin on tokio: connections, the tenant queue, confirmed publishes.
@@ -40,6 +47,7 @@ mod metrics;
 mod outbox;
 mod ownership;
 mod publisher;
+mod stream;
 mod tail;
 mod tenant;
 

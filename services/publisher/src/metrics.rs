@@ -22,7 +22,8 @@ pub const POSTGRES_STAGES: [&str; 5] = ["poll", "read", "mark", "backlog", "dest
 pub struct PublisherMetrics {
     /// Messages handed to a broker (each attempt counts, a resend too).
     pub published: IntCounter,
-    /// Publishes the broker confirmed (acked and not returned).
+    /// Changes confirmed in turn: acked (not returned), and every change before them of their
+    /// endpoint too. Once each, however many times they were sent.
     pub confirmed: IntCounter,
     /// Publishes the broker nacked.
     pub nacked: IntCounter,
@@ -49,6 +50,12 @@ pub struct PublisherMetrics {
     /// Changes taken to send, by where they were found: `handed` over in memory by the
     /// sequencer of this process, or read from the `outbox`.
     pub changes_taken: IntCounterVec,
+    /// Changes sent again: put back, with every later change of their endpoint in flight, after
+    /// a nack, a return or a lost channel of one of them or of an earlier one.
+    pub resent: IntCounter,
+    /// An endpoint's changes in its window (sent, not yet confirmed in turn) as each is sent,
+    /// that one included: how much of the window a busy endpoint uses.
+    pub endpoint_in_flight: Histogram,
 }
 
 impl PublisherMetrics {
@@ -61,7 +68,8 @@ impl PublisherMetrics {
             )?,
             confirmed: counter(
                 "relay_publisher_messages_confirmed_total",
-                "Change messages the broker confirmed (acked, not returned).",
+                "Change messages the broker confirmed (acked, not returned), each once, when every \
+                 earlier change of its endpoint is confirmed too.",
             )?,
             nacked: counter(
                 "relay_publisher_messages_nacked_total",
@@ -139,6 +147,19 @@ impl PublisherMetrics {
                 ),
                 &["source"],
             )?,
+            resent: counter(
+                "relay_publisher_changes_resent_total",
+                "Changes sent again, with every change of their endpoint sent after them, after a \
+                 nack, a return or a lost channel (each resend counted).",
+            )?,
+            endpoint_in_flight: Histogram::with_opts(
+                HistogramOpts::new(
+                    "relay_publisher_endpoint_in_flight_changes",
+                    "An endpoint's changes sent and not yet confirmed in turn, as each is sent \
+                     (that one included).",
+                )
+                .buckets(exponential_buckets(1.0, 2.0, 11)?),
+            )?,
         };
         for source in CHANGE_SOURCES {
             metrics.changes_taken.with_label_values(&[source]);
@@ -164,6 +185,8 @@ impl PublisherMetrics {
         registry.register(Box::new(metrics.postgres_errors.clone()))?;
         registry.register(Box::new(metrics.ownership_losses.clone()))?;
         registry.register(Box::new(metrics.changes_taken.clone()))?;
+        registry.register(Box::new(metrics.resent.clone()))?;
+        registry.register(Box::new(metrics.endpoint_in_flight.clone()))?;
         Ok(metrics)
     }
 

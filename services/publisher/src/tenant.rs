@@ -3,23 +3,35 @@
 //! publisher stops.
 //!
 //! # Order
-//! Each endpoint has at most one change in flight: its change k+1 is sent only once k was
-//! confirmed, that is, once k is in the queue. Pipelining inside one endpoint would break order
-//! on a nack or a return: k refused, k+1 already accepted behind it, k sent again after it.
-//! The load spreads across endpoints instead (a tenant has many): every endpoint with a change
-//! ready sends it at once, and a confirm sends that endpoint's next change straight away, with
-//! no round to wait for. The one change in doubt per endpoint (no confirm came) is sent again
-//! before anything after it, so a late copy of it can only repeat a change_seq already
-//! delivered.
+//! Each endpoint sends up to `endpoint_window` changes before the first of them is confirmed,
+//! in change_seq order, on the tenant's one channel, whose publishes reach the queue in the
+//! order they were made; the tenant has at most `max_in_flight` publishes awaiting a confirm,
+//! whichever endpoints they are of, and endpoints take turns. So a busy endpoint drains at the
+//! broker's speed rather than at one round trip per change, and a confirm frees its place in
+//! the window at once, with no round to wait for. The books are [`Stream`]'s (`stream.rs`,
+//! pure, with its tests).
+//!
+//! Going back: when a change of an endpoint is nacked or returned, it and every change of the
+//! endpoint sent after it go back to the head of its queue and are sent again from there, in
+//! order, after the pause below; when the channel is lost (or a confirm does not come in time,
+//! which drops it), every change sent and not yet confirmed in turn goes back. The broker may
+//! hold some of the first copies (a change accepted behind one refused), but the last copy of
+//! every change_seq is published after the last copy of every earlier one: a consumer that
+//! drops what it applied already and holds a change that comes ahead of its predecessor gets
+//! each change once, in order. The outcome of a publish that was put back (a late ack) is
+//! ignored: its resend's counts. Confirms may come in any order; only the run of confirmed
+//! changes at the front of an endpoint's window is taken as confirmed and marked.
 //!
 //! # Finding changes
 //! The sequencer announces each endpoint that got new changes (a Redis message, see
 //! `relay_coord::changes_channel`); the coordinator hands it to the owning task, which
 //! reads that endpoint's next changes. The coordinator's poll asks for a sweep now and then
 //! (every endpoint of the tenant with a backlog), which finds what an announcement lost. Changes
-//! read wait in memory, a bounded number per endpoint and per tenant; what has been read,
-//! `held_through`, is remembered while the tenant is owned, so a later read never returns a
-//! change already sent.
+//! read wait in memory, a bounded number per endpoint (twice its window, at least 16) and per
+//! tenant (16 times `max_in_flight`, whatever the windows); what has been read, `held_through`,
+//! is remembered while the tenant is owned, so a later read never returns a change already
+//! sent. A busy endpoint is read again once half its read-ahead is free, so its queue refills
+//! while its window is in flight. A change of a newer epoch drops what is held of the older one.
 //!
 //! When the sequencer runs in this process, it hands the changes it commits for the tenant to
 //! the task in memory (`relay_coord::Handoff`) instead of announcing them. A handed change is
@@ -31,10 +43,10 @@
 //! The loop itself only keeps the books. A read of the outbox runs in a task of its own (one at
 //! a time), and so do marks and the backlog gauges' refresh; a publish is handed to lapin and
 //! awaited, with its confirm, among the other confirms. So a slow statement or a slow broker
-//! never stops the loop from taking confirms and sending each endpoint's next change.
+//! never stops the loop from taking confirms and sending each endpoint's next changes.
 //!
 //! # Marking
-//! Confirmed changes are marked published in batches, one statement at a time beside the
+//! Changes confirmed in turn are marked published in batches, one statement at a time beside the
 //! sending: a mark starts once the first change confirmed since the last one has waited
 //! `mark_interval`, or once half the bound of confirmed-but-unmarked changes waits, and takes
 //! everything confirmed by then. It moves one row per endpoint, so the longer the interval the
@@ -44,14 +56,16 @@
 //! # Broker trouble
 //! Nothing is marked unless confirmed, so the backlog stays in Postgres whatever happens. A
 //! failed connect, a closed channel or connection, or a confirm that does not come in time drops
-//! the connection; the changes in doubt go back to the head of their endpoints' queues, and
-//! sending resumes after a pause (doubled each failure in a row, with jitter, up to
-//! `retry_max`). A return (the queue was deleted under us) declares the queue again; a nack is
-//! retried. Every wait is bounded, and each tenant has a task and a channel of its own (and a
-//! connection of its own when its destination is its own broker), so a tenant whose broker does
-//! not answer holds up only itself.
+//! the connection (nothing is sent on another channel while a publish on the old one awaits its
+//! confirm); every endpoint's changes sent and not confirmed in turn go back to the head of
+//! their queues, and sending resumes after a pause (doubled each failure in a row, with jitter,
+//! up to `retry_max`). A return (the queue was deleted under us) or a nack sends the change
+//! again, with every change of its endpoint sent after it, after the same pause; a return
+//! declares the queue again first. Every wait is bounded, and each tenant has a task and a
+//! channel of its own (and a connection of its own when its destination is its own broker), so
+//! a tenant whose broker does not answer holds up only itself.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -72,9 +86,8 @@ use crate::broker::{classify, publish, BrokerError, Link, Outcome, Target};
 use crate::outbox::{OutboxChange, OutboxError};
 use crate::ownership::TenantHeld;
 use crate::publisher::Shared;
+use crate::stream::{Acked, Limits, SendId, Stream};
 
-/// Most changes read ahead per endpoint (one is in flight, the rest wait behind it).
-const PER_ENDPOINT: usize = 16;
 /// Most endpoints asked about in one read of the outbox.
 const ENDPOINTS_PER_READ: usize = 1_000;
 
@@ -131,6 +144,7 @@ pub(crate) async fn run(
 ) {
     let tenant = held.key();
     let pauses = shared.config.retry().pauses();
+    let limits = Limits::new(shared.config.max_in_flight, shared.config.endpoint_window);
     let mut worker = Worker {
         label: tenant.to_string(),
         tenant,
@@ -141,7 +155,7 @@ pub(crate) async fn run(
         link: None,
         target: None,
         pauses,
-        stream: Stream::default(),
+        stream: Stream::new(limits),
         confirms: FuturesUnordered::new(),
         marking: None,
         reading: None,
@@ -189,8 +203,8 @@ pub(crate) async fn run(
     }
 }
 
-/// A confirm awaited: the endpoint, the change_seq, and what became of it.
-type ConfirmFuture = Pin<Box<dyn Future<Output = (Uuid, i64, Confirmed)> + Send>>;
+/// A confirm awaited: the endpoint, the change_seq, the publish, and what became of it.
+type ConfirmFuture = Pin<Box<dyn Future<Output = (Uuid, i64, SendId, Confirmed)> + Send>>;
 /// A mark running: the keys it marks, and its result.
 type MarkFuture =
     Pin<Box<dyn Future<Output = (Vec<(Uuid, i64)>, Result<Marked, OutboxError>)> + Send>>;
@@ -212,145 +226,6 @@ enum ReadDone {
     Swept(Result<Option<Vec<Uuid>>, OutboxError>),
     /// The next changes of the endpoints asked for (endpoint, room asked).
     Changes(Vec<(Uuid, usize)>, Result<Vec<OutboxChange>, OutboxError>),
-}
-
-/// The tenant's changes between Postgres and the broker.
-#[derive(Default)]
-struct Stream {
-    /// Read, not sent yet, per endpoint in change_seq order.
-    queued: HashMap<Uuid, VecDeque<OutboxChange>>,
-    /// Endpoints with a change queued and none in flight, each at most once.
-    ready: VecDeque<Uuid>,
-    /// The one change in flight per endpoint.
-    in_flight: HashMap<Uuid, OutboxChange>,
-    /// The highest change_seq read per endpoint, kept until it is marked: later reads ask only
-    /// for what follows it.
-    held_through: HashMap<Uuid, i64>,
-    /// Endpoints whose last read filled their room: more may wait in Postgres.
-    capped: HashSet<Uuid>,
-    /// Endpoints to read next.
-    wanted: HashSet<Uuid>,
-    /// Read every endpoint with a backlog next.
-    sweep: bool,
-    /// Changes queued or in flight.
-    held: usize,
-    /// Confirmed, not yet in a mark.
-    confirmed: Vec<(Uuid, i64)>,
-    /// The epoch of what `held_through` counts, per endpoint.
-    epochs: HashMap<Uuid, u64>,
-    /// When the first of `confirmed` was confirmed.
-    first_unmarked_at: Option<Instant>,
-}
-
-impl Stream {
-    fn is_empty(&self) -> bool {
-        self.held == 0 && self.confirmed.is_empty()
-    }
-
-    /// Room for more changes of `endpoint`.
-    fn room(&self, endpoint: Uuid) -> usize {
-        let queued = self.queued.get(&endpoint).map_or(0, VecDeque::len);
-        let in_flight = usize::from(self.in_flight.contains_key(&endpoint));
-        PER_ENDPOINT.saturating_sub(queued + in_flight)
-    }
-
-    /// Takes in what a read returned for `asked` (endpoint, room asked for).
-    /// Returns how many were not held already.
-    fn add_read(&mut self, asked: &[(Uuid, usize)], changes: Vec<OutboxChange>) -> u64 {
-        let mut returned: HashMap<Uuid, usize> = HashMap::new();
-        let mut taken = 0;
-        for change in changes {
-            *returned.entry(change.key().0).or_default() += 1;
-            taken += u64::from(self.hold(change));
-        }
-        for (endpoint, room) in asked {
-            if returned.get(endpoint).copied().unwrap_or(0) >= *room {
-                self.capped.insert(*endpoint);
-            } else {
-                self.capped.remove(endpoint);
-            }
-        }
-        taken
-    }
-
-    /// Queues `change` behind what is held of its endpoint, unless it is held already (read
-    /// again before its mark, or handed and read both): whether it was queued.
-    fn hold(&mut self, change: OutboxChange) -> bool {
-        let (endpoint, seq) = change.key();
-        let through = self.held_through.entry(endpoint).or_insert(0);
-        if seq <= *through {
-            return false;
-        }
-        *through = seq;
-        self.epochs.insert(endpoint, change.message.epoch());
-        let queue = self.queued.entry(endpoint).or_default();
-        if queue.is_empty() && !self.in_flight.contains_key(&endpoint) {
-            self.ready.push_back(endpoint);
-        }
-        queue.push_back(change);
-        self.held += 1;
-        true
-    }
-
-    /// Takes in changes the sequencer of this process handed over, in the order it committed
-    /// them: each that follows on from what is held of its endpoint (the next change_seq, the
-    /// same epoch) while the endpoint and the tenant have room. An endpoint with one that does
-    /// not follow on is read from the outbox instead, from where the stream is. Returns how
-    /// many were queued.
-    fn add_handed(&mut self, handed: Vec<OutboxChange>, budget: usize) -> u64 {
-        let mut taken = 0;
-        for change in handed {
-            let (endpoint, seq) = change.key();
-            let through = self.held_through.get(&endpoint).copied();
-            let follows = through == Some(seq - 1)
-                && self.epochs.get(&endpoint) == Some(&change.message.epoch());
-            if through.is_some_and(|through| seq <= through) {
-                continue;
-            }
-            if follows && self.room(endpoint) > 0 && self.held < budget {
-                taken += u64::from(self.hold(change));
-            } else {
-                self.wanted.insert(endpoint);
-            }
-        }
-        taken
-    }
-
-    /// The next change to send: the head of the first ready endpoint's queue.
-    fn next_to_send(&mut self) -> Option<OutboxChange> {
-        let endpoint = self.ready.pop_front()?;
-        let queue = self.queued.get_mut(&endpoint)?;
-        let change = queue.pop_front()?;
-        if queue.is_empty() {
-            self.queued.remove(&endpoint);
-        }
-        self.in_flight.insert(endpoint, change.clone());
-        Some(change)
-    }
-
-    /// The broker confirmed the endpoint's change in flight: its next one is ready.
-    fn confirmed(&mut self, endpoint: Uuid) -> Option<OutboxChange> {
-        let change = self.in_flight.remove(&endpoint)?;
-        self.held -= 1;
-        if self.confirmed.is_empty() {
-            self.first_unmarked_at = Some(Instant::now());
-        }
-        self.confirmed.push(change.key());
-        if self.queued.contains_key(&endpoint) {
-            self.ready.push_back(endpoint);
-        } else if self.capped.contains(&endpoint) {
-            self.wanted.insert(endpoint);
-        }
-        Some(change)
-    }
-
-    /// The endpoint's change in flight was refused or is in doubt: it goes first again.
-    fn put_back(&mut self, endpoint: Uuid) {
-        if let Some(change) = self.in_flight.remove(&endpoint) {
-            self.queued.entry(endpoint).or_default().push_front(change);
-            self.ready.push_back(endpoint);
-        }
-    }
 }
 
 struct Worker {
@@ -382,7 +257,7 @@ struct Worker {
 
 /// What woke the loop.
 enum Woke {
-    Confirm(Uuid, i64, Confirmed),
+    Confirm(Uuid, i64, SendId, Confirmed),
     Marked(Vec<(Uuid, i64)>, Result<Marked, OutboxError>),
     Read(ReadDone),
     Other,
@@ -412,9 +287,7 @@ impl Worker {
                 self.refresh_backlog_metrics();
             }
             // A new destination closes the link: wait until nothing is in flight on it.
-            if (now >= next_destination && self.stream.in_flight.is_empty())
-                || self.target.is_none()
-            {
+            if (now >= next_destination && self.confirms.is_empty()) || self.target.is_none() {
                 next_destination = now + config.destination_refresh;
                 if let Err(error) = self.refresh_target().await {
                     self.postgres_trouble("destination");
@@ -429,7 +302,7 @@ impl Worker {
             self.take_handed();
             if self.reading.is_none()
                 && self.hold_until.is_none()
-                && self.stream.held < config.max_in_flight * PER_ENDPOINT
+                && self.stream.held() < self.stream.limits().max_held
                 && (self.stream.sweep || !self.stream.wanted.is_empty())
             {
                 self.start_read();
@@ -477,8 +350,8 @@ impl Worker {
             let woke = tokio::select! {
                 () = async { inbox.as_ref().expect("guarded").handed().await },
                     if inbox.is_some() => Woke::Other,
-                Some((endpoint, seq, confirmed)) = confirms.next(), if !confirms.is_empty() => {
-                    Woke::Confirm(endpoint, seq, confirmed)
+                Some((endpoint, seq, id, confirmed)) = confirms.next(), if !confirms.is_empty() => {
+                    Woke::Confirm(endpoint, seq, id, confirmed)
                 }
                 (keys, result) = async { marking.as_mut().expect("guarded").await },
                     if marking.is_some() => Woke::Marked(keys, result),
@@ -490,13 +363,13 @@ impl Worker {
                 () = held.lost() => Woke::Other,
             };
             match woke {
-                Woke::Confirm(endpoint, seq, confirmed) => {
-                    self.on_confirm(endpoint, seq, confirmed).await;
+                Woke::Confirm(endpoint, seq, id, confirmed) => {
+                    self.on_confirm(endpoint, seq, id, confirmed).await;
                     // Take every other confirm that is in, so they are marked together.
-                    while let Some(Some((endpoint, seq, confirmed))) =
+                    while let Some(Some((endpoint, seq, id, confirmed))) =
                         self.confirms.next().now_or_never()
                     {
-                        self.on_confirm(endpoint, seq, confirmed).await;
+                        self.on_confirm(endpoint, seq, id, confirmed).await;
                     }
                 }
                 Woke::Marked(keys, result) => {
@@ -542,8 +415,7 @@ impl Worker {
                 }
             }
         }
-        let budget = self.shared.config.max_in_flight * PER_ENDPOINT;
-        let taken = self.stream.add_handed(changes, budget);
+        let taken = self.stream.add_handed(changes);
         self.shared
             .metrics
             .changes_taken
@@ -554,12 +426,8 @@ impl Worker {
     /// When the changes confirmed and not marked are due to be marked: `mark_interval` after
     /// the first of them, or now once half the bound of them waits. `None`: none waits.
     fn mark_due_at(&self) -> Option<Instant> {
-        let first = self
-            .stream
-            .first_unmarked_at
-            .filter(|_| !self.stream.confirmed.is_empty())?;
-        let bound = self.shared.config.max_in_flight * PER_ENDPOINT;
-        if self.stream.confirmed.len() * 2 >= bound {
+        let first = self.stream.first_unmarked_at()?;
+        if self.stream.unmarked() * 2 >= self.stream.limits().max_held {
             return Some(first);
         }
         Some(first + self.shared.config.mark_interval)
@@ -567,17 +435,26 @@ impl Worker {
 
     fn may_send(&self) -> bool {
         let held = self.hold_until.is_some_and(|until| Instant::now() < until);
-        // A mark that does not finish (Postgres down) stops sending after a while, so what
+        // The stream also stops sending while a mark does not finish (Postgres down), so what
         // would be sent again after a crash stays bounded.
-        let unmarked_bound = self.shared.config.max_in_flight * PER_ENDPOINT;
-        !held && !self.stream.ready.is_empty() && self.stream.confirmed.len() < unmarked_bound
+        !held && self.stream.may_send()
     }
 
-    /// Sends the head change of every ready endpoint (opening the link first if need be).
+    /// Sends what the windows and the tenant's bound allow, endpoints taking turns (opening the
+    /// link first if need be).
     async fn send_ready(&mut self) {
         let config = self.shared.config.clone();
         let link = match self.link.take() {
             Some(link) if link.is_open() => link,
+            // The channel closed under publishes still awaiting their confirm: they go back
+            // before anything is sent on another channel, which the broker does not order
+            // with this one.
+            Some(closed) if !self.confirms.is_empty() => {
+                let error = BrokerError::Down("the channel or its connection closed".to_owned());
+                self.broker_trouble("confirm", &error);
+                self.link_failed(Some(closed), &error).await;
+                return;
+            }
             stale => {
                 if let Some(stale) = stale {
                     stale.close().await;
@@ -629,29 +506,34 @@ impl Worker {
             }
             self.redeclare = false;
         }
-        while self.stream.in_flight.len() < config.max_in_flight {
-            // Checked before every publish: a task that stalled past its lease (and may have a
-            // successor) sends nothing more.
-            if self.held.is_lost() {
-                break;
-            }
-            let Some(change) = self.stream.next_to_send() else {
+        let metrics = self.shared.metrics.clone();
+        // Checked before every publish: a task that stalled past its lease (and may have a
+        // successor) sends nothing more.
+        while !self.held.is_lost() {
+            let Some(send) = self.stream.next_to_send() else {
                 break;
             };
-            let (endpoint, seq) = change.key();
+            let (endpoint, seq) = send.change.key();
+            let id = send.id;
+            if send.again {
+                metrics.resent.inc();
+            }
+            metrics.endpoint_in_flight.observe(send.in_window as f64);
             // Not awaited here: the publish and its confirm run together in `confirms`, so the
-            // loop hands every ready change over at once and goes back to taking confirms.
-            // Lapin numbers a publish (for its confirm) and queues its frames in the same poll,
-            // so any number may be under way at once.
-            let publishing = publish(&link, &change, config.confirm_timeout);
-            let published = self.shared.metrics.published.clone();
-            let confirm_wait = self.shared.metrics.confirm_wait.clone();
+            // loop hands every change it may send over at once and goes back to taking
+            // confirms. Lapin numbers a publish (for its confirm) and queues its frames on the
+            // channel in the first poll of `publish`, and `confirms` first polls its futures in
+            // the order they were pushed: so the publishes leave in the order they are made
+            // here, an endpoint's in change_seq order.
+            let publishing = publish(&link, &send.change, config.confirm_timeout);
+            let published = metrics.published.clone();
+            let confirm_wait = metrics.confirm_wait.clone();
             let timeout = config.confirm_timeout;
             self.confirms.push(Box::pin(async move {
                 let handed = Instant::now();
                 let confirm = match publishing.await {
                     Ok(confirm) => confirm,
-                    Err(error) => return (endpoint, seq, Confirmed::NotSent(error)),
+                    Err(error) => return (endpoint, seq, id, Confirmed::NotSent(error)),
                 };
                 published.inc();
                 let confirmed = match tokio::time::timeout(timeout, confirm).await {
@@ -664,103 +546,104 @@ impl Worker {
                         Confirmed::Failed(BrokerError::Timeout("waiting for the confirm", timeout))
                     }
                 };
-                (endpoint, seq, confirmed)
+                (endpoint, seq, id, confirmed)
             }));
         }
         self.link = Some(link);
     }
 
-    /// Books a confirmed change; `false` when it is not the one in flight (put back already,
-    /// when its link failed).
-    fn take_confirmed(&mut self, endpoint: Uuid, seq: i64) -> bool {
-        if self.stream.in_flight.get(&endpoint).map(|c| c.key().1) != Some(seq) {
+    /// Books an ack of publish `id`: the changes it confirms in turn are counted and wait for
+    /// their mark. An ack of a publish that was put back is ignored (its resend will come).
+    /// `false` when ignored.
+    fn take_acked(&mut self, endpoint: Uuid, seq: i64, id: SendId) -> bool {
+        let Acked::InTurn(changes) = self.stream.acked(endpoint, seq, id, Instant::now()) else {
             return false;
-        }
-        if let Some(change) = self.stream.confirmed(endpoint) {
+        };
+        let metrics = &self.shared.metrics;
+        let now = OffsetDateTime::now_utc();
+        for change in changes {
+            let (endpoint, seq) = change.key();
             if let Some(observer) = &self.shared.config.on_confirm {
                 (observer.0)(endpoint, seq);
             }
-            let metrics = &self.shared.metrics;
             metrics.confirmed.inc();
-            let latency = (OffsetDateTime::now_utc() - change.created_at).as_seconds_f64();
+            let latency = (now - change.created_at).as_seconds_f64();
             metrics.latency.observe(latency.max(0.0));
         }
         true
     }
 
-    async fn on_confirm(&mut self, endpoint: Uuid, seq: i64, confirmed: Confirmed) {
-        if self.stream.in_flight.get(&endpoint).map(|c| c.key().1) != Some(seq) {
-            return;
-        }
-        let metrics = &self.shared.metrics;
+    async fn on_confirm(&mut self, endpoint: Uuid, seq: i64, id: SendId, confirmed: Confirmed) {
+        let metrics = self.shared.metrics.clone();
         match confirmed {
             Confirmed::Outcome(Outcome::Confirmed) => {
-                self.take_confirmed(endpoint, seq);
-                self.pauses = self.shared.config.retry().pauses();
+                if self.take_acked(endpoint, seq, id) {
+                    self.pauses = self.shared.config.retry().pauses();
+                }
             }
             Confirmed::Outcome(Outcome::Returned) => {
                 metrics.returned.inc();
-                self.stream.put_back(endpoint);
-                if !self.redeclare {
-                    tracing::warn!(tenant = %self.tenant,
-                        "messages came back unroutable; declaring the queue (if ours) and retrying");
+                // The endpoint's window goes back; a return of a publish put back already
+                // changes nothing more (the first one did it).
+                if self.stream.refused(endpoint, seq, id).is_some() {
+                    if !self.redeclare {
+                        tracing::warn!(tenant = %self.tenant, %endpoint, seq,
+                            "messages came back unroutable; declaring the queue (if ours) and sending again from there");
+                    }
+                    self.redeclare = true;
+                    self.hold();
                 }
-                self.redeclare = true;
-                self.hold();
             }
             Confirmed::Outcome(Outcome::Nacked) => {
                 metrics.nacked.inc();
-                tracing::warn!(tenant = %self.tenant, %endpoint, seq, "the broker nacked a change; retrying");
-                self.stream.put_back(endpoint);
-                self.hold();
+                if let Some(back) = self.stream.refused(endpoint, seq, id) {
+                    tracing::warn!(tenant = %self.tenant, %endpoint, seq, back,
+                                   "the broker nacked a change; sending again from there");
+                    self.hold();
+                }
             }
+            // Whatever publish they are of (put back or not), these say the link itself is
+            // not to be trusted: every publish on it is in doubt.
             Confirmed::Outcome(Outcome::Unknown) => {
                 // Confirm mode is set on every channel opened here; one without it tells
-                // nothing, and the link is not to be trusted.
-                self.stream.put_back(endpoint);
+                // nothing.
                 let error = BrokerError::Unconfirmed(1);
                 self.broker_trouble("confirm", &error);
-                if let Some(link) = self.link.take() {
-                    self.link_failed(link, &error).await;
-                }
+                let link = self.link.take();
+                self.link_failed(link, &error).await;
             }
             Confirmed::NotSent(error) => {
-                self.stream.put_back(endpoint);
                 self.broker_trouble("publish", &error);
-                if let Some(link) = self.link.take() {
-                    self.link_failed(link, &error).await;
-                }
+                let link = self.link.take();
+                self.link_failed(link, &error).await;
             }
             Confirmed::Failed(error) => {
-                self.stream.put_back(endpoint);
                 self.broker_trouble("confirm", &error);
-                if let Some(link) = self.link.take() {
-                    self.link_failed(link, &error).await;
-                }
+                let link = self.link.take();
+                self.link_failed(link, &error).await;
             }
         }
     }
 
-    /// The link failed: every confirm already in is taken, every other change in flight goes
-    /// back to the head of its endpoint's queue, and sending waits a pause.
-    async fn link_failed(&mut self, link: Link, error: &BrokerError) {
-        while let Some(Some((endpoint, seq, confirmed))) = self.confirms.next().now_or_never() {
+    /// The link failed: every ack already in is taken, every confirm still to come is dropped
+    /// with the link, every change sent goes back to the head of its endpoint's queue, and
+    /// sending waits a pause.
+    async fn link_failed(&mut self, link: Option<Link>, error: &BrokerError) {
+        while let Some(Some((endpoint, seq, id, confirmed))) = self.confirms.next().now_or_never() {
             if let Confirmed::Outcome(Outcome::Confirmed) = confirmed {
-                self.take_confirmed(endpoint, seq);
+                self.take_acked(endpoint, seq, id);
             }
         }
         self.confirms = FuturesUnordered::new();
-        let in_doubt: Vec<Uuid> = self.stream.in_flight.keys().copied().collect();
-        for endpoint in in_doubt {
-            self.stream.put_back(endpoint);
+        self.stream.link_lost();
+        if let Some(link) = link {
+            link.close_after(error, &self.shared.relay).await;
         }
-        link.close_after(error, &self.shared.relay).await;
         self.hold();
     }
 
     fn start_mark(&mut self) {
-        let keys = std::mem::take(&mut self.stream.confirmed);
-        self.stream.first_unmarked_at = None;
+        let keys = self.stream.take_marks();
         let pool = self.shared.pool.clone();
         let (tenant, token) = (self.tenant, self.held.token());
         let hook = self.shared.config.before_mark.clone();
@@ -805,10 +688,7 @@ impl Worker {
                 tracing::warn!(tenant = %self.tenant, error = %error,
                                "marking confirmed changes failed; will retry");
                 // Marked first, before what was confirmed since; due again once the pause ends.
-                let mut keys = keys;
-                keys.append(&mut self.stream.confirmed);
-                self.stream.confirmed = keys;
-                self.stream.first_unmarked_at = Some(Instant::now());
+                self.stream.mark_failed(keys, Instant::now());
                 self.hold();
                 true
             }
@@ -816,11 +696,17 @@ impl Worker {
     }
 
     /// Stopping: nothing more is sent; the confirms in flight are awaited (each within its
-    /// timeout) and what they confirm is marked.
+    /// timeout) and what they confirm in turn is marked.
     async fn wind_down(&mut self) -> End {
-        while let Some((endpoint, seq, confirmed)) = self.confirms.next().await {
-            if let Confirmed::Outcome(Outcome::Confirmed) = confirmed {
-                self.take_confirmed(endpoint, seq);
+        while let Some((endpoint, seq, id, confirmed)) = self.confirms.next().await {
+            match confirmed {
+                Confirmed::Outcome(Outcome::Confirmed) => {
+                    self.take_acked(endpoint, seq, id);
+                }
+                // Nothing after it of its endpoint can be confirmed in turn now.
+                Confirmed::Outcome(_) | Confirmed::NotSent(_) | Confirmed::Failed(_) => {
+                    let _ = self.stream.refused(endpoint, seq, id);
+                }
             }
         }
         if let Some(marking) = self.marking.take() {
@@ -829,7 +715,7 @@ impl Worker {
                 return End::Fenced;
             }
         }
-        if !self.stream.confirmed.is_empty() {
+        if self.stream.unmarked() > 0 {
             self.start_mark();
             let (keys, result) = self.marking.take().expect("just started").await;
             if !self.on_marked(keys, result) {
@@ -868,13 +754,13 @@ impl Worker {
         }
         let mut endpoints: Vec<Uuid> = self.stream.wanted.drain().collect();
         endpoints.sort_unstable();
-        let limit = self.shared.config.max_in_flight * PER_ENDPOINT;
+        let limit = self.stream.limits().max_held;
         let mut asked: Vec<(Uuid, usize)> = Vec::new();
-        let mut budget = limit.saturating_sub(self.stream.held);
+        let mut budget = limit.saturating_sub(self.stream.held());
         for endpoint in endpoints {
             let room = self.stream.room(endpoint).min(budget);
             if room == 0 {
-                // Asked again when its queue empties (or on the next sweep).
+                // Asked again once half its read-ahead is free (or on the next sweep).
                 self.stream.capped.insert(endpoint);
                 continue;
             }
@@ -890,8 +776,8 @@ impl Worker {
                 chunk
                     .iter()
                     .map(|(endpoint, room)| {
-                        let through = self.stream.held_through.get(endpoint).copied();
-                        (EndpointId(*endpoint), through.unwrap_or(0), *room as i64)
+                        let through = self.stream.held_through(*endpoint);
+                        (EndpointId(*endpoint), through, *room as i64)
                     })
                     .collect()
             })
