@@ -314,6 +314,29 @@ impl Feed {
         }
     }
 
+    /// `events` new events of the feed's generation (updates of any of 40 subjects, some
+    /// removals), written in runs of 100 messages, each run one transaction: a burst of about as
+    /// many changes.
+    async fn burst(&mut self, pool: &PgPool, rng: &mut StdRng, events: usize) {
+        let mut messages = Vec::new();
+        for _ in 0..events {
+            self.n += 1;
+            let s = rng.gen_range(1..=40u32);
+            let removal = rng.gen_range(0..100) < 10;
+            let id = format!("evt_{}_{}", self.endpoint.simple(), self.n);
+            let event = feed_event(&id, s, self.n, removal);
+            messages.push(feed_message(self.endpoint, self.generation, &event));
+            self.sent.push((self.generation, event));
+            if messages.len() == 100 {
+                self.writer.run(pool, &messages, &HashMap::new()).await;
+                messages.clear();
+            }
+        }
+        if !messages.is_empty() {
+            self.writer.run(pool, &messages, &HashMap::new()).await;
+        }
+    }
+
     /// A reset to the feed's generation, and its reload's one pass, reading `read`.
     async fn reload(&mut self, pool: &PgPool, read: BTreeSet<u32>) {
         let g = self.generation;
@@ -477,15 +500,30 @@ pub(crate) async fn drain(broker: &Connection, queue: &str, ack: bool) -> Vec<De
 /// A consumer reading (and acknowledging) the queue in the background while publishers run.
 pub(crate) struct Collector {
     received: Arc<Mutex<Vec<Delivered>>>,
+    /// Microseconds waited before acknowledging each delivery.
+    pace: Arc<std::sync::atomic::AtomicU64>,
     stop: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Collector {
     pub(crate) async fn start(broker: &Connection, queue: &str) -> Self {
+        Self::paced(broker, queue, 50, Duration::ZERO).await
+    }
+
+    /// A collector that takes at most `prefetch` deliveries at once and waits `pace` before
+    /// acknowledging each (see [`Collector::set_pace`]): a slow consumer keeps a bounded queue
+    /// about full.
+    pub(crate) async fn paced(
+        broker: &Connection,
+        queue: &str,
+        prefetch: u16,
+        pace: Duration,
+    ) -> Self {
+        let pace = Arc::new(std::sync::atomic::AtomicU64::new(pace.as_micros() as u64));
         let channel = broker.create_channel().await.unwrap();
         channel
-            .basic_qos(50, BasicQosOptions::default())
+            .basic_qos(prefetch, BasicQosOptions::default())
             .await
             .unwrap();
         let mut consumer = channel
@@ -500,6 +538,7 @@ impl Collector {
         let received = Arc::new(Mutex::new(Vec::new()));
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let into = received.clone();
+        let paced = pace.clone();
         let task = tokio::spawn(async move {
             loop {
                 let delivery = tokio::select! {
@@ -510,15 +549,28 @@ impl Collector {
                     },
                 };
                 into.lock().unwrap().push(Delivered::of(&delivery));
+                let pace = paced.load(std::sync::atomic::Ordering::Relaxed);
+                if pace > 0 {
+                    tokio::time::sleep(Duration::from_micros(pace)).await;
+                }
                 delivery.ack(BasicAckOptions::default()).await.unwrap();
             }
             let _ = channel.close(200, "collected").await;
         });
         Self {
             received,
+            pace,
             stop,
             task,
         }
+    }
+
+    /// From now on, waits `pace` before acknowledging each delivery.
+    pub(crate) fn set_pace(&self, pace: Duration) {
+        self.pace.store(
+            pace.as_micros() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     fn distinct(&self) -> usize {
@@ -1567,6 +1619,365 @@ async fn nacked_changes_are_sent_again_in_order() {
     let (consumer, _) = rebuild(tenant, &messages, seed);
     let own: Vec<&Feed> = feeds.iter().collect();
     assert_rebuilt(pool, &consumer, &own, seed).await;
+}
+
+/// RabbitMQ's management API beside the test broker (guest, as the vhosts are made for).
+fn management_url() -> String {
+    std::env::var("RELAY_TEST_AMQP_MANAGEMENT_URL")
+        .unwrap_or_else(|_| format!("http://{}:15672", amqp_addr().ip()))
+}
+
+/// A path segment percent-encoded for the management API (a connection's name holds spaces and
+/// `>`, a vhost's may hold `/`).
+fn path_segment(segment: &str) -> String {
+    segment
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+fn management_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap()
+}
+
+/// The names of `vhost`'s connections whose client named them starting with `named`, as the
+/// management API lists them (a connection shows there a moment after it opened).
+async fn connections_named(vhost: &str, named: &str) -> Vec<String> {
+    let listed: Value = management_client()
+        .get(format!(
+            "{}/api/vhosts/{}/connections",
+            management_url(),
+            path_segment(vhost)
+        ))
+        .basic_auth("guest", Some("guest"))
+        .send()
+        .await
+        .and_then(|answer| answer.error_for_status())
+        .expect("the test needs RabbitMQ's management API (rabbitmq_management)")
+        .json()
+        .await
+        .unwrap();
+    listed
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|connection| {
+            connection["client_properties"]["connection_name"]
+                .as_str()
+                .is_some_and(|name| name.starts_with(named))
+        })
+        .map(|connection| connection["name"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Closes the connection `name` through the management API (`DELETE /api/connections/{name}`),
+/// as an operator or a failing node would.
+async fn close_connection(name: &str) {
+    let answer = management_client()
+        .delete(format!(
+            "{}/api/connections/{}",
+            management_url(),
+            path_segment(name)
+        ))
+        .basic_auth("guest", Some("guest"))
+        .header("X-Reason", "closed by a publisher test")
+        .send()
+        .await
+        .unwrap();
+    // Gone already (closed by the broker or the client meanwhile) is as good.
+    assert!(
+        answer.status().is_success() || answer.status() == 404,
+        "closing {name}: {}",
+        answer.status()
+    );
+}
+
+/// How many publishes went out with more than one change of their endpoint in its window (the
+/// buckets of `relay_publisher_endpoint_in_flight_changes` above 1), and the most seen (the
+/// upper bound of the highest bucket with a publish).
+fn window_use(registry: &prometheus::Registry) -> (u64, f64) {
+    let family = registry
+        .gather()
+        .into_iter()
+        .find(|f| f.name() == "relay_publisher_endpoint_in_flight_changes")
+        .expect("the publisher registers its window histogram");
+    let histogram = family.get_metric()[0].get_histogram();
+    let mut alone = 0;
+    let mut most = 0.0;
+    let mut below = 0;
+    for bucket in histogram.get_bucket() {
+        if bucket.upper_bound() <= 1.0 {
+            alone = bucket.cumulative_count();
+        }
+        if bucket.cumulative_count() > below {
+            most = bucket.upper_bound();
+            below = bucket.cumulative_count();
+        }
+    }
+    if histogram.get_sample_count() > below {
+        most = f64::INFINITY;
+    }
+    (histogram.get_sample_count() - alone, most)
+}
+
+/// One busy endpoint, a burst of a few thousand changes, sent many at once (a window of 64): the
+/// tenant's own queue fills up and nacks (`x-overflow: reject-publish`), is unbound while
+/// changes are in flight (they come back as returns), and the publisher's connection is closed
+/// under it through the management API. Each time the change in trouble is sent again with
+/// every change sent after it. On the queue, as a consumer reads it: every change_seq came, the
+/// last copy of each after the last copy of every lower one, and the copy rebuilt from it is
+/// the copy in Postgres. Only the changes the queue took were ever marked while it was full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_endpoints_window_is_sent_again_in_order_after_nacks_returns_and_a_lost_connection()
+{
+    let (env, mut rng) = Env::seeded().await;
+    let (seed, pool) = (env.seed, &env.db.pool);
+    let tenant = env.db.tenant().await;
+    let broker = env.broker().await;
+    let channel = broker.create_channel().await.unwrap();
+    let (exchange, queue, key) = ("tenant-w", "tenant-w-changes", "all");
+    channel
+        .exchange_declare(
+            exchange,
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let room: i64 = rng.gen_range(100..300);
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(room));
+    arguments.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    bind_queue(
+        &channel,
+        queue,
+        QueueDeclareOptions::default(),
+        arguments,
+        exchange,
+        key,
+    )
+    .await;
+    // The tenant's "own" broker: the test's vhost through an address that is not the relay's.
+    let own_broker = PgProxy::start(amqp_addr()).await;
+    let url = env.vhost.url_via(own_broker.address);
+    set_own_exchange(pool, tenant, &url, exchange, key).await;
+
+    let mut feed = Feed::new(&env.db, tenant).await;
+    let events = rng.gen_range(1_000..1_400);
+    feed.burst(pool, &mut rng, events).await;
+    let config = PublisherConfig {
+        endpoint_window: 64,
+        // One tenant task (and connection) throughout.
+        idle_release: Duration::from_secs(600),
+        ..env.config(env.vhost.url())
+    };
+    let (publisher, registry) = env.start(config).await;
+    let published_through = || async {
+        sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT published_through FROM endpoint_publish_cursors WHERE endpoint_id = $1",
+        )
+        .bind(feed.endpoint)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+        .flatten()
+        .unwrap_or(0)
+    };
+
+    // 1. Nacks: nobody reads the queue; it takes `room` changes and refuses the rest of each
+    // window, round after round. Exactly its changes are marked, never one it refused.
+    wait_until(
+        &format!("the full queue's nacks (seed {seed})"),
+        Duration::from_secs(60),
+        || async { metric(&registry, "relay_publisher_messages_nacked_total") > 0.0 },
+    )
+    .await;
+    wait_until(
+        &format!("the queue's {room} changes marked (seed {seed})"),
+        Duration::from_secs(60),
+        || async {
+            let through = published_through().await;
+            assert!(
+                through <= room,
+                "seed {seed}: marked through {through}, the queue holds {room}"
+            );
+            through == room
+        },
+    )
+    .await;
+    let (windowed, most) = window_use(&registry);
+    assert!(
+        windowed > 0,
+        "seed {seed}: every publish went out alone in its endpoint's window"
+    );
+    eprintln!(
+        "seed {seed}: {windowed} publishes with others of their endpoint in flight, up to {most}"
+    );
+    assert!(
+        metric(&registry, "relay_publisher_changes_resent_total") > 0.0,
+        "seed {seed}: nothing was sent again after the nacks"
+    );
+
+    // 2. A slow consumer makes room a change at a time, so the queue stays about full: a
+    // window's publishes meet a full queue and one with room by turns, and some changes are
+    // taken behind one refused (their first copies are repeated by the resends).
+    let collector = Collector::paced(&broker, queue, 1, Duration::from_millis(1)).await;
+
+    // 3. Returns: the queue is unbound as a burst is being sent, and bound again once the
+    // publisher had changes come back.
+    let events = rng.gen_range(1_000..1_400);
+    feed.burst(pool, &mut rng, events).await;
+    channel
+        .queue_unbind(queue, exchange, key, FieldTable::default())
+        .await
+        .unwrap();
+    wait_until(
+        &format!("changes returned by the unbound exchange (seed {seed})"),
+        Duration::from_secs(60),
+        || async { metric(&registry, "relay_publisher_messages_returned_total") > 0.0 },
+    )
+    .await;
+    channel
+        .queue_bind(
+            queue,
+            exchange,
+            key,
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+
+    // 4. The connection is closed under the publisher as a burst is being sent. The consumer
+    // keeps up now, so the windows are full rather than waiting out the pauses after nacks. A
+    // close that finds nothing in flight is no trouble (the publisher opens another connection
+    // when it next sends): then another burst, and another close.
+    collector.set_pace(Duration::ZERO);
+    let resent_before = metric(&registry, "relay_publisher_changes_resent_total");
+    let vhost = env.vhost.name.clone();
+    let mut closes = 0;
+    let felt = loop {
+        assert!(
+            closes < 10,
+            "seed {seed}: {closes} closes of the connection found nothing in flight"
+        );
+        if closes > 0 {
+            // The publisher connects again when it next has something to send.
+            feed.burst(pool, &mut rng, 10).await;
+        }
+        let listed_by = tokio::time::Instant::now() + Duration::from_secs(30);
+        let names = loop {
+            let names = connections_named(&vhost, "relay-publisher").await;
+            if !names.is_empty() {
+                break names;
+            }
+            assert!(
+                tokio::time::Instant::now() < listed_by,
+                "seed {seed}: the publisher's connection was never listed"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let errors_before = metric(&registry, "relay_publisher_broker_errors_total");
+        // Closed a seeded moment into a burst, while the publisher sends what it committed.
+        let events = rng.gen_range(300..600);
+        let after = Duration::from_millis(rng.gen_range(20..200));
+        tokio::join!(feed.burst(pool, &mut rng, events), async {
+            tokio::time::sleep(after).await;
+            for name in &names {
+                close_connection(name).await;
+            }
+        });
+        closes += 1;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+        while tokio::time::Instant::now() < deadline {
+            if metric(&registry, "relay_publisher_broker_errors_total") > errors_before {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if metric(&registry, "relay_publisher_broker_errors_total") > errors_before {
+            break closes;
+        }
+    };
+    eprintln!("seed {seed}: close {felt} of the connection found publishes in flight");
+
+    wait_published(pool, &[tenant], seed).await;
+    publisher.stop().await;
+    let resent = metric(&registry, "relay_publisher_changes_resent_total");
+    eprintln!(
+        "seed {seed}: published {}, confirmed {}, nacked {}, returned {}, resent {resent} \
+         ({} after the connection was closed), window use {:?}",
+        metric(&registry, "relay_publisher_messages_published_total"),
+        metric(&registry, "relay_publisher_messages_confirmed_total"),
+        metric(&registry, "relay_publisher_messages_nacked_total"),
+        metric(&registry, "relay_publisher_messages_returned_total"),
+        resent - resent_before,
+        window_use(&registry),
+    );
+
+    let total = change_count(pool, feed.endpoint).await;
+    assert!(total > 2_000, "seed {seed}: only {total} changes written");
+    // Each change confirmed in turn once, however many times it was sent.
+    assert_eq!(
+        metric(&registry, "relay_publisher_messages_confirmed_total"),
+        total as f64,
+        "seed {seed}"
+    );
+    wait_until(
+        &format!("every change consumed (seed {seed})"),
+        Duration::from_secs(60),
+        || async { collector.distinct() == total as usize },
+    )
+    .await;
+    let messages = collector.finish().await;
+    let _ = broker.close(200, "done").await;
+
+    // The raw order: the last copy of every change_seq after the last of every lower one.
+    let mut last_copy: BTreeMap<i64, usize> = BTreeMap::new();
+    for (at, delivered) in messages.iter().enumerate() {
+        let message = ChangeMessage::decode(&delivered.body).unwrap();
+        assert_eq!(message.webhook_endpoint_id, feed.endpoint, "seed {seed}");
+        last_copy.insert(message.change_seq, at);
+    }
+    assert_eq!(
+        last_copy.keys().copied().collect::<Vec<_>>(),
+        (1..=total).collect::<Vec<_>>(),
+        "seed {seed}: not every change_seq came"
+    );
+    for (seq, at) in &last_copy {
+        if let Some(before) = last_copy.get(&(seq - 1)) {
+            assert!(
+                before < at,
+                "seed {seed}: the last copy of change {seq} (delivery {at}) came before the \
+                 last copy of change {} (delivery {before})",
+                seq - 1
+            );
+        }
+    }
+    let repeats = messages.len() - total as usize;
+    eprintln!(
+        "seed {seed}: {} deliveries, {repeats} repeats",
+        messages.len()
+    );
+    assert!(
+        repeats > 0,
+        "seed {seed}: no change was taken behind one refused; the consumer's side was not tried"
+    );
+    // And the consumer that drops repeats and holds what comes ahead rebuilds the copy.
+    let (consumer, _) = rebuild(tenant, &messages, seed);
+    assert_rebuilt(pool, &consumer, &[&feed], seed).await;
 }
 
 /// A tenant's own exchange that does not exist yet (the broker closes the channel on each
