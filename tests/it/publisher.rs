@@ -2278,8 +2278,14 @@ async fn publisher_drain_rate() {
     .await
     .unwrap();
     let total = tenants * endpoints * per_endpoint;
+    // RELAY_TEST_DRAIN_WINDOW: each endpoint's window (default the publisher's).
+    let mut config = env.config(env.vhost.url());
+    if let Ok(window) = std::env::var("RELAY_TEST_DRAIN_WINDOW") {
+        config.endpoint_window = window.parse().expect("RELAY_TEST_DRAIN_WINDOW is a number");
+    }
+    let window = config.endpoint_window;
     let started = std::time::Instant::now();
-    let (publisher, registry) = env.start(env.config(env.vhost.url())).await;
+    let (publisher, registry) = env.start(config).await;
     wait_published(pool, &ids, env.seed).await;
     let elapsed = started.elapsed();
     publisher.stop().await;
@@ -2290,8 +2296,8 @@ async fn publisher_drain_rate() {
         .unwrap();
     let histogram = latency.get_metric()[0].get_histogram();
     eprintln!(
-        "drained {total} changes ({tenants} tenants x {endpoints} endpoints x {per_endpoint}) in \
-         {elapsed:.2?}: {:.0} changes/s; mean created-to-confirm {:.3} s",
+        "drained {total} changes ({tenants} tenants x {endpoints} endpoints x {per_endpoint}, \
+         windows of {window}) in {elapsed:.2?}: {:.0} changes/s; mean created-to-confirm {:.3} s",
         total as f64 / elapsed.as_secs_f64(),
         histogram.get_sample_sum() / histogram.get_sample_count() as f64
     );
