@@ -157,7 +157,10 @@ async fn a_batch_postgres_refuses_is_stored_again_without_the_message_that_broke
     let results = futures::future::join_all((0..60).map(|n| {
         let writer = writer.clone();
         let message = message(n);
-        async move { (n, writer.store(message, deadline).await) }
+        async move {
+            let coming = writer.coming();
+            (n, writer.store(message, deadline, coming).await)
+        }
     }))
     .await;
     for (n, result) in &results {

@@ -18,7 +18,8 @@
 //! - `handoff`: when two tiers run in one process, what one committed handed to the other's
 //!   owning task in memory ([`Handoff`]), so it is not read back from Postgres.
 //! - `gather`: group commit: tasks sharing a queue each take what gathered while they were busy
-//!   ([`Gather`], within [`GatherLimits`]), so many callers' jobs share one transaction.
+//!   ([`Gather`], within [`GatherLimits`]), waiting a bounded moment for jobs on their way
+//!   ([`Linger`], as the queue's [`Arrivals`] suggest), so many callers' jobs share one transaction.
 
 mod gather;
 mod handoff;
@@ -26,7 +27,7 @@ mod ownership;
 mod redis_client;
 mod wake;
 
-pub use gather::{Gather, GatherLimits};
+pub use gather::{Arrivals, Coming, Gather, GatherLimits, Linger};
 pub use handoff::{Handoff, Inbox};
 pub use ownership::{
     check_fence, Fence, Held, Lease, Owned, Owners, OwnershipConfig, OwnershipError,

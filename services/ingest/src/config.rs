@@ -31,6 +31,11 @@ pub mod defaults {
     pub const RETRY_AFTER_S: u64 = 5;
     pub const WRITERS: usize = 2;
     pub const BATCH_MAX_MESSAGES: usize = 256;
+    /// A batch waits at most this long for more messages (relay-coord's `Linger`: while one is
+    /// being verified, or while they arrive closer together than this and waiting has been
+    /// gaining some): a few commits' time, well inside any answer deadline, and nothing at a
+    /// trickle or for a lone sender.
+    pub const BATCH_LINGER_US: u64 = 5_000;
     pub const ENDPOINT_CACHE_TTL_S: u64 = 60;
     pub const ENDPOINT_CACHE_MAX_ENTRIES: usize = 100_000;
 }
@@ -49,6 +54,8 @@ pub struct IngestConfig {
     pub writers: usize,
     /// The most messages one transaction stores.
     pub batch_max_messages: usize,
+    /// How long a batch may wait for more messages: see relay-coord's `Linger`.
+    pub batch_linger: Duration,
     /// The most body bytes one transaction stores (a batch is closed once it passes this).
     pub batch_max_bytes: usize,
     /// Messages waiting for a writer, at most; further requests wait for room.
@@ -84,6 +91,7 @@ impl Default for IngestConfig {
             retry_after: Duration::from_secs(defaults::RETRY_AFTER_S),
             writers: defaults::WRITERS,
             batch_max_messages: defaults::BATCH_MAX_MESSAGES,
+            batch_linger: Duration::from_micros(defaults::BATCH_LINGER_US),
             batch_max_bytes: 8 * 1024 * 1024,
             queue_capacity: 4096,
             endpoint_cache_ttl: Duration::from_secs(defaults::ENDPOINT_CACHE_TTL_S),

@@ -321,6 +321,9 @@ async fn take_message(
         Err(error) => return Answer::Malformed(format!("the body could not be read: {error}")),
     };
     state.metrics.body_read(body.len());
+    // From here to the writer's queue takes the verification's microseconds: a batch being
+    // gathered may wait for it (the count ends with this guard, whatever the answer).
+    let coming = state.writer.coming();
 
     let header_text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
     let signature_headers = SignatureHeaders {
@@ -395,7 +398,7 @@ async fn take_message(
         events,
         body,
     };
-    match state.writer.store(incoming, deadline).await {
+    match state.writer.store(incoming, deadline, coming).await {
         Ok(StoreOutcome::Stored { .. }) => match unparsed {
             None => Answer::Accepted,
             Some(error) => Answer::AcceptedUnparsed(error),

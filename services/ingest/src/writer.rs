@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use relay_coord::{Gather, GatherLimits};
+use relay_coord::{Arrivals, Coming, Gather, GatherLimits, Linger};
 use relay_store::cursors::PendingMessage;
 use relay_store::messages::{self, IncomingMessage, StoreOutcome};
 use relay_store::{KeptConnection, StoreError};
@@ -45,6 +45,7 @@ struct Job {
 #[derive(Clone)]
 pub struct BatchWriter {
     queue: mpsc::Sender<Job>,
+    arrivals: Arc<Arrivals>,
 }
 
 struct Batching {
@@ -52,6 +53,7 @@ struct Batching {
     handoff: Option<relay_coord::Handoff<PendingMessage>>,
     /// Messages, weighing their bodies' bytes.
     limits: GatherLimits,
+    linger: Linger,
     timeout: Duration,
 }
 
@@ -63,12 +65,17 @@ impl BatchWriter {
     ) -> (Self, Vec<JoinHandle<()>>) {
         let (queue, receiver) = mpsc::channel(config.queue_capacity.max(1));
         let receiver = Arc::new(Mutex::new(receiver));
+        let arrivals = Arc::new(Arrivals::default());
         let batching = Arc::new(Batching {
             waker: config.waker.clone(),
             handoff: config.messages_handoff.clone(),
             limits: GatherLimits {
                 jobs: config.batch_max_messages.max(1),
                 weight: config.batch_max_bytes.max(1),
+            },
+            linger: Linger {
+                arrivals: arrivals.clone(),
+                max: config.batch_linger,
             },
             // A batch must end before the requests in it are answered 503 at their deadline.
             timeout: config.answer_deadline,
@@ -83,18 +90,32 @@ impl BatchWriter {
                 ))
             })
             .collect();
-        (Self { queue }, tasks)
+        (Self { queue, arrivals }, tasks)
     }
 
-    /// Stores one message, waiting at most until `deadline` for it to commit.
+    /// Counts a message that is on its way to [`BatchWriter::store`] (its request's body is
+    /// read), so that the batch being gathered may wait for it; the count ends when the guard
+    /// is given to `store` or dropped.
+    pub fn coming(&self) -> Coming {
+        self.arrivals.coming()
+    }
+
+    /// Stores one message, waiting at most until `deadline` for it to commit. `coming` (the
+    /// message's count, see [`BatchWriter::coming`]) ends once the message is queued.
     pub async fn store(
         &self,
         message: IncomingMessage,
         deadline: tokio::time::Instant,
+        coming: Coming,
     ) -> Result<StoreOutcome, WriteError> {
         let (reply, answer) = oneshot::channel();
         let job = Job { message, reply };
-        match tokio::time::timeout_at(deadline, self.queue.send(job)).await {
+        let queued = tokio::time::timeout_at(deadline, self.queue.send(job)).await;
+        if matches!(queued, Ok(Ok(()))) {
+            self.arrivals.sent();
+        }
+        drop(coming);
+        match queued {
             Err(_) => return Err(WriteError::TimedOut),
             Ok(Err(_)) => return Err(WriteError::ShuttingDown),
             Ok(Ok(())) => {}
@@ -117,7 +138,8 @@ async fn write_batches(
     let mut connection = KeptConnection::new(pool);
     let mut batches = Gather::new(receiver, batching.limits, |job: &Job| {
         job.message.body.len()
-    });
+    })
+    .lingering(batching.linger.clone());
     loop {
         let Some(jobs) = batches.next().await else {
             return;

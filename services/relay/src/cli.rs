@@ -254,6 +254,12 @@ pub struct IngestArgs {
     #[arg(long, env = "RELAY_INGEST_BATCH_MAX_MESSAGES", default_value_t = ingest::BATCH_MAX_MESSAGES)]
     pub batch_max_messages: usize,
 
+    /// Microseconds a transaction may wait for more messages to share its commit: while one is
+    /// being verified, or while they arrive closer together than this (0: never).
+    #[arg(long, env = "RELAY_INGEST_BATCH_LINGER_US", default_value_t = ingest::BATCH_LINGER_US,
+          value_parser = clap::value_parser!(u64).range(0..=100_000))]
+    pub batch_linger_us: u64,
+
     /// Seconds an endpoint's secrets and status stay cached while change notifications flow
     /// (0 disables the cache).
     #[arg(long, env = "RELAY_INGEST_ENDPOINT_CACHE_TTL_S", default_value_t = ingest::ENDPOINT_CACHE_TTL_S)]
@@ -359,6 +365,12 @@ pub struct SequencerArgs {
     /// of its kind that gathered while the others committed.
     #[arg(long, env = "RELAY_SEQUENCER_APPLIERS", default_value_t = sequencer::APPLIERS)]
     pub appliers: usize,
+
+    /// Microseconds an apply transaction may wait for more endpoints' runs, while runs are on
+    /// their way or arriving closer together than this (0: never).
+    #[arg(long, env = "RELAY_SEQUENCER_APPLY_LINGER_US", default_value_t = sequencer::APPLY_LINGER_US,
+          value_parser = clap::value_parser!(u64).range(0..=100_000))]
+    pub apply_linger_us: u64,
 
     /// Endpoints' runs applied in one transaction at most.
     #[arg(

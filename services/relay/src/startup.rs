@@ -26,6 +26,7 @@ impl IngestArgs {
             retry_after: Duration::from_secs(self.retry_after_s),
             writers: self.writers,
             batch_max_messages: self.batch_max_messages,
+            batch_linger: Duration::from_micros(self.batch_linger_us),
             endpoint_cache_ttl: Duration::from_secs(self.endpoint_cache_ttl_s),
             endpoint_cache_max_entries: self.endpoint_cache_max_entries,
             listener: ListenerLimits {
@@ -272,6 +273,7 @@ impl SequencerArgs {
             apply_attempts: self.apply_attempts,
             messages_per_read: self.messages_per_read,
             appliers: self.appliers,
+            apply_linger: Duration::from_micros(self.apply_linger_us),
             runs_per_transaction: self.runs_per_transaction,
             messages_per_transaction: self.messages_per_transaction,
             sweep_interval: Duration::from_millis(self.sweep_interval_ms),

@@ -18,7 +18,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use relay_coord::{Gather, GatherLimits, Waker};
+use relay_coord::{Arrivals, Coming, Gather, GatherLimits, Linger, Waker};
 use relay_store::KeptConnection;
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::{mpsc, oneshot, Mutex};
@@ -112,12 +112,14 @@ struct Job<R> {
 /// The workers' way to the appliers of one kind's runs (cheap to clone).
 pub struct ApplyBatcher<R> {
     queue: mpsc::Sender<Job<R>>,
+    arrivals: Arc<Arrivals>,
 }
 
 impl<R> Clone for ApplyBatcher<R> {
     fn clone(&self) -> Self {
         Self {
             queue: self.queue.clone(),
+            arrivals: self.arrivals.clone(),
         }
     }
 }
@@ -136,42 +138,61 @@ pub struct BatcherStopped;
 impl<R: BatchedRun> ApplyBatcher<R> {
     /// Starts `appliers` tasks taking up to `max_runs` runs, and no more runs once they hold
     /// `max_messages` messages, a transaction (long runs, a backlog's, need no company: their
-    /// cost per message is low already, and a huge transaction only delays every run in it).
+    /// cost per message is low already, and a huge transaction only delays every run in it),
+    /// each transaction waiting at most `linger` for more runs (relay-coord's [`Linger`]).
     /// They end when every clone of the batcher is dropped and the queue is empty.
     /// `announce` gives the publisher the changes a transaction appended, once it committed.
     pub fn start(
         pool: PgPool,
-        appliers: usize,
+        (appliers, linger): (usize, std::time::Duration),
         (max_runs, max_messages): (usize, usize),
         announce: Announce,
         metrics: SequencerMetrics,
     ) -> (Self, Vec<JoinHandle<()>>) {
         let (queue, receiver) = mpsc::channel(1024);
         let receiver = Arc::new(Mutex::new(receiver));
+        let arrivals = Arc::new(Arrivals::default());
+        let linger = Linger {
+            arrivals: arrivals.clone(),
+            max: linger,
+        };
         let tasks = (0..appliers.max(1))
             .map(|_| {
                 tokio::spawn(apply_batches(
                     pool.clone(),
                     receiver.clone(),
-                    GatherLimits {
-                        jobs: max_runs.max(1),
-                        weight: max_messages.max(1),
-                    },
+                    (
+                        GatherLimits {
+                            jobs: max_runs.max(1),
+                            weight: max_messages.max(1),
+                        },
+                        linger.clone(),
+                    ),
                     announce.clone(),
                     metrics.clone(),
                 ))
             })
             .collect();
-        (Self { queue }, tasks)
+        (Self { queue, arrivals }, tasks)
     }
 
-    /// Applies one prepared run, beside whatever other endpoints' runs are waiting.
-    pub async fn apply(&self, run: R) -> Result<BatchReport, ApplyError> {
+    /// Counts a run on its way to [`ApplyBatcher::apply`] (its worker has messages in hand),
+    /// so that the transaction being gathered may wait for it; the count ends when the guard is
+    /// given to `apply` or dropped.
+    pub fn coming(&self) -> Coming {
+        self.arrivals.coming()
+    }
+
+    /// Applies one prepared run, beside whatever other endpoints' runs are waiting. `coming`
+    /// (the run's count, see [`ApplyBatcher::coming`]) ends once the run is queued.
+    pub async fn apply(&self, run: R, coming: Coming) -> Result<BatchReport, ApplyError> {
         let (reply, answer) = oneshot::channel();
-        self.queue
-            .send(Job { run, reply })
-            .await
-            .map_err(|_| ApplyError::Stopped(BatcherStopped))?;
+        let queued = self.queue.send(Job { run, reply }).await;
+        if queued.is_ok() {
+            self.arrivals.sent();
+        }
+        drop(coming);
+        queued.map_err(|_| ApplyError::Stopped(BatcherStopped))?;
         answer
             .await
             .map_err(|_| ApplyError::Stopped(BatcherStopped))?
@@ -214,11 +235,12 @@ fn change_weight(change: &Unpublished) -> usize {
 async fn apply_batches<R: BatchedRun>(
     pool: PgPool,
     receiver: Arc<Mutex<mpsc::Receiver<Job<R>>>>,
-    limits: GatherLimits,
+    (limits, linger): (GatherLimits, Linger),
     announce: Announce,
     metrics: SequencerMetrics,
 ) {
-    let mut batches = Gather::new(receiver, limits, |job: &Job<R>| job.run.pending().len());
+    let mut batches =
+        Gather::new(receiver, limits, |job: &Job<R>| job.run.pending().len()).lingering(linger);
     let mut connection = KeptConnection::new(pool);
     loop {
         // Runs of an endpoint already in the batch wait for the next one: two runs of one

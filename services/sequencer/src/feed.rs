@@ -58,10 +58,13 @@ impl SourceKind for FeedSource {
             config,
             metrics,
         } = *owned;
+        // Counted from now (before the parse and any refetch read) so that a transaction being
+        // gathered can wait for this run, as for the others woken with it.
+        let coming = config.feed_runs.coming();
         let run =
             crate::apply::prepare_run(pool, &self.ctx, token, moves, pending, metrics).await?;
         // The batcher announces the changes of every run it committed, together.
-        let report = config.feed_runs.apply(run).await?;
+        let report = config.feed_runs.apply(run, coming).await?;
         Ok(Applied {
             messages: report.messages,
             job_pending: report.reload_pending,

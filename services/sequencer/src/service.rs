@@ -39,6 +39,11 @@ pub mod defaults {
     /// endpoint long.
     pub const APPLY_ATTEMPTS: u32 = 5;
     pub const APPLIERS: usize = 2;
+    /// An apply transaction waits at most this long for more endpoints' runs (and only while
+    /// they are on their way or arriving closer together than this): a few commits' time, so
+    /// at a steady rate several runs share one, within the few milliseconds a change may take
+    /// from receipt to its queue.
+    pub const APPLY_LINGER_US: u64 = 5_000;
     pub const RUNS_PER_TRANSACTION: usize = 64;
     pub const MESSAGES_PER_TRANSACTION: usize = 256;
     pub const MESSAGES_PER_READ: i64 = 100;
@@ -95,6 +100,9 @@ pub struct SequencerConfig {
     /// Apply transactions open at once for each source kind (each takes the runs of its kind
     /// that gathered while the others committed): see [`crate::batch`].
     pub appliers: usize,
+    /// How long an apply transaction may wait for more endpoints' runs (see relay-coord's
+    /// `Linger`).
+    pub apply_linger: Duration,
     /// Endpoints' runs applied in one transaction at most.
     pub runs_per_transaction: usize,
     /// No more runs join a transaction once it holds this many messages.
@@ -164,6 +172,7 @@ impl Default for SequencerConfig {
             },
             messages_per_read: defaults::MESSAGES_PER_READ,
             appliers: defaults::APPLIERS,
+            apply_linger: Duration::from_micros(defaults::APPLY_LINGER_US),
             runs_per_transaction: defaults::RUNS_PER_TRANSACTION,
             messages_per_transaction: defaults::MESSAGES_PER_TRANSACTION,
             sweep_interval: ms(defaults::SWEEP_INTERVAL_MS),
@@ -312,14 +321,14 @@ async fn schedule(
     };
     let (feed_runs, mut appliers) = ApplyBatcher::start(
         pool.clone(),
-        config.appliers,
+        (config.appliers, config.apply_linger),
         batch_limits,
         announce.clone(),
         metrics.clone(),
     );
     let (stories_runs, stories_appliers) = ApplyBatcher::start(
         pool.clone(),
-        config.appliers,
+        (config.appliers, config.apply_linger),
         batch_limits,
         announce,
         metrics.clone(),

@@ -922,10 +922,12 @@ impl SourceKind for StoriesSource {
         moves: (i64, i64),
         pending: Vec<PendingMessage>,
     ) -> Result<Applied, ApplyError> {
+        let coming =
+            (pending.len() <= SHARED_RUN_MESSAGES).then(|| owned.config.stories_runs.coming());
         let run = PreparedStoriesRun::prepare(owned, &self.ctx, moves, pending).await;
-        let report = if run.pending.len() <= SHARED_RUN_MESSAGES {
+        let report = if let Some(coming) = coming {
             // The batcher announces the changes of every run it committed, together.
-            owned.config.stories_runs.apply(run).await?
+            owned.config.stories_runs.apply(run, coming).await?
         } else {
             let mut connection = relay_store::KeptConnection::new(owned.pool.clone());
             let report = apply_runs(&mut connection, vec![run], owned.metrics)
