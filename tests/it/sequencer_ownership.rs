@@ -282,3 +282,72 @@ async fn an_owner_cut_off_from_redis_takes_endpoints_again_soon_after_it_is_back
     }
     eprintln!("taken again {:?} after Redis came back", healed.elapsed());
 }
+
+/// Many endpoints held at once stay held, all renewed together, for several leases; one whose
+/// lock is taken from under it (deleted, then taken by another owner) is lost by itself while
+/// the others stay; one released is free again at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_held_together_are_renewed_together_and_one_taken_away_is_lost_alone() {
+    let setup = setup().await;
+    let tenant = setup.db.tenant().await;
+    let mut endpoints = vec![setup.endpoint];
+    for _ in 0..1_199 {
+        let endpoint = Uuid::new_v4();
+        setup.db.endpoint(tenant, endpoint, &random_secret()).await;
+        endpoints.push(endpoint);
+    }
+    let lease = Duration::from_millis(900);
+    let (a, b) = (owners(&setup, lease).await, owners(&setup, lease).await);
+    let mut held = Vec::new();
+    for endpoint in &endpoints {
+        held.push(a.hold(*endpoint).await.unwrap().expect("free"));
+    }
+    // Four leases' time: more than 1,000 leases need more than one round trip each renewal.
+    tokio::time::sleep(lease * 4).await;
+    assert!(held.iter().all(|h| !h.is_lost()), "a lease ran out");
+    for endpoint in &endpoints[..5] {
+        assert!(b.try_acquire(*endpoint).await.unwrap().is_none());
+    }
+
+    // Another owner takes one endpoint's lock from under A (its key deleted, as an expiry
+    // would): A hears at its next renewal that it lost that one, and only that one.
+    let mut redis = relay_coord::open_redis(&redis_url(), &relay_netguard::TrustRoots::platform())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let taken = endpoints[7];
+    let _: i64 = redis::cmd("DEL")
+        .arg(format!("{}lock:{taken}", setup.prefix))
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let successor = b
+        .try_acquire(taken)
+        .await
+        .unwrap()
+        .expect("free once deleted");
+    tokio::time::timeout(lease, held[7].lost())
+        .await
+        .expect("the lease taken away is lost within a lease");
+    for (i, h) in held.iter().enumerate() {
+        assert_eq!(h.is_lost(), i == 7, "endpoint {i}");
+    }
+    assert!(
+        successor.token > held[7].token(),
+        "the successor's token is higher"
+    );
+
+    // Released: free at once, and B holds it past A's next renewals.
+    let released = held.remove(0);
+    assert!(released.release().await);
+    let mut next = b
+        .try_acquire(setup.endpoint)
+        .await
+        .unwrap()
+        .expect("free once released");
+    tokio::time::sleep(lease / 2).await;
+    assert!(b.renew(&mut next).await.unwrap(), "B keeps what A released");
+    // (Endpoint 7 is at 6 now.)
+    assert!(held.iter().enumerate().all(|(i, h)| i == 6 || !h.is_lost()));
+}

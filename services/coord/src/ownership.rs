@@ -12,19 +12,25 @@
 //!   another took over: its check fails. And a new owner's claim waits for the old owner's
 //!   transaction in flight, so their writes never interleave.
 //!
+//! A process may hold thousands of endpoints, most of them idle between messages (an endpoint
+//! is kept while it may get more, so its next message costs no lock, no token and no reads):
+//! their leases are renewed together, a few round trips to Redis every third of a lease
+//! whatever their number ([`Held`]), not one each.
+//!
 //! The token lives in Postgres, not in a Redis counter, because Redis here keeps nothing on
 //! disk: after a restart a counter would start again below the tokens already handed out, and
 //! every new owner would be fenced out.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionManager;
 use redis::Script;
 use relay_store::{fences, EndpointId, StoreError, TenantId};
 use sqlx::{PgConnection, PgPool};
-use tokio::sync::{watch, Mutex};
-use tokio::task::JoinHandle;
+use tokio::sync::watch;
 use uuid::Uuid;
 
 #[derive(Debug, thiserror::Error)]
@@ -110,13 +116,71 @@ pub struct Owners {
     redis: ConnectionManager,
     pool: PgPool,
     config: OwnershipConfig,
+    /// The leases of every [`Held`] taken through these owners (and their clones).
+    renewals: Arc<Renewals>,
 }
+
+/// The leases of the [`Held`]s of one [`Owners`], renewed together by one task.
+#[derive(Default)]
+struct Renewals {
+    held: std::sync::Mutex<HashMap<u64, Renewing>>,
+    next_id: AtomicU64,
+    /// Started with the first lease held.
+    renewer: std::sync::OnceLock<tokio::task::JoinHandle<()>>,
+}
+
+/// One lease kept renewed.
+struct Renewing {
+    key: Uuid,
+    lock_key: String,
+    /// This acquisition's value in Redis: renewals and the release act only while it is there.
+    value: String,
+    /// Until when the lock is certainly ours; `None` once it is lost.
+    valid_until: watch::Sender<Option<Instant>>,
+}
+
+impl Drop for Renewals {
+    fn drop(&mut self) {
+        if let Some(renewer) = self.renewer.get() {
+            renewer.abort();
+        }
+    }
+}
+
+impl Renewals {
+    /// Stops renewing `id`'s lease: its lock and value, when it was still kept.
+    fn forget(&self, id: u64) -> Option<(String, String)> {
+        let renewing = self.held.lock().expect("not poisoned").remove(&id)?;
+        Some((renewing.lock_key, renewing.value))
+    }
+}
+
+/// Leases renewed in one round trip at most (a Redis script blocks the server while it runs:
+/// a few hundred keys take well under a millisecond).
+const RENEWALS_PER_CALL: usize = 500;
 
 const RENEW: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0";
+
+/// [`RENEW`] for many keys at once: KEYS the locks, ARGV each one's value and then the lease;
+/// one result per key (1: renewed, 0: not ours any more).
+const RENEW_MANY: &str = r"
+local lease = ARGV[#KEYS + 1]
+local renewed = {}
+for i, key in ipairs(KEYS) do
+    if redis.call('GET', key) == ARGV[i] then
+        renewed[i] = redis.call('PEXPIRE', key, lease)
+    else
+        renewed[i] = 0
+    end
+end
+return renewed";
+
+static RENEW_MANY_SCRIPT: std::sync::LazyLock<Script> =
+    std::sync::LazyLock::new(|| Script::new(RENEW_MANY));
 
 const RELEASE: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -139,6 +203,7 @@ impl Owners {
             redis,
             pool,
             config,
+            renewals: Arc::default(),
         })
     }
 
@@ -208,16 +273,29 @@ impl Owners {
         let Some(lease) = self.try_acquire(key).await? else {
             return Ok(None);
         };
-        let token = lease.token;
         let (valid_sender, valid_until) = watch::channel(Some(lease.valid_until));
-        let lease = Arc::new(Mutex::new(Some(lease)));
-        let renewer = tokio::spawn(renew_until_lost(self.clone(), lease.clone(), valid_sender));
+        let id = self.renewals.next_id.fetch_add(1, Ordering::Relaxed);
+        self.renewals.held.lock().expect("not poisoned").insert(
+            id,
+            Renewing {
+                key,
+                lock_key: self.lock_key(key),
+                value: lease.value,
+                valid_until: valid_sender,
+            },
+        );
+        self.renewals.renewer.get_or_init(|| {
+            tokio::spawn(renew_held(
+                self.redis.clone(),
+                self.config.lease,
+                Arc::downgrade(&self.renewals),
+            ))
+        });
         Ok(Some(Held {
             key,
-            token,
+            token: lease.token,
             valid_until,
-            lease,
-            renewer,
+            id,
             owners: self.clone(),
         }))
     }
@@ -234,18 +312,19 @@ impl Owners {
 }
 
 /// One owned thing (an endpoint, a tenant) held for as long as its owner works on it: taken with
-/// [`Owners::hold`], renewed by a task of its own every third of the lease, given back with
-/// [`Held::release`]. The owner asks [`Held::is_lost`] before each step that writes or sends (or
-/// waits on [`Held::lost`]) and stops once it is: not renewed in time by its own clock, or taken.
-/// Its writes carry [`Held::token`], which the fence checks, so a loss noticed late is harmless.
-/// Dropped without a release, the renewal stops and the lock expires within a lease.
+/// [`Owners::hold`], renewed every third of the lease together with every other lease of the
+/// same owners, given back with [`Held::release`]. The owner asks [`Held::is_lost`] before each
+/// step that writes or sends (or waits on [`Held::lost`]) and stops once it is: not renewed in
+/// time by its own clock, or taken. Its writes carry [`Held::token`], which the fence checks, so
+/// a loss noticed late is harmless. Dropped without a release, its renewal stops and the lock
+/// expires within a lease.
 pub struct Held {
     key: Uuid,
     token: i64,
     /// Until when the lock is certainly ours; `None` once it is lost.
     valid_until: watch::Receiver<Option<Instant>>,
-    lease: Arc<Mutex<Option<Lease>>>,
-    renewer: JoinHandle<()>,
+    /// Its place among the owners' renewals.
+    id: u64,
     owners: Owners,
 }
 
@@ -281,7 +360,7 @@ impl Held {
                     }
                 }
                 changed = valid_until.changed() => {
-                    // The renewal task ended: it does only once the lock is lost.
+                    // Its renewal was dropped: it is only once the lock is lost.
                     if changed.is_err() {
                         return;
                     }
@@ -292,68 +371,102 @@ impl Held {
 
     /// Gives the lock back. `false` when it was no longer ours anyway.
     pub async fn release(self) -> bool {
-        self.renewer.abort();
-        let lease = self.lease.lock().await.take();
-        match lease {
-            Some(lease) => match self.owners.release(lease).await {
-                Ok(released) => released,
-                Err(error) => {
-                    // It expires by itself within a lease.
-                    tracing::debug!(key = %self.key, %error, "could not release the lock");
-                    false
-                }
-            },
-            None => false,
+        let Some((lock_key, value)) = self.owners.renewals.forget(self.id) else {
+            return false;
+        };
+        let released: Result<i64, _> = Script::new(RELEASE)
+            .key(lock_key)
+            .arg(value)
+            .invoke_async(&mut self.owners.redis.clone())
+            .await;
+        match released {
+            Ok(released) => released == 1,
+            Err(error) => {
+                // It expires by itself within a lease.
+                tracing::debug!(key = %self.key, %error, "could not release the lock");
+                false
+            }
         }
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        self.renewer.abort();
+        self.owners.renewals.forget(self.id);
     }
 }
 
-/// Renews `lease` every third of its duration until it is lost: not ours any more, or not
-/// renewed before it ran out (a failed renewal is tried again sooner meanwhile).
-async fn renew_until_lost(
-    owners: Owners,
-    lease: Arc<Mutex<Option<Lease>>>,
-    valid_until: watch::Sender<Option<Instant>>,
-) {
-    let period = owners.config.lease / 3;
-    let retry = (owners.config.lease / 10).max(Duration::from_millis(50));
+/// Renews every lease held through one [`Owners`] every third of a lease, [`RENEWALS_PER_CALL`]
+/// a round trip, until the owners are gone. A lease not ours any more, or not renewed before it
+/// ran out (a failed renewal is tried again sooner meanwhile), is lost: its [`Held`] hears so and
+/// it is renewed no more.
+async fn renew_held(redis: ConnectionManager, lease: Duration, renewals: Weak<Renewals>) {
+    let period = lease / 3;
+    let retry = (lease / 10).max(Duration::from_millis(50));
     let mut wait = period;
     loop {
         tokio::time::sleep(wait).await;
-        let mut held = lease.lock().await;
-        let Some(current) = held.as_mut() else {
-            break;
+        let Some(renewals) = renewals.upgrade() else {
+            return;
         };
-        let key = current.key;
-        match owners.renew(current).await {
-            Ok(true) => {
-                valid_until.send_replace(Some(current.valid_until));
-                wait = period;
+        let due: Vec<(u64, String, String)> = renewals
+            .held
+            .lock()
+            .expect("not poisoned")
+            .iter()
+            .map(|(id, r)| (*id, r.lock_key.clone(), r.value.clone()))
+            .collect();
+        wait = period;
+        for chunk in due.chunks(RENEWALS_PER_CALL) {
+            let started = Instant::now();
+            let mut script = RENEW_MANY_SCRIPT.prepare_invoke();
+            for (_, lock_key, value) in chunk {
+                script.key(lock_key).arg(value);
             }
-            Ok(false) => {
-                tracing::warn!(%key, "the lock expired before its renewal: letting go");
-                *held = None;
-                break;
-            }
-            Err(error) => {
-                if !current.is_valid(Instant::now()) {
-                    tracing::warn!(%key, error = %relay_netguard::error_chain(&error),
-                        "could not renew the lock before it ran out: letting go");
-                    *held = None;
-                    break;
+            script.arg(lease.as_millis() as u64);
+            let renewed: Result<Vec<i64>, _> = script.invoke_async(&mut redis.clone()).await;
+            let mut held = renewals.held.lock().expect("not poisoned");
+            match renewed {
+                Ok(renewed) => {
+                    for ((id, _, _), renewed) in chunk.iter().zip(renewed) {
+                        let Some(renewing) = held.get(id) else {
+                            // Released meanwhile.
+                            continue;
+                        };
+                        if renewed == 1 {
+                            renewing.valid_until.send_replace(Some(started + lease));
+                        } else {
+                            tracing::warn!(key = %renewing.key,
+                                "the lock expired before its renewal: letting go");
+                            renewing.valid_until.send_replace(None);
+                            held.remove(id);
+                        }
+                    }
                 }
-                tracing::debug!(%key, %error, "renewing the lock failed; trying again soon");
-                wait = retry;
+                Err(error) => {
+                    let now = Instant::now();
+                    for (id, _, _) in chunk {
+                        let Some(renewing) = held.get(id) else {
+                            continue;
+                        };
+                        if renewing
+                            .valid_until
+                            .borrow()
+                            .is_none_or(|until| now >= until)
+                        {
+                            tracing::warn!(key = %renewing.key,
+                                error = %relay_netguard::error_chain(&error),
+                                "could not renew the lock before it ran out: letting go");
+                            renewing.valid_until.send_replace(None);
+                            held.remove(id);
+                        }
+                    }
+                    tracing::debug!(%error, "renewing locks failed; trying again soon");
+                    wait = retry;
+                }
             }
         }
     }
-    valid_until.send_replace(None);
 }
 
 /// Claims the next fencing token of `key` (an endpoint's or a tenant's id, as `fence` says):
