@@ -403,10 +403,16 @@ pub struct SequencerArgs {
 
     /// Milliseconds an idle worker keeps its endpoint before letting go. Taking an endpoint
     /// costs a lock, a fencing-token commit and a few reads; an endpoint that gets a message
-    /// every few seconds should not pay that per message. A lingering worker holds no
-    /// database connection and no concurrency slot, only its lock (renewed every third of it).
+    /// every minute should not pay that per message. A lingering worker holds no database
+    /// connection and no concurrency slot, only its lock (renewed with every other lock of the
+    /// process, every third of a lease).
     #[arg(long, env = "RELAY_SEQUENCER_IDLE_LINGER_MS", default_value_t = sequencer::IDLE_LINGER_MS)]
     pub idle_linger_ms: u64,
+
+    /// Idle endpoints this process keeps at most; past it, those idle longest are let go
+    /// (each idle one holds a few kilobytes and its lock; 0: none is kept once idle).
+    #[arg(long, env = "RELAY_SEQUENCER_MAX_IDLE_ENDPOINTS", default_value_t = sequencer::MAX_IDLE_ENDPOINTS)]
+    pub max_idle_endpoints: usize,
 
     /// Days applied event ids are kept for de-duplication (0: for ever). Keep them as long as
     /// the oldest backup that may be restored, plus a day: a rewind after a restore resends

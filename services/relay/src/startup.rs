@@ -278,6 +278,7 @@ impl SequencerArgs {
             messages_per_transaction: self.messages_per_transaction,
             sweep_interval: Duration::from_millis(self.sweep_interval_ms),
             idle_linger: Duration::from_millis(self.idle_linger_ms),
+            max_idle_endpoints: self.max_idle_endpoints,
             applied_events_retention: days(self.applied_events_retention_days),
             message_retention: days(self.message_retention_days),
             change_retention: days(self.change_retention_days),

@@ -23,7 +23,7 @@ use crate::reload::ReloadLimits;
 use crate::slots::Slots;
 use crate::stories::StoriesSource;
 use crate::upstream::UpstreamClient;
-use crate::worker::{run_worker, Assignment, WorkerConfig, WorkerExit, WorkerSignal};
+use crate::worker::{run_worker, Assignment, IdleClock, WorkerConfig, WorkerExit, WorkerSignal};
 
 /// Each setting's default, written once: [`SequencerConfig::default`] and relay's command line
 /// both take them from here.
@@ -48,7 +48,16 @@ pub mod defaults {
     pub const MESSAGES_PER_TRANSACTION: usize = 256;
     pub const MESSAGES_PER_READ: i64 = 100;
     pub const SWEEP_INTERVAL_MS: u64 = 1_000;
-    pub const IDLE_LINGER_MS: u64 = 10_000;
+    /// An endpoint is kept five minutes after its last message: at light load an endpoint's
+    /// messages come tens of seconds apart, and taking it again for each would cost more than
+    /// the message (a lock, a fencing-token commit, its registration, track and cursor read,
+    /// and its first message read back), while holding it costs a share of one renewal round
+    /// trip (relay-coord's `Held`).
+    pub const IDLE_LINGER_MS: u64 = 300_000;
+    /// Idle endpoints one process keeps at most (the longest idle let go first): a worker
+    /// waiting for its endpoint's next message holds a few kilobytes and no connection or
+    /// slot, so this bounds their memory, not their work.
+    pub const MAX_IDLE_ENDPOINTS: usize = 10_000;
     /// Applied event ids are kept a month: as long as the oldest backup likely to be restored,
     /// plus a day (see [`super::SequencerConfig::applied_events_retention`]).
     pub const APPLIED_EVENTS_RETENTION_DAYS: f64 = 31.0;
@@ -109,10 +118,11 @@ pub struct SequencerConfig {
     pub messages_per_transaction: usize,
     /// How often Postgres is swept for endpoints with work (the safety net under wake-ups).
     pub sweep_interval: Duration,
-    /// How long an idle worker keeps its endpoint before letting go: long enough that an
-    /// endpoint with a message every few seconds stays owned (taking one costs a lock, a
-    /// fencing-token commit and a few reads), while a lingering worker holds only its lock.
+    /// How long an idle worker keeps its endpoint before letting go (see
+    /// [`defaults::IDLE_LINGER_MS`]).
     pub idle_linger: Duration,
+    /// The most idle endpoints this process keeps: past it, the longest idle are let go.
+    pub max_idle_endpoints: usize,
     /// How long applied event ids are kept (`None`: for ever). Keep them as long as the oldest
     /// backup that may be restored, plus a day: a rewind after a restore resends what was
     /// applied since that backup, and its events must still be recognised.
@@ -177,6 +187,7 @@ impl Default for SequencerConfig {
             messages_per_transaction: defaults::MESSAGES_PER_TRANSACTION,
             sweep_interval: ms(defaults::SWEEP_INTERVAL_MS),
             idle_linger: ms(defaults::IDLE_LINGER_MS),
+            max_idle_endpoints: defaults::MAX_IDLE_ENDPOINTS,
             applied_events_retention: Some(Duration::from_secs_f64(
                 defaults::APPLIED_EVENTS_RETENTION_DAYS * 24.0 * 3600.0,
             )),
@@ -348,6 +359,7 @@ async fn schedule(
         messages_handoff: config.messages_handoff.clone(),
         messages_per_read: config.messages_per_read,
         idle_linger: config.idle_linger,
+        idle_clock: IdleClock::new(),
         reload_retry: config.reload_retry,
         reloads: ReloadLimits::new(
             config.max_concurrent_reloads,
@@ -440,7 +452,10 @@ async fn schedule(
             Some(endpoint) = wake_rx.recv() => {
                 match active.get(&endpoint) {
                     Some(signal) => signal.wake(),
-                    None => spawn(&mut workers, (&mut active, &mut tasks), endpoint),
+                    None => {
+                        spawn(&mut workers, (&mut active, &mut tasks), endpoint);
+                        let_longest_idle_go(&active, config.max_idle_endpoints);
+                    }
                 }
             }
             Some(change) = changed_rx.recv() => match change {
@@ -513,6 +528,29 @@ async fn schedule(
     sweeper.abort();
     retention_task.abort();
     lag_sampler.abort();
+}
+
+/// When the process holds more than `max_idle` idle endpoints, asks the longest idle of them to
+/// let theirs go: the excess and a sixteenth of the bound more, so that the next spawns need
+/// not look again.
+fn let_longest_idle_go(active: &HashMap<Uuid, Arc<WorkerSignal>>, max_idle: usize) {
+    if active.len() <= max_idle {
+        return;
+    }
+    let mut idle: Vec<(u64, &Arc<WorkerSignal>)> = active
+        .values()
+        .filter_map(|signal| signal.idle_since().map(|since| (since, signal)))
+        .collect();
+    if idle.len() <= max_idle {
+        return;
+    }
+    let excess = idle.len() - max_idle + max_idle / 16;
+    if excess < idle.len() {
+        idle.select_nth_unstable_by_key(excess, |(since, _)| *since);
+    }
+    for (_, signal) in idle.into_iter().take(excess) {
+        signal.let_go();
+    }
 }
 
 /// How long each kind of row is kept (`None`: for ever).
@@ -736,5 +774,57 @@ async fn sweep(
             _ = tokio::time::sleep(interval) => {}
             _ = stop.changed() => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Workers of `count` endpoints, idle since their index (0: busy) as `idle` says.
+    fn workers(idle: &[u64]) -> (Vec<Uuid>, HashMap<Uuid, Arc<WorkerSignal>>) {
+        let ids: Vec<Uuid> = idle.iter().map(|_| Uuid::new_v4()).collect();
+        let active = ids
+            .iter()
+            .zip(idle)
+            .map(|(id, &since)| {
+                let signal = WorkerSignal::default();
+                signal.idle_since.store(since, Ordering::SeqCst);
+                (*id, Arc::new(signal))
+            })
+            .collect();
+        (ids, active)
+    }
+
+    fn let_go(ids: &[Uuid], active: &HashMap<Uuid, Arc<WorkerSignal>>) -> Vec<usize> {
+        ids.iter()
+            .enumerate()
+            .filter(|(_, id)| active[*id].let_go.load(Ordering::SeqCst))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    #[test]
+    fn past_the_bound_the_longest_idle_are_let_go_and_busy_ones_never() {
+        // 40 workers: the even ones idle, since 1000 - i (the later in the list, the longer);
+        // the odd ones busy. 20 idle against a bound of 16: 4 over, plus a sixteenth of 16.
+        let idle: Vec<u64> = (0..40)
+            .map(|i| if i % 2 == 0 { 1000 - i } else { 0 })
+            .collect();
+        let (ids, active) = workers(&idle);
+        let_longest_idle_go(&active, 16);
+        assert_eq!(let_go(&ids, &active), vec![30, 32, 34, 36, 38]);
+
+        // Within the bound (the busy ones do not count against it): nobody.
+        let (ids, active) = workers(&idle);
+        let_longest_idle_go(&active, 20);
+        assert!(let_go(&ids, &active).is_empty());
+        let_longest_idle_go(&active, 60);
+        assert!(let_go(&ids, &active).is_empty());
+
+        // A bound of none: every idle one goes.
+        let (ids, active) = workers(&idle);
+        let_longest_idle_go(&active, 0);
+        assert_eq!(let_go(&ids, &active).len(), 20);
     }
 }

@@ -33,9 +33,43 @@ pub struct WorkerSignal {
     pub wakes: AtomicU64,
     /// Set when the endpoint's registration changed: the worker reads it again.
     registration_changed: AtomicBool,
+    /// When the worker began to wait with nothing to do (milliseconds of the process's
+    /// [`IdleClock`]; 0 while it has work, or a job, or a reason to stay).
+    pub(crate) idle_since: AtomicU64,
+    /// Set by the scheduler when the process holds too many idle endpoints: the worker lets its
+    /// endpoint go as soon as it is idle.
+    pub(crate) let_go: AtomicBool,
+}
+
+/// The milliseconds [`WorkerSignal`]s count idleness in: since the process's scheduler began
+/// (never 0, which means "not idle").
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IdleClock(std::time::Instant);
+
+impl IdleClock {
+    pub(crate) fn new() -> Self {
+        Self(std::time::Instant::now())
+    }
+
+    fn now(self) -> u64 {
+        u64::try_from(self.0.elapsed().as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
 }
 
 impl WorkerSignal {
+    /// Since when the worker has been idle (its [`IdleClock`]'s milliseconds), if it is.
+    pub(crate) fn idle_since(&self) -> Option<u64> {
+        Some(self.idle_since.load(Ordering::SeqCst)).filter(|&since| since > 0)
+    }
+
+    /// Asks the worker to let its endpoint go once it is idle (now, if it is).
+    pub(crate) fn let_go(&self) {
+        self.let_go.store(true, Ordering::SeqCst);
+        self.notify.notify_one();
+    }
+
     pub fn wake(&self) {
         self.wakes.fetch_add(1, Ordering::SeqCst);
         self.notify.notify_one();
@@ -69,6 +103,8 @@ pub struct WorkerConfig {
     pub messages_handoff: Option<relay_coord::Handoff<PendingMessage>>,
     pub messages_per_read: i64,
     pub idle_linger: Duration,
+    /// What the workers' idleness is counted in (see [`WorkerSignal::idle_since`]).
+    pub(crate) idle_clock: IdleClock,
     pub reload_retry: RetryPolicy,
     /// The process's bounds on reload passes (and stories endpoints' syncs), shared by every
     /// worker.
@@ -404,10 +440,20 @@ pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerE
                         }
                     }
                     None => {
-                        tokio::select! {
-                            _ = signal.notify.notified() => {}
-                            () = handed.arrived() => {}
-                            _ = tokio::time::sleep(config.idle_linger) => break,
+                        // Idle: kept while more may come (its next message then costs no lock,
+                        // token or reads), until the linger ends or the process holds too many
+                        // idle endpoints and this one has waited longest.
+                        signal
+                            .idle_since
+                            .store(config.idle_clock.now(), Ordering::SeqCst);
+                        let lingered = tokio::select! {
+                            _ = signal.notify.notified() => false,
+                            () = handed.arrived() => false,
+                            _ = tokio::time::sleep(config.idle_linger) => true,
+                        };
+                        signal.idle_since.store(0, Ordering::SeqCst);
+                        if lingered || signal.let_go.swap(false, Ordering::SeqCst) {
+                            break;
                         }
                     }
                 }
