@@ -2129,6 +2129,17 @@ async fn a_mark_moves_each_endpoints_cursor_forward_only_and_only_under_the_fenc
         .unwrap()
         .expect("7 is A's publishing token");
     sweep.sort();
+    // Each with its last change, the counter's.
+    assert_eq!(
+        sweep.iter().map(|(_, last)| *last).collect::<Vec<_>>(),
+        sweep
+            .iter()
+            .map(|(k, _)| counts[usize::from(*k == k1)])
+            .collect::<Vec<_>>(),
+        "seed {seed}"
+    );
+    let mut sweep: Vec<EndpointId> = sweep.into_iter().map(|(k, _)| k).collect();
+    sweep.sort();
     // A holder whose token moved on (another publisher, a resync, a replay) is told so.
     assert_eq!(
         changes::endpoints_with_backlog(pool, ta, 6, 10)

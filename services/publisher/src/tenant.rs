@@ -221,9 +221,9 @@ enum Confirmed {
 type ReadFuture = Pin<Box<dyn Future<Output = ReadDone> + Send>>;
 
 enum ReadDone {
-    /// The tenant's endpoints with a backlog; `None` when the tenant's publishing token moved
-    /// on (see `changes::endpoints_with_backlog`).
-    Swept(Result<Option<Vec<Uuid>>, OutboxError>),
+    /// The tenant's endpoints with a backlog, each with its last change_seq; `None` when the
+    /// tenant's publishing token moved on (see `changes::endpoints_with_backlog`).
+    Swept(Result<Option<Vec<(Uuid, i64)>>, OutboxError>),
     /// The next changes of the endpoints asked for (endpoint, room asked).
     Changes(Vec<(Uuid, usize)>, Result<Vec<OutboxChange>, OutboxError>),
 }
@@ -740,9 +740,12 @@ impl Worker {
                 let endpoints =
                     changes::endpoints_with_backlog(&pool, TenantId(tenant), token, 1_000_000)
                         .await?;
-                Ok::<_, OutboxError>(
-                    endpoints.map(|found| found.iter().map(EndpointId::as_uuid).collect()),
-                )
+                Ok::<_, OutboxError>(endpoints.map(|found| {
+                    found
+                        .into_iter()
+                        .map(|(endpoint, last)| (endpoint.as_uuid(), last))
+                        .collect()
+                }))
             });
             self.reading = Some(Box::pin(async move {
                 ReadDone::Swept(
@@ -757,16 +760,24 @@ impl Worker {
         let limit = self.stream.limits().max_held;
         let mut asked: Vec<(Uuid, usize)> = Vec::new();
         let mut budget = limit.saturating_sub(self.stream.held());
+        let mut next_read = Vec::new();
         for endpoint in endpoints {
-            let room = self.stream.room(endpoint).min(budget);
+            let room = self.stream.room(endpoint);
             if room == 0 {
                 // Asked again once half its read-ahead is free (or on the next sweep).
                 self.stream.capped.insert(endpoint);
                 continue;
             }
+            if budget == 0 {
+                // The tenant's room is spoken for by this read: the next one asks.
+                next_read.push(endpoint);
+                continue;
+            }
+            let room = room.min(budget);
             budget -= room;
             asked.push((endpoint, room));
         }
+        self.stream.wanted.extend(next_read);
         if asked.is_empty() {
             return;
         }
@@ -812,7 +823,14 @@ impl Worker {
                 return false;
             }
             ReadDone::Swept(Ok(Some(endpoints))) => {
-                self.stream.wanted.extend(endpoints);
+                // Only what follows what is held: an endpoint whose changes are all sent (and
+                // wait for their confirm or their mark) has nothing to read.
+                let unread: Vec<Uuid> = endpoints
+                    .into_iter()
+                    .filter(|(endpoint, last)| *last > self.stream.held_through(*endpoint))
+                    .map(|(endpoint, _)| endpoint)
+                    .collect();
+                self.stream.wanted.extend(unread);
                 return true;
             }
             ReadDone::Changes(asked, Ok(changes)) => {

@@ -3,8 +3,8 @@
 //! (under the tenant's fence, `publisher_fences`), and the backlog's size.
 //!
 //! What is published is one number per endpoint, its publish cursor (`endpoint_publish_cursors`):
-//! the publisher sends an endpoint's changes in order, one at a time, so what the broker
-//! confirmed is always a prefix. An endpoint's backlog is its change counter
+//! the publisher sends an endpoint's changes in order and marks a change only once it and every
+//! earlier one of its endpoint were confirmed, so what is marked is always a prefix. An endpoint's backlog is its change counter
 //! (`endpoint_change_counters`) minus its cursor; its changes are read by their primary key from
 //! the cursor on.
 
@@ -30,31 +30,38 @@ pub async fn tenants_with_backlog(pool: &PgPool, limit: i64) -> Result<Vec<Tenan
 }
 
 /// The tenant's endpoints that have at least one unpublished change, in id order, at most
-/// `limit`, for the publisher holding the tenant's publishing `token`; `None` when that is no
-/// longer the tenant's token: another publisher claimed the tenant, or a resync or a replay
-/// moved its stream under the holder (`restores::resync`, [`replay`]), whose memory of what it
-/// read is then wrong. A holder with nothing to mark learns it here, at its next sweep.
+/// `limit`, each with its last change_seq (its change counter): the holder asks only for what
+/// follows what it already holds. For the publisher holding the tenant's publishing `token`;
+/// `None` when that is no longer the tenant's token: another publisher claimed the tenant, or a
+/// resync or a replay moved its stream under the holder (`restores::resync`, [`replay`]), whose
+/// memory of what it read is then wrong. A holder with nothing to mark learns it here, at its
+/// next sweep.
 pub async fn endpoints_with_backlog(
     pool: &PgPool,
     tenant: TenantId,
     token: i64,
     limit: i64,
-) -> Result<Option<Vec<EndpointId>>, StoreError> {
-    let (ours, endpoints): (Option<bool>, Vec<EndpointId>) = sqlx::query_as(
-        "SELECT (SELECT token = $3 FROM publisher_fences WHERE tenant_id = $1),
-                ARRAY(SELECT k.endpoint_id
-                      FROM endpoint_change_counters k
-                      LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id
-                      WHERE k.tenant_id = $1 AND k.last > COALESCE(p.published_through, 0)
-                      ORDER BY k.endpoint_id
-                      LIMIT $2)",
+) -> Result<Option<Vec<(EndpointId, i64)>>, StoreError> {
+    type Found = (Option<bool>, Vec<uuid::Uuid>, Vec<i64>);
+    let (ours, endpoints, lasts): Found = sqlx::query_as(
+        "WITH behind AS (
+             SELECT k.endpoint_id, k.last
+             FROM endpoint_change_counters k
+             LEFT JOIN endpoint_publish_cursors p ON p.endpoint_id = k.endpoint_id
+             WHERE k.tenant_id = $1 AND k.last > COALESCE(p.published_through, 0)
+             ORDER BY k.endpoint_id
+             LIMIT $2
+         )
+         SELECT (SELECT token = $3 FROM publisher_fences WHERE tenant_id = $1),
+                ARRAY(SELECT endpoint_id FROM behind ORDER BY endpoint_id),
+                ARRAY(SELECT last FROM behind ORDER BY endpoint_id)",
     )
     .bind(tenant)
     .bind(limit)
     .bind(token)
     .fetch_one(pool)
     .await?;
-    Ok((ours == Some(true)).then_some(endpoints))
+    Ok((ours == Some(true)).then(|| endpoints.into_iter().map(EndpointId).zip(lasts).collect()))
 }
 
 /// One unpublished change as the outbox holds it, its columns unparsed: the item and the parts
@@ -157,8 +164,8 @@ pub enum Marked {
 /// own `where`), so a late or repeated mark changes nothing.
 ///
 /// Call it only with changes the broker confirmed, and only once every earlier change of the
-/// same endpoint was confirmed too (the publisher sends an endpoint's changes one at a time, in
-/// order): the cursor says "everything up to here". Marking is what keeps a change from being
+/// same endpoint was confirmed too (the publisher's window, `stream.rs`, confirms in order): the
+/// cursor says "everything up to here". Marking is what keeps a change from being
 /// sent again; a confirmed change left unmarked (a crash before this) is sent again, under the
 /// same message id.
 pub async fn mark_published(
