@@ -185,20 +185,13 @@ impl TestDb {
         .unwrap();
     }
 
-    /// Takes the endpoint's next fencing token, as a new owner's claim does (one more than the
-    /// last), without its Redis lock: for tests that drive apply transactions themselves. How
-    /// owners claim, and wait for one another, is `sequencer_ownership`'s.
+    /// Takes the endpoint's next fencing token by a new owner's claim (one more than the last),
+    /// without its Redis lock: for tests that drive apply transactions themselves. How owners
+    /// claim, and wait for one another, is `sequencer_ownership`'s.
     pub async fn claim_fence(&self, endpoint: Uuid) -> i64 {
-        sqlx::query_scalar(
-            "INSERT INTO endpoint_fences (endpoint_id, token) VALUES ($1, 1)
-             ON CONFLICT (endpoint_id)
-             DO UPDATE SET token = endpoint_fences.token + 1, claimed_at = now()
-             RETURNING token",
-        )
-        .bind(endpoint)
-        .fetch_one(&self.pool)
-        .await
-        .unwrap()
+        relay_store::fences::claim_endpoint(&self.pool, relay_store::EndpointId(endpoint))
+            .await
+            .expect("a registered endpoint's fence")
     }
 }
 

@@ -21,6 +21,9 @@ struct Fence {
     owners: &'static str,
     live: &'static str,
     what: &'static str,
+    /// Rows the claim makes sure exist beside the token's (a data-modifying `WITH` clause
+    /// reading `claimed`), or nothing.
+    beside: &'static str,
 }
 
 const ENDPOINT: Fence = Fence {
@@ -29,6 +32,14 @@ const ENDPOINT: Fence = Fence {
     owners: "webhook_endpoints",
     live: "status <> 'deleting'",
     what: "webhook endpoint",
+    // The change counter row, whose lock is an apply transaction's writer lock
+    // (`tracks::claim_ctes`): made here, a writer's lock has a row to wait on even when two
+    // writers of one token race to the endpoint's first change.
+    beside: ", counter AS (
+                 INSERT INTO endpoint_change_counters (endpoint_id, tenant_id)
+                 SELECT e.id, e.tenant_id FROM webhook_endpoints e JOIN claimed c ON e.id = c.id
+                 ON CONFLICT (endpoint_id) DO NOTHING
+             )",
 };
 
 const TENANT: Fence = Fence {
@@ -37,6 +48,7 @@ const TENANT: Fence = Fence {
     owners: "tenants",
     live: "deleting_since IS NULL",
     what: "tenant",
+    beside: "",
 };
 
 impl Fence {
@@ -49,13 +61,17 @@ impl Fence {
             owners,
             live,
             what,
+            beside,
         } = *self;
         let token: Option<i64> = sqlx::query_scalar(&format!(
-            "INSERT INTO {table} ({key}, token)
-             SELECT id, 1 FROM {owners} WHERE id = $1 AND {live}
-             ON CONFLICT ({key})
-             DO UPDATE SET token = {table}.token + 1, claimed_at = now()
-             RETURNING token"
+            "WITH claimed AS (
+                 INSERT INTO {table} ({key}, token)
+                 SELECT id, 1 FROM {owners} WHERE id = $1 AND {live}
+                 ON CONFLICT ({key})
+                 DO UPDATE SET token = {table}.token + 1, claimed_at = now()
+                 RETURNING {key} AS id, token
+             ){beside}
+             SELECT token FROM claimed"
         ))
         .bind(id)
         .fetch_optional(pool)

@@ -329,6 +329,14 @@ fn track_values(state: &EndpointTrack) -> Result<TrackValues, StoreError> {
 /// `writer` (the writer lock, the change counter row, taken only where the token still matches;
 /// its rows are the endpoints still owned, each with its counter's `last` as locked: the latest
 /// committed, which may be past the one the statement's snapshot shows).
+///
+/// The counter row is locked, not rewritten: locking it writes one small WAL record, where a
+/// no-op update wrote a new version of the row (and a lock record before it), and the lock is as
+/// strong as the counter's update later in the transaction needs, so that update takes no lock
+/// of its own. The row is made when the endpoint's fence is claimed (`fences::claim_endpoint`),
+/// so a second writer waits on it and then sees the first's count; one claimed before that was
+/// so gets its row here (`made`), where a second writer racing the first to it would find the
+/// endpoint not its own and try again later, as after losing a fence.
 pub(crate) fn claim_ctes(first: u32) -> String {
     let (endpoints, tenants, tokens) = (first, first + 1, first + 2);
     format!(
@@ -342,13 +350,26 @@ pub(crate) fn claim_ctes(first: u32) -> String {
              ORDER BY f.endpoint_id
              FOR SHARE
          ),
-         writer AS MATERIALIZED (
-             INSERT INTO endpoint_change_counters AS c (endpoint_id, tenant_id)
+         made AS MATERIALIZED (
+             INSERT INTO endpoint_change_counters (endpoint_id, tenant_id)
              SELECT i.endpoint_id, i.tenant_id
              FROM input i JOIN fence f ON f.endpoint_id = i.endpoint_id AND f.token = i.token
              ORDER BY i.endpoint_id
-             ON CONFLICT (endpoint_id) DO UPDATE SET last = c.last
+             ON CONFLICT (endpoint_id) DO NOTHING
              RETURNING endpoint_id, last
+         ),
+         writer AS MATERIALIZED (
+             SELECT l.endpoint_id, l.last FROM (
+                 SELECT c.endpoint_id, c.last
+                 FROM endpoint_change_counters c
+                 JOIN input i ON i.endpoint_id = c.endpoint_id
+                 JOIN fence f ON f.endpoint_id = i.endpoint_id AND f.token = i.token
+                 WHERE c.endpoint_id = ANY(${endpoints}::uuid[])
+                 ORDER BY c.endpoint_id
+                 FOR UPDATE OF c
+             ) l
+             UNION ALL
+             SELECT endpoint_id, last FROM made
          )"
     )
 }
