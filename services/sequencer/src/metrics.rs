@@ -68,6 +68,10 @@ pub struct SequencerMetrics {
     pub upstream_backing_off: IntGaugeVec,
     /// Reload passes (and stories syncs) holding one of the process's reload slots now.
     pub reload_passes_reading: IntGauge,
+    /// Reload passes (and stories syncs) waiting for one of the process's reload slots now.
+    pub reload_slot_waiting: IntGauge,
+    /// How long each reload pass (or stories sync) waited for its slot.
+    pub reload_slot_wait: Histogram,
     /// What each reload pass read: its answers' bytes, or their parsed weight when more.
     pub reload_pass_bytes: Histogram,
     pub endpoints_owned: IntGauge,
@@ -234,6 +238,20 @@ impl SequencerMetrics {
             "relay_sequencer_reload_passes_reading",
             "Reload passes and stories syncs holding one of this process's reload slots \
              (RELAY_SEQUENCER_MAX_CONCURRENT_RELOADS).",
+        )?;
+        let reload_slot_waiting = IntGauge::new(
+            "relay_sequencer_reload_slot_waiting",
+            "Reload passes and stories syncs waiting for one of this process's reload slots \
+             (their tenant's share of them, RELAY_SEQUENCER_MAX_TENANT_SHARE, or every slot, \
+             held).",
+        )?;
+        let reload_slot_wait = Histogram::with_opts(
+            HistogramOpts::new(
+                "relay_sequencer_reload_slot_wait_seconds",
+                "How long each reload pass or stories sync waited for its reload slot (0 when \
+                 one was free).",
+            )
+            .buckets(prometheus::exponential_buckets(0.001, 4.0, 10)?),
         )?;
         let reload_pass_bytes = Histogram::with_opts(
             HistogramOpts::new(
@@ -409,6 +427,8 @@ impl SequencerMetrics {
         registry.register(Box::new(upstream_failures.clone()))?;
         registry.register(Box::new(upstream_backing_off.clone()))?;
         registry.register(Box::new(reload_passes_reading.clone()))?;
+        registry.register(Box::new(reload_slot_waiting.clone()))?;
+        registry.register(Box::new(reload_slot_wait.clone()))?;
         registry.register(Box::new(reload_pass_bytes.clone()))?;
         for call in ["reload", "stories_sync", "story"] {
             upstream_backing_off.with_label_values(&[call]);
@@ -449,6 +469,8 @@ impl SequencerMetrics {
             upstream_failures,
             upstream_backing_off,
             reload_passes_reading,
+            reload_slot_waiting,
+            reload_slot_wait,
             reload_pass_bytes,
             endpoints_owned,
             lock_losses,

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use relay_netguard::RetryPolicy;
 use relay_rules::{MergePlan, PagesCheck, Pass, Reload};
 use relay_store::copy::{self, Merged};
+use relay_store::reload_waits;
 use relay_store::tracks::{self, TrackClaim};
 use sqlx::PgPool;
 use tokio::sync::watch;
@@ -53,19 +54,109 @@ impl ReloadLimits {
         }
     }
 
-    /// A slot for a pass of `tenant`'s, its budget, and the gauge of passes reading.
+    /// A slot for a pass (or a sync) of `waiter`'s endpoint, its budget, and the gauge of passes
+    /// reading. A slot free now is taken at once and costs nothing more; otherwise the wait is
+    /// recorded (the endpoint's state says since when, `relay_sequencer_reload_slot_waiting`
+    /// counts it) until a slot is taken or the caller stops waiting. Either way
+    /// `relay_sequencer_reload_slot_wait_seconds` says how long it took.
     pub async fn take(
         &self,
-        tenant: relay_store::TenantId,
+        waiter: Waiter<'_>,
         metrics: &SequencerMetrics,
     ) -> (Reading, Arc<PassBudget>) {
-        let slot = self.slots.take(tenant).await;
+        let started = Instant::now();
+        let slot = match self.slots.try_take(waiter.tenant) {
+            Some(slot) => slot,
+            None => {
+                let waiting = Waiting::begin(waiter, metrics).await;
+                let slot = self.slots.take(waiter.tenant).await;
+                waiting.end().await;
+                slot
+            }
+        };
+        metrics
+            .reload_slot_wait
+            .observe(started.elapsed().as_secs_f64());
         metrics.reload_passes_reading.inc();
         let reading = Reading {
             _slot: slot,
             gauge: metrics.reload_passes_reading.clone(),
         };
         (reading, PassBudget::new(self.max_pass_bytes))
+    }
+}
+
+/// Whose pass (or sync) takes a reload slot: the endpoint's tenant, whose share of the slots it
+/// counts against, and its owner's fencing token, which the recorded wait names.
+#[derive(Clone, Copy)]
+pub(crate) struct Waiter<'a> {
+    pub pool: &'a PgPool,
+    pub tenant: relay_store::TenantId,
+    pub endpoint: relay_store::EndpointId,
+    pub token: i64,
+}
+
+/// A pass waiting for a reload slot: counted in `relay_sequencer_reload_slot_waiting` and
+/// recorded for the endpoint's state while it lasts. Dropped without [`Waiting::end`] (the
+/// reload was stopped while it waited), the record is ended by a task of its own.
+struct Waiting {
+    pool: PgPool,
+    endpoint: relay_store::EndpointId,
+    token: i64,
+    gauge: prometheus::IntGauge,
+    recorded: bool,
+}
+
+impl Waiting {
+    async fn begin(waiter: Waiter<'_>, metrics: &SequencerMetrics) -> Self {
+        let gauge = metrics.reload_slot_waiting.clone();
+        gauge.inc();
+        // Best effort: the state would only miss the wait, and the wait goes on regardless.
+        let recorded =
+            match reload_waits::begin(waiter.pool, waiter.tenant, waiter.endpoint, waiter.token)
+                .await
+            {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::debug!(endpoint = %waiter.endpoint, %error,
+                    "could not record the wait for a reload slot");
+                    false
+                }
+            };
+        Self {
+            pool: waiter.pool.clone(),
+            endpoint: waiter.endpoint,
+            token: waiter.token,
+            gauge,
+            recorded,
+        }
+    }
+
+    /// A slot was taken: the wait is over, and its record gone before the pass reads.
+    async fn end(mut self) {
+        if std::mem::take(&mut self.recorded) {
+            if let Err(error) = reload_waits::end(&self.pool, self.endpoint, self.token).await {
+                tracing::debug!(endpoint = %self.endpoint, %error,
+                    "could not end the record of a wait for a reload slot");
+            }
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.gauge.dec();
+        // Outside a runtime (the process is shutting down) the next owner's wait replaces the
+        // record, and the state shows none once the fence moves on.
+        if let (true, Ok(runtime)) = (self.recorded, tokio::runtime::Handle::try_current()) {
+            let (pool, endpoint, token) = (self.pool.clone(), self.endpoint, self.token);
+            runtime.spawn(async move {
+                if let Err(error) = reload_waits::end(&pool, endpoint, token).await {
+                    tracing::debug!(%endpoint, %error,
+                        "could not end the record of a wait for a reload slot");
+                }
+            });
+        }
     }
 }
 
@@ -166,7 +257,9 @@ enum Step {
 /// in a row) and in `relay_sequencer_upstream_failures_total{call="reload"}`.
 ///
 /// Each pass reads and merges under one of the process's reload slots ([`ReloadLimits`]),
-/// taken before it reads and given back before any pause, and reads at most the limits' bytes.
+/// taken before it reads and given back before any pause, and reads at most the limits' bytes:
+/// an endpoint backing off holds no slot, and one waiting for its tenant's share of them says so
+/// in its state.
 /// A change of the endpoint's registration ends the pause at once (a rotated key or a moved URL
 /// is tried without waiting out the backoff); while the registration names no upstream, nothing
 /// is read until one does.
@@ -212,8 +305,14 @@ pub async fn run_reload(
             passes += 1;
             // Held until the pass is merged (its items are in memory until then), given back
             // before any pause.
+            let waiter = Waiter {
+                pool,
+                tenant: ctx.tenant(),
+                endpoint,
+                token,
+            };
             let (_reading, budget) = tokio::select! {
-                taken = ctx.reloads().take(ctx.tenant(), metrics) => taken,
+                taken = ctx.reloads().take(waiter, metrics) => taken,
                 _ = stopped(&mut stop) => return Ok(ReloadEnd::Superseded),
             };
             let read = tokio::select! {

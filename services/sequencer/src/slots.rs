@@ -69,6 +69,17 @@ impl Slots {
         }
     }
 
+    /// [`Slots::take`] when a slot is free now (its tenant's and the process's); `None`
+    /// otherwise, holding nothing. A reload records that it waits only when this fails.
+    pub fn try_take(&self, tenant: TenantId) -> Option<Slot> {
+        let tenant = self.of(tenant).try_acquire_owned().ok()?;
+        let all = self.all.clone().try_acquire_owned().ok()?;
+        Some(Slot {
+            _tenant: tenant,
+            _all: all,
+        })
+    }
+
     /// [`Slots::take`] for a worker already holding one of the process's slots (`held`): kept
     /// when its tenant has a slot free; otherwise given back while it waits for its tenant's.
     pub async fn take_holding(&self, tenant: TenantId, held: OwnedSemaphorePermit) -> Slot {
@@ -138,6 +149,30 @@ mod tests {
         drop(held);
         drop((b_slot, b_second));
         waiting.await.unwrap();
+        slots.forget_idle();
+        assert!(slots.tenants.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_slot_free_now_is_taken_at_once_and_none_past_the_tenants_share() {
+        // The default reload slots: two, a tenant at most one.
+        let slots = Slots::new(2, 0.5);
+        let (a, b, c) = (
+            TenantId(uuid::Uuid::new_v4()),
+            TenantId(uuid::Uuid::new_v4()),
+            TenantId(uuid::Uuid::new_v4()),
+        );
+        let a_slot = slots.try_take(a).expect("a slot is free");
+        // A at its share: nothing for A, and A's try holds nothing of the process's.
+        assert!(slots.try_take(a).is_none());
+        let b_slot = slots
+            .try_take(b)
+            .expect("B's share and a slot of the process's are free");
+        // Every slot of the process held: nothing for C, and C's try holds nothing of C's.
+        assert!(slots.try_take(c).is_none());
+        drop(a_slot);
+        let c_slot = slots.try_take(c).expect("A gave its slot back");
+        drop((b_slot, c_slot));
         slots.forget_idle();
         assert!(slots.tenants.lock().unwrap().is_empty());
     }

@@ -37,7 +37,7 @@ use tokio::task::{JoinError, JoinHandle};
 use crate::apply::{ApplyError, BatchReport};
 use crate::batch::{apply_runs, BatchedRun};
 use crate::metrics::SequencerMetrics;
-use crate::reload::BackingOff;
+use crate::reload::{BackingOff, Waiter};
 use crate::source::{Applied, JobEnded, Owned, SourceKind};
 use crate::upstream::{self, UpstreamClient, UpstreamError};
 use crate::worker::{announce, WorkerConfig};
@@ -559,7 +559,13 @@ async fn sync(
     metrics: SequencerMetrics,
 ) -> Result<SyncEnd, ApplyError> {
     let client = ctx.upstream().map_err(ApplyError::Upstream)?;
-    let (_reading, budget) = config.reloads.take(ctx.tenant, &metrics).await;
+    let waiter = Waiter {
+        pool: &pool,
+        tenant: ctx.tenant,
+        endpoint: ctx.id,
+        token,
+    };
+    let (_reading, budget) = config.reloads.take(waiter, &metrics).await;
     let client = client.with_budget(budget);
     pay_owed_reads(&pool, &ctx, &client, token, &config, &metrics).await?;
     let state = store::sync_state(&pool, ctx.tenant, ctx.id).await?;

@@ -19,6 +19,8 @@
 //! - [`quarantine`]: stored messages the sequencer set aside, their retry and discard.
 //! - [`upstream_status`]: how each endpoint's calls to its upstream fare (the last failure,
 //!   since when, the last recovery).
+//! - [`reload_waits`]: which endpoints' reloads wait for one of a sequencer's reload slots, and
+//!   since when.
 //! - [`tracks`]: each endpoint's track row (relay-rules' `EndpointTrack`), opened under the
 //!   endpoint's fence and writer lock, and the control plane's changes of it.
 //! - [`cursors`]: each endpoint's apply cursor, the stored messages past it, and the backlog of
@@ -56,6 +58,7 @@ pub mod messages;
 pub mod offboard;
 pub mod quarantine;
 pub mod quotas;
+pub mod reload_waits;
 pub mod restores;
 pub mod runs;
 pub mod stories;

@@ -31,7 +31,7 @@ use crate::{EndpointId, StoreError, TenantId};
 /// Every table with rows of an endpoint, keyed by `endpoint_id`, in the order the purge
 /// empties them, those that grow with traffic first. `webhook_endpoints` itself goes last, in
 /// [`finish_endpoint`].
-pub const ENDPOINT_TABLES: [&str; 20] = [
+pub const ENDPOINT_TABLES: [&str; 21] = [
     "messages",
     "message_applications",
     "applied_events",
@@ -47,6 +47,7 @@ pub const ENDPOINT_TABLES: [&str; 20] = [
     "endpoint_publish_cursors",
     "endpoint_change_counters",
     "endpoint_upstream_status",
+    "reload_slot_waits",
     "endpoint_restores",
     "endpoint_lag_samples",
     "endpoint_secrets",

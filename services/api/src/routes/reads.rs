@@ -347,6 +347,15 @@ pub struct StateView {
     pub reload_running: Option<bool>,
     /// A stories endpoint's sync; null for a feed endpoint.
     pub stories: Option<StoriesStateView>,
+    /// When the endpoint's reload (a feed reload's pass, or a stories endpoint's sync) began
+    /// waiting for one of the sequencer's reload slots: its tenant's share of them
+    /// (RELAY_SEQUENCER_MAX_TENANT_SHARE of RELAY_SEQUENCER_MAX_CONCURRENT_RELOADS) is held by
+    /// its other endpoints, or every slot is. Null when it is not waiting (a reload pausing
+    /// after a failure holds no slot and waits for none).
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub reload_waiting_since: Option<OffsetDateTime>,
+    /// How long it has waited, in seconds; 0 when it is not waiting.
+    pub reload_wait_s: f64,
     /// The arrival number of the last message stored.
     pub last_arrival_seq: i64,
     /// Every message at or below it is applied.
@@ -427,6 +436,8 @@ pub async fn endpoint_state(
     let (quarantined, quarantine_reason) =
         relay_store::quarantine::summary(&mut *tx, tenant, id).await?;
     let upstream = relay_store::upstream_status::read(&mut *tx, tenant, id).await?;
+    let reload_waiting_since =
+        relay_store::reload_waits::waiting_since(&mut *tx, tenant, id).await?;
     tx.commit().await?;
     let upstream = UpstreamStateView {
         status: match &upstream {
@@ -456,6 +467,12 @@ pub async fn endpoint_state(
             .map(|tracks| tracks.iter().any(|t| t.reload_running)),
         tracks,
         stories: stories.map(StoriesStateView::from),
+        reload_waiting_since,
+        reload_wait_s: reload_waiting_since.map_or(0.0, |since| {
+            (OffsetDateTime::now_utc() - since)
+                .as_seconds_f64()
+                .max(0.0)
+        }),
         last_arrival_seq: progress.last_arrival_seq,
         applied_arrival_seq: progress.applied_arrival_seq,
         messages_waiting: progress.waiting,
