@@ -21,6 +21,7 @@ mod offboarding;
 mod pipeline;
 mod publisher;
 mod registration_changes;
+mod reload_shares;
 mod restore;
 mod retention;
 mod scale_out;
