@@ -478,7 +478,7 @@ async fn read_story(
 /// each story read is saved or closed as relay-rules' `plan_writes` plans it against its row
 /// under the lock, and its owed row deleted, all in one transaction named by a round of its own
 /// (the writes carried out whole, as a run's); one that fails
-/// again waits longer (`config.story_reads.owed`).
+/// again waits longer (`config.story_reads.owed`), and ends this sync's owed reads.
 async fn pay_owed_reads(
     pool: &PgPool,
     ctx: &StoriesContext,
@@ -491,10 +491,11 @@ async fn pay_owed_reads(
     let mut paid = Vec::with_capacity(due.len());
     for owed in due {
         let id = owed.story_id.clone();
-        let (reads, error) = match read_story(pool, ctx, client, &id, config, metrics).await {
-            Ok(read) => (HashMap::from([(id.clone(), read)]), String::new()),
+        let (reads, error, failed) = match read_story(pool, ctx, client, &id, config, metrics).await
+        {
+            Ok(read) => (HashMap::from([(id.clone(), read)]), String::new(), false),
             Err(error @ UpstreamError::TooLarge { .. }) => return Err(ApplyError::Upstream(error)),
-            Err(error) => (HashMap::new(), error.to_string()),
+            Err(error) => (HashMap::new(), error.to_string(), true),
         };
         match fetched_write(id, &reads) {
             Ok(write) => paid.push((owed, write)),
@@ -507,6 +508,13 @@ async fn pay_owed_reads(
                     .with_label_values(&["failing"])
                     .inc();
             }
+        }
+        if failed {
+            // The upstream failed this read through all its tries: the reads after it wait for
+            // a later sync (still owed, due as they were) rather than each holding the
+            // tenant's reload slot through tries and timeouts of its own against an upstream
+            // failing now.
+            break;
         }
     }
     if paid.is_empty() {
