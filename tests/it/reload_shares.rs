@@ -515,6 +515,46 @@ async fn a_tenants_failing_reloads_never_hold_another_tenants_reload() {
     relay.stop().await;
 }
 
+/// Two tenants, A and C, whose upstreams hang (each read held to its timeout) would hold both
+/// of the process's reload slots, one each within their shares: in the failing lane they share
+/// one, and B's reset still merges about as soon as alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_tenants_failing_reloads_never_hold_a_third_tenants_reload() {
+    relay_tests::init_logging();
+    let seed = printed_seed("reload shares, two hostile tenants");
+    let relay = Relay::start(seed).await;
+    let (a, b, c) = (
+        relay.app.db.tenant().await,
+        relay.app.db.tenant().await,
+        relay.app.db.tenant().await,
+    );
+
+    let alone = relay.feed_reset_merged_in(b).await;
+
+    let mut hostile = Vec::new();
+    for tenant in [a, c] {
+        for _ in 0..HOSTILE_ENDPOINTS / 2 {
+            let endpoint = relay.feed(tenant, Answers::Slow).await;
+            relay.reset(&endpoint).await;
+            hostile.push(endpoint);
+        }
+    }
+    // Both have had a read held to its timeout, and their other endpoints wait.
+    let relay_ref = &relay;
+    relay
+        .time_until(
+            "A's and C's first timeouts",
+            Instant::now(),
+            || async move { relay_ref.failures("reload", "timeout") >= 2 },
+        )
+        .await;
+    relay.wait_one_waits(&hostile).await;
+
+    let beside = relay.feed_reset_merged_in(b).await;
+    assert_within_slack(seed, "a reset's reload beside two tenants'", alone, beside);
+    relay.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tenants_failing_stories_syncs_never_hold_another_tenants_sync() {
     relay_tests::init_logging();

@@ -8,7 +8,8 @@
 //! statements, never inside its transaction: the worker asks it to stop ([`StopReload`]) and
 //! awaits it, so no pooled connection is left inside an aborted transaction.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use relay_netguard::RetryPolicy;
@@ -17,7 +18,7 @@ use relay_store::copy::{self, Merged};
 use relay_store::reload_waits;
 use relay_store::tracks::{self, TrackClaim};
 use sqlx::PgPool;
-use tokio::sync::watch;
+use tokio::sync::{watch, Semaphore};
 
 use crate::apply::{ApplyError, EndpointContext};
 use crate::metrics::{SequencerMetrics, RELOAD_READ, RELOAD_TOTAL};
@@ -40,18 +41,52 @@ pub enum ReloadEnd {
 /// at a time (a tenant at most its share of them, as with endpoint slots), each reading at most
 /// `max_pass_bytes` ([`PassBudget`]). A stories endpoint's sync takes a slot and a budget too.
 /// Together they bound what reloads hold: README, "Memory".
+///
+/// A tenant with an endpoint whose reads have been failing ([`FailingMark`]) takes its slots
+/// within the failing lane, one slot fewer than the process has (when it has more than one):
+/// however many tenants' upstreams hang, answer endlessly or answer what cannot be stored, they
+/// queue behind one another for the lane's slots, and a tenant whose upstream answers always
+/// finds the slot they cannot hold.
 #[derive(Clone)]
 pub(crate) struct ReloadLimits {
     pub slots: Arc<Slots>,
     pub max_pass_bytes: u64,
+    failing_lane: Arc<Semaphore>,
+    /// Each tenant's endpoints marked failing, counted.
+    failing: Arc<Mutex<HashMap<relay_store::TenantId, usize>>>,
 }
 
 impl ReloadLimits {
     pub fn new(max_concurrent: usize, tenant_share: f64, max_pass_bytes: u64) -> Self {
+        let max_concurrent = max_concurrent.max(1);
         Self {
             slots: Slots::new(max_concurrent, tenant_share),
             max_pass_bytes,
+            failing_lane: Arc::new(Semaphore::new((max_concurrent - 1).max(1))),
+            failing: Arc::new(Mutex::new(HashMap::new())),
         }
+    }
+
+    /// Marks `tenant`'s endpoint as failing for as long as the mark lives: its tenant's passes
+    /// and syncs then take the failing lane's slots.
+    pub fn failing(&self, tenant: relay_store::TenantId) -> FailingMark {
+        *self
+            .failing
+            .lock()
+            .expect("the failing tenants' map is never poisoned")
+            .entry(tenant)
+            .or_default() += 1;
+        FailingMark {
+            failing: self.failing.clone(),
+            tenant,
+        }
+    }
+
+    fn is_failing(&self, tenant: relay_store::TenantId) -> bool {
+        self.failing
+            .lock()
+            .expect("the failing tenants' map is never poisoned")
+            .contains_key(&tenant)
     }
 
     /// A slot for a pass (or a sync) of `waiter`'s endpoint, its budget, and the gauge of passes
@@ -65,11 +100,15 @@ impl ReloadLimits {
         metrics: &SequencerMetrics,
     ) -> (Reading, Arc<PassBudget>) {
         let started = Instant::now();
-        let slot = match self.slots.try_take(waiter.tenant) {
+        let lane = || {
+            self.is_failing(waiter.tenant)
+                .then(|| self.failing_lane.clone())
+        };
+        let slot = match self.slots.try_take_in(waiter.tenant, lane) {
             Some(slot) => slot,
             None => {
                 let waiting = Waiting::begin(waiter, metrics).await;
-                let slot = self.slots.take(waiter.tenant).await;
+                let slot = self.slots.take_in(waiter.tenant, lane).await;
                 waiting.end().await;
                 slot
             }
@@ -83,6 +122,29 @@ impl ReloadLimits {
             gauge: metrics.reload_passes_reading.clone(),
         };
         (reading, PassBudget::new(self.max_pass_bytes))
+    }
+}
+
+/// An endpoint whose upstream reads have been failing (a reload's pass, a stories sync), from
+/// its failure until a read succeeds or its reload (or worker) ends: while its tenant has one,
+/// [`ReloadLimits::take`] gives the tenant's passes the failing lane's slots.
+pub(crate) struct FailingMark {
+    failing: Arc<Mutex<HashMap<relay_store::TenantId, usize>>>,
+    tenant: relay_store::TenantId,
+}
+
+impl Drop for FailingMark {
+    fn drop(&mut self) {
+        let mut failing = self
+            .failing
+            .lock()
+            .expect("the failing tenants' map is never poisoned");
+        if let Some(count) = failing.get_mut(&self.tenant) {
+            *count -= 1;
+            if *count == 0 {
+                failing.remove(&self.tenant);
+            }
+        }
     }
 }
 
@@ -282,6 +344,8 @@ pub async fn run_reload(
     let mut changes = ctx.changes();
     let mut pauses = retry.pauses();
     let mut passes = 0u32;
+    // Held from a failed read until one succeeds: the tenant's passes use the failing lane.
+    let mut failing: Option<FailingMark> = None;
     // What the passes merged here: `None` until one is.
     let mut merged: Option<(usize, usize)> = None;
     loop {
@@ -335,6 +399,7 @@ pub async fn run_reload(
                         upstream::record_failure(pool, ctx.tenant(), endpoint, &error).await;
                     tracing::warn!(%endpoint, passes, %error, kind = error.kind(),
                         failures = failures.as_ref().ok(), "reload read failed");
+                    failing.get_or_insert_with(|| ctx.reloads().failing(ctx.tenant()));
                     break 'pass Step::Failed;
                 }
             };
@@ -345,11 +410,13 @@ pub async fn run_reload(
                 Ok(merge) => merge,
                 Err(error) => {
                     merge_failed(pool, ctx, ApplyError::Store(error), metrics).await;
+                    failing.get_or_insert_with(|| ctx.reloads().failing(ctx.tenant()));
                     break 'pass Step::Failed;
                 }
             };
             if !matches!(merge, Merged::Fenced) {
                 // The pass was read and taken: whatever failed before is over.
+                failing = None;
                 if let Err(error) = upstream::record_success(pool, ctx.tenant(), endpoint).await {
                     tracing::debug!(%endpoint, %error, "could not record the upstream's success");
                 }

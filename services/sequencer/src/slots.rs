@@ -34,6 +34,7 @@ pub struct Slots {
 /// back.
 pub struct Slot {
     _tenant: OwnedSemaphorePermit,
+    _lane: Option<OwnedSemaphorePermit>,
     _all: OwnedSemaphorePermit,
 }
 
@@ -58,24 +59,57 @@ impl Slots {
 
     /// A slot for a worker of `tenant`: its tenant's first, then the process's.
     pub async fn take(&self, tenant: TenantId) -> Slot {
+        self.take_in(tenant, || None).await
+    }
+
+    /// [`Slots::take`] within the lane `lane` names once the tenant's slot is taken (a semaphore
+    /// with fewer permits than the process's slots, which the tenants it is named for share), or
+    /// none: the tenant's slot first, so a tenant queues behind its own; then the lane's, so the
+    /// tenants in the lane queue behind one another and never hold the slots left outside it;
+    /// then the process's. The lane is asked for after the tenant's slot, which may have been
+    /// long in coming: whether the tenant belongs in the lane may have changed meanwhile.
+    pub async fn take_in(
+        &self,
+        tenant: TenantId,
+        lane: impl FnOnce() -> Option<Arc<Semaphore>>,
+    ) -> Slot {
         let tenant = self
             .of(tenant)
             .acquire_owned()
             .await
             .expect("a tenant's semaphore is never closed");
+        let lane = match lane() {
+            Some(lane) => Some(
+                lane.acquire_owned()
+                    .await
+                    .expect("a lane's semaphore is never closed"),
+            ),
+            None => None,
+        };
         Slot {
             _tenant: tenant,
+            _lane: lane,
             _all: self.take_any().await,
         }
     }
 
-    /// [`Slots::take`] when a slot is free now (its tenant's and the process's); `None`
-    /// otherwise, holding nothing. A reload records that it waits only when this fails.
-    pub fn try_take(&self, tenant: TenantId) -> Option<Slot> {
+    /// [`Slots::take_in`] when a slot is free now (its tenant's, the lane's and the
+    /// process's); `None` otherwise, holding nothing. A reload records that it waits only when
+    /// this fails.
+    pub fn try_take_in(
+        &self,
+        tenant: TenantId,
+        lane: impl FnOnce() -> Option<Arc<Semaphore>>,
+    ) -> Option<Slot> {
         let tenant = self.of(tenant).try_acquire_owned().ok()?;
+        let lane = match lane() {
+            Some(lane) => Some(lane.try_acquire_owned().ok()?),
+            None => None,
+        };
         let all = self.all.clone().try_acquire_owned().ok()?;
         Some(Slot {
             _tenant: tenant,
+            _lane: lane,
             _all: all,
         })
     }
@@ -86,6 +120,7 @@ impl Slots {
         match self.of(tenant).try_acquire_owned() {
             Ok(tenant) => Slot {
                 _tenant: tenant,
+                _lane: None,
                 _all: held,
             },
             Err(_) => {
@@ -162,18 +197,50 @@ mod tests {
             TenantId(uuid::Uuid::new_v4()),
             TenantId(uuid::Uuid::new_v4()),
         );
-        let a_slot = slots.try_take(a).expect("a slot is free");
+        let a_slot = slots.try_take_in(a, || None).expect("a slot is free");
         // A at its share: nothing for A, and A's try holds nothing of the process's.
-        assert!(slots.try_take(a).is_none());
+        assert!(slots.try_take_in(a, || None).is_none());
         let b_slot = slots
-            .try_take(b)
+            .try_take_in(b, || None)
             .expect("B's share and a slot of the process's are free");
         // Every slot of the process held: nothing for C, and C's try holds nothing of C's.
-        assert!(slots.try_take(c).is_none());
+        assert!(slots.try_take_in(c, || None).is_none());
         drop(a_slot);
-        let c_slot = slots.try_take(c).expect("A gave its slot back");
+        let c_slot = slots.try_take_in(c, || None).expect("A gave its slot back");
         drop((b_slot, c_slot));
         slots.forget_idle();
         assert!(slots.tenants.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn tenants_in_a_lane_share_its_slots_and_never_take_those_left_outside_it() {
+        // Three slots, a tenant at most two; a lane of two for the failing tenants A and C.
+        let slots = Slots::new(3, 0.5);
+        let lane = Arc::new(Semaphore::new(2));
+        let (a, b, c) = (
+            TenantId(uuid::Uuid::new_v4()),
+            TenantId(uuid::Uuid::new_v4()),
+            TenantId(uuid::Uuid::new_v4()),
+        );
+        let a_slots = [
+            slots.take_in(a, || Some(lane.clone())).await,
+            slots.take_in(a, || Some(lane.clone())).await,
+        ];
+        // The lane is full: C waits behind A, holding nothing of the process's.
+        assert!(slots.try_take_in(c, || Some(lane.clone())).is_none());
+        let waiting = {
+            let (slots, lane) = (slots.clone(), lane.clone());
+            tokio::spawn(async move { slots.take_in(c, || Some(lane.clone())).await })
+        };
+        tokio::task::yield_now().await;
+        // B, outside the lane, still finds the slot the lane leaves.
+        let b_slot = slots
+            .try_take_in(b, || None)
+            .expect("the slot outside the lane");
+        assert!(!waiting.is_finished());
+        drop(a_slots);
+        let c_slot = waiting.await.unwrap();
+        drop((b_slot, c_slot));
+        assert_eq!(lane.available_permits(), 2);
     }
 }

@@ -37,7 +37,7 @@ use tokio::task::{JoinError, JoinHandle};
 use crate::apply::{ApplyError, BatchReport};
 use crate::batch::{apply_runs, BatchedRun};
 use crate::metrics::SequencerMetrics;
-use crate::reload::{BackingOff, Waiter};
+use crate::reload::{BackingOff, FailingMark, Waiter};
 use crate::source::{Applied, JobEnded, Owned, SourceKind};
 use crate::upstream::{self, UpstreamClient, UpstreamError};
 use crate::worker::{announce, WorkerConfig};
@@ -878,8 +878,9 @@ pub(crate) struct StoriesSource {
     next_sync: tokio::time::Instant,
     last_message: Instant,
     catch_up_interval: Duration,
-    /// While syncs keep failing, the endpoint counts as backing off.
-    backing_off: Option<BackingOff>,
+    /// While syncs keep failing, the endpoint counts as backing off, and its tenant's syncs and
+    /// reloads take the failing lane's reload slots.
+    backing_off: Option<(BackingOff, FailingMark)>,
 }
 
 /// A stories endpoint's background job: one sync.
@@ -1060,8 +1061,12 @@ impl SourceKind for StoriesSource {
             Ok(Err(error)) => {
                 sync_failed(owned.pool, &self.ctx, &error, owned.metrics).await;
                 tracing::info!(%endpoint, %error, "the stories sync failed");
-                self.backing_off
-                    .get_or_insert_with(|| BackingOff::new(owned.metrics, "stories_sync"));
+                self.backing_off.get_or_insert_with(|| {
+                    (
+                        BackingOff::new(owned.metrics, "stories_sync"),
+                        owned.config.reloads.failing(self.ctx.tenant),
+                    )
+                });
                 JobEnded::Failed
             }
             Err(error) => {
