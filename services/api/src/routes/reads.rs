@@ -350,8 +350,9 @@ pub struct StateView {
     /// When the endpoint's reload (a feed reload's pass, or a stories endpoint's sync) began
     /// waiting for one of the sequencer's reload slots: its tenant's share of them
     /// (RELAY_SEQUENCER_MAX_TENANT_SHARE of RELAY_SEQUENCER_MAX_CONCURRENT_RELOADS) is held by
-    /// its other endpoints, or every slot is. Null when it is not waiting (a reload pausing
-    /// after a failure holds no slot and waits for none).
+    /// its other endpoints, or every slot is, or (while the tenant's upstream reads have been
+    /// failing) the slots tenants with failing reads share. Null when it is not waiting (a
+    /// reload pausing after a failure holds no slot and waits for none).
     #[serde(with = "time::serde::rfc3339::option")]
     pub reload_waiting_since: Option<OffsetDateTime>,
     /// How long it has waited, in seconds; 0 when it is not waiting.
