@@ -23,6 +23,17 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use uuid::Uuid;
 
+/// The key-encryption key every test seals secrets under (RELAY_SEAL_KEYS for the processes
+/// tests start): made for the tests, never for a deployment.
+pub const SEAL_KEYS: &str = "test-2026=dGVzdHMtb25seS1ub3QtYS1yZWFsLWtleS0wMTIzNDU=";
+
+/// [`SEAL_KEYS`] as a keyring.
+pub fn keys() -> relay_store::Keyring {
+    relay_store::Keyring::new(Arc::new(
+        relay_seal::LocalKeys::parse(SEAL_KEYS).expect("the tests' key parses"),
+    ))
+}
+
 /// Where the tests' databases are created. Override with RELAY_TEST_DATABASE_URL.
 pub fn server_url() -> String {
     std::env::var("RELAY_TEST_DATABASE_URL")
@@ -173,6 +184,7 @@ impl TestDb {
     pub async fn endpoint(&self, tenant: Uuid, id: Uuid, secret: &SigningSecret) {
         endpoints::create(
             &self.pool,
+            &keys(),
             &NewEndpoint {
                 id,
                 tenant_id: tenant,
@@ -311,7 +323,7 @@ pub async fn start_front_tier(
     .unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    IngestServer::start(pool, config, listener, metrics_listener, clock).unwrap()
+    IngestServer::start(pool, config, keys(), listener, metrics_listener, clock).unwrap()
 }
 
 /// Posts `message` with `client` to the front tier at `base_url` as the upstream does; an error

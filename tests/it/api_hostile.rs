@@ -291,7 +291,12 @@ async fn the_sequencers_reads_follow_no_redirect_and_reach_no_refused_address() 
         OutboundPolicy::ANY,
         &relay_netguard::TrustRoots::platform(),
     );
-    let client = UpstreamClient::new(open, Some(&redirecting), Some("qk_secret_key")).unwrap();
+    let client = UpstreamClient::new(
+        open,
+        Some(&redirecting),
+        Some(&relay_store::SecretText::new("qk_secret_key")),
+    )
+    .unwrap();
     match client.selection(relay_store::EndpointId(endpoint)).await {
         Err(UpstreamError::Status { status, .. }) => assert_eq!(status.as_u16(), 302),
         other => panic!("{other:?}"),
@@ -319,7 +324,12 @@ async fn the_sequencers_reads_follow_no_redirect_and_reach_no_refused_address() 
             http_only.clone(),
             &relay_netguard::TrustRoots::platform(),
         );
-        let client = UpstreamClient::new(strict, Some(&url), Some("qk_secret_key")).unwrap();
+        let client = UpstreamClient::new(
+            strict,
+            Some(&url),
+            Some(&relay_store::SecretText::new("qk_secret_key")),
+        )
+        .unwrap();
         match client.selection(relay_store::EndpointId(endpoint)).await {
             Err(UpstreamError::Refused { refusal, .. }) => {
                 assert!(refusal.to_string().contains("loopback"), "{url}: {refusal}")

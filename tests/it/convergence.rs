@@ -46,9 +46,14 @@ async fn sequencer_child_process() {
     let spec: Value = serde_json::from_str(&spec).unwrap();
     let pool = sequencer_pool(spec["database_url"].as_str().unwrap());
     let config = child_config(&spec);
-    let _sequencer = Sequencer::start(pool, config, SequencerMetrics::unregistered())
-        .await
-        .unwrap();
+    let _sequencer = Sequencer::start(
+        pool,
+        config,
+        relay_tests::keys(),
+        SequencerMetrics::unregistered(),
+    )
+    .await
+    .unwrap();
     std::future::pending::<()>().await;
 }
 

@@ -255,6 +255,7 @@ impl RelayProcess {
                 "--test-threads=1",
             ])
             .env(CHILD_ENV, serde_json::to_string(&command_line).unwrap())
+            .env("RELAY_SEAL_KEYS", relay_tests::SEAL_KEYS)
             // Warnings and errors only, whatever the test's own RUST_LOG says.
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())

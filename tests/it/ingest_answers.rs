@@ -341,9 +341,16 @@ async fn both_secrets_verify_during_a_rotation_and_the_old_one_stops_after_it() 
     let (endpoint, old) = app.endpoint().await;
     let new = random_secret();
     let tenant = app.db.tenant_of(endpoint).await;
-    endpoints::rotate_secrets(&app.db.pool, tenant, EndpointId(endpoint), &new, 86_400.0)
-        .await
-        .unwrap();
+    endpoints::rotate_secrets(
+        &app.db.pool,
+        &relay_tests::keys(),
+        tenant,
+        EndpointId(endpoint),
+        &new,
+        86_400.0,
+    )
+    .await
+    .unwrap();
 
     // During the overlap the upstream signs with both; either alone also verifies.
     for (case, secrets) in [
@@ -358,9 +365,16 @@ async fn both_secrets_verify_during_a_rotation_and_the_old_one_stops_after_it() 
 
     // A second rotation with no overlap: everything held before it stops verifying at once.
     let newest = random_secret();
-    endpoints::rotate_secrets(&app.db.pool, tenant, EndpointId(endpoint), &newest, 0.0)
-        .await
-        .unwrap();
+    endpoints::rotate_secrets(
+        &app.db.pool,
+        &relay_tests::keys(),
+        tenant,
+        EndpointId(endpoint),
+        &newest,
+        0.0,
+    )
+    .await
+    .unwrap();
     let by_old = Signed::new(&[old], feed_body(endpoint, 2));
     assert_eq!(
         eventually(|| app.post(endpoint, &by_old), StatusCode::UNAUTHORIZED).await,

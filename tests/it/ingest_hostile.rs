@@ -610,7 +610,7 @@ async fn the_control_plane_refuses_past_its_bound_and_cuts_slow_bodies() {
     use relay_api::{mint, JwtKeys, Subject};
     let db = TestDb::new().await;
     let key = b"test-signing-key-of-the-control-plane";
-    let mut config = relay_api::ApiConfig::new(JwtKeys::new(key).unwrap());
+    let mut config = relay_api::ApiConfig::new(JwtKeys::new(key).unwrap(), relay_tests::keys());
     config.listener = ListenerLimits {
         header_read_timeout: Duration::from_secs(2),
         body_read_timeout: Duration::from_secs(1),

@@ -103,7 +103,7 @@ impl Env {
         config: PublisherConfig,
     ) -> (PublisherHandle, prometheus::Registry) {
         let registry = prometheus::Registry::new();
-        let handle = Publisher::start(self.db.pool.clone(), config, &registry)
+        let handle = Publisher::start(self.db.pool.clone(), config, relay_tests::keys(), &registry)
             .await
             .expect("the tests need Redis on 127.0.0.1:6379");
         (handle, registry)
@@ -1036,9 +1036,14 @@ async fn more_tenants_than_connections_share_the_pool_without_timeouts() {
     )
     .unwrap();
     let registry = prometheus::Registry::new();
-    let publisher = Publisher::start(publisher_pool, env.config(env.vhost.url()), &registry)
-        .await
-        .unwrap();
+    let publisher = Publisher::start(
+        publisher_pool,
+        env.config(env.vhost.url()),
+        relay_tests::keys(),
+        &registry,
+    )
+    .await
+    .unwrap();
     write(pool, &mut feeds, &mut rng, 120).await;
     wait_published(pool, &tenants, seed).await;
     publisher.stop().await;
@@ -2341,6 +2346,7 @@ async fn a_postgres_outage_mid_run_sends_nothing_twice() {
     let publisher = Publisher::start(
         publisher_pool.clone(),
         env.config(env.vhost.url()),
+        relay_tests::keys(),
         &registry,
     )
     .await

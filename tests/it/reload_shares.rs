@@ -297,13 +297,14 @@ impl Relay {
         let feed = matches!(source, Source::Feed);
         endpoints::register(
             &self.app.db.pool,
+            &relay_tests::keys(),
             TenantId(tenant),
             &Registration {
                 id: EndpointId(id),
                 source,
                 lang: feed.then(|| "en".to_owned()),
                 upstream_base_url: Some(self.upstream_url.clone()),
-                upstream_api_key: Some(id.to_string()),
+                upstream_api_key: Some(id.to_string().into()),
                 secrets: vec![secret.clone()],
             },
         )

@@ -85,6 +85,7 @@ impl TierProcess {
                 "--test-threads=1",
             ])
             .env(CHILD_ENV, serde_json::to_string(&command_line).unwrap())
+            .env("RELAY_SEAL_KEYS", relay_tests::SEAL_KEYS)
             .stdout(output())
             .stderr(output())
             .kill_on_drop(true);

@@ -201,7 +201,7 @@ async fn add_endpoint(
         EndpointRegistration {
             id: relay_store::EndpointId(endpoint),
             tenant_id: relay_store::TenantId(tenant),
-            upstream_api_key: upstream_base_url.as_ref().map(|_| "key".to_owned()),
+            upstream_api_key: upstream_base_url.as_ref().map(|_| "key".into()),
             upstream_base_url,
             source: relay_store::endpoints::Source::Feed,
             // A feed endpoint's registration instant decides nothing.
@@ -514,6 +514,7 @@ async fn a_wake_up_reaches_a_running_sequencer() {
             outbound: OutboundPolicy::ANY,
             ..SequencerConfig::default()
         },
+        relay_tests::keys(),
         SequencerMetrics::unregistered(),
     )
     .await

@@ -102,12 +102,13 @@ pub(crate) async fn in_sync_endpoint(pool: &PgPool, tenant: Uuid, upstream: Opti
     let endpoint = Uuid::new_v4();
     endpoints::create(
         pool,
+        &relay_tests::keys(),
         &NewEndpoint {
             id: endpoint,
             tenant_id: tenant,
             secret: random_secret(),
             upstream_base_url: upstream.map(str::to_owned),
-            upstream_api_key: upstream.map(|_| "key".to_owned()),
+            upstream_api_key: upstream.map(|_| "key".into()),
         },
     )
     .await

@@ -398,7 +398,7 @@ fn paged(ctx: &EndpointContext, base_url: &str, limit: usize) -> Arc<EndpointCon
         id: ctx.id(),
         tenant_id: ctx.tenant(),
         upstream_base_url: Some(base_url.to_owned()),
-        upstream_api_key: Some("key".to_owned()),
+        upstream_api_key: Some("key".to_owned().into()),
         source: relay_store::endpoints::Source::Feed,
         // A feed endpoint's registration instant decides nothing.
         created_at: time::OffsetDateTime::UNIX_EPOCH,
@@ -655,9 +655,10 @@ async fn apply_while_a_merge_holds_the_endpoint(message: impl FnOnce(Uuid) -> Va
         outbound: OutboundPolicy::ANY,
         ..relay_sequencer::SequencerConfig::default()
     };
-    let sequencer = relay_sequencer::Sequencer::start(pool, config, metrics.clone())
-        .await
-        .unwrap();
+    let sequencer =
+        relay_sequencer::Sequencer::start(pool, config, relay_tests::keys(), metrics.clone())
+            .await
+            .unwrap();
 
     // A reset begins a reload; the sequencer applies it and owns the endpoint.
     store(&db, tenant, endpoint, &[reset(endpoint, 2, 10)]).await;

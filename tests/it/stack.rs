@@ -118,7 +118,7 @@ pub(crate) fn relay_broker(relay_amqp_url: &str, policy: DestinationPolicy) -> B
 impl Api {
     /// The control plane on `pool`, signing with [`KEY`], with the settings `configure` makes.
     pub(crate) async fn serve(pool: PgPool, configure: impl FnOnce(&mut ApiConfig)) -> Self {
-        let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap());
+        let mut config = ApiConfig::new(JwtKeys::new(KEY).unwrap(), relay_tests::keys());
         configure(&mut config);
         let registry = config.registry.clone();
         let server = ApiServer::start(pool, config).await.unwrap();
@@ -318,12 +318,13 @@ pub(crate) async fn create_endpoint(
 ) {
     endpoints::create(
         pool,
+        &relay_tests::keys(),
         &NewEndpoint {
             id: info.id,
             tenant_id: tenant,
             secret: SigningSecret::parse(&info.secrets[0]).unwrap(),
             upstream_base_url: Some(upstream_api.to_owned()),
-            upstream_api_key: Some(info.key_token.clone()),
+            upstream_api_key: Some(info.key_token.clone().into()),
         },
     )
     .await
@@ -644,7 +645,7 @@ pub(crate) async fn start_publisher(
     config: PublisherConfig,
 ) -> (PublisherHandle, prometheus::Registry) {
     let registry = prometheus::Registry::new();
-    let handle = Publisher::start(pool.clone(), config, &registry)
+    let handle = Publisher::start(pool.clone(), config, relay_tests::keys(), &registry)
         .await
         .expect("the pipeline test needs Redis on 127.0.0.1:6379");
     (handle, registry)
@@ -901,9 +902,14 @@ pub(crate) async fn start_sequencer_with(
     config: SequencerConfig,
     metrics: SequencerMetrics,
 ) -> Sequencer {
-    Sequencer::start(sequencer_pool(database_url), config, metrics)
-        .await
-        .expect("the whole-relay tests need Redis on 127.0.0.1:6379")
+    Sequencer::start(
+        sequencer_pool(database_url),
+        config,
+        relay_tests::keys(),
+        metrics,
+    )
+    .await
+    .expect("the whole-relay tests need Redis on 127.0.0.1:6379")
 }
 
 // ---- A test's whole relay ----

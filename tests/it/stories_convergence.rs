@@ -162,6 +162,7 @@ pub(crate) async fn register(
         };
         endpoints::register(
             pool,
+            &relay_tests::keys(),
             tenant,
             &Registration {
                 id: EndpointId(info.id),
@@ -171,7 +172,7 @@ pub(crate) async fn register(
                 }),
                 lang: None,
                 upstream_base_url: Some(api.to_owned()),
-                upstream_api_key: Some(info.api_key.clone()),
+                upstream_api_key: Some(info.api_key.clone().into()),
                 secrets: info
                     .secrets
                     .iter()
@@ -727,6 +728,7 @@ async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
             .change_stories(|stories, _| stories.set_stories_tickers(info.id, tickers.clone()));
         let changed = endpoints::change_settings(
             on.pool(),
+            &relay_tests::keys(),
             on.tenant,
             EndpointId(info.id),
             &endpoints::SettingsChange {

@@ -36,6 +36,7 @@ pub(crate) async fn register_stories(db: &TestDb, tickers: &[&str]) -> (TenantId
     let endpoint = EndpointId(Uuid::new_v4());
     endpoints::register(
         &db.pool,
+        &relay_tests::keys(),
         tenant,
         &Registration {
             id: endpoint,

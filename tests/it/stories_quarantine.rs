@@ -92,9 +92,14 @@ async fn a_stories_message_postgres_refuses_is_tried_then_quarantined_and_the_en
     let metrics = SequencerMetrics::unregistered();
     // Five tries over about a second.
     let config = tries(&prefix, 5, (100, 400));
-    let sequencer = Sequencer::start(db.pool.clone(), config, metrics.clone())
-        .await
-        .unwrap();
+    let sequencer = Sequencer::start(
+        db.pool.clone(),
+        config,
+        relay_tests::keys(),
+        metrics.clone(),
+    )
+    .await
+    .unwrap();
 
     let seqs = store(
         &db,
@@ -226,9 +231,14 @@ async fn stories_runs_share_transactions_and_a_refused_run_fails_alone() {
         appliers: 1,
         ..tries(&prefix, ATTEMPTS, (100, 200))
     };
-    let sequencer = Sequencer::start(db.pool.clone(), config, metrics.clone())
-        .await
-        .unwrap();
+    let sequencer = Sequencer::start(
+        db.pool.clone(),
+        config,
+        relay_tests::keys(),
+        metrics.clone(),
+    )
+    .await
+    .unwrap();
 
     let poisoned_seqs = store(
         &db,

@@ -739,10 +739,14 @@ async fn a_hanging_tenant_broker_does_not_stop_another_tenants_changes() {
     )
     .unwrap();
     let registry = prometheus::Registry::new();
-    let publisher =
-        relay_publisher::Publisher::start(small_pool, env.config(env.vhost.url()), &registry)
-            .await
-            .unwrap();
+    let publisher = relay_publisher::Publisher::start(
+        small_pool,
+        env.config(env.vhost.url()),
+        relay_tests::keys(),
+        &registry,
+    )
+    .await
+    .unwrap();
     wait_published(pool, &[b], seed).await;
     wait_until(
         &format!("the hanging brokers' connects timing out (seed {seed})"),

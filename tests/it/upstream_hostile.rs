@@ -278,12 +278,13 @@ impl Relay {
         let (id, secret) = (Uuid::new_v4(), random_secret());
         endpoints::create(
             &self.app.db.pool,
+            &relay_tests::keys(),
             &NewEndpoint {
                 id,
                 tenant_id: tenant,
                 secret: secret.clone(),
                 upstream_base_url: Some(self.upstream_url.clone()),
-                upstream_api_key: Some(id.to_string()),
+                upstream_api_key: Some(id.to_string().into()),
             },
         )
         .await

@@ -328,6 +328,9 @@ impl std::fmt::Debug for ApiArgs {
 pub struct ApiConfig {
     pub listen: SocketAddr,
     pub keys: JwtKeys,
+    /// Seals what tenants give the relay to keep (signing secrets, upstream API keys, broker
+    /// URLs) and re-seals it under the current key.
+    pub sealing: relay_store::Keyring,
     pub audience: String,
     pub upstream_timeout: Duration,
     /// Header and body read timeouts and the bound on open connections.
@@ -354,10 +357,11 @@ pub struct ApiConfig {
 impl ApiConfig {
     /// Settings for `keys`, listening on 127.0.0.1 with a port the system picks, the relay's
     /// broker at its defaults (tests).
-    pub fn new(keys: JwtKeys) -> Self {
+    pub fn new(keys: JwtKeys, sealing: relay_store::Keyring) -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             keys,
+            sealing,
             audience: "relay".to_owned(),
             upstream_timeout: Duration::from_secs(10),
             listener: LISTENER_LIMITS,
@@ -385,6 +389,7 @@ impl ApiArgs {
         &self,
         outbound: relay_netguard::OutboundPolicy,
         trust: relay_netguard::TrustRoots,
+        sealing: relay_store::Keyring,
     ) -> Result<ApiConfig, ConfigError> {
         let mut broker = BrokerAccess::new(
             &self.relay_amqp_url,
@@ -403,6 +408,7 @@ impl ApiArgs {
         Ok(ApiConfig {
             listen: self.api_listen,
             keys: self.jwt.keys()?,
+            sealing,
             audience: self.jwt.audience()?,
             upstream_timeout: Duration::from_secs(self.api_upstream_timeout_s.max(1)),
             listener: ListenerLimits {
@@ -475,6 +481,13 @@ mod tests {
     use super::*;
     use crate::auth::{Role, Verifier};
 
+    fn sealing() -> relay_store::Keyring {
+        let entry = relay_seal::LocalKeys::generate_entry("test").unwrap();
+        relay_store::Keyring::new(std::sync::Arc::new(
+            relay_seal::LocalKeys::parse(&entry).unwrap(),
+        ))
+    }
+
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
@@ -523,9 +536,11 @@ mod tests {
             "127.0.0.1:0",
         ])
         .unwrap();
-        let config = serve
-            .api
-            .to_config(Default::default(), relay_netguard::TrustRoots::platform());
+        let config = serve.api.to_config(
+            Default::default(),
+            relay_netguard::TrustRoots::platform(),
+            sealing(),
+        );
         std::fs::remove_dir_all(&dir).unwrap();
         let config = config.unwrap();
         assert_eq!(config.listen.port(), 0);
@@ -537,9 +552,11 @@ mod tests {
         assert_eq!(config.quotas, QuotaDefaults::default());
         let short = Serve::try_parse_from(["relay", "--jwt-secret", "short"]).unwrap();
         assert!(matches!(
-            short
-                .api
-                .to_config(Default::default(), relay_netguard::TrustRoots::platform()),
+            short.api.to_config(
+                Default::default(),
+                relay_netguard::TrustRoots::platform(),
+                sealing(),
+            ),
             Err(ConfigError::Key(KeyError::TooShort(5)))
         ));
     }

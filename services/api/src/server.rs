@@ -61,6 +61,7 @@ fn build(pool: PgPool, config: &ApiConfig, purge: Arc<Notify>) -> Result<Router,
         broker: Arc::new(config.broker.clone()),
         envelope: Arc::new(Envelope::new(&config.envelope)),
         quotas: config.quotas,
+        sealing: config.sealing.clone(),
     };
     // Inside `observe`, so that a request refused 429 is counted and timed like any other.
     Ok(routes::router(state.clone())

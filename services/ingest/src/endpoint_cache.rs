@@ -13,7 +13,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use relay_store::endpoints::{self, EndpointAuth, CHANGED_CHANNEL};
-use relay_store::StoreError;
+use relay_store::{Keyring, StoreError};
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
 use tokio::task::JoinHandle;
@@ -44,6 +44,8 @@ struct Shared {
 #[derive(Clone)]
 pub struct EndpointCache {
     pool: PgPool,
+    /// Opens the endpoints' sealed secrets, once per load (never per message).
+    keys: Keyring,
     ttl: Duration,
     max_entries: usize,
     shared: Arc<Shared>,
@@ -54,12 +56,14 @@ impl EndpointCache {
     /// Starts the cache and its listener task.
     pub fn start(
         pool: PgPool,
+        keys: Keyring,
         ttl: Duration,
         max_entries: usize,
         metrics: Arc<IngestMetrics>,
     ) -> (Self, JoinHandle<()>) {
         let cache = Self {
             pool,
+            keys,
             ttl,
             max_entries,
             shared: Arc::new(Shared {
@@ -92,7 +96,9 @@ impl EndpointCache {
             .with_label_values(&["miss"])
             .inc();
         let before = self.shared.invalidations.load(Ordering::Acquire);
-        let auth = endpoints::load_auth(&self.pool, id).await?.map(Arc::new);
+        let auth = endpoints::load_auth(&self.pool, &self.keys, id)
+            .await?
+            .map(Arc::new);
         if self.ttl > Duration::ZERO && self.shared.listening.load(Ordering::Acquire) {
             let mut entries = self.shared.entries.write().expect("cache lock poisoned");
             if entries.map.len() >= self.max_entries && entries.swept_at.elapsed() >= self.ttl / 4 {

@@ -335,7 +335,7 @@ async fn take_message(
     let signed_at = match relay_wire::verify(
         signature_headers,
         &body,
-        &secrets,
+        secrets,
         received_at.unix_timestamp(),
     ) {
         Ok(timestamp) => timestamp,

@@ -41,16 +41,19 @@ pub struct Ingest {
     pub cache_listener: JoinHandle<()>,
 }
 
-/// Builds the front tier on a pool, registering its metrics in `registry`.
+/// Builds the front tier on a pool, registering its metrics in `registry`; `keys` open the
+/// endpoints' sealed secrets.
 pub fn build(
     pool: PgPool,
     config: IngestConfig,
+    keys: relay_store::Keyring,
     registry: &prometheus::Registry,
     clock: Arc<dyn Clock>,
 ) -> Result<Ingest, prometheus::Error> {
     let metrics = Arc::new(IngestMetrics::register(registry)?);
     let (cache, cache_listener) = endpoint_cache::EndpointCache::start(
         pool.clone(),
+        keys,
         config.endpoint_cache_ttl,
         config.endpoint_cache_max_entries,
         metrics.clone(),

@@ -13,6 +13,7 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use relay_netguard::{CertificateFailure, TrustRoots};
 use relay_rules::{DestinationPolicy, Refusal};
 use relay_store::destinations::Destination;
+use relay_store::SecretText;
 use uuid::Uuid;
 
 use crate::message::CONTENT_TYPE;
@@ -260,7 +261,8 @@ pub async fn declare_tenant_queue(channel: &Channel, queue: &str) -> Result<(), 
 /// Where one tenant's messages go, resolved from its [`Destination`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target {
-    pub url: String,
+    /// Holds the broker's password: shown only through `redact`.
+    pub url: SecretText,
     pub exchange: String,
     pub routing_key: String,
     /// The queue to declare before publishing (the relay's own queue only).
@@ -273,7 +275,7 @@ impl Target {
             Destination::RelayQueue => {
                 let queue = tenant_queue(tenant);
                 Target {
-                    url: relay_amqp_url.to_owned(),
+                    url: SecretText::new(relay_amqp_url),
                     exchange: String::new(),
                     routing_key: queue.clone(),
                     declare: Some(queue),
@@ -456,7 +458,7 @@ impl Link {
         let connection = if shared {
             relay.get().await?
         } else {
-            Arc::new(connect_own(&target.url, tenant, relay, policy, timeout).await?)
+            Arc::new(connect_own(target.url.expose(), tenant, relay, policy, timeout).await?)
         };
         let setup = async {
             let channel = connection.create_channel().await?;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus::Registry;
-use relay_store::{changes, EndpointId, TenantId};
+use relay_store::{changes, EndpointId, Keyring, TenantId};
 use sqlx::PgPool;
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
@@ -31,6 +31,8 @@ pub enum PublisherError {
 pub(crate) struct Shared {
     pub pool: PgPool,
     pub config: PublisherConfig,
+    /// Opens the tenants' own brokers' URLs, which are stored sealed.
+    pub keys: Keyring,
     pub metrics: PublisherMetrics,
     pub owners: TenantOwners,
     pub relay: RelayBroker,
@@ -45,6 +47,7 @@ impl Publisher {
     pub async fn start(
         pool: PgPool,
         config: PublisherConfig,
+        keys: Keyring,
         registry: &Registry,
     ) -> Result<PublisherHandle, PublisherError> {
         let metrics = PublisherMetrics::register(registry)?;
@@ -65,6 +68,7 @@ impl Publisher {
         let shared = Arc::new(Shared {
             pool,
             config,
+            keys,
             metrics,
             owners,
             relay,

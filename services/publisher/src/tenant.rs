@@ -852,8 +852,12 @@ impl Worker {
     }
 
     async fn refresh_target(&mut self) -> Result<(), relay_store::StoreError> {
-        let destination =
-            destinations::for_publishing(&self.shared.pool, TenantId(self.tenant)).await?;
+        let destination = destinations::for_publishing(
+            &self.shared.pool,
+            &self.shared.keys,
+            TenantId(self.tenant),
+        )
+        .await?;
         let target = Target::resolve(self.tenant, &destination, &self.shared.config.amqp_url);
         if self.target.as_ref() != Some(&target) {
             if self.target.is_some() {
@@ -935,7 +939,7 @@ impl Worker {
         let url = self
             .target
             .as_ref()
-            .map(|t| crate::config::redact(&t.url))
+            .map(|t| crate::config::redact(t.url.expose()))
             .unwrap_or_default();
         let certificate = error.certificate_failure().map(|failure| failure.as_str());
         tracing::warn!(tenant = %self.tenant, stage, broker = %url, error = %error.describe(),

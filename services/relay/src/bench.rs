@@ -230,6 +230,7 @@ pub(crate) async fn start_sequencer(
     Ok(Sequencer::start(
         crate::startup::sequencer_pool(global)?,
         sequencer_config(global, args)?,
+        global.seal.keyring()?,
         SequencerMetrics::unregistered(),
     )
     .await?)
@@ -296,7 +297,12 @@ fn item_json(subject_n: u64, seq: u64, version: u64) -> Value {
     })
 }
 
-async fn bench_tenant(pool: &PgPool, endpoints: &[Uuid], upstream: Option<&str>) -> Uuid {
+async fn bench_tenant(
+    pool: &PgPool,
+    keys: &relay_store::Keyring,
+    endpoints: &[Uuid],
+    upstream: Option<&str>,
+) -> Uuid {
     let tenant = Uuid::new_v4();
     tenants::create(pool, tenant, "bench")
         .await
@@ -304,13 +310,14 @@ async fn bench_tenant(pool: &PgPool, endpoints: &[Uuid], upstream: Option<&str>)
     for &id in endpoints {
         endpoints::create(
             pool,
+            keys,
             &NewEndpoint {
                 id,
                 tenant_id: tenant,
                 secret: SigningSecret::parse("whsec_YmVuY2gtc2VjcmV0LWJlbmNoLXNlY3JldA==")
                     .expect("a valid secret"),
                 upstream_base_url: upstream.map(str::to_owned),
-                upstream_api_key: upstream.map(|_| "bench-key".to_owned()),
+                upstream_api_key: upstream.map(|_| relay_store::SecretText::new("bench-key")),
             },
         )
         .await
@@ -475,7 +482,7 @@ pub(crate) fn sequencer_config(
 pub(crate) async fn apply(global: &GlobalArgs, args: ApplyBenchArgs) -> anyhow::Result<()> {
     let pool = fresh_database(global, args.recreate_database).await?;
     let endpoints: Vec<Uuid> = (0..args.endpoints).map(|_| Uuid::new_v4()).collect();
-    let tenant = bench_tenant(&pool, &endpoints, None).await;
+    let tenant = bench_tenant(&pool, &global.seal.keyring()?, &endpoints, None).await;
     // Endpoints already in sync (generation 1 under the messages' access_version): the bench
     // times applying events, not the first reload.
     sqlx::query(
@@ -674,7 +681,13 @@ pub(crate) async fn reload(global: &GlobalArgs, args: ReloadBenchArgs) -> anyhow
 
     let endpoint = Uuid::new_v4();
     let (first_address, first_server) = serve_feed(render_pages(&first)).await?;
-    let tenant = bench_tenant(&pool, &[endpoint], Some(&format!("http://{first_address}"))).await;
+    let tenant = bench_tenant(
+        &pool,
+        &global.seal.keyring()?,
+        &[endpoint],
+        Some(&format!("http://{first_address}")),
+    )
+    .await;
     let load_s = timed_reload(global, &args.sequencer, &pool, endpoint, tenant, 1).await?;
     first_server.abort();
 
@@ -914,6 +927,7 @@ pub(crate) async fn start_ingest(
     crate::startup::IngestServer::start_with_registry(
         crate::startup::ingest_pool(global, Duration::from_secs(8))?,
         config,
+        global.seal.keyring()?,
         listener,
         metrics_listener,
         Arc::new(relay_ingest::SystemClock),
@@ -964,6 +978,7 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
             }
             config
         },
+        global.seal.keyring()?,
         SequencerMetrics::register(&registry)?,
     )
     .await?;
@@ -986,8 +1001,13 @@ async fn pipeline(global: &GlobalArgs, args: PipelineBenchArgs) -> anyhow::Resul
                 .push((endpoint, seq, at));
         },
     )));
-    let publisher =
-        relay_publisher::Publisher::start(pool.clone(), publisher_config, &registry).await?;
+    let publisher = relay_publisher::Publisher::start(
+        pool.clone(),
+        publisher_config,
+        global.seal.keyring()?,
+        &registry,
+    )
+    .await?;
     let mut ingest_config = relay_ingest::IngestConfig {
         waker: Some(
             relay_coord::Waker::connect(&global.redis_url, &global.trust()?, &prefix).await?,

@@ -918,6 +918,7 @@ pub async fn run(global: &GlobalArgs, args: IsolationBenchArgs) -> anyhow::Resul
         },
     )
     .await?;
+    let keys = global.seal.keyring()?;
     let mut attacker = Vec::with_capacity(args.attacker_endpoints);
     for i in 0..args.attacker_endpoints {
         let id = Uuid::new_v4();
@@ -929,12 +930,13 @@ pub async fn run(global: &GlobalArgs, args: IsolationBenchArgs) -> anyhow::Resul
         };
         endpoints::create(
             &pool,
+            &keys,
             &NewEndpoint {
                 id,
                 tenant_id: attacker_tenant,
                 secret: secret.clone(),
                 upstream_base_url: Some(format!("http://{upstream_address}")),
-                upstream_api_key: Some(key.into()),
+                upstream_api_key: Some(relay_store::SecretText::new(key)),
             },
         )
         .await?;
@@ -959,6 +961,7 @@ pub async fn run(global: &GlobalArgs, args: IsolationBenchArgs) -> anyhow::Resul
             outbound: relay_netguard::OutboundPolicy::ANY,
             ..args.sequencer.to_config(global)?
         },
+        keys.clone(),
         SequencerMetrics::register(&registry)?,
     )
     .await?;

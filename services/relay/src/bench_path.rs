@@ -399,6 +399,7 @@ impl Bench<'_> {
         self.recreate_database().await?;
         let migrated = tokio::process::Command::new(&build.binary)
             .arg("migrate")
+            .envs(self.global.seal.environment())
             .env("RELAY_DATABASE_URL", self.database_url())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -471,6 +472,7 @@ impl Bench<'_> {
             } else {
                 "all"
             })
+            .envs(self.global.seal.environment())
             .env("RELAY_DATABASE_URL", self.database_url())
             .env("RELAY_REDIS_URL", &self.global.redis_url)
             .env(

@@ -111,6 +111,7 @@ fn story_json(id: &str, ticker: &str, version: u64) -> Value {
 
 async fn stories_tenant(
     pool: &PgPool,
+    keys: &relay_store::Keyring,
     endpoints: &[Uuid],
     tickers: Vec<String>,
     upstream: Option<&str>,
@@ -120,6 +121,7 @@ async fn stories_tenant(
     for &id in endpoints {
         endpoints::register(
             pool,
+            keys,
             TenantId(tenant),
             &Registration {
                 id: EndpointId(id),
@@ -129,7 +131,7 @@ async fn stories_tenant(
                 }),
                 lang: None,
                 upstream_base_url: upstream.map(str::to_owned),
-                upstream_api_key: upstream.map(|_| format!("bench-key-{id}")),
+                upstream_api_key: upstream.map(|_| format!("bench-key-{id}").into()),
                 secrets: vec![secret()],
             },
         )
@@ -143,7 +145,14 @@ async fn apply(global: &GlobalArgs, args: &StoriesBenchArgs) -> anyhow::Result<(
     let pool = fresh_database(global, args.recreate_database).await?;
     let endpoints: Vec<Uuid> = (0..args.endpoints).map(|_| Uuid::new_v4()).collect();
     // No upstream settings: the endpoints never sync, so only webhooks are timed.
-    let tenant = stories_tenant(&pool, &endpoints, vec!["ALFA B".into()], None).await?;
+    let tenant = stories_tenant(
+        &pool,
+        &global.seal.keyring()?,
+        &endpoints,
+        vec!["ALFA B".into()],
+        None,
+    )
+    .await?;
     let started = Instant::now();
     let mut batches = Batches::new(&pool);
     for k in 0..args.events_per_endpoint {
@@ -311,7 +320,14 @@ async fn reload(global: &GlobalArgs, args: &StoriesBenchArgs) -> anyhow::Result<
         .collect();
     let endpoint = Uuid::new_v4();
     let (address, server) = serve_stories(first).await?;
-    stories_tenant(&pool, &[endpoint], tickers.clone(), Some(&address)).await?;
+    stories_tenant(
+        &pool,
+        &global.seal.keyring()?,
+        &[endpoint],
+        tickers.clone(),
+        Some(&address),
+    )
+    .await?;
     let (load_s, loaded_at) = timed_reload(global, &args.sequencer, &pool, endpoint, None).await?;
     server.abort();
 

@@ -103,6 +103,71 @@ pub struct GlobalArgs {
     /// What the process's listeners share: the trusted proxies and the body budget.
     #[command(flatten)]
     pub listeners: relay_listener::SharedArgs,
+
+    /// The keys that seal secrets at rest.
+    #[command(flatten)]
+    pub seal: SealArgs,
+}
+
+/// The key-encryption keys every stored secret (signing secrets, upstream API keys, own
+/// brokers' URLs) is sealed under. Keep them outside the database and its backups: a backup
+/// restored without them opens no secret.
+#[derive(Clone, Args)]
+pub struct SealArgs {
+    /// A file of key-encryption keys, one `<id>=<base64 of 32 random bytes>` per line (`relay
+    /// keys generate` prints one): the first seals every new value, the others only open what
+    /// they sealed until `relay keys rotate` re-seals it under the first.
+    #[arg(long, env = "RELAY_SEAL_KEYS_FILE", global = true)]
+    pub seal_keys_file: Option<std::path::PathBuf>,
+
+    /// The same entries in the environment (separated by newlines, commas or spaces), when no
+    /// file is given.
+    #[arg(long, env = "RELAY_SEAL_KEYS", global = true, hide_env_values = true)]
+    pub seal_keys: Option<String>,
+}
+
+impl SealArgs {
+    /// The keys given, or an error that says what to set.
+    pub fn keyring(&self) -> anyhow::Result<relay_store::Keyring> {
+        use anyhow::Context as _;
+        let text = match (&self.seal_keys_file, &self.seal_keys) {
+            (Some(_), Some(_)) => {
+                anyhow::bail!("both RELAY_SEAL_KEYS_FILE and RELAY_SEAL_KEYS are set: keep one")
+            }
+            (Some(path), None) => zeroize::Zeroizing::new(
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("reading RELAY_SEAL_KEYS_FILE {}", path.display()))?,
+            ),
+            (None, Some(text)) => zeroize::Zeroizing::new(text.clone()),
+            (None, None) => zeroize::Zeroizing::new(String::new()),
+        };
+        let keys = relay_seal::LocalKeys::parse(&text)?;
+        Ok(relay_store::Keyring::new(std::sync::Arc::new(keys)))
+    }
+}
+
+impl SealArgs {
+    /// The same settings as environment variables, for a process this one starts.
+    pub fn environment(&self) -> Vec<(&'static str, std::ffi::OsString)> {
+        let mut environment = Vec::new();
+        if let Some(path) = &self.seal_keys_file {
+            environment.push(("RELAY_SEAL_KEYS_FILE", path.clone().into_os_string()));
+        }
+        if let Some(keys) = &self.seal_keys {
+            environment.push(("RELAY_SEAL_KEYS", keys.into()));
+        }
+        environment
+    }
+}
+
+// By hand: the keys themselves are secrets.
+impl std::fmt::Debug for SealArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SealArgs")
+            .field("seal_keys_file", &self.seal_keys_file)
+            .field("seal_keys", &self.seal_keys.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 impl GlobalArgs {
@@ -136,6 +201,7 @@ impl std::fmt::Debug for GlobalArgs {
             .field("outbound", &self.outbound)
             .field("tls", &self.tls)
             .field("listeners", &self.listeners)
+            .field("seal", &self.seal)
             .finish()
     }
 }
@@ -195,6 +261,10 @@ pub enum Command {
     /// Mint JWTs for the control plane.
     #[command(subcommand)]
     Token(TokenCommand),
+    /// The keys that seal secrets at rest: make one, see what each seals, re-seal every value
+    /// under the current one.
+    #[command(subcommand)]
+    Keys(KeysCommand),
     /// Migrate, then run every tier in this one process (metrics of all on one listener). The
     /// control plane runs when a JWT key is configured.
     All(Box<AllArgs>),
@@ -542,6 +612,27 @@ pub struct ApiCommand {
         default_value = "127.0.0.1:9467"
     )]
     pub metrics_listen: SocketAddr,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Print a new key's entry, `<id>=<base64>`, for RELAY_SEAL_KEYS_FILE.
+    Generate {
+        /// The key's name, stored beside every value it seals (1 to 64 of `A-Za-z0-9-_.`),
+        /// such as the month it was made.
+        #[arg(long)]
+        id: String,
+    },
+    /// Print (JSON) how many values each key seals, and how many remain under an old key.
+    Status,
+    /// Re-seal every value held under an old key under the current one, in batches of 500,
+    /// while the tiers run (their data keys are re-wrapped; the values are not touched). Then
+    /// an old key may be removed.
+    Rotate {
+        /// Milliseconds between batches, so the database's other work goes first.
+        #[arg(long, default_value_t = 50)]
+        pause_ms: u64,
+    },
 }
 
 #[derive(Debug, Subcommand)]

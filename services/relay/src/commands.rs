@@ -49,6 +49,7 @@ pub async fn migrate(global: &GlobalArgs) -> anyhow::Result<()> {
         .await
         .context("applying migrations")?;
     tracing::info!("migrations applied");
+    crate::keys::seal_plaintext(global, &pool).await?;
     Ok(())
 }
 
@@ -149,6 +150,7 @@ pub async fn simulate(global: &GlobalArgs, command: SimulateCommand) -> anyhow::
         let (_, _, infos) = relay_simulator::cli::prepare(&command.args)?;
         let api_url = format!("{}://{listen}", command.tls.scheme());
         let pool = admin_pool(global)?;
+        let keys = crate::keys::opened(global, &pool).await?;
         for info in &infos {
             // One tenant per simulated API key; the same key always maps to the same tenant.
             let tenant_id = Uuid::new_v5(&Uuid::NAMESPACE_URL, info.key_token.as_bytes());
@@ -171,12 +173,13 @@ pub async fn simulate(global: &GlobalArgs, command: SimulateCommand) -> anyhow::
                 .context("a simulated endpoint has a secret")?;
             let created = endpoints::create(
                 &pool,
+                &keys,
                 &NewEndpoint {
                     id: info.id,
                     tenant_id,
                     secret: SigningSecret::parse(secret)?,
                     upstream_base_url: Some(api_url.clone()),
-                    upstream_api_key: Some(info.key_token.clone()),
+                    upstream_api_key: Some(info.key_token.clone().into()),
                 },
             )
             .await;

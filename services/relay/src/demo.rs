@@ -895,6 +895,11 @@ pub async fn run(global: &GlobalArgs, args: DemoArgs) -> anyhow::Result<()> {
     let database = format!("relay_demo_{run_id}");
     global.database_url = with_database(&server_url, &database)?;
     global.redis_key_prefix = format!("{}demo:{run_id}:", global.redis_key_prefix);
+    // The demo's database is its own: without the operator's keys, its secrets are sealed
+    // under a key made for the run (it restores its own backup with it too).
+    if global.seal.seal_keys_file.is_none() && global.seal.seal_keys.is_none() {
+        global.seal.seal_keys = Some(relay_seal::LocalKeys::generate_entry("demo")?);
+    }
     // The simulated upstream is plain http on 127.0.0.1, which the relay refuses by default.
     global.outbound.upstream_allow_http = true;
     global.outbound.upstream_allow_private = true;
@@ -1519,7 +1524,11 @@ async fn remove_queues(
 ) -> anyhow::Result<()> {
     let mut api_args = all.api.clone();
     api_args.relay_amqp_url = all.publisher.amqp_url.clone();
-    let config = api_args.to_config(global.outbound.policy(), global.trust()?)?;
+    let config = api_args.to_config(
+        global.outbound.policy(),
+        global.trust()?,
+        global.seal.keyring()?,
+    )?;
     let management = reqwest::Client::builder()
         .use_preconfigured_tls(global.trust()?.client_config())
         .timeout(Duration::from_secs(10))

@@ -7,6 +7,8 @@
 //! - [`startup`]: binds listeners and runs the tiers until shutdown.
 //! - [`telemetry`]: logging and the `/metrics` endpoint.
 //! - [`commands`]: `migrate`, `restored`, `simulate`.
+//! - [`keys`]: the keys that seal secrets at rest: opened against the database before a tier
+//!   starts, `relay keys`.
 //! - [`demo`]: `relay demo`, every tier and the simulator on this machine, to a verdict.
 //! - [`loadgen`]: the front tier's load generator.
 //! - [`cpu`]: where the machine's CPU went during a benchmark window.
@@ -21,6 +23,7 @@ pub mod cli;
 pub mod commands;
 mod cpu;
 pub mod demo;
+pub mod keys;
 pub mod loadgen;
 pub mod startup;
 pub mod telemetry;
@@ -58,6 +61,7 @@ pub async fn run(cli: cli::Cli) -> anyhow::Result<()> {
             crate::commands::migrate(&cli.global).await?;
             crate::startup::run_all(&cli.global, &args).await
         }
+        Command::Keys(command) => crate::keys::run(&cli.global, command).await,
         Command::Bench(command) => crate::bench::run(&cli.global, command).await,
         Command::Loadgen(args) => crate::loadgen::run(&cli.global, args).await,
         Command::Simulate(command) => crate::commands::simulate(&cli.global, command).await,

@@ -99,6 +99,7 @@ pub async fn provision(global: &GlobalArgs, args: &LoadgenArgs) -> anyhow::Resul
     )
     .await
     .context("lifting the loadgen tenant's quotas")?;
+    let keys = global.seal.keyring()?;
     let mut created = 0;
     for (id, secret) in loadgen_endpoints(args.seed, args.endpoints) {
         let new = NewEndpoint {
@@ -108,7 +109,7 @@ pub async fn provision(global: &GlobalArgs, args: &LoadgenArgs) -> anyhow::Resul
             upstream_base_url: None,
             upstream_api_key: None,
         };
-        match endpoints::create(&pool, &new).await {
+        match endpoints::create(&pool, &keys, &new).await {
             Ok(()) => created += 1,
             Err(StoreError::AlreadyExists { .. }) => {}
             Err(error) => return Err(error).context("creating a loadgen endpoint"),

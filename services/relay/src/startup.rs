@@ -148,6 +148,7 @@ impl IngestServer {
     pub fn start(
         pool: PgPool,
         config: IngestConfig,
+        keys: relay_store::Keyring,
         listener: TcpListener,
         metrics_listener: TcpListener,
         clock: Arc<dyn Clock>,
@@ -155,6 +156,7 @@ impl IngestServer {
         Self::start_with_registry(
             pool,
             config,
+            keys,
             listener,
             metrics_listener,
             clock,
@@ -166,9 +168,11 @@ impl IngestServer {
     /// As [`IngestServer::start`], serving `registry` (which other tiers of the process may
     /// register in too) on the metrics listener, and reporting ready when Postgres and what
     /// `readiness` names (the other tiers' needs, in `relay all`) answer.
+    #[allow(clippy::too_many_arguments)]
     pub fn start_with_registry(
         pool: PgPool,
         config: IngestConfig,
+        keys: relay_store::Keyring,
         listener: TcpListener,
         metrics_listener: TcpListener,
         clock: Arc<dyn Clock>,
@@ -180,7 +184,7 @@ impl IngestServer {
         let limits = config.listener;
         let shared = config.shared.clone().with_metrics_in(&registry)?;
         let readiness = readiness.postgres(&pool);
-        let ingest = relay_ingest::build(pool, config, &registry, clock)?;
+        let ingest = relay_ingest::build(pool, config, keys, &registry, clock)?;
         let (stop, stopped) = oneshot::channel::<()>();
         let done = tokio::spawn(async move {
             let metrics = tokio::spawn(telemetry::serve_metrics(
@@ -335,9 +339,10 @@ pub async fn run_sequencer(global: &GlobalArgs, command: &SequencerCommand) -> a
         2 * command.args.max_concurrent_endpoints,
         &mut [],
     );
+    let keys = crate::keys::opened(global, &pool).await?;
     let serve_metrics = spawn_metrics(global, metrics_listener, registry, readiness)?;
     let sequencer =
-        relay_sequencer::Sequencer::start(pool, command.args.to_config(global)?, metrics)
+        relay_sequencer::Sequencer::start(pool, command.args.to_config(global)?, keys, metrics)
             .await
             .context("starting the sequencer (is Redis up?)")?;
     tracing::info!("sequencer running");
@@ -380,9 +385,11 @@ pub async fn run_publisher(global: &GlobalArgs, command: &PublisherCommand) -> a
         .postgres(&pool)
         .redis(&global.redis_url, &trust)
         .broker(&command.args.amqp_url, &trust);
+    let keys = crate::keys::opened(global, &pool).await?;
     let publisher = relay_publisher::Publisher::start(
         pool,
         publisher_config(global, &command.args)?,
+        keys,
         &registry,
     )
     .await
@@ -405,7 +412,9 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
     args.relay_amqp_url = command.amqp_url.clone();
     args.destination_policy = command.destinations.policy();
     args.quota_defaults = global.quota_defaults();
-    let mut config = args.to_config(global.outbound.policy(), global.trust()?)?;
+    let pool = service_pool(global)?;
+    let keys = crate::keys::opened(global, &pool).await?;
+    let mut config = args.to_config(global.outbound.policy(), global.trust()?, keys)?;
     config.registry = registry.clone();
     config.shared = global.listeners.shared().with_metrics_in(&registry)?;
     fit_listeners(
@@ -414,7 +423,6 @@ pub async fn run_api(global: &GlobalArgs, command: &ApiCommand) -> anyhow::Resul
         API_DESCRIPTORS,
         &mut [("api", &mut config.listener)],
     );
-    let pool = service_pool(global)?;
     let readiness = Readiness::default().postgres(&pool);
     let config_shared = config.shared.clone();
     let mut server = relay_api::ApiServer::start(pool, config).await?;
@@ -448,11 +456,13 @@ pub async fn run_ingest(global: &GlobalArgs, args: &IngestArgs) -> anyhow::Resul
     config.waker = ingest_waker(global).await?;
     // Statements must end before the answer deadline, leaving time to answer.
     let pool = ingest_pool(global, config.answer_deadline.mul_f64(0.8))?;
+    let keys = crate::keys::opened(global, &pool).await?;
     let listener = telemetry::bind(args.listen, "webhook").await?;
     let metrics_listener = telemetry::bind(args.metrics_listen, "metrics").await?;
     let mut server = IngestServer::start(
         pool,
         config,
+        keys,
         listener,
         metrics_listener,
         Arc::new(SystemClock),
@@ -493,6 +503,7 @@ impl AllTiers {
     /// Starts every tier on `global`'s database (migrated already) with `args`' settings.
     pub async fn start(global: &GlobalArgs, args: &AllArgs) -> anyhow::Result<Self> {
         let registry = telemetry::tier_registry("all")?;
+        let keys = crate::keys::opened(global, &sequencer_pool(global)?).await?;
         let sequencer_metrics = relay_sequencer::SequencerMetrics::register(&registry)?;
         let changes = relay_coord::Handoff::new(HANDOFF_BYTES_PER_TENANT, HANDOFF_BYTES);
         let messages =
@@ -504,6 +515,7 @@ impl AllTiers {
                 messages_handoff: Some(messages.clone()),
                 ..args.sequencer.to_config(global)?
             },
+            keys.clone(),
             sequencer_metrics,
         )
         .await
@@ -515,6 +527,7 @@ impl AllTiers {
                 changes_handoff: Some(changes),
                 ..publisher_config(global, &args.publisher)?
             },
+            keys.clone(),
             &registry,
         )
         .await
@@ -526,7 +539,8 @@ impl AllTiers {
         api_args.relay_amqp_url = args.publisher.amqp_url.clone();
         api_args.destination_policy = args.publisher.destinations.policy();
         api_args.quota_defaults = global.quota_defaults();
-        let mut api_config = api_args.to_config(global.outbound.policy(), global.trust()?);
+        let mut api_config =
+            api_args.to_config(global.outbound.policy(), global.trust()?, keys.clone());
         let mut config = args.ingest.to_config();
         config.shared = shared.clone();
         config.quotas = global.quota_defaults();
@@ -582,6 +596,7 @@ impl AllTiers {
         let ingest = IngestServer::start_with_registry(
             pool,
             config,
+            keys,
             listener,
             metrics_listener,
             Arc::new(SystemClock),

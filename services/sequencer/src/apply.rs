@@ -184,7 +184,7 @@ impl EndpointContext {
         let client = UpstreamClient::new(
             self.http.clone(),
             registration.upstream_base_url.as_deref(),
-            registration.upstream_api_key.as_deref(),
+            registration.upstream_api_key.as_ref(),
         )
         .ok()
         .map(|client| client.with_page_limit(self.feed_page_limit));

@@ -232,6 +232,7 @@ impl Sequencer {
     pub async fn start(
         pool: PgPool,
         config: SequencerConfig,
+        keys: relay_store::Keyring,
         metrics: SequencerMetrics,
     ) -> Result<Self, SequencerError> {
         let owners = Owners::connect(
@@ -260,6 +261,7 @@ impl Sequencer {
             pool,
             owners,
             config,
+            keys,
             metrics,
             changes_waker,
             stop_rx,
@@ -283,6 +285,7 @@ async fn schedule(
     pool: PgPool,
     owners: Owners,
     config: SequencerConfig,
+    keys: relay_store::Keyring,
     metrics: SequencerMetrics,
     changes_waker: relay_coord::Waker,
     mut stop: watch::Receiver<bool>,
@@ -352,6 +355,7 @@ async fn schedule(
         config.messages_per_read,
     );
     let worker_config = WorkerConfig {
+        keys,
         changes_waker: Some(changes_waker),
         feed_runs,
         stories_runs,
@@ -409,6 +413,7 @@ async fn schedule(
             }
             let registration = match relay_store::endpoints::load_registration(
                 &pool,
+                &config.keys,
                 EndpointId(endpoint),
             )
             .await

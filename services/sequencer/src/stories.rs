@@ -106,7 +106,7 @@ impl StoriesContext {
         let client = UpstreamClient::new(
             self.http.clone(),
             registration.upstream_base_url.as_deref(),
-            registration.upstream_api_key.as_deref(),
+            registration.upstream_api_key.as_ref(),
         )
         .ok()
         .map(|client| client.with_page_limit(self.page_limit));

@@ -17,6 +17,7 @@ use relay_netguard::{
     Refusal, TrustRoots,
 };
 use relay_rules::{ReadItem, RefetchAnswer, StoryRead};
+use relay_store::SecretText;
 use relay_store::{upstream_status, EndpointId, StoreError, TenantId};
 use relay_wire::answer::{self, AnswerError};
 use relay_wire::{ItemKind, Story, StoryEvent};
@@ -189,7 +190,7 @@ pub async fn record_success(
 pub struct UpstreamClient {
     http: GuardedClient,
     base_url: String,
-    api_key: String,
+    api_key: SecretText,
     /// Items asked for per `/v1/feed` page.
     page_limit: usize,
     /// What the pass this client reads for may still read (`None`: one answer at a time is
@@ -262,13 +263,13 @@ impl UpstreamClient {
     pub fn new(
         http: GuardedClient,
         base_url: Option<&str>,
-        api_key: Option<&str>,
+        api_key: Option<&SecretText>,
     ) -> Result<Self, UpstreamError> {
         match (base_url, api_key) {
-            (Some(base), Some(key)) if !base.is_empty() && !key.is_empty() => Ok(Self {
+            (Some(base), Some(key)) if !base.is_empty() && !key.expose().is_empty() => Ok(Self {
                 http,
                 base_url: base.trim_end_matches('/').to_owned(),
-                api_key: key.to_owned(),
+                api_key: key.clone(),
                 page_limit: FEED_PAGE_LIMIT,
                 budget: None,
             }),
@@ -337,7 +338,7 @@ impl UpstreamClient {
             .http
             .request(Method::GET, &url)
             .map_err(|refusal| refused(&url, refusal))?
-            .bearer_auth(&self.api_key)
+            .bearer_auth(self.api_key.expose())
             .query(query)
             .send()
             .await

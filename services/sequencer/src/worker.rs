@@ -91,6 +91,8 @@ impl WorkerSignal {
 /// How a worker behaves (see `SequencerConfig` for the defaults).
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
+    /// Opens the endpoints' sealed upstream API keys.
+    pub keys: relay_store::Keyring,
     /// Announces new changes to the publisher (see [`relay_coord::changes_channel`]).
     pub changes_waker: Option<relay_coord::Waker>,
     /// The shared apply transactions of each kind's runs.
@@ -243,7 +245,7 @@ pub(crate) async fn run_worker<K: SourceKind>(assignment: Assignment) -> WorkerE
         }
         wakes_seen = signal.wakes.load(Ordering::SeqCst);
         if signal.take_registration_changed() {
-            match endpoints::load_registration(&pool, endpoint).await {
+            match endpoints::load_registration(&pool, &config.keys, endpoint).await {
                 Ok(Some(registration)) => {
                     tracing::info!(%endpoint, upstream = registration.upstream_base_url.is_some(),
                         "the endpoint's registration changed");

@@ -183,7 +183,7 @@ pub async fn endpoints_with_work(
          SELECT t.endpoint_id FROM endpoint_tracks t
          JOIN webhook_endpoints e ON e.id = t.endpoint_id
          WHERE t.reload IS NOT NULL AND e.status <> 'deleting'
-           AND e.upstream_base_url IS NOT NULL AND e.upstream_api_key IS NOT NULL
+           AND e.upstream_base_url IS NOT NULL AND e.upstream_api_key_sealed IS NOT NULL
            AND ($2::uuid IS NULL OR t.endpoint_id = $2)
          LIMIT $1",
     )

@@ -3,9 +3,11 @@
 //! relay's own queue for the tenant. The broker URL holds credentials: only the publisher reads
 //! it; the control plane learns whether one is stored.
 
+use relay_seal::{Keyring, Sealed, SecretText};
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
+use crate::sealing::BROKER_URLS;
 use crate::{StoreError, TenantId};
 
 /// Where a tenant's changes go.
@@ -16,7 +18,7 @@ pub enum Destination {
     RelayQueue,
     /// The tenant's own broker, exchange and routing key. The publisher declares nothing there.
     OwnExchange {
-        amqp_url: String,
+        amqp_url: SecretText,
         exchange: String,
         routing_key: String,
     },
@@ -37,7 +39,8 @@ pub struct StoredDestination {
 }
 
 /// The columns a [`StoredDestination`] is read from.
-const STORED_COLUMNS: &str = "kind, exchange, routing_key, amqp_url IS NOT NULL AS amqp_url_set, \
+const STORED_COLUMNS: &str =
+    "kind, exchange, routing_key, amqp_url_sealed IS NOT NULL AS amqp_url_set, \
                               updated_at, refused_reason, refused_at";
 
 /// The tenant's destination row, `None` when it has none (the relay's queue).
@@ -54,6 +57,7 @@ pub async fn get(pool: &PgPool, tenant: TenantId) -> Result<Option<StoredDestina
 /// replaces. [`StoreError::NotFound`] when the tenant does not exist (decided in the statement).
 pub async fn set(
     pool: &PgPool,
+    keys: &Keyring,
     tenant: TenantId,
     destination: &Destination,
 ) -> Result<StoredDestination, StoreError> {
@@ -65,17 +69,26 @@ pub async fn set(
             routing_key,
         } => (
             "own_exchange",
-            Some(amqp_url.as_str()),
+            Some(keys.seal(
+                amqp_url.expose().as_bytes(),
+                BROKER_URLS.field(tenant.as_uuid()),
+            )),
             Some(exchange.as_str()),
             Some(routing_key.as_str()),
         ),
     };
+    let (url, url_key_id) = match url {
+        Some(Sealed { key_id, bytes }) => (Some(bytes), Some(key_id)),
+        None => (None, None),
+    };
     let row: Option<StoredDestination> = sqlx::query_as(&format!(
-        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
-         SELECT t.id, $2, $3, $4, $5 FROM tenants t WHERE t.id = $1
+        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url_sealed, amqp_url_key_id,
+                                          exchange, routing_key)
+         SELECT t.id, $2, $3, $6, $4, $5 FROM tenants t WHERE t.id = $1
          ON CONFLICT (tenant_id) DO UPDATE
-         SET kind = excluded.kind, amqp_url = excluded.amqp_url, exchange = excluded.exchange,
-             routing_key = excluded.routing_key, updated_at = now(),
+         SET kind = excluded.kind, amqp_url_sealed = excluded.amqp_url_sealed,
+             amqp_url_key_id = excluded.amqp_url_key_id, amqp_url = NULL,
+             exchange = excluded.exchange, routing_key = excluded.routing_key, updated_at = now(),
              refused_reason = NULL, refused_at = NULL
          RETURNING {STORED_COLUMNS}"
     ))
@@ -84,6 +97,7 @@ pub async fn set(
     .bind(url)
     .bind(exchange)
     .bind(routing_key)
+    .bind(url_key_id)
     .fetch_optional(pool)
     .await?;
     row.ok_or_else(|| StoreError::NotFound {
@@ -101,23 +115,43 @@ pub async fn delete(pool: &PgPool, tenant: TenantId) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// The tenant's destination as the publisher sends to it, broker URL included (no row: the
+/// The tenant's destination as the publisher sends to it, broker URL unsealed (no row: the
 /// relay's queue).
-pub async fn for_publishing(pool: &PgPool, tenant: TenantId) -> Result<Destination, StoreError> {
-    type DestinationRow = (String, Option<String>, Option<String>, Option<String>);
+pub async fn for_publishing(
+    pool: &PgPool,
+    keys: &Keyring,
+    tenant: TenantId,
+) -> Result<Destination, StoreError> {
+    type DestinationRow = (
+        String,
+        Option<Vec<u8>>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+    );
     let row: Option<DestinationRow> = sqlx::query_as(
-        "SELECT kind, amqp_url, exchange, routing_key FROM tenant_destinations
-         WHERE tenant_id = $1",
+        "SELECT kind, amqp_url_sealed, amqp_url_key_id, exchange, routing_key
+         FROM tenant_destinations WHERE tenant_id = $1",
     )
     .bind(tenant)
     .fetch_optional(pool)
     .await?;
     match row {
         None => Ok(Destination::RelayQueue),
-        Some((kind, _, _, _)) if kind == "relay_queue" => Ok(Destination::RelayQueue),
-        Some((kind, Some(amqp_url), Some(exchange), Some(routing_key)))
+        Some((kind, ..)) if kind == "relay_queue" => Ok(Destination::RelayQueue),
+        Some((kind, Some(bytes), Some(key_id), Some(exchange), Some(routing_key)))
             if kind == "own_exchange" =>
         {
+            let amqp_url = keys
+                .unseal_text(
+                    &Sealed { key_id, bytes },
+                    BROKER_URLS.field(tenant.as_uuid()),
+                )
+                .map_err(|error| {
+                    StoreError::Invalid(format!(
+                        "tenant_destinations {tenant}: the broker URL does not open: {error}"
+                    ))
+                })?;
             Ok(Destination::OwnExchange {
                 amqp_url,
                 exchange,

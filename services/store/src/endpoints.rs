@@ -1,5 +1,6 @@
 //! Webhook endpoints, their status and their signing secrets.
 
+use relay_seal::{Keyring, Sealed, SecretText};
 use relay_wire::SigningSecret;
 use sqlx::PgPool;
 use time::OffsetDateTime;
@@ -7,7 +8,40 @@ use uuid::Uuid;
 
 use relay_rules::StoriesMode;
 
+use crate::sealing::{SIGNING_SECRETS, UPSTREAM_API_KEYS};
 use crate::{quotas, EndpointId, StoreError, TenantId};
+
+/// A signing secret as it is written: sealed for its endpoint, and its fingerprint, which
+/// tells whether the endpoint holds it already.
+struct SealedSecret {
+    sealed: Sealed,
+    fingerprint: Vec<u8>,
+}
+
+impl SealedSecret {
+    fn of(keys: &Keyring, endpoint: Uuid, secret: &SigningSecret) -> Self {
+        let field = SIGNING_SECRETS.field(endpoint);
+        Self {
+            sealed: keys.seal(secret.as_bytes(), field),
+            fingerprint: Keyring::fingerprint(secret.as_bytes(), field).to_vec(),
+        }
+    }
+}
+
+/// An upstream API key sealed for its endpoint: the bytes and the key id to bind.
+fn seal_api_key(
+    keys: &Keyring,
+    endpoint: Uuid,
+    key: Option<&SecretText>,
+) -> (Option<Vec<u8>>, Option<String>) {
+    match key {
+        None => (None, None),
+        Some(key) => {
+            let sealed = keys.seal(key.expose().as_bytes(), UPSTREAM_API_KEYS.field(endpoint));
+            (Some(sealed.bytes), Some(sealed.key_id))
+        }
+    }
+}
 
 /// The Postgres channel on which every change to an endpoint's row or its secrets is announced
 /// (by the triggers of the first migration), its id as the payload: the front tier drops its
@@ -94,23 +128,26 @@ pub struct NewEndpoint {
     pub tenant_id: Uuid,
     pub secret: SigningSecret,
     pub upstream_base_url: Option<String>,
-    pub upstream_api_key: Option<String>,
+    pub upstream_api_key: Option<SecretText>,
 }
 
 /// Registers an endpoint with its first secret and its arrival counter, all or nothing. For the
 /// operator's own tools (`relay simulate --register`, benchmarks, tests): no quota bounds it.
 /// A tenant registers through the control plane, which calls [`register_within_quota`].
-pub async fn create(pool: &PgPool, new: &NewEndpoint) -> Result<(), StoreError> {
+pub async fn create(pool: &PgPool, keys: &Keyring, new: &NewEndpoint) -> Result<(), StoreError> {
+    let (api_key, api_key_id) = seal_api_key(keys, new.id, new.upstream_api_key.as_ref());
     let mut tx = pool.begin().await?;
     let inserted = sqlx::query(
-        "INSERT INTO webhook_endpoints (id, tenant_id, upstream_base_url, upstream_api_key)
-         SELECT $1, t.id, $3, $4 FROM tenants t WHERE t.id = $2 AND t.deleting_since IS NULL
+        "INSERT INTO webhook_endpoints (id, tenant_id, upstream_base_url,
+                                        upstream_api_key_sealed, upstream_api_key_key_id)
+         SELECT $1, t.id, $3, $4, $5 FROM tenants t WHERE t.id = $2 AND t.deleting_since IS NULL
          ON CONFLICT (id) DO NOTHING",
     )
     .bind(new.id)
     .bind(new.tenant_id)
     .bind(&new.upstream_base_url)
-    .bind(&new.upstream_api_key)
+    .bind(api_key)
+    .bind(api_key_id)
     .execute(&mut *tx)
     .await?
     .rows_affected();
@@ -138,12 +175,17 @@ pub async fn create(pool: &PgPool, new: &NewEndpoint) -> Result<(), StoreError> 
         .bind(new.id)
         .execute(&mut *tx)
         .await?;
+    let secret = SealedSecret::of(keys, new.id, &new.secret);
     sqlx::query(
-        "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret) VALUES ($1, $2, $3)",
+        "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret_sealed, secret_key_id,
+                                       secret_fingerprint)
+         VALUES ($1, $2, $3, $4, $5)",
     )
     .bind(new.tenant_id)
     .bind(new.id)
-    .bind(new.secret.to_whsec())
+    .bind(&secret.sealed.bytes)
+    .bind(&secret.sealed.key_id)
+    .bind(&secret.fingerprint)
     .execute(&mut *tx)
     .await?;
     tx.commit().await?;
@@ -180,12 +222,11 @@ pub struct EndpointAuth {
 
 impl EndpointAuth {
     /// The secrets that verify at `now`.
-    pub fn secrets_at(&self, now: OffsetDateTime) -> Vec<SigningSecret> {
+    pub fn secrets_at(&self, now: OffsetDateTime) -> impl Iterator<Item = &SigningSecret> {
         self.secrets
             .iter()
-            .filter(|s| s.expires_at.is_none_or(|at| at > now))
-            .map(|s| s.secret.clone())
-            .collect()
+            .filter(move |s| s.expires_at.is_none_or(|at| at > now))
+            .map(|s| &s.secret)
     }
 }
 
@@ -194,14 +235,20 @@ struct AuthRow {
     tenant_id: Uuid,
     status: String,
     source: String,
-    secret: Option<String>,
+    secret_sealed: Option<Vec<u8>>,
+    secret_key_id: Option<String>,
     expires_at: Option<OffsetDateTime>,
 }
 
-/// Loads an endpoint's status and its unexpired secrets, or `None` for an unknown endpoint.
-pub async fn load_auth(pool: &PgPool, id: Uuid) -> Result<Option<EndpointAuth>, StoreError> {
+/// Loads an endpoint's status and its unexpired secrets, unsealed, or `None` for an unknown
+/// endpoint.
+pub async fn load_auth(
+    pool: &PgPool,
+    keys: &Keyring,
+    id: Uuid,
+) -> Result<Option<EndpointAuth>, StoreError> {
     let rows: Vec<AuthRow> = sqlx::query_as(
-        "SELECT e.tenant_id, e.status, e.source, s.secret, s.expires_at
+        "SELECT e.tenant_id, e.status, e.source, s.secret_sealed, s.secret_key_id, s.expires_at
          FROM webhook_endpoints e
          LEFT JOIN endpoint_secrets s
            ON s.endpoint_id = e.id AND (s.expires_at IS NULL OR s.expires_at > now())
@@ -218,14 +265,20 @@ pub async fn load_auth(pool: &PgPool, id: Uuid) -> Result<Option<EndpointAuth>, 
     let stories = first.source == "stories";
     let mut secrets = Vec::with_capacity(rows.len());
     for row in rows {
-        if let Some(text) = row.secret {
-            match SigningSecret::parse(&text) {
+        if let (Some(bytes), Some(key_id)) = (row.secret_sealed, row.secret_key_id) {
+            let opened = keys
+                .unseal(&Sealed { key_id, bytes }, SIGNING_SECRETS.field(id))
+                .map_err(|error| error.to_string())
+                .and_then(|key| {
+                    SigningSecret::from_bytes(key.to_vec()).map_err(|error| error.to_string())
+                });
+            match opened {
                 Ok(secret) => secrets.push(HeldSecret {
                     secret,
                     expires_at: row.expires_at,
                 }),
-                // The table's CHECK keeps the prefix; anything else unreadable is skipped and
-                // reported rather than taking the endpoint down.
+                // A value that does not open is skipped and reported rather than taking the
+                // endpoint down (start-up checked that every key in use opens).
                 Err(error) => tracing::error!(endpoint = %id, %error, "unreadable stored secret"),
             }
         }
@@ -245,20 +298,24 @@ pub struct EndpointRegistration {
     pub id: EndpointId,
     pub tenant_id: TenantId,
     pub upstream_base_url: Option<String>,
-    pub upstream_api_key: Option<String>,
+    pub upstream_api_key: Option<SecretText>,
     pub source: Source,
     /// When the endpoint was registered (`webhook_endpoints.created_at`): a stories endpoint
     /// notifies only of events created since.
     pub created_at: OffsetDateTime,
 }
 
+/// Loads what the sequencer needs of an endpoint, its upstream API key unsealed (`None` for an
+/// unknown endpoint).
 pub async fn load_registration(
     pool: &PgPool,
+    keys: &Keyring,
     endpoint: EndpointId,
 ) -> Result<Option<EndpointRegistration>, StoreError> {
     type Row = (
         TenantId,
         Option<String>,
+        Option<Vec<u8>>,
         Option<String>,
         String,
         Option<String>,
@@ -266,20 +323,35 @@ pub async fn load_registration(
         OffsetDateTime,
     );
     let row: Option<Row> = sqlx::query_as(
-        "SELECT tenant_id, upstream_base_url, upstream_api_key, source, stories_mode, tickers,
-                created_at
+        "SELECT tenant_id, upstream_base_url, upstream_api_key_sealed, upstream_api_key_key_id,
+                source, stories_mode, tickers, created_at
          FROM webhook_endpoints
          WHERE id = $1 AND status <> 'deleting'",
     )
     .bind(endpoint)
     .fetch_optional(pool)
     .await?;
-    row.map(|(tenant_id, url, key, source, mode, tickers, created_at)| {
+    row.map(|(tenant_id, url, key, key_id, source, mode, tickers, created_at)| {
+        let upstream_api_key = match (key, key_id) {
+            (Some(bytes), Some(key_id)) => {
+                let field = UPSTREAM_API_KEYS.field(endpoint.as_uuid());
+                match keys.unseal_text(&Sealed { key_id, bytes }, field) {
+                    Ok(key) => Some(key),
+                    // As if no key were set: the endpoint's state says its upstream needs
+                    // settings, and the log why (start-up checked every key in use opens).
+                    Err(error) => {
+                        tracing::error!(%endpoint, %error, "unreadable stored upstream API key");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         Ok(EndpointRegistration {
             id: endpoint,
             tenant_id,
             upstream_base_url: url,
-            upstream_api_key: key,
+            upstream_api_key,
             source: Source::from_db(&source, mode.as_deref(), tickers)?,
             created_at,
         })
@@ -308,7 +380,7 @@ pub struct EndpointInfo {
 }
 
 const INFO_COLUMNS: &str = "id, lang, status, upstream_base_url,
-     upstream_api_key IS NOT NULL AS upstream_api_key_set, source, stories_mode, tickers,
+     upstream_api_key_sealed IS NOT NULL AS upstream_api_key_set, source, stories_mode, tickers,
      created_at, updated_at";
 
 /// A signing secret as its tenant reads it: its id and expiry, never its value.
@@ -347,7 +419,7 @@ pub struct Registration {
     /// The feed's language; `None` for a stories endpoint.
     pub lang: Option<String>,
     pub upstream_base_url: Option<String>,
-    pub upstream_api_key: Option<String>,
+    pub upstream_api_key: Option<SecretText>,
     pub secrets: Vec<SigningSecret>,
 }
 
@@ -361,10 +433,11 @@ pub struct Registration {
 /// through it. A tenant's registration goes through [`register_within_quota`].
 pub async fn register(
     pool: &PgPool,
+    keys: &Keyring,
     tenant: TenantId,
     new: &Registration,
 ) -> Result<(), StoreError> {
-    register_in(pool, tenant, new, None).await
+    register_in(pool, keys, tenant, new, None).await
 }
 
 /// [`register`], while the tenant has fewer endpoints than its `max_endpoints` quota in force
@@ -376,19 +449,22 @@ pub async fn register(
 /// statement counts and compares, on a snapshot taken once the lock was granted.
 pub async fn register_within_quota(
     pool: &PgPool,
+    keys: &Keyring,
     tenant: TenantId,
     new: &Registration,
     defaults: &quotas::QuotaDefaults,
 ) -> Result<(), StoreError> {
-    register_in(pool, tenant, new, Some(defaults)).await
+    register_in(pool, keys, tenant, new, Some(defaults)).await
 }
 
 async fn register_in(
     pool: &PgPool,
+    keys: &Keyring,
     tenant: TenantId,
     new: &Registration,
     quota: Option<&quotas::QuotaDefaults>,
 ) -> Result<(), StoreError> {
+    let (api_key, api_key_id) = seal_api_key(keys, new.id.as_uuid(), new.upstream_api_key.as_ref());
     let mut tx = pool.begin().await?;
     if quota.is_some() {
         // FOR NO KEY UPDATE: registrations of this tenant wait for each other, while the
@@ -409,9 +485,10 @@ async fn register_in(
     let (stories_mode, tickers) = new.source.stories_columns();
     // $9 NULL: no quota. The count is quotas::endpoints_in_use's.
     let inserted: Option<EndpointId> = sqlx::query_scalar(
-        "INSERT INTO webhook_endpoints (id, tenant_id, lang, upstream_base_url, upstream_api_key,
+        "INSERT INTO webhook_endpoints (id, tenant_id, lang, upstream_base_url,
+                                        upstream_api_key_sealed, upstream_api_key_key_id,
                                         source, stories_mode, tickers)
-         SELECT $1, t.id, $3, $4, $5, $6, $7, $8 FROM tenants t
+         SELECT $1, t.id, $3, $4, $5, $10, $6, $7, $8 FROM tenants t
          WHERE t.id = $2 AND t.deleting_since IS NULL
            AND ($9::int4 IS NULL
                 OR (SELECT count(*) FROM webhook_endpoints e
@@ -425,11 +502,12 @@ async fn register_in(
     .bind(tenant)
     .bind(&new.lang)
     .bind(&new.upstream_base_url)
-    .bind(&new.upstream_api_key)
+    .bind(api_key)
     .bind(new.source.kind())
     .bind(stories_mode)
     .bind(tickers)
     .bind(quota.map(|q| q.max_endpoints as i32))
+    .bind(api_key_id)
     .fetch_optional(&mut *tx)
     .await?;
     if inserted.is_none() {
@@ -464,12 +542,17 @@ async fn register_in(
         .execute(&mut *tx)
         .await?;
     for (i, secret) in new.secrets.iter().enumerate() {
+        let secret = SealedSecret::of(keys, new.id.as_uuid(), secret);
         let written = sqlx::query(
-            "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret) VALUES ($1, $2, $3)",
+            "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret_sealed, secret_key_id,
+                                           secret_fingerprint)
+             VALUES ($1, $2, $3, $4, $5)",
         )
         .bind(tenant)
         .bind(new.id)
-        .bind(secret.to_whsec())
+        .bind(&secret.sealed.bytes)
+        .bind(&secret.sealed.key_id)
+        .bind(&secret.fingerprint)
         .execute(&mut *tx)
         .await;
         match written {
@@ -477,7 +560,7 @@ async fn register_in(
             // Returning drops the transaction, which rolls back the endpoint and the secrets
             // written before.
             Err(sqlx::Error::Database(db))
-                if db.constraint() == Some("endpoint_secrets_endpoint_id_secret_key") =>
+                if db.constraint() == Some("endpoint_secrets_fingerprint") =>
             {
                 return Err(StoreError::AlreadyExists {
                     what: "secret",
@@ -530,7 +613,7 @@ pub async fn list(
 pub struct SettingsChange {
     pub lang: Option<String>,
     pub upstream_base_url: Option<String>,
-    pub upstream_api_key: Option<String>,
+    pub upstream_api_key: Option<SecretText>,
     /// A stories endpoint's; a feed endpoint has none to change (the statement leaves them
     /// null there, which its CHECK requires).
     pub stories_mode: Option<StoriesMode>,
@@ -540,15 +623,19 @@ pub struct SettingsChange {
 /// Changes the tenant's endpoint's settings. `false`: it is not the tenant's.
 pub async fn change_settings(
     pool: &PgPool,
+    keys: &Keyring,
     tenant: TenantId,
     endpoint: EndpointId,
     change: &SettingsChange,
 ) -> Result<bool, StoreError> {
+    let (api_key, api_key_id) =
+        seal_api_key(keys, endpoint.as_uuid(), change.upstream_api_key.as_ref());
     let updated: Option<EndpointId> = sqlx::query_scalar(
         "UPDATE webhook_endpoints
          SET lang = COALESCE($3, lang),
              upstream_base_url = COALESCE($4, upstream_base_url),
-             upstream_api_key = COALESCE($5, upstream_api_key),
+             upstream_api_key_sealed = COALESCE($5, upstream_api_key_sealed),
+             upstream_api_key_key_id = COALESCE($8, upstream_api_key_key_id),
              stories_mode = CASE WHEN source = 'stories' THEN COALESCE($6, stories_mode) END,
              tickers = CASE WHEN source = 'stories' THEN COALESCE($7, tickers) END,
              updated_at = now()
@@ -559,9 +646,10 @@ pub async fn change_settings(
     .bind(tenant)
     .bind(&change.lang)
     .bind(&change.upstream_base_url)
-    .bind(&change.upstream_api_key)
+    .bind(api_key)
     .bind(change.stories_mode.map(StoriesMode::as_str))
     .bind(&change.tickers)
+    .bind(api_key_id)
     .fetch_optional(pool)
     .await?;
     Ok(updated.is_some())
@@ -608,23 +696,28 @@ pub async fn secrets(
 /// `None`); `None` when nothing was written (not the tenant's endpoint, or it holds the secret).
 async fn insert_secret<'e>(
     db: impl sqlx::PgExecutor<'e>,
+    keys: &Keyring,
     tenant: TenantId,
     endpoint: EndpointId,
     secret: &SigningSecret,
     expires_in_s: Option<f64>,
 ) -> Result<Option<SecretInfo>, StoreError> {
+    let secret = SealedSecret::of(keys, endpoint.as_uuid(), secret);
     Ok(sqlx::query_as(&format!(
-        "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret, expires_at)
-         SELECT e.tenant_id, e.id, $3, now() + make_interval(secs => $4)
+        "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret_sealed, secret_key_id,
+                                       secret_fingerprint, expires_at)
+         SELECT e.tenant_id, e.id, $3, $5, $6, now() + make_interval(secs => $4)
          FROM webhook_endpoints e WHERE e.id = $1 AND e.tenant_id = $2
            AND e.status <> 'deleting'
-         ON CONFLICT (endpoint_id, secret) DO NOTHING
+         ON CONFLICT (endpoint_id, secret_fingerprint) DO NOTHING
          RETURNING {SECRET_COLUMNS}"
     ))
     .bind(endpoint)
     .bind(tenant)
-    .bind(secret.to_whsec())
+    .bind(&secret.sealed.bytes)
     .bind(expires_in_s)
+    .bind(&secret.sealed.key_id)
+    .bind(&secret.fingerprint)
     .fetch_optional(db)
     .await?)
 }
@@ -650,12 +743,13 @@ async fn secret_not_added(pool: &PgPool, tenant: TenantId, endpoint: EndpointId)
 /// `AlreadyExists` when it holds the secret already.
 pub async fn add_secret(
     pool: &PgPool,
+    keys: &Keyring,
     tenant: TenantId,
     endpoint: EndpointId,
     secret: &SigningSecret,
     expires_in_s: Option<f64>,
 ) -> Result<SecretInfo, StoreError> {
-    match insert_secret(pool, tenant, endpoint, secret, expires_in_s).await? {
+    match insert_secret(pool, keys, tenant, endpoint, secret, expires_in_s).await? {
         Some(added) => Ok(added),
         None => Err(secret_not_added(pool, tenant, endpoint).await),
     }
@@ -667,13 +761,14 @@ pub async fn add_secret(
 /// Errors as [`add_secret`]'s.
 pub async fn rotate_secrets(
     pool: &PgPool,
+    keys: &Keyring,
     tenant: TenantId,
     endpoint: EndpointId,
     secret: &SigningSecret,
     overlap_s: f64,
 ) -> Result<(SecretInfo, Rotation), StoreError> {
     let mut tx = pool.begin().await?;
-    let Some(added) = insert_secret(&mut *tx, tenant, endpoint, secret, None).await? else {
+    let Some(added) = insert_secret(&mut *tx, keys, tenant, endpoint, secret, None).await? else {
         drop(tx);
         return Err(secret_not_added(pool, tenant, endpoint).await);
     };
@@ -735,7 +830,7 @@ pub async fn status_and_settings<'e>(
 ) -> Result<Option<(String, bool)>, StoreError> {
     Ok(sqlx::query_as(
         "SELECT status,
-                COALESCE(upstream_base_url, '') <> '' AND COALESCE(upstream_api_key, '') <> ''
+                COALESCE(upstream_base_url, '') <> '' AND upstream_api_key_sealed IS NOT NULL
          FROM webhook_endpoints WHERE id = $1 AND tenant_id = $2 AND status <> 'deleting'",
     )
     .bind(endpoint)

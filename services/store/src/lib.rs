@@ -38,6 +38,9 @@
 //!   then purged in batches; the one module that deletes from every endpoint table.
 //! - [`stories`]: a stories endpoint's copy (seed 000's table and its two writes), its claimed
 //!   notifications, its catch-up cursor and reload state, each write appending its change.
+//! - [`sealing`]: the sealed columns (signing secrets, upstream API keys, broker URLs) as a
+//!   whole: what each key seals, sealing an older relay's plain text, re-sealing under the
+//!   current key.
 //! - [`fences`]: the fencing tokens of relay-coord's ownership (an endpoint's, a tenant's):
 //!   claimed by each new owner, checked by its writes.
 //!
@@ -61,6 +64,7 @@ pub mod quotas;
 pub mod reload_waits;
 pub mod restores;
 pub mod runs;
+pub mod sealing;
 pub mod stories;
 pub mod tenants;
 pub mod tracks;
@@ -71,6 +75,7 @@ pub use db::{
 };
 pub use failover::server_urls;
 pub use ids::{EndpointId, TenantId};
+pub use relay_seal::{Keyring, SecretText};
 
 /// A store call failed. Callers at the edges add context; this keeps the cause.
 #[derive(Debug, thiserror::Error)]

@@ -819,7 +819,7 @@ pub async fn due(
         "SELECT e.id FROM webhook_endpoints e
          LEFT JOIN stories_sync s ON s.endpoint_id = e.id
          WHERE e.source = 'stories' AND e.status = 'active'
-           AND e.upstream_base_url IS NOT NULL AND e.upstream_api_key IS NOT NULL
+           AND e.upstream_base_url IS NOT NULL AND e.upstream_api_key_sealed IS NOT NULL
            AND (s.endpoint_id IS NULL OR s.reload_needed OR s.caught_up_at IS NULL
                 OR s.caught_up_at < greatest(now() - make_interval(secs => $1), $2)
                 OR NOT (s.loaded_tickers @> e.tickers AND e.tickers @> s.loaded_tickers)

@@ -22,8 +22,9 @@ const SECRET_PREFIX: &str = "whsec_";
 
 /// An endpoint's signing secret: the bytes that `whsec_<base64>` decodes to.
 ///
-/// Its `Debug` form never shows the key, so a secret can sit in a struct that gets logged.
-#[derive(Clone, PartialEq, Eq)]
+/// Its `Debug` form never shows the key, so a secret can sit in a struct that gets logged; its
+/// memory is wiped when it is dropped (a cache letting an endpoint go leaves no key behind).
+#[derive(Clone, PartialEq, Eq, zeroize::ZeroizeOnDrop)]
 pub struct SigningSecret {
     key: Vec<u8>,
 }
@@ -57,7 +58,12 @@ impl SigningSecret {
         Ok(Self { key })
     }
 
-    /// The `whsec_<base64>` form, for storing and for showing the secret once.
+    /// The key itself, for sealing it at rest.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.key
+    }
+
+    /// The `whsec_<base64>` form, for showing the secret once.
     pub fn to_whsec(&self) -> String {
         format!("{SECRET_PREFIX}{}", BASE64.encode(&self.key))
     }
@@ -114,10 +120,10 @@ pub enum VerifyError {
 /// constant-time ([`Mac::verify_slice`]).
 ///
 /// Returns the timestamp (Unix seconds) on success.
-pub fn verify(
+pub fn verify<'s>(
     headers: SignatureHeaders<'_>,
     body: &[u8],
-    secrets: &[SigningSecret],
+    secrets: impl IntoIterator<Item = &'s SigningSecret>,
     now_unix_s: i64,
 ) -> Result<i64, VerifyError> {
     let webhook_id = headers
@@ -130,7 +136,8 @@ pub fn verify(
         .webhook_signature
         .ok_or(VerifyError::MissingHeader("webhook-signature"))?;
     let timestamp = parse_timestamp(timestamp_text)?;
-    if secrets.is_empty() {
+    let mut secrets = secrets.into_iter().peekable();
+    if secrets.peek().is_none() {
         return Err(VerifyError::NoSecrets);
     }
 
@@ -141,7 +148,7 @@ pub fn verify(
         .filter_map(|(_, encoded)| BASE64.decode(encoded).ok())
         .collect();
 
-    let genuine = secrets.iter().any(|secret| {
+    let genuine = secrets.any(|secret| {
         let mac = secret.mac_over(webhook_id, timestamp_text, body);
         // Every candidate is checked (no early exit inside one secret) so the time taken does
         // not tell which entry came closest.

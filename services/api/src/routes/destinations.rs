@@ -223,13 +223,15 @@ pub async fn put_destination(
             Destination::RelayQueue
         }
         DestinationKind::OwnExchange => Destination::OwnExchange {
-            amqp_url: amqp_url(body.amqp_url.as_deref(), &state.broker).await?,
+            amqp_url: amqp_url(body.amqp_url.as_deref(), &state.broker)
+                .await?
+                .into(),
             // The default exchange is named "": allowed, with the routing key a queue's name.
             exchange: amqp_name("exchange", body.exchange.as_deref(), true)?,
             routing_key: amqp_name("routing_key", body.routing_key.as_deref(), true)?,
         },
     };
-    let row = match destinations::set(&state.pool, tenant, &destination).await {
+    let row = match destinations::set(&state.pool, &state.sealing, tenant, &destination).await {
         Ok(row) => row,
         Err(StoreError::NotFound { .. }) => return Err(ApiError::NotFound("tenant")),
         Err(error) => return Err(error.into()),

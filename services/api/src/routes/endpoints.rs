@@ -12,7 +12,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
 use relay_store::endpoints as store;
-use relay_store::{EndpointId, StoreError};
+use relay_store::{EndpointId, SecretText, StoreError};
 use relay_wire::limits::{ROTATION_OVERLAP_MAX_S, ROTATION_OVERLAP_S};
 use relay_wire::SigningSecret;
 use serde::{Deserialize, Serialize};
@@ -343,7 +343,7 @@ pub async fn valid_base_url(http: &GuardedClient, text: &str) -> Result<String, 
 }
 
 /// An API key that can go in an `Authorization: Bearer` header.
-fn valid_api_key(text: &str) -> Result<String, ApiError> {
+fn valid_api_key(text: &str) -> Result<SecretText, ApiError> {
     const FIELD: &str = "upstream_api_key";
     if text.is_empty() || text.len() > 1000 {
         return Err(ApiError::invalid(FIELD, "1 to 1000 characters"));
@@ -354,7 +354,7 @@ fn valid_api_key(text: &str) -> Result<String, ApiError> {
             "printable ASCII without spaces (it is sent as a bearer token)",
         ));
     }
-    Ok(text.to_owned())
+    Ok(SecretText::new(text))
 }
 
 /// The longest secret taken, in characters: the upstream's are 24 to 64 bytes of key, and
@@ -491,37 +491,43 @@ pub async fn create_endpoint(
         upstream_api_key: api_key,
         secrets,
     };
-    store::register_within_quota(&state.pool, tenant, &registration, &state.quotas)
-        .await
-        .map_err(|error| match error {
-            StoreError::OverQuota { quota, limit } => {
-                state
-                    .metrics
-                    .quota_refusals
-                    .with_label_values(&[quota])
-                    .inc();
-                tracing::info!(%tenant, quota, limit, "endpoint refused by the tenant's quota");
-                ApiError::conflict(
-                    None,
-                    format!(
-                        "the tenant has reached its {quota} quota ({limit} endpoints): delete \
+    store::register_within_quota(
+        &state.pool,
+        &state.sealing,
+        tenant,
+        &registration,
+        &state.quotas,
+    )
+    .await
+    .map_err(|error| match error {
+        StoreError::OverQuota { quota, limit } => {
+            state
+                .metrics
+                .quota_refusals
+                .with_label_values(&[quota])
+                .inc();
+            tracing::info!(%tenant, quota, limit, "endpoint refused by the tenant's quota");
+            ApiError::conflict(
+                None,
+                format!(
+                    "the tenant has reached its {quota} quota ({limit} endpoints): delete \
                          one or ask the operator for more; nothing was created"
-                    ),
-                )
-            }
-            // The id is the upstream's and unique across tenants: say it is taken, and nothing
-            // else about whose it is.
-            StoreError::AlreadyExists {
-                what: "webhook endpoint",
-                ..
-            } => ApiError::conflict(Some("id"), "this webhook endpoint is registered already"),
-            StoreError::AlreadyExists { what: "secret", id } => ApiError::invalid(
-                format!("secrets[{id}]"),
-                "the same secret as an earlier one",
-            ),
-            StoreError::NotFound { what: "tenant", .. } => ApiError::NotFound("tenant"),
-            other => other.into(),
-        })?;
+                ),
+            )
+        }
+        // The id is the upstream's and unique across tenants: say it is taken, and nothing
+        // else about whose it is.
+        StoreError::AlreadyExists {
+            what: "webhook endpoint",
+            ..
+        } => ApiError::conflict(Some("id"), "this webhook endpoint is registered already"),
+        StoreError::AlreadyExists { what: "secret", id } => ApiError::invalid(
+            format!("secrets[{id}]"),
+            "the same secret as an earlier one",
+        ),
+        StoreError::NotFound { what: "tenant", .. } => ApiError::NotFound("tenant"),
+        other => other.into(),
+    })?;
     tracing::info!(%tenant, endpoint = %id, secrets = registration.secrets.len(),
                    "endpoint registered");
     Ok((
@@ -654,7 +660,7 @@ pub async fn update_endpoint(
         stories_mode,
         tickers,
     };
-    if !store::change_settings(&state.pool, tenant, id, &change).await? {
+    if !store::change_settings(&state.pool, &state.sealing, tenant, id, &change).await? {
         return Err(ENDPOINT_NOT_FOUND);
     }
     tracing::info!(%tenant, endpoint = %id, lang = ?change.lang,
@@ -817,7 +823,7 @@ pub async fn add_secret(
         .expires_in_s
         .map(|s| seconds("expires_in_s", Some(s), 0, MAX_EXPIRY_S))
         .transpose()?;
-    let added = store::add_secret(&state.pool, tenant, id, &secret, expires_in)
+    let added = store::add_secret(&state.pool, &state.sealing, tenant, id, &secret, expires_in)
         .await
         .map_err(secret_not_added)?;
     tracing::info!(%tenant, endpoint = %id, secret_id = added.id, "secret added");
@@ -853,9 +859,10 @@ pub async fn rotate_secret(
     )?;
     // As the upstream rotates: the new secret and every one held before verify during the
     // overlap.
-    let (added, rotation) = store::rotate_secrets(&state.pool, tenant, id, &secret, overlap)
-        .await
-        .map_err(secret_not_added)?;
+    let (added, rotation) =
+        store::rotate_secrets(&state.pool, &state.sealing, tenant, id, &secret, overlap)
+            .await
+            .map_err(secret_not_added)?;
     tracing::info!(%tenant, endpoint = %id, secret_id = added.id,
                    old_secrets = rotation.old_secrets, overlap_s = overlap, "secret rotated");
     Ok(Json(RotationView {

@@ -37,6 +37,8 @@ pub mod tenants;
 #[derive(Clone)]
 pub struct AppState {
     pub pool: PgPool,
+    /// Seals the secrets, keys and broker URLs tenants give; opens an upstream key for a rewind.
+    pub sealing: relay_store::Keyring,
     pub verifier: Arc<Verifier>,
     /// Requests to tenants' upstreams (rewinds): every one checked against the operator's
     /// policy.

@@ -22,8 +22,8 @@ use axum::Json;
 use relay_rules::{
     answer_rewind, restore_plan, EndpointTrack, RestorePlan, RewindAnswer, RewindRefusal,
 };
-use relay_store::restores;
 use relay_store::tracks::{self, FEED_TRACK};
+use relay_store::{restores, SecretText};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
@@ -172,7 +172,7 @@ pub async fn rewind_track(
         // Version 1 names one track; no row of another is ever kept.
         return Err(ApiError::NotFound("track"));
     }
-    let registration = relay_store::endpoints::load_registration(&state.pool, id)
+    let registration = relay_store::endpoints::load_registration(&state.pool, &state.sealing, id)
         .await?
         .filter(|r| r.tenant_id == tenant)
         .ok_or(ENDPOINT_NOT_FOUND)?;
@@ -193,7 +193,10 @@ pub async fn rewind_track(
     let plan = restore_plan(&held, restore.as_ref().map(|r| &r.held));
     let (since, answer) = match &plan {
         RestorePlan::Rewind { since } => {
-            let (Some(base_url), Some(api_key)) = (base_url.as_deref(), api_key.as_deref()) else {
+            let (Some(base_url), Some(api_key)) = (
+                base_url.as_deref(),
+                api_key.as_ref().map(SecretText::expose),
+            ) else {
                 return Err(ApiError::conflict(
                     Some("upstream_base_url"),
                     "a rewind calls the upstream: set the endpoint's upstream_base_url and \
