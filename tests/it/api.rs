@@ -292,6 +292,35 @@ struct Route {
     success: u16,
 }
 
+/// The answer tells every cache to keep nothing of it.
+fn assert_no_store(answer: &Answer, what: &str) {
+    assert_eq!(
+        answer.cache_control.as_deref(),
+        Some("no-store"),
+        "{what} answered {}: {}",
+        answer.status,
+        answer.text
+    );
+}
+
+/// `route` called with `authorization` as its Authorization header, bytes as given.
+async fn call_authorized_as(app: &ApiApp, route: &Route, authorization: &[u8]) -> Answer {
+    let method = reqwest::Method::from_bytes(route.method.as_bytes()).unwrap();
+    let mut request = app
+        .client
+        .request(method, format!("{}{}", app.base_url, route.path))
+        .header(
+            reqwest::header::AUTHORIZATION,
+            reqwest::header::HeaderValue::from_bytes(authorization).unwrap(),
+        );
+    if let Some(body) = &route.body {
+        request = request.json(body);
+    }
+    crate::stack::answer_of(request.send().await.expect("the API answers")).await
+}
+
+/// Every documented route, with every kind of bad token and with the right one; every answer,
+/// refusals included, says `Cache-Control: no-store`.
 #[tokio::test]
 async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
     let app = ApiApp::spawn_with_vhost().await;
@@ -694,6 +723,15 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             no_token.text
         );
         assert_eq!(no_token.json["error"], "unauthorized", "{what}");
+        assert_no_store(&no_token, &what);
+        // A header that is not ASCII text is refused as such, not as missing or mistyped.
+        let not_ascii = call_authorized_as(&app, r, b"Bearer \xe9t\xe9").await;
+        assert_eq!(not_ascii.status, 401, "{what}: {}", not_ascii.text);
+        assert_eq!(
+            not_ascii.json["detail"], "the Authorization header is not ASCII text",
+            "{what}"
+        );
+        assert_no_store(&not_ascii, &what);
         let (expired, wrong_audience) = match r.needs {
             Needs::Tenant => (&expired, wrong_audience(Subject::Tenant(tenant_a))),
             Needs::Operator => (
@@ -709,6 +747,7 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
         ] {
             let answer = app.call(r.method, &r.path, Some(token), body).await;
             assert_eq!(answer.status, 401, "{what} with {label}: {}", answer.text);
+            assert_no_store(&answer, &what);
         }
         let wrong_kind = match r.needs {
             Needs::Tenant => operator.as_str(),
@@ -721,12 +760,14 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             answer.text
         );
         assert_eq!(answer.json["error"], "forbidden");
+        assert_no_store(&answer, &what);
 
         match r.other {
             ForOtherTenant::NotFound => {
                 let answer = app.call(r.method, &r.path, Some(&token_b), body).await;
                 assert_eq!(answer.status, 404, "{what} with B's token: {}", answer.text);
                 assert_eq!(answer.json["error"], "not_found");
+                assert_no_store(&answer, &what);
                 for a in &a_data {
                     assert!(!answer.text.contains(a.as_str()), "{what} told B {a}");
                 }
@@ -734,6 +775,7 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             ForOtherTenant::OwnOnly if r.method == "GET" => {
                 let answer = app.call(r.method, &r.path, Some(&token_b), body).await;
                 assert_eq!(answer.status, 200, "{what} with B's token: {}", answer.text);
+                assert_no_store(&answer, &what);
                 for a in &a_data {
                     assert!(!answer.text.contains(a.as_str()), "{what} told B {a}");
                 }
@@ -810,7 +852,9 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
     let b = app.ok(200, "GET", "/v1/tenant", &token_b, None).await;
     assert_eq!(b["id"], tenant_b.to_string());
 
-    // And each route works for the token it is for.
+    // And each route works for the token it is for: its answer (the tenant's reads, a secret
+    // added or rotated, broker credentials with their password, a minted token) kept by no
+    // cache.
     for r in &routes {
         let token = match r.needs {
             Needs::Tenant => token_a.as_str(),
@@ -824,7 +868,17 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             "{} {}: {}",
             r.method, r.path, answer.text
         );
+        assert_no_store(&answer, &format!("{} {}", r.method, r.path));
     }
+    // The console's files keep their own rule: stored, but checked again before each use.
+    let console = app
+        .client
+        .get(format!("{}/console/", app.base_url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(console.status(), 200);
+    assert_eq!(console.headers()["cache-control"], "no-cache");
     // Requests are counted by route template, never by path (paths hold ids).
     assert!(app.counter("relay_api_requests_total", "status", "401") >= 4 * routes.len() as u64);
     assert!(

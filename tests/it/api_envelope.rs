@@ -426,6 +426,8 @@ async fn each_caller_has_its_own_bound_on_requests_in_flight() {
         )
         .await;
     assert_eq!(create.status, 429, "{}", create.text);
+    // Refused before the router, still kept by no cache.
+    assert_eq!(create.cache_control.as_deref(), Some("no-store"));
     assert_eq!(
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM webhook_endpoints WHERE tenant_id = $1")
             .bind(tenant_a)

@@ -298,7 +298,7 @@ async fn forged_stale_and_unsigned_messages_are_401_and_store_nothing() {
     let response = app
         .client
         .post(format!("{}/webhooks/{endpoint}", app.base_url))
-        .body(body)
+        .body(body.clone())
         .send()
         .await
         .unwrap();
@@ -306,9 +306,46 @@ async fn forged_stale_and_unsigned_messages_are_401_and_store_nothing() {
     let answer: serde_json::Value = response.json().await.unwrap();
     assert_eq!(answer["detail"], "the webhook-id header is missing");
 
+    // A genuine signature beside an entry that is not ASCII text: the header is there, so it is
+    // refused for what it is, not as missing.
+    let genuine = Signed::at(std::slice::from_ref(&secret), body.clone(), now);
+    let mut not_ascii = genuine.signature.clone().into_bytes();
+    not_ascii.extend_from_slice(b" v1,\xe9t\xe9");
+    let response = app
+        .client
+        .post(format!("{}/webhooks/{endpoint}", app.base_url))
+        .header("content-type", "application/json")
+        .header("webhook-id", &genuine.webhook_id)
+        .header("webhook-timestamp", genuine.timestamp.to_string())
+        .header(
+            "webhook-signature",
+            reqwest::header::HeaderValue::from_bytes(&not_ascii).unwrap(),
+        )
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+    let answer: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(answer["error"], "bad_signature");
+    assert_eq!(
+        answer["detail"],
+        "the webhook-signature header is not ASCII text"
+    );
+
     assert!(app.stored_webhook_ids(endpoint).await.is_empty());
-    assert_eq!(app.answered("bad_signature").await, 3.0);
+    assert_eq!(app.answered("bad_signature").await, 4.0);
     assert_eq!(app.answered("stale_timestamp").await, 2.0);
+    // The same message with its signature as the upstream made it is stored: only the bytes
+    // that are not ASCII refused it.
+    assert_eq!(
+        app.post(endpoint, &genuine).await.status(),
+        StatusCode::ACCEPTED
+    );
+    assert_eq!(
+        app.stored_webhook_ids(endpoint).await,
+        vec![genuine.webhook_id]
+    );
     app.stop().await;
 }
 

@@ -541,6 +541,35 @@ async fn past_the_connection_bound_slow_clients_are_refused_503_and_good_message
 }
 
 #[tokio::test]
+async fn a_content_length_that_is_not_ascii_digits_is_400_and_stores_nothing() {
+    // The handler and the body budget read a declared length as a number when it is one: this
+    // is why one that is not never reaches them as if absent.
+    let app = TestApp::spawn().await;
+    let (endpoint, secret) = app.endpoint().await;
+    let address = app.server.as_ref().unwrap().address;
+    let message = Signed::new(std::slice::from_ref(&secret), feed_body(endpoint, 0));
+    let request = raw_webhook(endpoint, &message);
+    let length = format!("content-length: {}\r\n", message.body.len());
+    for spoilt in [
+        format!("content-length: {}\u{e9}\r\n", message.body.len()).into_bytes(),
+        [b"content-length: \xe9".as_slice(), b"\r\n"].concat(),
+    ] {
+        let at = request
+            .windows(length.len())
+            .position(|w| w == length.as_bytes())
+            .unwrap();
+        let mut bad = request[..at].to_vec();
+        bad.extend_from_slice(&spoilt);
+        bad.extend_from_slice(&request[at + length.len()..]);
+        let answer = exchange(address, &bad).await;
+        assert_eq!(answer.status, 400, "{answer:?}");
+    }
+    assert!(app.stored_webhook_ids(endpoint).await.is_empty());
+    assert_eq!(exchange(address, &request).await.status, 202);
+    app.stop().await;
+}
+
+#[tokio::test]
 async fn a_head_that_trickles_in_is_cut_at_the_header_read_timeout_and_a_slow_body_is_408() {
     let config = IngestConfig {
         listener: ListenerLimits {

@@ -76,11 +76,24 @@ pub(crate) async fn call_api(
     if let Some(body) = body {
         request = request.json(body);
     }
-    let response = request.send().await.expect("the API answers");
+    answer_of(request.send().await.expect("the API answers")).await
+}
+
+/// A response of the API as an [`Answer`].
+pub(crate) async fn answer_of(response: reqwest::Response) -> Answer {
     let status = response.status().as_u16();
+    let cache_control = response
+        .headers()
+        .get(reqwest::header::CACHE_CONTROL)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
     let text = response.text().await.unwrap();
     let json = serde_json::from_str(&text).unwrap_or(Value::Null);
-    Answer { status, text, json }
+    Answer {
+        status,
+        text,
+        json,
+        cache_control,
+    }
 }
 
 /// The control plane in-process on port 0, signing with [`KEY`], and a client for it.
@@ -96,6 +109,8 @@ pub(crate) struct Answer {
     pub(crate) status: u16,
     pub(crate) text: String,
     pub(crate) json: Value,
+    /// Its `Cache-Control` header, if any.
+    pub(crate) cache_control: Option<String>,
 }
 
 /// The answer refuses the request as invalid, naming `field`; `what` says which request.

@@ -345,8 +345,8 @@ fn bearer_token(headers: &HeaderMap) -> Result<&str, &'static str> {
         .ok_or("an Authorization: Bearer <token> header is required")?;
     value
         .to_str()
-        .ok()
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .map_err(|_| "the Authorization header is not ASCII text")?
+        .strip_prefix("Bearer ")
         .map(str::trim)
         .filter(|t| !t.is_empty())
         .ok_or("the Authorization header is not `Bearer <token>`")
@@ -535,5 +535,30 @@ mod tests {
         let subject = Subject::Tenant(Uuid::new_v4());
         assert!(mint(&keys(1), "relay", &subject, Duration::ZERO, now).is_err());
         assert!(mint(&keys(1), "relay", &subject, MAX_TTL * 2, now).is_err());
+    }
+
+    #[test]
+    fn an_authorization_header_that_is_not_ascii_is_refused_as_such() {
+        let with = |value: &[u8]| {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                header::AUTHORIZATION,
+                axum::http::HeaderValue::from_bytes(value).unwrap(),
+            );
+            headers
+        };
+        assert_eq!(bearer_token(&with(b"Bearer abc ")), Ok("abc"));
+        assert_eq!(
+            bearer_token(&with(b"Bearer \xe9t\xe9")),
+            Err("the Authorization header is not ASCII text")
+        );
+        assert_eq!(
+            bearer_token(&with(b"Basic abc")),
+            Err("the Authorization header is not `Bearer <token>`")
+        );
+        assert_eq!(
+            bearer_token(&HeaderMap::new()),
+            Err("an Authorization: Bearer <token> header is required")
+        );
     }
 }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::{MatchedPath, Request, State};
+use axum::http::{header, HeaderValue};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::Router;
@@ -63,10 +64,24 @@ fn build(pool: PgPool, config: &ApiConfig, purge: Arc<Notify>) -> Result<Router,
         quotas: config.quotas,
         sealing: config.sealing.clone(),
     };
-    // Inside `observe`, so that a request refused 429 is counted and timed like any other.
+    // Inside `observe`, so that a request refused 429 is counted and timed like any other;
+    // `no_store` outside `admit`, so that its 429 is not kept either.
     Ok(routes::router(state.clone())
         .layer(middleware::from_fn_with_state(state, envelope::admit))
+        .layer(middleware::from_fn(no_store))
         .layer(middleware::from_fn_with_state(metrics, observe)))
+}
+
+/// `Cache-Control: no-store` on every answer that does not say its own (the console's files
+/// do): an answer may show a secret, a password or a token once, every read is one tenant's, and
+/// an error may echo what was sent. No browser or proxy keeps any of them.
+async fn no_store(request: Request, next: Next) -> Response {
+    let mut response = next.run(request).await;
+    response
+        .headers_mut()
+        .entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-store"));
+    response
 }
 
 /// A client for the relay's own broker's management API: an address the operator configured,

@@ -8,7 +8,8 @@
 //! 3. the body, read up to the limit as it arrives: 413 once it passes it, 408 when it does not
 //!    arrive within the listener's body read timeout, 503 with Retry-After when it does not fit
 //!    in the process's body budget or its client's share (relay-listener's `BodyBudget`);
-//! 4. the signature over the raw bytes with the endpoint's secrets, then the timestamp: 401;
+//! 4. the signature over the raw bytes with the endpoint's secrets, then the timestamp: 401 (also
+//!    for a signed header that is missing or not ASCII text);
 //! 5. a webhook-id header of 1 to 256 bytes, and a body that does not name another endpoint in
 //!    its `webhook_endpoint_id`: 400;
 //! 6. the tenant's quota of messages per second ([`crate::rates`]): 429 with Retry-After past
@@ -289,6 +290,8 @@ async fn take_message(
 ) -> Answer {
     let received_at = state.clock.now();
     let limit = state.config.max_body_bytes;
+    // hyper answered 400 to a Content-Length that is not digits (ASCII or not) before this: one
+    // here is a number.
     let declared_length = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -325,11 +328,9 @@ async fn take_message(
     // gathered may wait for it (the count ends with this guard, whatever the answer).
     let coming = state.writer.coming();
 
-    let header_text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let signature_headers = SignatureHeaders {
-        webhook_id: header_text("webhook-id"),
-        webhook_timestamp: header_text("webhook-timestamp"),
-        webhook_signature: header_text("webhook-signature"),
+    let signature_headers = match signature_headers(headers) {
+        Ok(signature_headers) => signature_headers,
+        Err(error) => return Answer::BadSignature(error),
     };
     let secrets = endpoint.secrets_at(received_at);
     let signed_at = match relay_wire::verify(
@@ -391,7 +392,11 @@ async fn take_message(
         tenant_id: endpoint.tenant_id,
         webhook_id,
         signed_at: OffsetDateTime::from_unix_timestamp(signed_at).unwrap_or(received_at),
-        attempt: header_text("quanor-webhook-attempt").and_then(|v| v.parse().ok()),
+        // For the tenant's listing only: a value that is not a number, ASCII or not, is none.
+        attempt: headers
+            .get("quanor-webhook-attempt")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok()),
         received_at,
         track,
         generation,
@@ -408,6 +413,23 @@ async fn take_message(
         Ok(StoreOutcome::EndpointUnknown) => Answer::UnknownEndpoint,
         Err(error) => Answer::Unavailable(error.to_string()),
     }
+}
+
+/// The signed headers as text. One that is present but not visible ASCII (what
+/// `HeaderValue::to_str` takes) is refused as such, [`VerifyError::NotAscii`], never taken for
+/// missing: the upstream did send it.
+fn signature_headers(headers: &HeaderMap) -> Result<SignatureHeaders<'_>, VerifyError> {
+    let text = |name: &'static str| {
+        headers
+            .get(name)
+            .map(|value| value.to_str().map_err(|_| VerifyError::NotAscii(name)))
+            .transpose()
+    };
+    Ok(SignatureHeaders {
+        webhook_id: text("webhook-id")?,
+        webhook_timestamp: text("webhook-timestamp")?,
+        webhook_signature: text("webhook-signature")?,
+    })
 }
 
 /// The endpoint a body names in its `webhook_endpoint_id`, read leniently: from any body that is
@@ -443,6 +465,26 @@ mod tests {
         );
         let long = "a".repeat(1000);
         assert_eq!(logged(&long), format!("\"{}\"...", "a".repeat(64)));
+    }
+
+    #[test]
+    fn a_signed_header_that_is_not_ascii_is_refused_as_such_not_as_missing() {
+        let mut headers = HeaderMap::new();
+        headers.insert("webhook-id", HeaderValue::from_static("msg_1"));
+        headers.insert(
+            "webhook-signature",
+            HeaderValue::from_bytes(b"v1,\xe9").unwrap(),
+        );
+        let error = signature_headers(&headers).unwrap_err();
+        assert_eq!(error, VerifyError::NotAscii("webhook-signature"));
+        assert_eq!(
+            error.to_string(),
+            "the webhook-signature header is not ASCII text"
+        );
+        headers.remove("webhook-signature");
+        let text = signature_headers(&headers).unwrap();
+        assert_eq!(text.webhook_id, Some("msg_1"));
+        assert_eq!(text.webhook_signature, None);
     }
 
     #[test]

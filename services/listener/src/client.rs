@@ -70,13 +70,14 @@ impl TrustedProxies {
     /// address that is not a trusted proxy, since each proxy appends the peer it took the request
     /// from and only the trusted ones can be believed. `peer` when the header is absent or
     /// names only trusted proxies, or when an entry a trusted proxy appended is not an address.
+    /// Entries are split on the header's bytes: one that is not ASCII text is an entry that is
+    /// not an address, and the addresses a proxy appended after it on the same line still count
+    /// (taking the whole line for absent would make its client the proxy).
     pub fn forwarded_client(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
-        let entries: Vec<&str> = headers
+        let entries: Vec<&[u8]> = headers
             .get_all("x-forwarded-for")
             .iter()
-            .filter_map(|value| value.to_str().ok())
-            .flat_map(|value| value.split(','))
-            .map(str::trim)
+            .flat_map(|value| value.as_bytes().split(|&byte| byte == b','))
             .collect();
         let mut client = peer;
         for entry in entries.iter().rev() {
@@ -94,8 +95,10 @@ impl TrustedProxies {
     }
 }
 
-/// An `X-Forwarded-For` entry: an address, possibly with a port (`1.2.3.4:5`, `[::1]:5`).
-fn parse_forwarded_address(entry: &str) -> Option<IpAddr> {
+/// An `X-Forwarded-For` entry: an address, possibly with a port (`1.2.3.4:5`, `[::1]:5`), and
+/// spaces around it.
+fn parse_forwarded_address(entry: &[u8]) -> Option<IpAddr> {
+    let entry = std::str::from_utf8(entry).ok()?.trim();
     if let Ok(address) = entry.parse::<IpAddr>() {
         return Some(address);
     }
@@ -316,6 +319,25 @@ mod tests {
         // Garbage where the trusted proxy's entry should be: the peer, never a guess.
         assert_eq!(
             trusted.forwarded_client(peer, &headers(&["203.0.113.7, nonsense"])),
+            peer
+        );
+        // Bytes that are not ASCII text are such garbage, wherever they are: the client's in
+        // front of the balancer's entry on the same line do not hide that entry.
+        let raw = |value: &[u8]| {
+            let mut headers = HeaderMap::new();
+            headers.append("x-forwarded-for", HeaderValue::from_bytes(value).unwrap());
+            headers
+        };
+        assert_eq!(
+            trusted.forwarded_client(peer, &raw(b"6.6.6.\xe9, 203.0.113.7")),
+            ip("203.0.113.7")
+        );
+        assert_eq!(
+            trusted.forwarded_client(peer, &raw(b"\xff\xfe,203.0.113.7 ")),
+            ip("203.0.113.7")
+        );
+        assert_eq!(
+            trusted.forwarded_client(peer, &raw(b"203.0.113.7, 10.1.\xe9.1")),
             peer
         );
         assert!(trusted.trusts(ip("::ffff:10.9.9.9")));

@@ -484,6 +484,8 @@ async fn answer(
     request.extensions_mut().insert(ClientAddr(client));
     let budget = &served.shared.body_budget;
     let has_body = !request.body().is_end_stream();
+    // hyper answered 400 to a Content-Length that is not digits (ASCII or not): one here is a
+    // number.
     let declared = request
         .headers()
         .get(header::CONTENT_LENGTH)

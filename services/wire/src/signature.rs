@@ -86,7 +86,9 @@ impl std::fmt::Debug for SigningSecret {
     }
 }
 
-/// The three signed headers of a message, as received (header values, not yet checked).
+/// The three signed headers of a message, as received (header values, not yet checked). A header
+/// that is present but not text (visible ASCII) is the caller's to refuse, as
+/// [`VerifyError::NotAscii`], before it gets here: it is not missing.
 #[derive(Debug, Clone, Copy)]
 pub struct SignatureHeaders<'a> {
     pub webhook_id: Option<&'a str>,
@@ -99,6 +101,8 @@ pub struct SignatureHeaders<'a> {
 pub enum VerifyError {
     #[error("the {0} header is missing")]
     MissingHeader(&'static str),
+    #[error("the {0} header is not ASCII text")]
+    NotAscii(&'static str),
     #[error("the webhook-timestamp header is not a Unix time in seconds")]
     MalformedTimestamp,
     #[error(

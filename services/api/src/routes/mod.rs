@@ -87,7 +87,10 @@ impl HasVerifier for AppState {
                        Any route taking a valid token may answer 429 `too_many_requests` with \
                        Retry-After, before anything is done, the connection then closed: the \
                        caller (a tenant, or the operators together) has \
-                       RELAY_API_MAX_REQUESTS_PER_TENANT requests in flight already."
+                       RELAY_API_MAX_REQUESTS_PER_TENANT requests in flight already. \
+                       Every answer, errors included, carries `Cache-Control: no-store`: some \
+                       show a secret, a password or a token once, every read is the caller's \
+                       alone, and an error may echo what was sent."
     ),
     modifiers(&BearerAuth),
     // The enums only query parameters name: the schemas of bodies are collected from the routes.
@@ -329,6 +332,10 @@ mod tests {
         let description = doc["info"]["description"].as_str().unwrap();
         assert!(
             description.contains("429 `too_many_requests`"),
+            "{description}"
+        );
+        assert!(
+            description.contains("`Cache-Control: no-store`"),
             "{description}"
         );
         let rewind = &paths["/v1/endpoints/{endpoint_id}/tracks/{track}/rewind"]["post"];
