@@ -37,6 +37,7 @@ mod error;
 mod metrics;
 mod offboarding;
 mod routes;
+mod sealed_census;
 mod server;
 mod upstream;
 
@@ -45,5 +46,6 @@ pub use broker::{dead_letter_queue, BrokerAccess, DeadLetters, ManagementSetting
 pub use config::{issue_token, ApiArgs, ApiConfig, ConfigError, JwtKeyArgs, TokenArgs};
 pub use envelope::{EnvelopeLimits, ENVELOPE_LIMITS};
 pub use error::ApiError;
+pub use routes::keys::KeysState;
 pub use routes::openapi;
 pub use server::{ApiServer, ServeError};

@@ -166,6 +166,7 @@ pub struct ApiServer {
     done: JoinHandle<Result<(), ServeError>>,
     dead_lettering: JoinHandle<()>,
     purging: JoinHandle<()>,
+    counting_sealed: JoinHandle<()>,
 }
 
 impl ApiServer {
@@ -201,6 +202,12 @@ impl ApiServer {
             management_client(config)?,
             purge.clone(),
         ));
+        let counting_sealed = tokio::spawn(crate::sealed_census::run(
+            pool.clone(),
+            config.sealing.clone(),
+            crate::sealed_census::SealedGauges::register(&config.registry)
+                .map_err(ServeError::Metrics)?,
+        ));
         let app = build(pool, config, purge)?;
         let (stop, stopped) = oneshot::channel::<()>();
         let limits = config.listener;
@@ -223,6 +230,7 @@ impl ApiServer {
             done,
             dead_lettering,
             purging,
+            counting_sealed,
         })
     }
 
@@ -230,6 +238,7 @@ impl ApiServer {
     pub async fn stop(mut self) -> Result<(), ServeError> {
         self.dead_lettering.abort();
         self.purging.abort();
+        self.counting_sealed.abort();
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }

@@ -93,69 +93,37 @@ pub async fn rotate(pool: &PgPool, keys: &Keyring, pause: Duration) -> anyhow::R
     Ok(resealed)
 }
 
-/// `relay keys status`'s answer.
-#[derive(Debug, serde::Serialize)]
-struct Status {
-    current_key: String,
-    configured_keys: Vec<String>,
-    /// Values under a key other than the current one: 0 before an old key may be removed.
-    under_old_keys: i64,
-    plaintext: i64,
-    values: Vec<ColumnCount>,
-}
-
-#[derive(Debug, serde::Serialize)]
-struct ColumnCount {
-    column: String,
-    /// `null`: stored in plain text.
-    key_id: Option<String>,
-    values: i64,
-}
-
+/// `relay keys`.
 pub async fn run(global: &GlobalArgs, command: KeysCommand) -> anyhow::Result<()> {
-    if let KeysCommand::Generate { id } = &command {
-        println!("{}", relay_seal::LocalKeys::generate_entry(id)?);
-        return Ok(());
-    }
+    let pause = match command {
+        KeysCommand::Generate { id } => {
+            println!("{}", relay_seal::LocalKeys::generate_entry(&id)?);
+            return Ok(());
+        }
+        KeysCommand::Status => None,
+        KeysCommand::Rotate { pause_ms } => Some(Duration::from_millis(pause_ms)),
+    };
     let pool = crate::commands::admin_pool(global)?;
-    let keys = global.seal.keyring()?;
-    match command {
-        KeysCommand::Generate { .. } => unreachable!("answered above"),
-        KeysCommand::Status => {}
-        KeysCommand::Rotate { pause_ms } => {
-            // Every value must open before any is re-sealed: a key missing or wrong is said
-            // once, here, rather than part-way.
+    let keys = match pause {
+        // Every value must open before any is re-sealed: a key missing or wrong is said once,
+        // here, rather than part-way.
+        Some(pause) => {
             let keys = opened(global, &pool).await?;
-            let resealed = rotate(&pool, &keys, Duration::from_millis(pause_ms)).await?;
+            let resealed = rotate(&pool, &keys, pause).await?;
             eprintln!(
                 "re-sealed {resealed} value(s) under key `{}`",
                 keys.current()
             );
+            keys
         }
-    }
+        None => global.seal.keyring()?,
+    };
     let census = sealing::census(&pool)
         .await
         .context("counting the sealed secrets")?;
-    let current = keys.current().as_str().to_owned();
-    let status = Status {
-        under_old_keys: census.under_old_keys(&current),
-        plaintext: census.plaintext(),
-        configured_keys: keys_configured(&keys),
-        current_key: current,
-        values: census
-            .counts
-            .into_iter()
-            .map(|(column, key_id, values)| ColumnCount {
-                column,
-                key_id,
-                values,
-            })
-            .collect(),
-    };
-    println!("{}", serde_json::to_string_pretty(&status)?);
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&relay_api::KeysState::of(&keys, census))?
+    );
     Ok(())
-}
-
-fn keys_configured(keys: &Keyring) -> Vec<String> {
-    keys.ids().iter().map(|id| id.as_str().to_owned()).collect()
 }

@@ -25,6 +25,7 @@ pub mod broker;
 pub mod destinations;
 pub mod endpoints;
 pub mod enums;
+pub mod keys;
 pub mod quarantine;
 pub mod quotas;
 pub mod reads;
@@ -127,6 +128,7 @@ fn documented() -> OpenApiRouter<AppState> {
         .routes(routes!(tenants::get_tenant, tenants::delete_tenant))
         .routes(routes!(tenants::mint_tenant_token))
         .routes(routes!(quotas::get_quotas, quotas::put_quotas))
+        .routes(routes!(keys::keys_state))
         .routes(routes!(tenants::own_tenant))
         .routes(routes!(
             endpoints::create_endpoint,
