@@ -39,7 +39,7 @@ use uuid::Uuid;
 
 use crate::cli::GlobalArgs;
 use crate::cpu::CpuSnapshot;
-use crate::loadgen::{build_events_message, loadgen_endpoints, loadgen_tenant, LoadgenArgs};
+use crate::loadgen::{build_events_message, loadgen_endpoints, loadgen_tenant};
 
 /// The database every run makes for itself on RELAY_DATABASE_URL's server.
 const DATABASE: &str = "relay_bench_path";
@@ -393,10 +393,44 @@ impl Bench<'_> {
         )
     }
 
-    /// Migrates the run's database with `build`'s own binary, then registers the load's tenant
-    /// and endpoints and marks every endpoint's feed as held at the load's generation.
+    /// Migrates the run's database with `build`'s own binary, registers the load's tenant and
+    /// endpoints as every build's schema takes them, and marks every endpoint's feed as held at
+    /// the load's generation; then migrates again, so a build that seals secrets at rest seals
+    /// them as it would a database an older build wrote.
     async fn prepare_database(&self, build: &Build) -> anyhow::Result<()> {
         self.recreate_database().await?;
+        self.migrate(build).await?;
+        let mut conn = PgConnection::connect(&self.database_url()).await?;
+        let tenant = loadgen_tenant(SEED);
+        let endpoints = loadgen_endpoints(SEED, self.args.endpoints);
+        let ids: Vec<Uuid> = endpoints.iter().map(|(id, _)| *id).collect();
+        let secrets: Vec<String> = endpoints.iter().map(|(_, s)| s.to_whsec()).collect();
+        // Plain statements, not the store's: the builds compared may predate its columns. The
+        // load's one tenant stands for the whole load: no quota of a tenant's shapes it.
+        for statement in [
+            "INSERT INTO tenants (id, name) VALUES ($1, 'loadgen')",
+            "INSERT INTO tenant_quotas (tenant_id, max_endpoints, max_messages_per_second)
+             VALUES ($1, 1000000, 1000000)",
+            "INSERT INTO webhook_endpoints (id, tenant_id) SELECT unnest($2::uuid[]), $1",
+            "INSERT INTO endpoint_arrival_counters (endpoint_id) SELECT unnest($2::uuid[])",
+            "INSERT INTO endpoint_secrets (tenant_id, endpoint_id, secret)
+             SELECT $1, unnest($2::uuid[]), unnest($3::text[])",
+            "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
+             SELECT id, 'feed', tenant_id, 1, 'loadgen1' FROM webhook_endpoints",
+        ] {
+            sqlx::query(statement)
+                .bind(tenant)
+                .bind(&ids)
+                .bind(&secrets)
+                .execute(&mut conn)
+                .await
+                .with_context(|| format!("provisioning the load: {statement}"))?;
+        }
+        self.migrate(build).await
+    }
+
+    /// `relay migrate` of `build`'s own binary on the run's database.
+    async fn migrate(&self, build: &Build) -> anyhow::Result<()> {
         let migrated = tokio::process::Command::new(&build.binary)
             .arg("migrate")
             .envs(self.global.seal.environment())
@@ -412,33 +446,7 @@ impl Bench<'_> {
                 String::from_utf8_lossy(&migrated.stderr)
             );
         }
-        let global = GlobalArgs {
-            database_url: self.database_url(),
-            ..self.global.clone()
-        };
-        crate::loadgen::provision(&global, &self.loadgen_args()).await?;
-        let mut conn = PgConnection::connect(&self.database_url()).await?;
-        sqlx::query(
-            "INSERT INTO endpoint_tracks (endpoint_id, track, tenant_id, generation, access_version)
-             SELECT id, 'feed', tenant_id, 1, 'loadgen1' FROM webhook_endpoints",
-        )
-        .execute(&mut conn)
-        .await?;
         Ok(())
-    }
-
-    fn loadgen_args(&self) -> LoadgenArgs {
-        LoadgenArgs {
-            url: String::new(),
-            endpoints: self.args.endpoints,
-            concurrency: 1,
-            duration_s: self.args.duration_s,
-            warmup_s: self.args.warmup_s,
-            rate: 0.0,
-            body_bytes: self.args.body_bytes,
-            provision: false,
-            seed: SEED,
-        }
     }
 
     async fn run(&self, build: &Build, mode: PathMode, load: Load) -> anyhow::Result<RunFigures> {
