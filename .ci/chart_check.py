@@ -57,12 +57,14 @@ METRICS_LISTEN = {
 }
 SERVING_LISTEN = {"ingest": ("RELAY_INGEST_LISTEN", "webhooks"), "api": ("RELAY_API_LISTEN", "http")}
 # What each tier's container must be given (by value or from a Secret).
+# Every tier opens the sealed secrets, and `relay migrate` seals an older relay's.
 REQUIRED_ENV = {
-    "ingest": ["RELAY_DATABASE_URL", "RELAY_REDIS_URL"],
-    "sequencer": ["RELAY_DATABASE_URL", "RELAY_REDIS_URL"],
-    "publisher": ["RELAY_DATABASE_URL", "RELAY_REDIS_URL", "RELAY_AMQP_URL"],
-    "api": ["RELAY_DATABASE_URL", "RELAY_REDIS_URL", "RELAY_AMQP_URL", "RELAY_API_JWT_SECRET_FILE"],
-    "migrate": ["RELAY_DATABASE_URL"],
+    "ingest": ["RELAY_DATABASE_URL", "RELAY_REDIS_URL", "RELAY_SEAL_KEYS_FILE"],
+    "sequencer": ["RELAY_DATABASE_URL", "RELAY_REDIS_URL", "RELAY_SEAL_KEYS_FILE"],
+    "publisher": ["RELAY_DATABASE_URL", "RELAY_REDIS_URL", "RELAY_AMQP_URL", "RELAY_SEAL_KEYS_FILE"],
+    "api": ["RELAY_DATABASE_URL", "RELAY_REDIS_URL", "RELAY_AMQP_URL", "RELAY_API_JWT_SECRET_FILE",
+            "RELAY_SEAL_KEYS_FILE"],
+    "migrate": ["RELAY_DATABASE_URL", "RELAY_SEAL_KEYS_FILE"],
 }
 
 # The part of the Prometheus Operator's ServiceMonitor CRD (monitoring.coreos.com/v1) the chart

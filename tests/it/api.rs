@@ -411,6 +411,7 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             NA,
             201,
         ),
+        ("GET /v1/keys", None, Op, NA, 200),
         ("GET /v1/tenants/{tenant_id}/quotas", None, Op, NA, 200),
         (
             "PUT /v1/tenants/{tenant_id}/quotas",

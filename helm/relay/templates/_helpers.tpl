@@ -94,8 +94,10 @@ follow them.
 {{- if $v.tls.caConfigMap -}}
 {{- $_ := set $owned "RELAY_TLS_CA_FILE" (printf "/etc/relay/tls/%s" $v.tls.caKey) -}}
 {{- end -}}
-{{- /* Never beside RELAY_API_JWT_SECRET_FILE (the relay refuses both). */ -}}
-{{- $refused := dict -}}
+{{- /* Every tier and the migration open the stored secrets with the mounted key file. */ -}}
+{{- $_ := set $owned "RELAY_SEAL_KEYS_FILE" "/etc/relay/seal/keys" -}}
+{{- /* Never beside RELAY_API_JWT_SECRET_FILE or RELAY_SEAL_KEYS_FILE (the relay refuses both). */ -}}
+{{- $refused := dict "RELAY_SEAL_KEYS" "sealKeys.secretName and sealKeys.secretKey" -}}
 {{- if eq $tier "api" -}}
 {{- $_ := set $refused "RELAY_API_JWT_SECRET" "jwt.secretName and jwt.secretKey" -}}
 {{- end -}}
@@ -189,6 +191,7 @@ envFrom:
 {{- if $v.tls.caConfigMap -}}
 {{- $mounts = append $mounts (dict "name" "relay-ca" "mountPath" "/etc/relay/tls" "readOnly" true) -}}
 {{- end -}}
+{{- $mounts = append $mounts (dict "name" "relay-seal-keys" "mountPath" "/etc/relay/seal" "readOnly" true) -}}
 {{- if eq .tier "api" -}}
 {{- $mounts = append $mounts (dict "name" "relay-jwt" "mountPath" "/etc/relay/jwt" "readOnly" true) -}}
 {{- end -}}
@@ -206,6 +209,8 @@ volumeMounts:
 {{- if $v.tls.caConfigMap -}}
 {{- $volumes = append $volumes (dict "name" "relay-ca" "configMap" (dict "name" $v.tls.caConfigMap "items" (list (dict "key" $v.tls.caKey "path" $v.tls.caKey)))) -}}
 {{- end -}}
+{{- /* Every pod: the keys that seal stored secrets, 0440 for the relay's group (fsGroup). */ -}}
+{{- $volumes = append $volumes (dict "name" "relay-seal-keys" "secret" (dict "secretName" $v.sealKeys.secretName "defaultMode" 288 "items" (list (dict "key" $v.sealKeys.secretKey "path" "keys")))) -}}
 {{- if eq .tier "api" -}}
 {{- $items := list (dict "key" $v.jwt.secretKey "path" "key") -}}
 {{- if $v.jwt.previousSecretKey -}}
