@@ -25,6 +25,7 @@ mod reload_shares;
 mod restore;
 mod retention;
 mod scale_out;
+mod sealing;
 mod sequencer_apply;
 mod sequencer_ownership;
 mod sequencer_quarantine;

@@ -56,14 +56,16 @@ pub async fn seal_plaintext(global: &GlobalArgs, pool: &PgPool) -> anyhow::Resul
             sealed += batch;
         }
     }
-    // Dead row versions still hold the plain text until vacuumed; a physical backup or a
-    // replica's files would carry them.
+    // The old row versions' bytes stay in the tables' pages (a plain VACUUM frees them, it does
+    // not overwrite them), where a physical backup or a replica's files would carry them: the
+    // tables are written anew. They hold a row or two per endpoint; each is locked only for the
+    // moment its copy takes.
     for table in [
         "endpoint_secrets",
         "webhook_endpoints",
         "tenant_destinations",
     ] {
-        sqlx::query(&format!("VACUUM {table}"))
+        sqlx::query(&format!("VACUUM FULL {table}"))
             .execute(pool)
             .await
             .with_context(|| format!("vacuuming {table}"))?;
