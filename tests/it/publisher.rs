@@ -144,8 +144,8 @@ where
     }
 }
 
-/// Points `tenant`'s destination straight at its own exchange on the broker at `amqp_url` (a
-/// row written into Postgres, as the control plane writes it, without the control plane's checks).
+/// Points `tenant`'s destination straight at its own exchange on the broker at `amqp_url` (the
+/// store's write the control plane makes, URL sealed, without the control plane's checks).
 pub(crate) async fn set_own_exchange(
     pool: &PgPool,
     tenant: Uuid,
@@ -153,15 +153,16 @@ pub(crate) async fn set_own_exchange(
     exchange: &str,
     routing_key: &str,
 ) {
-    sqlx::query(
-        "INSERT INTO tenant_destinations (tenant_id, kind, amqp_url, exchange, routing_key)
-         VALUES ($1, 'own_exchange', $2, $3, $4)",
+    relay_store::destinations::set(
+        pool,
+        &relay_tests::keys(),
+        relay_store::TenantId(tenant),
+        &relay_store::destinations::Destination::OwnExchange {
+            amqp_url: amqp_url.into(),
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+        },
     )
-    .bind(tenant)
-    .bind(amqp_url)
-    .bind(exchange)
-    .bind(routing_key)
-    .execute(pool)
     .await
     .unwrap();
 }

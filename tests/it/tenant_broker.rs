@@ -184,11 +184,17 @@ async fn a_destination_at_any_node_of_the_relays_cluster_is_refused() {
     let own_cluster = "amqp://u:p@127.0.0.1:5692/%2f,amqp://u:p@127.0.0.1:5693/%2f";
     let (status, answer) = put_destination(&api, a, own_exchange(own_cluster, "x", "k")).await;
     assert_eq!(status, 200, "{answer}");
-    let stored: String = sqlx::query_scalar("SELECT amqp_url FROM tenant_destinations")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-    assert_eq!(stored, own_cluster);
+    let stored = relay_store::destinations::for_publishing(
+        &db.pool,
+        &relay_tests::keys(),
+        relay_store::TenantId(a),
+    )
+    .await
+    .unwrap();
+    let relay_store::destinations::Destination::OwnExchange { amqp_url, .. } = stored else {
+        panic!("an own exchange is stored: {stored:?}");
+    };
+    assert_eq!(amqp_url.expose(), own_cluster);
     assert_amqp_url_refused(
         &api,
         a,
