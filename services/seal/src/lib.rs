@@ -212,17 +212,15 @@ impl Keyring {
                 &mut sealed_value,
             )
             .expect("AES-GCM seals any value under 64 GiB");
-        let mut bytes = Vec::with_capacity(3 + wrapped.len() + NONCE_LEN + sealed_value.len());
-        bytes.push(VERSION);
-        bytes.extend_from_slice(
-            &u16::try_from(wrapped.len())
-                .expect("a wrapped data key is short")
-                .to_be_bytes(),
-        );
-        bytes.extend_from_slice(&wrapped);
-        bytes.extend_from_slice(&nonce);
-        bytes.extend_from_slice(&sealed_value);
-        Sealed { key_id, bytes }
+        Sealed {
+            key_id,
+            bytes: Parts {
+                wrapped: &wrapped,
+                nonce: &nonce,
+                value: &sealed_value,
+            }
+            .to_bytes(),
+        }
     }
 
     /// Opens a value sealed for `field`.
@@ -263,19 +261,13 @@ impl Keyring {
         let wrapped = self
             .keys
             .wrap(&data_key, &field.wrap_aad(current), &self.random);
-        let mut bytes = Vec::with_capacity(3 + wrapped.len() + NONCE_LEN + parts.value.len());
-        bytes.push(VERSION);
-        bytes.extend_from_slice(
-            &u16::try_from(wrapped.len())
-                .expect("a wrapped data key is short")
-                .to_be_bytes(),
-        );
-        bytes.extend_from_slice(&wrapped);
-        bytes.extend_from_slice(parts.nonce);
-        bytes.extend_from_slice(parts.value);
         Ok(Some(Sealed {
             key_id: current.to_owned(),
-            bytes,
+            bytes: Parts {
+                wrapped: &wrapped,
+                ..parts
+            }
+            .to_bytes(),
         }))
     }
 
@@ -392,6 +384,18 @@ impl<'a> Parts<'a> {
             nonce,
             value,
         })
+    }
+
+    fn to_bytes(&self) -> Vec<u8> {
+        let wrapped_len = u16::try_from(self.wrapped.len()).expect("a wrapped data key is short");
+        let mut bytes =
+            Vec::with_capacity(3 + self.wrapped.len() + self.nonce.len() + self.value.len());
+        bytes.push(VERSION);
+        bytes.extend_from_slice(&wrapped_len.to_be_bytes());
+        bytes.extend_from_slice(self.wrapped);
+        bytes.extend_from_slice(self.nonce);
+        bytes.extend_from_slice(self.value);
+        bytes
     }
 }
 
