@@ -310,6 +310,16 @@ pub async fn start_front_tier(
     config: IngestConfig,
     clock: Arc<dyn Clock>,
 ) -> IngestServer {
+    start_front_tier_with_keys(database_url, config, keys(), clock).await
+}
+
+/// [`start_front_tier`] opening the endpoints' secrets with `keys` instead of [`SEAL_KEYS`].
+pub async fn start_front_tier_with_keys(
+    database_url: &str,
+    config: IngestConfig,
+    keys: relay_store::Keyring,
+    clock: Arc<dyn Clock>,
+) -> IngestServer {
     let pool = relay_store::connect(
         database_url,
         &PoolOptions {
@@ -323,7 +333,7 @@ pub async fn start_front_tier(
     .unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let metrics_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    IngestServer::start(pool, config, keys(), listener, metrics_listener, clock).unwrap()
+    IngestServer::start(pool, config, keys, listener, metrics_listener, clock).unwrap()
 }
 
 /// Posts `message` with `client` to the front tier at `base_url` as the upstream does; an error

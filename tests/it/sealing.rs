@@ -25,7 +25,7 @@ use relay_simulator::{EndpointSpec, Faults, SenderConfig, Simulation, Upstream};
 use relay_store::destinations::{self, Destination};
 use relay_store::endpoints::{self, NewEndpoint, Registration, Source};
 use relay_store::sealing::{self, BROKER_URLS, SIGNING_SECRETS, UPSTREAM_API_KEYS};
-use relay_store::{EndpointId, Keyring, PoolOptions, StoreError, TenantId};
+use relay_store::{EndpointId, Keyring, StoreError, TenantId};
 use relay_tests::{
     capture_logs, feed_body, post_to, printed_seed, start_front_tier, test_config, Signed, TestDb,
     SEAL_KEYS,
@@ -221,21 +221,13 @@ async fn opened(database_url: &str, keys: Option<&str>, pool: &PgPool) -> Result
 
 /// A front tier on `database_url` holding `keys`, as `relay ingest` starts it (port 0).
 async fn front_tier(database_url: &str, keys: Keyring) -> IngestServer {
-    let config = test_config();
-    let pool = relay_store::connect(
+    relay_tests::start_front_tier_with_keys(
         database_url,
-        &PoolOptions {
-            max_connections: 8,
-            acquire_timeout: config.answer_deadline,
-            statement_timeout: Some(config.answer_deadline),
-            generic_plans: true,
-            ..PoolOptions::default()
-        },
+        test_config(),
+        keys,
+        Arc::new(SystemClock),
     )
-    .unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let metrics = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    IngestServer::start(pool, config, keys, listener, metrics, Arc::new(SystemClock)).unwrap()
+    .await
 }
 
 /// Posts the endpoint's message `n` signed with `secret` to the front tier at `base_url`: the
