@@ -165,8 +165,9 @@ pub async fn message_outcomes(
         duplicated: false,
         received_from: None,
         received_before: None,
+        contains: None,
     };
-    let listed = relay_store::messages::list_with_outcomes(
+    let (listed, _) = relay_store::messages::list_with_outcomes(
         pool,
         relay_store::TenantId(tenant),
         relay_store::EndpointId(endpoint),

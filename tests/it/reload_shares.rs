@@ -301,6 +301,7 @@ impl Relay {
             TenantId(tenant),
             &Registration {
                 id: EndpointId(id),
+                name: None,
                 source,
                 lang: feed.then(|| "en".to_owned()),
                 upstream_base_url: Some(self.upstream_url.clone()),

@@ -944,6 +944,7 @@ async fn rotation_under_traffic_loses_and_refuses_nothing() {
             let (pool, old) = (db.pool.clone(), old.clone());
             let registration = Registration {
                 id: EndpointId(r.id),
+                name: None,
                 source: Source::Feed,
                 lang: Some("en".into()),
                 upstream_base_url: Some(upstream.base_url.clone()),
@@ -1262,6 +1263,7 @@ async fn a_backup_restores_with_its_keys_and_is_refused_clearly_without_them() {
             TenantId(tenant),
             &Registration {
                 id: EndpointId(id),
+                name: None,
                 source: Source::Feed,
                 lang: Some("en".into()),
                 upstream_base_url: Some("http://127.0.0.1:9".into()),

@@ -166,6 +166,7 @@ pub(crate) async fn register(
             tenant,
             &Registration {
                 id: EndpointId(info.id),
+                name: None,
                 source: Source::Stories(StoriesSettings {
                     mode,
                     tickers: info.tickers.clone(),
@@ -732,6 +733,7 @@ async fn removing_a_ticker_drops_its_stories_and_adding_one_loads_them() {
             on.tenant,
             EndpointId(info.id),
             &endpoints::SettingsChange {
+                name: None,
                 lang: None,
                 upstream_base_url: None,
                 upstream_api_key: None,

@@ -40,6 +40,7 @@ pub(crate) async fn register_stories(db: &TestDb, tickers: &[&str]) -> (TenantId
         tenant,
         &Registration {
             id: endpoint,
+            name: None,
             source: Source::Stories(StoriesSettings {
                 mode: StoriesMode::Snapshot,
                 tickers: tickers.iter().map(|t| t.to_string()).collect(),

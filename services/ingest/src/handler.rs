@@ -41,7 +41,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use relay_store::endpoints::EndpointStatus;
-use relay_store::messages::{IncomingMessage, StoreOutcome};
+use relay_store::messages::{IncomingMessage, StoreOutcome, MAX_WEBHOOK_ID_BYTES};
 use relay_wire::{Message, SignatureHeaders, StoryEvent, VerifyError};
 use serde_json::json;
 use time::OffsetDateTime;
@@ -54,9 +54,6 @@ use crate::metrics::{IngestMetrics, Outcome};
 use crate::rates::{TenantRates, Throttled};
 use crate::writer::BatchWriter;
 use relay_listener::{BodyBudgetSpent, BodyReadTimeout};
-
-/// The longest webhook-id stored; the upstream's are `msg_` and 32 hex digits.
-const MAX_WEBHOOK_ID_LEN: usize = 256;
 
 pub struct AppState {
     pub config: IngestConfig,
@@ -346,8 +343,8 @@ async fn take_message(
         Err(error) => return Answer::BadSignature(error),
     };
     let webhook_id = signature_headers.webhook_id.unwrap_or_default().to_owned();
-    if webhook_id.is_empty() || webhook_id.len() > MAX_WEBHOOK_ID_LEN {
-        return Answer::Malformed(format!("a webhook-id is 1 to {MAX_WEBHOOK_ID_LEN} bytes"));
+    if webhook_id.is_empty() || webhook_id.len() > MAX_WEBHOOK_ID_BYTES {
+        return Answer::Malformed(format!("a webhook-id is 1 to {MAX_WEBHOOK_ID_BYTES} bytes"));
     }
 
     let (track, generation, events, unparsed) = if endpoint.stories {

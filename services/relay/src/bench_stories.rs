@@ -125,6 +125,7 @@ async fn stories_tenant(
             TenantId(tenant),
             &Registration {
                 id: EndpointId(id),
+                name: None,
                 source: Source::Stories(StoriesSettings {
                     mode: StoriesMode::Snapshot,
                     tickers: tickers.clone(),

@@ -418,3 +418,72 @@ pub async fn written_by_minute(
     .await?;
     Ok(crate::db::counts_by_minute(rows))
 }
+
+/// A change as the tenant's message detail lists it: what it wrote, not the item itself.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ChangeSummary {
+    pub change_seq: i64,
+    pub kind: String,
+    pub operation: String,
+    pub subject: String,
+    pub item_kind: Option<String>,
+    pub generation: i64,
+    pub sequence: Option<String>,
+    pub event_id: Option<String>,
+    pub created_at: OffsetDateTime,
+}
+
+/// How many of an endpoint's latest changes one read of a message's changes looks through at
+/// most ([`made_by_events`]).
+pub const MADE_BY_SCAN: i64 = 50_000;
+
+/// The changes of the tenant's endpoint's current epoch that the events `event_ids` made
+/// (their `event_id`), written at or after `not_before` (the message's arrival: nothing it
+/// caused is older), in change_seq order, at most `limit`. The read goes back from the
+/// endpoint's latest change through at most [`MADE_BY_SCAN`] of them; the flag says it stopped
+/// at that bound before reaching `not_before` (older changes of the message may exist). A
+/// change no longer kept (published, past the changes' retention) is not found.
+pub async fn made_by_events(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    event_ids: &[String],
+    not_before: OffsetDateTime,
+    limit: i64,
+) -> Result<(Vec<ChangeSummary>, bool), StoreError> {
+    if event_ids.is_empty() {
+        return Ok((Vec::new(), false));
+    }
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    let window = "SELECT * FROM changes w WHERE w.endpoint_id = $1 AND w.tenant_id = $2
+                  ORDER BY w.change_seq DESC LIMIT $3";
+    let rows: Vec<ChangeSummary> = sqlx::query_as(&format!(
+        "SELECT c.change_seq, c.kind, c.operation, c.subject, c.item_kind, c.generation,
+                c.sequence, c.event_id, c.created_at
+         FROM ({window}) c
+         WHERE c.event_id = ANY($4) AND c.created_at >= $5
+         ORDER BY c.change_seq LIMIT $6"
+    ))
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(MADE_BY_SCAN)
+    .bind(event_ids)
+    .bind(not_before)
+    .bind(limit)
+    .fetch_all(&mut *tx)
+    .await?;
+    let cut: bool = sqlx::query_scalar(&format!(
+        "SELECT count(*) = $3 AND min(created_at) >= $4 FROM ({window}) w"
+    ))
+    .bind(endpoint)
+    .bind(tenant)
+    .bind(MADE_BY_SCAN)
+    .bind(not_before)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok((rows, cut))
+}

@@ -366,6 +366,8 @@ pub async fn load_registration(
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct EndpointInfo {
     pub id: EndpointId,
+    /// What its tenant calls it.
+    pub name: Option<String>,
     pub lang: Option<String>,
     pub status: String,
     pub upstream_base_url: Option<String>,
@@ -379,7 +381,7 @@ pub struct EndpointInfo {
     pub updated_at: OffsetDateTime,
 }
 
-const INFO_COLUMNS: &str = "id, lang, status, upstream_base_url,
+const INFO_COLUMNS: &str = "id, name, lang, status, upstream_base_url,
      upstream_api_key_sealed IS NOT NULL AS upstream_api_key_set, source, stories_mode, tickers,
      created_at, updated_at";
 
@@ -415,6 +417,7 @@ pub async fn owned(
 /// What a tenant registers.
 pub struct Registration {
     pub id: EndpointId,
+    pub name: Option<String>,
     pub source: Source,
     /// The feed's language; `None` for a stories endpoint.
     pub lang: Option<String>,
@@ -487,8 +490,8 @@ async fn register_in(
     let inserted: Option<EndpointId> = sqlx::query_scalar(
         "INSERT INTO webhook_endpoints (id, tenant_id, lang, upstream_base_url,
                                         upstream_api_key_sealed, upstream_api_key_key_id,
-                                        source, stories_mode, tickers)
-         SELECT $1, t.id, $3, $4, $5, $10, $6, $7, $8 FROM tenants t
+                                        source, stories_mode, tickers, name)
+         SELECT $1, t.id, $3, $4, $5, $10, $6, $7, $8, $11 FROM tenants t
          WHERE t.id = $2 AND t.deleting_since IS NULL
            AND ($9::int4 IS NULL
                 OR (SELECT count(*) FROM webhook_endpoints e
@@ -508,6 +511,7 @@ async fn register_in(
     .bind(tickers)
     .bind(quota.map(|q| q.max_endpoints as i32))
     .bind(api_key_id)
+    .bind(&new.name)
     .fetch_optional(&mut *tx)
     .await?;
     if inserted.is_none() {
@@ -611,6 +615,8 @@ pub async fn list(
 
 /// A change of an endpoint's settings; `None` keeps the value stored.
 pub struct SettingsChange {
+    /// `Some(None)` takes the name away.
+    pub name: Option<Option<String>>,
     pub lang: Option<String>,
     pub upstream_base_url: Option<String>,
     pub upstream_api_key: Option<SecretText>,
@@ -632,7 +638,8 @@ pub async fn change_settings(
         seal_api_key(keys, endpoint.as_uuid(), change.upstream_api_key.as_ref());
     let updated: Option<EndpointId> = sqlx::query_scalar(
         "UPDATE webhook_endpoints
-         SET lang = COALESCE($3, lang),
+         SET name = CASE WHEN $9 THEN $10 ELSE name END,
+             lang = COALESCE($3, lang),
              upstream_base_url = COALESCE($4, upstream_base_url),
              upstream_api_key_sealed = COALESCE($5, upstream_api_key_sealed),
              upstream_api_key_key_id = COALESCE($8, upstream_api_key_key_id),
@@ -650,6 +657,8 @@ pub async fn change_settings(
     .bind(change.stories_mode.map(StoriesMode::as_str))
     .bind(&change.tickers)
     .bind(api_key_id)
+    .bind(change.name.is_some())
+    .bind(change.name.as_ref().and_then(Option::as_ref))
     .fetch_optional(pool)
     .await?;
     Ok(updated.is_some())

@@ -14,8 +14,8 @@
 //! - [`broker_users`]: each tenant's user on the relay's broker (the user lives in RabbitMQ).
 //! - [`endpoints`]: webhook endpoints, their status and their signing secrets.
 //! - [`messages`]: the stored webhook messages, written in batches.
-//! - [`lag_samples`]: each endpoint's apply lag, sampled minute by minute for the console's
-//!   chart of the last hour.
+//! - [`lag_samples`]: each endpoint's activity, sampled for the console's charts: its apply lag
+//!   minute by minute (two hours), its arrival and change numbers by quarter hour (eight days).
 //! - [`quarantine`]: stored messages the sequencer set aside, their retry and discard.
 //! - [`upstream_status`]: how each endpoint's calls to its upstream fare (the last failure,
 //!   since when, the last recovery).

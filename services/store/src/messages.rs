@@ -218,6 +218,9 @@ fn column<'a, T>(
     messages.iter().map(|m| field(m)).collect()
 }
 
+/// The longest webhook-id stored, in bytes; the upstream's are `msg_` and 32 hex digits.
+pub const MAX_WEBHOOK_ID_BYTES: usize = 256;
+
 /// A stored message with how it was applied, as its tenant reads it.
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct MessageRecord {
@@ -272,23 +275,17 @@ pub struct MessageQuery {
     pub received_from: Option<OffsetDateTime>,
     /// Only messages received before this.
     pub received_before: Option<OffsetDateTime>,
+    /// Only messages whose body holds these bytes (case as given); a page reads at most
+    /// [`SEARCH_SCAN`] messages.
+    pub contains: Option<String>,
 }
 
-/// A page of the tenant's endpoint's stored messages with their outcomes (empty when it is not
-/// the tenant's).
-pub async fn list_with_outcomes(
-    pool: &PgPool,
-    tenant: TenantId,
-    endpoint: EndpointId,
-    query: &MessageQuery,
-) -> Result<Vec<MessageRecord>, StoreError> {
-    let (condition, order) = if query.newest_first {
-        ("($3::bigint IS NULL OR m.arrival_seq < $3)", "DESC")
-    } else {
-        ("($3::bigint IS NULL OR m.arrival_seq > $3)", "ASC")
-    };
-    // The status is computed once, in the lateral subquery, for the answer and the filter.
-    Ok(sqlx::query_as(&format!(
+/// The columns of a [`MessageRecord`] and the joins they need, over `source` (rows of
+/// `messages` as `m`) and filtered by `filter`: one statement's text for every read of
+/// messages with their outcomes. `$5` says whether the body is read. The status is computed
+/// once, in the lateral subquery, for the answer and the filter.
+fn with_outcomes(source: &str, filter: &str) -> String {
+    format!(
         "SELECT m.arrival_seq, m.webhook_id, m.signed_at, m.attempt, m.received_at, m.track,
                 m.generation, octet_length(m.body) AS body_bytes,
                 CASE WHEN $5 THEN m.body END AS body,
@@ -300,7 +297,7 @@ pub async fn list_with_outcomes(
                                                 THEN 0 END) AS events_ignored,
                 a.applied_at,
                 s.passed, q.reason, s.status, m.duplicates, m.last_duplicate_at
-         FROM messages m
+         FROM {source}
          LEFT JOIN message_applications a
            ON a.endpoint_id = m.endpoint_id AND a.arrival_seq = m.arrival_seq
          LEFT JOIN quarantined_messages q
@@ -317,12 +314,73 @@ pub async fn list_with_outcomes(
              FROM (SELECT a.outcome IS NOT NULL
                           OR m.arrival_seq <= COALESCE(c.applied_arrival_seq, 0) AS passed) p
          ) s
-         WHERE m.endpoint_id = $1 AND m.tenant_id = $2 AND {condition}
+         WHERE m.endpoint_id = $1 AND m.tenant_id = $2 AND {filter}"
+    )
+}
+
+/// How many of an endpoint's messages one page of a search by text ([`MessageQuery::contains`])
+/// reads at most, whatever it finds: the bound on a search's work per request.
+pub const SEARCH_SCAN: i64 = 2_000;
+
+/// A page of the tenant's endpoint's stored messages with their outcomes (empty when it is not
+/// the tenant's), and where the next page starts (`None` after the last).
+///
+/// A page searching by text reads at most [`SEARCH_SCAN`] messages from the cursor, so it may
+/// hold fewer than `limit` rows, none even, and still have a next page: its cursor is the last
+/// message read. The rows and that cursor are read in one snapshot.
+pub async fn list_with_outcomes(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    query: &MessageQuery,
+) -> Result<(Vec<MessageRecord>, Option<i64>), StoreError> {
+    let (condition, order) = if query.newest_first {
+        ("($3::bigint IS NULL OR m.arrival_seq < $3)", "DESC")
+    } else {
+        ("($3::bigint IS NULL OR m.arrival_seq > $3)", "ASC")
+    };
+    let filter = format!(
+        "{condition}
            AND ($6::text IS NULL OR s.status = $6)
            AND (NOT $9 OR m.duplicates > 0)
            AND ($7::timestamptz IS NULL OR m.received_at >= $7)
-           AND ($8::timestamptz IS NULL OR m.received_at < $8)
-         ORDER BY m.arrival_seq {order} LIMIT $4"
+           AND ($8::timestamptz IS NULL OR m.received_at < $8)"
+    );
+    let Some(text) = &query.contains else {
+        let rows: Vec<MessageRecord> = sqlx::query_as(&format!(
+            "{} ORDER BY m.arrival_seq {order} LIMIT $4",
+            with_outcomes("messages m", &filter)
+        ))
+        .bind(endpoint)
+        .bind(tenant)
+        .bind(query.cursor)
+        .bind(query.limit)
+        .bind(query.include_body)
+        .bind(&query.status)
+        .bind(query.received_from)
+        .bind(query.received_before)
+        .bind(query.duplicated)
+        .fetch_all(pool)
+        .await?;
+        let next = full_page_cursor(&rows, query.limit);
+        return Ok((rows, next));
+    };
+    // The window read: the next SEARCH_SCAN messages from the cursor, in the page's order.
+    let window = |bound: &str| {
+        format!(
+            "SELECT * FROM messages m WHERE m.endpoint_id = $1 AND m.tenant_id = $2
+             AND {condition} ORDER BY m.arrival_seq {order} LIMIT {bound}"
+        )
+    };
+    let source = format!("({}) m", window("$10"));
+    let mut tx = pool.begin().await?;
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .execute(&mut *tx)
+        .await?;
+    let rows: Vec<MessageRecord> = sqlx::query_as(&format!(
+        "{} AND position(convert_to($11, 'UTF8') in m.body) > 0
+         ORDER BY m.arrival_seq {order} LIMIT $4",
+        with_outcomes(&source, &filter)
     ))
     .bind(endpoint)
     .bind(tenant)
@@ -333,8 +391,74 @@ pub async fn list_with_outcomes(
     .bind(query.received_from)
     .bind(query.received_before)
     .bind(query.duplicated)
-    .fetch_all(pool)
-    .await?)
+    .bind(SEARCH_SCAN)
+    .bind(text)
+    .fetch_all(&mut *tx)
+    .await?;
+    // A full page goes on from its last row; a shorter one from the last message read, when
+    // the read stopped at its bound rather than at the end.
+    let next = match full_page_cursor(&rows, query.limit) {
+        Some(last) => Some(last),
+        None => {
+            let (read, last): (i64, Option<i64>) = sqlx::query_as(&format!(
+                "SELECT count(*), {} FROM ({}) w",
+                if query.newest_first {
+                    "min(w.arrival_seq)"
+                } else {
+                    "max(w.arrival_seq)"
+                },
+                window("$4")
+            ))
+            .bind(endpoint)
+            .bind(tenant)
+            .bind(query.cursor)
+            .bind(SEARCH_SCAN)
+            .fetch_one(&mut *tx)
+            .await?;
+            last.filter(|_| read == SEARCH_SCAN)
+        }
+    };
+    tx.commit().await?;
+    Ok((rows, next))
+}
+
+/// The last row's arrival number, when the page is full.
+fn full_page_cursor(rows: &[MessageRecord], limit: i64) -> Option<i64> {
+    (rows.len() as i64 == limit)
+        .then(|| rows.last().map(|m| m.arrival_seq))
+        .flatten()
+}
+
+/// Which stored message to read.
+#[derive(Debug, Clone, Copy)]
+pub enum MessageKey<'a> {
+    ArrivalSeq(i64),
+    /// The `webhook-id` it was sent with (unique in its endpoint).
+    WebhookId(&'a str),
+}
+
+/// The tenant's endpoint's message with its outcome and its body; `None` when there is none
+/// (or the endpoint is not the tenant's).
+pub async fn find_with_outcome(
+    pool: &PgPool,
+    tenant: TenantId,
+    endpoint: EndpointId,
+    key: MessageKey<'_>,
+) -> Result<Option<MessageRecord>, StoreError> {
+    // Each key is its own statement, so that each plan reads its index; the other key's
+    // parameter is null.
+    let (filter, seq, webhook_id) = match key {
+        MessageKey::ArrivalSeq(seq) => ("m.arrival_seq = $3 AND $4::text IS NULL", Some(seq), None),
+        MessageKey::WebhookId(id) => ("m.webhook_id = $4 AND $3::bigint IS NULL", None, Some(id)),
+    };
+    Ok(sqlx::query_as(&with_outcomes("messages m", filter))
+        .bind(endpoint)
+        .bind(tenant)
+        .bind(seq)
+        .bind(webhook_id)
+        .bind(true)
+        .fetch_optional(pool)
+        .await?)
 }
 
 /// Deletes stored messages received before `cutoff` that are applied (at or below their

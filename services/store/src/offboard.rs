@@ -31,7 +31,7 @@ use crate::{EndpointId, StoreError, TenantId};
 /// Every table with rows of an endpoint, keyed by `endpoint_id`, in the order the purge
 /// empties them, those that grow with traffic first. `webhook_endpoints` itself goes last, in
 /// [`finish_endpoint`].
-pub const ENDPOINT_TABLES: [&str; 21] = [
+pub const ENDPOINT_TABLES: [&str; 22] = [
     "messages",
     "message_applications",
     "applied_events",
@@ -50,6 +50,7 @@ pub const ENDPOINT_TABLES: [&str; 21] = [
     "reload_slot_waits",
     "endpoint_restores",
     "endpoint_lag_samples",
+    "endpoint_activity_samples",
     "endpoint_secrets",
     "endpoint_fences",
     "endpoint_arrival_counters",

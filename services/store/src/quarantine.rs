@@ -91,7 +91,8 @@ pub async fn list(
     .await?)
 }
 
-async fn get<'e>(
+/// The tenant's endpoint's quarantine row of the message at `arrival_seq`, when it has one.
+pub async fn get<'e>(
     db: impl sqlx::PgExecutor<'e>,
     tenant: TenantId,
     endpoint: EndpointId,

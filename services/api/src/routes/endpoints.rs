@@ -29,7 +29,7 @@ use super::{
     ENDPOINT_NOT_FOUND,
 };
 use crate::auth::TenantId;
-use crate::error::{ApiError, ErrorBody, JsonBody};
+use crate::error::{check_text, ApiError, ErrorBody, JsonBody};
 
 /// The most secrets one request registers.
 const MAX_SECRETS: usize = 10;
@@ -68,6 +68,8 @@ impl From<relay_rules::StoriesMode> for StoriesMode {
 pub struct EndpointView {
     /// The upstream's webhook_endpoint_id.
     pub id: Uuid,
+    /// What its tenant calls it; null when unnamed.
+    pub name: Option<String>,
     pub source: EndpointSource,
     /// The language the endpoint reads the feed in (feed endpoints).
     pub lang: Option<String>,
@@ -109,6 +111,7 @@ impl TryFrom<store::EndpointInfo> for EndpointView {
     fn try_from(endpoint: store::EndpointInfo) -> Result<Self, ApiError> {
         Ok(Self {
             id: endpoint.id.0,
+            name: endpoint.name,
             source: stored("endpoint source", &endpoint.source)?,
             lang: endpoint.lang,
             stories_mode: endpoint
@@ -144,6 +147,9 @@ impl From<store::SecretInfo> for SecretView {
 pub struct NewEndpoint {
     /// The upstream's webhook_endpoint_id (the path the upstream posts to).
     pub id: Uuid,
+    /// What the tenant calls it (1 to 200 characters): the upstream knows it by its id only.
+    #[serde(default)]
+    pub name: Option<String>,
     /// `feed` when absent. Fixed once registered.
     #[serde(default, deserialize_with = "enums::from_optional_string")]
     pub source: Option<EndpointSource>,
@@ -180,6 +186,9 @@ pub struct NewEndpoint {
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct EndpointUpdate {
+    /// 1 to 200 characters; an empty string takes the name away.
+    #[serde(default)]
+    pub name: Option<String>,
     /// Feed endpoints only.
     #[serde(default)]
     pub lang: Option<String>,
@@ -282,6 +291,16 @@ pub struct EndpointPage {
 }
 
 // ---- validation ------------------------------------------------------------------------------
+
+/// An endpoint's name: 1 to 200 characters, no control characters, spaces at its ends dropped.
+pub fn valid_name(field: &str, text: &str) -> Result<String, ApiError> {
+    let name = text.trim();
+    if name.is_empty() || name.chars().count() > 200 {
+        return Err(ApiError::invalid(field, "1 to 200 characters"));
+    }
+    check_text(field, name, 800)?;
+    Ok(name.to_owned())
+}
 
 /// A language tag as the upstream takes it: `en`, `sv`, `pt-BR`.
 pub fn valid_lang(field: &str, text: &str) -> Result<String, ApiError> {
@@ -482,9 +501,15 @@ pub async fn create_endpoint(
         .map(|(i, s)| valid_secret(&format!("secrets[{i}]"), s))
         .collect::<Result<Vec<_>, _>>()?;
 
+    let name = body
+        .name
+        .as_deref()
+        .map(|n| valid_name("name", n))
+        .transpose()?;
     let id = EndpointId(body.id);
     let registration = store::Registration {
         id,
+        name,
         source,
         lang,
         upstream_base_url: base_url,
@@ -641,7 +666,17 @@ pub async fn update_endpoint(
         .as_deref()
         .map(valid_api_key)
         .transpose()?;
-    if lang.is_none()
+    // An empty name takes it away.
+    let name = body
+        .name
+        .as_deref()
+        .map(|n| match n {
+            "" => Ok(None),
+            n => valid_name("name", n).map(Some),
+        })
+        .transpose()?;
+    if name.is_none()
+        && lang.is_none()
         && base_url.is_none()
         && api_key.is_none()
         && tickers.is_none()
@@ -649,11 +684,12 @@ pub async fn update_endpoint(
     {
         return Err(ApiError::invalid(
             "body",
-            "name at least one of lang (feed), tickers and stories_mode (stories), \
+            "name at least one of name, lang (feed), tickers and stories_mode (stories), \
              upstream_base_url, upstream_api_key",
         ));
     }
     let change = store::SettingsChange {
+        name,
         lang,
         upstream_base_url: base_url,
         upstream_api_key: api_key,

@@ -26,6 +26,7 @@ pub mod destinations;
 pub mod endpoints;
 pub mod enums;
 pub mod keys;
+pub mod message_detail;
 pub mod quarantine;
 pub mod quotas;
 pub mod reads;
@@ -98,6 +99,7 @@ impl HasVerifier for AppState {
     components(schemas(
         crate::error::ErrorBody,
         reads::MessageOrder,
+        activity::ActivityWindow,
         reads::MessageStatusFilter,
         quarantine::QuarantineStatusFilter
     ))
@@ -163,12 +165,16 @@ fn documented() -> OpenApiRouter<AppState> {
         .routes(routes!(reads::endpoint_state))
         .routes(routes!(activity::endpoint_activity))
         .routes(routes!(reads::list_messages))
+        .routes(routes!(message_detail::get_message))
+        .routes(routes!(message_detail::get_message_by_webhook_id))
         .routes(routes!(stories::list_stories))
         .routes(routes!(stories::get_story))
         .routes(routes!(stories::list_notifications))
         .routes(routes!(quarantine::list_quarantine))
         .routes(routes!(quarantine::retry_quarantined))
         .routes(routes!(quarantine::discard_quarantined))
+        .routes(routes!(quarantine::retry_many))
+        .routes(routes!(quarantine::discard_many))
 }
 
 /// The OpenAPI document, as `/openapi.json` serves it.

@@ -23,7 +23,7 @@ use utoipa::ToSchema;
 use super::enums::{spelling, stored};
 use super::{next_cursor, owned_endpoint, parse_endpoint_id, AppState, QueryArgs};
 use crate::auth::TenantId;
-use crate::error::{ApiError, ErrorBody};
+use crate::error::{ApiError, ErrorBody, JsonBody};
 
 /// Where a quarantined message stands: `quarantined` (waiting for a retry or a discard),
 /// `retried` (stored again as a new arrival, `retried_as`) or `discarded` (kept for audit,
@@ -180,6 +180,137 @@ pub async fn discard_quarantined(
 ) -> Result<Json<QuarantinedView>, ApiError> {
     let (id, seq) = message_key(&endpoint_id, &arrival_seq)?;
     resolved(quarantine::discard(&state.pool, tenant, id, seq).await?)
+}
+
+/// The most messages one bulk retry or discard names: each is a statement of its own.
+const MAX_BULK: usize = 100;
+
+/// Quarantined messages to retry or discard at once.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BulkQuarantineAction {
+    /// The arrival numbers they were quarantined under: 1 to 100, each once.
+    pub arrival_seqs: Vec<i64>,
+}
+
+/// What became of one message of a bulk action.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum BulkResult {
+    /// Retried or discarded now.
+    Done,
+    /// It had been retried or discarded already: left as it was (`quarantined` says how).
+    AlreadyResolved,
+    /// No such quarantined message of this endpoint.
+    NotFound,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BulkOutcome {
+    pub arrival_seq: i64,
+    pub result: BulkResult,
+    /// The message's quarantine row after the action; null when not found.
+    pub quarantined: Option<QuarantinedView>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BulkAnswer {
+    /// One per arrival number, in the order given.
+    pub results: Vec<BulkOutcome>,
+}
+
+#[utoipa::path(
+    post, path = "/v1/endpoints/{endpoint_id}/quarantine/retry", tag = "quarantine",
+    security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path)),
+    request_body = BulkQuarantineAction,
+    responses(
+        (status = 200, body = BulkAnswer, description = "Each message retried as the single \
+            retry does it, one after another; what became of each, in the order given"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn retry_many(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+    JsonBody(body): JsonBody<BulkQuarantineAction>,
+) -> Result<Json<BulkAnswer>, ApiError> {
+    bulk(&state, tenant, &endpoint_id, &body, Action::Retry).await
+}
+
+#[utoipa::path(
+    post, path = "/v1/endpoints/{endpoint_id}/quarantine/discard", tag = "quarantine",
+    security(("bearer" = [])),
+    params(("endpoint_id" = Uuid, Path)),
+    request_body = BulkQuarantineAction,
+    responses(
+        (status = 200, body = BulkAnswer, description = "Each message discarded as the single \
+            discard does it; what became of each, in the order given"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 403, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+pub async fn discard_many(
+    State(state): State<AppState>,
+    TenantId(tenant): TenantId,
+    Path(endpoint_id): Path<String>,
+    JsonBody(body): JsonBody<BulkQuarantineAction>,
+) -> Result<Json<BulkAnswer>, ApiError> {
+    bulk(&state, tenant, &endpoint_id, &body, Action::Discard).await
+}
+
+#[derive(Clone, Copy)]
+enum Action {
+    Retry,
+    Discard,
+}
+
+/// Each message's own statement (the single action's), in turn: one that fails to resolve
+/// says so in its result and leaves the others as they went.
+async fn bulk(
+    state: &AppState,
+    tenant: relay_store::TenantId,
+    endpoint_id: &str,
+    body: &BulkQuarantineAction,
+    action: Action,
+) -> Result<Json<BulkAnswer>, ApiError> {
+    let id = parse_endpoint_id(endpoint_id)?;
+    let seqs = &body.arrival_seqs;
+    if seqs.is_empty() || seqs.len() > MAX_BULK {
+        return Err(ApiError::invalid(
+            "arrival_seqs",
+            format!("1 to {MAX_BULK} arrival numbers"),
+        ));
+    }
+    for (i, seq) in seqs.iter().enumerate() {
+        if seqs[..i].contains(seq) {
+            return Err(ApiError::invalid(
+                format!("arrival_seqs[{i}]"),
+                "named twice",
+            ));
+        }
+    }
+    owned_endpoint(&state.pool, tenant, id).await?;
+    let mut results = Vec::with_capacity(seqs.len());
+    for &seq in seqs {
+        let resolution = match action {
+            Action::Retry => quarantine::retry(&state.pool, tenant, id, seq).await?,
+            Action::Discard => quarantine::discard(&state.pool, tenant, id, seq).await?,
+        };
+        let (result, row) = match resolution {
+            Resolution::Done(q) => (BulkResult::Done, Some(q)),
+            Resolution::AlreadyResolved(q) => (BulkResult::AlreadyResolved, Some(q)),
+            Resolution::NotFound => (BulkResult::NotFound, None),
+        };
+        results.push(BulkOutcome {
+            arrival_seq: seq,
+            result,
+            quarantined: row.map(QuarantinedView::try_from).transpose()?,
+        });
+    }
+    Ok(Json(BulkAnswer { results }))
 }
 
 fn message_key(

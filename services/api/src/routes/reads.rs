@@ -620,7 +620,8 @@ pub struct MessageView {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct MessagePage {
     pub data: Vec<MessageView>,
-    /// Pass as `cursor` for the next page; absent on the last.
+    /// Pass as `cursor` for the next page; absent on the last. A search by text (`contains`)
+    /// may have one after a page shorter than `limit`, even an empty one.
     pub next_cursor: Option<String>,
 }
 
@@ -638,6 +639,11 @@ pub struct MessagePage {
          description = "Only messages received at or after this time (RFC 3339)"),
         ("received_before" = Option<String>, Query,
          description = "Only messages received before this time (RFC 3339)"),
+        ("contains" = Option<String>, Query,
+         description = "Only messages whose body holds this text (1 to 200 bytes, case as \
+                        given). A page reads at most 2,000 messages from its cursor, so it may \
+                        hold fewer rows than `limit`, or none, and still have a next_cursor: \
+                        page on while there is one"),
     ),
     responses(
         (status = 200, body = MessagePage),
@@ -662,8 +668,19 @@ pub async fn list_messages(
             "status",
             "received_from",
             "received_before",
+            "contains",
         ],
     )?;
+    let contains = query.text("contains").map(str::to_owned);
+    if contains
+        .as_ref()
+        .is_some_and(|text| text.len() > MAX_CONTAINS_BYTES)
+    {
+        return Err(ApiError::invalid(
+            "contains",
+            format!("at most {MAX_CONTAINS_BYTES} bytes"),
+        ));
+    }
     let status = query.one_of::<MessageStatusFilter>(
         "status",
         "waiting, applied, ignored, quarantined or duplicate",
@@ -705,9 +722,10 @@ pub async fn list_messages(
         duplicated,
         received_from,
         received_before,
+        contains,
     };
-    let rows = messages::list_with_outcomes(&state.pool, tenant, id, &page).await?;
-    let next_cursor = next_cursor(&rows, limit, |m| m.arrival_seq.to_string());
+    let (rows, next) = messages::list_with_outcomes(&state.pool, tenant, id, &page).await?;
+    let next_cursor = next.map(|seq| seq.to_string());
     let data = rows
         .into_iter()
         .map(message_view)
@@ -715,9 +733,12 @@ pub async fn list_messages(
     Ok(Json(MessagePage { data, next_cursor }))
 }
 
+/// The longest text a search of messages' bodies takes.
+const MAX_CONTAINS_BYTES: usize = 200;
+
 /// A stored message as its tenant reads it; a status or outcome the API names no value for is
 /// an internal error.
-fn message_view(m: messages::MessageRecord) -> Result<MessageView, ApiError> {
+pub(super) fn message_view(m: messages::MessageRecord) -> Result<MessageView, ApiError> {
     // A message is applied when the cursor passed it; its outcome, when none was recorded,
     // is that it was applied before outcomes were kept.
     let applied = if m.passed {
