@@ -25,6 +25,8 @@ use uuid::Uuid;
 use crate::sequencer_apply::{incoming, store_new};
 use crate::stack::{open_and_decide, relay_broker, Api, KEY};
 
+#[path = "api_console_reads.rs"]
+mod console_reads;
 #[path = "api_input.rs"]
 mod input;
 #[path = "api_lifecycle.rs"]
@@ -380,6 +382,14 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
     .await
     .unwrap();
 
+    let webhook_id: String = sqlx::query_scalar(
+        "SELECT webhook_id FROM messages WHERE endpoint_id = $1 AND arrival_seq = $2",
+    )
+    .bind(endpoint_a)
+    .bind(set_aside[0])
+    .fetch_one(&app.db.pool)
+    .await
+    .unwrap();
     let fill = |template: &str| {
         let set_aside = set_aside[usize::from(template.ends_with("/discard"))];
         template
@@ -390,6 +400,7 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             .replace("{track}", "feed")
             .replace("{subject}", "announcement:4242")
             .replace("{story_id}", "st_4242")
+            .replace("{webhook_id}", &webhook_id)
     };
     let secret = || json!({"secret": random_secret().to_whsec()});
     let own_exchange = |exchange: &str| {
@@ -549,6 +560,20 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
             200,
         ),
         (
+            "GET /v1/endpoints/{endpoint_id}/messages/{arrival_seq}",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "GET /v1/endpoints/{endpoint_id}/messages/by-webhook-id/{webhook_id}",
+            None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
             "GET /v1/endpoints/{endpoint_id}/stories",
             None,
             Tenant,
@@ -586,6 +611,20 @@ async fn every_route_refuses_missing_expired_foreign_and_wrong_kind_tokens() {
         (
             "POST /v1/endpoints/{endpoint_id}/quarantine/{arrival_seq}/discard",
             None,
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "POST /v1/endpoints/{endpoint_id}/quarantine/retry",
+            Some(json!({"arrival_seqs": [set_aside[0]]})),
+            Tenant,
+            NotFound,
+            200,
+        ),
+        (
+            "POST /v1/endpoints/{endpoint_id}/quarantine/discard",
+            Some(json!({"arrival_seqs": [set_aside[1]]})),
             Tenant,
             NotFound,
             200,
