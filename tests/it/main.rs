@@ -5,6 +5,8 @@ mod api_envelope;
 mod api_hostile;
 mod api_stories;
 mod console;
+mod console_a11y;
+mod console_tasks;
 mod convergence;
 mod copy;
 mod demo;
