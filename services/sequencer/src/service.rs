@@ -647,16 +647,27 @@ async fn retention(
     }
 }
 
-/// How often each sequencer process samples every endpoint's apply lag for the console's chart:
-/// a few samples a minute, of which each minute keeps the greatest.
+/// How often each sequencer process samples the apply lag of the endpoints with messages
+/// waiting, for the console's charts: a few samples a minute, of which each minute keeps the
+/// greatest.
 const LAG_SAMPLE_INTERVAL: Duration = Duration::from_secs(15);
 
-/// Every [`LAG_SAMPLE_INTERVAL`]: samples every endpoint's apply lag (relay-store's
-/// `lag_samples`), one statement that also forgets samples past two hours.
+/// Every how many lag samples every endpoint's numbers are sampled too (once a minute): a
+/// quarter hour's counts are exact however seldom, and reading every endpoint costs more.
+const ACTIVITY_SAMPLE_EVERY: u32 = 4;
+
+/// Every [`LAG_SAMPLE_INTERVAL`]: samples the endpoints' apply lag, and every
+/// [`ACTIVITY_SAMPLE_EVERY`]th time every endpoint's numbers (relay-store's `lag_samples`),
+/// each one statement that also forgets what is past keeping.
 async fn sample_lag(pool: PgPool, mut stop: watch::Receiver<bool>) {
-    loop {
+    for round in 0u32.. {
         if let Err(error) = relay_store::lag_samples::sample(&pool).await {
             tracing::warn!(%error, "sampling the endpoints' apply lag failed");
+        }
+        if round % ACTIVITY_SAMPLE_EVERY == 0 {
+            if let Err(error) = relay_store::lag_samples::sample_activity(&pool).await {
+                tracing::warn!(%error, "sampling the endpoints' activity failed");
+            }
         }
         tokio::select! {
             _ = tokio::time::sleep(LAG_SAMPLE_INTERVAL) => {}
