@@ -76,6 +76,20 @@ async fn a_tenant_finds_a_message_opens_it_and_retries_three_quarantined_at_once
     let seqs = store_messages(&app.db, tenant, endpoint, 5).await;
     quarantine(&app, tenant, endpoint, &seqs[2..]).await;
     let wanted = webhook_id_of(&app, endpoint, seqs[0]).await;
+    // One message whose body says something no other does.
+    let body = json!({"v": 1, "webhook_endpoint_id": endpoint, "track": "feed", "generation": 1,
+                      "events": [], "note": "the Needle-7f3a in the body"});
+    let needle = store_new(
+        &app.db.pool,
+        &[incoming(
+            tenant,
+            endpoint,
+            Some("feed".into()),
+            Some(1),
+            body.to_string().into_bytes(),
+        )],
+    )
+    .await[0];
 
     let driver = Driver::start().await;
     let console = Console::new(&driver, &app.base_url).await;
@@ -93,6 +107,52 @@ async fn a_tenant_finds_a_message_opens_it_and_retries_three_quarantined_at_once
     assert!(error.contains("404"), "{error}");
     assert!(!console.has("item").await, "the earlier item still shown");
     assert!(!console.has("error").await, "a field's error in the banner");
+
+    // A search of the bodies: the one message that says it.
+    console.type_into("messages-contains", "Needle-7f3a").await;
+    console.click("messages-apply").await;
+    console
+        .until(
+            "the one message found by its text",
+            &format!(
+                "const rows = document.querySelectorAll('[data-testid=\"message-row\"]');
+                 return rows.length === 1 && rows[0].dataset.arrivalSeq === '{needle}';"
+            ),
+        )
+        .await;
+
+    // The activity of the last week: an hour a bucket, each with its values on hover.
+    console
+        .js(
+            "const s = document.querySelector('[data-testid=\"activity-window\"]');
+             s.value = 'week'; s.dispatchEvent(new Event('change')); return true;",
+        )
+        .await;
+    console
+        .until(
+            "a week's chart",
+            "return document.querySelectorAll('[data-testid=\"activity-chart\"] rect.hit > title').length === 168;",
+        )
+        .await;
+
+    // Refresh reads everything again in place: the page stays where it was scrolled to.
+    console.scroll_to("quarantine").await;
+    let before = console.js("return window.scrollY;").await;
+    console
+        .js("document.querySelector('[data-testid=\"refresh\"]').click(); return true;")
+        .await;
+    console
+        .until(
+            "the refresh said done",
+            "return document.getElementById('status').textContent === 'Endpoint refreshed.';",
+        )
+        .await;
+    let after = console.js("return window.scrollY;").await;
+    assert!(
+        (before.as_f64().unwrap() - after.as_f64().unwrap()).abs() <= 2.0
+            && after.as_f64().unwrap() > 0.0,
+        "scrolled at {before} before the refresh, at {after} after"
+    );
 
     // A message by its webhook-id: found, then opened.
     console.type_into("message-find-id", &wanted).await;

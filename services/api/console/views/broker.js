@@ -95,15 +95,17 @@ export function viewBroker(main) {
     }
   }
 
+  const refreshErrors = errorSlot('refresh-error');
   const refresh = button('Refresh', { 'data-testid': 'refresh', class: 'secondary' }, async () => {
     errors.clear();
     password.replaceChildren();
     await Promise.all([load(), loadDestination()]);
     clearBanner();
     announce('Broker refreshed.');
-  });
+  }, refreshErrors);
   main.append(
     el('div', { class: 'title-row' }, [el('h1', { tabindex: -1 }, 'Broker'), refresh]),
+    refreshErrors,
     el('section', { class: 'card', 'aria-labelledby': 'h-credentials' }, [el('h2', { id: 'h-credentials' }, 'Credentials'), password, credentials, errors]),
     el('section', { class: 'card', 'aria-labelledby': 'h-destination' }, [el('h2', { id: 'h-destination' }, 'Destination'),
       el('p', { class: 'muted' }, 'Where your changes go: the relay\u2019s queue for you, or your own exchange.'), destinationErrors, destination]),

@@ -5,7 +5,7 @@ import { api, path, describe, invalid, PAGE_SIZE } from '../lib/api.js';
 import { fmtCount, fmtDuration, DASH } from '../lib/format.js';
 import {
   button, field, select, table, td, pagedList, shownOnce, formErrors, busy, announce,
-  randomSecret, randomUuid, endpointHref, answerSlot, report, clamp,
+  randomSecret, randomUuid, endpointHref, answerSlot, report, clamp, errorSlot,
 } from '../lib/widgets.js';
 import { session, loadOwnTenant, setTitle, takeCarried } from '../lib/session.js';
 
@@ -29,15 +29,17 @@ export function viewEndpoints(main) {
     fetch: (cursor) => api('GET', path('endpoints'), { query: { limit: PAGE_SIZE, after: cursor } }),
     render: endpointTable,
   });
+  const refreshErrors = errorSlot('refresh-error');
   const refresh = button('Refresh', { 'data-testid': 'refresh', class: 'secondary' }, async () => {
     await Promise.all([list.reload(true), loadOwnTenant().then(showSummary)]);
     announce('Endpoints refreshed.');
-  });
+  }, refreshErrors);
   const create = createForm(async () => {
     await Promise.all([list.reload(true), loadOwnTenant().then(showSummary).catch(() => {})]);
   });
   add(main, [
     el('div', { class: 'title-row' }, [el('h1', { tabindex: -1 }, 'Endpoints'), refresh]),
+    refreshErrors,
     carried ? el('p', { class: 'status-line', role: 'status', 'data-testid': carried.testid }, carried.text) : null,
     summary,
     el('section', { class: 'card', 'aria-label': 'All endpoints' }, list.node),

@@ -73,12 +73,14 @@ export function viewTenants(main, selectedId) {
     }, errors);
   });
 
+  const refreshErrors = errorSlot('refresh-error');
   const refresh = button('Refresh', { 'data-testid': 'refresh', class: 'secondary' }, async () => {
     await list.reload(true);
     announce('Tenants refreshed.');
-  });
+  }, refreshErrors);
   main.append(
     el('div', { class: 'title-row' }, [el('h1', { tabindex: -1 }, 'Tenants'), refresh]),
+    refreshErrors,
     statusLine,
     form,
     panelHost,

@@ -93,6 +93,8 @@ export function overviewSection(ctx) {
     on(form, 'submit', (event) => {
       event.preventDefault();
       busy(save, async () => {
+        const saved = form.querySelector('[data-testid="endpoint-edit-saved"]');
+        if (saved) saved.remove();
         // Only what changed is sent (absent fields keep their value).
         const cur = ctx.endpoint;
         const body = {};
