@@ -31,6 +31,8 @@ mod console_reads;
 mod input;
 #[path = "api_lifecycle.rs"]
 mod lifecycle;
+#[path = "api_outage.rs"]
+mod outage;
 #[path = "api_reads.rs"]
 mod reads;
 #[path = "api_rewind.rs"]

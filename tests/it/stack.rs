@@ -82,6 +82,11 @@ pub(crate) async fn call_api(
 /// A response of the API as an [`Answer`].
 pub(crate) async fn answer_of(response: reqwest::Response) -> Answer {
     let status = response.status().as_u16();
+    let retry_after = response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let cache_control = response
         .headers()
         .get(reqwest::header::CACHE_CONTROL)
@@ -93,6 +98,7 @@ pub(crate) async fn answer_of(response: reqwest::Response) -> Answer {
         text,
         json,
         cache_control,
+        retry_after,
     }
 }
 
@@ -111,6 +117,8 @@ pub(crate) struct Answer {
     pub(crate) json: Value,
     /// Its `Cache-Control` header, if any.
     pub(crate) cache_control: Option<String>,
+    /// Its `Retry-After` header, if any.
+    pub(crate) retry_after: Option<String>,
 }
 
 /// The answer refuses the request as invalid, naming `field`; `what` says which request.

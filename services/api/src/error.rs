@@ -98,9 +98,7 @@ impl ApiError {
 impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> Self {
         match error {
-            sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) | sqlx::Error::PoolClosed => {
-                ApiError::Unavailable(error)
-            }
+            ref lost if relay_store::connection_lost(lost) => ApiError::Unavailable(error),
             // query_canceled: the statement_timeout ended it. Postgres is too slow, not wrong.
             sqlx::Error::Database(ref db) if db.code().as_deref() == Some("57014") => {
                 ApiError::Unavailable(error)
@@ -153,6 +151,15 @@ pub struct ErrorBody {
     pub detail: String,
 }
 
+/// How long a 503 of the database or the broker asks the caller to wait: a restart or a
+/// failover takes seconds.
+const UNAVAILABLE_RETRY_AFTER_S: u64 = 1;
+
+/// Marks an answer given because the request's database connection was lost: a read may be
+/// asked again on a fresh connection (`crate::retry`).
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLost;
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, error) = self.status_and_code();
@@ -195,6 +202,15 @@ impl IntoResponse for ApiError {
                 header::HeaderValue::from_static("Bearer"),
             );
         }
+        if matches!(
+            self,
+            ApiError::Unavailable(_) | ApiError::BrokerUnavailable(_)
+        ) {
+            headers.insert(
+                header::RETRY_AFTER,
+                header::HeaderValue::from(UNAVAILABLE_RETRY_AFTER_S),
+            );
+        }
         if let ApiError::TooManyRequests { retry_after, .. } = &self {
             // Whole seconds, rounded up: sooner would only be refused again.
             let seconds = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
@@ -206,6 +222,9 @@ impl IntoResponse for ApiError {
                 header::CONNECTION,
                 header::HeaderValue::from_static("close"),
             );
+        }
+        if matches!(&self, ApiError::Unavailable(error) if relay_store::connection_lost(error)) {
+            response.extensions_mut().insert(ConnectionLost);
         }
         response
     }

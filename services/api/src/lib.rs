@@ -14,7 +14,9 @@
 //! - [`broker`]: the relay's own broker: where it is (destinations there are refused) and its
 //!   management API, where each tenant's user is made.
 //! - [`error`]: [`ApiError`], its JSON form (`{"error", "field", "detail"}`), and the JSON body
-//!   extractor whose errors name the field.
+//!   extractor whose errors name the field. A lost database connection is a 503 with
+//!   Retry-After, never a 500.
+//! - `retry`: a read whose database connection was lost is asked once more.
 //! - [`routes`]: one module per resource; each query is scoped by the caller's tenant.
 //! - [`upstream`]: the upstream's rewind call.
 //! - [`metrics`]: `relay_api_requests_total`, `relay_api_request_duration_seconds`,
@@ -36,6 +38,7 @@ mod envelope;
 mod error;
 mod metrics;
 mod offboarding;
+mod retry;
 mod routes;
 mod sealed_census;
 mod server;

@@ -1,6 +1,8 @@
 //! Connecting to Postgres, and the read-only snapshot that several reads share.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use sqlx::migrate::Migrator;
@@ -96,7 +98,9 @@ pub fn connect(database_url: &str, options: &PoolOptions) -> Result<PgPool, sqlx
                 if failover.is_some_and(|failover| failover.predates_switch(meta.age)) {
                     return Ok(false);
                 }
-                if meta.idle_for >= check_idle_after {
+                // A connection idle since before a connection was lost may have been lost with
+                // it (a server restarted, a failover): checked once, like a long-idle one.
+                if meta.idle_for >= check_idle_after || idle_since_last_loss(meta.idle_for) {
                     conn.ping().await?;
                 }
                 Ok(true)
@@ -107,6 +111,46 @@ pub fn connect(database_url: &str, options: &PoolOptions) -> Result<PgPool, sqlx
         failover.watch(&pool);
     }
     Ok(pool)
+}
+
+/// Whether `error` says the connection to Postgres was lost or could not be made (the server
+/// restarting or shutting down, the socket closed, no connection to be had in time), rather than
+/// anything about the statement: the same statement may work on a fresh connection. Noting it
+/// makes every pool of the process check the connections idle since before it once more before
+/// handing them out ([`connect`]).
+pub fn connection_lost(error: &sqlx::Error) -> bool {
+    let lost = match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            // Class 08: connection exception. 57P01 admin_shutdown, 57P02 crash_shutdown,
+            // 57P03 cannot_connect_now (starting or shutting down), 53300 too_many_connections.
+            code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03" | "53300")
+        }),
+        _ => false,
+    };
+    if lost {
+        LAST_LOSS_MS.store(process_ms(), Ordering::Relaxed);
+    }
+    lost
+}
+
+/// When a connection was last seen lost, in milliseconds of [`process_ms`] (0: never).
+static LAST_LOSS_MS: AtomicU64 = AtomicU64::new(0);
+
+/// Milliseconds since this process first asked (never 0 once asked: see [`LAST_LOSS_MS`]).
+fn process_ms() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+}
+
+/// A connection idle for `idle_for` went idle before the last connection loss was noted.
+fn idle_since_last_loss(idle_for: Duration) -> bool {
+    let lost = LAST_LOSS_MS.load(Ordering::Relaxed);
+    lost != 0 && process_ms().saturating_sub(idle_for.as_millis() as u64) <= lost
 }
 
 /// One server's connect options: the URL's, with the operator's CA file and `options`' settings.

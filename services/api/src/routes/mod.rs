@@ -186,6 +186,7 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
 /// annotations, so the document cannot drift from the code).
 pub fn router(state: AppState) -> Router {
     let (router, openapi) = documented().with_state(state).split_for_parts();
+    let router = router.layer(crate::retry::RetryLostReads);
     let openapi = Arc::new(openapi);
     router.merge(crate::console::router()).route(
         "/openapi.json",
