@@ -7,7 +7,7 @@
 import { el, on, shown } from './lib/dom.js';
 import { clearToken } from './lib/api.js';
 import { fmtTime } from './lib/format.js';
-import { clearBanner, showBanner } from './lib/widgets.js';
+import { clearBanner, showBanner, clamp } from './lib/widgets.js';
 import {
   session, setSession, restoreSession, probeKind, loadOwnTenant, setHooks, leave, setTitle,
 } from './lib/session.js';
@@ -39,7 +39,7 @@ function renderChrome() {
   }
   const claims = s.claims || {};
   const line = ['Signed in as ', shown(claims.sub || 'unknown'), ' (' + (s.kind || 'unknown role') + ')'];
-  if (s.tenant && s.tenant.name) line.push(' \u2014 ', shown(s.tenant.name));
+  if (s.tenant && s.tenant.name) line.push(' \u2014 ', clamp(s.tenant.name));
   if (typeof claims.exp === 'number') line.push(' \u00b7 token expires ' + fmtTime(claims.exp * 1000));
   const out = el('button', { type: 'button', class: 'secondary', 'data-testid': 'sign-out' }, 'Sign out');
   on(out, 'click', signOut);

@@ -17,7 +17,7 @@ export function viewEndpoints(main) {
     if (!tenant) return;
     const q = tenant.quotas || {};
     const u = tenant.usage || {};
-    swap(summary, 'Tenant ', shown(tenant.name), ' (', shown(tenant.id, { class: 'mono' }), '): ' + fmtCount(u.endpoints) + ' of ' +
+    swap(summary, 'Tenant ', clamp(tenant.name), ' (', shown(tenant.id, { class: 'mono' }), '): ' + fmtCount(u.endpoints) + ' of ' +
       fmtCount(q.max_endpoints) + ' endpoints, at most ' + fmtCount(q.max_messages_per_second) + ' messages/s.');
   };
   const list = pagedList({

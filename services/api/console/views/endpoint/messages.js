@@ -3,7 +3,7 @@
 
 import { el, on, shown } from '../../lib/dom.js';
 import { api, path, invalid, PAGE_SIZE } from '../../lib/api.js';
-import { fmtCount, fmtId, fmtTime, time, DASH } from '../../lib/format.js';
+import { fmtCount, fmtId, fmtTime, time, zoneName, DASH } from '../../lib/format.js';
 import {
   button, field, select, table, td, pagedList, errorSlot, busy, announce, answerSlot, clamp, messageHref,
 } from '../../lib/widgets.js';
@@ -95,7 +95,7 @@ export function messagesSection(ctx) {
   });
   const filters = el('form', { class: 'actions', 'aria-label': 'Filter messages' }, [
     field('Text in the body', contains), field('Status', status), field('Order', order),
-    field('Received from', from), field('Received before', before),
+    field('Received from', from, {}, 'Your time: ' + zoneName()), field('Received before', before, {}, 'Your time: ' + zoneName()),
     el('button', { type: 'submit', 'data-testid': 'messages-apply', class: 'secondary' }, 'Apply filters'),
   ]);
   on(filters, 'submit', (event) => {
