@@ -988,6 +988,38 @@ impl PgPair {
         remove_pg_sysv_segment(&s.data);
     }
 
+    /// A fast shutdown of the primary (SIGINT to its postmaster: every session is ended with
+    /// "terminating connection due to administrator command", as `pg_ctl restart -m fast`
+    /// does), then the same server started again on its data; waits until it takes
+    /// connections.
+    pub async fn restart_primary(&mut self) -> anyhow::Result<()> {
+        let primary = self.primary;
+        let s = &mut self.servers[primary];
+        let proc = s
+            .proc
+            .take()
+            .ok_or_else(|| anyhow!("{} is not running", s.name))?;
+        // SAFETY: kill(2) with the pid of the postmaster the harness started and still owns.
+        if unsafe { libc::kill(proc.pid(), libc::SIGINT) } != 0 {
+            bail!("signalling {}: {}", s.name, std::io::Error::last_os_error());
+        }
+        let name = s.name.clone();
+        wait_for(
+            &format!("{name} to shut down"),
+            Duration::from_secs(60),
+            || async {
+                Ok(if proc.alive() {
+                    Step::NotYet("still running".to_owned())
+                } else {
+                    Step::Done(())
+                })
+            },
+        )
+        .await?;
+        drop(proc);
+        self.start_server(primary).await
+    }
+
     /// `pg_ctl promote` the standby and wait until it accepts writes (a commit returns). Until
     /// [`PgPair::rebuild_standby`] gives it a standby again, the new primary commits alone: every
     /// standby is made with an empty synchronous_standby_names (see `make_standby`), so that once

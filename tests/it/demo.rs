@@ -422,3 +422,113 @@ async fn sigterm_ends_relay_all_without_an_error() {
     let errors = error_lines(&lines);
     assert!(errors.is_empty(), "ERROR lines at shutdown: {errors:#?}");
 }
+
+/// Which engine a run of the demo has restarted under it.
+#[derive(Debug, Clone, Copy)]
+enum Restarted {
+    Postgres,
+    RabbitMq,
+    Redis,
+}
+
+/// `relay demo` on engines of the test's own (the fault campaign's harness: CI's shared servers
+/// are untouched) while one of them restarts: Postgres (a fast shutdown, every session ended
+/// "due to administrator command", then started again), the RabbitMQ node every tier and the
+/// demo's consumer are connected to (killed, then started again), Redis (started again empty).
+/// Each run reaches a right verdict: the tiers, the demo's progress reads and its consumer
+/// ride through, and its stdout says what they rode through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run alone by .ci/run beside the fault campaign: three RabbitMQ nodes take the machine"]
+async fn the_demo_reaches_a_right_verdict_while_each_engine_restarts() {
+    use relay_tests::engines::{PgPair, RabbitCluster, RedisServer};
+    let (pg, rabbit, redis) = tokio::join!(
+        PgPair::start(),
+        RabbitCluster::start(),
+        RedisServer::start()
+    );
+    let (mut pg, mut rabbit, mut redis) = (
+        pg.expect("a Postgres pair"),
+        rabbit.expect("a RabbitMQ cluster"),
+        redis.expect("a Redis"),
+    );
+    for engine in [Restarted::Postgres, Restarted::RabbitMq, Restarted::Redis] {
+        let database_url = pg.url(pg.primary(), "postgres");
+        let redis_url = redis.url();
+        let amqp_url = format!("amqp://guest:guest@{}/%2f", rabbit.amqp_addr(0));
+        let management_url = rabbit.management_url(0);
+        let prefix = format!("restarts:{engine:?}:");
+        let line: Vec<String> = [
+            "--database-url",
+            &database_url,
+            "--redis-url",
+            &redis_url,
+            "--redis-key-prefix",
+            &prefix,
+            "demo",
+            "--duration-s",
+            "20",
+            "--endpoints",
+            "2",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--api-listen",
+            "127.0.0.1:0",
+            "--amqp-url",
+            &amqp_url,
+            "--amqp-management-url",
+            &management_url,
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        let mut demo = RelayProcess::start(&line);
+        demo.wait_for(" changing ", Duration::from_secs(180)).await;
+        // In the middle of the changes: messages arriving, applied, published and consumed.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let started = Instant::now();
+        match engine {
+            Restarted::Postgres => pg.restart_primary().await.expect("Postgres restarted"),
+            Restarted::RabbitMq => {
+                rabbit.kill(0);
+                rabbit
+                    .restart(0)
+                    .await
+                    .expect("the RabbitMQ node restarted");
+            }
+            Restarted::Redis => redis.restart().await.expect("Redis restarted"),
+        }
+        eprintln!(
+            "demo restarts: {engine:?} restarted in {:?}",
+            started.elapsed()
+        );
+        let (status, lines, stdout) = demo.finish(Duration::from_secs(420)).await;
+        let log = lines.join("\n");
+        let events: Vec<serde_json::Value> = stdout
+            .iter()
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .collect();
+        let verdict = events
+            .iter()
+            .find(|line| line["event"] == "verdict")
+            .unwrap_or_else(|| panic!("{engine:?}: no verdict; stdout: {stdout:?}\n{log}"));
+        assert_eq!(verdict["ok"], true, "{engine:?}: {verdict}\n{log}");
+        assert!(
+            status.success(),
+            "{engine:?}: the demo ended {status}\n{log}"
+        );
+        let rode = events
+            .iter()
+            .find(|line| line["event"] == "interruptions")
+            .unwrap_or_else(|| panic!("{engine:?}: no interruptions line: {stdout:?}"));
+        eprintln!("demo restarts: {engine:?}: rode through {rode}");
+        if let Restarted::RabbitMq = engine {
+            let broker = rode["broker"].as_array().unwrap();
+            assert!(!broker.is_empty(), "the consumer lost its node: {rode}");
+            assert!(
+                broker.iter().all(|lost| lost["away_s"].is_number()),
+                "and came back after each loss: {rode}"
+            );
+        }
+    }
+}

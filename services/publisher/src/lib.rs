@@ -68,7 +68,7 @@ pub use message::{
 };
 pub use metrics::PublisherMetrics;
 pub use publisher::{Publisher, PublisherError, PublisherHandle};
-pub use tail::{tail, tail_until, QueueReader, TailArgs, TailOutput};
+pub use tail::{tail, tail_until, Interruption, QueueFollower, QueueReader, TailArgs, TailOutput};
 
 /// The AMQP client, for callers (and tests) that talk to a broker beside the publisher.
 pub use lapin;

@@ -158,6 +158,146 @@ impl QueueReader<'_> {
     }
 }
 
+/// A queue read across the broker's restarts: deliveries one by one, reconnecting with
+/// jittered backoff when the connection or channel is lost (a broker restarting, a connection
+/// closed through the management API, a network blip), each loss said on stderr and counted;
+/// a permanent refusal (authentication, a queue or vhost that does not exist or is not allowed)
+/// ends it with the cause. Deliveries not acknowledged before a loss come again; a consumer
+/// that drops repeats (the [`ReferenceConsumer`]) applies each once.
+pub struct QueueFollower<'a> {
+    reader: QueueReader<'a>,
+    queue: String,
+    trust: TrustRoots,
+    open: Option<(lapin::Connection, lapin::Consumer)>,
+    /// The interruptions ridden through so far.
+    pub interruptions: Vec<Interruption>,
+}
+
+/// A loss of the connection to the broker, and how long the follower was without one.
+#[derive(Debug, Clone, Serialize)]
+pub struct Interruption {
+    /// What was lost, as the broker or the socket said it.
+    pub cause: String,
+    /// How long until consuming again, in seconds (`None` while not yet back).
+    pub away_s: Option<f64>,
+}
+
+/// The first wait before connecting again, doubled after each failure up to
+/// [`RECONNECT_MAX`]; each wait drawn at random below it, so that consumers do not come back
+/// together.
+const RECONNECT_FIRST: Duration = Duration::from_millis(500);
+const RECONNECT_MAX: Duration = Duration::from_secs(30);
+
+impl<'a> QueueFollower<'a> {
+    pub fn new(reader: QueueReader<'a>, queue: &str, trust: &TrustRoots) -> Self {
+        Self {
+            reader,
+            queue: queue.to_owned(),
+            trust: trust.clone(),
+            open: None,
+            interruptions: Vec::new(),
+        }
+    }
+
+    /// The next delivery; `None` when the broker ended the consumer (its queue deleted).
+    pub async fn next(&mut self) -> anyhow::Result<Option<lapin::message::Delivery>> {
+        let mut step = RECONNECT_FIRST;
+        let mut lost_at: Option<std::time::Instant> = None;
+        loop {
+            if self.open.is_none() {
+                match self.reader.open(&self.queue, &self.trust).await {
+                    Ok(open) => {
+                        if let (Some(at), Some(last)) = (lost_at, self.interruptions.last_mut()) {
+                            let away = at.elapsed().as_secs_f64();
+                            last.away_s = Some(away);
+                            eprintln!("{}: consuming again after {away:.1} s", self.reader.name);
+                        }
+                        self.open = Some(open);
+                    }
+                    Err(error) => {
+                        if let Some(refusal) = permanent_refusal(&error) {
+                            return Err(error.context(refusal));
+                        }
+                        if lost_at.is_none() {
+                            self.lost(format!("{error:#}"));
+                            lost_at = Some(std::time::Instant::now());
+                        }
+                        let wait = step.mul_f64(rand::random::<f64>());
+                        eprintln!(
+                            "{}: the broker cannot be reached ({error:#}); trying again in                              {:.1} s",
+                            self.reader.name,
+                            wait.as_secs_f64()
+                        );
+                        tokio::time::sleep(wait).await;
+                        step = (step * 2).min(RECONNECT_MAX);
+                        continue;
+                    }
+                }
+            }
+            let (_, deliveries) = self.open.as_mut().expect("opened above");
+            match deliveries.next().await {
+                Some(Ok(delivery)) => return Ok(Some(delivery)),
+                None => {
+                    let (connection, _) = self.open.take().expect("opened above");
+                    if connection.status().connected() {
+                        let _ = connection.close(200, "consumer ended").await;
+                        return Ok(None);
+                    }
+                    self.lost("the connection closed".to_owned());
+                    lost_at = Some(std::time::Instant::now());
+                }
+                Some(Err(error)) => {
+                    let error = anyhow::Error::from(error);
+                    if let Some(refusal) = permanent_refusal(&error) {
+                        return Err(error.context(refusal));
+                    }
+                    self.open = None;
+                    self.lost(format!("{error:#}"));
+                    lost_at = Some(std::time::Instant::now());
+                }
+            }
+        }
+    }
+
+    fn lost(&mut self, cause: String) {
+        eprintln!(
+            "{}: lost the broker ({cause}); reconnecting",
+            self.reader.name
+        );
+        self.interruptions.push(Interruption {
+            cause,
+            away_s: None,
+        });
+    }
+
+    /// Closes the connection (unacknowledged deliveries go back to the queue).
+    pub async fn close(self, reason: &str) {
+        if let Some((connection, _)) = self.open {
+            let _ =
+                tokio::time::timeout(Duration::from_secs(2), connection.close(200, reason)).await;
+        }
+    }
+}
+
+/// Why `error` is one that connecting again cannot mend: the broker refused the credentials
+/// (403 ACCESS_REFUSED), the queue or vhost does not exist (404 NOT_FOUND) or is not allowed
+/// (530 NOT_ALLOWED).
+fn permanent_refusal(error: &anyhow::Error) -> Option<String> {
+    error.chain().find_map(|cause| {
+        let lapin::ErrorKind::ProtocolError(amqp) = cause.downcast_ref::<lapin::Error>()?.kind()
+        else {
+            return None;
+        };
+        matches!(amqp.get_id(), 403 | 404 | 530).then(|| {
+            format!(
+                "the broker refused: {} {}",
+                amqp.get_id(),
+                amqp.get_message()
+            )
+        })
+    })
+}
+
 /// Runs tail until the queue is idle for `idle_exit_ms` or Ctrl-C, printing to `out`.
 pub async fn tail(
     args: &TailArgs,
@@ -189,7 +329,7 @@ pub async fn tail_until(
         tag: "relay-tail",
         prefetch,
     };
-    let (connection, mut deliveries) = reader.open(&queue, trust).await?;
+    let mut follower = QueueFollower::new(reader, &queue, trust);
 
     let mut consumer = ReferenceConsumer::new(args.tenant);
     for &(endpoint, epoch, seq) in &args.after {
@@ -200,15 +340,18 @@ pub async fn tail_until(
     loop {
         let next = async {
             match idle {
-                Some(idle) => tokio::time::timeout(idle, deliveries.next()).await.ok(),
-                None => Some(deliveries.next().await),
+                Some(idle) => tokio::time::timeout(idle, follower.next()).await.ok(),
+                None => Some(follower.next().await),
             }
         };
         let delivery = tokio::select! {
             _ = &mut stop => break,
             next = next => match next {
-                None | Some(None) => break,
-                Some(Some(delivery)) => delivery.context("reading the queue")?,
+                None => break,
+                Some(next) => match next.context("reading the queue")? {
+                    None => break,
+                    Some(delivery) => delivery,
+                },
             },
         };
         let print_changes = args.output == TailOutput::Changes;
@@ -277,7 +420,11 @@ pub async fn tail_until(
     }
     out.flush()?;
     // Unacknowledged messages go back to the queue as the connection closes.
-    let _ = tokio::time::timeout(Duration::from_secs(2), connection.close(200, "bye")).await;
+    let interruptions = std::mem::take(&mut follower.interruptions);
+    follower.close("bye").await;
+    if !interruptions.is_empty() {
+        tracing::info!(?interruptions, "rode through the broker's interruptions");
+    }
     for (endpoint, epoch, missing) in consumer.missing() {
         tracing::warn!(%endpoint, epoch, first = missing.start(), last = missing.end(),
                        "changes never came: the changes after them are held, not applied");

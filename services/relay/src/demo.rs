@@ -34,10 +34,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use clap::Args;
-use futures::StreamExt as _;
 use rand::RngCore as _;
 use relay_publisher::lapin::options::BasicAckOptions;
-use relay_publisher::{redact, QueueReader, ReferenceConsumer};
+use relay_publisher::{redact, Interruption, QueueFollower, QueueReader, ReferenceConsumer};
 use relay_simulator::cli::SimulateArgs;
 use relay_simulator::stories::CopyRow;
 use relay_simulator::{
@@ -181,7 +180,29 @@ struct Registered {
 struct ApiClient {
     http: reqwest::Client,
     base_url: String,
+    /// The control plane's answers a read rode through: a refused or lost connection, or a
+    /// 429, 502 or 503, each asked again after a pause.
+    interruptions: Mutex<Vec<ApiInterruption>>,
 }
+
+/// A read of the control plane that failed for a while before it was answered.
+#[derive(Debug, Clone, serde::Serialize)]
+struct ApiInterruption {
+    request: String,
+    /// The first failure, as the connection or the answer said it.
+    cause: String,
+    tries: u32,
+    /// How long until answered, in seconds.
+    away_s: f64,
+}
+
+/// How long a read of the control plane keeps being asked again while it cannot be answered
+/// (a restart of Postgres or of the control plane takes seconds), before the demo gives up.
+const API_PATIENCE: Duration = Duration::from_secs(120);
+
+/// The first pause before a read is asked again, doubled after each failure up to the last.
+const API_RETRY_FIRST: Duration = Duration::from_millis(250);
+const API_RETRY_MAX: Duration = Duration::from_secs(5);
 
 impl Registered {
     /// The feed endpoints, then the stories endpoint.
@@ -201,23 +222,66 @@ impl ApiClient {
         token: &str,
         body: Option<Value>,
     ) -> anyhow::Result<Value> {
-        let mut request = self
-            .http
-            .request(method.clone(), format!("{}{path}", self.base_url))
-            .bearer_auth(token);
-        if let Some(body) = body {
-            request = request.json(&body);
+        // A read changes nothing: asked again while the control plane cannot answer it. A
+        // write is asked once: only an answer says whether it was done.
+        let read = method == reqwest::Method::GET;
+        let started = Instant::now();
+        let mut pause = API_RETRY_FIRST;
+        let mut failures: Vec<String> = Vec::new();
+        loop {
+            let mut request = self
+                .http
+                .request(method.clone(), format!("{}{path}", self.base_url))
+                .bearer_auth(token);
+            if let Some(body) = &body {
+                request = request.json(body);
+            }
+            let failure = match request.send().await {
+                Ok(answer) => {
+                    let status = answer.status();
+                    let text = answer.text().await?;
+                    if status.is_success() {
+                        if let Some(first) = failures.first() {
+                            let away_s = started.elapsed().as_secs_f64();
+                            eprintln!("relay demo: {method} {path} answered after {away_s:.1} s");
+                            self.interruptions.lock().unwrap().push(ApiInterruption {
+                                request: format!("{method} {path}"),
+                                cause: first.clone(),
+                                tries: failures.len() as u32 + 1,
+                                away_s,
+                            });
+                        }
+                        return Ok(serde_json::from_str(&text).unwrap_or(Value::Null));
+                    }
+                    let passing = matches!(status.as_u16(), 429 | 502 | 503);
+                    if !(read && passing) {
+                        bail!("{method} {path} answered {status}: {text}");
+                    }
+                    format!("{status}: {text}")
+                }
+                Err(error) if read && (error.is_connect() || error.is_request()) => {
+                    format!("{error:#}")
+                }
+                Err(error) => {
+                    return Err(anyhow::Error::from(error).context(format!("{method} {path}")))
+                }
+            };
+            if started.elapsed() >= API_PATIENCE {
+                bail!(
+                    "{method} {path} failed for {} s ({} tries; last: {failure})",
+                    API_PATIENCE.as_secs(),
+                    failures.len() + 1
+                );
+            }
+            let wait = pause.mul_f64(0.5 + rand::random::<f64>() / 2.0);
+            eprintln!(
+                "relay demo: {method} {path}: {failure}; asking again in {:.1} s",
+                wait.as_secs_f64()
+            );
+            failures.push(failure);
+            tokio::time::sleep(wait).await;
+            pause = (pause * 2).min(API_RETRY_MAX);
         }
-        let answer = request
-            .send()
-            .await
-            .with_context(|| format!("{method} {path}"))?;
-        let status = answer.status();
-        let text = answer.text().await?;
-        if !status.is_success() {
-            bail!("{method} {path} answered {status}: {text}");
-        }
-        Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
     }
 
     async fn register(
@@ -485,27 +549,29 @@ fn metric_with(registries: &[prometheus::Registry], name: &str, label: &str, val
 }
 
 /// Reads the tenant's queue with its credentials into `consumer`, acknowledging each message
-/// once applied, until `stop` is sent.
+/// once applied, until `stop` is sent; across losses of the broker (a restart, a connection
+/// closed), which it reconnects after and returns. A refusal of its credentials or its queue
+/// ends it with the cause.
 async fn consume(
     url: String,
     queue: String,
     trust: relay_netguard::TrustRoots,
     consumer: Arc<Mutex<ReferenceConsumer>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Vec<Interruption>> {
     let reader = QueueReader {
         url: &url,
         name: "relay demo",
         tag: "relay-demo",
         prefetch: 500,
     };
-    let (connection, mut deliveries) = reader.open(&queue, &trust).await?;
+    let mut follower = QueueFollower::new(reader, &queue, &trust);
     loop {
         let delivery = tokio::select! {
             _ = stop.changed() => break,
-            next = deliveries.next() => match next {
+            next = follower.next() => match next.context("reading the queue")? {
                 None => bail!("the broker ended the consumer"),
-                Some(delivery) => delivery.context("reading the queue")?,
+                Some(delivery) => delivery,
             },
         };
         let received = consumer
@@ -515,10 +581,15 @@ async fn consume(
         if let Err(error) = received {
             tracing::warn!(%error, "not a change message; skipped");
         }
-        delivery.ack(BasicAckOptions::default()).await?;
+        // A delivery whose ack is lost with the connection comes again, and is dropped as a
+        // repeat: the consumer carries on.
+        if let Err(error) = delivery.ack(BasicAckOptions::default()).await {
+            tracing::info!(%error, "an acknowledgement was lost with the connection");
+        }
     }
-    let _ = connection.close(200, "demo done").await;
-    Ok(())
+    let interruptions = std::mem::take(&mut follower.interruptions);
+    follower.close("demo done").await;
+    Ok(interruptions)
 }
 
 /// One endpoint's verdict line.
@@ -991,6 +1062,7 @@ async fn demonstrate(
             .timeout(Duration::from_secs(30))
             .build()?,
         base_url: format!("http://{}", loopback(api_address)),
+        interruptions: Mutex::new(Vec::new()),
     };
 
     let simulate = SimulateArgs {
@@ -1095,7 +1167,7 @@ async fn demonstrate(
     let consumer = Arc::new(Mutex::new(ReferenceConsumer::new(registered.tenant)));
     let (stop_consumer, consumer_stop) = tokio::sync::watch::channel(false);
     let mut consuming = if args.external_consumer {
-        tokio::spawn(std::future::pending::<anyhow::Result<()>>())
+        tokio::spawn(std::future::pending::<anyhow::Result<Vec<Interruption>>>())
     } else {
         tokio::spawn(consume(
             registered.tenant_amqp_url.clone(),
@@ -1278,10 +1350,28 @@ async fn demonstrate(
         shutdown_signal().await;
     }
     let _ = stop_consumer.send(true);
-    if args.external_consumer {
+    let broker_interruptions = if args.external_consumer {
         consuming.abort();
-    } else if let Ok(ended) = tokio::time::timeout(Duration::from_secs(5), consuming).await {
-        ended.context("the consumer task")??;
+        Vec::new()
+    } else {
+        match tokio::time::timeout(Duration::from_secs(5), consuming).await {
+            Ok(ended) => ended.context("the consumer task")??,
+            Err(_) => Vec::new(),
+        }
+    };
+    let api_interruptions = api.interruptions.lock().unwrap().clone();
+    print_line(&json!({
+        "event": "interruptions",
+        "broker": broker_interruptions,
+        "api": api_interruptions,
+    }));
+    if !broker_interruptions.is_empty() || !api_interruptions.is_empty() {
+        eprintln!(
+            "relay demo: rode through {} loss(es) of the broker by its consumer and {} read(s) \
+             of the control plane asked again",
+            broker_interruptions.len(),
+            api_interruptions.len()
+        );
     }
     sim.shutdown();
     for sender in senders {
@@ -1504,6 +1594,7 @@ async fn remove_broker_user(tiers: &AllTiers, registered: &Registered) -> anyhow
     let api = ApiClient {
         http: reqwest::Client::new(),
         base_url: format!("http://{}", loopback(api_address)),
+        interruptions: Mutex::new(Vec::new()),
     };
     api.call(
         reqwest::Method::DELETE,
