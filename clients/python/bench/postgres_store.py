@@ -329,6 +329,9 @@ class Timed:
     async def mark_handed(self, notifications: Sequence[Notification]) -> None:
         await self.store.mark_handed(notifications)
 
+    async def close(self) -> None:
+        """Kept open: the benchmark checks the store after the consumer stopped."""
+
 
 async def verify(store: PostgresStore, messages: Sequence[dict[str, Any]]) -> str:
     """The store against the messages applied in order in memory: positions, items, stories,
@@ -429,11 +432,11 @@ async def run_once(args: argparse.Namespace, run: int, tenant: str,
                 if not waiting.done():
                     waiting.cancel()
                     raise SystemExit(f"run {run}: not drained in {args.timeout_s} s "
-                                     f"({consumer.stats})")
+                                     f"({consumer.stats()})")
                 rate = len(messages) / elapsed
                 print(f"run {run}: drained {len(messages)} messages in {elapsed:.2f} s: "
                       f"{rate:,.0f} messages/s ({timed.commits} commits, "
-                      f"{consumer.stats.batches} batches, {handed} notifications handed)",
+                      f"{consumer.stats().batches} batches, {handed} notifications handed)",
                       flush=True)
                 print(f"run {run}: store checked: {await verify(pg, messages)}", flush=True)
                 return rate

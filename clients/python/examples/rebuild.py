@@ -106,7 +106,7 @@ class Reporting:
         rows = end.change_seq - 2
         try:
             cur = await self.store.connection.execute(
-                "SELECT (SELECT count(*) FROM relay_items WHERE endpoint_id = %(e)s), "
+                "SELECT (SELECT count(*) FROM relay_items WHERE endpoint_id = %(e)s AND NOT tombstone), "
                 "(SELECT count(*) FROM relay_stories WHERE endpoint_id = %(e)s)",
                 {"e": end.endpoint_id},
             )
@@ -134,6 +134,9 @@ class Reporting:
 
     async def mark_handed(self, notifications: Sequence[Notification]) -> None:
         await self.store.mark_handed(notifications)
+
+    async def close(self) -> None:
+        await self.store.close()
 
 
 async def endpoints(api: RelayApi) -> list[dict[str, Any]]:

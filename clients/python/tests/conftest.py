@@ -21,9 +21,7 @@ def _dsn(database: str) -> str:
     return PG_ADMIN.rsplit("/", 1)[0] + "/" + database
 
 
-@pytest.fixture
-def pg_database() -> Iterator[str]:
-    """A fresh database for one test, dropped after it: its DSN."""
+def _fresh_database() -> Iterator[str]:
     name = f"relay_consumer_test_{secrets.token_hex(6)}"
     with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
@@ -32,6 +30,18 @@ def pg_database() -> Iterator[str]:
     finally:
         with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_database() -> Iterator[str]:
+    """A fresh database for one test, dropped after it: its DSN."""
+    yield from _fresh_database()
+
+
+@pytest.fixture
+def second_database() -> Iterator[str]:
+    """Another fresh database for the same test."""
+    yield from _fresh_database()
 
 
 @pytest.fixture(params=["memory", "postgres"])

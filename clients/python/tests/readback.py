@@ -31,7 +31,7 @@ async def read(store: Store) -> Copy:
         await cur.execute("SELECT endpoint_id::text, epoch, last_change_seq FROM relay_positions")
         for e, epoch, last in await cur.fetchall():
             out["positions"][e] = (epoch, last)
-        await cur.execute("SELECT endpoint_id::text, subject, item FROM relay_items")
+        await cur.execute("SELECT endpoint_id::text, subject, item FROM relay_items WHERE NOT tombstone")
         for e, s, item in await cur.fetchall():
             out["items"].setdefault(e, {})[s] = item
         await cur.execute(

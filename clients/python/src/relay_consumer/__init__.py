@@ -1,9 +1,20 @@
 """relay-consumer: keep an exact copy of the relay's endpoints from a tenant's queue.
 
-Read the README for the rules it applies, the stores, and how notifications are handed once.
+Read the README for the lifecycle, the rules it applies, the stores, and how notifications are
+handed once; clients/README.md is the design both libraries (this one and TypeScript's) follow.
 """
 
-from .consumer import CannotPlace, Consumer, ConsumerStats, Refusal
+from ._version import __version__
+from .consumer import (
+    CannotPlace,
+    Consumer,
+    ConsumerStats,
+    EndpointStats,
+    Health,
+    Refusal,
+    Stopping,
+)
+from .errors import CAUSE_KINDS, CauseKind, ErrorReport, PermanentError
 from .follower import Follower, Gap, Position, Step, Verdict
 from .messages import (
     SUPPORTED_VERSION,
@@ -30,24 +41,28 @@ from .store import (
     StoredStory,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "CAUSE_KINDS",
     "SUPPORTED_VERSION",
     "CannotPlace",
+    "CauseKind",
     "Change",
     "Consumer",
     "ConsumerStats",
+    "EndpointStats",
+    "ErrorReport",
     "FeedChange",
     "Follower",
     "Gap",
     "Handlers",
+    "Health",
     "InvalidMessage",
     "Loaded",
     "MemoryStore",
     "MessageRefused",
     "Notification",
     "PartsDiff",
+    "PermanentError",
     "Position",
     "PositionConflict",
     "Refusal",
@@ -56,6 +71,7 @@ __all__ = [
     "ReplayError",
     "ResyncAnswer",
     "Step",
+    "Stopping",
     "Store",
     "StoreError",
     "StoredItem",
@@ -65,4 +81,5 @@ __all__ = [
     "Verdict",
     "decode",
     "message_id",
+    "__version__",
 ]

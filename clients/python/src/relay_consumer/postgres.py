@@ -1,13 +1,18 @@
 """The Postgres store: the copy, the positions, the held changes and the notifications in the
 user's database, changed together in one transaction per batch of deliveries.
 
-Tables (created if missing, by :meth:`PostgresStore.open`):
+The store schema is version 1 of clients/README.md, the same for the TypeScript library (a copy
+written by one is read by the other): ``relay_consumer_schema`` records each version applied,
+and a store is opened under ``pg_advisory_xact_lock(7261207)``, migrating what is missing in
+that transaction (migration 1 brings either library's tables from before versioning to the
+layout). Tables:
 
 ``relay_positions``
     per endpoint: the epoch followed, the last change_seq applied, whether a snapshot is open.
 ``relay_items``
     a feed endpoint's copy: one row per subject with the item, its generation and sequence, and
-    the stream position (epoch, change_seq) of the change that wrote it.
+    the stream position (epoch, change_seq) of the change that wrote it; a removed item stays as
+    a tombstone (``tombstone`` true, ``item`` null).
 ``relay_stories``
     a stories endpoint's copy: one row per story, open (with its snapshot) or closed (for good,
     with ``merged_into``), and the position that wrote it.
@@ -38,74 +43,108 @@ Every write is one statement that decides in itself:
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Final, Sequence
 
 import psycopg
 from psycopg.types.json import Jsonb
 
+from ._version import __version__
+from .errors import PermanentError, pg_cause
 from .follower import Position, Step
 from .messages import Change, FeedChange, MessageRefused, StoryChange, decode
 from .store import Loaded, Notification, PositionConflict, StoreError
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS relay_positions (
-    endpoint_id uuid PRIMARY KEY,
-    epoch bigint NOT NULL,
-    last_change_seq bigint NOT NULL,
-    snapshot_open boolean NOT NULL DEFAULT false,
-    updated_at timestamptz NOT NULL DEFAULT now()
+#: The store schema's version this library writes (clients/README.md, "The store schema").
+SCHEMA_VERSION: Final = 1
+#: What ``relay_consumer_schema.library`` records for a migration this library applied.
+LIBRARY: Final = f"relay-consumer-python {__version__}"
+#: The advisory lock both libraries take while they open a store.
+ADVISORY_LOCK: Final = 7_261_207
+
+SCHEMA_TABLE = """
+CREATE TABLE IF NOT EXISTS relay_consumer_schema (
+    version    integer PRIMARY KEY,
+    library    text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
 );
+"""
+
+#: Migration 1: from nothing, or from either library's tables before versioning, to the
+#: layout of version 1 (clients/README.md gives it; both libraries run the same statements).
+MIGRATION_1 = """
+-- Tables of the TypeScript library before version 1.
+ALTER TABLE IF EXISTS relay_feed_items RENAME TO relay_items;
+CREATE TABLE IF NOT EXISTS relay_positions (
+    endpoint_id     uuid PRIMARY KEY,
+    tenant_id       uuid,
+    epoch           bigint NOT NULL,
+    last_change_seq bigint NOT NULL,
+    snapshot_open   boolean NOT NULL DEFAULT false,
+    updated_at      timestamptz NOT NULL DEFAULT now()
+);
+ALTER TABLE relay_positions ADD COLUMN IF NOT EXISTS tenant_id uuid;
+ALTER TABLE relay_positions ALTER COLUMN tenant_id DROP NOT NULL;
+ALTER TABLE relay_positions ADD COLUMN IF NOT EXISTS snapshot_open boolean NOT NULL DEFAULT false;
 CREATE TABLE IF NOT EXISTS relay_items (
     endpoint_id uuid NOT NULL,
-    subject text NOT NULL,
-    item_kind text,
-    generation bigint NOT NULL,
-    sequence text,
-    item jsonb NOT NULL,
-    epoch bigint NOT NULL,
-    change_seq bigint NOT NULL,
-    changed_at timestamptz NOT NULL,
+    subject     text NOT NULL,
+    item_kind   text,
+    generation  bigint NOT NULL,
+    sequence    text COLLATE "C",
+    tombstone   boolean NOT NULL DEFAULT false,
+    item        jsonb,
+    epoch       bigint NOT NULL,
+    change_seq  bigint NOT NULL,
+    changed_at  timestamptz NOT NULL,
     PRIMARY KEY (endpoint_id, subject)
 );
+ALTER TABLE relay_items ADD COLUMN IF NOT EXISTS tombstone boolean NOT NULL DEFAULT false;
+ALTER TABLE relay_items ALTER COLUMN item DROP NOT NULL;
+ALTER TABLE relay_items ALTER COLUMN sequence TYPE text COLLATE "C";
 CREATE TABLE IF NOT EXISTS relay_stories (
     endpoint_id uuid NOT NULL,
-    story_id text NOT NULL,
-    ticker text,
-    version bigint NOT NULL,
-    closed boolean NOT NULL,
-    story jsonb,
+    story_id    text NOT NULL,
+    ticker      text,
+    version     bigint NOT NULL,
+    closed      boolean NOT NULL,
     merged_into text,
-    epoch bigint NOT NULL,
-    change_seq bigint NOT NULL,
-    changed_at timestamptz NOT NULL,
+    story       jsonb,
+    epoch       bigint NOT NULL,
+    change_seq  bigint NOT NULL,
+    changed_at  timestamptz NOT NULL,
     PRIMARY KEY (endpoint_id, story_id)
 );
 CREATE TABLE IF NOT EXISTS relay_notifications (
     endpoint_id uuid NOT NULL,
-    story_id text NOT NULL,
-    ticker text,
-    version bigint NOT NULL,
-    event_id text,
-    story jsonb,
-    epoch bigint NOT NULL,
-    change_seq bigint NOT NULL,
-    changed_at timestamptz NOT NULL,
+    story_id    text NOT NULL,
+    ticker      text,
+    version     bigint NOT NULL,
+    event_id    text,
+    story       jsonb,
+    epoch       bigint NOT NULL,
+    change_seq  bigint NOT NULL,
+    changed_at  timestamptz NOT NULL,
     recorded_at timestamptz NOT NULL DEFAULT now(),
-    handed_at timestamptz,
-    repeats integer NOT NULL DEFAULT 0,
+    handed_at   timestamptz,
+    repeats     integer NOT NULL DEFAULT 0,
     PRIMARY KEY (endpoint_id, story_id)
 );
+ALTER TABLE relay_notifications ADD COLUMN IF NOT EXISTS repeats integer NOT NULL DEFAULT 0;
+DROP INDEX IF EXISTS relay_notifications_pending;
 CREATE INDEX IF NOT EXISTS relay_notifications_unhanded
     ON relay_notifications (recorded_at) WHERE handed_at IS NULL;
 CREATE TABLE IF NOT EXISTS relay_held (
     endpoint_id uuid NOT NULL,
-    epoch bigint NOT NULL,
-    change_seq bigint NOT NULL,
-    body jsonb NOT NULL,
-    held_at timestamptz NOT NULL DEFAULT now(),
+    epoch       bigint NOT NULL,
+    change_seq  bigint NOT NULL,
+    body        jsonb NOT NULL,
+    held_at     timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (endpoint_id, epoch, change_seq)
 );
 """
+
+#: Every migration, in order: version N is ``MIGRATIONS[N - 1]``.
+MIGRATIONS: Final[tuple[str, ...]] = (MIGRATION_1,)
 
 _MOVE = """
 UPDATE relay_positions
@@ -114,8 +153,8 @@ WHERE endpoint_id = %(endpoint)s AND epoch = %(before_epoch)s
   AND last_change_seq = %(before_last)s
 """
 _FIRST = """
-INSERT INTO relay_positions (endpoint_id, epoch, last_change_seq)
-VALUES (%(endpoint)s, %(epoch)s, %(last)s)
+INSERT INTO relay_positions (endpoint_id, tenant_id, epoch, last_change_seq)
+VALUES (%(endpoint)s, %(tenant)s, %(epoch)s, %(last)s)
 ON CONFLICT (endpoint_id) DO NOTHING
 """
 _FORGET_OLDER_HELD = "DELETE FROM relay_held WHERE endpoint_id = %s AND epoch < %s"
@@ -127,18 +166,25 @@ INSERT INTO relay_held (endpoint_id, epoch, change_seq, body) VALUES (%s, %s, %s
 ON CONFLICT DO NOTHING
 """
 _UPSERT = """
-INSERT INTO relay_items AS held (endpoint_id, subject, item_kind, generation, sequence, item,
-                                 epoch, change_seq, changed_at)
-VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
+INSERT INTO relay_items AS held (endpoint_id, subject, item_kind, generation, sequence,
+                                 tombstone, item, epoch, change_seq, changed_at)
+VALUES (%s, %s, %s, %s, %s, false, %s, %s, %s, %s)
 ON CONFLICT (endpoint_id, subject) DO UPDATE
 SET item_kind = excluded.item_kind, generation = excluded.generation,
-    sequence = excluded.sequence, item = excluded.item, epoch = excluded.epoch,
-    change_seq = excluded.change_seq, changed_at = excluded.changed_at
+    sequence = excluded.sequence, tombstone = false, item = excluded.item,
+    epoch = excluded.epoch, change_seq = excluded.change_seq, changed_at = excluded.changed_at
 WHERE (held.epoch, held.change_seq) < (excluded.epoch, excluded.change_seq)
 """
+#: A removal leaves a tombstone (``tombstone`` true, ``item`` null), as the relay's copy does.
 _REMOVE = """
-DELETE FROM relay_items
-WHERE endpoint_id = %s AND subject = %s AND (epoch, change_seq) < (%s, %s)
+INSERT INTO relay_items AS held (endpoint_id, subject, item_kind, generation, sequence,
+                                 tombstone, item, epoch, change_seq, changed_at)
+VALUES (%s, %s, %s, %s, %s, true, NULL, %s, %s, %s)
+ON CONFLICT (endpoint_id, subject) DO UPDATE
+SET item_kind = coalesce(excluded.item_kind, held.item_kind), generation = excluded.generation,
+    sequence = excluded.sequence, tombstone = true, item = NULL, epoch = excluded.epoch,
+    change_seq = excluded.change_seq, changed_at = excluded.changed_at
+WHERE (held.epoch, held.change_seq) < (excluded.epoch, excluded.change_seq)
 """
 _FORGET_ITEMS = "DELETE FROM relay_items WHERE endpoint_id = %s AND (epoch, change_seq) < (%s, %s)"
 _FORGET_STORIES = (
@@ -197,35 +243,154 @@ InTransaction = Callable[[psycopg.AsyncConnection[Any], Notification], Awaitable
 
 
 class PostgresStore:
-    """The copy and the consumer's state in Postgres. Use :meth:`open`."""
+    """The copy and the consumer's state in Postgres.
+
+    ``PostgresStore(dsn)`` connects when the consumer first needs it (inside ``run()``, so a
+    database that does not exist or refuses the credentials ends ``run()`` with
+    :class:`~relay_consumer.PermanentError`, and one that is down is waited for);
+    ``await PostgresStore.open(dsn)`` connects at once (raising the same errors there). Either
+    way it connects again after the connection is lost, and every connection opens the schema
+    first: under ``pg_advisory_xact_lock(7261207)``, ``relay_consumer_schema`` created when
+    missing, the missing migrations applied (``migrate=False``: none applied, a store not at
+    this library's version refused), a newer schema refused (``schema_newer``).
+
+    ``connection`` is the connection in use (for your own statements); ``close()`` closes it
+    (idempotent: the consumer closes its store when it stops).
+    """
 
     def __init__(
         self,
-        connection: psycopg.AsyncConnection[Any],
+        dsn: str | None = None,
         *,
+        connection: psycopg.AsyncConnection[Any] | None = None,
+        migrate: bool = True,
         on_notification_in_transaction: InTransaction | None = None,
+        connect_timeout_s: int = 10,
     ) -> None:
-        self.connection = connection
+        if dsn is None and connection is None:
+            raise ValueError("PostgresStore needs a dsn or a connection")
+        self.dsn = dsn
+        self.migrate = migrate
         self.on_notification_in_transaction = on_notification_in_transaction
+        self.connect_timeout_s = connect_timeout_s
+        self._connection = connection
+        self._schema_open = False
+        #: The schema version found when the store was last opened (before any migration).
+        self.found_version: int | None = None
 
     @classmethod
     async def open(
         cls,
         dsn: str,
         *,
-        create_tables: bool = True,
+        migrate: bool = True,
         on_notification_in_transaction: InTransaction | None = None,
     ) -> PostgresStore:
-        connection = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-        store = cls(connection, on_notification_in_transaction=on_notification_in_transaction)
-        if create_tables:
-            async with connection.transaction():
-                await connection.execute("SELECT pg_advisory_xact_lock(7412061)")
-                await connection.execute(SCHEMA)
+        """Connects now and opens the schema (migrating it unless ``migrate=False``)."""
+        store = cls(
+            dsn, migrate=migrate, on_notification_in_transaction=on_notification_in_transaction
+        )
+        await store.connect()
         return store
 
+    @property
+    def connection(self) -> psycopg.AsyncConnection[Any]:
+        if self._connection is None:
+            raise StoreError("the store is not connected yet")
+        return self._connection
+
+    @property
+    def connected(self) -> bool:
+        c = self._connection
+        return c is not None and not c.closed and not c.broken
+
+    async def connect(self) -> None:
+        """Connects, unless connected already; again when the connection was lost. Raises
+        :class:`~relay_consumer.PermanentError` for a database that does not exist, refused
+        credentials or a newer schema, :class:`StoreError` for the rest (a database down)."""
+        if self.connected:
+            if not self._schema_open:
+                await self._open_schema()
+            return
+        if self.dsn is None:
+            raise StoreError("the store's connection is lost, and it has no dsn to connect again")
+        if self._connection is not None:
+            try:
+                await self._connection.close()
+            except psycopg.Error:
+                pass
+        self._connection = None
+        self._schema_open = False
+        try:
+            self._connection = await psycopg.AsyncConnection.connect(
+                self.dsn, autocommit=True, connect_timeout=self.connect_timeout_s
+            )
+        except psycopg.Error as error:
+            kind = pg_cause(error)
+            if kind is not None:
+                raise PermanentError(kind, f"the store's database: {error}") from error
+            raise StoreError(f"connecting to the store failed: {error}") from error
+        await self._open_schema()
+
+    async def _open_schema(self) -> None:
+        connection = self.connection
+        try:
+            if self.migrate:
+                async with connection.transaction():
+                    await connection.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK,))
+                    await connection.execute(SCHEMA_TABLE)
+                    found = await self._version(connection)
+                    self._check_not_newer(found)
+                    for version in range(found + 1, SCHEMA_VERSION + 1):
+                        await connection.execute(MIGRATIONS[version - 1])
+                        await connection.execute(
+                            "INSERT INTO relay_consumer_schema (version, library) VALUES (%s, %s)",
+                            (version, LIBRARY),
+                        )
+            else:
+                cur = await connection.execute(
+                    "SELECT to_regclass('relay_consumer_schema') IS NOT NULL"
+                )
+                row = await cur.fetchone()
+                found = await self._version(connection) if row and row[0] else 0
+                self._check_not_newer(found)
+                if found < SCHEMA_VERSION:
+                    raise StoreError(
+                        f"the store is at schema version {found}, this library reads "
+                        f"{SCHEMA_VERSION}: open it once with migrate=True (a consumer does)"
+                    )
+        except psycopg.Error as error:
+            kind = pg_cause(error)
+            if kind is not None:
+                raise PermanentError(kind, f"the store's database: {error}") from error
+            raise StoreError(f"opening the store's schema failed: {error}") from error
+        self.found_version = found
+        self._schema_open = True
+
+    @staticmethod
+    async def _version(connection: psycopg.AsyncConnection[Any]) -> int:
+        cur = await connection.execute("SELECT coalesce(max(version), 0) FROM relay_consumer_schema")
+        row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    @staticmethod
+    def _check_not_newer(found: int) -> None:
+        if found > SCHEMA_VERSION:
+            raise PermanentError(
+                "schema_newer",
+                f"the store's schema is at version {found}, newer than this library's "
+                f"{SCHEMA_VERSION} (relay-consumer-python {__version__}): upgrade the library",
+            )
+
     async def close(self) -> None:
-        await self.connection.close()
+        """Closes the connection (a no-op when closed already)."""
+        connection, self._connection = self._connection, None
+        self._schema_open = False
+        if connection is not None and not connection.closed:
+            try:
+                await connection.close()
+            except psycopg.Error:
+                pass
 
     async def __aenter__(self) -> PostgresStore:
         return self
@@ -234,20 +399,27 @@ class PostgresStore:
         await self.close()
 
     async def load(self) -> Loaded:
-        async with self.connection.cursor() as cur:
-            await cur.execute(
-                "SELECT endpoint_id::text, epoch, last_change_seq FROM relay_positions"
-            )
-            positions = {e: Position(epoch, last) for e, epoch, last in await cur.fetchall()}
-            await cur.execute(
-                "SELECT body FROM relay_held ORDER BY endpoint_id, epoch, change_seq"
-            )
-            held: list[Change] = []
-            for (body,) in await cur.fetchall():
-                try:
-                    held.append(decode(body))
-                except MessageRefused as error:  # written by this library: cannot happen
-                    raise StoreError(f"a held change no longer decodes: {error}") from error
+        await self.connect()
+        try:
+            async with self.connection.cursor() as cur:
+                await cur.execute(
+                    "SELECT endpoint_id::text, epoch, last_change_seq FROM relay_positions"
+                )
+                positions = {
+                    e: Position(epoch, last) for e, epoch, last in await cur.fetchall()
+                }
+                await cur.execute(
+                    "SELECT body FROM relay_held ORDER BY endpoint_id, epoch, change_seq"
+                )
+                rows = await cur.fetchall()
+        except psycopg.Error as error:
+            raise StoreError(f"reading the positions failed: {error}") from error
+        held: list[Change] = []
+        for (body,) in rows:
+            try:
+                held.append(decode(body))
+            except MessageRefused as error:  # written by a library of version 1: cannot happen
+                raise StoreError(f"a held change no longer decodes: {error}") from error
         return Loaded(positions, held)
 
     async def commit(
@@ -278,7 +450,10 @@ class PostgresStore:
         """Each endpoint's position, once per batch: from where its first step starts to where
         its last ends, only from that start (its steps follow on from each other)."""
         spans: dict[str, tuple[Position, Position]] = {}
+        tenants: dict[str, str] = {}
         for step in steps:
+            for change in (*step.applied, *((step.held,) if step.held is not None else ())):
+                tenants.setdefault(step.endpoint_id, change.tenant_id)
             span = spans.get(step.endpoint_id)
             if span is not None and span[1] != step.before:
                 raise PositionConflict(
@@ -289,6 +464,7 @@ class PostgresStore:
         for endpoint, (before, after) in spans.items():
             args = {
                 "endpoint": endpoint,
+                "tenant": tenants.get(endpoint),
                 "epoch": after.epoch,
                 "last": after.last_change_seq,
                 "before_epoch": before.epoch,
@@ -349,7 +525,19 @@ class PostgresStore:
                 ),
             )
         elif c.operation == "remove":
-            await cur.execute(_REMOVE, (e, c.subject, *at))
+            await cur.execute(
+                _REMOVE,
+                (
+                    e,
+                    c.subject,
+                    c.item_kind,
+                    c.generation,
+                    c.sequence,
+                    c.epoch,
+                    c.change_seq,
+                    c.changed_at,
+                ),
+            )
         elif c.operation == "snapshot_begin":
             await cur.execute(_FORGET_ITEMS, (e, *at))
             await cur.execute(_FORGET_STORIES, (e, *at))
@@ -407,9 +595,12 @@ class PostgresStore:
             recorded.append(Notification.of(c))
 
     async def unhanded(self) -> list[Notification]:
-        async with self.connection.cursor() as cur:
-            await cur.execute(_UNHANDED)
-            rows = await cur.fetchall()
+        try:
+            async with self.connection.cursor() as cur:
+                await cur.execute(_UNHANDED)
+                rows = await cur.fetchall()
+        except psycopg.Error as error:
+            raise StoreError(f"reading the notifications not handed failed: {error}") from error
         return [
             Notification(
                 endpoint_id=e,

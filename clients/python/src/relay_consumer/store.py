@@ -96,6 +96,11 @@ class Store(Protocol):
         """Marks the notifications handed to the user's code."""
         ...
 
+    async def close(self) -> None:
+        """Releases what the store holds open (idempotent): the consumer calls it when it
+        stops or fails."""
+        ...
+
 
 MaybeAwaitable = Awaitable[None] | None
 
@@ -328,3 +333,6 @@ class MemoryStore:
     async def mark_handed(self, notifications: Sequence[Notification]) -> None:
         for n in notifications:
             self._handed.add((n.endpoint_id, n.story_id))
+
+    async def close(self) -> None:
+        """Nothing to release: the copy stays readable."""

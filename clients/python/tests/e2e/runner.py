@@ -79,7 +79,7 @@ async def main() -> int:
     # test stops it soon after a restart) stops it as cleanly as one that comes later; the
     # consumer's stop before its run makes the run return at once.
     stop_requested = False
-    stoppers: list[Callable[[], None]] = []
+    stoppers: list[Callable[[], object]] = []
 
     def on_term() -> None:
         nonlocal stop_requested
@@ -141,7 +141,7 @@ async def main() -> int:
     finally:
         await store.close()
         os.close(log_fd)
-        print(f"runner#{args.instance} stats: {consumer.stats}", file=sys.stderr, flush=True)
+        print(f"runner#{args.instance} stats: {consumer.stats()}", file=sys.stderr, flush=True)
     return 0
 
 

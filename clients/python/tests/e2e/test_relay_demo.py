@@ -330,7 +330,7 @@ async def _read_store(dsn: str, scenario: Scenario) -> dict[str, Any]:
         for e, subject, kind, generation, sequence, item in await (
             await conn.execute(
                 "SELECT endpoint_id::text, subject, item_kind, generation, sequence, item "
-                "FROM relay_items"
+                "FROM relay_items WHERE NOT tombstone"
             )
         ).fetchall():
             out["items"][e][subject] = {
