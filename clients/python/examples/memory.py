@@ -1,10 +1,10 @@
 """Keeps a tenant's copies in this process's memory and prints each change as it is applied.
 
     RELAY_AMQP_URL='amqp://<username>:<password>@<host>:<port>/<vhost>' \
-    RELAY_TENANT_ID=<tenant id> python examples/memory.py
+    RELAY_QUEUE=relay.tenant.<tenant id> python examples/memory.py
 
 RELAY_AMQP_URL is the ``amqp_url`` that ``POST /v1/broker/credentials`` answered, with its
-``password`` put after the username. Optionally RELAY_API_URL and RELAY_TOKEN (a token of the
+``password`` put after the username. Optionally RELAY_API_URL and RELAY_API_TOKEN (a token of the
 tenant): a gap that does not fill in time is then asked for again with
 ``POST /v1/endpoints/<id>/replay``. Ctrl-C (or SIGTERM) stops it; the copy is gone with the
 process.
@@ -56,10 +56,10 @@ def gap(waiting: Gap) -> None:
 async def main() -> None:
     logging.basicConfig(level=logging.INFO)
     amqp_url = os.environ["RELAY_AMQP_URL"]
-    tenant_id = os.environ["RELAY_TENANT_ID"]
+    queue = os.environ["RELAY_QUEUE"]
     api = None
-    if os.environ.get("RELAY_API_URL") and os.environ.get("RELAY_TOKEN"):
-        api = RelayApi(os.environ["RELAY_API_URL"], os.environ["RELAY_TOKEN"])
+    if os.environ.get("RELAY_API_URL") and os.environ.get("RELAY_API_TOKEN"):
+        api = RelayApi(os.environ["RELAY_API_URL"], os.environ["RELAY_API_TOKEN"])
     store = MemoryStore(
         Handlers(
             upsert=upserted,
@@ -71,7 +71,7 @@ async def main() -> None:
     )
     consumer = Consumer(
         amqp_url,
-        f"relay.tenant.{tenant_id}",
+        queue,
         store,
         on_notification=notified,
         on_gap=gap,

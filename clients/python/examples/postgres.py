@@ -3,10 +3,10 @@ relay_notifications and relay_held, made when missing) and hands each story noti
 writing it to an outbox table of its own in the same transaction as the copy and the position.
 
     RELAY_AMQP_URL='amqp://<username>:<password>@<host>:<port>/<vhost>' \
-    RELAY_TENANT_ID=<tenant id> DATABASE_URL=postgresql://... python examples/postgres.py
+    RELAY_QUEUE=relay.tenant.<tenant id> RELAY_STORE_DSN=postgresql://... python examples/postgres.py
 
 RELAY_AMQP_URL is the ``amqp_url`` that ``POST /v1/broker/credentials`` answered, with its
-``password`` put after the username. Optionally RELAY_API_URL and RELAY_TOKEN (a token of the
+``password`` put after the username. Optionally RELAY_API_URL and RELAY_API_TOKEN (a token of the
 tenant): a gap that does not fill in time is then asked for again with
 ``POST /v1/endpoints/<id>/replay``. Ctrl-C (or SIGTERM) stops it; started again, it carries on
 from the positions kept.
@@ -57,18 +57,18 @@ def gap(waiting: Gap) -> None:
 async def main() -> None:
     logging.basicConfig(level=logging.INFO)
     amqp_url = os.environ["RELAY_AMQP_URL"]
-    tenant_id = os.environ["RELAY_TENANT_ID"]
-    database = os.environ["DATABASE_URL"]
+    queue = os.environ["RELAY_QUEUE"]
+    database = os.environ["RELAY_STORE_DSN"]
     api = None
-    if os.environ.get("RELAY_API_URL") and os.environ.get("RELAY_TOKEN"):
-        api = RelayApi(os.environ["RELAY_API_URL"], os.environ["RELAY_TOKEN"])
+    if os.environ.get("RELAY_API_URL") and os.environ.get("RELAY_API_TOKEN"):
+        api = RelayApi(os.environ["RELAY_API_URL"], os.environ["RELAY_API_TOKEN"])
     async with await PostgresStore.open(
         database, on_notification_in_transaction=to_outbox
     ) as store:
         await store.connection.execute(OUTBOX)
         consumer = Consumer(
             amqp_url,
-            f"relay.tenant.{tenant_id}",
+            queue,
             store,
             on_notification=handed,
             on_gap=gap,

@@ -3,12 +3,12 @@ the relay's database, or from scratch (a resync of every endpoint), printing eac
 rebuild as it goes; then keeps the copies up to date like ``examples/postgres.py``.
 
     RELAY_AMQP_URL='amqp://<username>:<password>@<host>:<port>/<vhost>' \
-    RELAY_TENANT_ID=<tenant id> DATABASE_URL=postgresql://... \
-    RELAY_API_URL=http://<relay api> RELAY_TOKEN=<tenant token> \
+    RELAY_QUEUE=relay.tenant.<tenant id> RELAY_STORE_DSN=postgresql://... \
+    RELAY_API_URL=http://<relay api> RELAY_API_TOKEN=<tenant token> \
     python examples/rebuild.py [--from-scratch]
 
 RELAY_AMQP_URL is the ``amqp_url`` that ``POST /v1/broker/credentials`` answered, with its
-``password`` put after the username. RELAY_API_URL and RELAY_TOKEN (a token of the tenant) are
+``password`` put after the username. RELAY_API_URL and RELAY_API_TOKEN (a token of the tenant) are
 needed with ``--from-scratch``; whenever they are set, a gap that does not fill in time is also
 asked for again with ``POST /v1/endpoints/<id>/replay``.
 
@@ -210,13 +210,13 @@ async def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     amqp_url = os.environ["RELAY_AMQP_URL"]
-    tenant_id = os.environ["RELAY_TENANT_ID"]
-    database = os.environ["DATABASE_URL"]
+    queue = os.environ["RELAY_QUEUE"]
+    database = os.environ["RELAY_STORE_DSN"]
     api = None
-    if os.environ.get("RELAY_API_URL") and os.environ.get("RELAY_TOKEN"):
-        api = RelayApi(os.environ["RELAY_API_URL"], os.environ["RELAY_TOKEN"])
+    if os.environ.get("RELAY_API_URL") and os.environ.get("RELAY_API_TOKEN"):
+        api = RelayApi(os.environ["RELAY_API_URL"], os.environ["RELAY_API_TOKEN"])
     elif args.from_scratch:
-        parser.error("--from-scratch asks the relay for resyncs: set RELAY_API_URL and RELAY_TOKEN")
+        parser.error("--from-scratch asks the relay for resyncs: set RELAY_API_URL and RELAY_API_TOKEN")
     async with await PostgresStore.open(database) as store:
         asked: dict[str, int] = {}
         if args.from_scratch:
@@ -224,7 +224,7 @@ async def main() -> None:
             asked = await from_scratch(store, api)
         consumer = Consumer(
             amqp_url,
-            f"relay.tenant.{tenant_id}",
+            queue,
             Reporting(store, asked),
             on_notification=handed,
             on_gap=gap,

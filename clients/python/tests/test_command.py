@@ -150,6 +150,17 @@ async def test_verify_is_0_when_equal_1_on_a_difference_and_2_on_an_error(
                RELAY_API_TOKEN=TOKEN)
     done = await asyncio.to_thread(command, "verify", "--endpoint", FEED, env=env)
     assert done.returncode == 0 and done.stdout.startswith(f"{FEED} equal"), done
+    # The relay's row raised to a later read of the same item (no change sent): equal; its
+    # row at an earlier position than the store's: a difference of sequence.
+    api.copy[FEED][0]["sequence"] = "0000000001.0000000009"
+    done = await asyncio.to_thread(command, "verify", "--endpoint", FEED, *flags)
+    assert done.returncode == 0, done
+    assert done.stdout == f"{FEED} equal (1 items, 1 raised by the relay, 0 stories, 0 notifications)\n"
+    api.copy[FEED][0].update(generation=1, sequence="0000000001.0000000000")
+    done = await asyncio.to_thread(command, "verify", "--endpoint", FEED, *flags)
+    assert done.returncode == 1, done
+    assert f"{FEED} differs: items 1 different (announcement:1: sequence)" in done.stdout
+    api.copy[FEED][0].update(generation=99, sequence="0000000001.0000000001")
     # One row changed in the store.
     with psycopg.connect(pg_database, autocommit=True) as conn:
         conn.execute("""UPDATE relay_items SET item = '{"a": 2}' WHERE subject = 'announcement:1'""")
@@ -282,3 +293,46 @@ def test_the_command_answers_its_version_and_refuses_missing_settings() -> None:
 )
 def test_a_store_failure_is_classified_by_its_cause(message: str, kind: str) -> None:
     assert classify(psycopg.OperationalError(message)) == kind
+
+
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def test_the_readmes_quick_start_is_examples_quickstart_py() -> None:
+    readme = (PACKAGE / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert block == (PACKAGE / "examples" / "quickstart.py").read_text()
+
+
+async def test_the_quick_start_runs_as_a_program_and_stops_on_sigterm(pg_database: str) -> None:
+    async with OwnQueue() as queue:
+        await queue.publish([
+            feed(1, subject="announcement:1"),
+            story(1, "saved", "st_1"),
+            story(2, "notified", "st_1"),
+        ])
+        env = dict(os.environ, RELAY_AMQP_URL=AMQP_URL, RELAY_QUEUE=queue.name,
+                   RELAY_STORE_DSN=pg_database, PYTHONUNBUFFERED="1")
+        env.pop("RELAY_API_URL", None)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(PACKAGE / "examples" / "quickstart.py"), env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert process.stdout is not None
+            line = await asyncio.wait_for(process.stdout.readline(), 30)
+            assert line.decode().startswith(f"strong story st_1 (ALFA B), key {STORIES}:1:2")
+            process.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(process.communicate(), 20)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        assert process.returncode == 0, err.decode()
+        assert "consumer stopped" in err.decode()
+    with psycopg.connect(pg_database) as conn:
+        assert conn.execute(
+            "SELECT count(*) FROM relay_notifications WHERE handed_at IS NOT NULL"
+        ).fetchone() == (1,)
+        assert conn.execute("SELECT count(*) FROM relay_items").fetchone() == (1,)

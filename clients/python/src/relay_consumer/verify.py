@@ -3,7 +3,12 @@
 Per endpoint (every endpoint of the token's tenant unless named), as clients/README.md says:
 
 * feed items (``GET /v1/endpoints/{id}/copy``): subject, item_kind, sequence, item; tombstones
-  excluded on both sides; ``generation`` is not compared;
+  excluded on both sides; ``generation`` is not compared. The relay moves a row to a later
+  (generation, sequence) without sending a change when an event or a reload finds the item
+  unchanged (``Decision::Unchanged``, services/rules/src/event.rs): a copy built from the
+  stream keeps the earlier one. So a sequence differs only when the store's (generation,
+  sequence) is not at or before the relay's; an item at an earlier read of the same content is
+  equal, and counted in the line ("raised by the relay");
 * stories (``GET /v1/endpoints/{id}/stories?include_closed=true``): id, ticker, version, closed,
   merged_into, story;
 * notifications (``GET /v1/endpoints/{id}/notifications``, those the relay sent, ``notified``):
@@ -65,6 +70,9 @@ class EndpointVerdict:
     stories: int
     notifications: int
     differences: list[Difference]
+    #: Items the relay's row holds at a later (generation, sequence) than the store's, with the
+    #: same content: raised by the relay without a change (not a difference).
+    raised: int = 0
 
     @property
     def equal(self) -> bool:
@@ -72,8 +80,9 @@ class EndpointVerdict:
 
     def line(self) -> str:
         if self.equal:
+            raised = f", {self.raised} raised by the relay" if self.raised else ""
             return (
-                f"{self.endpoint_id} equal ({self.items} items, {self.stories} stories, "
+                f"{self.endpoint_id} equal ({self.items} items{raised}, {self.stories} stories, "
                 f"{self.notifications} notifications)"
             )
         return f"{self.endpoint_id} differs: " + " | ".join(d.describe() for d in self.differences)
@@ -110,6 +119,25 @@ def _compare(
     return difference
 
 
+def _position(generation: Any, sequence: Any) -> tuple[int, bytes]:
+    """A row's (generation, sequence), sequences compared as byte strings (COLLATE "C")."""
+    return (
+        int(generation) if generation is not None else -1,
+        sequence.encode() if isinstance(sequence, str) else b"",
+    )
+
+
+def _raised(mine: dict[str, Any], relay: dict[str, Any]) -> bool:
+    """The relay's row at a later (generation, sequence) than the store's, the same item:
+    what the relay writes without a change when it finds an item unchanged."""
+    return (
+        mine["item"] == relay["item"]
+        and mine["item_kind"] == relay["item_kind"]
+        and _position(mine["generation"], mine["sequence"])
+        < _position(relay["generation"], relay["sequence"])
+    )
+
+
 async def _store_rows(
     connection: psycopg.AsyncConnection[Any], sql: str, endpoint: str
 ) -> list[tuple[Any, ...]]:
@@ -121,24 +149,37 @@ async def verify_endpoint(
     api: RelayApi, connection: psycopg.AsyncConnection[Any], endpoint: str
 ) -> EndpointVerdict:
     base = f"/v1/endpoints/{urllib.parse.quote(endpoint, safe='')}"
+    relay_rows = {
+        row["subject"]: row
+        for row in await pages(api, f"{base}/copy")
+        if not row.get("tombstone")
+    }
     relay_items = {
-        row["subject"]: {
+        subject: {
             "item_kind": row.get("item_kind"),
             "sequence": row.get("sequence"),
             "item": row.get("item"),
         }
-        for row in await pages(api, f"{base}/copy")
-        if not row.get("tombstone")
+        for subject, row in relay_rows.items()
     }
-    my_items = {
-        subject: {"item_kind": kind, "sequence": sequence, "item": item}
-        for subject, kind, sequence, item in await _store_rows(
-            connection,
-            "SELECT subject, item_kind, sequence, item FROM relay_items "
-            "WHERE endpoint_id = %s AND NOT tombstone",
-            endpoint,
-        )
-    }
+    my_items: dict[str, dict[str, Any]] = {}
+    raised = 0
+    for subject, kind, generation, sequence, item in await _store_rows(
+        connection,
+        "SELECT subject, item_kind, generation, sequence, item FROM relay_items "
+        "WHERE endpoint_id = %s AND NOT tombstone",
+        endpoint,
+    ):
+        my_items[subject] = {"item_kind": kind, "sequence": sequence, "item": item}
+        row = relay_rows.get(subject)
+        if row is not None and sequence != row.get("sequence") and _raised(
+            {"item_kind": kind, "generation": generation, "sequence": sequence, "item": item},
+            {"item_kind": row.get("item_kind"), "generation": row.get("generation"),
+             "sequence": row.get("sequence"), "item": row.get("item")},
+        ):
+            # Equal: the relay raised its row without a change (see the module's docstring).
+            my_items[subject]["sequence"] = row.get("sequence")
+            raised += 1
     relay_stories = {
         row["id"]: {
             "ticker": row.get("ticker"),
@@ -187,7 +228,8 @@ async def verify_endpoint(
         if d
     ]
     return EndpointVerdict(
-        endpoint, len(relay_items), len(relay_stories), len(relay_notifications), differences
+        endpoint, len(relay_items), len(relay_stories), len(relay_notifications), differences,
+        raised,
     )
 
 

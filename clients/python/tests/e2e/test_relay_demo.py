@@ -168,10 +168,10 @@ async def test_the_store_equals_the_relay_after_kills_scrambles_and_resyncs(
             command = [sys.executable, str(PACKAGE / "examples" / "postgres.py")]
             env.update(
                 RELAY_AMQP_URL=str(credentials["tenant_amqp_url"]),
-                RELAY_TENANT_ID=str(credentials["tenant_id"]),
-                DATABASE_URL=dsn,
+                RELAY_QUEUE=str(credentials["queue"]),
+                RELAY_STORE_DSN=dsn,
                 RELAY_API_URL=str(started["api_base_url"]),
-                RELAY_TOKEN=str(credentials["tenant_token"]),
+                RELAY_API_TOKEN=str(credentials["tenant_token"]),
             )
         consumers = ConsumerProcesses(command, workdir, env)
         await consumers.start()
@@ -574,10 +574,10 @@ async def _rebuild_from_scratch(
         os.environ,
         PYTHONUNBUFFERED="1",
         RELAY_AMQP_URL=str(credentials["tenant_amqp_url"]),
-        RELAY_TENANT_ID=str(credentials["tenant_id"]),
-        DATABASE_URL=dsn,
+        RELAY_QUEUE=str(credentials["queue"]),
+        RELAY_STORE_DSN=dsn,
         RELAY_API_URL=api.base,
-        RELAY_TOKEN=api.token,
+        RELAY_API_TOKEN=api.token,
     )
     rebuild = ConsumerProcesses(
         [sys.executable, str(PACKAGE / "examples" / "rebuild.py"), "--from-scratch"],
