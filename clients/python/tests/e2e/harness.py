@@ -62,7 +62,7 @@ class Demo:
         self._reader: asyncio.Task[None] | None = None
 
     async def start(self, *, seed: int, duration_s: int, settle_timeout_s: int,
-                    backup_at_s: int, restore_at_s: int) -> None:
+                    backup_at_s: int | None = None, restore_at_s: int | None = None) -> None:
         """The demo backs its database up at `backup_at_s` and restores it at `restore_at_s`
         (docs/restore.md's steps: every tier stopped, `pg_restore`, `relay restored`, the tiers
         started again at the same addresses, each feed endpoint rewound)."""
@@ -76,11 +76,11 @@ class Demo:
             "--faults", "all",
             "--seed", str(seed),
             "--settle-timeout-s", str(settle_timeout_s),
-            "--backup-at-s", str(backup_at_s),
-            "--restore-at-s", str(restore_at_s),
             "--listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0",
             "--metrics-listen", "127.0.0.1:0",
         ]
+        if backup_at_s is not None and restore_at_s is not None:
+            args += ["--backup-at-s", str(backup_at_s), "--restore-at-s", str(restore_at_s)]
         log("starting " + " ".join(args))
         with open(self.stderr_path, "wb") as err:
             self.process = await asyncio.create_subprocess_exec(
