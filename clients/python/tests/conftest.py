@@ -14,6 +14,19 @@ from relay_consumer.postgres import PostgresStore
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With RELAY_CONSUMER_REQUIRE_INSTALLED (ci.sh), the tests must run against the package
+    installed from the wheel, never the source tree."""
+    if os.environ.get("RELAY_CONSUMER_REQUIRE_INSTALLED"):
+        import relay_consumer
+
+        if "site-packages" not in (relay_consumer.__file__ or ""):
+            raise pytest.UsageError(
+                f"relay_consumer is imported from {relay_consumer.__file__}, not from an "
+                "installed package (RELAY_CONSUMER_REQUIRE_INSTALLED is set)"
+            )
+
+
 PG_ADMIN = os.environ.get("RELAY_CONSUMER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 

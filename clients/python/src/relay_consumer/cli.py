@@ -154,6 +154,10 @@ def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # One line per failure, the library's: the AMQP client's own account of a lost connection
+    # (an ERROR and a WARNING of its own each time) is left out.
+    for noisy in ("aiormq", "aio_pika"):
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
     consumer = Consumer(
         amqp_url,
         queue,
