@@ -287,24 +287,24 @@ async function runOnce(options: Options, run: number, messages: Change[], bodies
     let applied = 0;
     let finished!: () => void;
     const drained = new Promise<void>((resolve) => (finished = resolve));
-    consumer = new RelayConsumer({ amqpUrl, queue, store, prefetch: options.prefetch, maxBatch: options.maxBatch });
+    consumer = new RelayConsumer({ amqpUrl, queue, store, prefetch: options.prefetch, batchMax: options.maxBatch });
     consumer.on('applied', (outcome) => {
       applied += outcome.applied;
       if (applied >= target) finished();
     });
     const t0 = process.hrtime.bigint();
     await consumer.start();
-    const error = await Promise.race([drained.then(() => undefined), consumer.done]);
-    if (error) throw error;
+    await Promise.race([drained, consumer.done]);
     // The last batch's acknowledgements are sent once `applied` is emitted; the time counts
     // until every message was applied and its acknowledgement written to the socket.
     const seconds = Number(process.hrtime.bigint() - t0) / 1e9;
-    const stats = consumer.stats;
+    const stats = consumer.stats();
+    const counts = { items: 0, stories: 0, notifications: 0 };
+    const { rows } = await store.pool.query(`SELECT (SELECT count(*) FROM relay_items) AS items, (SELECT count(*) FROM relay_stories) AS stories,
+      (SELECT count(*) FROM relay_notifications) AS notifications`);
+    // Stopping closes the store too.
     await consumer.stop();
     consumer = undefined;
-    const counts = { items: 0, stories: 0, notifications: 0 };
-    const { rows } = await store.pool.query(`SELECT (SELECT count(*) FROM relay_feed_items) AS items, (SELECT count(*) FROM relay_stories) AS stories,
-      (SELECT count(*) FROM relay_notifications) AS notifications`);
     counts.items = Number(rows[0].items);
     counts.stories = Number(rows[0].stories);
     counts.notifications = Number(rows[0].notifications);

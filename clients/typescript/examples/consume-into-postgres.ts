@@ -1,18 +1,18 @@
-// Consume a tenant's queue into Postgres: the copies, positions and notifications in the
-// store's tables (relay_feed_items, relay_stories, relay_notifications, relay_positions), and
-// each notification printed and logged in a table of yours, once, in the transaction that marks
-// it handed.
+// Consume a tenant's queue into Postgres: the copies, positions, held changes and notifications
+// in the store's tables (relay_items, relay_stories, relay_notifications, relay_positions,
+// relay_held), and each notification printed and logged in a table of yours, once, in the
+// transaction that marks it handed.
 //
 //   RELAY_AMQP_URL=amqp://relay-tenant-…:…@127.0.0.1:5672/%2f \
-//   RELAY_QUEUE=relay.tenant.<tenant id> RELAY_TENANT_ID=<tenant id> \
-//   RELAY_API_BASE_URL=http://127.0.0.1:8081 RELAY_TENANT_TOKEN=<token> \
-//   DATABASE_URL=postgres://postgres@127.0.0.1:5432/mycopy \
+//   RELAY_QUEUE=relay.tenant.<tenant id> \
+//   RELAY_STORE_DSN=postgres://postgres@127.0.0.1:5432/mycopy \
+//   RELAY_API_URL=http://127.0.0.1:8081 RELAY_API_TOKEN=<token> \
 //   node dist/examples/consume-into-postgres.js
 //
 // Stop it with SIGTERM or Ctrl-C (it finishes its batch); kill it at any moment and start it
 // again: it resumes from the positions saved with the rows.
 
-import { PgStore, RelayApi, RelayConsumer, AmqpConnection } from '../src';
+import { AmqpConnection, PgStore, RelayApi, RelayConsumer } from '@relay/consumer';
 
 export interface RunOptions {
   env?: NodeJS.ProcessEnv;
@@ -30,7 +30,7 @@ export async function run(options: RunOptions = {}): Promise<RelayConsumer> {
   };
   const log = options.log ?? ((line) => console.log(JSON.stringify(line)));
   const store = new PgStore({
-    connection: need('DATABASE_URL'),
+    connection: need('RELAY_STORE_DSN'),
     handlers: {
       // Handed once: this insert commits with the store's mark that the notification was handed.
       notification: async (n, { client }) => {
@@ -44,23 +44,18 @@ export async function run(options: RunOptions = {}): Promise<RelayConsumer> {
       },
     },
   });
-  const api = env.RELAY_API_BASE_URL && env.RELAY_TENANT_TOKEN ? new RelayApi(env.RELAY_API_BASE_URL, env.RELAY_TENANT_TOKEN) : undefined;
+  const api = env.RELAY_API_URL && env.RELAY_API_TOKEN ? new RelayApi(env.RELAY_API_URL, env.RELAY_API_TOKEN) : undefined;
   const consumer = new RelayConsumer({
     amqpUrl: need('RELAY_AMQP_URL'),
     queue: need('RELAY_QUEUE'),
-    tenantId: env.RELAY_TENANT_ID,
     store,
     api,
-    gapTimeoutMs: Number(env.RELAY_GAP_TIMEOUT_MS ?? 10_000),
     connect: options.connect,
+    onError: (e) => log({ event: 'error', transient: e.transient, cause: e.cause, retry_in_ms: e.retryInMs ?? null, cause_kind: e.causeKind ?? null }),
   });
   consumer.on('gap', (gap) => log({ event: 'gap', endpoint: gap.endpoint, epoch: gap.epoch, from: gap.from, to: gap.to, held: gap.held }));
   consumer.on('replay', (r) => log({ event: 'replay', endpoint: r.endpoint, from: r.from, error: r.error ? String(r.error.message) : undefined }));
   consumer.on('refused', (error) => log({ event: 'refused', reason: error.reason, message_id: error.messageId, error: error.message }));
-  consumer.on('error', (error: Error) => log({ event: 'error', error: error.message }));
-  consumer.done.then(async () => {
-    await store.close().catch(() => {});
-  });
   await consumer.start();
   log({ event: 'consuming', queue: env.RELAY_QUEUE });
   return consumer;
@@ -72,14 +67,20 @@ if (require.main === module) {
       const stop = () => void consumer.stop();
       process.once('SIGTERM', stop);
       process.once('SIGINT', stop);
-      consumer.done.then((error) => {
-        console.log(JSON.stringify({ event: 'stopped', error: error?.message, stats: consumer.stats }));
-        process.exitCode = error ? 1 : 0;
-      });
+      consumer.done.then(
+        () => {
+          console.log(JSON.stringify({ event: 'stopped', error: null, stats: consumer.stats() }));
+          process.exitCode = 0;
+        },
+        (error: Error) => {
+          console.log(JSON.stringify({ event: 'stopped', error: error.message, stats: consumer.stats() }));
+          process.exitCode = 2;
+        },
+      );
     },
     (error: Error) => {
       console.error(error);
-      process.exitCode = 1;
+      process.exitCode = 2;
     },
   );
 }

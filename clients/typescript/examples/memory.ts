@@ -1,16 +1,17 @@
 // Keeps a tenant's copies in memory and prints what changes.
 //
 //   RELAY_AMQP_URL='amqp://<username>:<password>@<host>:<port>/<vhost>' \
-//   RELAY_TENANT_ID=<tenant id> node dist/examples/memory.js
+//   RELAY_QUEUE=relay.tenant.<tenant id> node dist/examples/memory.js
 //
 // RELAY_AMQP_URL is the credentials' amqp_url with their password put after the username.
+// SIGTERM or Ctrl-C stops it.
 
-import { MemoryStore, RelayConsumer } from '../src';
+import { MemoryStore, RelayConsumer, stderrLogger } from '@relay/consumer';
 
 async function main(): Promise<void> {
   const amqpUrl = process.env.RELAY_AMQP_URL;
-  const tenantId = process.env.RELAY_TENANT_ID;
-  if (!amqpUrl || !tenantId) throw new Error('set RELAY_AMQP_URL and RELAY_TENANT_ID');
+  const queue = process.env.RELAY_QUEUE;
+  if (!amqpUrl || !queue) throw new Error('set RELAY_AMQP_URL and RELAY_QUEUE');
   const store = new MemoryStore({
     handlers: {
       upsert: (c, { written }) => void (written && console.log(`upsert ${c.webhook_endpoint_id} ${c.subject}`, c.item)),
@@ -21,16 +22,15 @@ async function main(): Promise<void> {
       notification: (n) => console.log(`NOTIFY ${n.story_id} (${n.ticker ?? '-'})`),
     },
   });
-  const consumer = new RelayConsumer({ amqpUrl, queue: `relay.tenant.${tenantId}`, tenantId, store });
+  const consumer = new RelayConsumer({ amqpUrl, queue, store, logger: stderrLogger() });
   consumer.on('gap', (gap) => console.warn(`waiting for ${gap.endpoint} change_seq ${gap.from}..${gap.to}`));
-  consumer.on('refused', (error) => console.error(error.message));
   process.once('SIGINT', () => void consumer.stop());
+  process.once('SIGTERM', () => void consumer.stop());
   await consumer.start();
-  const error = await consumer.done;
-  if (error) throw error;
+  await consumer.done;
 }
 
 main().catch((error) => {
   console.error(error);
-  process.exitCode = 1;
+  process.exitCode = 2;
 });

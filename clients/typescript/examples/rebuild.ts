@@ -13,19 +13,19 @@
 // and each notification handed (`endpoint <id>: notification <story id> (<ticker>)`).
 //
 //   RELAY_AMQP_URL='amqp://<username>:<password>@<host>:<port>/<vhost>' \
-//   RELAY_TENANT_ID=<tenant id> DATABASE_URL=postgres://postgres@127.0.0.1:5432/mycopy \
-//   RELAY_API_BASE_URL=http://127.0.0.1:8081 RELAY_TENANT_TOKEN=<token> \
+//   RELAY_QUEUE=relay.tenant.<tenant id> RELAY_STORE_DSN=postgres://postgres@127.0.0.1:5432/mycopy \
+//   RELAY_API_URL=http://127.0.0.1:8081 RELAY_API_TOKEN=<token> \
 //   node dist/examples/rebuild.js --from-scratch
 //
-// RELAY_QUEUE defaults to relay.tenant.<tenant id>. RELAY_API_BASE_URL and RELAY_TENANT_TOKEN (a
-// token of the tenant) are needed with --from-scratch; without it they are optional (a gap that
-// does not fill in time is then asked for again with a replay).
+// RELAY_API_URL and RELAY_API_TOKEN (a token of the tenant) are needed with --from-scratch;
+// without it they are optional (a gap that does not fill in time is then asked for again with a
+// replay).
 //
 // --from-scratch (or RELAY_FROM_SCRATCH=1): start from an empty store and have the relay send
 // everything again. Name a fresh database (`createdb mycopy`; the store makes its tables), or
-// the store's database: its copies and positions are emptied (relay_feed_items, relay_stories,
-// relay_positions; relay_notifications is kept, so a notification handed before is not handed
-// again). Stop every other consumer of that store first, and empty any table of yours that your
+// the store's database: its copies, positions and held changes are emptied (relay_items,
+// relay_stories, relay_positions, relay_held; relay_notifications is kept, so a notification
+// handed before is not handed again). Stop every other consumer of that store first, and empty any table of yours that your
 // handlers derive from the copy in `emptyStore` below. Then every endpoint of the tenant
 // (GET /v1/endpoints) is resynced: a new epoch each, its snapshot the relay's copy as it is now.
 // A 409 says the endpoint's current epoch's snapshot is still being sent (a resync or restore
@@ -40,7 +40,7 @@
 // Stop it with SIGINT (Ctrl-C) or SIGTERM: it finishes its batch. Killed at any moment, it resumes
 // from the positions saved with the rows when started again (without --from-scratch).
 
-import { PgStore, RelayApi, RelayApiError, RelayConsumer } from '../src';
+import { PgStore, RelayApi, RelayApiError, RelayConsumer } from '@relay/consumer';
 
 const RESYNC_PAUSE_MS = 1_000;
 const RESYNC_PATIENCE_MS = 10 * 60_000;
@@ -49,13 +49,13 @@ function sleep(ms: number): Promise<void> {
   return new Promise((resolve) => setTimeout(resolve, ms));
 }
 
-/** Empties the store's copies and positions, in one transaction. */
+/** Empties the store's copies, positions and held changes, in one transaction. */
 async function emptyStore(store: PgStore): Promise<number> {
   const client = await store.pool.connect();
   try {
     await client.query('BEGIN');
     const { rows } = await client.query<{ n: string }>('SELECT count(*) AS n FROM relay_positions');
-    await client.query('TRUNCATE relay_positions, relay_feed_items, relay_stories');
+    await client.query('TRUNCATE relay_positions, relay_items, relay_stories, relay_held');
     // Tables of yours derived from the copy: empty them here, with the store's.
     await client.query('COMMIT');
     return Number(rows[0]!.n);
@@ -88,11 +88,11 @@ async function main(): Promise<void> {
   const env = process.env;
   const fromScratch = process.argv.slice(2).includes('--from-scratch') || ['1', 'true', 'yes'].includes((env.RELAY_FROM_SCRATCH ?? '').toLowerCase());
   const amqpUrl = env.RELAY_AMQP_URL;
-  const tenantId = env.RELAY_TENANT_ID;
-  const database = env.DATABASE_URL;
-  if (!amqpUrl || !tenantId || !database) throw new Error('set RELAY_AMQP_URL, RELAY_TENANT_ID and DATABASE_URL');
-  const api = env.RELAY_API_BASE_URL && env.RELAY_TENANT_TOKEN ? new RelayApi(env.RELAY_API_BASE_URL, env.RELAY_TENANT_TOKEN) : undefined;
-  if (fromScratch && !api) throw new Error('--from-scratch resyncs through the API: set RELAY_API_BASE_URL and RELAY_TENANT_TOKEN');
+  const queue = env.RELAY_QUEUE;
+  const database = env.RELAY_STORE_DSN;
+  if (!amqpUrl || !queue || !database) throw new Error('set RELAY_AMQP_URL, RELAY_QUEUE and RELAY_STORE_DSN');
+  const api = env.RELAY_API_URL && env.RELAY_API_TOKEN ? new RelayApi(env.RELAY_API_URL, env.RELAY_API_TOKEN) : undefined;
+  if (fromScratch && !api) throw new Error('--from-scratch resyncs through the API: set RELAY_API_URL and RELAY_API_TOKEN');
 
   let consumer: RelayConsumer | undefined;
   let stopping = false;
@@ -119,7 +119,7 @@ async function main(): Promise<void> {
       snapshotEnd: async (change, { client }) => {
         const endpoint = change.webhook_endpoint_id;
         const { rows } = await client.query<{ items: string; stories: string }>(
-          `SELECT (SELECT count(*) FROM relay_feed_items WHERE endpoint_id = $1 AND NOT tombstone) AS items,
+          `SELECT (SELECT count(*) FROM relay_items WHERE endpoint_id = $1 AND NOT tombstone) AS items,
                   (SELECT count(*) FROM relay_stories WHERE endpoint_id = $1) AS stories`,
           [endpoint],
         );
@@ -149,11 +149,16 @@ async function main(): Promise<void> {
     }
     if (stopping) return;
 
-    const queue = env.RELAY_QUEUE || `relay.tenant.${tenantId}`;
-    const starting = new RelayConsumer({ amqpUrl, queue, tenantId, store, api });
+    const starting = new RelayConsumer({ amqpUrl, queue, store, api });
     starting.on('applied', () => {
       for (const line of pending) console.log(line);
       pending = [];
+    });
+    // A batch that did not commit (the store or the broker lost) comes again: what its handlers
+    // saw is not printed.
+    starting.on('error', (error: Error) => {
+      pending = [];
+      console.warn(`relay-consumer: ${error.message}`);
     });
     starting.on('gap', (gap) => console.warn(`endpoint ${gap.endpoint}: waiting for change_seq ${gap.from}..${gap.to} of epoch ${gap.epoch}`));
     starting.on('replay', (r) => console.warn(`endpoint ${r.endpoint}: replay from ${r.from}: ${r.error ? r.error.message : JSON.stringify(r.answer)}`));
@@ -162,9 +167,8 @@ async function main(): Promise<void> {
     consumer = starting;
     console.log(`consuming ${queue}`);
     if (stopping) void starting.stop();
-    const error = await starting.done;
-    console.log(`stopped: ${JSON.stringify(starting.stats)}`);
-    if (error) throw error;
+    await starting.done;
+    console.log(`stopped: ${JSON.stringify(starting.stats())}`);
   } finally {
     await store.close();
   }

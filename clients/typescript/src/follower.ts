@@ -1,11 +1,13 @@
 // The stream rules, pure (no IO): per endpoint the epoch followed and the last change_seq
 // applied; a change of an older epoch is stale, a greater epoch starts over at change_seq 1, a
 // change_seq applied or held already is a repeat, the next one is applied with every held one
-// that then follows, one further ahead is held (bounded). The same rules as the relay's
-// reference consumer (services/publisher/src/consumer.rs).
+// that then follows, one further ahead is held (bounded: past a bound it is an overflow, and
+// nothing changes). The same rules as the relay's reference consumer
+// (services/publisher/src/consumer.rs).
 //
-// Each change travels with a token (the consumer's: its AMQP delivery), handed back with the
-// verdict so the caller acknowledges exactly what was applied or dropped.
+// A held change is the store's to keep (relay_held, in the transaction of its batch): the
+// consumer acknowledges it once that commits, and a restart or a reconnection restores the
+// follower from the store's positions and held changes.
 
 import { Change } from './message';
 
@@ -14,24 +16,23 @@ export interface Position {
   lastChangeSeq: number;
 }
 
-export interface Placed<T> {
-  change: Change;
-  token: T;
-}
-
-export type Verdict<T> =
+export type Verdict =
   /** Apply these, in order (the change received first, then the held ones it released). */
-  | { outcome: 'apply'; apply: Placed<T>[]; stale: Placed<T>[] }
+  | { outcome: 'apply'; apply: Change[]; stale: Change[] }
   /** Already applied, or held already: drop it (acknowledge it). */
-  | { outcome: 'duplicate'; stale: Placed<T>[] }
+  | { outcome: 'duplicate'; stale: Change[] }
   /** Of an epoch older than the one followed: drop it (acknowledge it). */
-  | { outcome: 'stale'; stale: Placed<T>[] }
+  | { outcome: 'stale'; stale: Change[] }
+  /** Ahead of the next change: held (the store keeps it) until its predecessors come. */
+  | { outcome: 'held'; expected: number; stale: Change[] }
   /**
-   * Ahead of the next change: held until its predecessors come. `released` are changes that
-   * no longer fit in the bound (the furthest ahead; possibly this one): give them back to the
-   * queue (nack with requeue), they come again.
+   * Ahead of the next change, and holding it would pass a hold bound: not held, nothing changed.
+   * The caller has it sent again (a replay that covers it) or gives it back to the queue.
    */
-  | { outcome: 'held'; expected: number; released: Placed<T>[]; stale: Placed<T>[] };
+  | { outcome: 'overflow'; gap: Gap };
+
+// `stale` (on every verdict but overflow): changes held of an older epoch, which a change of a
+// greater epoch ended; they can never be applied (their `notified` ones are recorded anyway).
 
 export interface Gap {
   endpoint: string;
@@ -55,7 +56,7 @@ export interface FollowerLimits {
 interface EndpointState {
   epoch: number;
   last: number;
-  held: Map<number, Placed<unknown>>;
+  held: Map<number, Change>;
   heldSince: number;
 }
 
@@ -65,20 +66,61 @@ export interface FollowerStats {
   duplicates: number;
   stale: number;
   reordered: number;
-  released: number;
+  overflows: number;
   snapshots: number;
 }
 
-export class Follower<T> {
+export const DEFAULT_LIMITS: FollowerLimits = { maxHeldPerEndpoint: 1_000, maxHeldTotal: 10_000 };
+
+export class Follower {
   private readonly endpoints = new Map<string, EndpointState>();
   private heldTotal = 0;
-  readonly stats: FollowerStats = { received: 0, applied: 0, duplicates: 0, stale: 0, reordered: 0, released: 0, snapshots: 0 };
+  readonly stats: FollowerStats = { received: 0, applied: 0, duplicates: 0, stale: 0, reordered: 0, overflows: 0, snapshots: 0 };
 
   constructor(
-    private readonly limits: FollowerLimits = { maxHeldPerEndpoint: 200, maxHeldTotal: 400 },
+    private readonly limits: FollowerLimits = DEFAULT_LIMITS,
     private readonly now: () => number = Date.now,
   ) {
     if (limits.maxHeldPerEndpoint < 1 || limits.maxHeldTotal < 1) throw new RangeError('the hold bounds must be 1 or more');
+  }
+
+  /**
+   * Starts over from what a store saved: its positions, and the changes it holds (kept whatever
+   * the bounds; one at or before its endpoint's position is left out). Answers the held changes
+   * that follow their position already (none, from a store written by these libraries): the
+   * caller applies them.
+   */
+  restore(positions: Map<string, Position>, held: Change[]): Change[] {
+    this.endpoints.clear();
+    this.heldTotal = 0;
+    for (const [endpoint, position] of positions) this.resume(endpoint, position);
+    const ordered = [...held].sort((a, b) => a.epoch - b.epoch || a.change_seq - b.change_seq);
+    for (const change of ordered) {
+      const state = this.state(change.webhook_endpoint_id);
+      if (change.epoch < state.epoch) continue;
+      if (change.epoch > state.epoch) {
+        this.heldTotal -= state.held.size;
+        state.held.clear();
+        state.epoch = change.epoch;
+        state.last = 0;
+      }
+      if (change.change_seq <= state.last || state.held.has(change.change_seq)) continue;
+      if (state.held.size === 0) state.heldSince = this.now();
+      state.held.set(change.change_seq, change);
+      this.heldTotal += 1;
+    }
+    const ready: Change[] = [];
+    for (const state of this.endpoints.values()) {
+      for (;;) {
+        const next = state.held.get(state.last + 1);
+        if (!next) break;
+        state.held.delete(state.last + 1);
+        this.heldTotal -= 1;
+        ready.push(next);
+        state.last = next.change_seq;
+      }
+    }
+    return ready;
   }
 
   /** Takes the endpoint as at `position` (what a store saved): changes up to it are repeats. */
@@ -95,6 +137,11 @@ export class Follower<T> {
     return state ? { epoch: state.epoch, lastChangeSeq: state.last } : { epoch: 0, lastChangeSeq: 0 };
   }
 
+  /** Every endpoint seen (resumed or received), with its position and how many it holds. */
+  endpointStates(): { endpoint: string; epoch: number; lastChangeSeq: number; held: number }[] {
+    return [...this.endpoints].map(([endpoint, s]) => ({ endpoint, epoch: s.epoch, lastChangeSeq: s.last, held: s.held.size }));
+  }
+
   get held(): number {
     return this.heldTotal;
   }
@@ -103,14 +150,7 @@ export class Follower<T> {
     return this.endpoints.get(endpoint)?.held.size ?? 0;
   }
 
-  /** Every token held now (to give back when stopping). */
-  heldTokens(): T[] {
-    const out: T[] = [];
-    for (const state of this.endpoints.values()) for (const placed of state.held.values()) out.push(placed.token as T);
-    return out;
-  }
-
-  receive(change: Change, token: T): Verdict<T> {
+  receive(change: Change): Verdict {
     this.stats.received += 1;
     const state = this.state(change.webhook_endpoint_id);
     const { epoch, change_seq: seq } = change;
@@ -118,38 +158,44 @@ export class Follower<T> {
       this.stats.stale += 1;
       return { outcome: 'stale', stale: [] };
     }
-    const stale: Placed<T>[] = [];
-    if (epoch > state.epoch) {
-      // The older epoch's stream is over: what was held of it can never be applied.
-      for (const placed of state.held.values()) stale.push(placed as Placed<T>);
-      this.stats.stale += state.held.size;
-      this.heldTotal -= state.held.size;
-      state.held.clear();
-      state.epoch = epoch;
-      state.last = 0;
-    }
-    if (seq <= state.last || state.held.has(seq)) {
+    // A greater epoch ends the older one's stream: what was held of it can never be applied.
+    const switching = epoch > state.epoch;
+    const last = switching ? 0 : state.last;
+    if (!switching && (seq <= last || state.held.has(seq))) {
       this.stats.duplicates += 1;
-      return { outcome: 'duplicate', stale };
+      return { outcome: 'duplicate', stale: [] };
     }
-    const expected = state.last + 1;
+    const expected = last + 1;
+    if (seq > expected) {
+      const heldHere = switching ? 0 : state.held.size;
+      const heldAll = this.heldTotal - (switching ? state.held.size : 0);
+      if (heldHere + 1 > this.limits.maxHeldPerEndpoint || heldAll + 1 > this.limits.maxHeldTotal) {
+        this.stats.overflows += 1;
+        const first = heldHere > 0 ? Math.min(...state.held.keys()) : seq;
+        const gap: Gap = {
+          endpoint: change.webhook_endpoint_id, epoch, from: expected, to: first - 1, held: heldHere,
+          since: heldHere > 0 ? state.heldSince : this.now(),
+        };
+        return { outcome: 'overflow', gap };
+      }
+    }
+    const stale = switching ? this.switchEpoch(state, epoch) : [];
     if (seq > expected) {
       this.stats.reordered += 1;
       if (state.held.size === 0) state.heldSince = this.now();
-      state.held.set(seq, { change, token });
+      state.held.set(seq, change);
       this.heldTotal += 1;
-      const released = this.enforceBounds(state);
-      return { outcome: 'held', expected, released, stale };
+      return { outcome: 'held', expected, stale };
     }
-    const apply: Placed<T>[] = [{ change, token }];
+    const apply: Change[] = [change];
     this.advance(state, change);
     for (;;) {
       const next = state.held.get(state.last + 1);
       if (!next) break;
       state.held.delete(state.last + 1);
       this.heldTotal -= 1;
-      apply.push(next as Placed<T>);
-      this.advance(state, next.change);
+      apply.push(next);
+      this.advance(state, next);
     }
     if (state.held.size > 0) state.heldSince = this.now();
     return { outcome: 'apply', apply, stale };
@@ -167,31 +213,20 @@ export class Follower<T> {
     return out;
   }
 
+  private switchEpoch(state: EndpointState, epoch: number): Change[] {
+    const stale = [...state.held.values()].sort((a, b) => a.change_seq - b.change_seq);
+    this.stats.stale += stale.length;
+    this.heldTotal -= state.held.size;
+    state.held.clear();
+    state.epoch = epoch;
+    state.last = 0;
+    return stale;
+  }
+
   private advance(state: EndpointState, change: Change): void {
     state.last = change.change_seq;
     this.stats.applied += 1;
     if (!('kind' in change) && change.operation === 'snapshot_begin') this.stats.snapshots += 1;
-  }
-
-  /** Gives back the furthest-ahead changes held while a bound is passed. */
-  private enforceBounds(state: EndpointState): Placed<T>[] {
-    const released: Placed<T>[] = [];
-    const giveBack = (from: EndpointState) => {
-      const furthest = Math.max(...from.held.keys());
-      const placed = from.held.get(furthest)!;
-      from.held.delete(furthest);
-      this.heldTotal -= 1;
-      this.stats.released += 1;
-      released.push(placed as Placed<T>);
-    };
-    while (state.held.size > this.limits.maxHeldPerEndpoint) giveBack(state);
-    while (this.heldTotal > this.limits.maxHeldTotal) {
-      // The endpoint holding the most gives back its furthest.
-      let fullest = state;
-      for (const other of this.endpoints.values()) if (other.held.size > fullest.held.size) fullest = other;
-      giveBack(fullest);
-    }
-    return released;
   }
 
   private state(endpoint: string): EndpointState {

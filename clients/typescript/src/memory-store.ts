@@ -5,7 +5,7 @@
 import { Position } from './follower';
 import { Change, FeedChange, StoryMessage } from './message';
 import {
-  ApplyOutcome, callHandler, feedWriteWins, FeedRow, Handlers, NotificationRecord, Store, StoryRow,
+  ApplyOutcome, callHandler, callNotificationHandler, feedWriteWins, FeedRow, Handlers, NotificationRecord, Store, StoryRow,
 } from './store';
 
 export interface MemoryStoreOptions {
@@ -21,6 +21,8 @@ export class MemoryStore implements Store {
   readonly notifications = new Map<string, Map<string, NotificationRecord & { handed: boolean }>>();
   private readonly saved = new Map<string, Position>();
   private readonly pending: (NotificationRecord & { handed: boolean })[] = [];
+  /** Changes held, by endpoint, then `<epoch>:<change_seq>`. */
+  private readonly heldChanges = new Map<string, Map<string, Change>>();
   private readonly handlers: Handlers<MemoryStore>;
 
   constructor(options: MemoryStoreOptions = {}) {
@@ -43,9 +45,14 @@ export class MemoryStore implements Store {
     return new Map(this.stories.get(endpoint) ?? []);
   }
 
-  async apply(changes: Change[], lateNotifications: StoryMessage[] = []): Promise<ApplyOutcome> {
+  async held(): Promise<Change[]> {
+    return [...this.heldChanges.values()].flatMap((m) => [...m.values()]);
+  }
+
+  async apply(changes: Change[], lateNotifications: StoryMessage[] = [], held: Change[] = []): Promise<ApplyOutcome> {
     const outcome: ApplyOutcome = { applied: 0, skipped: 0, declined: 0, notifications: 0, repeatedNotifications: 0 };
     for (const late of lateNotifications) this.recordNotification(late, outcome);
+    this.keepHeld(changes, held);
     for (const change of changes) {
       const endpoint = change.webhook_endpoint_id;
       const at = this.saved.get(endpoint);
@@ -66,14 +73,44 @@ export class MemoryStore implements Store {
     return outcome;
   }
 
+  /**
+   * The held changes as the batch leaves them: each endpoint's position forgets what it reached
+   * (and an older epoch's), a change held of a greater epoch the older epochs' ones. (The
+   * positions move as the batch's changes are applied, after this: the forgetting is decided on
+   * where they will be, as the Postgres store does in the batch's transaction.)
+   */
+  private keepHeld(changes: Change[], held: Change[]): void {
+    const reach = new Map<string, Position>();
+    const at = (e: string) => reach.get(e) ?? this.saved.get(e);
+    for (const c of changes) {
+      const p = at(c.webhook_endpoint_id);
+      const follows = p
+        ? (c.epoch === p.epoch && c.change_seq === p.lastChangeSeq + 1) || (c.epoch > p.epoch && c.change_seq === 1)
+        : c.change_seq === 1;
+      if (follows) reach.set(c.webhook_endpoint_id, { epoch: c.epoch, lastChangeSeq: c.change_seq });
+    }
+    const forget = (endpoint: string, upTo: Position) => {
+      const kept = this.heldChanges.get(endpoint);
+      if (!kept) return;
+      for (const [key, c] of kept) {
+        if (c.epoch < upTo.epoch || (c.epoch === upTo.epoch && c.change_seq <= upTo.lastChangeSeq)) kept.delete(key);
+      }
+    };
+    for (const [endpoint, p] of reach) forget(endpoint, p);
+    for (const c of held) forget(c.webhook_endpoint_id, { epoch: c.epoch, lastChangeSeq: 0 });
+    for (const c of held) {
+      let kept = this.heldChanges.get(c.webhook_endpoint_id);
+      if (!kept) this.heldChanges.set(c.webhook_endpoint_id, (kept = new Map()));
+      kept.set(`${c.epoch}:${c.change_seq}`, c);
+    }
+  }
+
   async handPending(): Promise<number> {
     let handed = 0;
     while (this.pending.length > 0) {
       const record = this.pending[0]!;
-      if (this.handlers.notification) {
-        const { handed: _, ...notification } = record;
-        await this.handlers.notification(notification, { client: this });
-      }
+      const { handed: _, ...notification } = record;
+      await callNotificationHandler(this.handlers, notification, this);
       record.handed = true;
       this.pending.shift();
       handed += 1;

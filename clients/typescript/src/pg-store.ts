@@ -8,69 +8,115 @@
 // applied a change with its position or neither, and on restart skips what it applied.
 
 import { Pool, PoolClient, PoolConfig } from 'pg';
+import { classify, PermanentError } from './errors';
 import { Position } from './follower';
-import { Change, FeedChange, StoryMessage } from './message';
-import { ApplyOutcome, callHandler, Handlers, NotificationRecord, Store } from './store';
+import { Change, decodeChange, FeedChange, StoryMessage } from './message';
+import { ApplyOutcome, callHandler, callNotificationHandler, Handlers, NotificationRecord, Store } from './store';
+import { VERSION } from './version';
 
 export interface PgStoreOptions {
   /** A connection string, or pg's pool settings. */
   connection: string | PoolConfig;
   handlers?: Handlers<PoolClient>;
-  /** Create the tables when missing (default true). */
+  /** Bring the store's schema to this library's version when first used (default true). */
   migrate?: boolean;
 }
 
+/** The store schema version this library writes (clients/README.md, "The store schema"). */
+export const SCHEMA_VERSION = 1;
+
+/** What `relay_consumer_schema.library` records for the migrations this library applies. */
+export const LIBRARY = `relay-consumer-typescript ${VERSION}`;
+
+/** Takes one migration at a time across every process and both libraries. */
+export const MIGRATION_LOCK = 7_261_207;
+
+export const SCHEMA_TABLE_SQL = `
+CREATE TABLE IF NOT EXISTS relay_consumer_schema (
+    version    integer PRIMARY KEY,
+    library    text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+`;
+
+/**
+ * Migration 1: from nothing, or from either library's tables before versioning, which it
+ * brings to the same layout (clients/README.md).
+ */
 export const SCHEMA_SQL = `
+-- Tables of the TypeScript library before version 1.
+ALTER TABLE IF EXISTS relay_feed_items RENAME TO relay_items;
 CREATE TABLE IF NOT EXISTS relay_positions (
-  endpoint_id uuid PRIMARY KEY,
-  tenant_id uuid NOT NULL,
-  epoch bigint NOT NULL,
-  last_change_seq bigint NOT NULL,
-  updated_at timestamptz NOT NULL DEFAULT now()
+    endpoint_id     uuid PRIMARY KEY,
+    tenant_id       uuid,
+    epoch           bigint NOT NULL,
+    last_change_seq bigint NOT NULL,
+    snapshot_open   boolean NOT NULL DEFAULT false,
+    updated_at      timestamptz NOT NULL DEFAULT now()
 );
-CREATE TABLE IF NOT EXISTS relay_feed_items (
-  endpoint_id uuid NOT NULL,
-  subject text NOT NULL,
-  item_kind text,
-  generation bigint NOT NULL,
-  sequence text COLLATE "C",
-  tombstone boolean NOT NULL,
-  item jsonb,
-  epoch bigint NOT NULL,
-  change_seq bigint NOT NULL,
-  changed_at timestamptz NOT NULL,
-  PRIMARY KEY (endpoint_id, subject)
+ALTER TABLE relay_positions ADD COLUMN IF NOT EXISTS tenant_id uuid;
+ALTER TABLE relay_positions ALTER COLUMN tenant_id DROP NOT NULL;
+ALTER TABLE relay_positions ADD COLUMN IF NOT EXISTS snapshot_open boolean NOT NULL DEFAULT false;
+CREATE TABLE IF NOT EXISTS relay_items (
+    endpoint_id uuid NOT NULL,
+    subject     text NOT NULL,
+    item_kind   text,
+    generation  bigint NOT NULL,
+    sequence    text COLLATE "C",
+    tombstone   boolean NOT NULL DEFAULT false,
+    item        jsonb,
+    epoch       bigint NOT NULL,
+    change_seq  bigint NOT NULL,
+    changed_at  timestamptz NOT NULL,
+    PRIMARY KEY (endpoint_id, subject)
 );
+ALTER TABLE relay_items ADD COLUMN IF NOT EXISTS tombstone boolean NOT NULL DEFAULT false;
+ALTER TABLE relay_items ALTER COLUMN item DROP NOT NULL;
+ALTER TABLE relay_items ALTER COLUMN sequence TYPE text COLLATE "C";
 CREATE TABLE IF NOT EXISTS relay_stories (
-  endpoint_id uuid NOT NULL,
-  story_id text NOT NULL,
-  ticker text,
-  version bigint NOT NULL,
-  closed boolean NOT NULL,
-  merged_into text,
-  story jsonb,
-  epoch bigint NOT NULL,
-  change_seq bigint NOT NULL,
-  changed_at timestamptz NOT NULL,
-  PRIMARY KEY (endpoint_id, story_id)
+    endpoint_id uuid NOT NULL,
+    story_id    text NOT NULL,
+    ticker      text,
+    version     bigint NOT NULL,
+    closed      boolean NOT NULL,
+    merged_into text,
+    story       jsonb,
+    epoch       bigint NOT NULL,
+    change_seq  bigint NOT NULL,
+    changed_at  timestamptz NOT NULL,
+    PRIMARY KEY (endpoint_id, story_id)
 );
 CREATE TABLE IF NOT EXISTS relay_notifications (
-  endpoint_id uuid NOT NULL,
-  story_id text NOT NULL,
-  ticker text,
-  version bigint NOT NULL,
-  event_id text,
-  story jsonb,
-  epoch bigint NOT NULL,
-  change_seq bigint NOT NULL,
-  changed_at timestamptz NOT NULL,
-  recorded_at timestamptz NOT NULL DEFAULT now(),
-  handed_at timestamptz,
-  PRIMARY KEY (endpoint_id, story_id)
+    endpoint_id uuid NOT NULL,
+    story_id    text NOT NULL,
+    ticker      text,
+    version     bigint NOT NULL,
+    event_id    text,
+    story       jsonb,
+    epoch       bigint NOT NULL,
+    change_seq  bigint NOT NULL,
+    changed_at  timestamptz NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    handed_at   timestamptz,
+    repeats     integer NOT NULL DEFAULT 0,
+    PRIMARY KEY (endpoint_id, story_id)
 );
-CREATE INDEX IF NOT EXISTS relay_notifications_pending ON relay_notifications (recorded_at)
-  WHERE handed_at IS NULL;
+ALTER TABLE relay_notifications ADD COLUMN IF NOT EXISTS repeats integer NOT NULL DEFAULT 0;
+DROP INDEX IF EXISTS relay_notifications_pending;
+CREATE INDEX IF NOT EXISTS relay_notifications_unhanded
+    ON relay_notifications (recorded_at) WHERE handed_at IS NULL;
+CREATE TABLE IF NOT EXISTS relay_held (
+    endpoint_id uuid NOT NULL,
+    epoch       bigint NOT NULL,
+    change_seq  bigint NOT NULL,
+    body        jsonb NOT NULL,
+    held_at     timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (endpoint_id, epoch, change_seq)
+);
 `;
+
+/** Each migration, in order: version n brings the schema from n - 1 to n. */
+export const MIGRATIONS: readonly { version: number; sql: string }[] = [{ version: 1, sql: SCHEMA_SQL }];
 
 // A batch is written in a few statements, each for many changes at once (arrays unnested), not
 // one per change: pg's client sends one statement per round trip, so the round trips are what
@@ -102,7 +148,7 @@ const LOCK_POSITIONS = `
   ORDER BY p.endpoint_id FOR UPDATE OF p`;
 
 /** One change's write in a batch's statements (a late notification is one too). */
-type WriteKind = 'feedWrite' | 'feedDrop' | 'snapshotBegin' | 'storySave' | 'storyClose' | 'storyDrop' | 'notify';
+type WriteKind = 'feedWrite' | 'feedDrop' | 'snapshotBegin' | 'storySave' | 'storyClose' | 'storyDrop' | 'notify' | 'notifyLate';
 
 interface Write {
   kind: WriteKind;
@@ -117,6 +163,8 @@ interface Move {
   tenant: string;
   from: Position | null;
   to: Position;
+  /** true after a snapshot_begin, false after a snapshot_end (the batch's last), null: as it was. */
+  snapshotOpen: boolean | null;
 }
 
 /** Builds one statement's text and values. */
@@ -150,24 +198,61 @@ function positionCtes(s: Statement, moves: Move[]): void {
   const starting = moves.filter((m) => m.from === null);
   s.ctes.push(`moved AS (
     UPDATE relay_positions AS p
-    SET epoch = m.epoch, last_change_seq = m.last_change_seq, updated_at = now()
+    SET epoch = m.epoch, last_change_seq = m.last_change_seq, snapshot_open = coalesce(m.snapshot_open, p.snapshot_open),
+        updated_at = now()
     FROM unnest(${s.param(moving.map((m) => m.endpoint), 'uuid[]')}, ${s.param(moving.map((m) => m.from!.epoch), 'bigint[]')},
                 ${s.param(moving.map((m) => m.from!.lastChangeSeq), 'bigint[]')}, ${s.param(moving.map((m) => m.to.epoch), 'bigint[]')},
-                ${s.param(moving.map((m) => m.to.lastChangeSeq), 'bigint[]')})
-      AS m(endpoint_id, from_epoch, from_last_change_seq, epoch, last_change_seq)
+                ${s.param(moving.map((m) => m.to.lastChangeSeq), 'bigint[]')}, ${s.param(moving.map((m) => m.snapshotOpen), 'boolean[]')})
+      AS m(endpoint_id, from_epoch, from_last_change_seq, epoch, last_change_seq, snapshot_open)
     WHERE p.endpoint_id = m.endpoint_id AND p.epoch = m.from_epoch AND p.last_change_seq = m.from_last_change_seq
     RETURNING 1
   )`);
   s.ctes.push(`started AS (
-    INSERT INTO relay_positions (endpoint_id, tenant_id, epoch, last_change_seq)
-    SELECT * FROM unnest(${s.param(starting.map((m) => m.endpoint), 'uuid[]')}, ${s.param(starting.map((m) => m.tenant), 'uuid[]')},
-                         ${s.param(starting.map((m) => m.to.epoch), 'bigint[]')}, ${s.param(starting.map((m) => m.to.lastChangeSeq), 'bigint[]')})
-      AS m(endpoint_id, tenant_id, epoch, last_change_seq)
+    INSERT INTO relay_positions (endpoint_id, tenant_id, epoch, last_change_seq, snapshot_open)
+    SELECT endpoint_id, tenant_id, epoch, last_change_seq, coalesce(snapshot_open, false)
+    FROM unnest(${s.param(starting.map((m) => m.endpoint), 'uuid[]')}, ${s.param(starting.map((m) => m.tenant), 'uuid[]')},
+                ${s.param(starting.map((m) => m.to.epoch), 'bigint[]')}, ${s.param(starting.map((m) => m.to.lastChangeSeq), 'bigint[]')},
+                ${s.param(starting.map((m) => m.snapshotOpen), 'boolean[]')})
+      AS m(endpoint_id, tenant_id, epoch, last_change_seq, snapshot_open)
     ORDER BY endpoint_id
     ON CONFLICT (endpoint_id) DO NOTHING
     RETURNING 1
   )`);
   s.ctes.push(`ok AS (SELECT (SELECT count(*) FROM moved) + (SELECT count(*) FROM started) = ${s.param(moves.length, 'bigint')} AS ok)`);
+}
+
+/**
+ * The held changes as the batch leaves them (relay_held): forgotten up to each position moved
+ * (what it reached, and an older epoch's), and, for a change held of a greater epoch than the
+ * others held of its endpoint, the older epochs' ones; the batch's new ones kept. The rows
+ * forgotten and the rows kept never meet (those kept are past their endpoint's position), so
+ * one statement does both.
+ */
+function heldCtes(s: Statement, moves: Move[], held: Change[], guarded: boolean): void {
+  const upTo = [
+    ...moves.map((m) => ({ endpoint: m.endpoint, epoch: m.to.epoch, last: m.to.lastChangeSeq })),
+    ...held.map((c) => ({ endpoint: c.webhook_endpoint_id, epoch: c.epoch, last: 0 })),
+  ];
+  const guard = guarded ? ' AND (SELECT ok FROM ok)' : '';
+  if (upTo.length > 0) {
+    s.ctes.push(`held_forgotten AS (
+    DELETE FROM relay_held AS h
+    USING unnest(${s.param(upTo.map((u) => u.endpoint), 'uuid[]')}, ${s.param(upTo.map((u) => u.epoch), 'bigint[]')},
+                 ${s.param(upTo.map((u) => u.last), 'bigint[]')}) AS m(endpoint_id, epoch, last_change_seq)
+    WHERE h.endpoint_id = m.endpoint_id AND (h.epoch, h.change_seq) <= (m.epoch, m.last_change_seq)${guard}
+  )`);
+  }
+  if (held.length > 0) {
+    s.ctes.push(`held_kept AS (
+    INSERT INTO relay_held (endpoint_id, epoch, change_seq, body)
+    SELECT * FROM unnest(${s.param(held.map((c) => c.webhook_endpoint_id), 'uuid[]')}, ${s.param(held.map((c) => c.epoch), 'bigint[]')},
+                         ${s.param(held.map((c) => c.change_seq), 'bigint[]')}, ${s.param(held.map((c) => JSON.stringify(c)), 'jsonb[]')})
+      AS t(endpoint_id, epoch, change_seq, body)
+    WHERE true${guard}
+    ORDER BY endpoint_id, epoch, change_seq
+    ON CONFLICT DO NOTHING
+  )`);
+  }
 }
 
 const feedOf = (w: Write) => w.change as FeedChange;
@@ -201,7 +286,7 @@ function writeCtes(s: Statement, writes: Write[], guarded: boolean): void {
       ...at(feedWrites),
     ], guarded);
     s.ctes.push(`fw AS (
-    INSERT INTO relay_feed_items AS held (endpoint_id, subject, item_kind, generation, sequence,
+    INSERT INTO relay_items AS held (endpoint_id, subject, item_kind, generation, sequence,
                                           tombstone, item, epoch, change_seq, changed_at)
     SELECT endpoint_id, subject, item_kind, generation, sequence, tombstone, item, epoch, change_seq, changed_at FROM fw_rows
     ON CONFLICT (endpoint_id, subject) DO UPDATE
@@ -227,7 +312,7 @@ function writeCtes(s: Statement, writes: Write[], guarded: boolean): void {
       ['generation', 'bigint', feedDrops.map((w) => feedOf(w).generation)],
     ], guarded);
     s.ctes.push(`fd AS (
-    DELETE FROM relay_feed_items AS held USING fd_rows AS t
+    DELETE FROM relay_items AS held USING fd_rows AS t
     WHERE held.endpoint_id = t.endpoint_id AND held.subject = t.subject AND held.generation < t.generation
     RETURNING t.slot
   )`);
@@ -239,7 +324,7 @@ function writeCtes(s: Statement, writes: Write[], guarded: boolean): void {
   const snapshots = of('snapshotBegin');
   if (snapshots.length > 0) {
     s.source('sb_rows', [slots(snapshots), endpoints(snapshots)], guarded);
-    s.ctes.push('sb_items AS (DELETE FROM relay_feed_items AS held USING sb_rows AS t WHERE held.endpoint_id = t.endpoint_id)');
+    s.ctes.push('sb_items AS (DELETE FROM relay_items AS held USING sb_rows AS t WHERE held.endpoint_id = t.endpoint_id)');
     s.ctes.push('sb_stories AS (DELETE FROM relay_stories AS held USING sb_rows AS t WHERE held.endpoint_id = t.endpoint_id)');
     s.written.push('SELECT slot FROM sb_rows');
   }
@@ -306,11 +391,13 @@ function writeCtes(s: Statement, writes: Write[], guarded: boolean): void {
     s.written.push('SELECT slot FROM sd');
   }
 
-  // A notification (of the batch, or a late one of a stale epoch): recorded once per story and
-  // endpoint, not handed yet.
-  const notifications = of('notify');
-  if (notifications.length > 0) {
-    s.source('nt_rows', [
+  // A notification: recorded once per story and endpoint, not handed yet. One of the batch
+  // counts a later notified change of a story recorded already in `repeats`; a late one (of a
+  // stale epoch) does not.
+  for (const [name, kind] of [['nt', 'notify'], ['nl', 'notifyLate']] as const) {
+    const notifications = of(kind);
+    if (notifications.length === 0) continue;
+    s.source(`${name}_rows`, [
       slots(notifications), endpoints(notifications),
       ['story_id', 'text', notifications.map((w) => storyOf(w).story_id)],
       ['ticker', 'text', notifications.map((w) => storyOf(w).ticker)],
@@ -319,14 +406,15 @@ function writeCtes(s: Statement, writes: Write[], guarded: boolean): void {
       ['story', 'jsonb', notifications.map((w) => json(storyOf(w).story))],
       ...at(notifications),
     ], guarded);
-    s.ctes.push(`nt AS (
-    INSERT INTO relay_notifications (endpoint_id, story_id, ticker, version, event_id, story,
-                                     epoch, change_seq, changed_at)
-    SELECT endpoint_id, story_id, ticker, version, event_id, story, epoch, change_seq, changed_at FROM nt_rows
-    ON CONFLICT (endpoint_id, story_id) DO NOTHING
-    RETURNING endpoint_id, story_id
+    const onConflict = kind === 'notify' ? 'DO UPDATE SET repeats = n.repeats + 1' : 'DO NOTHING';
+    s.ctes.push(`${name} AS (
+    INSERT INTO relay_notifications AS n (endpoint_id, story_id, ticker, version, event_id, story,
+                                          epoch, change_seq, changed_at)
+    SELECT endpoint_id, story_id, ticker, version, event_id, story, epoch, change_seq, changed_at FROM ${name}_rows
+    ON CONFLICT (endpoint_id, story_id) ${onConflict}
+    RETURNING endpoint_id, story_id, (n.xmax = 0) AS recorded
   )`);
-    s.written.push('SELECT slot FROM nt_rows JOIN nt USING (endpoint_id, story_id)');
+    s.written.push(`SELECT slot FROM ${name}_rows JOIN ${name} USING (endpoint_id, story_id) WHERE ${name}.recorded`);
   }
 }
 
@@ -372,7 +460,7 @@ function layered(writes: Write[]): Write[][] {
       floorOf.set(endpoint, layer + 1);
       topOf.set(endpoint, layer);
     } else {
-      const table = w.kind === 'notify' ? 'n' : w.kind.startsWith('feed') ? 'i' : 's';
+      const table = w.kind === 'notify' || w.kind === 'notifyLate' ? 'n' : w.kind.startsWith('feed') ? 'i' : 's';
       const key = `${table}\u0000${endpoint}\u0000${'kind' in w.change ? w.change.story_id : w.change.subject}`;
       layer = nextOfRow.get(key) ?? 0;
       if (table !== 'n') {
@@ -390,50 +478,123 @@ function layered(writes: Write[]): Write[][] {
 export class PgStore implements Store {
   readonly pool: Pool;
   private readonly handlers: Handlers<PoolClient>;
-  private readonly ready: Promise<void>;
+  private readonly migrateOnUse: boolean;
+  private ready: Promise<void> | undefined;
+  private closing: Promise<void> | undefined;
 
+  /**
+   * A store on the database named (nothing is opened until first used). `PgStore.open()` opens
+   * it at once, failing then when the database cannot be used.
+   */
   constructor(options: PgStoreOptions) {
-    this.pool = new Pool(typeof options.connection === 'string' ? { connectionString: options.connection, max: 4 } : options.connection);
+    const config: PoolConfig = typeof options.connection === 'string'
+      ? { connectionString: options.connection, max: 4, connectionTimeoutMillis: 10_000, keepAlive: true }
+      : options.connection;
+    this.pool = new Pool(config);
+    // A connection lost while idle in the pool (the database restarting): it is dropped from the
+    // pool, and the next query opens another. Without a listener the error would end the process.
+    this.pool.on('error', () => {});
+    // The same while in use: the query under way fails with it (and the batch with the query).
+    this.pool.on('connect', (client) => client.on('error', () => {}));
     this.handlers = options.handlers ?? {};
-    this.ready = options.migrate === false ? Promise.resolve() : this.migrate();
-    this.ready.catch(() => {});
+    this.migrateOnUse = options.migrate !== false;
   }
 
-  /** Creates the store's tables when missing. */
-  async migrate(): Promise<void> {
-    const client = await this.pool.connect();
+  /**
+   * Opens a store and brings its schema to this library's version: rejects with a
+   * PermanentError when the database does not exist (`store_missing`), refuses the credentials
+   * (`store_auth`), or holds a newer schema (`schema_newer`), with the error as it came otherwise.
+   */
+  static async open(connection: string | PoolConfig, options: Omit<PgStoreOptions, 'connection'> = {}): Promise<PgStore> {
+    const store = new PgStore({ ...options, connection });
     try {
-      // One migration at a time across processes.
-      await client.query('BEGIN');
-      await client.query('SELECT pg_advisory_xact_lock(4104201)');
-      await client.query(SCHEMA_SQL);
-      await client.query('COMMIT');
+      await store.whenReady();
     } catch (error) {
+      await store.close().catch(() => {});
+      const classified = classify(error);
+      throw classified.kind === 'permanent' ? classified.error : error;
+    }
+    return store;
+  }
+
+  /** Migrates once (again after a failure), before the store's first statement. */
+  private whenReady(): Promise<void> {
+    if (!this.migrateOnUse) return Promise.resolve();
+    const ready = this.ready ?? this.migrate().then(
+      () => {},
+      (error) => {
+        this.ready = undefined;
+        throw error;
+      },
+    );
+    this.ready = ready;
+    return ready;
+  }
+
+  /**
+   * Brings the schema to this library's version, in one transaction under the advisory lock
+   * both libraries take: the versions applied are read from `relay_consumer_schema`, a newer
+   * one than this library's is a PermanentError (`schema_newer`), each missing migration is
+   * applied and recorded. Answers the versions applied now.
+   */
+  async migrate(): Promise<number[]> {
+    const client = await this.pool.connect();
+    let broken: unknown;
+    try {
+      await client.query('BEGIN');
+      await client.query(`SELECT pg_advisory_xact_lock(${MIGRATION_LOCK})`);
+      await client.query(SCHEMA_TABLE_SQL);
+      const { rows } = await client.query<{ version: number | null }>('SELECT max(version) AS version FROM relay_consumer_schema');
+      const current = rows[0]?.version ?? 0;
+      if (current > SCHEMA_VERSION) {
+        const held = await client.query<{ library: string }>('SELECT library FROM relay_consumer_schema WHERE version = $1', [current]);
+        throw new PermanentError('schema_newer',
+          `the store's schema is version ${current} (${held.rows[0]?.library ?? 'unknown library'}); ${LIBRARY} reads version ${SCHEMA_VERSION} at most: upgrade the library`);
+      }
+      const applied: number[] = [];
+      for (const migration of MIGRATIONS) {
+        if (migration.version <= current) continue;
+        await client.query(migration.sql);
+        await client.query('INSERT INTO relay_consumer_schema (version, library) VALUES ($1, $2)', [migration.version, LIBRARY]);
+        applied.push(migration.version);
+      }
+      await client.query('COMMIT');
+      return applied;
+    } catch (error) {
+      broken = error;
       await client.query('ROLLBACK').catch(() => {});
       throw error;
     } finally {
-      client.release();
+      client.release(broken instanceof PermanentError ? undefined : (broken as Error | undefined));
     }
   }
 
   async positions(): Promise<Map<string, Position>> {
-    await this.ready;
+    await this.whenReady();
     const { rows } = await this.pool.query<{ endpoint_id: string; epoch: string; last_change_seq: string }>(
       'SELECT endpoint_id, epoch, last_change_seq FROM relay_positions',
     );
     return new Map(rows.map((r) => [r.endpoint_id, { epoch: Number(r.epoch), lastChangeSeq: Number(r.last_change_seq) }]));
   }
 
-  async apply(changes: Change[], lateNotifications: StoryMessage[] = []): Promise<ApplyOutcome> {
-    await this.ready;
-    if (changes.length === 0 && lateNotifications.length === 0) {
+  async held(): Promise<Change[]> {
+    await this.whenReady();
+    const { rows } = await this.pool.query<{ body: unknown }>('SELECT body FROM relay_held ORDER BY endpoint_id, epoch, change_seq');
+    // Written by one of the libraries from a message they decoded: decoded again the same way.
+    return rows.map((r) => decodeChange(JSON.stringify(r.body)));
+  }
+
+  async apply(changes: Change[], lateNotifications: StoryMessage[] = [], held: Change[] = []): Promise<ApplyOutcome> {
+    await this.whenReady();
+    if (changes.length === 0 && lateNotifications.length === 0 && held.length === 0) {
       return { applied: 0, skipped: 0, declined: 0, notifications: 0, repeatedNotifications: 0 };
     }
     const client = await this.pool.connect();
+    let broken: Error | undefined;
     try {
       for (let attempt = 1; ; attempt++) {
         await client.query('BEGIN');
-        const outcome = await this.applyOnce(client, changes, lateNotifications);
+        const outcome = await this.applyOnce(client, changes, lateNotifications, held);
         if (outcome !== null) {
           await client.query('COMMIT');
           return outcome;
@@ -444,15 +605,17 @@ export class PgStore implements Store {
         if (attempt >= MAX_ATTEMPTS) throw new Error(`the positions kept moving under the batch (${attempt} attempts)`);
       }
     } catch (error) {
+      broken = error as Error;
       await client.query('ROLLBACK').catch(() => {});
       throw error;
     } finally {
-      client.release();
+      // After a failure the connection is not given back to the pool (it may be broken).
+      client.release(broken);
     }
   }
 
   /** One attempt, inside a transaction: null when a position was not where it was read. */
-  private async applyOnce(client: PoolClient, changes: Change[], lateNotifications: StoryMessage[]): Promise<ApplyOutcome | null> {
+  private async applyOnce(client: PoolClient, changes: Change[], lateNotifications: StoryMessage[], held: Change[]): Promise<ApplyOutcome | null> {
     const outcome: ApplyOutcome = { applied: 0, skipped: 0, declined: 0, notifications: 0, repeatedNotifications: 0 };
     const positions = new Map<string, Position>();
     const endpoints = [...new Set(changes.map((c) => c.webhook_endpoint_id))];
@@ -462,7 +625,7 @@ export class PgStore implements Store {
     }
 
     // Which changes follow the positions, each endpoint's move, and the writes of those applied.
-    const writes: Write[] = lateNotifications.map((change, slot) => ({ kind: 'notify', change, slot }));
+    const writes: Write[] = lateNotifications.map((change, slot) => ({ kind: 'notifyLate', change, slot }));
     const moves = new Map<string, Move>();
     const slotOf: (number | null)[] = [];
     for (const change of changes) {
@@ -474,9 +637,11 @@ export class PgStore implements Store {
       }
       const to = { epoch: change.epoch, lastChangeSeq: change.change_seq };
       positions.set(endpoint, to);
-      const move = moves.get(endpoint);
+      let move = moves.get(endpoint);
       if (move) move.to = to;
-      else moves.set(endpoint, { endpoint, tenant: change.tenant_id, from: at ?? null, to });
+      else moves.set(endpoint, (move = { endpoint, tenant: change.tenant_id, from: at ?? null, to, snapshotOpen: null }));
+      if (!('kind' in change) && change.operation === 'snapshot_begin') move.snapshotOpen = true;
+      if (!('kind' in change) && change.operation === 'snapshot_end') move.snapshotOpen = false;
       const kind = writeKind(change);
       if (kind === null) {
         slotOf.push(-1);
@@ -488,12 +653,14 @@ export class PgStore implements Store {
 
     const written: boolean[] = writes.map(() => false);
     const layers = layered(writes);
-    if (moves.size > 0 && layers.length === 0) layers.push([]);
+    const holding = moves.size > 0 || held.length > 0;
+    if (holding && layers.length === 0) layers.push([]);
     for (const [n, layer] of layers.entries()) {
       const guarded = n === 0 && moves.size > 0;
-      if (layer.length === 0 && !guarded) continue;
+      if (layer.length === 0 && !(n === 0 && holding)) continue;
       const statement = new Statement();
       if (guarded) positionCtes(statement, [...moves.values()]);
+      if (n === 0) heldCtes(statement, [...moves.values()], held, guarded);
       writeCtes(statement, layer, guarded);
       const { rows } = await client.query<{ ok: boolean; written: number[] }>(
         statement.text(guarded ? '(SELECT ok FROM ok)' : 'true'), statement.values);
@@ -532,10 +699,11 @@ export class PgStore implements Store {
    * mark, exactly once; a throw rolls both back and the notification stays pending.
    */
   async handPending(): Promise<number> {
-    await this.ready;
+    await this.whenReady();
     let handed = 0;
     for (;;) {
       const client = await this.pool.connect();
+      let broken: Error | undefined;
       try {
         await client.query('BEGIN');
         const { rows } = await client.query(
@@ -553,22 +721,27 @@ export class PgStore implements Store {
           event_id: row.event_id, story: row.story, epoch: Number(row.epoch), change_seq: Number(row.change_seq),
           changed_at: new Date(row.changed_at).toISOString(),
         };
-        if (this.handlers.notification) await this.handlers.notification(record, { client });
+        await callNotificationHandler(this.handlers, record, client);
         await client.query('UPDATE relay_notifications SET handed_at = now() WHERE endpoint_id = $1 AND story_id = $2', [row.endpoint_id, row.story_id]);
         await client.query('COMMIT');
         handed += 1;
       } catch (error) {
+        broken = error as Error;
         await client.query('ROLLBACK').catch(() => {});
         throw error;
       } finally {
-        client.release();
+        client.release(broken);
       }
     }
   }
 
-  async close(): Promise<void> {
-    await this.ready.catch(() => {});
-    await this.pool.end();
+  /** Ends the pool's connections (a second call does nothing). */
+  close(): Promise<void> {
+    this.closing ??= (async () => {
+      await this.ready?.catch(() => {});
+      await this.pool.end();
+    })();
+    return this.closing;
   }
 }
 

@@ -2,6 +2,7 @@
 // together, so that what was applied and how far are never apart.
 
 import { Position } from './follower';
+import { HandlerError } from './errors';
 import { Change, FeedChange, StoryMessage } from './message';
 
 /** One subject of a feed endpoint's copy (a tombstone once removed by an event). */
@@ -90,6 +91,8 @@ export interface Handlers<C> {
 export interface Store {
   /** Each endpoint's saved position: where the consumer resumes. */
   positions(): Promise<Map<string, Position>>;
+  /** The changes held (ahead of their endpoint's next change), as the consumer left them. */
+  held(): Promise<Change[]>;
   /**
    * Applies the changes (in order per endpoint; each endpoint's a run that follows on from its
    * position) all at once: in one transaction, with the positions. A change the stored position
@@ -97,30 +100,53 @@ export interface Store {
    * than the one followed (delivered after the new epoch's first change): the copy's changes of
    * a stale epoch are dropped, but a notification is a claim of its own, keyed by story id, so
    * it is recorded (once per story) in the same transaction, without moving any position.
+   * `held` are changes that came ahead of their endpoint's next one, kept (in the same
+   * transaction) until it comes; a held change is forgotten when its endpoint's position
+   * reaches it, or when its epoch ends (a position, or a change held, of a greater epoch).
    */
-  apply(changes: Change[], lateNotifications?: StoryMessage[]): Promise<ApplyOutcome>;
+  apply(changes: Change[], lateNotifications?: StoryMessage[], held?: Change[]): Promise<ApplyOutcome>;
   /** Hands each recorded notification not handed yet to the handler, marking it handed. */
   handPending(): Promise<number>;
+  /** Closes what the store holds open (a second call does nothing). */
   close(): Promise<void>;
 }
 
-/** Calls the handler of a change's operation, when the user gave one. */
+/** Calls the handler of a change's operation, when the user gave one; its throw is a HandlerError. */
 export async function callHandler<C>(handlers: Handlers<C>, change: Change, context: HandlerContext<C>): Promise<void> {
-  if ('kind' in change) {
-    const handler =
-      change.operation === 'saved' ? handlers.storySaved
-      : change.operation === 'closed' ? handlers.storyClosed
-      : change.operation === 'dropped' ? handlers.storyDropped
-      : undefined;
-    if (handler) await handler(change, context);
-    return;
+  const [name, handler] = handlerOf(handlers, change);
+  if (!handler) return;
+  try {
+    await handler(change as never, context);
+  } catch (error) {
+    throw new HandlerError(name, error);
   }
-  const handler =
-    change.operation === 'upsert' ? handlers.upsert
-    : change.operation === 'remove' ? handlers.remove
-    : change.operation === 'snapshot_begin' ? handlers.snapshotBegin
-    : handlers.snapshotEnd;
-  if (handler) await handler(change, context);
+}
+
+function handlerOf<C>(handlers: Handlers<C>, change: Change): [string, Handler<any, C> | undefined] {
+  if ('kind' in change) {
+    switch (change.operation) {
+      case 'saved': return ['storySaved', handlers.storySaved];
+      case 'closed': return ['storyClosed', handlers.storyClosed];
+      case 'dropped': return ['storyDropped', handlers.storyDropped];
+      default: return ['notified', undefined];
+    }
+  }
+  switch (change.operation) {
+    case 'upsert': return ['upsert', handlers.upsert];
+    case 'remove': return ['remove', handlers.remove];
+    case 'snapshot_begin': return ['snapshotBegin', handlers.snapshotBegin];
+    default: return ['snapshotEnd', handlers.snapshotEnd];
+  }
+}
+
+/** Calls the notification handler; its throw is a HandlerError. */
+export async function callNotificationHandler<C>(handlers: Handlers<C>, record: NotificationRecord, client: C): Promise<void> {
+  if (!handlers.notification) return;
+  try {
+    await handlers.notification(record, { client });
+  } catch (error) {
+    throw new HandlerError('notification', error);
+  }
 }
 
 /** Byte-string order of two sequences (as the relay compares them: COLLATE "C"). */

@@ -59,11 +59,11 @@ storeSuite('postgres store', {
       store,
       items: async (e) => {
         const rows = await query<{ subject: string; item: Record<string, unknown> }>(
-          schema, 'SELECT subject, item FROM relay_feed_items WHERE endpoint_id = $1 AND NOT tombstone ORDER BY subject', [e]);
+          schema, 'SELECT subject, item FROM relay_items WHERE endpoint_id = $1 AND NOT tombstone ORDER BY subject', [e]);
         return new Map(rows.map((r) => [r.subject, r.item]));
       },
       tombstones: async (e) =>
-        (await query<{ subject: string }>(schema, 'SELECT subject FROM relay_feed_items WHERE endpoint_id = $1 AND tombstone ORDER BY subject', [e]))
+        (await query<{ subject: string }>(schema, 'SELECT subject FROM relay_items WHERE endpoint_id = $1 AND tombstone ORDER BY subject', [e]))
           .map((r) => r.subject),
       stories: async (e) => {
         const rows = await query<{ story_id: string; version: string; closed: boolean; merged_into: string | null; story: Record<string, unknown> | null }>(
@@ -88,7 +88,7 @@ test('postgres store: a handler that throws rolls the whole batch back, its posi
   const run = [upsert(e, 1, 1, 'a', 1, '1', {}), upsert(e, 1, 2, 'b', 1, '1', {})];
   await assert.rejects(store.apply(run), /the handler failed/);
   assert.equal((await store.positions()).has(e), false);
-  assert.deepEqual(await query(schema, 'SELECT subject FROM relay_feed_items'), []);
+  assert.deepEqual(await query(schema, 'SELECT subject FROM relay_items'), []);
   fail = false;
   assert.equal((await store.apply(run)).applied, 2);
   // What the handler wrote through the transaction's client committed with the changes.
@@ -108,7 +108,7 @@ test('postgres store: two stores applying the same changes at once apply each on
   assert.equal(x.applied + y.applied, 40);
   assert.equal(x.skipped + y.skipped, 40);
   assert.deepEqual((await a.positions()).get(e), { epoch: 1, lastChangeSeq: 40 });
-  const rows = await query<{ subject: string; item: { i: number } }>(schema, 'SELECT subject, item FROM relay_feed_items ORDER BY subject');
+  const rows = await query<{ subject: string; item: { i: number } }>(schema, 'SELECT subject, item FROM relay_items ORDER BY subject');
   assert.deepEqual(rows.map((r) => [r.subject, r.item.i]), [['s0', 35], ['s1', 36], ['s2', 37], ['s3', 38], ['s4', 39], ['s5', 33], ['s6', 34]]);
   await a.close();
   await b.close();
@@ -258,7 +258,7 @@ test('postgres store: a batch written in a few statements does as the changes on
     assert.deepEqual(await pg.positions(), await memory.positions(), `seed ${seed}`);
     for (const e of endpoints) {
       const items = await query<{ subject: string; item_kind: string | null; generation: string; sequence: string | null; tombstone: boolean; item: Record<string, unknown> | null; epoch: string; change_seq: string }>(
-        schema, 'SELECT subject, item_kind, generation, sequence, tombstone, item, epoch, change_seq FROM relay_feed_items WHERE endpoint_id = $1 ORDER BY subject', [e]);
+        schema, 'SELECT subject, item_kind, generation, sequence, tombstone, item, epoch, change_seq FROM relay_items WHERE endpoint_id = $1 ORDER BY subject', [e]);
       const memoryItems = [...(memory.feed.get(e) ?? new Map()).values()].sort((a, b) => (a.subject < b.subject ? -1 : 1));
       assert.deepEqual(
         items.map((r) => ({ ...r, generation: Number(r.generation), epoch: Number(r.epoch), change_seq: Number(r.change_seq) })),
@@ -300,7 +300,7 @@ test('postgres store: two stores racing on several endpoints, batch by batch, ap
   assert.equal(x + y, 180);
   const positions = await a.positions();
   for (const e of endpoints) assert.deepEqual(positions.get(e), { epoch: 1, lastChangeSeq: 60 });
-  const rows = await query<{ n: string }>(schema, 'SELECT count(*) AS n FROM relay_feed_items WHERE (item->>\'i\')::int >= 55');
+  const rows = await query<{ n: string }>(schema, 'SELECT count(*) AS n FROM relay_items WHERE (item->>\'i\')::int >= 55');
   assert.equal(Number(rows[0]!.n), 15);
   await a.close();
   await b.close();

@@ -62,15 +62,16 @@ async function main(): Promise<void> {
     store,
     api: new RelayApi(need('RELAY_API_BASE_URL'), need('RELAY_TENANT_TOKEN')),
     prefetch: numberOf('RUNNER_PREFETCH'),
-    maxBatch: numberOf('RUNNER_MAX_BATCH'),
+    batchMax: numberOf('RUNNER_MAX_BATCH'),
     maxHeldPerEndpoint: numberOf('RUNNER_MAX_HELD_PER_ENDPOINT'),
     maxHeldTotal: numberOf('RUNNER_MAX_HELD_TOTAL'),
     gapTimeoutMs: numberOf('RUNNER_GAP_TIMEOUT_MS') ?? 3_000,
+    onError: (e) => say({ event: 'error', transient: e.transient, cause: e.cause, retry_in_ms: e.retryInMs ?? null, cause_kind: e.causeKind ?? null }),
   });
   consumer.on('gap', (gap) => say({ event: 'gap', endpoint: gap.endpoint, epoch: gap.epoch, from: gap.from, to: gap.to, held: gap.held }));
   consumer.on('replay', (r) => say({ event: 'replay', endpoint: r.endpoint, from: r.from, error: r.error?.message, answer: r.answer }));
   consumer.on('refused', (error) => say({ event: 'refused', reason: error.reason, message_id: error.messageId, error: error.message }));
-  consumer.on('error', (error: Error) => say({ event: 'error', error: error.message }));
+
   if (stopRequested) {
     await store.close().catch(() => {});
     say({ event: 'stopped', error: null, before: 'consuming' });
@@ -81,9 +82,9 @@ async function main(): Promise<void> {
   stopStarted = () => void consumer.stop();
   if (stopRequested) stopStarted();
   say({ event: 'consuming' });
-  const error = await consumer.done;
-  await store.close().catch(() => {});
-  say({ event: 'stopped', error: error?.message ?? null, stats: consumer.stats });
+  let error: Error | undefined;
+  await consumer.done.catch((e: Error) => (error = e));
+  say({ event: 'stopped', error: error?.message ?? null, stats: consumer.stats() });
   process.exitCode = error ? 1 : 0;
 }
 
