@@ -69,8 +69,10 @@ fn assert_unavailable(answer: &Answer, what: &str) {
     assert_eq!(answer.retry_after.as_deref(), Some("1"), "{what}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// One thread: the captured log sees every task, sqlx's release of connections included.
+#[tokio::test]
 async fn a_lost_connection_is_a_read_asked_again_or_a_503_with_retry_after() {
+    let (logs, _guard) = relay_tests::capture_logs(tracing::Level::INFO);
     let app = ApiApp::spawn().await;
     let (_, token) = app.tenant("outage").await;
     let (endpoint, _) = app.endpoint(&token, json!({})).await;
@@ -135,6 +137,11 @@ async fn a_lost_connection_is_a_read_asked_again_or_a_503_with_retry_after() {
     let read = app.ok(200, "GET", &path, &token, None).await;
     assert_eq!(read["status"], "active", "the pause did not commit");
     app.stop().await;
+    let logged = logs.text();
+    assert!(
+        logged.contains("asking again"),
+        "the retry is logged:\n{logged}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

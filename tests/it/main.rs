@@ -22,6 +22,7 @@ mod ingest_vector;
 mod offboarding;
 mod pipeline;
 mod publisher;
+mod queue_follower;
 mod registration_changes;
 mod reload_shares;
 mod restore;

@@ -87,3 +87,16 @@ async fn a_connection_used_moments_ago_is_not_checked_and_a_dead_one_costs_one_s
         .expect("the pool opens a new connection");
     assert_ne!(first, second);
 }
+
+#[tokio::test]
+async fn work_asked_again_after_a_loss_checks_even_a_connection_used_moments_ago() {
+    let (_db, pool, first) = ended_while_idle(Duration::from_secs(3600)).await;
+    // As the control plane's second try of a read runs: the dead connection is found by the
+    // check and replaced before the statement, which works.
+    let second = relay_store::with_every_connection_checked(backend_pid(&pool))
+        .await
+        .expect("the check replaces the connection");
+    assert_ne!(first, second);
+    // Outside such work, a connection used moments ago is not checked again.
+    assert_eq!(backend_pid(&pool).await.unwrap(), second);
+}

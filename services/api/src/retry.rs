@@ -3,9 +3,9 @@
 //! A Postgres restart or failover ends every connection the pool holds: the statement in flight
 //! on one fails with "terminating connection" or a closed socket although nothing was wrong
 //! with it, and the pool's other idle connections may be just as dead. A GET or HEAD changes
-//! nothing, so it is run again at once, once: the pool checks every connection idle since the
-//! loss before handing it out (`relay_store::connection_lost`), so the second run gets a live
-//! connection or a new one. If that fails too the answer is the first one: 503 with
+//! nothing, so it is run again at once, once, with every connection it takes checked first
+//! (`relay_store::with_every_connection_checked`), so the second run gets a live connection or a
+//! new one. If that fails too the answer is the first one: 503 with
 //! Retry-After. A write is never run again here: it may have committed before the connection
 //! went, and only its caller can know whether to ask again.
 
@@ -74,7 +74,8 @@ where
                         path = %copy.uri().path(),
                         "a read lost its database connection; asking again"
                     );
-                    let second = again.oneshot(copy).await?;
+                    let second =
+                        relay_store::with_every_connection_checked(again.oneshot(copy)).await?;
                     Ok(second)
                 }
                 _ => Ok(answer),

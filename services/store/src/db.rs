@@ -1,8 +1,6 @@
 //! Connecting to Postgres, and the read-only snapshot that several reads share.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use sqlx::migrate::Migrator;
@@ -98,9 +96,10 @@ pub fn connect(database_url: &str, options: &PoolOptions) -> Result<PgPool, sqlx
                 if failover.is_some_and(|failover| failover.predates_switch(meta.age)) {
                     return Ok(false);
                 }
-                // A connection idle since before a connection was lost may have been lost with
-                // it (a server restarted, a failover): checked once, like a long-idle one.
-                if meta.idle_for >= check_idle_after || idle_since_last_loss(meta.idle_for) {
+                // A request asked again because its connection was lost (a server restarted, a
+                // failover) checks every connection it takes, like a long-idle one: the others
+                // may have been lost with it.
+                if meta.idle_for >= check_idle_after || every_connection_checked() {
                     conn.ping().await?;
                 }
                 Ok(true)
@@ -115,11 +114,10 @@ pub fn connect(database_url: &str, options: &PoolOptions) -> Result<PgPool, sqlx
 
 /// Whether `error` says the connection to Postgres was lost or could not be made (the server
 /// restarting or shutting down, the socket closed, no connection to be had in time), rather than
-/// anything about the statement: the same statement may work on a fresh connection. Noting it
-/// makes every pool of the process check the connections idle since before it once more before
-/// handing them out ([`connect`]).
+/// anything about the statement: the same statement may work on a fresh connection
+/// ([`with_every_connection_checked`]).
 pub fn connection_lost(error: &sqlx::Error) -> bool {
-    let lost = match error {
+    match error {
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
@@ -131,26 +129,24 @@ pub fn connection_lost(error: &sqlx::Error) -> bool {
             code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03" | "53300")
         }),
         _ => false,
-    };
-    if lost {
-        LAST_LOSS_MS.store(process_ms(), Ordering::Relaxed);
     }
-    lost
 }
 
-/// When a connection was last seen lost, in milliseconds of [`process_ms`] (0: never).
-static LAST_LOSS_MS: AtomicU64 = AtomicU64::new(0);
-
-/// Milliseconds since this process first asked (never 0 once asked: see [`LAST_LOSS_MS`]).
-fn process_ms() -> u64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1
+tokio::task_local! {
+    /// Set while a piece of work runs again after losing its connection.
+    static CHECK_EVERY_CONNECTION: ();
 }
 
-/// A connection idle for `idle_for` went idle before the last connection loss was noted.
-fn idle_since_last_loss(idle_for: Duration) -> bool {
-    let lost = LAST_LOSS_MS.load(Ordering::Relaxed);
-    lost != 0 && process_ms().saturating_sub(idle_for.as_millis() as u64) <= lost
+/// Runs `work` with every connection it takes from a pool checked with a round trip first, as
+/// one idle for long is ([`PoolOptions::check_idle_after`]): for work asked again after its
+/// connection was lost ([`connection_lost`]), when the pool's other connections may have been
+/// lost with it. Only the connections taken by `work`'s own task are checked.
+pub async fn with_every_connection_checked<F: std::future::Future>(work: F) -> F::Output {
+    CHECK_EVERY_CONNECTION.scope((), work).await
+}
+
+fn every_connection_checked() -> bool {
+    CHECK_EVERY_CONNECTION.try_with(|()| ()).is_ok()
 }
 
 /// One server's connect options: the URL's, with the operator's CA file and `options`' settings.

@@ -71,8 +71,8 @@ pub mod tracks;
 pub mod upstream_status;
 
 pub use db::{
-    connect, connection_lost, read_snapshot, table_sizes, KeptConnection, PoolOptions,
-    GROWING_TABLES, MIGRATOR,
+    connect, connection_lost, read_snapshot, table_sizes, with_every_connection_checked,
+    KeptConnection, PoolOptions, GROWING_TABLES, MIGRATOR,
 };
 pub use failover::server_urls;
 pub use ids::{EndpointId, TenantId};
