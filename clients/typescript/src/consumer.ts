@@ -173,6 +173,8 @@ class Session {
   consumerTag: string | undefined;
   readonly inbox: Delivery[] = [];
   pumpRun: Promise<void> | undefined;
+  /** Deliveries of the batch being applied (0 between batches). */
+  inBatch = 0;
   gapTimer: NodeJS.Timeout | undefined;
   readonly releaseTimers = new Set<NodeJS.Timeout>();
   consumingSince: number | undefined;
@@ -307,8 +309,11 @@ export class RelayConsumer extends EventEmitter {
     if (!this.stopRequested) {
       this.stopRequested = true;
       if (this.status === 'failed' || this.status === 'stopped') return;
-      const batch = this.session?.pumpRun ? ' (finishing the batch in hand)' : '';
-      this.logger.info(`relay-consumer: stopping${batch}`);
+      const session = this.session;
+      const inHand = session && !session.over && session.inBatch > 0
+        ? ` (finishing the batch in hand, ${session.inBatch} deliveries; ${session.inbox.length} not taken go back to the queue)`
+        : '';
+      this.logger.info(`relay-consumer: stopping${inHand}`);
       this.session?.end();
       this.wake?.();
       this.running ??= this.finish(undefined);
@@ -557,7 +562,13 @@ export class RelayConsumer extends EventEmitter {
 
   private async pump(session: Session): Promise<void> {
     while (session.inbox.length > 0 && !session.over) {
-      await this.batch(session, session.inbox.splice(0, this.options.batchMax));
+      const deliveries = session.inbox.splice(0, this.options.batchMax);
+      session.inBatch = deliveries.length;
+      try {
+        await this.batch(session, deliveries);
+      } finally {
+        session.inBatch = 0;
+      }
     }
   }
 
