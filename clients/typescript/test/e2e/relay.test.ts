@@ -25,10 +25,11 @@ import { randomBytes } from 'node:crypto';
 import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { RelayApi, RelayApiError } from '../../src';
+import { RelayApi, RelayApiError } from '@relay/consumer';
 import { rng } from '../support/rng';
 import { caughtUp, compareWithRelay, relayStreams, storePositions, withClient } from './support/compare';
 import { Credentials, Demo, Restored, Started, Verdict } from './support/demo';
+import { checkInstalled } from './support/installed';
 import { Child, sleep, start, tail, until } from './support/processes';
 import { Scrambler } from './support/scrambler';
 
@@ -96,26 +97,24 @@ describe(`the consumer against a real relay ${TAG}`, { skip: RELAY_BIN ? false :
     return databaseUrl(name);
   }
 
+  /** The environment of the consumer, the examples and the command (clients/README.md's names). */
   function consumerEnv(database: string): NodeJS.ProcessEnv {
     const env = { ...process.env };
     // A node child of the test runner with this set takes itself for a test file.
     delete env.NODE_TEST_CONTEXT;
     return {
       ...env,
-      DATABASE_URL: database,
+      RELAY_STORE_DSN: database,
       RELAY_AMQP_URL: credentials.tenant_amqp_url,
       RELAY_QUEUE: credentials.queue,
-      RELAY_TENANT_ID: credentials.tenant_id,
-      RELAY_API_BASE_URL: started.api_base_url,
-      RELAY_TENANT_TOKEN: credentials.tenant_token,
-      // The examples' names for the same.
       RELAY_API_URL: started.api_base_url,
-      RELAY_TOKEN: credentials.tenant_token,
+      RELAY_API_TOKEN: credentials.tenant_token,
     };
   }
 
   before(async () => {
     console.log(`${TAG} end-to-end run: RELAY_CONSUMER_E2E_SEED=${SEED} RELAY_CONSUMER_E2E_DURATION_S=${DURATION_S} RELAY_CONSUMER_E2E_KILLS=${KILLS}; logs in ${logDir}`);
+    console.log(`${TAG} ${checkInstalled()}`);
     // The backup early, the restore late: the resyncs in between are lost with the database
     // (the restore's epochs come after theirs), and one asked while it runs waits for it.
     const backupAtS = Math.max(1, Math.round((0.1 + random() * 0.15) * DURATION_S));
@@ -301,7 +300,7 @@ describe(`the consumer against a real relay ${TAG}`, { skip: RELAY_BIN ? false :
     // Each example starts from nothing: a resync of every endpoint puts a snapshot of each copy
     // on the queue (epoch n + 1, change_seq 1 on), which the example applies from scratch.
     let lastDatabase = '';
-    for (const [script, signal] of [['postgres.js', 'SIGINT'], ['consume-into-postgres.js', 'SIGTERM']] as const) {
+    for (const [script, signal] of [['quickstart.js', 'SIGINT'], ['consume-into-postgres.js', 'SIGTERM']] as const) {
       const database = await freshDatabase();
       lastDatabase = database;
       for (const endpoint of all) await resync(api, endpoint);

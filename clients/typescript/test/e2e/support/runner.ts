@@ -5,14 +5,15 @@
 //     the row commits with the store's mark that it was handed, or neither does), and
 //   - appends a line to RUNNER_HANDED_LOG before that commit (a side effect outside the
 //     transaction: at least once, repeated only when the process dies before the commit).
-// SIGTERM stops it cleanly (exit 0); the consumer stopping on an error exits 1.
+// SIGTERM stops it cleanly (exit 0); the consumer stopping on an error exits 1. Each failure it
+// reports (onError) is a JSON line: {"event":"error","transient":...,"cause":...}.
 //
-// Environment: DATABASE_URL, RELAY_AMQP_URL, RELAY_QUEUE, RELAY_TENANT_ID, RELAY_API_BASE_URL,
-// RELAY_TENANT_TOKEN, RUNNER_HANDED_LOG, and optionally RUNNER_PREFETCH, RUNNER_MAX_BATCH,
+// Environment: RELAY_STORE_DSN, RELAY_AMQP_URL, RELAY_QUEUE, RELAY_API_URL, RELAY_API_TOKEN,
+// RUNNER_HANDED_LOG, and optionally RUNNER_PREFETCH, RUNNER_MAX_BATCH,
 // RUNNER_MAX_HELD_PER_ENDPOINT, RUNNER_MAX_HELD_TOTAL, RUNNER_GAP_TIMEOUT_MS.
 
 import { appendFileSync } from 'node:fs';
-import { PgStore, RelayApi, RelayConsumer } from '../../../src';
+import { PgStore, RelayApi, RelayConsumer } from '@relay/consumer';
 
 function need(name: string): string {
   const value = process.env[name];
@@ -42,7 +43,7 @@ async function main(): Promise<void> {
   process.once('SIGINT', onSignal);
   const handedLog = need('RUNNER_HANDED_LOG');
   const store = new PgStore({
-    connection: { connectionString: need('DATABASE_URL'), max: 4 },
+    connection: need('RELAY_STORE_DSN'),
     handlers: {
       notification: async (n, { client }) => {
         await client.query('INSERT INTO e2e_outbox (endpoint_id, story_id, pid) VALUES ($1, $2, $3)', [n.endpoint, n.story_id, process.pid]);
@@ -58,9 +59,8 @@ async function main(): Promise<void> {
   const consumer = new RelayConsumer({
     amqpUrl: need('RELAY_AMQP_URL'),
     queue: need('RELAY_QUEUE'),
-    tenantId: need('RELAY_TENANT_ID'),
     store,
-    api: new RelayApi(need('RELAY_API_BASE_URL'), need('RELAY_TENANT_TOKEN')),
+    api: new RelayApi(need('RELAY_API_URL'), need('RELAY_API_TOKEN')),
     prefetch: numberOf('RUNNER_PREFETCH'),
     batchMax: numberOf('RUNNER_MAX_BATCH'),
     maxHeldPerEndpoint: numberOf('RUNNER_MAX_HELD_PER_ENDPOINT'),
@@ -78,9 +78,8 @@ async function main(): Promise<void> {
     process.exitCode = 0;
     return;
   }
-  await consumer.start();
   stopStarted = () => void consumer.stop();
-  if (stopRequested) stopStarted();
+  await consumer.start();
   say({ event: 'consuming' });
   let error: Error | undefined;
   await consumer.done.catch((e: Error) => (error = e));

@@ -33,7 +33,7 @@ export class Scrambler {
   constructor(private readonly options: ScramblerOptions) {}
 
   async start(): Promise<void> {
-    this.connection = await amqp.connect(this.options.amqpUrl);
+    this.connection = await amqp.connect(this.options.amqpUrl, { clientProperties: { connection_name: 'relay-ts-e2e scrambler' } });
     this.connection.on('error', (error: Error) => (this.failure ??= error));
     this.running = true;
     this.loop = this.bursts();
