@@ -46,6 +46,7 @@ from typing import Any, Callable, Generator, Literal, Sequence
 
 import aio_pika
 import aio_pika.abc
+import aiormq.exceptions
 
 from .errors import CauseKind, ErrorReport, PermanentError, classify, describe
 from .follower import Follower, Gap, Step, Verdict
@@ -201,6 +202,7 @@ class _Session:
         default_factory=asyncio.Queue
     )
     closed: BaseException | None = None
+    closed_event: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def deliver(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         """Each delivery, as the broker hands it over (called by aio-pika)."""
@@ -215,7 +217,24 @@ class _Session:
             else:
                 reason = describe(error) if isinstance(error, BaseException) else "closed"
                 self.closed = BrokerClosed(f"the broker {what} closed: {reason}")
+            self.closed_event.set()
         self.inbox.put_nowait(_WAKE)
+
+    async def why_closed(self, error: BaseException) -> BaseException:
+        """The broker's reason for a failure met on a closed channel (an ack refused as
+        ``ChannelInvalidStateError``, say), when its close callback tells it within a moment;
+        else the failure itself."""
+        if not isinstance(
+            error, (aiormq.exceptions.AMQPError, aiormq.exceptions.ChannelInvalidStateError,
+                    ConnectionError)
+        ):
+            return error
+        if self.closed is None:
+            try:
+                await asyncio.wait_for(self.closed_event.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        return self.closed if self.closed is not None else error
 
 
 class Stopping:
@@ -489,31 +508,7 @@ class Consumer:
                 "consuming %s (prefetch %d, batch_max %d)", self.queue, self.prefetch,
                 self.batch_max,
             )
-            while not self._stop_requested:
-                if session.closed is not None:
-                    raise session.closed
-                try:
-                    first = await asyncio.wait_for(session.inbox.get(), 1.0)
-                except asyncio.TimeoutError:
-                    await self._check_gaps()
-                    continue
-                batch: list[aio_pika.abc.AbstractIncomingMessage] = []
-                if not isinstance(first, _Wake):
-                    batch.append(first)
-                while len(batch) < self.batch_max and not session.inbox.empty():
-                    taken = session.inbox.get_nowait()
-                    if not isinstance(taken, _Wake):
-                        batch.append(taken)
-                if session.closed is not None:
-                    raise session.closed
-                if not batch or self._stop_requested:
-                    continue
-                self._in_batch = len(batch)
-                try:
-                    await self._process(batch)
-                finally:
-                    self._in_batch = 0
-                await self._check_gaps()
+            await self._consume(session)
             # Stopping: no more deliveries; those taken and not processed go back to the queue
             # when the channel closes.
             if session.closed is None:
@@ -521,12 +516,46 @@ class Consumer:
                     await asyncio.wait_for(queue.cancel(tag), 5)
                 except Exception as error:
                     log.debug("cancelling the consumer: %s", error)
+        except Exception as error:
+            cause = await session.why_closed(error)
+            if cause is error:
+                raise
+            raise cause from error
         finally:
             self._connected = False
             try:
                 await asyncio.wait_for(connection.close(), 5)
             except Exception as error:  # closing a broken connection: nothing more to do
                 log.debug("closing the connection: %s", error)
+
+    async def _consume(self, session: _Session) -> None:
+        """Batches from the session's deliveries until a stop (returns) or the broker closes
+        (raises)."""
+        while not self._stop_requested:
+            if session.closed is not None:
+                raise session.closed
+            try:
+                first = await asyncio.wait_for(session.inbox.get(), 1.0)
+            except asyncio.TimeoutError:
+                await self._check_gaps()
+                continue
+            batch: list[aio_pika.abc.AbstractIncomingMessage] = []
+            if not isinstance(first, _Wake):
+                batch.append(first)
+            while len(batch) < self.batch_max and not session.inbox.empty():
+                taken = session.inbox.get_nowait()
+                if not isinstance(taken, _Wake):
+                    batch.append(taken)
+            if session.closed is not None:
+                raise session.closed
+            if not batch or self._stop_requested:
+                continue
+            self._in_batch = len(batch)
+            try:
+                await self._process(batch)
+            finally:
+                self._in_batch = 0
+            await self._check_gaps()
 
     # -- what it answers -----------------------------------------------------------------------
 
