@@ -105,7 +105,7 @@ export interface ConsumerStats {
   reconnects: number;
   /** Failures reported to onError (transient and permanent). */
   errors: number;
-  /** Per endpoint: its position, the changes held, and the lag (s) measured at its last commit. */
+  /** Per endpoint: its position, the changes held, and the lag (s). */
   endpoints: Record<string, EndpointStats>;
   /** Changes received (decoded). */
   received: number;
@@ -134,8 +134,8 @@ export interface EndpointStats {
   /** Changes held, waiting for their predecessors. */
   held: number;
   /**
-   * Seconds from the `changed_at` of the last change applied to the commit that applied it, at
-   * the endpoint's last commit; null before this process committed a change of it.
+   * Seconds: now less the `changed_at` of the last change applied, as of the last commit; null
+   * before this process committed a change of the endpoint.
    */
   lagS: number | null;
 }
@@ -228,7 +228,8 @@ export class RelayConsumer extends EventEmitter {
     notificationsHanded: 0, lateNotifications: 0, reconnects: 0, transientErrors: 0, permanentErrors: 0,
     released: 0, skipped: 0, declined: 0, notificationsRecorded: 0, repeatedNotifications: 0,
   };
-  private readonly lag = new Map<string, number>();
+  /** Per endpoint, the changed_at (ms) of the last change applied, as of the last commit. */
+  private readonly changedAt = new Map<string, number>();
   private readonly replayed = new Map<string, { answer: ReplayAnswer; at: number }>();
   private readonly gapReported = new Map<string, number>();
   private session: Session | undefined;
@@ -330,8 +331,11 @@ export class RelayConsumer extends EventEmitter {
     const c = this.counts;
     const f = this.follower.stats;
     const endpoints: Record<string, EndpointStats> = {};
+    const now = Date.now();
     for (const e of this.follower.endpointStates()) {
-      endpoints[e.endpoint] = { epoch: e.epoch, lastChangeSeq: e.lastChangeSeq, held: e.held, lagS: this.lag.get(e.endpoint) ?? null };
+      const changed = this.changedAt.get(e.endpoint);
+      const lagS = changed === undefined ? null : Math.max(0, (now - changed) / 1000);
+      endpoints[e.endpoint] = { epoch: e.epoch, lastChangeSeq: e.lastChangeSeq, held: e.held, lagS };
     }
     return {
       deliveries: c.deliveries, batches: c.batches, commits: c.commits, refused: c.refused, gapsReported: c.gapsReported,
@@ -374,7 +378,7 @@ export class RelayConsumer extends EventEmitter {
     metric('relay_consumer_errors_total', 'counter', 'Failures, by kind.', [['{kind="transient"}', c.transientErrors], ['{kind="permanent"}', c.permanentErrors]]);
     metric('relay_consumer_up', 'gauge', '1 while consuming on a live channel.', [['', this.connected ? 1 : 0]]);
     metric('relay_consumer_last_change_seq', 'gauge', "The last change_seq applied of the endpoint's epoch.", per((e) => e.lastChangeSeq));
-    metric('relay_consumer_lag_seconds', 'gauge', "From the last applied change's changed_at to its commit.", per((e) => e.lagS));
+    metric('relay_consumer_lag_seconds', 'gauge', 'Now less the changed_at of the last change applied (as of the last commit).', per((e) => e.lagS));
     metric('relay_consumer_held', 'gauge', 'Changes held, waiting for their predecessors.', per((e) => e.held));
     return `${lines.join('\n')}\n`;
   }
@@ -661,7 +665,7 @@ export class RelayConsumer extends EventEmitter {
     for (const change of apply) last.set(change.webhook_endpoint_id, change.changed_at);
     for (const [endpoint, changedAt] of last) {
       const at = Date.parse(changedAt);
-      if (!Number.isNaN(at)) this.lag.set(endpoint, Math.max(0, (now - at) / 1000));
+      if (!Number.isNaN(at)) this.changedAt.set(endpoint, at);
     }
     if (outcome.notifications > 0) this.notificationsOwed = true;
     if (apply.length > 0) this.emit('applied', outcome, apply);

@@ -352,10 +352,14 @@ describe(`the lifecycle against a real relay ${TAG}`, { skip: RELAY_BIN ? false 
     } catch (error) {
       throw new Error(`${TAG} ${(error as Error).message}: ${lagging.join('; ')}; the runner's log ends:\n${tail(runnerLog)}`);
     }
+    const stopAt = Date.now();
     const runnerCode = await runner.stop('SIGTERM', 30_000);
+    const stopMs = Date.now() - stopAt;
     assert.equal(runnerCode, 0, `${TAG} the library's exit on SIGTERM; its log:\n${tail(runnerLog)}`);
+    // stop() closes the store too: nothing (a pool's idle connections, 10 s) keeps the process.
+    assert.ok(stopMs < 5_000, `${TAG} the library's process exited ${stopMs} ms after SIGTERM`);
     const stats = runnerLines.find((l) => l.event === 'stopped')?.stats as Record<string, number> | undefined;
-    console.log(`${TAG} ${since()}: caught up; the library stopped (exit 0), ${stats?.reconnects} reconnects, ${stats?.errors} errors`);
+    console.log(`${TAG} ${since()}: caught up; the library stopped (exit 0, ${stopMs} ms after SIGTERM), ${stats?.reconnects} reconnects, ${stats?.errors} errors`);
     assert.ok((stats?.reconnects ?? 0) >= 1, `${TAG} the library reconnected after the restart`);
 
     // The store equals the relay's copies.

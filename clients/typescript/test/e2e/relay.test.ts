@@ -1,6 +1,8 @@
 // End to end against a real relay: `relay demo --external-consumer` (RELAY_BIN) runs every tier
 // and the simulated upstream's feed and stories workloads with every fault, and leaves the
-// tenant's queue to us. The library's consumer and Postgres store run as a child process
+// tenant's queue to us. Everything imports '@relay/consumer' as a user does: run by ci.sh, the
+// package installed from its tarball (support/installed.ts). The library's consumer and Postgres
+// store run as a child process
 // (support/runner.ts) on a database made for the test, killed with SIGKILL and started again at
 // seeded random moments; a scrambler (a second consumer on the queue) takes deliveries and
 // gives them back in shuffled order after short delays; a feed endpoint and the stories
