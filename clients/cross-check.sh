@@ -83,7 +83,7 @@ trap 'exit 2' INT TERM
 # -- the packages, installed ---------------------------------------------------------------------
 
 python=$(command -v python3.11 || command -v python3)
-say "Python: building the wheel and installing it into a fresh venv"
+say "Python: the wheel (built here unless RELAY_CONSUMER_PY_WHEEL names one), installed into a fresh venv"
 "$python" -m venv "$work/py"
 if [ -n "${RELAY_CONSUMER_PY_WHEEL:-}" ]; then
     wheel=$RELAY_CONSUMER_PY_WHEEL
@@ -101,7 +101,7 @@ fi
 py() { "$work/py/bin/relay-consumer" "$@"; }
 say "Python: $(py --version) from $(basename "$wheel")"
 
-say "TypeScript: packing the tarball and installing it into a fresh npm project"
+say "TypeScript: the tarball (packed here unless RELAY_CONSUMER_TS_TARBALL names one), installed into a fresh npm project"
 if [ -n "${RELAY_CONSUMER_TS_TARBALL:-}" ]; then
     tarball=$RELAY_CONSUMER_TS_TARBALL
 else
