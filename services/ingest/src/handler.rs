@@ -203,6 +203,7 @@ impl Answer {
     }
 }
 
+/// Rules: R-VERIFY, R-STORE (services/rules/RULES.md).
 pub async fn receive(
     State(state): State<Arc<AppState>>,
     Path(endpoint_text): Path<String>,

@@ -115,6 +115,8 @@ pub fn feed_subject(event: &Event) -> Option<&str> {
 /// ([`decide_removal`]); both only when [`precedence`] says the event wins. "On a feed item's
 /// event whose data is a refetch": `Refetch`, unless what is held already wins over any answer.
 /// `data.op` is a hint and decides nothing here.
+///
+/// Rules: R-ITEM-EVENT, R-ROUTE, R-REFETCH, R-TEST, R-IGNORE-UNKNOWN (services/rules/RULES.md).
 pub fn decide_event(held: Option<&Held>, generation: u64, event: &Event) -> Decision {
     match &event.body {
         EventBody::Tested(_) => Decision::Ignore(IgnoreReason::Test),

@@ -39,6 +39,8 @@ pub enum NotifyDecision {
 ///
 /// Timestamps are compared, nothing else: the caller passes both in one type (the upstream's
 /// `created_at` and the registration's, both UTC instants).
+///
+/// Rules: S-NOTIFY-SINCE (services/rules/RULES.md).
 pub fn decide_notify<T: Ord>(event_created_at: Option<T>, registered_at: T) -> NotifyDecision {
     match event_created_at {
         Some(created_at) if created_at < registered_at => NotifyDecision::ClaimSilently,

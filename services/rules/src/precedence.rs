@@ -69,6 +69,8 @@ pub enum Precedence {
 /// So the winner among a subject's events is the one with the greatest
 /// (generation, sequence, is_removal) in lexicographic order, whatever order they arrive in,
 /// provided one position never carries two different contents (see the `order` property test).
+///
+/// Rules: R-ITEM-EVENT, R-OLDER-GEN (services/rules/RULES.md).
 pub fn precedence(
     held: Option<&Held>,
     generation: u64,

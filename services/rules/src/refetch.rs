@@ -95,6 +95,8 @@ pub enum RefetchOutcome {
 
 /// Decides what the answer of read number `attempt` (from 1) of `pending` does, given the copy's
 /// access_version and what it holds of the subject now (rule quoted in the module doc).
+///
+/// Rules: R-REFETCH (services/rules/RULES.md).
 pub fn decide_refetch(
     copy_access_version: Option<&str>,
     held: Option<&Held>,

@@ -110,6 +110,8 @@ pub fn pages_agree<'a>(pages: impl IntoIterator<Item = &'a str>) -> bool {
 ///
 /// `reload_access_version` is `None` for a reload no message began (see
 /// [`Reload`](crate::track::Reload)): then any agreed access_version merges.
+///
+/// Rules: R-RELOAD-READ, R-ACCESS-VERSION (services/rules/RULES.md).
 pub fn check_pages<'a>(
     reload_access_version: Option<&str>,
     pages: impl IntoIterator<Item = &'a str>,
@@ -197,6 +199,8 @@ pub struct Merge {
 /// generation, written before the reload began, that the pass does not hold is withdrawn.
 /// Items written while the pass was read are events newer than the reload's start and stay,
 /// as the rule keeps them.
+///
+/// Rules: R-MERGE, R-MERGE-SAME-GENERATION (services/rules/RULES.md).
 pub fn decide_merge(
     track: &EndpointTrack,
     reload: &Reload,

@@ -91,6 +91,8 @@ pub enum RewindOutcome {
 /// everything again): nothing. Refused `before_reset` (the backup is no newer than the last
 /// reset) or `cursor_not_in_epoch` (older than a restore of the feed): reload. A refusal version
 /// 1 does not name is taken as the safe one: reload.
+///
+/// Rules: R-THROUGH (services/rules/RULES.md).
 pub fn decide_rewind(answer: &RewindAnswer) -> RewindOutcome {
     match answer {
         RewindAnswer::Accepted { .. } => RewindOutcome::Nothing,

@@ -245,6 +245,8 @@ pub fn refetches_wanted(messages: &[StoredMessage]) -> Vec<(&str, &str)> {
 /// is set aside ([`quarantine`]); each event of a message that applies its events goes through
 /// the event-id check (seen before, or earlier in the run) and [`decide_event`] against the copy
 /// as the run's earlier events left it, a refetch through [`decide_refetch`] with its answer.
+///
+/// Rules: R-ORDER, R-DEDUP, R-KEEP-IDS, R-READ-WHILE (services/rules/RULES.md).
 pub fn decide_run(run: Run<'_>, held: BTreeMap<String, Held>) -> RunPlan {
     let mut copy = FeedCopy::from_rows(held);
     let mut track = run.track.clone();

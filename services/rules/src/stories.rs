@@ -186,6 +186,8 @@ impl StoryRead {
 /// Seed: "Save a snapshot only if it is newer than the row and the row isn't closed": the save
 /// statement's `where` (no row, or not closed and held.version < version), checked and written
 /// in one step.
+///
+/// Rules: S-SAVE-NEWER (services/rules/RULES.md).
 pub fn save_wins(held: Option<HeldStory>, version: i64) -> bool {
     match held {
         None => true,
@@ -201,6 +203,9 @@ pub fn save_wins(held: Option<HeldStory>, version: i64) -> bool {
 /// `greatest(held.version, version)`). A close is a change only when the row was absent or open,
 /// or closed at a smaller version: closing a row closed at that version or later writes nothing
 /// new, and a queue consumer's copy rebuilt from the changes ends at the relay's version.
+///
+/// Rules: S-KEEP-ROW, S-SAVE-NEWER, S-CLOSE-FOR-GOOD, S-MERGE-CHAINS, S-RELOAD-KEEPS (see
+/// services/rules/RULES.md).
 pub fn apply_write(
     held: Option<HeldStory>,
     write: &StoryWrite,
@@ -243,6 +248,8 @@ pub fn apply_write(
 /// story.created, story.updated and story.became_strong save `data.story`; story.closed closes
 /// `data.story_id` at `data.version`, then saves `data.merged_into` when there is one. Every
 /// other type (article.shortlisted included) writes nothing.
+///
+/// Rules: S-SNAPSHOT, S-MERGE-CHAINS (services/rules/RULES.md).
 pub fn snapshot_writes(event: &StoryEvent) -> Vec<StoryWrite> {
     match &event.body {
         StoryEventBody::Snapshot { story, .. } => vec![StoryWrite::Save(story.clone())],
@@ -266,6 +273,8 @@ pub fn snapshot_writes(event: &StoryEvent) -> Vec<StoryWrite> {
 /// The seed's `storiesOf`: "the story in the event: data.story.id, data.article.story_id for
 /// article.shortlisted, and for story.closed both data.story_id and the surviving story". Once
 /// each, in that order; nothing for a type the relay does not name.
+///
+/// Rules: S-FETCH-ON-NOTIFY (services/rules/RULES.md).
 pub fn stories_of(event: &StoryEvent) -> Vec<String> {
     let mut ids = Vec::with_capacity(2);
     match &event.body {
@@ -300,6 +309,8 @@ pub fn stories_of_run(events: &[Result<StoryEvent, String>]) -> Vec<String> {
 /// [`stories_of`] asks for: a story found is saved, a 404 closes it at version 0
 /// (`closeStory(id, null)`). `Err(id)` when the read failed or was not made; a found story that
 /// is not the one asked for is taken as a failed read (see [`StoryRead::from_answer`]).
+///
+/// Rules: S-FETCH-ON-NOTIFY (services/rules/RULES.md).
 pub fn fetched_write(id: String, reads: &HashMap<String, StoryRead>) -> Result<StoryWrite, String> {
     match reads.get(&id) {
         Some(StoryRead::Found(story)) if story.id == id => Ok(StoryWrite::Save(story.clone())),
@@ -337,6 +348,8 @@ fn read_is_older(read: &StoryWrite, own: &StoryWrite) -> bool {
 /// claimed (key) values ('strong:' || $1)", and "Skip notifications for events whose origin is
 /// backfill". `Some("strong:<story id>")` for a live story.became_strong; `None` for anything
 /// else.
+///
+/// Rules: S-CLAIM-ONCE, S-NO-BACKFILL-NOTIFY (services/rules/RULES.md).
 pub fn notification_claim(event: &StoryEvent) -> Option<String> {
     notified_story(event).map(|story| format!("strong:{}", story.id))
 }
@@ -513,6 +526,8 @@ pub fn plan_writes(
 /// [`apply_write`] against the row as the run's earlier writes left it; its claim is
 /// [`notification_claim`]. Seed: "With these two writes, applying an event twice changes
 /// nothing, and the order events arrive in doesn't matter", so nothing here looks at event ids.
+///
+/// Rules: S-ORDER-FREE, S-SAME-HANDLER, S-REMOVE-TICKER (services/rules/RULES.md).
 pub fn decide_stories_run(run: StoriesRun<'_>) -> StoriesPlan {
     let mut plan = StoriesPlan {
         rows: run.held.clone(),

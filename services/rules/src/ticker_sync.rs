@@ -81,6 +81,8 @@ pub struct TickerSync {
 ///
 /// Tickers are taken once each, in the order given (`loaded`'s for what stays loaded,
 /// `wanted`'s for what is added).
+///
+/// Rules: S-410-RELOAD, S-RELOAD-STEPS, S-ADD-TICKER, S-REMOVE-TICKER (services/rules/RULES.md).
 pub fn decide_ticker_sync(input: TickerSyncInput<'_>) -> TickerSync {
     let wanted = once_each(input.wanted);
     let loaded = once_each(input.loaded);

@@ -163,6 +163,9 @@ pub enum MessageDecision {
 ///
 /// A message holding a reset is a reset message (version 1 sends a reset alone); its other
 /// events are not applied.
+///
+/// Rules: R-ORDER, R-OLDER-GEN, R-ROUTE, R-ACCESS-VERSION, R-THROUGH, R-TEST, R-IGNORE-UNKNOWN (see
+/// services/rules/RULES.md).
 pub fn step(state: &EndpointTrack, message: &Message) -> (EndpointTrack, MessageDecision) {
     let same = |d| (state.clone(), d);
     if message.is_test() {

@@ -9,7 +9,9 @@
 //! - each file named (`services/ingest/src/handler.rs`, a migration) must exist;
 //! - each bare name in a Decided-by cell must be a function or a field of relay-rules (or of
 //!   the crate the cell names), and in a Carried-out cell an item of some service or a table or
-//!   column of the migrations.
+//!   column of the migrations;
+//! - each rule's id must be cited (`Rules: R-ORDER, ...`) at the code that decides it: in some
+//!   source file of `services/`.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -280,6 +282,14 @@ impl Checker {
     }
 }
 
+/// The rule ids a `/// Rules: R-ORDER, R-DEDUP (...)` line cites.
+fn cites(line: &str) -> impl Iterator<Item = &str> {
+    line.split_once("Rules: ")
+        .map_or("", |(_, rest)| rest)
+        .split([',', ' ', '('])
+        .filter(|token| token.starts_with("R-") || token.starts_with("S-"))
+}
+
 #[test]
 fn every_function_test_and_statement_rules_md_names_exists_where_it_says() {
     let text = fs::read_to_string(root().join("services/rules/RULES.md")).unwrap();
@@ -316,6 +326,23 @@ fn every_function_test_and_statement_rules_md_names_exists_where_it_says() {
             checker.check_carried(name, &context);
         }
         checker.check_tests(tests, &context);
+    }
+    for line in text.lines().filter(|line| line.starts_with("| <a id=")) {
+        let id = line
+            .split("</a>")
+            .nth(1)
+            .and_then(|rest| rest.split(" | ").next())
+            .unwrap_or_default()
+            .trim();
+        let cited = checker
+            .services
+            .iter()
+            .any(|(_, source)| source.lines().any(|l| cites(l).any(|cited| cited == id)));
+        if !cited {
+            checker
+                .problems
+                .insert(format!("{id}: cited at no code (`/// Rules: {id}, ...`)"));
+        }
     }
     assert!(
         checker.problems.is_empty(),

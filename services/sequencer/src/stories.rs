@@ -618,6 +618,8 @@ async fn sync(
 /// Catch-up: pages of `GET /v1/events` from the saved cursor, each applied by the webhooks'
 /// handler with the cursor saved in the same transaction. A 410 means a reload in full, then
 /// catch-up from the start of the window.
+///
+/// Rules: S-410-RELOAD (services/rules/RULES.md).
 async fn catch_up(
     pool: &PgPool,
     ctx: &Arc<StoriesContext>,

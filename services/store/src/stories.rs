@@ -431,6 +431,8 @@ impl StoriesWriter<'_> {
 
     /// Moves the catch-up cursor from `from` to `to`, only if it is still at `from` (a page is
     /// applied once). `false`: it moved under this writer; roll back.
+    ///
+    /// Rules: S-CURSOR-AFTER-PAGE (services/rules/RULES.md).
     pub async fn move_cursor(
         &mut self,
         from: Option<&str>,

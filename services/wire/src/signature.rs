@@ -124,6 +124,8 @@ pub enum VerifyError {
 /// constant-time ([`Mac::verify_slice`]).
 ///
 /// Returns the timestamp (Unix seconds) on success.
+///
+/// Rules: R-VERIFY, R-VERIFY-RAW (services/rules/RULES.md).
 pub fn verify<'s>(
     headers: SignatureHeaders<'_>,
     body: &[u8],
