@@ -22,7 +22,7 @@ use uuid::Uuid;
 use crate::broker::{connect_any, tenant_queue};
 use crate::config::{redact, DEFAULT_AMQP_URL};
 use crate::consumer::{ConsumerStats, ReferenceConsumer};
-use relay_netguard::TrustRoots;
+use relay_netguard::{RetryPolicy, TrustRoots};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum TailOutput {
@@ -182,11 +182,12 @@ pub struct Interruption {
     pub away_s: Option<f64>,
 }
 
-/// The first wait before connecting again, doubled after each failure up to
-/// [`RECONNECT_MAX`]; each wait drawn at random below it, so that consumers do not come back
-/// together.
-const RECONNECT_FIRST: Duration = Duration::from_millis(500);
-const RECONNECT_MAX: Duration = Duration::from_secs(30);
+/// The pauses between tries to connect again: half a second, doubling to 30 s, each with the
+/// policy's jitter, so that consumers dropped together do not come back together.
+const RECONNECT: RetryPolicy = RetryPolicy {
+    first: Duration::from_millis(500),
+    max: Duration::from_secs(30),
+};
 
 impl<'a> QueueFollower<'a> {
     pub fn new(reader: QueueReader<'a>, queue: &str, trust: &TrustRoots) -> Self {
@@ -201,7 +202,7 @@ impl<'a> QueueFollower<'a> {
 
     /// The next delivery; `None` when the broker ended the consumer (its queue deleted).
     pub async fn next(&mut self) -> anyhow::Result<Option<lapin::message::Delivery>> {
-        let mut step = RECONNECT_FIRST;
+        let mut pauses = RECONNECT.pauses();
         let mut lost_at: Option<std::time::Instant> = None;
         loop {
             if self.open.is_none() {
@@ -222,14 +223,13 @@ impl<'a> QueueFollower<'a> {
                             self.lost(format!("{error:#}"));
                             lost_at = Some(std::time::Instant::now());
                         }
-                        let wait = step.mul_f64(rand::random::<f64>());
+                        let wait = pauses.next().unwrap_or(RECONNECT.max);
                         eprintln!(
                             "{}: the broker cannot be reached ({error:#}); trying again in                              {:.1} s",
                             self.reader.name,
                             wait.as_secs_f64()
                         );
                         tokio::time::sleep(wait).await;
-                        step = (step * 2).min(RECONNECT_MAX);
                         continue;
                     }
                 }

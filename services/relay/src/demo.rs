@@ -200,9 +200,11 @@ struct ApiInterruption {
 /// (a restart of Postgres or of the control plane takes seconds), before the demo gives up.
 const API_PATIENCE: Duration = Duration::from_secs(120);
 
-/// The first pause before a read is asked again, doubled after each failure up to the last.
-const API_RETRY_FIRST: Duration = Duration::from_millis(250);
-const API_RETRY_MAX: Duration = Duration::from_secs(5);
+/// The pauses before a read is asked again: a quarter second, doubling to 5 s, with jitter.
+const API_RETRY: relay_netguard::RetryPolicy = relay_netguard::RetryPolicy {
+    first: Duration::from_millis(250),
+    max: Duration::from_secs(5),
+};
 
 impl Registered {
     /// The feed endpoints, then the stories endpoint.
@@ -226,7 +228,7 @@ impl ApiClient {
         // write is asked once: only an answer says whether it was done.
         let read = method == reqwest::Method::GET;
         let started = Instant::now();
-        let mut pause = API_RETRY_FIRST;
+        let mut pauses = API_RETRY.pauses();
         let mut failures: Vec<String> = Vec::new();
         loop {
             let mut request = self
@@ -273,14 +275,13 @@ impl ApiClient {
                     failures.len() + 1
                 );
             }
-            let wait = pause.mul_f64(0.5 + rand::random::<f64>() / 2.0);
+            let wait = pauses.next().unwrap_or(API_RETRY.max);
             eprintln!(
                 "relay demo: {method} {path}: {failure}; asking again in {:.1} s",
                 wait.as_secs_f64()
             );
             failures.push(failure);
             tokio::time::sleep(wait).await;
-            pause = (pause * 2).min(API_RETRY_MAX);
         }
     }
 
