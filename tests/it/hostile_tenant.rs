@@ -423,6 +423,26 @@ async fn a_hostile_tenant_cannot_hurt_another() {
             ))
         })
         .collect();
+    // The stranger's connections past its bound are refused before the attacks below begin:
+    // their refusals share the listener's bound on refusals answered at once
+    // (MAX_REFUSALS_IN_FLIGHT), and a flood of others could leave these closed unanswered.
+    let refused_at_once = (SLOW_CONNECTIONS - HEADLESS_PER_ADDRESS) as f64;
+    let waited = std::time::Instant::now();
+    let series = "relay_listener_refused_total{listener=\"webhook\",reason=\"headless\"}";
+    while relay_tests::metrics_text(&app.client, &app.metrics_url)
+        .await
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
+        < refused_at_once
+    {
+        // A bound for a listener that never refuses, not a timing claim.
+        assert!(
+            waited.elapsed() < Duration::from_secs(30),
+            "seed {seed}: the stranger's connections past its bound were not refused"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     // The resources attacks, all at once: short bodies, kept-alive hogs, A's rewinds against its
     // slow upstream, A's flood past its quota, A's endpoints past its quota.
