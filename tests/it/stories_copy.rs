@@ -940,21 +940,30 @@ async fn a_read_owed_commits_with_the_cursors_move_or_not_at_all() {
     writer.commit().await.unwrap();
     assert_eq!(owed(&db.pool, endpoint).await, vec![("st_2".to_owned(), 2)]);
 
-    // A read that fails again waits: nothing is due until its backoff passes.
-    store::owed_read_failed(
-        &db.pool,
-        endpoint,
-        "st_2",
-        "503",
-        (
-            std::time::Duration::from_secs(60),
-            std::time::Duration::from_secs(300),
-        ),
-    )
-    .await
-    .unwrap();
+    // A read that fails again waits: nothing is due until its pause passes. A second worker
+    // that failed the same read, as it was, moves nothing more.
+    let seen = store::owed_reads_due(&db.pool, endpoint, 10).await.unwrap();
+    let pause = relay_rules::owed_read_pause(
+        seen[0].attempts as u32,
+        std::time::Duration::from_secs(60),
+        std::time::Duration::from_secs(300),
+        0.5,
+    );
+    for _ in 0..2 {
+        store::owed_read_failed(&db.pool, endpoint, "st_2", "503", seen[0].attempts, pause)
+            .await
+            .unwrap();
+    }
     assert!(store::owed_reads_due(&db.pool, endpoint, 10)
         .await
         .unwrap()
         .is_empty());
+    let attempts: i32 = sqlx::query_scalar(
+        "SELECT attempts FROM story_reads_owed WHERE endpoint_id = $1 AND story_id = 'st_2'",
+    )
+    .bind(endpoint)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, seen[0].attempts + 1);
 }

@@ -85,10 +85,10 @@ pub use run::{
     PlannedChange, PlannedRow, Run, RunPlan, StoredMessage,
 };
 pub use stories::{
-    apply_write, decide_stories_run, fetched_write, notification_claim, plan_writes, save_wins,
-    snapshot_writes, stories_of, stories_of_run, CopiedStory, HeldStory, PlanMismatch,
-    PlannedClaim, PlannedStoryWrite, StoriesCopy, StoriesMode, StoriesPlan, StoriesRun,
-    StoryChange, StoryOutcome, StoryRead, StoryWrite,
+    apply_write, decide_stories_run, fetched_write, notification_claim, owed_read_pause,
+    plan_writes, save_wins, snapshot_writes, stories_of, stories_of_run, CopiedStory, HeldStory,
+    PlanMismatch, PlannedClaim, PlannedStoryWrite, StoriesCopy, StoriesMode, StoriesPlan,
+    StoriesRun, StoryChange, StoryOutcome, StoryRead, StoryWrite,
 };
 pub use ticker_sync::{decide_ticker_sync, TickerStep, TickerSync, TickerSyncInput};
 pub use track::{step, EndpointTrack, MessageDecision, Reload, ReloadCause, ReloadStart};

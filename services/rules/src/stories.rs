@@ -40,6 +40,7 @@
 //! check the plan production writes.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::time::Duration;
 
 use relay_wire::{Origin, SnapshotKind, Story, StoryEvent, StoryEventBody};
 use serde_json::Value;
@@ -181,6 +182,20 @@ impl StoryRead {
             _ => StoryRead::Failed,
         }
     }
+}
+
+/// How long an owed story read that failed again waits before it is tried next: `first`
+/// doubled for each failure before this one (`attempts` so far), at most `max`, plus a random
+/// part of itself (`jitter` in `[0, 1)`, drawn by the caller), as the retry policy's pauses
+/// grow; so owed reads failing together are not tried together.
+pub fn owed_read_pause(attempts: u32, first: Duration, max: Duration, jitter: f64) -> Duration {
+    let ceiling = first.saturating_mul(1u32 << attempts.min(30)).min(max);
+    let jitter = if jitter.is_finite() {
+        jitter.clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
+    ceiling + ceiling.mul_f64(jitter)
 }
 
 /// Seed: "Save a snapshot only if it is newer than the row and the row isn't closed": the save

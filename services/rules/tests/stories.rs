@@ -1411,3 +1411,18 @@ fn hostile_json() -> impl Strategy<Value = Value> {
         ]
     })
 }
+
+#[test]
+fn an_owed_read_waits_longer_after_each_failure_up_to_the_most_plus_its_jitter() {
+    use std::time::Duration as D;
+    let (first, max) = (D::from_secs(60), D::from_secs(300));
+    let pause = |attempts, jitter| relay_rules::owed_read_pause(attempts, first, max, jitter);
+    assert_eq!(pause(0, 0.0), D::from_secs(60));
+    assert_eq!(pause(1, 0.0), D::from_secs(120));
+    assert_eq!(pause(2, 0.5), D::from_secs(360));
+    assert_eq!(pause(3, 0.0), max);
+    assert_eq!(pause(u32::MAX, 0.999), max + max.mul_f64(0.999));
+    // A jitter out of its range is taken at its nearest end; one that is not a number as none.
+    assert_eq!(pause(1, f64::NAN), D::from_secs(120));
+    assert_eq!(pause(1, 7.0), D::from_secs(240));
+}

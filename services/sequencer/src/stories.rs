@@ -501,8 +501,10 @@ async fn pay_owed_reads(
             Ok(write) => paid.push((owed, write)),
             Err(id) => {
                 let retry = config.story_reads.owed;
-                store::owed_read_failed(pool, ctx.id, &id, &error, (retry.first, retry.max))
-                    .await?;
+                let attempts = u32::try_from(owed.attempts).unwrap_or(0);
+                let pause =
+                    relay_rules::owed_read_pause(attempts, retry.first, retry.max, rand::random());
+                store::owed_read_failed(pool, ctx.id, &id, &error, owed.attempts, pause).await?;
                 metrics
                     .story_reads_owed
                     .with_label_values(&["failing"])

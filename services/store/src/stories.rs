@@ -665,27 +665,28 @@ pub async fn owed_reads_due(
     .await?)
 }
 
-/// An owed read that failed again: tried next after `first` doubled per attempt before this
-/// one, at most `max`, plus a random part of itself (as `RetryPolicy`'s pauses).
+/// An owed read that failed again: tried next once `pause` (relay-rules' `owed_read_pause`)
+/// has passed, its attempts counted; only while its attempts are still `attempts_seen`, so of
+/// two workers that failed the same read only one moves it.
 pub async fn owed_read_failed(
     pool: &sqlx::PgPool,
     endpoint: EndpointId,
     story_id: &str,
     error: &str,
-    (first, max): (std::time::Duration, std::time::Duration),
+    attempts_seen: i32,
+    pause: std::time::Duration,
 ) -> Result<(), StoreError> {
     sqlx::query(
         "UPDATE story_reads_owed
          SET attempts = attempts + 1, last_error = $3,
-             next_attempt_at = now() + make_interval(
-                 secs => least($5, $4 * power(2, least(attempts, 30))) * (1 + random()))
-         WHERE endpoint_id = $1 AND story_id = $2",
+             next_attempt_at = now() + make_interval(secs => $4)
+         WHERE endpoint_id = $1 AND story_id = $2 AND attempts = $5",
     )
     .bind(endpoint)
     .bind(story_id)
     .bind(error)
-    .bind(first.as_secs_f64())
-    .bind(max.as_secs_f64())
+    .bind(pause.as_secs_f64())
+    .bind(attempts_seen)
     .execute(pool)
     .await?;
     Ok(())
